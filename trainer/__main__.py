@@ -1,0 +1,130 @@
+"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny …``.
+
+Only the ``train`` path imports torch; ``--help``, ``validate`` and ``config-help`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Atelier: train LoRA and fine-tunes "
+                                "of text-to-image diffusion models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add_config_args(sp):
+        sp.add_argument("config", nargs="?", help="Run config YAML (may name a preset with 'base:').")
+        sp.add_argument("--preset", help="Start from a built-in preset (see 'presets').")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="Override one setting, e.g. --set training.epochs=20 (repeatable).")
+
+    t = sub.add_parser("train", help="Train (writes a run folder under <workspace>/runs/).")
+    add_config_args(t)
+    t.add_argument("--run-dir", help="Use this run folder instead of <workspace>/runs/<run_name>.")
+    t.add_argument("--resume", metavar="last|BACKUP_DIR",
+                   help="Continue from the newest backup of --run-dir ('last') or from a backup folder.")
+    t.add_argument("--no-progress", action="store_true", help="No progress bar on the terminal.")
+
+    v = sub.add_parser("validate", help="Check a config: errors and warnings, without loading a model.")
+    add_config_args(v)
+    v.add_argument("--json", action="store_true", help="Print the result as JSON.")
+
+    sub.add_parser("presets", help="List the built-in presets.")
+    h = sub.add_parser("config-help", help="List every setting with its default and help text.")
+    h.add_argument("--json", action="store_true")
+    mt = sub.add_parser("make-tiny", help="Build the tiny offline models (diffusers folder + single file).")
+    mt.add_argument("--workspace", default="workspace")
+    return p
+
+
+def _load(args):
+    from trainer.config import load_config
+    if not args.config and not args.preset:
+        raise SystemExit("error: give a config file or --preset NAME (see 'python -m trainer presets').")
+    return load_config(args.config, args.overrides, preset=args.preset)
+
+
+def _run_dir(cfg, given: Optional[str]) -> Path:
+    if given:
+        return Path(given)
+    name = cfg.general.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    return Path(cfg.general.workspace) / "runs" / name
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from trainer.config import ConfigError, cross_field_warnings
+
+    if args.command == "presets":
+        from trainer.config import preset_names, resolve_preset
+        for name in preset_names():
+            first = resolve_preset(name).read_text(encoding="utf-8").splitlines()[:1]
+            print(f"{name:24s} {first[0].lstrip('# ') if first else ''}")
+        return 0
+    if args.command == "config-help":
+        from trainer.config import all_keys, field_info
+        rows = []
+        for key in all_keys():
+            fld, tp = field_info(key)
+            rows.append({"key": key, "default": None if callable(getattr(fld, "default_factory", None))
+                         and fld.default is fld.default_factory else repr(fld.default), **fld.metadata})
+        if args.json:
+            print(json.dumps(rows, indent=1, default=str))
+        else:
+            for r in rows:
+                extra = f" [{', '.join(r['choices'])}]" if "choices" in r else ""
+                print(f"{r['key']}: {r['help']}{extra}")
+        return 0
+    if args.command == "make-tiny":
+        from trainer.models.tiny import TINY_NAMES, ensure_tiny_model
+        for name in TINY_NAMES:
+            paths = ensure_tiny_model(name, Path(args.workspace) / "models")
+            print(name, paths["diffusers"], paths["single_file"])
+        return 0
+
+    try:
+        cfg = _load(args)
+    except ConfigError as exc:
+        if args.command == "validate" and args.json:
+            print(json.dumps({"errors": [{"key": exc.key, "message": str(exc)}], "warnings": []}))
+        else:
+            print(f"Config error: {exc}", file=sys.stderr)
+        return 2 if args.command == "train" else 1
+    issues = cross_field_warnings(cfg)
+    errors = [i for i in issues if i.level == "error"]
+    if args.command == "validate":
+        if args.json:
+            print(json.dumps({"errors": [i.__dict__ for i in errors],
+                              "warnings": [i.__dict__ for i in issues if i.level != "error"]}))
+        else:
+            for i in issues:
+                print(f"{i.level}: {i.key}: {i.message}")
+            print("config is valid" if not errors else "config has errors")
+        return 1 if errors else 0
+
+    # train
+    for i in issues:
+        print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)
+    if errors:
+        return 2
+    run_dir = _run_dir(cfg, args.run_dir)
+    if args.resume and not run_dir.exists() and args.resume == "last":
+        print(f"Config error: --resume last needs an existing run folder; {run_dir} does not exist.",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    from trainer.loop import run_training
+    return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
+                        warnings=[f"{i.key}: {i.message}" for i in issues])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The run's event stream: ``<run>/events.jsonl``, append-only, one JSON object a line.
+
+Every event has ``type`` and ``time`` (Unix seconds). Types and their fields:
+
+- ``started``: total_steps, epochs, steps_per_epoch, batch_size, resumed_from_step, dataset (report)
+- ``step``: step, total_steps, epoch, loss, lr (dict group -> lr), it_s, eta_s
+- ``sample``: step, epoch, paths (list), prompts (list)
+- ``backup``: step, path
+- ``saved``: step, path, format
+- ``warning``: message
+- ``error``: message, traceback
+- ``finished`` / ``stopped`` / ``failed``: step, message
+
+The web UI, the CLI progress bar and the tests all read this one stream. The module is pure
+standard library so the UI can import it without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
+
+TERMINAL = ("finished", "stopped", "failed")
+
+
+class EventWriter:
+    """Appends events; each line is flushed and fsync'd so a reader never sees half a line
+    and a crash never loses an announced event."""
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, type: str, **fields: Any) -> dict:
+        event = {"type": type, "time": time.time(), **fields}
+        if self.enabled:
+            line = json.dumps(event, default=_default) + "\n"
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(line)
+                fh.flush()
+                os.fsync(fh.fileno())
+        return event
+
+
+def _default(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)
+
+
+def read_events(path: str | os.PathLike) -> List[dict]:
+    """All complete events in the file (a half-written last line is ignored)."""
+    return list(EventTail(path).read_new())
+
+
+class EventTail:
+    """Incremental reader: ``read_new()`` returns only events appended since the last call."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.offset = 0
+
+    def read_new(self) -> Iterator[dict]:
+        if not self.path.exists():
+            return iter(())
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        out = []
+        consumed = 0
+        for raw in data.splitlines(keepends=True):
+            if not raw.endswith(b"\n"):
+                break  # partial line: read it next time
+            consumed += len(raw)
+            try:
+                out.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+        self.offset += consumed
+        return iter(out)
+
+
+def last_of(events: List[dict], type: str) -> Optional[dict]:
+    for ev in reversed(events):
+        if ev.get("type") == type:
+            return ev
+    return None
+
+
+def run_state(events: List[dict]) -> str:
+    """'finished' / 'stopped' / 'failed' when the run ended, 'running' when it has events but no
+    end, 'new' when it has none."""
+    for ev in reversed(events):
+        if ev.get("type") in TERMINAL:
+            return ev["type"]
+    return "running" if events else "new"

@@ -1,0 +1,107 @@
+"""Atomic writes for everything Atelier saves (models, backups, exports).
+
+Why: a training run can be stopped (SIGTERM, out of memory, a full disk) in the middle of a save.
+A user must never be left with a half-written ``.safetensors`` that replaced a good one. So every
+save writes to a temporary name in the *same folder* (same file system, so the final rename is
+atomic) and only then ``os.replace``s it onto the real name. On failure the temporary is removed
+and the previous file is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Mapping
+
+
+def _temp_name(path: Path, suffix: str = "") -> Path:
+    """A fresh, hidden temporary name next to ``path`` (``.name.tmp-XXXX``)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _fsync_file(path: Path) -> None:
+    """Flush a written file to disk so that the rename never exposes an empty file after a crash."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success it replaces ``path`` atomically.
+
+    The temporary keeps ``path``'s suffix, because some writers (``save_file``, ``torch.save``
+    callers, PIL) choose a format from it. On an exception the temporary is removed and the
+    exception propagates; the previous ``path`` (if any) is left intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path, suffix=path.suffix)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``path``; on success it takes ``path``'s place.
+
+    Folders cannot be swapped in one atomic step, so: the new folder is written completely under
+    ``.name.tmp-XXXX``; then the old folder (if any) is renamed away, the new one renamed in, and
+    only then the old one deleted. The window in which ``path`` is missing is two renames long, and
+    a crash inside it leaves both complete copies on disk. On an exception the temporary folder is
+    removed and the old folder is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old: Path | None = None
+    if path.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+        os.rmdir(old)  # only the unique name is wanted; rename needs it free
+        os.replace(path, old)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.replace(old, path)  # put the previous version back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLike,  # noqa: F821
+                            metadata: Mapping[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with an atomic rename and string-only metadata.
+
+    safetensors rejects non-string metadata values with an unhelpful error, so values are
+    converted with ``str`` here; tensors are made contiguous (views of a bigger tensor, such as
+    slices of a fused qkv weight, are otherwise refused).
+    """
+    from safetensors.torch import save_file
+
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    data = {k: v.detach().contiguous() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(data, str(tmp), metadata=meta or None)

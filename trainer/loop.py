@@ -1,0 +1,543 @@
+"""The training loop, top to bottom: set-up, data, the step, samples, backups, the end.
+
+Exact resume: everything random in a step comes from state that a backup stores — a dedicated
+``torch.Generator`` (noise, timesteps, latent sampling), the global torch RNG (dropout), and data
+choices (order, captions, crops, flips) that are pure functions of (seed, epoch, position).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.config import ConfigError, save_config, to_container
+from trainer.events import EventWriter
+
+log = logging.getLogger("atelier")
+
+
+class TrainingError(RuntimeError):
+    """A failure during training with a message a user can act on."""
+
+
+@dataclass
+class Position:
+    """Where the run is: optimizer steps done, epoch, and the next micro-batch within the epoch."""
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# run folder
+# ----------------------------------------------------------------------------------------------
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        for sub in ("samples", "backups", "control"):
+            (self.path / sub).mkdir(parents=True, exist_ok=True)
+        self.events = EventWriter(self.path / "events.jsonl")
+
+    @property
+    def backups(self) -> Path:
+        return self.path / "backups"
+
+    def control_requested(self, what: str) -> bool:
+        """The UI asks for 'sample' or 'backup' now by creating control/<what>."""
+        f = self.path / "control" / what
+        if f.exists():
+            try:
+                f.unlink()
+            except OSError:
+                pass
+            return True
+        return False
+
+
+def list_backups(run_dir: Path) -> List[Path]:
+    folder = Path(run_dir) / "backups"
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.is_dir() and (p / "state.json").exists()
+                   and not p.name.startswith(".")), key=lambda p: p.name)
+
+
+def setup_logging(run_dir: Path) -> None:
+    logger = logging.getLogger("atelier")
+    logger.setLevel(logging.INFO)
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    fh = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger.addHandler(fh)
+    sh = logging.StreamHandler(sys.stderr)
+    sh.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logger.addHandler(sh)
+    logger.propagate = False
+
+
+# ----------------------------------------------------------------------------------------------
+# the trainer
+# ----------------------------------------------------------------------------------------------
+
+class Trainer:
+    def __init__(self, cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True):
+        self.cfg = cfg
+        self.run = RunFolder(run_dir)
+        self.resume = resume
+        self.show_progress = progress
+        self.stop_requested = False
+        self.pos = Position()
+        self._last_backup_step = -1
+
+    # --- signals ---------------------------------------------------------------------------
+    def _on_signal(self, signum, frame):  # noqa: ARG002
+        if self.stop_requested:
+            log.warning("second stop request: stopping now without a backup")
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        log.info("stop requested (signal %s): finishing the current step, then a backup", signum)
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    # --- set-up ----------------------------------------------------------------------------
+    def setup(self) -> None:
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        cfg = self.cfg
+        g = cfg.general
+        t = cfg.training
+        cpu = g.device == "cpu" or (g.device == "auto" and not torch.cuda.is_available())
+        if g.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("general.device = cuda, but no CUDA GPU is visible. Use auto or cpu.",
+                              key="general.device")
+        self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu)
+        self.device = self.accelerator.device
+        set_seed(g.seed)
+
+        from trainer.data.concepts import scan_concepts
+        self.items, self.report = scan_concepts(cfg.data, warn=self.warn)
+
+        from trainer.models.sd import load_model
+        log.info("loading model %s", cfg.model.path)
+        self.model = load_model(cfg.model, g.workspace, self.device)
+        from trainer.methods.finetune import make_method
+        self.method = make_method(self.model, cfg)
+        if t.gradient_checkpointing:
+            for m in self.method.modules.values():
+                m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
+                    m.enable_gradient_checkpointing()
+        for name, m in self.method.modules.items():
+            m.train()
+
+        from trainer.optim import build_optimizer, build_scheduler, param_groups
+        self.groups = param_groups(self.method, cfg)
+        self.optimizer = build_optimizer(self.groups, cfg)
+        self.micro_batches_per_epoch = len(self._epoch_batches(0))
+        self.steps_per_epoch = max(1, self.micro_batches_per_epoch // t.gradient_accumulation_steps)
+        if self.micro_batches_per_epoch < t.gradient_accumulation_steps:
+            raise ConfigError(f"An epoch has {self.micro_batches_per_epoch} batches, fewer than "
+                              f"training.gradient_accumulation_steps = {t.gradient_accumulation_steps}: "
+                              "no optimizer step would happen. Lower accumulation or batch size.",
+                              key="training.gradient_accumulation_steps")
+        self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.steps_per_epoch
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.generator = torch.Generator().manual_seed(g.seed)
+
+        self.cache = None
+        if cfg.data.cache_latents:
+            self._cache_latents()
+        self.tb = None
+        if g.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.run.path / "tensorboard"))
+            except Exception as exc:  # tensorboard missing: not fatal
+                self.warn(f"TensorBoard logging is off: {exc}")
+
+    def warn(self, message: str) -> None:
+        log.warning(message)
+        self.run.events.emit("warning", message=message)
+
+    # --- data ------------------------------------------------------------------------------
+    def _repeats(self) -> List[float]:
+        return [self.cfg.data.concepts[it.concept_index].repeats for it in self.items]
+
+    def _epoch_batches(self, epoch: int) -> List[List[int]]:
+        from trainer.data.concepts import epoch_order
+        order = epoch_order(self.items, self._repeats(), epoch, self.cfg.general.seed)
+        bs = self.cfg.training.batch_size
+        return [order[i:i + bs] for i in range(0, len(order), bs)]
+
+    def _variants(self) -> List[int]:
+        return [0, 1] if self.cfg.data.random_flip else [0]
+
+    def _load_pixels(self, item, variant: int, crop_rng=None):
+        from trainer.data.images import load_image
+        d = self.cfg.data
+        return load_image(item.path, d.resolution, d.center_crop, bool(variant), crop_rng)
+
+    def _cache_latents(self) -> None:
+        from trainer.data.cache import LatentCache
+        d = self.cfg.data
+        cache_dir = Path(d.cache_dir) if d.cache_dir else Path(self.cfg.general.workspace) / "cache"
+        crop = "center" if d.center_crop else "random-fixed"
+        key = f"{self.model.fingerprint()}|res{d.resolution}|{crop}|{self.cfg.model.vae_dtype}"
+        self.cache = LatentCache(cache_dir, key)
+        t0 = time.time()
+        n = self.cache.ensure(self.items, self._variants(), self.model.encode_pixels,
+                              lambda it, v: self._load_pixels(it, v, random.Random(f"crop-{it.path}")),
+                              batch_size=max(1, self.cfg.training.batch_size),
+                              progress=lambda i, total: log.info("caching latents %d/%d", i, total)
+                              if i == total or i % 50 == 0 else None)
+        log.info("latent cache: %d encoded, %d reused (%.1fs)", n,
+                 len(self.items) * len(self._variants()) - n, time.time() - t0)
+
+    def _batch(self, indices: List[int], epoch: int, batch_index: int):
+        """Latent distributions, captions and weights for one micro-batch; every random choice is a
+        function of (seed, epoch, position) so a resumed run picks the same."""
+        import torch
+        from trainer.data.concepts import pick_caption
+        seed = self.cfg.general.seed
+        dists, captions, weights = [], [], []
+        for j, idx in enumerate(indices):
+            item = self.items[idx]
+            rng = random.Random(f"{seed}-{epoch}-{batch_index}-{j}")
+            captions.append(pick_caption(item, rng))
+            variant = 1 if (self.cfg.data.random_flip and rng.random() < 0.5) else 0
+            if self.cache is not None:
+                dists.append(self.cache.get(item, variant))
+            else:
+                pixels = self._load_pixels(item, variant, None if self.cfg.data.center_crop else rng)
+                dists.append({k: v[0] for k, v in self.model.encode_pixels(pixels[None]).items()})
+            weights.append(item.loss_weight)
+        dist = {k: torch.stack([d[k] for d in dists]) for k in ("mean", "std")}
+        return dist, captions, torch.tensor(weights, dtype=torch.float32)
+
+    # --- one micro-batch -------------------------------------------------------------------
+    def _forward_loss(self, dist, captions, weights):
+        import torch
+        from trainer.loss import diffusion_loss
+        model = self.model
+        t = self.cfg.training
+        latents = model.sample_latents(dist, self.generator)
+        noise = torch.randn(latents.shape, generator=self.generator).to(latents.device)
+        if t.noise_offset > 0:
+            noise = noise + t.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
+                                                         generator=self.generator).to(latents.device)
+        timesteps = torch.randint(0, model.num_train_timesteps, (latents.shape[0],),
+                                  generator=self.generator).to(latents.device)
+        noisy, target = model.noisy_and_target(latents, noise, timesteps)
+        with self.accelerator.autocast():
+            ids = model.tokenize(captions)
+            if "text_encoder" in self.method.modules:
+                cond = model.encode_text(ids)
+            else:
+                with torch.no_grad():
+                    cond = model.encode_text(ids)
+            model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond.to(model.unet.dtype))
+        return diffusion_loss(model_pred, target, weights)
+
+    # --- the run ---------------------------------------------------------------------------
+    def train(self) -> str:
+        import torch
+        cfg = self.cfg
+        t = cfg.training
+        ev = self.run.events
+        if self.resume:
+            self._load_backup(self._resolve_resume(self.resume))
+        ev.emit("started", total_steps=self.total_steps, epochs=t.epochs if not t.max_steps else
+                math.ceil(self.total_steps / self.steps_per_epoch), steps_per_epoch=self.steps_per_epoch,
+                batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+                resumed_from_step=self.pos.step, dataset=self.report.to_dict(),
+                device=str(self.device))
+        log.info("training %d steps (%d per epoch) on %s", self.total_steps, self.steps_per_epoch, self.device)
+        if cfg.sampling.at_start and self.pos.step == 0:
+            self.sample()
+        accum = t.gradient_accumulation_steps
+        t_start = time.time()
+        steps_at_start = self.pos.step
+        bar = self._progress_bar()
+        loss_acc = 0.0
+        while self.pos.step < self.total_steps:
+            batches = self._epoch_batches(self.pos.epoch)
+            usable = (len(batches) // accum) * accum
+            while self.pos.batch_in_epoch < usable and self.pos.step < self.total_steps:
+                bi = self.pos.batch_in_epoch
+                dist, captions, weights = self._batch(batches[bi], self.pos.epoch, bi)
+                loss = self._forward_loss(dist, captions, weights)
+                if not torch.isfinite(loss):
+                    raise TrainingError(
+                        f"The loss became {loss.item()} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
+                        "Training stopped; the last backup is intact. Try a lower learning rate, "
+                        "model.vae_dtype = fp32, or bf16 instead of fp16.")
+                self.accelerator.backward(loss / accum)
+                loss_acc += loss.item() / accum
+                self.pos.batch_in_epoch += 1
+                if self.pos.batch_in_epoch % accum:
+                    continue
+                if t.max_grad_norm > 0:
+                    self.accelerator.clip_grad_norm_([p for g in self.groups for p in g["params"]],
+                                                     t.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.pos.step += 1
+                self._after_step(loss_acc, t_start, steps_at_start, bar)
+                loss_acc = 0.0
+                if self.stop_requested:
+                    return self._stop(bar)
+            if self.pos.batch_in_epoch >= usable:
+                self.pos.epoch += 1
+                self.pos.batch_in_epoch = 0
+                self._after_epoch()
+                if self.stop_requested:
+                    return self._stop(bar)
+        if bar is not None:
+            bar.close()
+        if cfg.sampling.at_end and cfg.sampling.prompts:
+            self.sample()
+        path = self.save_result()
+        ev.emit("finished", step=self.pos.step, path=str(path), message="training finished")
+        log.info("finished: %s", path)
+        return "finished"
+
+    def _progress_bar(self):
+        if not self.show_progress:
+            return None
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(total=self.total_steps, initial=self.pos.step, unit="step", dynamic_ncols=True,
+                    file=sys.stderr, disable=not sys.stderr.isatty())
+
+    def _after_step(self, loss: float, t_start: float, steps_at_start: int, bar) -> None:
+        step = self.pos.step
+        elapsed = time.time() - t_start
+        done = step - steps_at_start
+        it_s = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total_steps - step) / it_s if it_s > 0 else None
+        lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+        self.run.events.emit("step", step=step, total_steps=self.total_steps, epoch=self.pos.epoch + 1,
+                             loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1))
+        if self.tb is not None:
+            self.tb.add_scalar("loss", loss, step)
+            for name, lr in lrs.items():
+                self.tb.add_scalar(f"lr/{name}", lr, step)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", epoch=self.pos.epoch + 1)
+        if step % 10 == 0 or step == self.total_steps:
+            log.info("step %d/%d epoch %d loss %.5f lr %s", step, self.total_steps, self.pos.epoch + 1, loss,
+                     {k: f"{v:.3g}" for k, v in lrs.items()})
+        s, b = self.cfg.sampling, self.cfg.backup
+        if (s.every_n_steps and step % s.every_n_steps == 0 and step < self.total_steps) \
+                or self.run.control_requested("sample"):
+            self.sample()
+        if (b.every_n_steps and step % b.every_n_steps == 0) or self.run.control_requested("backup"):
+            self.backup()
+
+    def _after_epoch(self) -> None:
+        e = self.pos.epoch
+        s, b, o = self.cfg.sampling, self.cfg.backup, self.cfg.output
+        last = self.pos.step >= self.total_steps
+        if s.every_n_epochs and e % s.every_n_epochs == 0 and not (last and s.at_end):
+            self.sample()
+        if b.every_n_epochs and e % b.every_n_epochs == 0 and self._last_backup_step != self.pos.step:
+            self.backup()
+        if o.save_every_n_epochs and e % o.save_every_n_epochs == 0 and not last:
+            self.save_result(suffix=f"-epoch{e:04d}")
+
+    def _stop(self, bar) -> str:
+        if bar is not None:
+            bar.close()
+        path = None
+        if self.cfg.backup.on_stop and self.pos.step > 0:
+            path = self.backup() if self._last_backup_step != self.pos.step else list_backups(self.run.path)[-1]
+        self.run.events.emit("stopped", step=self.pos.step, backup=str(path) if path else None,
+                             message="stopped by request")
+        log.info("stopped at step %d", self.pos.step)
+        return "stopped"
+
+    # --- samples ---------------------------------------------------------------------------
+    def sample(self) -> List[str]:
+        import torch
+        prompts = list(self.cfg.sampling.prompts)
+        if not prompts:
+            return []
+        rng_state = torch.get_rng_state()
+        modes = {n: m.training for n, m in self.method.modules.items()}
+        for m in self.method.modules.values():
+            m.eval()
+        pipe = self.model.pipeline(self.cfg.sampling.scheduler)
+        paths = []
+        try:
+            for i, sp in enumerate(prompts):
+                gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
+                with torch.no_grad(), self.accelerator.autocast():
+                    image = pipe(sp.prompt, negative_prompt=sp.negative_prompt or None,
+                                 num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
+                                 width=sp.width, height=sp.height, generator=gen).images[0]
+                path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}.png"
+                tmp = path.with_name(path.stem + ".tmp.png")
+                image.save(tmp)
+                os.replace(tmp, path)
+                paths.append(str(path))
+                if self.tb is not None:
+                    import numpy as np
+                    self.tb.add_image(f"sample/{i}", np.asarray(image), self.pos.step, dataformats="HWC")
+        finally:
+            for n, m in self.method.modules.items():
+                m.train(modes[n])
+            torch.set_rng_state(rng_state)
+        self.run.events.emit("sample", step=self.pos.step, epoch=self.pos.epoch, paths=paths,
+                             prompts=[p.prompt for p in prompts])
+        return paths
+
+    # --- backups ---------------------------------------------------------------------------
+    def _trainable_state(self) -> Dict[str, Any]:
+        return {f"{name}.{pn}": p.detach().cpu().contiguous()
+                for name, m in self.method.modules.items()
+                for pn, p in m.named_parameters() if p.requires_grad}
+
+    def backup(self) -> Path:
+        import torch
+        from safetensors.torch import save_file
+        from trainer.io import atomic_dir
+        target = self.run.backups / f"backup-step{self.pos.step:06d}"
+        with atomic_dir(target) as tmp:
+            tmp = Path(tmp)
+            save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        "python_rng": random.getstate()}, tmp / "training_state.pt")
+            (tmp / "state.json").write_text(json.dumps({**asdict(self.pos), "time": time.time(),
+                                                        "method": self.cfg.training.method,
+                                                        "model": self.cfg.model.path}))
+        self._last_backup_step = self.pos.step
+        for old in list_backups(self.run.path)[:-self.cfg.backup.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.run.events.emit("backup", step=self.pos.step, path=str(target))
+        log.info("backup written: %s", target)
+        return target
+
+    def _resolve_resume(self, resume: str) -> Path:
+        if resume == "last":
+            found = list_backups(self.run.path)
+            if not found:
+                raise ConfigError(f"--resume last: no backup in {self.run.backups}. Start without --resume, "
+                                  "or give a backup folder.", key="resume")
+            return found[-1]
+        p = Path(resume)
+        if not (p / "state.json").exists():
+            raise ConfigError(f"--resume '{resume}' is not a backup folder (no state.json).", key="resume")
+        return p
+
+    def _load_backup(self, path: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+        state = json.loads((path / "state.json").read_text())
+        if state.get("method") != self.cfg.training.method:
+            raise ConfigError(f"Backup {path} is from a {state.get('method')} run; this config trains "
+                              f"{self.cfg.training.method}.", key="training.method")
+        weights = load_file(str(path / "trainable.safetensors"))
+        params = {f"{name}.{pn}": p for name, m in self.method.modules.items()
+                  for pn, p in m.named_parameters() if p.requires_grad}
+        missing = sorted(set(params) - set(weights))
+        if missing:
+            raise ConfigError(f"Backup {path} does not match this config's trainable weights "
+                              f"(e.g. {missing[0]} is missing): LoRA rank, targets or components changed.",
+                              key="resume")
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(weights[k].to(p.device, p.dtype))
+        ts = torch.load(path / "training_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(ts["optimizer"])
+        self.scheduler.load_state_dict(ts["scheduler"])
+        self.generator.set_state(ts["generator"])
+        torch.set_rng_state(ts["torch_rng"])
+        if ts.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ts["cuda_rng"])
+        random.setstate(ts["python_rng"])
+        self.pos = Position(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
+        self._last_backup_step = self.pos.step
+        log.info("resumed from %s at step %d", path, self.pos.step)
+
+    # --- result ----------------------------------------------------------------------------
+    def result_path(self, suffix: str = "") -> Path:
+        o = self.cfg.output
+        folder = Path(o.path) if o.path else self.run.path
+        name = (o.name or self.run.path.name) + suffix
+        return folder / (name + self.method.result_suffix(o.format))
+
+    def save_result(self, suffix: str = "") -> Path:
+        path = self.result_path(suffix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"atelier_config": json.dumps(to_container(self.cfg)), "atelier_step": str(self.pos.step),
+                "atelier_epoch": str(self.pos.epoch)}
+        self.method.save(path, self.cfg.output.dtype, meta)
+        self.run.events.emit("saved", step=self.pos.step, path=str(path), format=self.cfg.output.format)
+        log.info("saved %s", path)
+        return path
+
+
+def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True,
+                 warnings: Optional[List[str]] = None) -> int:
+    """Run a whole training; returns the process exit code (0 finished/stopped, 1 failed)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir)
+    save_config(cfg, run_dir / "config.yaml")
+    (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0),
+                                                     "started": time.time()}))
+    trainer = Trainer(cfg, run_dir, resume=resume, progress=progress)
+    trainer.install_signal_handlers()
+    ev = trainer.run.events
+    for w in warnings or []:
+        ev.emit("warning", message=w)
+    try:
+        trainer.setup()
+        if trainer.stop_requested:
+            ev.emit("stopped", step=0, message="stopped before training started")
+            return 0
+        trainer.train()
+        return 0
+    except KeyboardInterrupt:
+        ev.emit("stopped", step=trainer.pos.step, message="stopped immediately (second stop request)")
+        return 0
+    except (ConfigError, TrainingError) as exc:
+        log.error("%s", exc)
+        ev.emit("error", message=str(exc), key=getattr(exc, "key", ""), traceback="")
+        ev.emit("failed", step=trainer.pos.step, message=str(exc))
+        return 1
+    except Exception as exc:  # unexpected: keep the traceback for the UI and the log
+        tb = traceback.format_exc()
+        msg = f"{type(exc).__name__}: {exc}"
+        if "out of memory" in str(exc).lower():
+            msg = ("The GPU ran out of memory. Lower training.batch_size or data.resolution, turn on "
+                   "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
+        log.error("%s\n%s", msg, tb)
+        ev.emit("error", message=msg, traceback=tb)
+        ev.emit("failed", step=trainer.pos.step, message=msg)
+        return 1
+    finally:
+        if getattr(trainer, "tb", None) is not None:
+            trainer.tb.close()

@@ -1,0 +1,144 @@
+"""The built-in tiny model family: SD-shaped networks with seeded random weights.
+
+Why: no machine here can download weights, yet tests and the offline demo must run the *real*
+loading code. So we build tiny UNet/VAE/CLIP models with the real SD topologies (so LoRA key names
+match real files, see LIBRARY-NOTES) but narrow widths, and write them to disk in the real layouts:
+a diffusers folder and a single original-layout ``.safetensors`` file.
+
+``builtin:tiny-sd``  — SD 1.5-shaped (CLIPTextModel, epsilon prediction)
+``builtin:tiny-sd2`` — SD 2.x-shaped (linear projections, v-prediction)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+TINY_NAMES = ("tiny-sd", "tiny-sd2")
+TINY_VERSION = 1  # bump when the builder changes, so stale built copies are rebuilt
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte→unicode table (no longer importable from transformers 5)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+
+# A few merges so that common words become single tokens; everything else falls back to bytes.
+_WORDS = ["a", "photo", "of", "the", "sks", "dog", "cat", "red", "blue", "green", "square", "circle",
+          "on", "white", "black", "background", "painting", "style", "in", "an", "with", "and"]
+
+
+def write_tiny_tokenizer(folder: Path) -> None:
+    """A CLIP BPE tokenizer with a small vocab: all bytes (+ end-of-word forms) and a few words."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for c in chars:
+        vocab[c] = len(vocab)
+    for c in chars:
+        vocab[c + "</w>"] = len(vocab)
+    merges: list[str] = []
+    for word in _WORDS:
+        # left-to-right merges building each word; the last merge yields "word</w>"
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        cur = pieces[0]
+        for nxt in pieces[1:]:
+            merge = f"{cur} {nxt}"
+            cur = cur + nxt
+            if merge not in merges:
+                merges.append(merge)
+            if cur not in vocab:
+                vocab[cur] = len(vocab)
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "CLIPTokenizer", "model_max_length": 77, "bos_token": "<|startoftext|>",
+        "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "do_lower_case": True}), encoding="utf-8")
+
+
+def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
+    """Build the tiny pipeline in memory (seeded, deterministic)."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    import tempfile
+
+    if kind not in TINY_NAMES:
+        raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_NAMES}")
+    sd2 = kind == "tiny-sd2"
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tiny_tokenizer(Path(tmp))
+        tokenizer = CLIPTokenizer.from_pretrained(tmp, model_max_length=77)
+
+    torch.manual_seed(seed)
+    te_hidden = 32
+    text_encoder = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=te_hidden, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=77, projection_dim=te_hidden,
+        hidden_act="gelu" if sd2 else "quick_gelu",
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+    # Real SD topology (4 levels, 3 cross-attention down blocks, 2 layers per block), tiny widths.
+    unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2,
+        block_out_channels=(16, 32, 32, 32), norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        cross_attention_dim=te_hidden,
+        attention_head_dim=(2, 4, 4, 4) if sd2 else 8,
+        use_linear_projection=sd2,
+    )
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=64,
+        block_out_channels=(8, 16, 16, 16), norm_num_groups=8,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        scaling_factor=0.18215,
+    )
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+        clip_sample=False, steps_offset=1,
+        prediction_type="v_prediction" if sd2 else "epsilon",
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    return pipe
+
+
+def ensure_tiny_model(kind: str, root: str | os.PathLike) -> dict[str, Path]:
+    """Build (once) and return the paths of a tiny model in both layouts:
+    ``{"diffusers": <folder>, "single_file": <file.safetensors>}``."""
+    root = Path(root)
+    folder = root / kind
+    single = root / f"{kind}.safetensors"
+    stamp = folder / ".atelier-tiny"
+    if not (stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists()):
+        from trainer.export import save_single_file_sd
+
+        pipe = build_tiny_pipeline(kind)
+        tmp = root / f".{kind}.building"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        (tmp / ".atelier-tiny").write_text(str(TINY_VERSION))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        save_single_file_sd(single, pipe.unet, pipe.vae, pipe.text_encoder,
+                            family="sd2" if kind == "tiny-sd2" else "sd15", dtype="fp32")
+    return {"diffusers": folder, "single_file": single}
