@@ -419,16 +419,53 @@ def _allowed(key: str) -> str:
     return f"a {name}{rng}."
 
 
-def parse_overrides(overrides: Iterable[str]) -> DictConfig:
+def parse_overrides(overrides: Iterable[str]) -> List[tuple[str, Any]]:
+    """``key=value`` strings → (key, parsed value); values are YAML (numbers, lists, mappings)."""
     items = []
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"--set '{ov}' must look like key=value (e.g. training.epochs=20).", key=ov)
-        items.append(ov)
-    try:
-        return OmegaConf.from_dotlist(items)
-    except Exception as exc:
-        raise ConfigError(f"--set: {exc}") from None
+        key, raw = ov.split("=", 1)
+        try:
+            value = OmegaConf.from_dotlist([f"v={raw}"])["v"]
+        except Exception as exc:
+            raise ConfigError(f"--set {ov}: the value is not valid YAML ({exc}).", key=key) from None
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        items.append((key.strip(), value))
+    return items
+
+
+def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
+    """Apply --set overrides one by one; list items are addressed by index (data.concepts.0.path)."""
+    for key, value in parse_overrides(overrides):
+        if not any(part.isdigit() for part in key.split(".")):
+            nested: Any = value
+            for part in reversed(key.split(".")):
+                nested = {part: nested}
+            cfg = _merge_into_schema(cfg, OmegaConf.create(nested), "--set")
+            continue
+        parent_key, _, leaf = key.rpartition(".")
+        try:
+            parent = OmegaConf.select(cfg, parent_key, throw_on_missing=True) if parent_key else cfg
+        except Exception:
+            parent = None
+        if parent is None:
+            raise ConfigError(f"--set: unknown setting '{key}'.{_suggest(key)}", key=key)
+        if isinstance(parent, ListConfig):
+            if not leaf.isdigit() or int(leaf) >= len(parent):
+                raise ConfigError(f"--set: '{key}': {parent_key} has {len(parent)} items; index {leaf} "
+                                  "does not exist.", key=key)
+        elif leaf not in parent:
+            raise ConfigError(f"--set: unknown setting '{key}'.{_suggest(key)}", key=key)
+        try:
+            OmegaConf.update(cfg, key, value, merge=False)
+        except ValidationError as exc:
+            raise ConfigError(f"--set: '{key}' = {value!r} is not allowed: {_allowed(key)}",
+                              key=key, value=value) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"--set {key}: {exc}", key=key) from None
+    return cfg
 
 
 def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
@@ -440,9 +477,7 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[st
         cfg = _merge_into_schema(cfg, _load_layer(resolve_preset(preset), "Preset"), f"preset {preset}")
     if path is not None:
         cfg = _merge_into_schema(cfg, _load_layer(Path(path), "Config file"), str(path))
-    ov = parse_overrides(overrides)
-    if len(ov):
-        cfg = _merge_into_schema(cfg, ov, "--set")
+    cfg = _apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg
 

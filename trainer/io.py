@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 
-def _temp_name(path: Path, suffix: str = "") -> Path:
-    """A fresh, hidden temporary name next to ``path`` (``.name.tmp-XXXX``)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", suffix=suffix, dir=path.parent)
-    os.close(fd)
-    return Path(tmp)
+def _temp_name(path: Path, kind: str = "tmp", suffix: str = "") -> Path:
+    """A fresh, hidden, not-yet-existing name next to ``path`` (``.name.tmp-XXXXXXXX``).
+
+    Not ``tempfile.mkstemp``/``mkdtemp``: those create 0600/0700 entries, and the renamed result
+    would then be unreadable to other users and services (a shared pod, a file server).
+    """
+    while True:
+        candidate = path.parent / f".{path.name}.{kind}-{secrets.token_hex(4)}{suffix}"
+        if not candidate.exists():
+            return candidate
 
 
 def _fsync_file(path: Path) -> None:
@@ -43,6 +51,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = _temp_name(path, suffix=path.suffix)
     try:
         yield tmp
+        if not tmp.exists():
+            raise FileNotFoundError(f"nothing was written for {path} (expected {tmp.name})")
         _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -69,7 +79,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = _temp_name(path)
+    tmp.mkdir()
     try:
         yield tmp
     except BaseException:
@@ -77,8 +88,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise
     old: Path | None = None
     if path.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-        os.rmdir(old)  # only the unique name is wanted; rename needs it free
+        old = _temp_name(path, kind="old")
         os.replace(path, old)
     try:
         os.replace(tmp, path)
@@ -91,7 +101,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLike,  # noqa: F821
+def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | os.PathLike,
                             metadata: Mapping[str, str] | None = None) -> None:
     """``safetensors.torch.save_file`` with an atomic rename and string-only metadata.
 

@@ -509,6 +509,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0),
                                                      "started": time.time()}))
     trainer = Trainer(cfg, run_dir, resume=resume, progress=progress)
+    previous_handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     trainer.install_signal_handlers()
     ev = trainer.run.events
     for w in warnings or []:
@@ -539,5 +540,10 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
         ev.emit("failed", step=trainer.pos.step, message=msg)
         return 1
     finally:
+        signal.signal(signal.SIGINT, previous_handlers[0])
+        signal.signal(signal.SIGTERM, previous_handlers[1])
         if getattr(trainer, "tb", None) is not None:
             trainer.tb.close()
+        for h in list(log.handlers):
+            h.close()
+            log.removeHandler(h)

@@ -299,9 +299,11 @@ def _describe_non_checkpoint(shapes: dict[str, tuple[int, ...]], where: str) -> 
         what = "looks like a textual-inversion embedding, not a full checkpoint"
     elif any_key(lambda k: k.startswith("control_model.") or k.startswith("controlnet_")):
         what = "looks like a ControlNet, not a full checkpoint"
-    elif any_key(lambda k: k.startswith("first_stage_model.")) and not any_key(
-            lambda k: k.startswith(("cond_stage_model.", "conditioner."))):
-        what = "looks like a VAE-only file (first_stage_model.* keys only)"
+    elif any_key(lambda k: k.startswith("first_stage_model.")):
+        if any_key(lambda k: k.startswith(("cond_stage_model.", "conditioner."))):
+            what = "holds a VAE and a text encoder but no UNet"
+        else:
+            what = "looks like a VAE-only file (first_stage_model.* keys only)"
     elif "encoder.conv_in.weight" in shapes and "decoder.conv_in.weight" in shapes:
         what = "looks like a VAE-only file (encoder.*/decoder.* keys)"
     elif "conv_in.weight" in shapes and any_key(lambda k: k.startswith("down_blocks.")):
@@ -410,7 +412,8 @@ def _detect_diffusers_folder(folder: Path) -> str:
     cad = cfg.get("cross_attention_dim")
     if cfg.get("addition_embed_type") == "text_time" or "XL" in pipe_cls:
         te1 = index.get("text_encoder")
-        if cad == 1280 or (isinstance(te1, list) and te1[:1] == [None]) or "text_encoder" not in index and index:
+        no_first_text_encoder = bool(index) and (te1 is None or (isinstance(te1, list) and te1[:1] == [None]))
+        if cad == 1280 or no_first_text_encoder:
             raise ValueError(f"{folder}: looks like the SDXL refiner (no first text encoder / "
                              f"cross_attention_dim {cad}); only SDXL base models are supported")
         base = "sdxl"

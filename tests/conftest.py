@@ -1,0 +1,35 @@
+"""Shared fixtures: one workspace with the tiny models built once per test session."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_DATA = ROOT / "presets" / "demo-data"
+
+
+@pytest.fixture(scope="session")
+def tiny_workspace(tmp_path_factory) -> Path:
+    """A workspace whose models/ holds tiny-sd and tiny-sd2 in both layouts."""
+    from trainer.models.tiny import ensure_tiny_model
+    ws = tmp_path_factory.mktemp("ws")
+    for kind in ("tiny-sd", "tiny-sd2"):
+        ensure_tiny_model(kind, ws / "models")
+    return ws
+
+
+@pytest.fixture()
+def peft_strict():
+    """Turn peft's partial-load warning into an error so a dropped LoRA key fails loudly."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*inconsistency was discovered.*")
+        yield

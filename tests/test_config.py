@@ -1,0 +1,106 @@
+"""The schema: merging, checks, messages, and the CLI paths that must not import torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import (CONFIG_VERSION, ConfigError, all_keys, config_from_dict, cross_field_warnings,
+                            iter_fields, load_config, save_config, to_yaml)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_field_has_help_and_a_check():
+    for key, fld, tp in iter_fields():
+        assert fld.metadata.get("help"), f"{key} has no help text"
+        if tp in (int, float):
+            assert "min" in fld.metadata and "max" in fld.metadata, f"{key} has no range"
+
+
+def test_preset_user_file_and_overrides_merge_in_order(tmp_path):
+    user = tmp_path / "run.yaml"
+    user.write_text("base: demo\ntraining:\n  epochs: 3\n  batch_size: 1\n")
+    cfg = load_config(user, ["training.epochs=5"])
+    assert cfg.training.epochs == 5            # --set wins over the file
+    assert cfg.training.batch_size == 1        # the file wins over the preset
+    assert cfg.model.path == "builtin:tiny-sd"  # the preset fills the rest
+    assert cfg.version == CONFIG_VERSION
+    assert Path(cfg.data.concepts[0].path).is_dir()  # ${atelier_root:} resolves to the project
+
+
+def test_saved_config_round_trips_exactly(tmp_path):
+    cfg = load_config(preset="demo", overrides=["lora.rank=8"])
+    save_config(cfg, tmp_path / "c.yaml")
+    again = load_config(tmp_path / "c.yaml")
+    assert to_yaml(again) == to_yaml(cfg)
+
+
+@pytest.mark.parametrize("override, words", [
+    (["training.epoch=3"], ["unknown setting 'training.epoch'", "training.epochs"]),
+    (["training.epochs=abc"], ["training.epochs", "'abc'", "whole number"]),
+    (["training.epochs=0"], ["training.epochs", "out of range", "1"]),
+    (["training.lr_scheduler=cosinus"], ["training.lr_scheduler", "cosinus", "cosine_with_restarts"]),
+    (["lora.dropout=1.5"], ["lora.dropout", "out of range"]),
+    (["sampling.prompts=[{prompt: x, width: 65}]"], ["sampling.prompts.0.width", "multiple of 8"]),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(override, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="demo", overrides=override)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    newer = tmp_path / "newer.yaml"
+    newer.write_text(f"version: {CONFIG_VERSION + 1}\n")
+    with pytest.raises(ConfigError, match="newer than this Atelier"):
+        load_config(newer)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("base: demo\ndata:\n  concepts:\n    - path: x\n      repeat: 3\n")
+    with pytest.raises(ConfigError, match="repeat.*Did you mean 'data.concepts.repeats'"):
+        load_config(typo)
+    with pytest.raises(ConfigError, match="Unknown preset 'nope'"):
+        load_config(preset="nope")
+
+
+def test_cross_field_warnings():
+    cfg = config_from_dict({"base": "demo", "lora": {"rank": 4, "alpha": 8},
+                            "sampling": {"prompts": [{"prompt": "x", "width": 512, "height": 512}]}})
+    keys = {i.key for i in cross_field_warnings(cfg)}
+    assert "lora.alpha" in keys and "sampling.prompts.0.width" in keys
+    assert not cross_field_warnings(load_config(preset="demo"))
+
+
+def test_cli_validate_and_help_do_not_import_torch(tmp_path):
+    code = ("import sys, runpy; sys.argv=['trainer','validate','--preset','demo','--json'];"
+            "import trainer.__main__ as m; rc=m.main(sys.argv[1:]);"
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"errors": [], "warnings": []}
+    r = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "train" in r.stdout
+
+
+def test_cli_config_typo_is_one_clear_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "trainer", "train", "--preset", "demo", "--set",
+                        "training.learning_rat=1"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert "training.learning_rat" in r.stderr and "training.learning_rate" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_all_keys_cover_list_items():
+    keys = all_keys()
+    assert "data.concepts.path" in keys and "sampling.prompts.prompt" in keys

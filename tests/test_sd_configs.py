@@ -1,0 +1,449 @@
+"""Shipped SD 1.5 / 2.x diffusers configs, the CLIP tokenizer built from the BPE file, and
+checkpoint family detection (trainer/models/sd_configs.py). Fast and offline."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from trainer.models import sd_configs
+from trainer.models.sd_configs import (CONFIG_NAMES, CONFIGS_DIR, config_folder, default_config_for,
+                                       detect_family)
+
+U = "model.diffusion_model."
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sdcfg")
+    for name in CONFIG_NAMES:
+        config_folder(name, root)
+    return root
+
+
+# --------------------------------------------------------------------------------------------
+# tokenizer
+# --------------------------------------------------------------------------------------------
+
+def test_clip_vocab_matches_openai_layout():
+    vocab, merges = sd_configs.clip_vocab_and_merges()
+    assert len(vocab) == 49408 and len(merges) == 48894
+    assert vocab["!"] == 0 and vocab["<|startoftext|>"] == 49406 and vocab["<|endoftext|>"] == 49407
+    assert vocab["!</w>"] == 256 and merges[0] == "i n" and vocab["in"] == 512
+    table = sd_configs.bytes_to_unicode()
+    assert len(table) == 256 and len(set(table.values())) == 256 and table[ord(" ")] == "Ġ"
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_tokenizer_encodes_like_clip(cache_root, name):
+    from transformers import CLIPTokenizer
+
+    folder = config_folder(name, cache_root)
+    tok = CLIPTokenizer.from_pretrained(folder / "tokenizer")
+    assert len(tok) == 49408
+    assert tok.model_max_length == 77
+    assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    # the subfolder form is what from_single_file uses
+    tok2 = CLIPTokenizer.from_pretrained(str(folder), subfolder="tokenizer", local_files_only=True)
+    assert tok2("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+    ids = tok("a photo of a cat", padding="max_length", max_length=77).input_ids
+    assert len(ids) == 77
+    if name.startswith("sd2"):  # OpenCLIP pads with "!" (id 0)
+        assert tok.pad_token == "!" and tok.pad_token_id == 0
+        assert ids[7:] == [0] * 70
+    else:  # SD 1.x pads with <|endoftext|>
+        assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 49407
+        assert ids[7:] == [49407] * 70
+
+
+# --------------------------------------------------------------------------------------------
+# materialising
+# --------------------------------------------------------------------------------------------
+
+def test_config_folder_layout_and_idempotence(tmp_path):
+    folder = config_folder("sd2", tmp_path)
+    assert folder == tmp_path / "configs" / "sd2"
+    for rel in ("model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json",
+                "scheduler/scheduler_config.json", "tokenizer/tokenizer_config.json",
+                "tokenizer/special_tokens_map.json", "tokenizer/vocab.json", "tokenizer/merges.txt"):
+        assert (folder / rel).is_file(), rel
+    merges = (folder / "tokenizer" / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert merges[0] == "#version: 0.2" and len(merges) == 1 + 48894
+    before = (folder / "tokenizer" / "vocab.json").stat().st_mtime_ns
+    assert config_folder("sd2", tmp_path) == folder  # second call: nothing rebuilt
+    assert (folder / "tokenizer" / "vocab.json").stat().st_mtime_ns == before
+    # no temporary folders left behind
+    assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == ["sd2"]
+
+
+def test_config_folder_rebuilds_stale_or_broken_copy(tmp_path):
+    folder = config_folder("sd15", tmp_path)
+    (folder / "tokenizer" / "vocab.json").unlink()
+    (folder / ".atelier-config").write_text("stale")
+    assert config_folder("sd15", tmp_path) == folder
+    assert (folder / "tokenizer" / "vocab.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == ["sd15"]
+
+
+def test_config_folder_rejects_unknown_name(tmp_path):
+    with pytest.raises(ValueError, match="sd15, sd2, sd2-base"):
+        config_folder("sdxl", tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# shipped configs: what the hub repos say, real parameter counts
+# --------------------------------------------------------------------------------------------
+
+# (unet, vae, text encoder) parameter counts of the real models
+REAL_COUNTS = {
+    "sd15": (859_520_964, 83_653_863, 123_060_480),
+    "sd2": (865_910_724, 83_653_863, 340_387_840),
+    "sd2-base": (865_910_724, 83_653_863, 340_387_840),
+}
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_shipped_configs_build_real_sized_models_on_meta(name):
+    from accelerate import init_empty_weights
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    src = CONFIGS_DIR / name
+    with init_empty_weights():
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src / "unet"))
+        vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src / "vae"))
+        te = CLIPTextModel(CLIPTextConfig.from_pretrained(src / "text_encoder"))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert next(unet.parameters()).device.type == "meta"
+    assert (count(unet), count(vae), count(te)) == REAL_COUNTS[name]
+    assert vae.config.scaling_factor == 0.18215
+
+
+def test_shipped_config_values():
+    def load(name, rel):
+        return json.loads((CONFIGS_DIR / name / rel).read_text(encoding="utf-8"))
+
+    u15, u2, u2b = (load(n, "unet/config.json") for n in ("sd15", "sd2", "sd2-base"))
+    assert u15["cross_attention_dim"] == 768 and u15["attention_head_dim"] == 8
+    assert not u15.get("use_linear_projection", False) and u15["sample_size"] == 64
+    assert u2["attention_head_dim"] == [5, 10, 20, 20] and u2["use_linear_projection"] is True
+    assert u2["cross_attention_dim"] == 1024 and u2["sample_size"] == 96 and u2["upcast_attention"] is True
+    assert u2b["sample_size"] == 64 and {k: v for k, v in u2b.items() if k not in ("sample_size",)} == {
+        k: v for k, v in u2.items() if k not in ("sample_size", "upcast_attention")}
+
+    s15, s2, s2b = (load(n, "scheduler/scheduler_config.json") for n in ("sd15", "sd2", "sd2-base"))
+    for s in (s15, s2, s2b):
+        assert (s["beta_start"], s["beta_end"], s["beta_schedule"]) == (0.00085, 0.012, "scaled_linear")
+        assert s["num_train_timesteps"] == 1000 and s["steps_offset"] == 1 and s["clip_sample"] is False
+    assert s15["prediction_type"] == "epsilon" and s2b["prediction_type"] == "epsilon"
+    assert s2["prediction_type"] == "v_prediction"
+
+    t15, t2 = load("sd15", "text_encoder/config.json"), load("sd2", "text_encoder/config.json")
+    assert (t15["hidden_size"], t15["num_hidden_layers"], t15["hidden_act"]) == (768, 12, "quick_gelu")
+    assert (t2["hidden_size"], t2["num_hidden_layers"], t2["num_attention_heads"], t2["intermediate_size"],
+            t2["hidden_act"], t2["projection_dim"]) == (1024, 23, 16, 4096, "gelu", 512)
+    assert load("sd2-base", "text_encoder/config.json") == t2
+
+    for name in CONFIG_NAMES:
+        index = load(name, "model_index.json")
+        assert index["_class_name"] == "StableDiffusionPipeline"
+        assert index["safety_checker"] == [None, None] and index["feature_extractor"] == [None, None]
+        assert index["requires_safety_checker"] is False
+        assert index["scheduler"][1] == load(name, "scheduler/scheduler_config.json")["_class_name"]
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_components_load_from_materialised_folder_like_from_single_file(cache_root, name):
+    """The non-weight components load through the same calls from_single_file makes."""
+    import diffusers
+    from diffusers import StableDiffusionPipeline
+    from transformers import CLIPTextConfig
+
+    folder = str(config_folder(name, cache_root))
+    index = StableDiffusionPipeline.load_config(folder)
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    sched_cls = getattr(diffusers, index["scheduler"][1])
+    sched = sched_cls.from_pretrained(folder, subfolder="scheduler", local_files_only=True)
+    assert sched.config.prediction_type == ("v_prediction" if name == "sd2" else "epsilon")
+    te_cfg = CLIPTextConfig.from_pretrained(folder, subfolder="text_encoder", local_files_only=True)
+    assert te_cfg.vocab_size == 49408
+
+
+# --------------------------------------------------------------------------------------------
+# default_config_for
+# --------------------------------------------------------------------------------------------
+
+def test_default_config_for():
+    assert default_config_for("sd15", "epsilon") == "sd15"
+    assert default_config_for("sd15", "v_prediction") == "sd15"
+    assert default_config_for("sd2", "epsilon") == "sd2-base"
+    assert default_config_for("sd2", "v_prediction") == "sd2"
+    assert default_config_for("sd2", None) == "sd2"
+    with pytest.raises(ValueError, match="no shipped diffusers config"):
+        default_config_for("sdxl", "epsilon")
+    with pytest.raises(ValueError, match="no shipped diffusers config"):
+        default_config_for("sd15-inpaint", "epsilon")
+    with pytest.raises(ValueError, match="unknown model family"):
+        default_config_for("sd3", "epsilon")
+    with pytest.raises(ValueError, match="unknown prediction_type"):
+        default_config_for("sd2", "v-pred")
+
+
+# --------------------------------------------------------------------------------------------
+# detect_family on single files
+# --------------------------------------------------------------------------------------------
+
+def _z(*shape):
+    return torch.zeros(*shape, dtype=torch.float16)
+
+
+def _fake(kind: str, in_ch: int = 4, ctx: int | None = None) -> dict[str, torch.Tensor]:
+    """A few tensors with the characteristic original-layout key names (small shapes, except the
+    dimension that is read)."""
+    sd = {U + "input_blocks.0.0.weight": _z(8, in_ch, 3, 3), U + "input_blocks.0.0.bias": _z(8),
+          U + "out.2.weight": _z(4, 8, 3, 3), "first_stage_model.decoder.conv_in.weight": _z(8, 4, 3, 3)}
+    if kind == "sd15":
+        sd["cond_stage_model.transformer.text_model.embeddings.token_embedding.weight"] = _z(10, 8)
+        if ctx:
+            sd[U + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = _z(8, ctx)
+            sd[U + "input_blocks.1.1.proj_in.weight"] = _z(8, 8, 1, 1)
+    elif kind == "sd2":
+        sd["cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight"] = _z(24, 8)
+        if ctx:
+            sd[U + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"] = _z(8, ctx)
+            sd[U + "input_blocks.1.1.proj_in.weight"] = _z(8, 8)
+    elif kind == "sdxl":
+        sd["conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight"] = _z(10, 8)
+        sd["conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight"] = _z(24, 8)
+        sd[U + "label_emb.0.0.weight"] = _z(8, 2816)
+    elif kind == "sdxl-refiner":
+        sd["conditioner.embedders.0.model.transformer.resblocks.0.attn.in_proj_weight"] = _z(24, 8)
+        sd[U + "label_emb.0.0.weight"] = _z(8, 2560)
+    else:
+        raise AssertionError(kind)
+    return sd
+
+
+def _write(sd: dict, path: Path, fmt: str) -> Path:
+    if fmt == "safetensors":
+        save_file(sd, str(path))
+    elif fmt == "ckpt":
+        torch.save({"state_dict": sd, "global_step": 1000}, path)
+    elif fmt == "ckpt-flat":
+        torch.save(sd, path)
+    elif fmt == "ckpt-legacy":
+        torch.save({"state_dict": sd}, path, _use_new_zipfile_serialization=False)
+    else:
+        raise AssertionError(fmt)
+    return path
+
+
+CASES = [
+    ("sd15", 4, None, "sd15"), ("sd15", 4, 768, "sd15"), ("sd15", 9, None, "sd15-inpaint"),
+    ("sd2", 4, None, "sd2"), ("sd2", 4, 1024, "sd2"), ("sd2", 9, 1024, "sd2-inpaint"),
+    ("sdxl", 4, None, "sdxl"), ("sdxl", 9, None, "sdxl-inpaint"),
+    # the UNet's context width wins over the text encoder's layout
+    ("sd15", 4, 1024, "sd2"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "ckpt", "ckpt-flat", "ckpt-legacy"])
+def test_detect_family_single_files(tmp_path, fmt):
+    suffix = ".safetensors" if fmt == "safetensors" else ".ckpt"
+    for i, (kind, in_ch, ctx, expected) in enumerate(CASES):
+        path = _write(_fake(kind, in_ch, ctx), tmp_path / f"m{i}{suffix}", fmt)
+        assert detect_family(path) == expected, (kind, in_ch, ctx)
+
+
+def test_detect_family_by_unet_structure_only(tmp_path):
+    """UNet-only files of unusual width: proj_in conv (SD 1) vs linear (SD 2)."""
+    base = {U + "input_blocks.0.0.weight": _z(8, 4, 3, 3),
+            U + "input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight": _z(8, 32)}
+    p1 = tmp_path / "a.safetensors"
+    save_file({**base, U + "input_blocks.1.1.proj_in.weight": _z(8, 8, 1, 1)}, str(p1))
+    p2 = tmp_path / "b.safetensors"
+    save_file({**base, U + "input_blocks.1.1.proj_in.weight": _z(8, 8)}, str(p2))
+    assert detect_family(p1) == "sd15" and detect_family(p2) == "sd2"
+
+
+@pytest.mark.parametrize("sd, message", [
+    ({"encoder.conv_in.weight": _z(4, 3, 3, 3), "decoder.conv_in.weight": _z(4, 4, 3, 3),
+      "quant_conv.weight": _z(8, 8, 1, 1)}, "looks like a VAE-only file"),
+    ({"first_stage_model.encoder.conv_in.weight": _z(4, 3, 3, 3)}, "looks like a VAE-only file"),
+    ({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": _z(4, 8),
+      "lora_unet_down_blocks_0_attentions_0_proj_in.alpha": torch.tensor(4.0)}, "looks like a LoRA"),
+    ({"emb_params": _z(2, 768)}, "textual-inversion embedding"),
+    ({"conv_in.weight": _z(8, 4, 3, 3), "down_blocks.0.resnets.0.conv1.weight": _z(8, 8, 3, 3)},
+     "diffusers-format UNet"),
+    ({"cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": _z(10, 8)},
+     "text-encoder-only"),
+    ({"foo.weight": _z(2, 2), "bar": _z(3)},
+     r"not a Stable Diffusion checkpoint: no model\.diffusion_model\.\* keys"),
+    ({}, "holds no tensors"),
+    ({"first_stage_model.encoder.conv_in.weight": _z(4, 3, 3, 3),
+      "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight": _z(10, 8)}, "no UNet"),
+    ({**_fake("sdxl-refiner")}, "SDXL refiner"),
+    ({**_fake("sd2", 5, 1024)}, "5 channels"),
+    ({U + "joint_blocks.0.x_block.attn.qkv.weight": _z(6, 2)}, "Stable Diffusion 3"),
+    ({U + "time_embed.0.weight": _z(8, 8)}, "no UNet input conv"),
+])
+def test_detect_family_says_what_it_found(tmp_path, sd, message):
+    path = tmp_path / "x.safetensors"
+    save_file(sd, str(path))
+    with pytest.raises(ValueError, match=message):
+        detect_family(path)
+
+
+def test_detect_family_garbage_and_unsafe_files(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"this is not a model at all\n" * 10)
+    with pytest.raises(ValueError, match="not a Stable Diffusion checkpoint"):
+        detect_family(junk)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a Stable Diffusion checkpoint"):
+        detect_family(empty)
+    # a safetensors header that promises more than the file holds
+    good = _write(_fake("sd15"), tmp_path / "good.safetensors", "safetensors")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(ValueError):
+        detect_family(cut)
+    # a pickle with arbitrary Python objects is refused, not executed
+    unsafe = tmp_path / "unsafe.ckpt"
+    torch.save({"state_dict": _fake("sd15"), "hparams": argparse.Namespace(lr=1)}, unsafe)
+    with pytest.raises(ValueError, match="weights_only"):
+        detect_family(unsafe)
+    with pytest.raises(ValueError, match="not a state dict"):
+        detect_family(_write_obj(tmp_path / "list.ckpt", [1, 2, 3]))
+    with pytest.raises(FileNotFoundError):
+        detect_family(tmp_path / "missing.safetensors")
+
+
+def _write_obj(path: Path, obj) -> Path:
+    torch.save(obj, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# detect_family on diffusers folders
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory) -> dict[str, Path]:
+    from trainer.models.tiny import build_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for kind in ("tiny-sd", "tiny-sd2"):
+        build_tiny_pipeline(kind).save_pretrained(root / kind, safe_serialization=True)
+        out[kind] = root / kind
+    return out
+
+
+def _edit_unet_config(folder: Path, **changes) -> None:
+    path = folder / "unet" / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_detect_family_diffusers_folders(tiny_folders, tmp_path):
+    import shutil
+
+    assert detect_family(tiny_folders["tiny-sd"]) == "sd15"
+    assert detect_family(tiny_folders["tiny-sd2"]) == "sd2"
+
+    inpaint = tmp_path / "inpaint"
+    shutil.copytree(tiny_folders["tiny-sd"], inpaint, ignore=shutil.ignore_patterns("*.safetensors"))
+    _edit_unet_config(inpaint, in_channels=9)
+    assert detect_family(inpaint) == "sd15-inpaint"
+
+    # the shipped configs are diffusers folders too (without weights)
+    assert detect_family(CONFIGS_DIR / "sd15") == "sd15"
+    assert detect_family(CONFIGS_DIR / "sd2") == "sd2"
+    assert detect_family(CONFIGS_DIR / "sd2-base") == "sd2"
+
+    xl = tmp_path / "xl"
+    (xl / "unet").mkdir(parents=True)
+    (xl / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionXLPipeline", "text_encoder": ["transformers", "CLIPTextModel"],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}))
+    (xl / "unet" / "config.json").write_text(json.dumps({
+        "_class_name": "UNet2DConditionModel", "cross_attention_dim": 2048, "in_channels": 4,
+        "addition_embed_type": "text_time"}))
+    assert detect_family(xl) == "sdxl"
+    _edit_unet_config(xl, in_channels=9)
+    assert detect_family(xl) == "sdxl-inpaint"
+    (xl / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionXLImg2ImgPipeline", "text_encoder": [None, None],
+        "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}))
+    _edit_unet_config(xl, in_channels=4, cross_attention_dim=1280)
+    with pytest.raises(ValueError, match="SDXL refiner"):
+        detect_family(xl)
+
+    with pytest.raises(ValueError, match="not a diffusers pipeline folder"):
+        detect_family(tmp_path / "inpaint" / "tokenizer")
+    with pytest.raises(ValueError, match="single diffusers component folder"):
+        detect_family(tiny_folders["tiny-sd"] / "vae")
+
+
+# --------------------------------------------------------------------------------------------
+# full offline from_single_file round trip (needs trainer/export.py)
+# --------------------------------------------------------------------------------------------
+
+def _exporter():
+    if importlib.util.find_spec("trainer.export") is None:
+        return None
+    from trainer import export
+    return getattr(export, "save_single_file_sd", None)
+
+
+@pytest.mark.parametrize("kind, family", [("tiny-sd", "sd15"), ("tiny-sd2", "sd2")])
+def test_from_single_file_offline_round_trip(tiny_folders, tmp_path, kind, family):
+    save_single_file_sd = _exporter()
+    if save_single_file_sd is None:
+        pytest.skip("trainer/export.py:save_single_file_sd does not exist yet")
+    from diffusers import StableDiffusionPipeline
+    from trainer.models.tiny import build_tiny_pipeline
+
+    pipe = build_tiny_pipeline(kind)
+    path = tmp_path / f"{kind}.safetensors"
+    save_single_file_sd(path, pipe.unet, pipe.vae, pipe.text_encoder, family=family, dtype="fp32")
+    assert detect_family(path) == family
+    loaded = StableDiffusionPipeline.from_single_file(
+        str(path), config=str(tiny_folders[kind]), local_files_only=True)
+    for name in ("unet", "vae", "text_encoder"):
+        want, got = getattr(pipe, name).state_dict(), getattr(loaded, name).state_dict()
+        assert set(want) == set(got), name
+        for k in want:
+            assert torch.equal(want[k], got[k]), (name, k)
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def test_config_folder_concurrent_builders(tmp_path):
+    """Several processes materialising the same config at once all get a complete folder."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from trainer.models.sd_configs import config_folder; "
+            "f = config_folder('sd2-base', Path(sys.argv[1])); "
+            "assert (f / 'tokenizer' / 'vocab.json').stat().st_size > 900_000; print(f)")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    assert all(rc == 0 for _, _, rc in results), [err for _, err, _ in results]
+    assert {out.strip() for out, _, _ in results} == {str(tmp_path / "configs" / "sd2-base")}
+    assert sorted(p.name for p in (tmp_path / "configs").iterdir()) == ["sd2-base"]
+    from transformers import CLIPTokenizer
+    tok = CLIPTokenizer.from_pretrained(tmp_path / "configs" / "sd2-base" / "tokenizer")
+    assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]

@@ -1,0 +1,266 @@
+"""End-to-end runs of the spine on the tiny model: LoRA, fine-tune, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.__main__ import main as cli
+from trainer.events import read_events
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_DATA = ROOT / "presets" / "demo-data"
+
+
+def overrides(ws: Path, run: str, *extra: str) -> list:
+    return ["--set", f"general.workspace={ws}", "--set", f"general.run_name={run}", "--no-progress",
+            *[x for e in extra for x in ("--set", e)]]
+
+
+def types(run_dir: Path) -> list:
+    return [e["type"] for e in read_events(run_dir / "events.jsonl")]
+
+
+def tiny_pipe(ws: Path, kind: str = "tiny-sd"):
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained(ws / "models" / kind, local_files_only=True,
+                                                   safety_checker=None, requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def image(pipe, prompt="a red square on a white background"):
+    return pipe(prompt, num_inference_steps=4, height=64, width=64, guidance_scale=5.0,
+                generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+
+
+def test_lora_run_writes_the_whole_run_folder(tiny_workspace, peft_strict):
+    ws = tiny_workspace
+    rc = cli(["train", "--preset", "demo", *overrides(ws, "lora1", "training.epochs=2",
+                                                      "sampling.every_n_epochs=1", "backup.every_n_epochs=1")])
+    assert rc == 0
+    run = ws / "runs" / "lora1"
+    ev = types(run)
+    assert ev[0] == "started" and ev[-1] == "finished"
+    assert {"step", "sample", "backup", "saved"} <= set(ev)
+    steps = [e for e in read_events(run / "events.jsonl") if e["type"] == "step"]
+    assert steps[-1]["step"] == steps[-1]["total_steps"] == 8
+    assert all(isinstance(s["loss"], float) and "unet" in s["lr"] for s in steps)
+    assert (run / "config.yaml").read_text().startswith("version: 1")
+    assert "step 8/8" in (run / "train.log").read_text()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (run / "samples").glob("*.png"))[:2] == ["step000004-p0.png", "step000004-p1.png"]
+    assert len(list((run / "backups").iterdir())) == 2  # keep_last
+
+    # the result: kohya key layout, loads into a diffusers pipeline, changes its output
+    from safetensors import safe_open
+    lora = run / "lora1.safetensors"
+    with safe_open(str(lora), "pt") as fh:
+        keys = set(fh.keys())
+        meta = fh.metadata()
+    assert "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.lora_down.weight" in keys
+    assert "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_out_0.alpha" in keys
+    assert all(k.startswith("lora_unet_") for k in keys)
+    assert meta["ss_network_dim"] == "4" and "atelier_config" in meta
+    pipe = tiny_pipe(ws)
+    before = image(pipe)
+    pipe.load_lora_weights(str(lora))
+    after = image(pipe)
+    assert abs(after - before).max() > 1e-3
+
+
+def _eval_loss(pipe, latents, captions, seed=0):
+    """A fixed-noise, fixed-timestep denoising loss: falls when the model memorises its images."""
+    g = torch.Generator().manual_seed(seed)
+    sched = pipe.scheduler
+    total = 0.0
+    with torch.no_grad():
+        ids = pipe.tokenizer(captions, padding="max_length", max_length=77, return_tensors="pt").input_ids
+        cond = pipe.text_encoder(ids)[0]
+        for t in (100, 300, 500, 700, 900):
+            noise = torch.randn(latents.shape, generator=g)
+            ts = torch.full((latents.shape[0],), t)
+            noisy = sched.add_noise(latents, noise, ts)
+            pred = pipe.unet(noisy, ts, cond).sample
+            total += torch.nn.functional.mse_loss(pred, noise).item()
+    return total / 5
+
+
+def test_loss_falls_when_memorising_and_lora_carries_it(tiny_workspace, tmp_path):
+    ws = tiny_workspace
+    data = tmp_path / "two"
+    data.mkdir()
+    for name in ("00-red-square", "03-blue-circle"):
+        for ext in (".png", ".txt"):
+            shutil.copy(DEMO_DATA / (name + ext), data / (name + ext))
+    rc = cli(["train", "--preset", "demo", *overrides(
+        ws, "memorise", f"data.concepts.0.path={data}", "training.epochs=40", "training.batch_size=2",
+        "training.learning_rate=0.01", "lora.rank=8", "lora.alpha=8", "lora.unet_targets=all",
+        "sampling.prompts=[]",
+        "backup.every_n_epochs=0")])
+    assert rc == 0
+    from trainer.data.images import load_image
+    pipe = tiny_pipe(ws)
+    pixels = torch.stack([load_image(p, 64, True, False) for p in sorted(data.glob("*.png"))])
+    latents = pipe.vae.encode(pixels).latent_dist.mean * pipe.vae.config.scaling_factor
+    captions = [p.read_text().strip() for p in sorted(data.glob("*.txt"))]
+    before = _eval_loss(pipe, latents, captions)
+    pipe.load_lora_weights(str(ws / "runs" / "memorise" / "memorise.safetensors"))
+    after = _eval_loss(pipe, latents, captions)
+    assert after < 0.7 * before, (before, after)
+
+
+def test_finetune_single_file_loads_back_with_the_trained_weights(tiny_workspace):
+    ws = tiny_workspace
+    rc = cli(["train", "--preset", "demo-finetune", *overrides(
+        ws, "ft1", "training.epochs=1", "sampling.prompts=[]", "backup.every_n_epochs=1")])
+    assert rc == 0
+    run = ws / "runs" / "ft1"
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+    loaded = StableDiffusionPipeline.from_single_file(str(run / "ft1.safetensors"),
+                                                      config=str(ws / "models" / "tiny-sd"),
+                                                      local_files_only=True, safety_checker=None)
+    backup = load_file(str(next((run / "backups").iterdir()) / "trainable.safetensors"))
+    trained = {k[len("unet."):]: v for k, v in backup.items() if k.startswith("unet.")}
+    original = tiny_pipe(ws).unet.state_dict()
+    got = loaded.unet.state_dict()
+    assert set(got) == set(trained)
+    for k, v in trained.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+    assert any(not torch.equal(original[k], trained[k]) for k in trained)
+
+
+def _spawn(args, cwd=ROOT):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "trainer", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for(path: Path, pred, timeout=120):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if path.exists() and any(pred(e) for e in read_events(path)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting in {path}")
+
+
+def _lora_tensors(path: Path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def test_stopped_and_resumed_run_equals_uninterrupted_run(tiny_workspace):
+    ws = tiny_workspace
+    common = ["training.epochs=4", "sampling.prompts=[]", "backup.every_n_epochs=0", "lora.dropout=0.1",
+              "data.random_flip=true", "training.lr_scheduler=cosine", "output.dtype=fp32"]
+    assert cli(["train", "--preset", "demo", *overrides(ws, "straight", *common)]) == 0
+    run = ws / "runs" / "interrupted"
+    proc = _spawn(["train", "--preset", "demo", *overrides(ws, "interrupted", *common)])
+    _wait_for(run / "events.jsonl", lambda e: e["type"] == "step" and e["step"] >= 3)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "stopped" and events[-1]["step"] < 16, events[-1]
+    assert events[-2]["type"] == "backup"
+    assert not (run / "interrupted.safetensors").exists()
+    resumed = _spawn(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last",
+                      "--no-progress"])
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "finished"
+    started = [e for e in events if e["type"] == "started"]
+    stopped = [e for e in events if e["type"] == "stopped"]
+    assert started[-1]["resumed_from_step"] == stopped[0]["step"]
+    a = _lora_tensors(ws / "runs" / "straight" / "straight.safetensors")
+    b = _lora_tensors(run / "interrupted.safetensors")
+    assert set(a) == set(b)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def _fails_with(ws, run, *extra, words=()):
+    rc = cli(["train", "--preset", "demo", *overrides(ws, run, *extra)])
+    assert rc == 1
+    events = read_events(ws / "runs" / run / "events.jsonl")
+    assert events[-1]["type"] == "failed"
+    msg = events[-1]["message"]
+    for w in words:
+        assert w in msg, msg
+    assert "Traceback" not in msg
+    return msg
+
+
+def test_missing_model_path(tiny_workspace, capsys):
+    _fails_with(tiny_workspace, "bad-model", "model.path=/nonexistent/model.safetensors",
+                words=("model.path", "/nonexistent/model.safetensors", "does not exist"))
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_hub_id_while_offline(tiny_workspace, tmp_path):
+    _fails_with(tiny_workspace, "bad-hub", "model.path=someone/not-cached-model", "model.hub_offline=true",
+                f"model.cache_dir={tmp_path}", words=("someone/not-cached-model", "hub_offline", "cache"))
+
+
+def test_empty_and_missing_concept_folders(tiny_workspace, tmp_path):
+    (tmp_path / "empty").mkdir()
+    _fails_with(tiny_workspace, "bad-empty", f"data.concepts.0.path={tmp_path / 'empty'}",
+                words=("data.concepts.0", str(tmp_path / "empty")))
+    _fails_with(tiny_workspace, "bad-missing", f"data.concepts.0.path={tmp_path / 'nope'}",
+                words=("data.concepts.0.path", "nope"))
+
+
+def test_broken_image_is_reported_and_skipped(tiny_workspace, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(DEMO_DATA, data)
+    (data / "99-broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    (data / "98-empty.jpg").write_bytes(b"")
+    rc = cli(["train", "--preset", "demo", *overrides(tiny_workspace, "skip", f"data.concepts.0.path={data}",
+                                                      "training.epochs=1", "sampling.prompts=[]")])
+    assert rc == 0
+    events = read_events(tiny_workspace / "runs" / "skip" / "events.jsonl")
+    warnings = " ".join(e["message"] for e in events if e["type"] == "warning")
+    assert "99-broken.png" in warnings and "98-empty.jpg" in warnings
+    started = next(e for e in events if e["type"] == "started")
+    assert started["dataset"]["total_images"] == 8
+    assert events[-1]["type"] == "finished"
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_backups(tiny_workspace, tmp_path):
+    ws = tiny_workspace
+    # a run that trains fine and leaves a backup...
+    assert cli(["train", "--preset", "demo", *overrides(ws, "nan", "training.epochs=1", "sampling.prompts=[]",
+                                                        "backup.every_n_epochs=1")]) == 0
+    run = ws / "runs" / "nan"
+    backup = next((run / "backups").iterdir())
+    before = {p.name: p.read_bytes() for p in backup.iterdir()}
+    # ...then is resumed on a poisoned copy of the model whose UNet yields NaN
+    poisoned = tmp_path / "poisoned"
+    shutil.copytree(ws / "models" / "tiny-sd", poisoned)
+    from safetensors.torch import load_file, save_file
+    f = next((poisoned / "unet").glob("*.safetensors"))
+    sd = load_file(str(f))
+    sd["conv_in.bias"] = torch.full_like(sd["conv_in.bias"], float("nan"))
+    save_file(sd, str(f))
+    rc = cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
+              "--set", f"model.path={poisoned}", "--set", "training.epochs=3"])
+    assert rc == 1
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "failed" and "loss became nan" in events[-1]["message"].lower()
+    assert [p.name for p in (run / "backups").iterdir()] == [backup.name]
+    assert {p.name: p.read_bytes() for p in backup.iterdir()} == before

@@ -1,0 +1,165 @@
+"""Atelier's web UI: ``build_app(workspace)`` makes the page, ``main(argv)`` serves it.
+
+The page is a config form generated from ``trainer.config`` (one tab per trainer area), a Run tab
+that follows the live run, a history of runs, and a queue. The UI process talks to the trainer only
+through the config module, the ``python -m trainer`` CLI and the run folder, so it never imports
+torch or diffusers and its first paint is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import gradio as gr
+
+from trainer import config as tcfg
+from webui import runner
+from webui.context import AppContext
+from webui.filebrowser import FileBrowser, Roots
+from webui.form import Form, load_outputs, load_updates
+from webui.tabs import config_bar, extras, queue, run, runs, tools
+
+DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
+SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
+
+CSS = """
+.atl-field-error { outline: 2px solid #dc2626; border-radius: 8px; }
+.atl-field-warning { outline: 2px solid #d97706; border-radius: 8px; }
+.atl-field-error [data-testid="block-info"], .atl-field-warning [data-testid="block-info"],
+.atl-field-error .info, .atl-field-warning .info { white-space: pre-line; }
+.atl-status { padding: 10px 14px; border: 1px solid var(--border-color-primary); border-radius: 10px; }
+.atl-bar { height: 10px; background: var(--neutral-200); border-radius: 5px; margin: 8px 0; overflow: hidden; }
+.atl-bar > div { height: 100%; background: var(--color-accent); transition: width .5s; }
+.atl-badge { padding: 2px 8px; border-radius: 999px; font-weight: 600; color: white; background: #6b7280; }
+.atl-running, .atl-starting { background: #2563eb; } .atl-stopping { background: #d97706; }
+.atl-finished { background: #16a34a; } .atl-stopped { background: #7c3aed; }
+.atl-failed, .atl-died { background: #dc2626; }
+.atl-note { margin-top: 6px; } .atl-err { color: #dc2626; }
+.atl-log { max-height: 340px; overflow: auto; font-size: 12px; white-space: pre-wrap; }
+.atl-log-warn { color: #b45309; } .atl-log-err { color: #dc2626; font-weight: 600; }
+.atl-browse { align-self: center; }
+"""
+
+
+def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Sequence[str | os.PathLike] = (),
+              manager: Optional[runner.RunManager] = None, start_scheduler: bool = True) -> gr.Blocks:
+    """The whole page for one workspace. ``manager`` lets tests plug in a fake trainer."""
+    workspace = Path(workspace or os.environ.get("ATELIER_WORKSPACE") or DEFAULT_WORKSPACE).expanduser().resolve()
+    manager = manager or runner.RunManager(workspace)
+    roots = Roots([workspace, *browse_roots, tcfg.PRESETS_DIR])
+    browser = FileBrowser(roots)
+    ctx = AppContext(workspace=workspace, manager=manager, roots=roots, browser=browser)
+    with gr.Blocks(title="Atelier") as demo:
+        gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
+        ctx.form = Form(browser)
+        config_bar.build(ctx)
+        ctx.components["run_select"] = run.make_run_select(ctx)
+        with gr.Tabs(elem_id="main-tabs") as tabs:
+            ctx.components["tabs"] = tabs
+            ctx.form.build(extras=extras.extras(ctx))
+            with gr.Tab("Tools", id="tools", elem_id="tab-tools"):
+                tools.build(ctx)
+            with gr.Tab("Run", id="run", elem_id="tab-run"):
+                run.build(ctx)
+            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
+                runs.build(ctx)
+            with gr.Tab("Queue", id="queue", elem_id="tab-queue"):
+                queue.build(ctx)
+        browser.build()
+        config_bar.wire(ctx)
+        refresh_runs, runs_outputs = ctx.components["runs_refresh"]
+        runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden")
+
+        form = ctx.form
+        outs = load_outputs(form) + [ctx["preset"]]
+
+        def on_load() -> List[Any]:
+            """A new page (or a reload) shows the autosaved draft and the current preset list."""
+            values = config_bar.load_draft(ctx)
+            presets = gr.Dropdown(choices=tcfg.preset_names())
+            if values is None:
+                return [gr.skip()] * len(load_outputs(form)) + [presets]
+            return load_updates(form, values) + [presets]
+
+        demo.load(on_load, None, outs, show_progress="hidden")
+        demo.load(refresh_runs, None, runs_outputs, show_progress="hidden")
+    if start_scheduler:
+        manager.start_scheduler()
+    demo.atelier = ctx  # type: ignore[attr-defined]  # tests and main() reach the context here
+    return demo
+
+
+def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 7860, share: bool = False,
+          auth: Optional[List[tuple]] = None, root_path: Optional[str] = None, inbrowser: bool = False,
+          prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
+    """Launch with the settings the page needs (CSS, served run folders)."""
+    ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
+    return demo.queue(default_concurrency_limit=4).launch(
+        server_name=host, server_port=port, share=share, auth=auth or None, root_path=root_path,
+        inbrowser=inbrowser, prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True,
+        allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
+        auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m webui", description="Atelier web UI.")
+    p.add_argument("--workspace", default=None,
+                   help=f"Folder for runs, queue and caches (default: $ATELIER_WORKSPACE or {DEFAULT_WORKSPACE}).")
+    p.add_argument("--listen", action="store_true", help="Serve on 0.0.0.0 (all interfaces) instead of 127.0.0.1.")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="Also open a public gradio.live link (needs --auth).")
+    p.add_argument(SHARE_NO_AUTH_FLAG, dest="share_without_auth", action="store_true",
+                   help="Allow --share with no password. Anyone with the link can run code on this machine.")
+    p.add_argument("--auth", action="append", default=[], metavar="USER:PASS",
+                   help="Require a login (repeat for several users).")
+    p.add_argument("--auth-file", default=None, help="A file of USER:PASS lines.")
+    p.add_argument("--root-path", default=None, help="URL prefix when served behind a reverse proxy.")
+    p.add_argument("--inbrowser", action="store_true", help="Open the page in the default browser.")
+    p.add_argument("--browse-root", action="append", default=[], metavar="FOLDER",
+                   help="Another folder the file browser may show (repeatable; the workspace always is).")
+    return p.parse_args(argv)
+
+
+def auth_pairs(items: Sequence[str], auth_file: Optional[str]) -> List[tuple]:
+    """USER:PASS strings (and lines of a file) as (user, password) pairs; ValueError when malformed."""
+    lines = list(items)
+    if auth_file:
+        text = Path(auth_file).expanduser().read_text(encoding="utf-8")
+        lines += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    pairs = []
+    for item in lines:
+        user, sep, password = item.partition(":")
+        if not sep or not user or not password:
+            raise ValueError(f"auth entry {item.split(':')[0]!r}… must look like user:password")
+        pairs.append((user, password))
+    return pairs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        creds = auth_pairs(args.auth, args.auth_file)
+    except (OSError, ValueError) as exc:
+        print(f"atelier: {exc}", file=sys.stderr)
+        return 2
+    if args.share and not creds and not args.share_without_auth:
+        print("atelier: refusing to --share without a password: anyone who gets the public link could run "
+              "code on this machine through the trainer.\n"
+              "  Add --auth USER:PASS (or --auth-file FILE), or, if you really mean it, pass\n"
+              f"  {SHARE_NO_AUTH_FLAG}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    demo = build_app(args.workspace, args.browse_root)
+    ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
+    active = ctx.manager.active_runs()
+    print(f"Atelier: workspace {ctx.workspace}" + (f"; reattached to running {active[0].name}" if active else ""))
+    serve(demo, host="0.0.0.0" if args.listen else "127.0.0.1", port=args.port, share=args.share,
+          auth=creds, root_path=args.root_path, inbrowser=args.inbrowser)
+    return 0
+
+
+__all__ = ["build_app", "serve", "main", "parse_args", "auth_pairs", "CSS"]

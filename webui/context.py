@@ -1,0 +1,125 @@
+"""What every tab shares: the workspace, the run manager, the form, and form validation.
+
+Kept apart from ``app.py`` so tab modules can import it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from trainer import config as tcfg
+from webui import runner
+from webui.filebrowser import FileBrowser, Roots
+from webui.form import Form
+from webui.monitor import RunMonitor
+from webui.schema_widgets import FieldError
+
+AUTO = "(follow the current run)"
+
+
+@dataclass
+class Checked:
+    """The result of validating the form: a config when it has no errors, and every issue."""
+    data: dict
+    cfg: Any = None
+    issues: List[FieldError] = field(default_factory=list)
+
+    @property
+    def errors(self) -> List[FieldError]:
+        return [i for i in self.issues if i.level == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return self.cfg is not None and not self.errors
+
+
+@dataclass
+class AppContext:
+    workspace: Path
+    manager: runner.RunManager
+    roots: Roots
+    monitor: RunMonitor = field(default_factory=RunMonitor)
+    form: Optional[Form] = None
+    browser: Optional[FileBrowser] = None
+    components: dict = field(default_factory=dict)   # shared components by name (tabs, messages, …)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.components[name]
+
+    @property
+    def draft_path(self) -> Path:
+        return self.workspace / "ui-draft.yaml"
+
+    # -- validation ---------------------------------------------------------------------------
+    def check(self, values: Sequence[Any]) -> Checked:
+        """Field checks, schema validation and the cross-field rules, all collected."""
+        assert self.form is not None
+        data, errors = self.form.collect(values)
+        result = Checked(data=data, issues=list(errors))
+        if errors:
+            return result
+        try:
+            cfg = tcfg.config_from_dict(data)
+        except tcfg.ConfigError as exc:
+            result.issues.append(FieldError(exc.key or "", str(exc)))
+            return result
+        result.cfg = cfg
+        result.issues += [FieldError(i.key, i.message, i.level) for i in tcfg.cross_field_warnings(cfg)]
+        return result
+
+    def run_config_yaml(self, cfg: Any) -> str:
+        """The YAML a run starts with: the form's config, with the UI's workspace filled in when the
+        form still has the default (relative) one, so caches land next to the runs."""
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+        cfg = tcfg.config_from_dict(cfg)
+        if cfg.general.workspace == tcfg.GeneralConfig.workspace and \
+                self.workspace != (runner.REPO_ROOT / cfg.general.workspace).resolve():
+            cfg.general.workspace = str(self.workspace)
+        return tcfg.to_yaml(cfg)
+
+    def run_name(self, cfg: Any) -> str:
+        if cfg.general.run_name:
+            return runner.slug(cfg.general.run_name)
+        model = str(cfg.model.path).rstrip("/").replace(":", "/").split("/")[-1] or "run"
+        model = model.rsplit(".", 1)[0] if model.endswith((".safetensors", ".ckpt")) else model
+        return runner.slug(f"{model}-{cfg.training.method}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    # -- runs ---------------------------------------------------------------------------------
+    def run_dir(self, name: str) -> Optional[Path]:
+        if not name or name == AUTO:
+            return None
+        path = runner.runs_root(self.workspace) / name
+        return path if path.is_dir() else None
+
+    def resolve_watched(self, name: Optional[str]) -> Optional[Path]:
+        """A chosen run, or (AUTO) the running one, else the newest."""
+        chosen = self.run_dir(name or "")
+        if chosen:
+            return chosen
+        active = self.manager.active_runs()
+        if active:
+            return active[0]
+        dirs = runner.list_run_dirs(self.workspace)
+        return dirs[0] if dirs else None
+
+    def run_names(self) -> List[str]:
+        return [d.name for d in runner.list_run_dirs(self.workspace)]
+
+
+def issues_md(issues: Sequence[FieldError], form: Optional[Form] = None) -> str:
+    """A list of problems that names each field (and its tab) for the message area."""
+    lines = []
+    for i in sorted(issues, key=lambda x: x.level != "error"):
+        icon = "⛔" if i.level == "error" else "⚠️"
+        where = ""
+        if form is not None and i.key:
+            tab = form.tab_for(i.key)
+            where = f" ({tab} tab)" if tab else ""
+        key = f"`{i.key}`{where} — " if i.key else ""
+        lines.append(f"- {icon} {key}{i.message}")
+    return "\n".join(lines)

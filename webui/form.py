@@ -1,0 +1,334 @@
+"""The config form: one tab per trainer area, every widget generated from the schema.
+
+:class:`Form` lays the :class:`~webui.schema_widgets.FieldSpec` list out into tabs (``TAB_LAYOUT``
+maps sections to tabs; a section nobody mapped gets a tab of its own), nested dataclasses into
+accordions, and list-of-dataclass fields into a :class:`ListEditor` (a table plus a row editor with
+proper dropdowns). ``form.inputs`` is the ordered component list every handler receives, so
+``form.collect(values)`` turns a handler's ``*values`` back into a config dict.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import gradio as gr
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from webui import schema_widgets as sw
+from webui.filebrowser import FileBrowser
+from webui.schema_widgets import FieldError, FieldSpec
+
+# (tab title, tab id, key prefixes shown in it) — prefixes not listed get a tab of their own
+TAB_LAYOUT = [
+    ("General", "general", ("general",)),
+    ("Model", "model", ("model", "output")),
+    ("Data", "data", ("data",)),
+    ("Concepts", "concepts", ("data.concepts",)),
+    ("Training", "training", ("training",)),
+    ("Sampling", "sampling", ("sampling",)),
+    ("Backup", "backup", ("backup",)),
+    ("LoRA", "lora", ("lora",)),
+]
+ROW_WIDTH = 3
+
+
+def field_number(**kwargs: Any) -> gr.Number:
+    """A gr.Number that lets out-of-range values through to our validator, which names the field
+    (Gradio's own check fails the whole event with an anonymous "Value X is less than ...").
+    Patched per instance: a gr.Number subclass would make Gradio write a .pyi stub into webui/."""
+    number = gr.Number(**kwargs)
+
+    def preprocess(payload: float | None) -> float | int | None:
+        if payload is None:
+            return None
+        return number.round_to_precision(payload, number.precision)
+
+    number.preprocess = preprocess  # type: ignore[method-assign]
+    return number
+
+
+def _step(spec: FieldSpec) -> float:
+    ref = abs(spec.default) if isinstance(spec.default, (int, float)) and spec.default else 0.01
+    return 1.0 if ref >= 1 else 10 ** math.floor(math.log10(ref))
+
+
+def make_widget(spec: FieldSpec, value: Any, elem_id: str, browser: Optional[FileBrowser] = None,
+                label: Optional[str] = None) -> gr.components.Component:
+    """The widget of one field: help → info, choices → dropdown, min/max → number bounds."""
+    common = dict(label=label or spec.label, info=spec.info(), elem_id=elem_id, interactive=True)
+    kind = spec.kind
+    if kind == sw.BOOL:
+        return gr.Checkbox(value=bool(value), **common)
+    if kind == sw.CHOICE:
+        return gr.Dropdown(choices=list(spec.choices or ()), value=value, **common)
+    if kind in (sw.INT, sw.FLOAT):
+        return field_number(value=value, minimum=spec.minimum, maximum=spec.maximum,
+                           precision=0 if kind == sw.INT else None,
+                           step=1 if kind == sw.INT else _step(spec), **common)
+    if kind == sw.PATH:
+        def factory() -> gr.Textbox:
+            return gr.Textbox(value=value, scale=10, **common)
+        return browser.path_field(factory, elem_id) if browser else factory()
+    if kind in (sw.TEXTAREA, sw.LIST, sw.YAML):
+        info = common.pop("info") + (" One item a line." if kind == sw.LIST else "")
+        return gr.Textbox(value=value, lines=3, info=info, **common)
+    return gr.Textbox(value=value, **common)
+
+
+class ListEditor:
+    """A list-of-dataclass field: an editable table, and a row editor generated from the item
+    dataclass (dropdowns for choices, browse buttons for paths) with add / update / remove."""
+
+    def __init__(self, spec: FieldSpec, browser: Optional[FileBrowser]):
+        self.spec = spec
+        cols = spec.items
+        datatype = ["bool" if c.kind == sw.BOOL else "number" if c.kind in (sw.INT, sw.FLOAT) else "str"
+                    for c in cols]
+        self.table = gr.Dataframe(value=[], headers=[c.key for c in cols], datatype=datatype, type="array",
+                                  interactive=True, label=f"{spec.label} — {spec.help}", wrap=True,
+                                  elem_id=spec.elem_id, column_count=len(cols))
+        self.note = gr.Markdown(elem_id=f"{spec.elem_id}-note")
+        with gr.Accordion(f"Add or edit one {spec.label.lower().rstrip('s')}", open=False,
+                          elem_id=f"{spec.elem_id}-editor"):
+            self.row = gr.Number(value=None, precision=0, label="Row being edited (click a table row)",
+                                 elem_id=f"{spec.elem_id}-row", minimum=0)
+            self.items: List[gr.components.Component] = []
+            for chunk in _chunks(list(cols)):
+                with gr.Row():
+                    for c in chunk:
+                        self.items.append(make_widget(c, sw.to_widget(c, c.default),
+                                                      f"{spec.elem_id}-item-{c.key.replace('_', '-')}", browser))
+            with gr.Row():
+                self.add = gr.Button("Add as new row", variant="primary", elem_id=f"{spec.elem_id}-add")
+                self.update = gr.Button("Update row", elem_id=f"{spec.elem_id}-update")
+                self.remove = gr.Button("Remove row", variant="stop", elem_id=f"{spec.elem_id}-remove")
+        self.table.select(self._select, [self.table], [self.row, *self.items])
+        self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.note])
+        self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note])
+        self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.note])
+
+    def _rows(self, table: Any) -> List[list]:
+        items, _ = sw.table_from_widget(self.spec, table)
+        return [[sw.to_widget(c, item.get(c.key)) for c in self.spec.items] for item in items]
+
+    def _item(self, values: Sequence[Any]) -> tuple[list, List[FieldError]]:
+        row, errors = [], []
+        for c, v in zip(self.spec.items, values):
+            value, err = sw.from_widget(c, v, f"{self.spec.key}[new].{c.key}")
+            if err:
+                errors.append(err)
+            row.append(sw.to_widget(c, value if not err else v))
+        return row, errors
+
+    def _select(self, table: Any, evt: gr.SelectData) -> list:
+        rows = self._rows(table)
+        r = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        if not isinstance(r, int) or r >= len(rows):
+            return [gr.skip()] * (1 + len(self.items))
+        return [r, *rows[r]]
+
+    def _add(self, table: Any, *values: Any) -> list:
+        row, errors = self._item(values)
+        if errors:
+            return [gr.skip(), gr.skip(), _error_md(errors)]
+        rows = self._rows(table) + [row]
+        return [rows, len(rows) - 1, f"Added row {len(rows) - 1}."]
+
+    def _update(self, table: Any, index: Optional[int], *values: Any) -> list:
+        rows = self._rows(table)
+        if index is None or not 0 <= int(index) < len(rows):
+            return [gr.skip(), "Pick a row first (click it in the table)."]
+        row, errors = self._item(values)
+        if errors:
+            return [gr.skip(), _error_md(errors)]
+        rows[int(index)] = row
+        return [rows, f"Updated row {int(index)}."]
+
+    def _remove(self, table: Any, index: Optional[int]) -> list:
+        rows = self._rows(table)
+        if index is None or not 0 <= int(index) < len(rows):
+            return [gr.skip(), gr.skip(), "Pick a row first (click it in the table)."]
+        del rows[int(index)]
+        return [rows, None, f"Removed row {int(index)}."]
+
+
+def _chunks(specs: List[FieldSpec]) -> List[List[FieldSpec]]:
+    out: List[List[FieldSpec]] = []
+    for s in specs:
+        wide = s.kind in (sw.TEXTAREA, sw.LIST, sw.YAML, sw.TABLE)
+        if wide or not out or len(out[-1]) >= ROW_WIDTH or out[-1][0].kind in (sw.TEXTAREA, sw.LIST, sw.YAML):
+            out.append([s])
+        else:
+            out[-1].append(s)
+    return out
+
+
+def _error_md(errors: Sequence[FieldError]) -> str:
+    return "\n".join(f"- {'⛔' if e.level == 'error' else '⚠️'} `{e.key}` — {e.message}" for e in errors)
+
+
+def tab_layout(specs: Sequence[FieldSpec]) -> List[tuple[str, str, List[str]]]:
+    """TAB_LAYOUT plus a tab for every section nobody mapped (a new schema section shows up)."""
+    layout = [(t, i, list(p)) for t, i, p in TAB_LAYOUT]
+    known = {p for _, _, ps in layout for p in ps}
+    for s in specs:
+        if not any(s.key == p or s.key.startswith(p + ".") for p in known):
+            layout.append((sw.label_of(s.section), s.section, [s.section]))
+            known.add(s.section)
+    return layout
+
+
+def prefix_of(key: str, prefixes: Sequence[str]) -> Optional[str]:
+    best = None
+    for p in prefixes:
+        if (key == p or key.startswith(p + ".")) and (best is None or len(p) > len(best)):
+            best = p
+    return best
+
+
+class Form:
+    """All config widgets, in schema order, laid out in tabs."""
+
+    def __init__(self, browser: Optional[FileBrowser] = None):
+        self.browser = browser
+        self.all_specs = sw.all_specs()
+        self.specs = [s for s in self.all_specs if not s.hidden]
+        self.hidden_specs = [s for s in self.all_specs if s.hidden]
+        self.widgets: Dict[str, gr.components.Component] = {}
+        self.editors: Dict[str, ListEditor] = {}
+        self.tab_of: Dict[str, str] = {}
+        self.layout = tab_layout(self.specs)
+
+    # -- building -----------------------------------------------------------------------------
+    def build(self, extras: Optional[Dict[str, Callable[[], None]]] = None) -> None:
+        """Create the tabs (call inside ``gr.Tabs``); ``extras[tab_id]()`` adds buttons to a tab."""
+        extras = extras or {}
+        all_prefixes = [p for _, _, ps in self.layout for p in ps]
+        for title, tab_id, prefixes in self.layout:
+            mine = [s for s in self.specs if prefix_of(s.key, all_prefixes) in prefixes]
+            with gr.Tab(title, id=tab_id, elem_id=f"tab-{tab_id}"):
+                if not hasattr(self, "hidden_state"):  # inside a tab: a bare child of gr.Tabs breaks tabs
+                    self.hidden_state = gr.State({s.key: s.default for s in self.hidden_specs})
+                for prefix in prefixes:
+                    if len(prefixes) > 1:
+                        gr.Markdown(f"### {sw.label_of(prefix.split('.')[-1])}\n{sw.section_help(prefix)}")
+                    self._build_group([s for s in mine if prefix_of(s.key, all_prefixes) == prefix], prefix)
+                for s in mine:
+                    self.tab_of[s.key] = tab_id
+                if tab_id in extras:
+                    extras[tab_id]()
+
+    def _build_group(self, specs: List[FieldSpec], prefix: str) -> None:
+        direct = [s for s in specs if s.group == prefix or s.key == prefix]
+        nested: Dict[str, List[FieldSpec]] = {}
+        for s in specs:
+            if s not in direct:
+                sub = prefix + "." + s.key[len(prefix) + 1:].split(".")[0]
+                nested.setdefault(sub, []).append(s)
+        for chunk in _chunks(direct):
+            if chunk[0].kind == sw.TABLE:
+                editor = ListEditor(chunk[0], self.browser)
+                self.editors[chunk[0].key] = editor
+                self.widgets[chunk[0].key] = editor.table
+                continue
+            with gr.Row(equal_height=False):
+                for s in chunk:
+                    self.widgets[s.key] = make_widget(s, sw.to_widget(s, s.default), s.elem_id, self.browser)
+        for sub, sub_specs in nested.items():
+            with gr.Accordion(f"{sw.label_of(sub.split('.')[-1])} — {sw.section_help(sub)}", open=True,
+                              elem_id="group-" + sub.replace(".", "-")):
+                self._build_group(sub_specs, sub)
+
+    # -- values -------------------------------------------------------------------------------
+    @property
+    def inputs(self) -> List[gr.components.Component]:
+        """Widgets in spec order, then the hidden-fields state: every handler's form inputs."""
+        return [self.widgets[s.key] for s in self.specs] + [self.hidden_state]
+
+    def values_for(self, cfg: Any) -> List[Any]:
+        """Outputs for ``self.inputs`` showing a config (DictConfig or nested dict). Interpolations such
+        as ``${atelier_root:}`` stay unresolved, so load → save gives back the same file."""
+        if isinstance(cfg, (DictConfig, ListConfig)):
+            cfg = OmegaConf.to_container(cfg, resolve=False)
+        hidden = {s.key: sw.get_path(cfg, s.key) for s in self.hidden_specs}
+        return sw.config_to_values(cfg, self.specs) + [hidden]
+
+    def lenient_values_for(self, raw: dict) -> List[Any]:
+        hidden = {s.key: sw.get_path(raw, s.key) if sw.get_path(raw, s.key) is not None else s.default
+                  for s in self.hidden_specs}
+        return sw.lenient_values(raw, self.specs) + [hidden]
+
+    def collect(self, values: Sequence[Any]) -> tuple[dict, List[FieldError]]:
+        """A config dict from handler values (``*values`` of ``self.inputs``) and field errors."""
+        *widget_values, hidden = values
+        data, errors = sw.values_to_dict(self.specs, widget_values)
+        for key, value in (hidden or {}).items():
+            if value is not None:
+                sw.set_path(data, key, value)
+        return data, errors
+
+    def raw_dict(self, values: Sequence[Any]) -> dict:
+        """What the user typed, valid or not (for the draft autosave)."""
+        *widget_values, hidden = values
+        data: dict = {}
+        for spec, raw in zip(self.specs, widget_values):
+            if spec.kind == sw.TABLE:
+                value, _ = sw.table_from_widget(spec, raw)
+            else:
+                value, err = sw.from_widget(spec, raw)
+                value = raw if err else value
+            sw.set_path(data, spec.key, value)
+        for key, value in (hidden or {}).items():
+            sw.set_path(data, key, value)
+        return data
+
+    # -- problems next to their fields ---------------------------------------------------------
+    @property
+    def annotated(self) -> List[gr.components.Component]:
+        """Outputs of :meth:`annotate`: scalar widgets, then each table's note."""
+        return [self.widgets[s.key] for s in self.specs if s.kind != sw.TABLE] + \
+            [e.note for e in self.editors.values()]
+
+    def annotate(self, issues: Sequence[FieldError]) -> List[Any]:
+        """Updates that put each problem under its field (and clear the old ones)."""
+        by_key: Dict[str, List[FieldError]] = {}
+        for issue in issues:
+            key = issue.key
+            if key not in self.widgets:
+                table = next((k for k in self.editors if key.startswith(k + ".")), None)
+                key = table or key
+            by_key.setdefault(key, []).append(issue)
+        out: List[Any] = []
+        for s in self.specs:
+            if s.kind == sw.TABLE:
+                continue
+            mine = by_key.get(s.key, [])
+            level = "error" if any(i.level == "error" for i in mine) else "warning" if mine else ""
+            info = s.info() + "".join(f"\n{'⛔' if i.level == 'error' else '⚠️'} {i.message}" for i in mine)
+            out.append(gr.update(info=info, elem_classes=[f"atl-field-{level}"] if level else []))
+        for key in self.editors:
+            out.append(_error_md(by_key.get(key, [])))
+        return out
+
+    def tab_for(self, key: str) -> Optional[str]:
+        for k in sorted(self.tab_of, key=len, reverse=True):
+            if key == k or key.startswith(k + "."):
+                return self.tab_of[k]
+        return None
+
+
+def load_updates(form: Form, values: Sequence[Any]) -> List[Any]:
+    """Outputs for ``form.load_outputs``: new values, with old problem notes cleared."""
+    out: List[Any] = []
+    for spec, value in zip(form.specs, values):
+        if spec.kind == sw.TABLE:
+            out.append(value)
+        else:
+            out.append(gr.update(value=value, info=spec.info(), elem_classes=[]))
+    out.append(values[len(form.specs)])
+    return out + [""] * len(form.editors)
+
+
+def load_outputs(form: Form) -> List[gr.components.Component]:
+    return form.inputs + [e.note for e in form.editors.values()]

@@ -1,0 +1,187 @@
+"""The bar above the tabs: presets, load/save YAML, validate, start, queue; and the draft autosave.
+
+Every load goes through ``trainer.config.load_config`` (preset ``base:`` chains, unknown keys,
+ranges), so a bad file is refused with a message naming the field and the form keeps what the
+user typed. Saving writes exactly the validated config, so load → save changes nothing.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, List, Optional
+
+import gradio as gr
+import yaml
+
+from trainer import config as tcfg
+from webui.context import AUTO, AppContext, issues_md
+from webui.form import load_outputs, load_updates
+from webui.jobqueue import Job
+
+
+def build(ctx: AppContext) -> None:
+    """Create the bar's components (inside the Blocks, above the tabs)."""
+    with gr.Row(equal_height=True, elem_id="config-bar"):
+        ctx.components["preset"] = gr.Dropdown(tcfg.preset_names(), value=None, label="Preset",
+                                               info="Load a built-in preset into the form.",
+                                               elem_id="preset-select", scale=2)
+        box = ctx.browser.path_field(lambda: gr.Textbox(label="Config file", scale=10, elem_id="config-path",
+                                                        info="A YAML file on the server (relative = workspace)."),
+                                     "config-path") if ctx.browser else gr.Textbox(label="Config file")
+        ctx.components["config_path"] = box
+        with gr.Column(scale=1, min_width=150):
+            ctx.components["load_file"] = gr.Button("Load file", size="sm", elem_id="load-file-btn")
+            ctx.components["save_file"] = gr.Button("Save to file", size="sm", elem_id="save-file-btn")
+        with gr.Column(scale=1, min_width=150):
+            ctx.components["upload"] = gr.UploadButton("Upload YAML", file_types=[".yaml", ".yml"], size="sm",
+                                                       elem_id="upload-btn")
+            ctx.components["download"] = gr.Button("Download YAML", size="sm", elem_id="download-btn")
+    with gr.Row(equal_height=True):
+        ctx.components["validate"] = gr.Button("Check settings", elem_id="validate-btn", scale=1)
+        ctx.components["start"] = gr.Button("▶ Start training", variant="primary", elem_id="start-btn", scale=2)
+        ctx.components["enqueue"] = gr.Button("Add to queue", elem_id="enqueue-btn", scale=1)
+    ctx.components["download_file"] = gr.File(label="YAML", visible=False, elem_id="download-file")
+    ctx.components["messages"] = gr.Markdown(elem_id="form-messages")
+
+
+def wire(ctx: AppContext) -> None:
+    """Attach the handlers (after the form and the Run tab exist)."""
+    form, c = ctx.form, ctx.components
+    assert form is not None
+    outs = load_outputs(form) + [c["messages"]]
+
+    def show(cfg: Any, note: str) -> List[Any]:
+        return load_updates(form, form.values_for(cfg)) + [note]
+
+    def refuse(message: str) -> List[Any]:
+        return [gr.skip()] * len(load_outputs(form)) + [f"⛔ {message}\n\nThe form was not changed."]
+
+    def load_preset(name: Optional[str]) -> List[Any]:
+        if not name:
+            return [gr.skip()] * len(outs)
+        try:
+            return show(tcfg.load_config(preset=name), f"Loaded preset **{name}**.")
+        except tcfg.ConfigError as exc:
+            return refuse(_named(exc))
+
+    def load_file(path: str) -> List[Any]:
+        target = _resolve(ctx, path)
+        if target is None:
+            return refuse("Type the path of a YAML file first.")
+        try:
+            return show(tcfg.load_config(target), f"Loaded `{target}`.")
+        except tcfg.ConfigError as exc:
+            return refuse(_named(exc))
+
+    def upload(file: Any) -> List[Any]:
+        if file is None:
+            return [gr.skip()] * len(outs)
+        try:
+            return show(tcfg.load_config(file), f"Loaded the uploaded file `{Path(file).name}`.")
+        except tcfg.ConfigError as exc:
+            return refuse(_named(exc))
+
+    c["preset"].input(load_preset, [c["preset"]], outs)
+    c["load_file"].click(load_file, [c["config_path"]], outs)
+    c["upload"].upload(upload, [c["upload"]], outs)
+
+    def save_file(path: str, *values: Any) -> str:
+        target = _resolve(ctx, path)
+        if target is None:
+            return "⛔ Type where to save (a .yaml path) first."
+        checked = ctx.check(values)
+        if checked.cfg is None:
+            return "⛔ Not saved — fix these first:\n" + issues_md(checked.issues, form)
+        tcfg.save_config(checked.cfg, target)
+        return f"Saved `{target}`."
+
+    def download(*values: Any) -> List[Any]:
+        checked = ctx.check(values)
+        if checked.cfg is None:
+            return [gr.File(visible=False), "⛔ Fix these first:\n" + issues_md(checked.issues, form)]
+        out = Path(tempfile.mkdtemp(prefix="atelier-")) / "atelier-config.yaml"
+        out.write_text(tcfg.to_yaml(checked.cfg), encoding="utf-8")
+        return [gr.File(value=str(out), visible=True), "Your YAML is ready below."]
+
+    c["save_file"].click(save_file, [c["config_path"], *form.inputs], [c["messages"]])
+    c["download"].click(download, form.inputs, [c["download_file"], c["messages"]])
+
+    checked_outs = form.annotated + [c["messages"]]
+
+    def validate(*values: Any) -> List[Any]:
+        checked = ctx.check(values)
+        if not checked.issues:
+            return form.annotate([]) + ["✅ Settings look good."]
+        head = "**Fix these before starting:**" if not checked.ok else "**Settings are valid. Warnings:**"
+        return form.annotate(checked.issues) + [head + "\n" + issues_md(checked.issues, form)]
+
+    c["validate"].click(validate, form.inputs, checked_outs)
+
+    def submit(values: tuple, queue_only: bool) -> List[Any]:
+        checked = ctx.check(values)
+        notes = form.annotate(checked.issues)
+        if not checked.ok:
+            first = checked.errors[0].key if checked.errors else ""
+            tab = form.tab_for(first) if first else None
+            msg = "**Nothing was started — fix these first:**\n" + issues_md(checked.issues, form)
+            return notes + [msg, gr.Tabs(selected=tab) if tab else gr.skip(), gr.skip()]
+        job = Job(name=ctx.run_name(checked.cfg), config_yaml=ctx.run_config_yaml(checked.cfg))
+        warn = ("\n\n**Warnings:**\n" + issues_md(checked.issues, form)) if checked.issues else ""
+        if queue_only:
+            ctx.manager.queue.add(job)
+            return notes + [f"Queued **{job.name}** (position {len(ctx.manager.queue.list())}).{warn}",
+                            gr.skip(), gr.skip()]
+        status, run_dir, job = ctx.manager.submit(job)
+        if status == "started" and run_dir is not None:
+            choices = [AUTO] + ctx.run_names()
+            return notes + [f"Started **{run_dir.name}**.{warn}", gr.Tabs(selected="run"),
+                            gr.Dropdown(choices=choices, value=run_dir.name)]
+        return notes + [f"A run is in progress: queued **{job.name}** behind it.{warn}",
+                        gr.Tabs(selected="queue"), gr.skip()]
+
+    submit_outs = checked_outs + [c["tabs"], c["run_select"]]
+    c["start"].click(lambda *v: submit(v, False), form.inputs, submit_outs, concurrency_limit=1)
+    c["enqueue"].click(lambda *v: submit(v, True), form.inputs, submit_outs, concurrency_limit=1)
+
+    # draft autosave: the form survives a page refresh and a UI restart
+    last = {"text": None}
+
+    def save_draft(*values: Any) -> None:
+        text = yaml.safe_dump(form.raw_dict(values), sort_keys=False, allow_unicode=True)
+        if text != last["text"]:
+            tmp = ctx.draft_path.with_name(ctx.draft_path.name + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(ctx.draft_path)
+            last["text"] = text
+
+    triggers = [w.change for w in form.widgets.values()]
+    gr.on(triggers, save_draft, form.inputs, None, trigger_mode="always_last", show_progress="hidden",
+          queue=False)
+
+
+def load_draft(ctx: AppContext) -> Optional[List[Any]]:
+    """Form values from ``ui-draft.yaml`` (lenient: invalid bits fall back to defaults), or None."""
+    try:
+        raw = yaml.safe_load(ctx.draft_path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    assert ctx.form is not None
+    return ctx.form.lenient_values_for(raw)
+
+
+def _resolve(ctx: AppContext, path: str) -> Optional[Path]:
+    path = (path or "").strip()
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else ctx.workspace / p
+
+
+def _named(exc: tcfg.ConfigError) -> str:
+    key = getattr(exc, "key", "")
+    return (f"`{key}` — " if key and key not in str(exc) else "") + str(exc)
+
+

@@ -1,0 +1,165 @@
+"""Buttons that live inside generated tabs: Concepts (thumbnails with captions), Sampling
+("sample now"), Backup ("backup now", resume from a chosen backup).
+
+They are handed to ``Form.build(extras=...)`` so the schema-generated tabs need no hand-written
+field code around them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import gradio as gr
+from omegaconf import OmegaConf
+
+from webui import runner
+from webui.context import AppContext
+from webui.jobqueue import Job
+
+IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+THUMBS = 24
+
+
+def extras(ctx: AppContext) -> Dict[str, Callable[[], None]]:
+    return {"concepts": lambda: concepts(ctx), "sampling": lambda: sampling(ctx),
+            "backup": lambda: backup(ctx)}
+
+
+def resolve_path(value: str) -> str:
+    """A path as the trainer will see it: interpolations (``${atelier_root:}``) resolved, relative
+    paths taken from the project folder (the trainer's working directory)."""
+    if "${" in value:
+        try:
+            value = str(OmegaConf.create({"v": value}).v)
+        except Exception:
+            return value
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else runner.REPO_ROOT / p)
+
+
+def concept_images(folder: str, recursive: bool = False) -> List[Path]:
+    root = Path(resolve_path(folder))
+    if not root.is_dir():
+        return []
+    it = root.rglob("*") if recursive else root.iterdir()
+    return sorted(p for p in it if p.suffix.lower() in IMAGE_EXT and p.is_file())
+
+
+def caption_for(image: Path, source: str, extension: str, file_lines: List[str], index: int) -> str:
+    """The caption the trainer would use, to show under each thumbnail."""
+    if source == "filename":
+        return image.stem
+    if source == "concept_file":
+        return file_lines[index % len(file_lines)] if file_lines else "(caption file is empty)"
+    cap = image.with_suffix(extension if extension.startswith(".") else "." + extension)
+    try:
+        return cap.read_text(encoding="utf-8").strip() or "(empty caption)"
+    except OSError:
+        return "(no caption file)"
+
+
+def concepts(ctx: AppContext) -> None:
+    assert ctx.form is not None
+    editor = ctx.form.editors.get("data.concepts")
+    if editor is None:
+        return
+    gr.Markdown("### Preview\nThe images of the concept being edited, with the captions the trainer will use.")
+    note = gr.Markdown(elem_id="concept-preview-note")
+    gallery = gr.Gallery(columns=6, height=320, elem_id="concept-thumbs", label="Concept images")
+    names = [c.key for c in editor.spec.items]
+    by = {k: editor.items[i] for i, k in enumerate(names)}
+    needed = ["path", "recursive", "caption_source", "caption_extension", "caption_file"]
+    if not all(k in by for k in needed):
+        return
+
+    def preview(path: str, recursive: bool, source: str, ext: str, cap_file: str) -> List[Any]:
+        if not path:
+            return ["", []]
+        if path.startswith("builtin:"):
+            return [f"`{path}` is built into the trainer; nothing to preview.", []]
+        path = resolve_path(path)
+        if not ctx.roots.allowed(path):
+            return [f"`{path}` is outside the folders this UI may show (start the UI with "
+                    "`--browse-root FOLDER` to allow it).", []]
+        images = concept_images(path, bool(recursive))
+        lines: List[str] = []
+        if source == "concept_file" and cap_file:
+            try:
+                lines = [ln.strip() for ln in Path(resolve_path(cap_file)).read_text(encoding="utf-8").splitlines() if ln.strip()]
+            except OSError:
+                lines = []
+        thumbs = [(_thumb(p), caption_for(p, source, ext or ".txt", lines, i)) for i, p in enumerate(images[:THUMBS])]
+        return [f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else ""),
+                thumbs]
+
+    inputs = [by[k] for k in needed]
+    for k in ("path", "recursive", "caption_source", "caption_extension"):
+        by[k].change(preview, inputs, [note, gallery], show_progress="hidden", trigger_mode="always_last")
+
+
+def _thumb(path: Path, size: int = 192) -> Any:
+    """A small copy, so previews stay light even for 8-megapixel photos."""
+    from PIL import Image
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        im.thumbnail((size, size))
+        return im.copy()
+
+
+def _active_or_watched(ctx: AppContext) -> Optional[Path]:
+    active = ctx.manager.active_runs()
+    return active[0] if active else None
+
+
+def sampling(ctx: AppContext) -> None:
+    with gr.Row():
+        btn = gr.Button("Sample now (running run)", elem_id="sampling-now-btn", scale=0)
+        msg = gr.Markdown()
+
+    def go() -> str:
+        run_dir = _active_or_watched(ctx)
+        return runner.request_action(run_dir, "sample") if run_dir else "No run is in progress."
+
+    btn.click(go, None, [msg])
+
+
+def all_backups(ctx: AppContext) -> List[tuple]:
+    out = []
+    for d in runner.list_run_dirs(ctx.workspace):
+        for b in sorted((d / "backups").glob("*"), reverse=True):
+            if b.is_dir():
+                out.append((f"{d.name} / {b.name}", str(b)))
+    return out
+
+
+def backup(ctx: AppContext) -> None:
+    with gr.Row():
+        btn = gr.Button("Backup now (running run)", elem_id="backup-tab-now-btn", scale=0)
+        msg = gr.Markdown()
+    gr.Markdown("### Resume from a backup\nContinues that run in its own folder with its own config.")
+    with gr.Row(equal_height=True):
+        pick = gr.Dropdown(all_backups(ctx), label="Backup", elem_id="backup-pick", scale=3)
+        refresh = gr.Button("Refresh", scale=0)
+        resume = gr.Button("Resume from this backup", variant="primary", elem_id="backup-resume", scale=1)
+
+    def now() -> str:
+        run_dir = _active_or_watched(ctx)
+        return runner.request_action(run_dir, "backup") if run_dir else "No run is in progress."
+
+    def do_resume(path: Optional[str]) -> List[Any]:
+        if not path or not Path(path).is_dir():
+            return ["Pick a backup first.", gr.skip(), gr.skip()]
+        run_dir = Path(path).parent.parent
+        if runner.process_alive(run_dir):
+            return ["That run is still running.", gr.skip(), gr.skip()]
+        status, _, _ = ctx.manager.submit(Job(name=run_dir.name, kind="resume", run_dir=str(run_dir),
+                                              resume=str(path)))
+        if status == "started":
+            return [f"Resuming **{run_dir.name}** from `{Path(path).name}`.", gr.Dropdown(value=run_dir.name),
+                    gr.Tabs(selected="run")]
+        return ["Another run is in progress: the resume was queued.", gr.skip(), gr.Tabs(selected="queue")]
+
+    btn.click(now, None, [msg])
+    refresh.click(lambda: gr.Dropdown(choices=all_backups(ctx)), None, [pick])
+    resume.click(do_resume, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)

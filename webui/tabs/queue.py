@@ -1,0 +1,69 @@
+"""The Queue tab: configs waiting to run one after another; reorder and cancel them.
+
+The queue lives in ``<workspace>/queue.json`` and the run manager's scheduler thread starts the
+next job when the trainer is idle, with or without a browser open.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import gradio as gr
+import pandas as pd
+
+from webui.context import AppContext
+from webui.monitor import age
+
+
+def queue_frame(ctx: AppContext) -> pd.DataFrame:
+    rows = [[i + 1, j.name, j.describe(), age(j.added), j.id] for i, j in enumerate(ctx.manager.queue.list())]
+    return pd.DataFrame(rows, columns=["#", "name", "what", "added", "id"])
+
+
+def choices(ctx: AppContext) -> List[tuple]:
+    return [(f"{i + 1}. {j.name}", j.id) for i, j in enumerate(ctx.manager.queue.list())]
+
+
+def now_running(ctx: AppContext) -> str:
+    active = ctx.manager.active_runs()
+    text = f"Running now: **{active[0].name}**" if active else "Nothing is running."
+    if ctx.manager.last_error:
+        text += f"\n\n⚠️ {ctx.manager.last_error}"
+    return text
+
+
+def build(ctx: AppContext) -> None:
+    running = gr.Markdown(now_running(ctx), elem_id="queue-running")
+    table = gr.Dataframe(queue_frame(ctx), interactive=False, elem_id="queue-table")
+    with gr.Row(equal_height=True):
+        pick = gr.Dropdown(choices(ctx), label="Job", elem_id="queue-pick", scale=3)
+        up = gr.Button("Move up", elem_id="queue-up", scale=1)
+        down = gr.Button("Move down", elem_id="queue-down", scale=1)
+        cancel = gr.Button("Cancel job", variant="stop", elem_id="queue-cancel", scale=1)
+    timer = gr.Timer(2.0)
+    seen = gr.State(None)
+
+    def refresh(selected: Optional[str], last: Any) -> List[Any]:
+        frame = queue_frame(ctx)
+        sig = (frame.to_json(), now_running(ctx))
+        if sig == last:
+            return [gr.skip(), gr.skip(), gr.skip(), last]
+        ids = [c[1] for c in choices(ctx)]
+        return [sig[1], frame, gr.Dropdown(choices=choices(ctx), value=selected if selected in ids else None), sig]
+
+    timer.tick(refresh, [pick, seen], [running, table, pick, seen], show_progress="hidden", queue=False)
+
+    def move(job_id: Optional[str], delta: int) -> List[Any]:
+        if job_id:
+            ctx.manager.queue.move(job_id, delta)
+        return refresh(job_id, None)
+
+    def drop(job_id: Optional[str]) -> List[Any]:
+        if job_id:
+            ctx.manager.queue.remove(job_id)
+        return refresh(None, None)
+
+    outs = [running, table, pick, seen]
+    up.click(lambda j: move(j, -1), [pick], outs)
+    down.click(lambda j: move(j, +1), [pick], outs)
+    cancel.click(drop, [pick], outs)

@@ -1,0 +1,192 @@
+"""The Run tab: live progress, loss/LR charts, samples, log tail, Stop / sample now / backup now.
+
+A ``gr.Timer`` polls the run folder (through the shared :class:`~webui.monitor.RunMonitor`), so
+the page holds no state of its own: a reload, a second browser or a restarted UI shows the same
+run. Each output is only re-sent when it changed (``gr.skip()``), which keeps the gallery still.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from pathlib import Path
+from typing import Any, List, Optional
+
+import gradio as gr
+import pandas as pd
+
+from webui import runner
+from webui.context import AUTO, AppContext
+from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
+
+STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
+               "finished": "Finished", "stopped": "Stopped", "failed": "Failed", "died": "Ended unexpectedly"}
+WARN_RE = re.compile(r"warn", re.I)
+ERR_RE = re.compile(r"error|traceback|exception|killed|out of memory|\bfailed\b", re.I)
+
+
+def make_run_select(ctx: AppContext) -> gr.Dropdown:
+    """Created unrendered before the tabs, so earlier tabs can point it at a run; rendered here."""
+    return gr.Dropdown([AUTO] + ctx.run_names(), value=AUTO, label="Run", elem_id="run-select", scale=3,
+                       allow_custom_value=True, render=False)
+
+
+def build(ctx: AppContext) -> None:
+    with gr.Row(equal_height=True):
+        ctx["run_select"].render()
+        stop = gr.Button("■ Stop", variant="stop", elem_id="stop-btn", scale=1)
+        sample = gr.Button("Sample now", elem_id="sample-now-btn", scale=1)
+        backup = gr.Button("Backup now", elem_id="backup-now-btn", scale=1)
+    status = gr.HTML(status_html(None), elem_id="run-status")
+    action_msg = gr.Markdown(elem_id="run-action-msg")
+    with gr.Row():
+        loss_plot = gr.LinePlot(x="step", y="value", color="series", title="Loss", elem_id="loss-plot",
+                                height=260)
+        lr_plot = gr.LinePlot(x="step", y="value", color="series", title="Learning rate", elem_id="lr-plot",
+                              height=260)
+    order = gr.Radio(["newest first", "by prompt"], value="newest first", label="Samples",
+                     elem_id="sample-order")
+    gallery = gr.Gallery(label="Samples", columns=4, height=420, elem_id="sample-gallery", object_fit="contain")
+    problems = gr.Markdown(elem_id="run-problems")
+    log = gr.HTML(elem_id="run-log")
+    seen = gr.State({})
+    timer = gr.Timer(1.0)
+
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, seen, ctx["run_select"]]
+
+    def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
+        run_dir = ctx.resolve_watched(selected)
+        view = ctx.monitor.view(run_dir) if run_dir else None
+        new = dict(last or {})
+        parts = render(ctx, view, run_dir, sample_order)
+        out: List[Any] = []
+        for name, value, sig in parts:
+            if new.get(name) == sig:
+                out.append(gr.skip())
+            else:
+                new[name] = sig
+                out.append(value)
+        names = ctx.run_names()
+        if new.get("names") != names:
+            new["names"] = names
+            out += [new, gr.Dropdown(choices=[AUTO] + names)]
+        else:
+            out += [new, gr.skip()]
+        return out
+
+    timer.tick(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
+    ctx["run_select"].change(lambda s, o: poll(s, o, {}), [ctx["run_select"], order], outputs,
+                             show_progress="hidden")
+    order.change(lambda s, o, last: poll(s, o, {k: v for k, v in (last or {}).items() if k != "gallery"}),
+                 [ctx["run_select"], order, seen], outputs, show_progress="hidden")
+
+    def do_stop(selected: str) -> str:
+        run_dir = ctx.resolve_watched(selected)
+        return runner.stop(run_dir) if run_dir else "No run to stop."
+
+    def do_action(selected: str, action: str) -> str:
+        run_dir = ctx.resolve_watched(selected)
+        return runner.request_action(run_dir, action) if run_dir else "No run."
+
+    stop.click(do_stop, [ctx["run_select"]], [action_msg])
+    sample.click(lambda s: do_action(s, "sample"), [ctx["run_select"]], [action_msg])
+    backup.click(lambda s: do_action(s, "backup"), [ctx["run_select"]], [action_msg])
+    ctx.components["run_action_msg"] = action_msg
+
+
+def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], order: str) -> List[tuple]:
+    """(name, value, signature) for each live output."""
+    if view is None:
+        return [("status", status_html(None), "none"), ("loss", None, "none"), ("lr", None, "none"),
+                ("gallery", [], "none"), ("problems", "", "none"), ("log", "", "none")]
+    sig = (view.name, view.version, view.state)
+    loss, lr = chart_frames(view)
+    samples = gallery_items(view, order)
+    log = log_tail(view.path)
+    return [("status", status_html(view), (sig, view.step, view.message)),
+            ("loss", loss, (view.name, len(view.loss_points), view.loss_points[-1:] if view.loss_points else 0)),
+            ("lr", lr, (view.name, len(view.lr_points))),
+            ("gallery", samples, (view.name, order, tuple(p for p, _ in samples))),
+            ("problems", problems_md(view), (sig, view.message, len(view.warnings))),
+            ("log", log_html(log), (view.name, hash(log)))]
+
+
+def status_html(view: Optional[RunView]) -> str:
+    if view is None:
+        return ('<div class="atl-status" data-state="none">No runs yet. Choose a preset, then press '
+                '<b>Start training</b>.</div>')
+    pct = round(100 * view.progress, 1)
+    total = view.total_steps or "?"
+    bits = [f"step <b>{view.step} / {total}</b>", f"epoch {view.epoch}"]
+    if view.loss is not None:
+        bits.append(f"loss {view.loss:.4g}")
+    if view.it_s:
+        bits.append(f"{view.it_s:.2f} it/s")
+    if view.active and view.eta_s is not None:
+        bits.append(f"ETA {format_duration(view.eta_s)}")
+    extra = ""
+    if view.state == "stopped" and view.backups:
+        extra = f'<div class="atl-note">Backup: <code>{html.escape(Path(view.backups[-1]).name)}</code></div>'
+    if view.state in ("failed", "died") and view.message:
+        extra = f'<div class="atl-note atl-err">{html.escape(view.message.splitlines()[0])}</div>'
+    if view.state == "finished" and view.outputs:
+        extra = f'<div class="atl-note">Saved: <code>{html.escape(view.outputs[-1])}</code></div>'
+    return (f'<div class="atl-status" data-state="{view.state}" data-step="{view.step}" '
+            f'data-total="{view.total_steps}" data-run="{html.escape(view.name)}">'
+            f'<span class="atl-badge atl-{view.state}">{STATE_WORDS.get(view.state, view.state)}</span> '
+            f'<b>{html.escape(view.name)}</b>'
+            f'<div class="atl-bar"><div style="width:{pct}%"></div></div>'
+            f'<div>{" · ".join(bits)}</div>{extra}</div>')
+
+
+def chart_frames(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
+    pts = view.loss_points
+    frames = []
+    if pts:
+        steps = [s for s, _ in pts]
+        frames.append(pd.DataFrame({"step": steps, "value": [v for _, v in pts], "series": "loss"}))
+        frames.append(pd.DataFrame({"step": steps, "value": smooth([v for _, v in pts]), "series": "smoothed"}))
+    loss = pd.concat(frames) if frames else pd.DataFrame({"step": [], "value": [], "series": []})
+    loss = pd.DataFrame(downsample(list(loss.itertuples(index=False, name=None)), 800),
+                        columns=["step", "value", "series"]) if len(loss) else loss
+    lr_rows = downsample(view.lr_points, 800)
+    lr = pd.DataFrame([(s, v, g) for s, g, v in lr_rows], columns=["step", "value", "series"])
+    return loss, lr
+
+
+def gallery_items(view: RunView, order: str, limit: int = 48) -> List[tuple]:
+    samples = list(view.samples)
+    if order == "by prompt":
+        samples.sort(key=lambda s: (s.prompt_index, -s.step))
+    else:
+        samples.sort(key=lambda s: (-s.step, s.prompt_index))
+    return [(s.path, s.caption) for s in samples[:limit]]
+
+
+def problems_md(view: RunView) -> str:
+    lines = []
+    if view.state in ("failed", "died") and view.message:
+        title = "The run failed" if view.state == "failed" else "The trainer stopped unexpectedly"
+        lines.append(f"### ⛔ {title}\n{view.message}")
+        if view.traceback:
+            lines.append("<details><summary>Traceback</summary>\n\n```\n" + view.traceback[-4000:] + "\n```\n</details>")
+        lines.append("Last log lines are below.")
+    if view.advice:
+        lines.append(f"**What to try:** {view.advice}")
+    for w in view.warnings[-10:]:
+        lines.append(f"- ⚠️ {w}")
+    return "\n\n".join(lines)
+
+
+def log_html(text: str) -> str:
+    out = []
+    for line in text.splitlines():
+        esc = html.escape(line)
+        if ERR_RE.search(line):
+            out.append(f'<span class="atl-log-err">{esc}</span>')
+        elif WARN_RE.search(line):
+            out.append(f'<span class="atl-log-warn">{esc}</span>')
+        else:
+            out.append(esc)
+    body = "\n".join(out) or "(no log yet)"
+    return f'<details open><summary>Log (last lines)</summary><pre class="atl-log">{body}</pre></details>'

@@ -1,0 +1,122 @@
+"""The Runs tab: every run folder with its state, config, outputs, loss curve and samples;
+"watch", "new run from this config" and "resume" (``--resume last`` into the same folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, List, Optional
+
+import gradio as gr
+import pandas as pd
+
+from trainer import config as tcfg
+from webui import runner
+from webui.context import AppContext
+from webui.form import load_outputs, load_updates
+from webui.jobqueue import Job
+from webui.monitor import age
+from webui.tabs.run import STATE_WORDS, chart_frames, gallery_items
+
+COLUMNS = ["run", "state", "steps", "last loss", "started", "backups", "outputs"]
+
+
+def runs_table(ctx: AppContext) -> pd.DataFrame:
+    rows = []
+    for d in runner.list_run_dirs(ctx.workspace):
+        v = ctx.monitor.view(d)
+        rows.append([v.name, STATE_WORDS.get(v.state, v.state), f"{v.step}/{v.total_steps or '?'}",
+                     "" if v.loss is None else f"{v.loss:.4g}", age(v.started_at), len(v.backups),
+                     ", ".join(Path(p).name for p in v.outputs)])
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def build(ctx: AppContext) -> None:
+    with gr.Row():
+        refresh = gr.Button("Refresh", size="sm", scale=0, elem_id="runs-refresh")
+    table = gr.Dataframe(runs_table(ctx), interactive=False, elem_id="runs-table", wrap=True)
+    with gr.Row(equal_height=True):
+        pick = gr.Dropdown(ctx.run_names(), label="Run", elem_id="runs-pick", scale=3)
+        watch = gr.Button("Watch in Run tab", scale=1, elem_id="runs-watch")
+        reuse = gr.Button("New run from this config", scale=1, elem_id="runs-reuse")
+        resume = gr.Button("Resume", variant="primary", scale=1, elem_id="runs-resume")
+    msg = gr.Markdown(elem_id="runs-msg")
+    summary = gr.Markdown(elem_id="runs-summary")
+    with gr.Row():
+        loss = gr.LinePlot(x="step", y="value", color="series", title="Loss", height=240, elem_id="runs-loss")
+        cfg_view = gr.Code(language="yaml", label="config.yaml", elem_id="runs-config", max_lines=30)
+    gallery = gr.Gallery(label="Samples", columns=6, height=300, elem_id="runs-gallery")
+
+    def refresh_all() -> List[Any]:
+        return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names())]
+
+    refresh.click(refresh_all, None, [table, pick])
+    ctx.components["runs_refresh"] = (refresh_all, [table, pick])
+
+    def details(name: Optional[str]) -> List[Any]:
+        run_dir = ctx.run_dir(name or "")
+        if run_dir is None:
+            return ["", None, "", []]
+        v = ctx.monitor.view(run_dir)
+        text = [f"**{v.name}** — {STATE_WORDS.get(v.state, v.state)}, step {v.step}/{v.total_steps or '?'}",
+                f"Folder: `{run_dir}`"]
+        if v.message:
+            text.append(v.message)
+        if v.advice:
+            text.append(f"**What to try:** {v.advice}")
+        text += [f"- output: `{p}`" for p in v.outputs] + [f"- backup: `{p}`" for p in v.backups]
+        try:
+            config_text = (run_dir / "config.yaml").read_text(encoding="utf-8")
+        except OSError:
+            config_text = ""
+        loss_df, _ = chart_frames(v)
+        return ["\n\n".join(text), loss_df, config_text, gallery_items(v, "newest first", 24)]
+
+    pick.change(details, [pick], [summary, loss, cfg_view, gallery])
+    def select_row(evt: gr.SelectData) -> Any:
+        return gr.Dropdown(value=evt.row_value[0]) if evt.row_value else gr.skip()
+
+    table.select(select_row, None, [pick])
+
+    def watch_run(name: Optional[str]) -> List[Any]:
+        if not ctx.run_dir(name or ""):
+            return [gr.skip(), gr.skip()]
+        return [gr.Dropdown(value=name), gr.Tabs(selected="run")]
+
+    watch.click(watch_run, [pick], [ctx["run_select"], ctx["tabs"]])
+
+    assert ctx.form is not None
+    form = ctx.form
+
+    def reuse_config(name: Optional[str]) -> List[Any]:
+        run_dir = ctx.run_dir(name or "")
+        n = len(load_outputs(form))
+        if run_dir is None:
+            return [gr.skip()] * n + ["Pick a run first.", gr.skip()]
+        try:
+            cfg = tcfg.load_config(run_dir / "config.yaml")
+        except tcfg.ConfigError as exc:
+            return [gr.skip()] * n + [f"⛔ {exc}", gr.skip()]
+        cfg.general.run_name = ""
+        note = f"Loaded the config of **{name}** into the form (run name cleared)."
+        return load_updates(form, form.values_for(cfg)) + [note, gr.Tabs(selected="general")]
+
+    reuse.click(reuse_config, [pick], load_outputs(form) + [ctx["messages"], ctx["tabs"]])
+
+    def resume_run(name: Optional[str]) -> List[Any]:
+        run_dir = ctx.run_dir(name or "")
+        if run_dir is None:
+            return ["Pick a run first.", gr.skip(), gr.skip()]
+        v = ctx.monitor.view(run_dir)
+        if v.active:
+            return ["This run is still running.", gr.skip(), gr.skip()]
+        if not v.backups:
+            return ["This run has no backup to resume from.", gr.skip(), gr.skip()]
+        job = Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last")
+        status, started, _ = ctx.manager.submit(job)
+        if status == "started":
+            return [f"Resuming **{run_dir.name}** from its last backup.", gr.Dropdown(value=run_dir.name),
+                    gr.Tabs(selected="run")]
+        return [f"Another run is in progress: queued the resume of **{run_dir.name}**.", gr.skip(),
+                gr.Tabs(selected="queue")]
+
+    resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
