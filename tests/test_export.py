@@ -90,15 +90,18 @@ def _load_lora_strictly(pipe, path):
     """load_lora_weights, failing on peft's partial-load warning and on any library warning log."""
     handler = _Records()
     loggers = [logging.getLogger(n) for n in ("diffusers", "peft", "transformers")]
-    for logger in loggers:
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:  # conftest quiets these (DIFFUSERS_VERBOSITY=error); here we must hear them
         logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*inconsistency was discovered.*")
             pipe.load_lora_weights(str(path))
     finally:
-        for logger in loggers:
+        for logger, level in zip(loggers, levels):
             logger.removeHandler(handler)
+            logger.setLevel(level)
     assert not handler.messages, handler.messages
 
 
@@ -276,6 +279,7 @@ def test_locon_loads_in_diffusers_with_no_dropped_keys(tmp_path):
     save_lora_kohya(path, sd, meta, "fp32")
     with safe_open(str(path), framework="pt") as f:
         assert f.metadata()["modelspec.architecture"] == "stable-diffusion-v2-768-v/lora"
+        assert f.metadata()["ss_base_model_version"] == "sd_v2_v"
         assert "conv_dim" in f.metadata()["ss_network_args"]
     fresh = _pipe("tiny-sd2")
     _load_lora_strictly(fresh, path)
@@ -327,6 +331,8 @@ def test_dora_scale_round_trip(tmp_path):
     assert sd["lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q.dora_scale"].ndim == 2
     path = tmp_path / "dora.safetensors"
     save_lora_kohya(path, sd, None, "fp32")
+    with pytest.raises(AssertionError, match="DoRA checkpoint"):  # also proves _load_lora_strictly hears logs
+        _load_lora_strictly(_pipe(), path)
     fresh = _pipe()
     _add_lora(fresh, ["to_q", "conv1"], use_dora=True, te=False, seed=5)
     load_lora_kohya_into_peft(path, fresh.unet)

@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     add_config_args(v)
     v.add_argument("--json", action="store_true", help="Print the result as JSON.")
 
+    dr = sub.add_parser("data-report", help="Scan the concepts and report what training would see.")
+    add_config_args(dr)
+    dr.add_argument("--json", action="store_true", help="Print the report as JSON.")
+
     sub.add_parser("presets", help="List the built-in presets.")
     h = sub.add_parser("config-help", help="List every setting with its default and help text.")
     h.add_argument("--json", action="store_true")
@@ -97,6 +101,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             print(f"Config error: {exc}", file=sys.stderr)
         return 2 if args.command == "train" else 1
+    if args.command == "data-report":
+        from trainer.data.report import print_report
+        return print_report(cfg, as_json=args.json)
     issues = cross_field_warnings(cfg)
     errors = [i for i in issues if i.level == "error"]
     if args.command == "validate":

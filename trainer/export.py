@@ -549,7 +549,8 @@ def lora_metadata(family: str, *, title: str, prediction_type: str = "epsilon",
     if pred is None:
         raise ValueError(f"unknown prediction type {prediction_type!r}; use 'epsilon' or 'v_prediction'")
     meta = {
-        "ss_base_model_version": _BASE_MODEL_VERSION[family],
+        # kohya's get_model_version_str_for_sd1_sd2: sd_v1 / sd_v2, "_v" appended for v-prediction
+        "ss_base_model_version": _BASE_MODEL_VERSION[family] + ("_v" if pred == "v" and family != "sdxl" else ""),
         "ss_v2": str(family == "sd2"),
         "ss_network_module": "networks.lora",
         "modelspec.sai_model_spec": "1.0.0",

@@ -131,8 +131,9 @@ class Trainer:
         self.device = self.accelerator.device
         set_seed(g.seed)
 
-        from trainer.data.concepts import scan_concepts
-        self.items, self.report = scan_concepts(cfg.data, warn=self.warn)
+        from trainer.data.pipeline import DataPipeline
+        self.data = DataPipeline(cfg, warn=self.warn)
+        self.report = self.data.report
 
         from trainer.models.sd import load_model
         log.info("loading model %s", cfg.model.path)
@@ -149,7 +150,7 @@ class Trainer:
         from trainer.optim import build_optimizer, build_scheduler, param_groups
         self.groups = param_groups(self.method, cfg)
         self.optimizer = build_optimizer(self.groups, cfg)
-        self.micro_batches_per_epoch = len(self._epoch_batches(0))
+        self.micro_batches_per_epoch = len(self.data.epoch_batches(0))
         self.steps_per_epoch = max(1, self.micro_batches_per_epoch // t.gradient_accumulation_steps)
         if self.micro_batches_per_epoch < t.gradient_accumulation_steps:
             raise ConfigError(f"An epoch has {self.micro_batches_per_epoch} batches, fewer than "
@@ -160,9 +161,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.generator = torch.Generator().manual_seed(g.seed)
 
-        self.cache = None
-        if cfg.data.cache_latents:
-            self._cache_latents()
+        self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype)
         self.tb = None
         if g.tensorboard:
             try:
@@ -175,68 +174,13 @@ class Trainer:
         log.warning(message)
         self.run.events.emit("warning", message=message)
 
-    # --- data ------------------------------------------------------------------------------
-    def _repeats(self) -> List[float]:
-        return [self.cfg.data.concepts[it.concept_index].repeats for it in self.items]
-
-    def _epoch_batches(self, epoch: int) -> List[List[int]]:
-        from trainer.data.concepts import epoch_order
-        order = epoch_order(self.items, self._repeats(), epoch, self.cfg.general.seed)
-        bs = self.cfg.training.batch_size
-        return [order[i:i + bs] for i in range(0, len(order), bs)]
-
-    def _variants(self) -> List[int]:
-        return [0, 1] if self.cfg.data.random_flip else [0]
-
-    def _load_pixels(self, item, variant: int, crop_rng=None):
-        from trainer.data.images import load_image
-        d = self.cfg.data
-        return load_image(item.path, d.resolution, d.center_crop, bool(variant), crop_rng)
-
-    def _cache_latents(self) -> None:
-        from trainer.data.cache import LatentCache
-        d = self.cfg.data
-        cache_dir = Path(d.cache_dir) if d.cache_dir else Path(self.cfg.general.workspace) / "cache"
-        crop = "center" if d.center_crop else "random-fixed"
-        key = f"{self.model.fingerprint()}|res{d.resolution}|{crop}|{self.cfg.model.vae_dtype}"
-        self.cache = LatentCache(cache_dir, key)
-        t0 = time.time()
-        n = self.cache.ensure(self.items, self._variants(), self.model.encode_pixels,
-                              lambda it, v: self._load_pixels(it, v, random.Random(f"crop-{it.path}")),
-                              batch_size=max(1, self.cfg.training.batch_size),
-                              progress=lambda i, total: log.info("caching latents %d/%d", i, total)
-                              if i == total or i % 50 == 0 else None)
-        log.info("latent cache: %d encoded, %d reused (%.1fs)", n,
-                 len(self.items) * len(self._variants()) - n, time.time() - t0)
-
-    def _batch(self, indices: List[int], epoch: int, batch_index: int):
-        """Latent distributions, captions and weights for one micro-batch; every random choice is a
-        function of (seed, epoch, position) so a resumed run picks the same."""
-        import torch
-        from trainer.data.concepts import pick_caption
-        seed = self.cfg.general.seed
-        dists, captions, weights = [], [], []
-        for j, idx in enumerate(indices):
-            item = self.items[idx]
-            rng = random.Random(f"{seed}-{epoch}-{batch_index}-{j}")
-            captions.append(pick_caption(item, rng))
-            variant = 1 if (self.cfg.data.random_flip and rng.random() < 0.5) else 0
-            if self.cache is not None:
-                dists.append(self.cache.get(item, variant))
-            else:
-                pixels = self._load_pixels(item, variant, None if self.cfg.data.center_crop else rng)
-                dists.append({k: v[0] for k, v in self.model.encode_pixels(pixels[None]).items()})
-            weights.append(item.loss_weight)
-        dist = {k: torch.stack([d[k] for d in dists]) for k in ("mean", "std")}
-        return dist, captions, torch.tensor(weights, dtype=torch.float32)
-
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward_loss(self, dist, captions, weights):
+    def _forward_loss(self, batch):
         import torch
         from trainer.loss import diffusion_loss
         model = self.model
         t = self.cfg.training
-        latents = model.sample_latents(dist, self.generator)
+        latents = model.sample_latents(batch["latent_dist"], self.generator)
         noise = torch.randn(latents.shape, generator=self.generator).to(latents.device)
         if t.noise_offset > 0:
             noise = noise + t.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
@@ -245,14 +189,14 @@ class Trainer:
                                   generator=self.generator).to(latents.device)
         noisy, target = model.noisy_and_target(latents, noise, timesteps)
         with self.accelerator.autocast():
-            ids = model.tokenize(captions)
+            ids = model.tokenize(batch["captions"])
             if "text_encoder" in self.method.modules:
                 cond = model.encode_text(ids)
             else:
                 with torch.no_grad():
                     cond = model.encode_text(ids)
             model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond.to(model.unet.dtype))
-        return diffusion_loss(model_pred, target, weights)
+        return diffusion_loss(model_pred, target, batch["loss_weights"])
 
     # --- the run ---------------------------------------------------------------------------
     def train(self) -> str:
@@ -276,12 +220,11 @@ class Trainer:
         bar = self._progress_bar()
         loss_acc = 0.0
         while self.pos.step < self.total_steps:
-            batches = self._epoch_batches(self.pos.epoch)
+            batches = self.data.epoch_batches(self.pos.epoch)
             usable = (len(batches) // accum) * accum
             while self.pos.batch_in_epoch < usable and self.pos.step < self.total_steps:
                 bi = self.pos.batch_in_epoch
-                dist, captions, weights = self._batch(batches[bi], self.pos.epoch, bi)
-                loss = self._forward_loss(dist, captions, weights)
+                loss = self._forward_loss(self.data.batch(batches[bi], self.pos.epoch, bi))
                 if not torch.isfinite(loss):
                     raise TrainingError(
                         f"The loss became {loss.item()} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "

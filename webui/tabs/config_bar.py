@@ -8,6 +8,7 @@ user typed. Saving writes exactly the validated config, so load → save changes
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -146,14 +147,16 @@ def wire(ctx: AppContext) -> None:
 
     # draft autosave: the form survives a page refresh and a UI restart
     last = {"text": None}
+    lock = threading.Lock()
 
     def save_draft(*values: Any) -> None:
         text = yaml.safe_dump(form.raw_dict(values), sort_keys=False, allow_unicode=True)
-        if text != last["text"]:
-            tmp = ctx.draft_path.with_name(ctx.draft_path.name + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(ctx.draft_path)
-            last["text"] = text
+        with lock:  # change events of many widgets arrive together
+            if text != last["text"]:
+                tmp = ctx.draft_path.with_name(f"{ctx.draft_path.name}.{threading.get_ident()}.tmp")
+                tmp.write_text(text, encoding="utf-8")
+                tmp.replace(ctx.draft_path)
+                last["text"] = text
 
     triggers = [w.change for w in form.widgets.values()]
     gr.on(triggers, save_draft, form.inputs, None, trigger_mode="always_last", show_progress="hidden",

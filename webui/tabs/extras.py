@@ -97,6 +97,19 @@ def concepts(ctx: AppContext) -> None:
     for k in ("path", "recursive", "caption_source", "caption_extension"):
         by[k].change(preview, inputs, [note, gallery], show_progress="hidden", trigger_mode="always_last")
 
+    def preview_row(table: Any, row: Optional[float]) -> List[Any]:
+        """When the table changes (a preset was loaded), preview the edited row, else the first."""
+        from webui.schema_widgets import table_from_widget
+        items, _ = table_from_widget(editor.spec, table)
+        if not items:
+            return ["No concepts yet: add one below.", []]
+        item = items[int(row) if row is not None and 0 <= int(row) < len(items) else 0]
+        return preview(str(item.get("path") or ""), bool(item.get("recursive")), str(item.get("caption_source")),
+                       str(item.get("caption_extension") or ".txt"), str(item.get("caption_file") or ""))
+
+    editor.table.change(preview_row, [editor.table, editor.row], [note, gallery], show_progress="hidden",
+                        trigger_mode="always_last")
+
 
 def _thumb(path: Path, size: int = 192) -> Any:
     """A small copy, so previews stay light even for 8-megapixel photos."""

@@ -139,18 +139,21 @@ def status_html(view: Optional[RunView]) -> str:
             f'<div>{" · ".join(bits)}</div>{extra}</div>')
 
 
-def chart_frames(view: RunView) -> tuple[pd.DataFrame, pd.DataFrame]:
+def chart_frames(view: RunView) -> tuple[Optional[pd.DataFrame], Optional[pd.DataFrame]]:
+    """Loss (raw + smoothed) and LR frames for gr.LinePlot; None while there is no data, because
+    a plot first given an empty frame types its colour column wrongly and never draws lines."""
     pts = view.loss_points
-    frames = []
+    loss = lr = None
     if pts:
         steps = [s for s, _ in pts]
-        frames.append(pd.DataFrame({"step": steps, "value": [v for _, v in pts], "series": "loss"}))
-        frames.append(pd.DataFrame({"step": steps, "value": smooth([v for _, v in pts]), "series": "smoothed"}))
-    loss = pd.concat(frames) if frames else pd.DataFrame({"step": [], "value": [], "series": []})
-    loss = pd.DataFrame(downsample(list(loss.itertuples(index=False, name=None)), 800),
-                        columns=["step", "value", "series"]) if len(loss) else loss
-    lr_rows = downsample(view.lr_points, 800)
-    lr = pd.DataFrame([(s, v, g) for s, g, v in lr_rows], columns=["step", "value", "series"])
+        values = [v for _, v in pts]
+        rows = [(s, v, "loss") for s, v in zip(steps, values)]
+        rows += [(s, v, "smoothed") for s, v in zip(steps, smooth(values))]
+        loss = pd.DataFrame(downsample(rows[:len(pts)], 500) + downsample(rows[len(pts):], 500),
+                            columns=["step", "value", "series"])
+    if view.lr_points:
+        lr = pd.DataFrame([(s, v, g) for s, g, v in downsample(view.lr_points, 800)],
+                          columns=["step", "value", "series"])
     return loss, lr
 
 
