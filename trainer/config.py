@@ -158,6 +158,16 @@ class TrainingConfig:
 
 
 @dataclass
+class LossConfig:
+    type: str = f("mse", "Loss between prediction and target.", choices=["mse"])
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = f(False, "Keep an exponential moving average of the trained weights.")
+
+
+@dataclass
 class LoraConfig:
     rank: int = f(16, "LoRA rank (dim): capacity of the adapter.", min=1, max=1024)
     alpha: float = f(16.0, "LoRA alpha: the update is scaled by alpha/rank.", min=0.0, max=4096.0)
@@ -217,6 +227,8 @@ class AtelierConfig:
     model: ModelConfig = f(help="Base model and precision.", factory=ModelConfig)
     data: DataConfig = f(help="Concepts and image handling.", factory=DataConfig)
     training: TrainingConfig = f(help="Optimisation.", factory=TrainingConfig)
+    loss: LossConfig = f(help="Loss function and weighting.", factory=LossConfig)
+    ema: EmaConfig = f(help="Exponential moving average of the weights.", factory=EmaConfig)
     lora: LoraConfig = f(help="LoRA adapter (training.method = lora).", factory=LoraConfig)
     sampling: SamplingConfig = f(help="Sample images during training.", factory=SamplingConfig)
     backup: BackupConfig = f(help="Backups for resuming.", factory=BackupConfig)

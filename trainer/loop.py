@@ -189,12 +189,14 @@ class Trainer:
                                   generator=self.generator).to(latents.device)
         noisy, target = model.noisy_and_target(latents, noise, timesteps)
         with self.accelerator.autocast():
-            ids = model.tokenize(batch["captions"])
-            if "text_encoder" in self.method.modules:
-                cond = model.encode_text(ids)
+            cond = batch.get("encoder_hidden_states")
+            if cond is not None:
+                cond = cond.to(model.device)
+            elif "text_encoder" in self.method.modules:
+                cond = model.encode_text(model.tokenize(batch["captions"]))
             else:
                 with torch.no_grad():
-                    cond = model.encode_text(ids)
+                    cond = model.encode_text(model.tokenize(batch["captions"]))
             model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond.to(model.unet.dtype))
         return diffusion_loss(model_pred, target, batch["loss_weights"])
 
@@ -220,11 +222,11 @@ class Trainer:
         bar = self._progress_bar()
         loss_acc = 0.0
         while self.pos.step < self.total_steps:
-            batches = self.data.epoch_batches(self.pos.epoch)
-            usable = (len(batches) // accum) * accum
-            while self.pos.batch_in_epoch < usable and self.pos.step < self.total_steps:
-                bi = self.pos.batch_in_epoch
-                loss = self._forward_loss(self.data.batch(batches[bi], self.pos.epoch, bi))
+            usable = (len(self.data.epoch_batches(self.pos.epoch)) // accum) * accum
+            for bi, batch in self.data.iter_batches(self.pos.epoch, self.pos.batch_in_epoch, usable):
+                if self.pos.step >= self.total_steps:
+                    break
+                loss = self._forward_loss(batch)
                 if not torch.isfinite(loss):
                     raise TrainingError(
                         f"The loss became {loss.item()} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "

@@ -40,6 +40,12 @@ class DataPipeline:
         bs = self.batch_size
         return [order[i:i + bs] for i in range(0, len(order), bs)]
 
+    def iter_batches(self, epoch: int, start: int, stop: int):
+        """Yield ``(batch_index, batch)`` for micro-batches ``start..stop-1`` of an epoch."""
+        batches = self.epoch_batches(epoch)
+        for bi in range(start, min(stop, len(batches))):
+            yield bi, self.batch(batches[bi], epoch, bi)
+
     # --- latents ------------------------------------------------------------------------------
     def variants(self) -> List[int]:
         return [0, 1] if self.data_cfg.random_flip else [0]
@@ -73,7 +79,10 @@ class DataPipeline:
 
     # --- one micro-batch ----------------------------------------------------------------------
     def batch(self, indices: List[int], epoch: int, batch_index: int) -> Dict[str, Any]:
-        """``{"latent_dist": {"mean","std"}, "captions": [...], "loss_weights": tensor[B]}``."""
+        """``{"latent_dist": {"mean","std"}, "captions": [...], "loss_weights": tensor[B]}``.
+
+        Optional keys the loop also understands: ``encoder_hidden_states`` (cached text-encoder
+        output, used instead of encoding ``captions``)."""
         import torch
         dists, captions, weights = [], [], []
         for j, idx in enumerate(indices):

@@ -52,13 +52,11 @@ class LoraMethod:
         raise ValueError(f"output.format = {fmt} is not available for LoRA; use safetensors.")
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
-        from trainer.export import kohya_lora_state_dict, save_lora_kohya
+        from pathlib import Path
+        from trainer.export import kohya_lora_state_dict, lora_metadata, save_lora_kohya
         sd = kohya_lora_state_dict(unet=self.modules.get("unet"), text_encoder=self.modules.get("text_encoder"),
                                    family=self.model.family)
-        meta = {"ss_network_dim": str(self.cfg.lora.rank), "ss_network_alpha": str(self.cfg.lora.alpha),
-                "ss_network_module": "networks.lora",
-                "ss_base_model_version": "sd_v1" if self.model.family == "sd15" else "sd_2.0_768_v"
-                if self.model.prediction_type == "v_prediction" else "sd_2.0",
-                "ss_v2": str(self.model.family == "sd2"),
-                **metadata}
+        meta = lora_metadata(self.model.family, title=Path(path).stem,
+                             prediction_type=self.model.prediction_type,
+                             resolution=int(self.cfg.data.resolution), extra=metadata)
         save_lora_kohya(path, sd, meta, dtype)
