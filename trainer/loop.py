@@ -259,7 +259,9 @@ class Trainer:
         if cfg.sampling.at_end and cfg.sampling.prompts:
             self.sample()
         path = self.save_result()
-        ev.emit("finished", step=self.pos.step, path=str(path), message="training finished")
+        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        ev.emit("finished", step=self.pos.step, path=str(path), message="training finished",
+                peak_vram_mib=None if peak is None else round(peak, 1))
         log.info("finished: %s", path)
         return "finished"
 

@@ -39,7 +39,8 @@ CSS = """
 .atl-finished { background: #16a34a; } .atl-stopped { background: #7c3aed; }
 .atl-failed, .atl-died { background: #dc2626; }
 .atl-note { margin-top: 6px; } .atl-err { color: #dc2626; }
-.atl-log { max-height: 340px; overflow: auto; font-size: 12px; white-space: pre-wrap; }
+.atl-logbox { max-height: 340px; overflow: auto; display: flex; flex-direction: column-reverse; }
+.atl-log { font-size: 12px; white-space: pre-wrap; margin: 0; }
 .atl-log-warn { color: #b45309; } .atl-log-err { color: #dc2626; font-weight: 600; }
 .atl-browse { align-self: center; }
 """
@@ -85,6 +86,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
                 return [gr.skip()] * len(load_outputs(form)) + [presets]
             return load_updates(form, values) + [presets]
 
+        ctx.handlers["on_load"] = on_load
         demo.load(on_load, None, outs, show_progress="hidden")
         demo.load(refresh_runs, None, runs_outputs, show_progress="hidden")
     if start_scheduler:

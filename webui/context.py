@@ -47,6 +47,7 @@ class AppContext:
     form: Optional[Form] = None
     browser: Optional[FileBrowser] = None
     components: dict = field(default_factory=dict)   # shared components by name (tabs, messages, …)
+    handlers: dict = field(default_factory=dict)     # event functions by name (tests call them directly)
 
     def __getitem__(self, name: str) -> Any:
         return self.components[name]

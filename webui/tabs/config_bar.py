@@ -158,6 +158,8 @@ def wire(ctx: AppContext) -> None:
                 tmp.replace(ctx.draft_path)
                 last["text"] = text
 
+    ctx.handlers.update(load_preset=load_preset, load_file=load_file, upload=upload, save_file=save_file,
+                        download=download, validate=validate, submit=submit, save_draft=save_draft)
     triggers = [w.change for w in form.widgets.values()]
     gr.on(triggers, save_draft, form.inputs, None, trigger_mode="always_last", show_progress="hidden",
           queue=False)

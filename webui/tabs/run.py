@@ -74,6 +74,7 @@ def build(ctx: AppContext) -> None:
             out += [new, gr.skip()]
         return out
 
+    ctx.handlers["poll"] = poll
     timer.tick(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
     ctx["run_select"].change(lambda s, o: poll(s, o, {}), [ctx["run_select"], order], outputs,
                              show_progress="hidden")
@@ -192,4 +193,5 @@ def log_html(text: str) -> str:
         else:
             out.append(esc)
     body = "\n".join(out) or "(no log yet)"
-    return f'<details open><summary>Log (last lines)</summary><pre class="atl-log">{body}</pre></details>'
+    return ('<details open><summary>Log (last lines)</summary><div class="atl-logbox">'
+            f'<pre class="atl-log">{body}</pre></div></details>')
