@@ -127,6 +127,8 @@ class Trainer:
         if g.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("general.device = cuda, but no CUDA GPU is visible. Use auto or cpu.",
                               key="general.device")
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
         self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu)
         self.device = self.accelerator.device
         set_seed(g.seed)

@@ -73,6 +73,20 @@ def _load_pipeline(source: ModelSource, mcfg, workspace: str):
                              key="model.path", value=source.location) from None
 
 
+def _family_of(source: ModelSource, unet) -> str:
+    """sd15 or sd2, from the files where possible (tiny models have no tell-tale widths)."""
+    if source.kind in ("folder", "single_file"):
+        from trainer.models import sd_configs
+        try:
+            fam = sd_configs.detect_family(Path(source.location))
+            if fam in ("sd15", "sd2"):
+                return fam
+        except (ValueError, OSError):
+            pass
+    cfg = unet.config
+    return "sd2" if cfg.cross_attention_dim >= 1024 or cfg.use_linear_projection else "sd15"
+
+
 class StableDiffusion(ModelFamily):
     """SD 1.x / 2.x components plus the pieces of the diffusion objective the loop needs."""
 
@@ -90,10 +104,7 @@ class StableDiffusion(ModelFamily):
         if in_ch != 4:
             raise ModelLoadError(f"'{self.source.display}' has a {in_ch}-channel UNet (an inpainting model?); "
                                  "inpainting training is not supported yet.", key="model.path")
-        self.family = "sd2" if self.text_encoder.config.hidden_size >= 1024 or \
-            self.unet.config.cross_attention_dim >= 1024 else "sd15"
-        if self.source.display.startswith("builtin:tiny-sd2"):
-            self.family = "sd2"
+        self.family = _family_of(self.source, self.unet)
         self.noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         pred = mcfg.prediction_type
         if pred == "auto":
