@@ -264,3 +264,36 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_backups(tiny_workspace, tmp
     assert events[-1]["type"] == "failed" and "loss became nan" in events[-1]["message"].lower()
     assert [p.name for p in (run / "backups").iterdir()] == [backup.name]
     assert {p.name: p.read_bytes() for p in backup.iterdir()} == before
+
+
+def test_backup_and_sample_on_demand_accumulation_and_diffusers_output(tiny_workspace):
+    """control/backup and control/sample act at the next step; accumulation divides the steps;
+    a fine-tune can be written as a diffusers folder that diffusers loads."""
+    ws = tiny_workspace
+    run = ws / "runs" / "ondemand"
+    (run / "control").mkdir(parents=True)
+    (run / "control" / "backup").touch()
+    (run / "control" / "sample").touch()
+    rc = cli(["train", "--preset", "demo-finetune", "--run-dir", str(run), *overrides(
+        ws, "ondemand", "training.epochs=1", "training.batch_size=1", "training.gradient_accumulation_steps=2",
+        "output.format=diffusers", "sampling.at_end=false", "sampling.every_n_epochs=0")])
+    assert rc == 0
+    events = read_events(run / "events.jsonl")
+    steps = [e for e in events if e["type"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and steps[-1]["total_steps"] == 4
+    assert [e["step"] for e in events if e["type"] == "backup"] == [1]
+    assert [e["step"] for e in events if e["type"] == "sample"] == [1]
+    assert not list((run / "control").iterdir())
+    from diffusers import StableDiffusionPipeline
+    pipe = StableDiffusionPipeline.from_pretrained(run / "ondemand", local_files_only=True)
+    assert pipe.unet.dtype == torch.float32
+
+
+def test_a_used_run_folder_is_not_overwritten(tiny_workspace, capsys):
+    ws = tiny_workspace
+    run = ws / "runs" / "used"
+    run.mkdir(parents=True)
+    (run / "events.jsonl").write_text('{"type": "started", "time": 0}\n')
+    assert cli(["train", "--preset", "demo", *overrides(ws, "used")]) == 2
+    assert "--resume last" in capsys.readouterr().err
+    assert (run / "events.jsonl").read_text() == '{"type": "started", "time": 0}\n'

@@ -122,6 +122,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if errors:
         return 2
     run_dir = _run_dir(cfg, args.run_dir)
+    if not args.resume and (run_dir / "events.jsonl").exists():
+        print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
+              "or pick another general.run_name.", file=sys.stderr)
+        return 2
     if args.resume and not run_dir.exists() and args.resume == "last":
         print(f"Config error: --resume last needs an existing run folder; {run_dir} does not exist.",
               file=sys.stderr)
