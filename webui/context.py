@@ -111,6 +111,11 @@ class AppContext:
     def run_names(self) -> List[str]:
         return [d.name for d in runner.list_run_dirs(self.workspace)]
 
+    def watch(self, name: str = AUTO) -> Any:
+        """An update for the Run tab's run chooser that shows ``name`` (AUTO = follow)."""
+        import gradio as gr
+        return gr.Dropdown(choices=[AUTO] + self.run_names(), value=name)
+
 
 def issues_md(issues: Sequence[FieldError], form: Optional[Form] = None) -> str:
     """A list of problems that names each field (and its tab) for the message area."""
@@ -120,7 +125,7 @@ def issues_md(issues: Sequence[FieldError], form: Optional[Form] = None) -> str:
         where = ""
         if form is not None and i.key:
             tab = form.tab_for(i.key)
-            where = f" ({tab} tab)" if tab else ""
+            where = f" ({form.tab_titles.get(tab, tab)} tab)" if tab else ""
         key = f"`{i.key}`{where} — " if i.key else ""
         lines.append(f"- {icon} {key}{i.message}")
     return "\n".join(lines)

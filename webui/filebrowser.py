@@ -66,6 +66,7 @@ class FileBrowser:
     def __init__(self, roots: Roots):
         self.roots = roots
         self.targets: List[gr.Textbox] = []
+        self.uses: List[Any] = []
         self._buttons: List[gr.Button] = []
 
     def path_field(self, textbox_factory: Callable[[], gr.Textbox], elem_id: str) -> gr.Textbox:
@@ -100,8 +101,8 @@ class FileBrowser:
                                   self.chosen], show_progress="hidden")
         self.root.input(self._go, [self.root], [self.folder, self.entries, self.note, self.chosen])
         self.entries.input(self._pick, [self.entries], [self.folder, self.entries, self.note, self.chosen])
-        use.click(self._use, [self.target, self.chosen], [self.panel, *self.targets])
-        use_folder.click(self._use, [self.target, self.folder], [self.panel, *self.targets])
+        self.uses = [use.click(self._use, [self.target, self.chosen], [self.panel, *self.targets]),
+                     use_folder.click(self._use, [self.target, self.folder], [self.panel, *self.targets])]
         cancel.click(lambda: gr.Sidebar(open=False), None, [self.panel])
 
     def _opener(self, index: int) -> Callable:

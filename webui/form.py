@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from webui import schema_widgets as sw
 from webui.filebrowser import FileBrowser
+from webui.number_field import FieldNumber
 from webui.schema_widgets import FieldError, FieldSpec
 
 # (tab title, tab id, key prefixes shown in it) — prefixes not listed get a tab of their own
@@ -31,21 +32,6 @@ TAB_LAYOUT = [
     ("LoRA", "lora", ("lora",)),
 ]
 ROW_WIDTH = 3
-
-
-def field_number(**kwargs: Any) -> gr.Number:
-    """A gr.Number that lets out-of-range values through to our validator, which names the field
-    (Gradio's own check fails the whole event with an anonymous "Value X is less than ...").
-    Patched per instance: a gr.Number subclass would make Gradio write a .pyi stub into webui/."""
-    number = gr.Number(**kwargs)
-
-    def preprocess(payload: float | None) -> float | int | None:
-        if payload is None:
-            return None
-        return number.round_to_precision(payload, number.precision)
-
-    number.preprocess = preprocess  # type: ignore[method-assign]
-    return number
 
 
 def _step(spec: FieldSpec) -> float:
@@ -63,7 +49,7 @@ def make_widget(spec: FieldSpec, value: Any, elem_id: str, browser: Optional[Fil
     if kind == sw.CHOICE:
         return gr.Dropdown(choices=list(spec.choices or ()), value=value, **common)
     if kind in (sw.INT, sw.FLOAT):
-        return field_number(value=value, minimum=spec.minimum, maximum=spec.maximum,
+        return FieldNumber(value=value, minimum=spec.minimum, maximum=spec.maximum,
                            precision=0 if kind == sw.INT else None,
                            step=1 if kind == sw.INT else _step(spec), **common)
     if kind == sw.PATH:
@@ -104,9 +90,10 @@ class ListEditor:
                 self.update = gr.Button("Update row", elem_id=f"{spec.elem_id}-update")
                 self.remove = gr.Button("Remove row", variant="stop", elem_id=f"{spec.elem_id}-remove")
         self.table.select(self._select, [self.table], [self.row, *self.items])
-        self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.note])
-        self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note])
-        self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.note])
+        self.edits = [  # events that change the table from code (the draft autosave follows them)
+            self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.note]),
+            self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
+            self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.note])]
 
     def _rows(self, table: Any) -> List[list]:
         items, _ = sw.table_from_widget(self.spec, table)
@@ -190,15 +177,16 @@ def prefix_of(key: str, prefixes: Sequence[str]) -> Optional[str]:
 class Form:
     """All config widgets, in schema order, laid out in tabs."""
 
-    def __init__(self, browser: Optional[FileBrowser] = None):
+    def __init__(self, browser: Optional[FileBrowser] = None, schema: Optional[type] = None):
         self.browser = browser
-        self.all_specs = sw.all_specs()
+        self.all_specs = sw.all_specs(schema) if schema is not None else sw.all_specs()
         self.specs = [s for s in self.all_specs if not s.hidden]
         self.hidden_specs = [s for s in self.all_specs if s.hidden]
         self.widgets: Dict[str, gr.components.Component] = {}
         self.editors: Dict[str, ListEditor] = {}
         self.tab_of: Dict[str, str] = {}
         self.layout = tab_layout(self.specs)
+        self.tab_titles = {tab_id: title for title, tab_id, _ in self.layout}
 
     # -- building -----------------------------------------------------------------------------
     def build(self, extras: Optional[Dict[str, Callable[[], None]]] = None) -> None:

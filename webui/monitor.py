@@ -244,6 +244,8 @@ def explain_death(run_dir: Path) -> tuple[str, str]:
                 "(the machine may have restarted, or the whole process group was killed).",
                 advice or "Look at the last log lines below; resume from the last backup if there is one.")
     rc = exit_info.get("returncode")
+    if stop_req and not (run_dir / "events.jsonl").exists():
+        return ("Stopped before training began (the trainer was still starting up).", "")
     if exit_info.get("error"):
         return (f"The trainer could not be started: {exit_info['error']}", "")
     if rc == 2:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from trainer.events import TERMINAL
 from webui.jobqueue import Job, JobQueue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +202,23 @@ def stop(run_dir: Path, force: bool = False) -> str:
     return "Stopping: the trainer finishes the current step and writes a backup. Press Stop again to kill it."
 
 
+def last_event_type(run_dir: Path) -> str:
+    """Type of the last complete event in events.jsonl (reads only the file's end)."""
+    try:
+        with open(Path(run_dir) / "events.jsonl", "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 8192))
+            lines = fh.read().splitlines()
+    except OSError:
+        return ""
+    for raw in reversed(lines):
+        try:
+            return str(json.loads(raw).get("type", ""))
+        except (ValueError, AttributeError):
+            continue
+    return ""
+
+
 def request_action(run_dir: Path, action: str) -> str:
     """``sample`` / ``backup`` now: an empty file in control/ that the trainer picks up next step."""
     if action not in ("sample", "backup"):
@@ -262,10 +280,21 @@ class RunManager:
         self._procs[str(run_dir)] = proc
         return run_dir
 
+    def wait_for_ending_runs(self, timeout: float = 20.0) -> None:
+        """Give trainers that already reported their end a moment to exit (they free memory
+        last), so Start right after a run finishes starts instead of queueing."""
+        end = time.time() + timeout
+        while time.time() < end:
+            active = self.active_runs()
+            if not active or not all(last_event_type(d) in TERMINAL for d in active):
+                return
+            time.sleep(0.2)
+
     def submit(self, job: Job) -> tuple[str, Optional[Path], Job]:
         """Start now when idle (and nothing is waiting), else append to the queue.
         Returns (``started``|``queued``, run folder or None, job)."""
         with self._lock:
+            self.wait_for_ending_runs()
             if not self.busy() and not self.queue.list():
                 return "started", self._start_job(job), job
             self.queue.add(job)

@@ -53,7 +53,9 @@ def wire(ctx: AppContext) -> None:
     outs = load_outputs(form) + [c["messages"]]
 
     def show(cfg: Any, note: str) -> List[Any]:
-        return load_updates(form, form.values_for(cfg)) + [note]
+        values = form.values_for(cfg)
+        write_draft(ctx, form.raw_dict(values))
+        return load_updates(form, values) + [note]
 
     def refuse(message: str) -> List[Any]:
         return [gr.skip()] * len(load_outputs(form)) + [f"⛔ {message}\n\nThe form was not changed."]
@@ -135,34 +137,44 @@ def wire(ctx: AppContext) -> None:
                             gr.skip(), gr.skip()]
         status, run_dir, job = ctx.manager.submit(job)
         if status == "started" and run_dir is not None:
-            choices = [AUTO] + ctx.run_names()
             return notes + [f"Started **{run_dir.name}**.{warn}", gr.Tabs(selected="run"),
-                            gr.Dropdown(choices=choices, value=run_dir.name)]
+                            ctx.watch(run_dir.name)]
         return notes + [f"A run is in progress: queued **{job.name}** behind it.{warn}",
-                        gr.Tabs(selected="queue"), gr.skip()]
+                        gr.Tabs(selected="queue"), ctx.watch(AUTO)]
 
     submit_outs = checked_outs + [c["tabs"], c["run_select"]]
     c["start"].click(lambda *v: submit(v, False), form.inputs, submit_outs, concurrency_limit=1)
     c["enqueue"].click(lambda *v: submit(v, True), form.inputs, submit_outs, concurrency_limit=1)
 
-    # draft autosave: the form survives a page refresh and a UI restart
-    last = {"text": None}
-    lock = threading.Lock()
-
+    # draft autosave: the form survives a page refresh and a UI restart. Only user edits
+    # (.input) and code that edits the form trigger it: .change on every widget would fire a
+    # storm of full-form requests each time a preset is loaded.
     def save_draft(*values: Any) -> None:
-        text = yaml.safe_dump(form.raw_dict(values), sort_keys=False, allow_unicode=True)
-        with lock:  # change events of many widgets arrive together
-            if text != last["text"]:
-                tmp = ctx.draft_path.with_name(f"{ctx.draft_path.name}.{threading.get_ident()}.tmp")
-                tmp.write_text(text, encoding="utf-8")
-                tmp.replace(ctx.draft_path)
-                last["text"] = text
+        write_draft(ctx, form.raw_dict(values))
 
     ctx.handlers.update(load_preset=load_preset, load_file=load_file, upload=upload, save_file=save_file,
                         download=download, validate=validate, submit=submit, save_draft=save_draft)
-    triggers = [w.change for w in form.widgets.values()]
-    gr.on(triggers, save_draft, form.inputs, None, trigger_mode="always_last", show_progress="hidden",
-          queue=False)
+    gr.on([w.input for w in form.widgets.values()], save_draft, form.inputs, None,
+          trigger_mode="always_last", show_progress="hidden", queue=False)
+    for dep in [d for e in form.editors.values() for d in e.edits] + (ctx.browser.uses if ctx.browser else []):
+        dep.then(save_draft, form.inputs, None, show_progress="hidden", queue=False)
+
+
+_draft_lock = threading.Lock()
+
+
+def write_draft(ctx: AppContext, raw: dict) -> None:
+    """Write ``ui-draft.yaml`` atomically (skipped when nothing changed)."""
+    text = yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
+    with _draft_lock:
+        try:
+            if ctx.draft_path.read_text(encoding="utf-8") == text:
+                return
+        except OSError:
+            pass
+        tmp = ctx.draft_path.with_name(f"{ctx.draft_path.name}.{threading.get_ident()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(ctx.draft_path)
 
 
 def load_draft(ctx: AppContext) -> Optional[List[Any]]:

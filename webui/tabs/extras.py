@@ -14,7 +14,7 @@ import gradio as gr
 from omegaconf import OmegaConf
 
 from webui import runner
-from webui.context import AppContext
+from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -169,9 +169,10 @@ def backup(ctx: AppContext) -> None:
         status, _, _ = ctx.manager.submit(Job(name=run_dir.name, kind="resume", run_dir=str(run_dir),
                                               resume=str(path)))
         if status == "started":
-            return [f"Resuming **{run_dir.name}** from `{Path(path).name}`.", gr.Dropdown(value=run_dir.name),
+            return [f"Resuming **{run_dir.name}** from `{Path(path).name}`.", ctx.watch(run_dir.name),
                     gr.Tabs(selected="run")]
-        return ["Another run is in progress: the resume was queued.", gr.skip(), gr.Tabs(selected="queue")]
+        return ["Another run is in progress: the resume was queued.", ctx.watch(AUTO),
+                gr.Tabs(selected="queue")]
 
     btn.click(now, None, [msg])
     refresh.click(lambda: gr.Dropdown(choices=all_backups(ctx)), None, [pick])

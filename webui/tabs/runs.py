@@ -11,10 +11,11 @@ import pandas as pd
 
 from trainer import config as tcfg
 from webui import runner
-from webui.context import AppContext
+from webui.context import AUTO, AppContext
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
 from webui.monitor import age
+from webui.tabs.config_bar import write_draft
 from webui.tabs.run import STATE_WORDS, chart_frames, gallery_items
 
 COLUMNS = ["run", "state", "steps", "last loss", "started", "backups", "outputs"]
@@ -73,14 +74,14 @@ def build(ctx: AppContext) -> None:
 
     pick.change(details, [pick], [summary, loss, cfg_view, gallery])
     def select_row(evt: gr.SelectData) -> Any:
-        return gr.Dropdown(value=evt.row_value[0]) if evt.row_value else gr.skip()
+        return gr.Dropdown(choices=ctx.run_names(), value=evt.row_value[0]) if evt.row_value else gr.skip()
 
     table.select(select_row, None, [pick])
 
     def watch_run(name: Optional[str]) -> List[Any]:
         if not ctx.run_dir(name or ""):
             return [gr.skip(), gr.skip()]
-        return [gr.Dropdown(value=name), gr.Tabs(selected="run")]
+        return [ctx.watch(name or AUTO), gr.Tabs(selected="run")]
 
     watch.click(watch_run, [pick], [ctx["run_select"], ctx["tabs"]])
 
@@ -98,7 +99,9 @@ def build(ctx: AppContext) -> None:
             return [gr.skip()] * n + [f"⛔ {exc}", gr.skip()]
         cfg.general.run_name = ""
         note = f"Loaded the config of **{name}** into the form (run name cleared)."
-        return load_updates(form, form.values_for(cfg)) + [note, gr.Tabs(selected="general")]
+        values = form.values_for(cfg)
+        write_draft(ctx, form.raw_dict(values))
+        return load_updates(form, values) + [note, gr.Tabs(selected="general")]
 
     reuse.click(reuse_config, [pick], load_outputs(form) + [ctx["messages"], ctx["tabs"]])
 
@@ -114,9 +117,10 @@ def build(ctx: AppContext) -> None:
         job = Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last")
         status, started, _ = ctx.manager.submit(job)
         if status == "started":
-            return [f"Resuming **{run_dir.name}** from its last backup.", gr.Dropdown(value=run_dir.name),
+            return [f"Resuming **{run_dir.name}** from its last backup.", ctx.watch(run_dir.name),
                     gr.Tabs(selected="run")]
-        return [f"Another run is in progress: queued the resume of **{run_dir.name}**.", gr.skip(),
+        return [f"Another run is in progress: queued the resume of **{run_dir.name}**.", ctx.watch(AUTO),
                 gr.Tabs(selected="queue")]
 
     resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
+    ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run)

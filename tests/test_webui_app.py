@@ -1,0 +1,150 @@
+"""The UI process: no torch, login required when asked, --share refused without a password,
+and the page's live poll reattaching to a run it did not start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from webui.app import SHARE_NO_AUTH_FLAG, auth_pairs, build_app, main, parse_args, serve
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_ui_process_imports_neither_torch_nor_diffusers(tmp_path):
+    code = ("import sys; from webui.app import build_app; build_app(sys.argv[1], start_scheduler=False); "
+            "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy; print('ok')")
+    env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.fixture
+def served(tmp_path):
+    demo = build_app(tmp_path / "ws", start_scheduler=False)
+    _, url, _ = serve(demo, port=None, auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    yield url
+    demo.close()
+
+
+def test_with_auth_a_request_without_credentials_is_refused(served):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(served.rstrip("/") + "/config", timeout=30)
+    assert err.value.code in (401, 403)
+    from gradio_client import Client
+    with pytest.raises(Exception):
+        Client(served, verbose=False)
+    with pytest.raises(Exception):
+        Client(served, auth=("ada", "wrong"), verbose=False)
+    client = Client(served, auth=("ada", "s3cret"), verbose=False)  # the right password gets in
+    assert client.view_api(print_info=False, return_format="dict") is not None
+
+
+def test_share_without_auth_refuses_to_start(tmp_path, capsys):
+    assert main(["--share", "--workspace", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to --share without a password" in err and SHARE_NO_AUTH_FLAG in err
+    assert not (tmp_path / "runs").exists()  # nothing was built or served
+
+
+def test_auth_from_flags_and_file(tmp_path):
+    f = tmp_path / "users.txt"
+    f.write_text("# team\nbob:pw2\n\ncarol:pa:ss\n")
+    assert auth_pairs(["ada:pw1"], str(f)) == [("ada", "pw1"), ("bob", "pw2"), ("carol", "pa:ss")]
+    with pytest.raises(ValueError):
+        auth_pairs(["nopassword"], None)
+    assert main(["--auth", "broken", "--workspace", str(tmp_path)]) == 2
+
+
+def test_command_line_flags():
+    args = parse_args(["--listen", "--port", "9000", "--share", "--auth", "a:b", "--auth", "c:d",
+                       "--root-path", "/atelier", "--inbrowser", "--workspace", "/tmp/w", "--browse-root", "/data",
+                       SHARE_NO_AUTH_FLAG])
+    assert args.listen and args.port == 9000 and args.share and args.auth == ["a:b", "c:d"]
+    assert args.root_path == "/atelier" and args.inbrowser and args.workspace == "/tmp/w"
+    assert args.browse_root == ["/data"] and args.share_without_auth
+    defaults = parse_args([])
+    assert defaults.port == 7860 and not defaults.listen and not defaults.share
+
+
+def test_python_dash_m_webui_help():
+    out = subprocess.run([sys.executable, "-m", "webui", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "--share" in out.stdout and "--auth" in out.stdout
+
+
+def test_live_poll_follows_a_run_started_elsewhere(tmp_path, monkeypatch):
+    """A fresh page (or UI) finds the running job by itself: the run folder is the state."""
+    from test_webui_runner import fake_config, fake_trainer_argv, state_of, wait_for
+    from webui import runner
+    from webui.jobqueue import Job
+    from webui.runner import RunManager
+    monkeypatch.setenv("FAKE_STEP_SECONDS", "0.1")
+    ws = tmp_path / "ws"
+    elsewhere = RunManager(ws, trainer_argv=fake_trainer_argv(tmp_path))
+    _, run_dir, _ = elsewhere.submit(Job(name="bg", config_yaml=fake_config("", 300)))
+    wait_for(lambda: state_of(run_dir) == "running", 30, "running")
+    ctx = build_app(ws, start_scheduler=False).atelier  # a UI that did not start it
+    out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
+    status = out[0]
+    assert 'data-state="running"' in status and 'data-run="bg"' in status
+    again = ctx.handlers["poll"]("(follow the current run)", "newest first", out[6])
+    assert isinstance(again[3], dict) and again[3].get("__type__") == "update"  # unchanged gallery is skipped
+    runner.stop(run_dir)
+    wait_for(lambda: state_of(run_dir) == "stopped", 30, "stopped")
+    out = ctx.handlers["poll"]("bg", "newest first", {})
+    assert 'data-state="stopped"' in out[0] and "Backup" in out[0]
+
+
+def test_colab_notebook_installs_and_starts_the_ui_with_share_and_auth():
+    import json
+    import shlex
+    nb = json.loads((ROOT / "notebooks" / "colab.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("pip install -q -e ." in s for s in sources)
+    assert any("MyDrive" in s and "WORKSPACE" in s for s in sources)
+    start = next(s for s in sources if "-m webui" in s)
+    argv = shlex.split(start.split("-m webui", 1)[1].replace("{USER}:{PASSWORD}", "u:p")
+                       .replace('"{WORKSPACE}"', "/ws"))
+    args = parse_args(argv)
+    assert args.share and args.auth == ["u:p"] and args.workspace == "/ws"
+
+
+def test_runs_tab_resumes_a_stopped_run_and_reuses_its_config(tmp_path, monkeypatch):
+    from test_webui_runner import fake_config, fake_trainer_argv, state_of, wait_for
+    from webui import runner
+    from webui.jobqueue import Job
+    from webui.runner import RunManager
+    monkeypatch.setenv("FAKE_STEP_SECONDS", "0.1")
+    ws = tmp_path / "ws"
+    manager = RunManager(ws, trainer_argv=fake_trainer_argv(tmp_path))
+    ctx = build_app(ws, manager=manager, start_scheduler=False).atelier
+    _, run_dir, _ = manager.submit(Job(name="r", config_yaml=fake_config("", 40)))
+    wait_for(lambda: state_of(run_dir) == "running", 30, "running")
+    assert "still running" in ctx.handlers["resume_run"]("r")[0]
+    runner.stop(run_dir)
+    wait_for(lambda: state_of(run_dir) == "stopped" and not runner.process_alive(run_dir), 30, "stopped")
+    summary = ctx.handlers["run_details"]("r")[0]
+    assert "Stopped" in summary and "backup" in summary
+    out = ctx.handlers["resume_run"]("r")
+    assert "Resuming" in out[0] and out[2].selected == "run"
+    assert json_cmd(run_dir)[-2:] == ["--resume", "last"]
+    wait_for(lambda: state_of(run_dir) == "finished", 30, "finished after resume")
+    (run_dir / "config.yaml").write_text("training:\n  epochs: 3\ngeneral:\n  run_name: old\n")
+    values = ctx.handlers["reuse_config"]("r")
+    keys = [s.key for s in ctx.form.specs]
+    assert values[keys.index("training.epochs")]["value"] == 3
+    assert values[keys.index("general.run_name")]["value"] == ""  # a new run gets a new name
+
+
+def json_cmd(run_dir):
+    import json
+    return json.loads((run_dir / "launch.json").read_text())["cmd"]
