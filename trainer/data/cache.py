@@ -1,13 +1,16 @@
 """The latent cache: encode each image with the VAE once, reuse the latents in every epoch and run.
 
 An entry is addressed by *content*: sha256 of the image file's bytes, the caller's
-``settings_key`` (everything that changes latents: model fingerprint, resolution, crop mode, VAE
-dtype, ...) and a variant number (e.g. 0 = as is, 1 = mirrored). So renaming or moving images keeps
+``settings_key`` (model fingerprint, VAE dtype, ...) and a variant (a number, or the tag the
+pipeline builds from the bucket size and the exact augmentation parameters, plus the mask file's
+hash when masks are on). So renaming or moving images keeps
 their latents, editing an image re-encodes just that image, and changing a setting re-encodes all
 without ever serving stale latents. Entries are written atomically (temp file, then
 ``os.replace``): a run stopped mid-caching resumes where it stopped and never reads half a file.
 
-Layout: ``<cache_dir>/latents/<first 2 hex>/<sha256>.safetensors``.
+Layout: ``<cache_dir>/latents/<first 2 hex>/<sha256>.safetensors``; an entry holds ``mean``,
+``std`` and, for a masked image, ``mask`` [1, h, w] at latent resolution. :class:`TextCache` does the
+same for text-encoder outputs under ``<cache_dir>/text/``.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
-from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from trainer.data.concepts import DataError, ImageItem
 
@@ -59,6 +63,17 @@ def make_settings_key(**parts: object) -> str:
 EncodeFn = Callable[["torch.Tensor"], Dict[str, "torch.Tensor"]]
 LoadFn = Callable[[ImageItem, int], "torch.Tensor"]
 ProgressFn = Callable[[int, int], None]
+# what a cache job's loader returns: one (pixels [3,H,W], pixel mask [1,H,W] or None) per entry
+Rendered = Tuple["torch.Tensor", Optional["torch.Tensor"]]
+
+
+@dataclass
+class CacheJob:
+    """Entries of one image: ``paths[k]`` is filled from ``load()[k]``. Grouping an image's
+    entries lets the image be decoded once for all its variants and buckets."""
+    paths: List[Path]
+    load: Callable[[], List[Rendered]]
+    label: str = ""
 
 
 class LatentCache:
@@ -71,17 +86,20 @@ class LatentCache:
 
     # -- addressing ---------------------------------------------------------------------------
 
-    def entry_key(self, item: ImageItem, variant: int) -> str:
-        """The entry's hex name: sha256 over image bytes' hash, settings and variant."""
-        material = "\0".join((file_sha256(item.path), self.settings_key, str(int(variant))))
-        return hashlib.sha256(material.encode("utf-8")).hexdigest()
+    def entry_key(self, item: ImageItem, variant: Union[int, str], extra: str = "") -> str:
+        """The entry's hex name: sha256 over the image's content hash, settings, variant (an int,
+        or a tag naming bucket size and augmentation) and ``extra`` (e.g. the mask's hash)."""
+        parts = [file_sha256(item.path), self.settings_key, str(variant)]
+        if extra:
+            parts.append(extra)
+        return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()
 
-    def entry_path(self, item: ImageItem, variant: int) -> Path:
-        key = self.entry_key(item, variant)
+    def entry_path(self, item: ImageItem, variant: Union[int, str], extra: str = "") -> Path:
+        key = self.entry_key(item, variant, extra)
         return self.root / key[:2] / f"{key}.safetensors"
 
-    def has(self, item: ImageItem, variant: int) -> bool:
-        return self.entry_path(item, variant).is_file()
+    def has(self, item: ImageItem, variant: Union[int, str], extra: str = "") -> bool:
+        return self.entry_path(item, variant, extra).is_file()
 
     # -- filling --------------------------------------------------------------------------------
 
@@ -95,66 +113,90 @@ class LatentCache:
         ``progress(done, total)`` is called after each batch, with ``total`` = entries to encode.
         The same file listed twice (two concepts sharing a folder) is encoded once.
         """
+        jobs: List[CacheJob] = []
+        seen: set = set()
+        for item in items:
+            for variant in variants:
+                path = self.entry_path(item, variant)
+                if path in seen or path.is_file():
+                    continue
+                seen.add(path)
+                jobs.append(CacheJob([path], (lambda it=item, v=int(variant): [(load_fn(it, v), None)]),
+                                     str(item.path)))
+        return self.run_jobs(jobs, encode_fn, batch_size, progress)
+
+    def run_jobs(self, jobs: Sequence[CacheJob], encode_fn: EncodeFn, batch_size: int,
+                 progress: Optional[ProgressFn] = None, workers: int = 0) -> int:
+        """Encode the entries of ``jobs`` that do not exist yet (in batches of equal pixel size)
+        and write them atomically; return how many were encoded.
+
+        A job's pixel mask, when given, is stored with its entry as ``mask`` at latent resolution
+        (area-averaged to the encoded latents' height and width). ``workers`` > 0 decodes images
+        in that many background threads while the encoder runs.
+        """
         import torch
+
+        from trainer.data.images import mask_to_latent
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self._remove_stale_temp_files()
-        todo: "OrderedDict[Path, Tuple[ImageItem, int]]" = OrderedDict()
-        for item in items:
-            for variant in variants:
-                path = self.entry_path(item, variant)
-                if path not in todo and not path.is_file():
-                    todo[path] = (item, int(variant))
-        total = len(todo)
+        todo = [j for j in jobs if any(not p.is_file() for p in j.paths)]
+        total = sum(sum(1 for p in j.paths if not p.is_file()) for j in todo)
         if progress is not None:
             progress(0, total)
         done = 0
-        pending: Dict[Tuple[int, ...], List[Tuple[Path, torch.Tensor]]] = {}
+        pending: Dict[Tuple[int, ...], List[Tuple[Path, Rendered]]] = {}
 
         def flush(shape: Tuple[int, ...]) -> None:
             nonlocal done
             batch = pending.pop(shape)
-            pixels = torch.stack([px for _, px in batch])
+            pixels = torch.stack([px for _, (px, _) in batch])
             with torch.no_grad():
                 out = encode_fn(pixels)
-            self._write_batch([p for p, _ in batch], out, len(batch))
+            extras: List[Dict[str, torch.Tensor]] = []
+            for _, (_, mask) in batch:
+                if mask is None:
+                    extras.append({})
+                else:
+                    ref = next(iter(out.values()))
+                    extras.append({"mask": mask_to_latent(mask, tuple(ref.shape[-2:]))})
+            self._write_batch([p for p, _ in batch], out, len(batch), extras)
             done += len(batch)
             if progress is not None:
                 progress(done, total)
 
-        for path, (item, variant) in todo.items():
-            pixels = load_fn(item, variant)
-            shape = tuple(pixels.shape)
-            pending.setdefault(shape, []).append((path, pixels))
-            if len(pending[shape]) >= batch_size:
-                flush(shape)
+        def load(job: CacheJob) -> List[Tuple[Path, Rendered]]:
+            rendered = job.load()
+            if len(rendered) != len(job.paths):
+                raise ValueError(f"cache job for {job.label} rendered {len(rendered)} of {len(job.paths)} entries")
+            return [(p, r) for p, r in zip(job.paths, rendered) if not p.is_file()]
+
+        for entries in _map_ahead(load, todo, workers):
+            for path, rendered in entries:
+                shape = tuple(rendered[0].shape)
+                pending.setdefault(shape, []).append((path, rendered))
+                if len(pending[shape]) >= batch_size:
+                    flush(shape)
         for shape in list(pending):
             flush(shape)
         return done
 
-    def _write_batch(self, paths: List[Path], out: Dict[str, "torch.Tensor"], n: int) -> None:
-        from safetensors.torch import save_file
-
+    def _write_batch(self, paths: List[Path], out: Dict[str, "torch.Tensor"], n: int,
+                     extras: Optional[List[Dict[str, "torch.Tensor"]]] = None) -> None:
         if not isinstance(out, dict) or not out:
             raise TypeError(f"encode_fn must return a dict of tensors, got {type(out).__name__}")
         for name, tensor in out.items():
             if getattr(tensor, "shape", (None,))[0] != n:
                 raise ValueError(f"encode_fn output '{name}' has shape {tuple(tensor.shape)}; "
                                  f"its first dimension must be the batch size {n}")
-        meta = {"settings_key": self.settings_key, "format": str(CACHE_FORMAT)}
         for i, path in enumerate(paths):
             # clone: encoders return views of one tensor (mean/logvar = chunk(moments)), which
             # safetensors refuses to save as shared storage, and a view would save the whole batch
             tensors = {name: t[i].detach().to("cpu").contiguous().clone() for name, t in out.items()}
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            try:
-                save_file(tensors, str(tmp), metadata=meta)
-                os.replace(tmp, path)
-            finally:
-                if tmp.exists():
-                    tmp.unlink()
+            if extras is not None:
+                tensors.update({k: v.detach().to("cpu").contiguous() for k, v in extras[i].items()})
+            _save_atomic(path, tensors, {"settings_key": self.settings_key, "format": str(CACHE_FORMAT)})
 
     def _remove_stale_temp_files(self) -> None:
         """Temp files left by a killed run (fresh ones may belong to a run caching right now)."""
@@ -170,7 +212,7 @@ class LatentCache:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def get(self, item: ImageItem, variant: int) -> Dict[str, "torch.Tensor"]:
+    def get(self, item: ImageItem, variant: Union[int, str], extra: str = "") -> Dict[str, "torch.Tensor"]:
         """The cached tensors of (item, variant), without batch dimension.
 
         Raises :class:`DataError` when the entry is missing (the image changed after caching, or
@@ -179,7 +221,7 @@ class LatentCache:
         """
         from safetensors.torch import load_file
 
-        path = self.entry_path(item, variant)
+        path = self.entry_path(item, variant, extra)
         if not path.is_file():
             raise DataError(f"No cached latents for '{item.path}' (variant {variant}): the image "
                             "changed since caching started, or the cache was not filled. Start the "
@@ -196,4 +238,130 @@ class LatentCache:
                             value=str(item.path)) from None
 
 
-__all__ = ["LatentCache", "make_settings_key", "file_sha256", "CACHE_FORMAT"]
+def _save_atomic(path: Path, tensors: Dict[str, "torch.Tensor"], meta: Dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _map_ahead(fn: Callable, items: Sequence, workers: int) -> Iterator:
+    """``map(fn, items)`` in order; with ``workers`` > 0 computed in background threads, at most
+    ``2 * workers`` ahead of the consumer (bounded memory)."""
+    if workers <= 0 or len(items) <= 1:
+        for x in items:
+            yield fn(x)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="atelier-cache")
+    try:
+        futures: List = []
+        it = iter(items)
+        for x in it:
+            futures.append(pool.submit(fn, x))
+            if len(futures) >= 2 * workers:
+                break
+        while futures:
+            result = futures.pop(0).result()
+            nxt = next(it, _END)
+            if nxt is not _END:
+                futures.append(pool.submit(fn, nxt))
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+_END = object()
+
+
+# --------------------------------------------------------------------------------------------
+# text-encoder outputs
+# --------------------------------------------------------------------------------------------
+
+class TextCache:
+    """Text-encoder outputs per caption on disk, for a frozen text encoder.
+
+    Entry name: sha256 of (settings key, caption). The settings key must identify the text
+    encoder's weights (see ``DataPipeline.prepare``: it includes a hash of the encoder's output
+    for a probe caption, so swapped weights never serve stale embeddings). Layout:
+    ``<cache_dir>/text/<first 2 hex>/<sha256>.safetensors``; recent entries are kept in memory.
+    """
+
+    def __init__(self, cache_dir: Path, settings_key: str, memory_entries: int = 256):
+        self.root = Path(cache_dir) / "text"
+        self.settings_key = str(settings_key)
+        self._memory: "Dict[str, Dict[str, torch.Tensor]]" = {}
+        self._memory_entries = memory_entries
+        self._lock = threading.Lock()
+
+    def entry_path(self, caption: str) -> Path:
+        key = hashlib.sha256(f"{self.settings_key}\0{caption}".encode("utf-8")).hexdigest()
+        return self.root / key[:2] / f"{key}.safetensors"
+
+    def ensure(self, captions: Iterable[str], encode_text_fn: Callable, batch_size: int = 16,
+               progress: Optional[ProgressFn] = None) -> int:
+        """Encode the captions without an entry; return how many were encoded.
+
+        ``encode_text_fn(list_of_captions)`` returns a tensor [B, ...] (stored as
+        ``encoder_hidden_states``) or a dict of such tensors."""
+        import torch
+
+        todo = sorted({c for c in captions if not self.entry_path(c).is_file()})
+        if progress is not None:
+            progress(0, len(todo))
+        for start in range(0, len(todo), max(1, batch_size)):
+            chunk = todo[start:start + batch_size]
+            with torch.no_grad():
+                out = as_text_dict(encode_text_fn(list(chunk)))
+            for i, caption in enumerate(chunk):
+                tensors = {k: v[i].detach().to("cpu").contiguous().clone() for k, v in out.items()}
+                _save_atomic(self.entry_path(caption), tensors, {"settings_key": self.settings_key})
+            if progress is not None:
+                progress(min(start + batch_size, len(todo)), len(todo))
+        return len(todo)
+
+    def get(self, caption: str) -> Dict[str, "torch.Tensor"]:
+        from safetensors.torch import load_file
+
+        with self._lock:
+            hit = self._memory.get(caption)
+        if hit is not None:
+            return hit
+        path = self.entry_path(caption)
+        if not path.is_file():
+            raise DataError(f"No cached text-encoder output for the caption {caption!r}: the cache was "
+                            "not filled for this caption. Start the run again.")
+        try:
+            entry = load_file(str(path))
+        except Exception as exc:  # safetensors raises its own error types
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            raise DataError(f"A cached text-encoder output was unreadable ({exc}) and has been removed; "
+                            "start the run again to re-encode it.") from None
+        with self._lock:
+            if len(self._memory) >= self._memory_entries:
+                self._memory.pop(next(iter(self._memory)))
+            self._memory[caption] = entry
+        return entry
+
+
+def as_text_dict(out: object) -> Dict[str, "torch.Tensor"]:
+    """A text encoder's output as ``{"encoder_hidden_states": ...}`` (dicts pass through)."""
+    if isinstance(out, dict):
+        return out
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return {"encoder_hidden_states": out}  # type: ignore[dict-item]
+
+
+__all__ = ["LatentCache", "TextCache", "CacheJob", "make_settings_key", "file_sha256", "CACHE_FORMAT",
+           "as_text_dict"]

@@ -5,8 +5,9 @@ UI can scan a dataset in a fraction of a second without starting the training en
 
 Captions are kept as *candidates* (``ImageItem.captions``): a multi-line caption file or a
 concept-wide caption file gives several, and one is picked per epoch (:func:`pick_caption`), which
-acts like caption augmentation. Masks, buckets and tag shuffling will hang off ``ImageItem`` later;
-``width``/``height`` are recorded now (already EXIF-oriented) so bucketing needs no second scan.
+acts like caption augmentation. ``width``/``height`` are recorded (already EXIF-oriented) so
+bucketing (``buckets``/``dataset``) needs no second scan; ``mask`` is the image's
+``<stem>-masklabel.png`` when one exists (checked only when ``data.masks`` is on).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class ImageItem:
     loss_weight: float
     width: int = 0               # size as displayed, i.e. after EXIF orientation (0 = unknown)
     height: int = 0
+    mask: Optional[Path] = None  # <stem>-masklabel.png next to the image, when present and usable
+    validation: bool = False     # from a validation concept: loss is measured, never trained on
 
 
 @dataclass
@@ -64,28 +67,53 @@ class ConceptReport:
     skipped: List[Tuple[str, str]] = field(default_factory=list)  # (file, reason)
     captions_missing: int = 0   # txt mode: no caption file next to the image
     captions_empty: int = 0     # caption file present but blank
+    validation: bool = False
+    resolution: str = ""        # the concept's own resolution setting ("" = data.resolution)
+    masks_found: int = 0
+    masks_missing: List[str] = field(default_factory=list)   # with data.masks on
+    masks_bad: List[Tuple[str, str]] = field(default_factory=list)  # (mask file, reason): trained unmasked
 
     @property
     def images_skipped(self) -> int:
         return len(self.skipped)
 
+    @property
+    def captions_with_text(self) -> int:
+        return max(0, self.images_used - self.captions_missing - self.captions_empty)
+
     def to_dict(self) -> dict:
         return {
             "index": self.index, "name": self.name, "path": self.path, "repeats": self.repeats,
+            "validation": self.validation, "resolution": self.resolution,
             "images_found": self.images_found, "images_used": self.images_used,
             "images_skipped": self.images_skipped,
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped[:_LIST_LIMIT]],
             "skipped_not_listed": max(0, self.images_skipped - _LIST_LIMIT),
             "captions_missing": self.captions_missing, "captions_empty": self.captions_empty,
-            "images_per_epoch": float(self.images_used * self.repeats),
+            "caption_coverage": round(self.captions_with_text / self.images_used, 4) if self.images_used else 0.0,
+            "masks_found": self.masks_found, "masks_missing": len(self.masks_missing),
+            "masks_missing_files": self.masks_missing[:_LIST_LIMIT],
+            "masks_bad": [{"file": f, "reason": r} for f, r in self.masks_bad[:_LIST_LIMIT]],
+            "images_per_epoch": 0.0 if self.validation else float(self.images_used * self.repeats),
         }
 
 
 @dataclass
 class DataReport:
-    """The dataset summary shown before launch and written into the ``started`` event."""
+    """The dataset summary shown before launch and written into the ``started`` event.
+
+    :func:`scan_concepts` fills ``concepts`` and ``warnings``; ``trainer.data.dataset`` adds the
+    bucket plan (histogram, dropped images, small images, duplicates)."""
     concepts: List[ConceptReport] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
+    batch_size: int = 0
+    resolutions: List[str] = field(default_factory=list)
+    buckets: List[dict] = field(default_factory=list)        # {"size", "images", "per_epoch", "trains"}
+    dropped: List[str] = field(default_factory=list)         # in a bucket too small for a batch: never trained
+    small_images: List[dict] = field(default_factory=list)   # {"file", "size", "bucket", "upscale"}
+    duplicates: List[List[str]] = field(default_factory=list)  # files with identical content
+    leftover_per_epoch: int = 0                              # samples of unfilled batches in epoch 1
+    batches_per_epoch: int = 0
 
     @property
     def total_images(self) -> int:
@@ -98,13 +126,27 @@ class DataReport:
 
     @property
     def images_per_epoch(self) -> float:
-        return sum(c.images_used * c.repeats for c in self.concepts)
+        return sum(c.images_used * c.repeats for c in self.concepts if not c.validation)
+
+    @property
+    def masks_missing(self) -> List[str]:
+        return [m for c in self.concepts for m in c.masks_missing]
 
     def to_dict(self) -> dict:
+        listed = 200
         return {
             "total_images": self.total_images,
             "total_skipped": self.total_skipped,
             "images_per_epoch": float(self.images_per_epoch),
+            "batch_size": self.batch_size,
+            "batches_per_epoch": self.batches_per_epoch,
+            "resolutions": list(self.resolutions),
+            "buckets": list(self.buckets),
+            "dropped": self.dropped[:listed], "dropped_count": len(self.dropped),
+            "small_images": self.small_images[:listed], "small_images_count": len(self.small_images),
+            "duplicates": self.duplicates[:listed], "duplicates_count": len(self.duplicates),
+            "masks_missing": self.masks_missing[:listed], "masks_missing_count": len(self.masks_missing),
+            "leftover_per_epoch": self.leftover_per_epoch,
             "concepts": [c.to_dict() for c in self.concepts],
             "warnings": list(self.warnings),
         }
@@ -144,7 +186,8 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn,
 
     items: List[ImageItem] = []
     for index, concept in enabled:
-        concept_items, concept_report = _scan_one(index, concept, base, _warn)
+        concept_items, concept_report = _scan_one(index, concept, base, _warn,
+                                                  masks=bool(getattr(data_cfg, "masks", False)))
         items += concept_items
         report.concepts.append(concept_report)
     return items, report
@@ -159,7 +202,8 @@ def _resolve(path_str: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def _scan_one(index: int, concept: Any, base: Path, warn: Warn) -> Tuple[List[ImageItem], ConceptReport]:
+def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
+              masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
     key = f"data.concepts.{index}.path"
     label = _label(index, concept)
     if not str(concept.path or "").strip():
@@ -174,7 +218,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn) -> Tuple[List[Im
                         "that holds the images.", key=key, value=str(concept.path))
 
     report = ConceptReport(index=index, name=str(concept.name or folder.name), path=str(folder),
-                           repeats=float(concept.repeats))
+                           repeats=float(concept.repeats), validation=bool(getattr(concept, "validation", False)),
+                           resolution=str(getattr(concept, "resolution", "") or ""))
     files = find_images(folder, bool(concept.recursive))
     report.images_found = len(files)
     if not files:
@@ -213,8 +258,11 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn) -> Tuple[List[Im
                 report.captions_empty += 1
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
-                               loss_weight=float(concept.loss_weight), width=size[0], height=size[1]))
+                               loss_weight=float(concept.loss_weight), width=size[0], height=size[1],
+                               validation=report.validation))
 
+    if masks:
+        _attach_masks(items, folder, report, label, warn)
     report.images_used = len(items)
     report.captions_missing = len(missing)
     if missing:
@@ -230,6 +278,46 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn) -> Tuple[List[Im
                         f"({_list([f'{f}: {r}' for f, r in report.skipped], 5)}). "
                         "Re-save them as PNG or JPEG, or fix the path.", key=key, value=str(concept.path))
     return items, report
+
+
+def mask_path(image: Path) -> Path:
+    """Where the mask of ``image`` lives: ``<stem>-masklabel.png`` in the same folder."""
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, label: str, warn: Warn) -> None:
+    """Pair each image with its mask. A missing mask trains the whole image (all focus); an
+    unreadable mask, or one whose shape differs from its image's, is reported and ignored; one
+    with the image's aspect but another size is used, scaled to the image."""
+    candidates = [mask_path(it.path) for it in items]
+    present = [(it, m) for it, m in zip(items, candidates) if m.is_file()]
+    workers = max(1, min(8, (os.cpu_count() or 1), len(present) or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        checks = list(pool.map(lambda pair: probe_image(pair[1]), present))
+    by_item = {id(it): (m, chk) for (it, m), chk in zip(present, checks)}
+    for item in items:
+        rel = _rel(item.path, folder)
+        if id(item) not in by_item:
+            report.masks_missing.append(rel)
+            continue
+        m, (size, problem) = by_item[id(item)]
+        mrel = _rel(m, folder)
+        if problem is None and size != (item.width, item.height):
+            ia, ma = item.width / item.height, size[0] / size[1]
+            if abs(ia - ma) / ia > 0.01:
+                problem = (f"its size {size[0]}x{size[1]} does not match the image's "
+                           f"{item.width}x{item.height}")
+        if problem is not None:
+            report.masks_bad.append((mrel, problem))
+            warn(f"Ignoring mask '{m}' ({label}): {problem}. '{item.path.name}' trains without a mask; "
+                 "re-export the mask at the image's size.")
+            continue
+        item.mask = m
+        report.masks_found += 1
+    if report.masks_missing:
+        warn(f"{label}: {len(report.masks_missing)} of {len(items)} images have no mask "
+             f"({_list(report.masks_missing)}); they train as if all of the image were in focus. "
+             f"Add <image name>{MASK_SUFFIX} (white = focus) next to each image.")
 
 
 def find_images(folder: Path, recursive: bool) -> List[Path]:
@@ -440,10 +528,25 @@ def _repeats_list(items: Sequence[ImageItem], repeats_per_item: Any) -> List[flo
     return reps
 
 
+def concept_repeats(concept: Any, images: int) -> float:
+    """A concept's repeats: ``samples`` per epoch spread over its images when set, else ``repeats``.
+
+    ``samples`` balances concepts of different sizes (20 images and 200 images both at 100 samples
+    an epoch); the fraction is paid out exactly over epochs by :func:`epoch_order`."""
+    samples = int(getattr(concept, "samples", 0) or 0)
+    if samples > 0 and images > 0:
+        return float(Fraction(samples, images))
+    return float(concept.repeats)
+
+
 def item_repeats(items: Sequence[ImageItem], data_cfg: Any) -> List[float]:
-    """Each item's concept's ``repeats``, the usual ``repeats_per_item`` for :func:`epoch_order`."""
+    """Each item's concept's repeats (see :func:`concept_repeats`), the usual
+    ``repeats_per_item`` for :func:`epoch_order`."""
     concepts = list(data_cfg.concepts)
-    return [float(concepts[it.concept_index].repeats) for it in items]
+    counts: dict = {}
+    for it in items:
+        counts[it.concept_index] = counts.get(it.concept_index, 0) + 1
+    return [concept_repeats(concepts[it.concept_index], counts[it.concept_index]) for it in items]
 
 
 def _exact(value: float) -> Fraction:
@@ -524,6 +627,6 @@ def _list(names: Sequence[str], limit: int = 5) -> str:
 
 __all__ = [
     "DataError", "ImageItem", "ConceptReport", "DataReport", "IMAGE_EXTENSIONS", "MASK_SUFFIX",
-    "scan_concepts", "find_images", "probe_image", "read_text", "caption_lines", "caption_from_filename",
+    "scan_concepts", "find_images", "probe_image", "mask_path", "concept_repeats", "read_text", "caption_lines", "caption_from_filename",
     "pick_caption", "sample_rng", "epoch_order", "epoch_length", "item_repeats",
 ]

@@ -1,8 +1,9 @@
-"""Image file → training tensor: orientation, colour mode, resize, crop, flip.
+"""Image file → training tensor: orientation, colour mode, resize, crop, flip; masks alike.
 
-Every path from disk to pixels goes through :func:`open_rgb`, so EXIF rotation and odd colour modes
-(CMYK JPEGs from print workflows, 16-bit PNGs from scanners, palette GIF-likes, transparent PNGs)
-are handled once, the same way for training, latent caching and (later) masks and buckets.
+Every path from disk to pixels goes through :func:`open_rgb` (masks: :func:`open_mask`), so EXIF
+rotation and odd colour modes (CMYK JPEGs from print workflows, 16-bit PNGs from scanners, palette
+GIF-likes, transparent PNGs) are handled once, the same way for training and latent caching.
+:func:`render_sample` applies one sample's bucket size and augmentation to an image and its mask.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from PIL import Image, ImageOps
 
@@ -127,11 +128,82 @@ def load_image(path: Path, resolution: int, center_crop: bool, flip: bool,
     ``resolution`` (Lanczos; tiny images are upscaled), cropped (centre, or random with
     ``crop_rng``) and mirrored when ``flip``. Raises :class:`DataError` naming the file.
     """
+    from trainer.data.augment import AugmentParams, apply_geometry
+
     img = open_rgb(path, min_side=resolution)
-    img, _ = resize_crop(img, resolution, resolution, center_crop, crop_rng)
-    if flip:
-        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    shift = (0.0, 0.0) if center_crop or crop_rng is None else (crop_rng.uniform(-1, 1), crop_rng.uniform(-1, 1))
+    img, _ = apply_geometry(img, None, (resolution, resolution),
+                            AugmentParams(flip=flip, shift_x=shift[0], shift_y=shift[1]))
     return to_tensor(img)
 
 
-__all__ = ["open_rgb", "resize_crop", "to_tensor", "load_image"]
+# --------------------------------------------------------------------------------------------
+# masks and samples
+# --------------------------------------------------------------------------------------------
+
+def open_mask(path: Path) -> Image.Image:
+    """A ``-masklabel.png`` as 8-bit greyscale the right way up (white = focus).
+
+    Colour masks are converted to luminance; 16-bit masks are scaled like 16-bit images; a
+    transparent pixel counts as black (not in focus). Raises :class:`DataError` naming the file.
+    """
+    path = Path(path)
+    try:
+        with Image.open(path) as img:
+            img.load()
+            img = ImageOps.exif_transpose(img)
+        if img.mode in _HIGH_BIT_MODES:
+            return _high_bit_to_l(img)
+        if img.has_transparency_data:
+            rgba = img.convert("RGBA")
+            black = Image.new("RGBA", rgba.size, (0, 0, 0, 255))
+            return Image.alpha_composite(black, rgba).convert("L")
+        return img.convert("L")
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:
+        raise DataError(f"Could not read mask '{path}' ({exc}). Re-save it as a greyscale PNG "
+                        "(white = focus) or remove it.", value=str(path)) from None
+
+
+def decode(path: Path, mask_path: Optional[Path], min_side: Optional[int] = None
+           ) -> Tuple[Image.Image, Optional[Image.Image]]:
+    """Image (RGB) and mask (L, resized to the image when its size differs) of one sample,
+    decoded once; the pipeline reuses the pair for every crop and variant it needs."""
+    img = open_rgb(path, min_side=min_side)
+    mask = open_mask(mask_path) if mask_path is not None else None
+    if mask is not None and mask.size != img.size:
+        mask = mask.resize(img.size, Image.Resampling.BILINEAR)
+    return img, mask
+
+
+def mask_to_tensor(mask: Image.Image) -> "torch.Tensor":
+    """L image → float32 [1, H, W] in [0, 1] (1 = focus)."""
+    import torch
+
+    w, h = mask.size
+    data = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8)
+    return data.view(1, h, w).float().div_(255.0)
+
+
+def render_sample(img: Image.Image, mask: Optional[Image.Image], size: Tuple[int, int], params: Any
+                  ) -> Tuple["torch.Tensor", Optional["torch.Tensor"]]:
+    """Apply one sample's :class:`~trainer.data.augment.AugmentParams`: pixels [3, H, W] in
+    [-1, 1] and, when there is a mask, the mask [1, H, W] in [0, 1], pixel-aligned."""
+    from trainer.data.augment import apply
+
+    out, out_mask = apply(img, mask, size, params)
+    return to_tensor(out), (mask_to_tensor(out_mask) if out_mask is not None else None)
+
+
+def mask_to_latent(mask: "torch.Tensor", latent_hw: Tuple[int, int]) -> "torch.Tensor":
+    """Pixel mask [..., 1, H, W] → latent resolution by area averaging (a soft edge where a latent
+    cell covers both focus and background)."""
+    import torch.nn.functional as F
+
+    squeeze = mask.dim() == 3
+    m = mask[None] if squeeze else mask
+    out = F.interpolate(m.float(), size=tuple(latent_hw), mode="area")
+    return out[0] if squeeze else out
+
+
+__all__ = ["open_rgb", "resize_crop", "to_tensor", "load_image", "open_mask", "decode", "mask_to_tensor",
+           "render_sample", "mask_to_latent"]

@@ -1,101 +1,471 @@
 """The loop's one door to the data: which micro-batches an epoch has, and what is in each.
 
-Everything random here (order, caption pick, crop, flip) is a pure function of
-(seed, epoch, position), so a resumed run sees exactly the batches an uninterrupted run would.
+Everything random here (order, bucket resolution, caption pick, caption/tag dropout, tag order,
+crop, flip, augmentation, cached variant) is a pure function of (seed, epoch, position), so a
+resumed run — or one with another number of loader threads — sees exactly the batches an
+uninterrupted run would.
+
+A batch is a dict::
+
+    latent_dist            {"mean", "std"} [B, 4, h, w]  (VAE posterior; the loop samples it)
+    captions               list of B strings (after dropout, shuffling, placeholders)
+    loss_weights           float32 [B] (the concepts' loss_weight)
+    mask                   float32 [B, 1, h, w] in [0, 1] at latent resolution, 1 = focus
+                           (only with data.masks; an image without a mask is all ones)
+    encoder_hidden_states  [B, 77, D] cached text-encoder output (only when prepare() got an
+                           encode_text_fn and captions are cacheable)
+    sizes                  list of B (width, height): the pixel size trained at
+    original_sizes         list of B (height, width) of the images as displayed   } SDXL's size and
+    crop_top_lefts         list of B (top, left) of the crop in the resized image } crop conditioning
+    target_sizes           list of B (height, width) trained at                   } (time ids)
+
+Latents come from the latent cache (``data.cache_latents``) or, when augmentations are on with
+``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. Batches
+are loaded ``general.dataloader_workers`` ahead in background threads (0 = in the caller's thread);
+VAE encoding always happens in the caller's thread. In that uncached mode each image is decoded
+at most once per epoch (kept until its last use in the epoch).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
+import threading
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from trainer.data.cache import LatentCache, make_settings_key
-from trainer.data.concepts import epoch_order, item_repeats, pick_caption, sample_rng, scan_concepts
+from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
+from trainer.data.buckets import PlannedBatch, Size
+from trainer.data.cache import (CacheJob, LatentCache, TextCache, _map_ahead, as_text_dict, file_sha256,
+                                make_settings_key)
+from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement
+from trainer.data.concepts import DataError, ImageItem, _seed_int, pick_caption, sample_rng
+from trainer.data.dataset import build_dataset
 
 log = logging.getLogger("atelier")
 
+ProgressFn = Callable[[str, int, int], None]  # (stage: "latents" | "text", done, total)
+_PROBE_CAPTION = "a photo of a cat, atelier text cache probe"
+
 
 class DataPipeline:
-    """Scans the concepts, caches latents, and yields micro-batches for the loop.
+    """Scans the concepts, plans bucketed epochs, fills the caches and yields micro-batches.
 
-    ``encode_fn`` turns a pixel batch [B,3,H,W] in [-1,1] into the VAE posterior
-    ``{"mean", "std"}``; ``fingerprint`` identifies the model weights behind it (cache key).
+    ``DataPipeline(cfg, warn)`` scans at once (bad files become warnings through ``warn``; a
+    concept without a usable image raises :class:`DataError`); ``report`` is the dataset report.
+    Call :meth:`prepare` once the model is loaded, then :meth:`iter_batches` per epoch.
     """
 
-    def __init__(self, cfg: Any, warn: Callable[[str], None]):
+    def __init__(self, cfg: Any, warn: Callable[[str], None], base_dir: Optional[Path] = None):
         self.cfg = cfg
-        self.data_cfg = cfg.data
+        self.data_cfg = d = cfg.data
         self.seed = int(cfg.general.seed)
         self.batch_size = int(cfg.training.batch_size)
-        self.items, self.report = scan_concepts(cfg.data, warn=warn)
-        self.repeats = item_repeats(self.items, cfg.data)
+        self.workers = int(getattr(cfg.general, "dataloader_workers", 0) or 0)
+        self.dataset = build_dataset(cfg, warn, base_dir=base_dir)
+        self.report = self.dataset.report
+        if self.report.batches_per_epoch == 0:
+            raise DataError(f"No aspect bucket holds enough images for one batch of {self.batch_size}, so "
+                            "nothing would train. Lower training.batch_size, raise the concepts' repeats, or "
+                            "turn off data.aspect_buckets.", key="training.batch_size", value=self.batch_size)
+        self.items: List[ImageItem] = self.dataset.items
+        self.validation_items: List[ImageItem] = self.dataset.validation
+        self.repeats = self.dataset.repeats
+        self.augment = AugmentSettings.from_config(d)
+        self.masks = bool(getattr(d, "masks", False))
+        self.captions = CaptionProcessor()
+        self.caption_options = {i: CaptionOptions.from_concept(c) for i, c in enumerate(d.concepts)}
         self.cache: Optional[LatentCache] = None
+        self.text_cache: Optional[TextCache] = None
         self.encode_fn: Optional[Callable] = None
 
+    # --- captions ------------------------------------------------------------------------------
+    def set_placeholder(self, placeholder: str, replacement: Replacement) -> None:
+        """Replace ``placeholder`` (e.g. ``"<embedding>"``) in every caption by the trained token(s):
+        a string, or a function ``caption -> string``. Call before :meth:`prepare`. See
+        :mod:`trainer.data.captions`."""
+        self.captions.set_placeholder(placeholder, replacement)
+
+    def captions_cacheable(self) -> bool:
+        """True when every caption a sample can get is known up front (no tag shuffle/dropout)."""
+        used = {it.concept_index for it in self.items + self.validation_items}
+        return all(self.caption_options[i].deterministic for i in used)
+
+    def possible_captions(self) -> List[str]:
+        out: set = set()
+        for it in self.items:
+            out.update(self.captions.possible_captions(it.captions, self.caption_options[it.concept_index]))
+        for it in self.validation_items:
+            out.add(self._validation_caption(it))
+        return sorted(out)
+
+    def _validation_caption(self, item: ImageItem) -> str:
+        return self.captions.replace_placeholders(item.captions[0] if item.captions else "")
+
     # --- epochs -------------------------------------------------------------------------------
-    def epoch_batches(self, epoch: int) -> List[List[int]]:
-        order = epoch_order(self.items, self.repeats, epoch, self.seed)
-        bs = self.batch_size
-        return [order[i:i + bs] for i in range(0, len(order), bs)]
+    def epoch_batches(self, epoch: int) -> List[PlannedBatch]:
+        """The micro-batches of an epoch (each from one bucket); their number varies a little
+        between epochs when batches are left unfilled."""
+        return self.dataset.plan(epoch)[0]
 
-    def iter_batches(self, epoch: int, start: int, stop: int):
-        """Yield ``(batch_index, batch)`` for micro-batches ``start..stop-1`` of an epoch."""
+    def iter_batches(self, epoch: int, start: int, stop: int) -> Iterator[Tuple[int, Dict[str, Any]]]:
+        """Yield ``(batch_index, batch)`` for micro-batches ``start..stop-1`` of an epoch, loading
+        ahead in background threads."""
         batches = self.epoch_batches(epoch)
-        for bi in range(start, min(stop, len(batches))):
-            yield bi, self.batch(batches[bi], epoch, bi)
+        selected = list(range(start, min(stop, len(batches))))
+        memo = None
+        if self._renders_pixels():
+            memo = _DecodeMemo(Counter(i for bi in selected for i in batches[bi].indices))
+        loader = lambda bi: self._load(batches[bi], epoch, memo)  # noqa: E731
+        ahead = _map_ahead(loader, selected, self.workers)
+        try:
+            for bi, raw in zip(selected, ahead):
+                yield bi, self._finish(raw)
+        finally:
+            ahead.close()  # a loop that stops mid-epoch also stops the loader threads
 
-    # --- latents ------------------------------------------------------------------------------
-    def variants(self) -> List[int]:
-        return [0, 1] if self.data_cfg.random_flip else [0]
+    def batch(self, plan: Union[PlannedBatch, Sequence[int]], epoch: int, batch_index: int = 0) -> Dict[str, Any]:
+        """One micro-batch (see the module docstring). ``plan`` is a :class:`PlannedBatch` from
+        :meth:`epoch_batches`, or bare item indices (trained at the first item's first bucket)."""
+        if not isinstance(plan, PlannedBatch):
+            indices = tuple(plan)
+            plan = PlannedBatch(indices, tuple(batch_index * self.batch_size + j for j in range(len(indices))),
+                                self.dataset.buckets[indices[0]][0])
+        return self._finish(self._load(plan, epoch, None))
 
-    def load_pixels(self, item, variant: int, crop_rng=None):
-        from trainer.data.images import load_image
+    # --- validation -----------------------------------------------------------------------------
+    def validation_batches(self) -> List[PlannedBatch]:
+        """Validation items grouped by bucket, in batches of at most the batch size (fixed)."""
+        groups: Dict[Size, List[int]] = {}
+        for i, size in enumerate(self.dataset.validation_buckets):
+            groups.setdefault(size, []).append(i)
+        out = []
+        for size in sorted(groups):
+            members = groups[size]
+            for k in range(0, len(members), self.batch_size):
+                chunk = tuple(members[k:k + self.batch_size])
+                out.append(PlannedBatch(chunk, chunk, size))
+        return out
+
+    def iter_validation(self) -> Iterator[Dict[str, Any]]:
+        """Batches of the validation concepts: centre crop, no augmentation, first caption line,
+        no dropout — the same every time, so their loss is comparable across steps. The loop should
+        compute it under ``torch.no_grad()`` with its own fixed generator (not the training one)."""
+        for plan in self.validation_batches():
+            yield self._finish(self._load(plan, -1, None, validation=True))
+
+    # --- caches ---------------------------------------------------------------------------------
+    def cache_dir(self) -> Path:
         d = self.data_cfg
-        return load_image(item.path, d.resolution, d.center_crop, bool(variant), crop_rng)
+        return Path(d.cache_dir) if d.cache_dir else Path(self.cfg.general.workspace) / "cache"
 
-    def prepare(self, encode_fn: Callable, fingerprint: str, vae_dtype: str) -> None:
-        """Attach the encoder; with ``data.cache_latents`` encode every missing latent now."""
+    def _renders_pixels(self) -> bool:
+        """Training samples are rendered and encoded per step (no latent cache, or augmentations
+        without cached variants)."""
+        return self.cache is None or (self.augment.any_beyond_flip and int(self.data_cfg.augment_variants) == 0)
+
+    def n_variants(self) -> int:
+        """Cached versions per (image, bucket)."""
+        if self.augment.any_beyond_flip:
+            return max(1, int(self.data_cfg.augment_variants))
+        return 2 if self.augment.random_flip else 1
+
+    def variant_params(self, item: ImageItem, k: int) -> AugmentParams:
+        """The fixed transform of cached variant ``k`` of ``item`` (seeded by content, so renaming
+        a file keeps its variants)."""
+        digest = self._sha(item)
+        if self.augment.any_beyond_flip:
+            return draw_params(self.augment, random.Random(_seed_int("atelier-variant", self.seed, digest, k)))
+        shift = (0.0, 0.0)
+        if not self.augment.center_crop:  # random crop: drawn once per file when cached
+            rng = random.Random(_seed_int("atelier-crop", self.seed, digest))
+            shift = (round(rng.uniform(-1, 1), 4), round(rng.uniform(-1, 1), 4))
+        return AugmentParams(flip=k == 1, shift_x=shift[0], shift_y=shift[1])
+
+    def _sha(self, item: ImageItem) -> str:
+        return file_sha256(item.path)
+
+    def _entry(self, item: ImageItem, size: Size, params: AugmentParams) -> Tuple[str, str]:
+        """(variant tag, extra key) of a cache entry: bucket size + exact transform, mask hash."""
+        extra = f"mask:{file_sha256(item.mask)}" if (self.masks and item.mask is not None) else ""
+        return f"{size[0]}x{size[1]}|{params.tag()}", extra
+
+    def prepare(self, encode_fn: Callable, fingerprint: str, vae_dtype: str,
+                encode_text_fn: Optional[Callable[[List[str]], Any]] = None,
+                text_fingerprint: Optional[str] = None,
+                progress: Optional[ProgressFn] = None) -> Dict[str, Any]:
+        """Attach the VAE encoder and fill every cache; returns what was encoded and reused.
+
+        ``encode_fn(pixels [B,3,H,W] in [-1,1]) -> {"mean", "std"}``; ``fingerprint`` identifies
+        the VAE weights (cache key). With ``data.cache_latents`` every (image, bucket, variant)
+        without an entry is encoded now, images decoded in ``general.dataloader_workers`` threads.
+        ``encode_text_fn(list_of_captions) -> tensor [B, 77, D]`` (or a dict of tensors): pass it
+        only when the text encoder (and its token embeddings) are frozen; with ``data.cache_text``
+        and cacheable captions every possible caption is encoded now and batches carry
+        ``encoder_hidden_states``. Caching resumes where an interrupted run stopped (entries are
+        written atomically). This is all an "only cache" command needs.
+        """
+        d = self.data_cfg
         self.encode_fn = encode_fn
-        d = self.data_cfg
-        if not d.cache_latents:
-            return
-        cache_dir = Path(d.cache_dir) if d.cache_dir else Path(self.cfg.general.workspace) / "cache"
-        key = make_settings_key(model=fingerprint, resolution=d.resolution,
-                                crop="center" if d.center_crop else "random-fixed", vae_dtype=vae_dtype)
-        self.cache = LatentCache(cache_dir, key)
+        summary: Dict[str, Any] = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0,
+                                   "text_reused": 0, "text_cache": "off"}
         t0 = time.time()
-        total = len(self.items) * len(self.variants())
-        n = self.cache.ensure(
-            self.items, self.variants(), encode_fn,
-            # with caching, a random crop is drawn once per file (fixed across epochs)
-            lambda it, v: self.load_pixels(it, v, None if d.center_crop else sample_rng(self.seed, 0, 0,
-                                                                                         f"crop-{it.path}")),
-            batch_size=max(1, self.batch_size),
-            progress=lambda i, tot: log.info("caching latents %d/%d", i, tot) if tot and (
-                i == tot or i % 50 == 0) else None)
-        log.info("latent cache: %d encoded, %d reused (%.1fs)", n, total - n, time.time() - t0)
-
-    # --- one micro-batch ----------------------------------------------------------------------
-    def batch(self, indices: List[int], epoch: int, batch_index: int) -> Dict[str, Any]:
-        """``{"latent_dist": {"mean","std"}, "captions": [...], "loss_weights": tensor[B]}``.
-
-        Optional keys the loop also understands: ``encoder_hidden_states`` (cached text-encoder
-        output, used instead of encoding ``captions``)."""
-        import torch
-        dists, captions, weights = [], [], []
-        for j, idx in enumerate(indices):
-            item = self.items[idx]
-            rng = sample_rng(self.seed, epoch, batch_index * self.batch_size + j)
-            captions.append(pick_caption(item, rng))
-            variant = 1 if (self.data_cfg.random_flip and rng.random() < 0.5) else 0
-            if self.cache is not None:
-                dists.append(self.cache.get(item, variant))
+        report = _progress_logger("latents", progress)
+        if d.cache_latents:
+            self.cache = LatentCache(self.cache_dir(), make_settings_key(model=fingerprint, vae_dtype=vae_dtype))
+            jobs = self._cache_jobs()
+            total = sum(len(j.paths) for j in jobs)
+            n = self.cache.run_jobs(jobs, encode_fn, batch_size=max(1, self.batch_size), progress=report,
+                                    workers=self.workers)
+            summary.update(latents_encoded=n, latents_reused=total - n)
+            log.info("latent cache: %d encoded, %d reused (%.1fs)", n, total - n, time.time() - t0)
+        if encode_text_fn is not None and d.cache_text:
+            if not self.captions_cacheable():
+                summary["text_cache"] = "off: tag shuffling or tag dropout makes captions vary"
+                log.info("text-encoder outputs are not cached: tag shuffling or tag dropout is on")
             else:
-                pixels = self.load_pixels(item, variant, None if self.data_cfg.center_crop else rng)
-                dists.append({k: v[0] for k, v in self.encode_fn(pixels[None]).items()})
+                t1 = time.time()
+                key = make_settings_key(text=text_fingerprint or fingerprint,
+                                        probe=_probe_hash(encode_text_fn))
+                self.text_cache = TextCache(self.cache_dir(), key)
+                captions = self.possible_captions()
+                n = self.text_cache.ensure(captions, encode_text_fn, batch_size=16,
+                                           progress=_progress_logger("text", progress))
+                summary.update(text_encoded=n, text_reused=len(captions) - n, text_cache="on")
+                log.info("text cache: %d encoded, %d reused (%.1fs)", n, len(captions) - n, time.time() - t1)
+        summary["seconds"] = round(time.time() - t0, 3)
+        return summary
+
+    def _cache_jobs(self) -> List[CacheJob]:
+        assert self.cache is not None
+        cache = self.cache
+        wanted: List[Tuple[ImageItem, List[Tuple[Size, AugmentParams]]]] = []
+        if not self._renders_pixels():
+            for item, options in zip(self.items, self.dataset.buckets):
+                specs = [(size, self.variant_params(item, k)) for size in dict.fromkeys(options)
+                         for k in range(self.n_variants())]
+                wanted.append((item, specs))
+        for item, size in zip(self.validation_items, self.dataset.validation_buckets):
+            wanted.append((item, [(size, AugmentParams())]))
+        jobs: List[CacheJob] = []
+        seen: set = set()
+        for item, specs in wanted:
+            paths, todo = [], []
+            for size, params in specs:
+                path = cache.entry_path(item, *self._entry(item, size, params))
+                if path in seen:
+                    continue
+                seen.add(path)
+                paths.append(path)
+                todo.append((size, params))
+            if paths:
+                jobs.append(CacheJob(paths, _Renderer(item, todo, self._min_side(todo)), str(item.path)))
+        return jobs
+
+    def _worst_side(self, sizes: Sequence[Size]) -> int:
+        a = self.augment
+        return int(max(max(size) for size in sizes) * (1 + a.crop_jitter) * (1.5 if a.rotation else 1.0)) + 1
+
+    def _min_side(self, specs: Sequence[Tuple[Size, AugmentParams]]) -> int:
+        side = max(max(size) * max(1.0, p.zoom) * (1.5 if p.angle else 1.0) for size, p in specs)
+        return int(side) + 1
+
+    # --- loading ----------------------------------------------------------------------------------
+    def _load(self, plan: PlannedBatch, epoch: int, memo: Optional["_DecodeMemo"],
+              validation: bool = False) -> Dict[str, Any]:
+        """Everything of one batch that needs no model: runs in a loader thread."""
+        import torch
+
+        from trainer.data.images import decode, render_sample
+
+        pool = self.validation_items if validation else self.items
+        captions, weights, sizes, crops = [], [], [], []
+        dists, masks, pixels, pixel_masks, texts = [], [], [], [], []
+        for idx, pos in zip(plan.indices, plan.positions):
+            item = pool[idx]
+            if validation:
+                caption = self._validation_caption(item)
+            else:
+                rng = sample_rng(self.seed, epoch, pos, "caption")
+                caption = self.captions.process(pick_caption(item, rng), self.caption_options[item.concept_index], rng)
+            captions.append(caption)
             weights.append(item.loss_weight)
-        dist = {k: torch.stack([d[k] for d in dists]) for k in ("mean", "std")}
-        return {"latent_dist": dist, "captions": captions,
-                "loss_weights": torch.tensor(weights, dtype=torch.float32)}
+            sizes.append(plan.size)
+            if self.text_cache is not None:
+                texts.append(self.text_cache.get(caption))
+            cached = self.cache is not None and (validation or not self._renders_pixels())
+            if cached:
+                if validation:
+                    params = AugmentParams()
+                else:
+                    rng = sample_rng(self.seed, epoch, pos, "variant")
+                    n = self.n_variants()
+                    params = self.variant_params(item, rng.randrange(n) if n > 1 else 0)
+                entry = self.cache.get(item, *self._entry(item, plan.size, params))  # type: ignore[union-attr]
+                crops.append(crop_top_left((item.width, item.height), plan.size, params))
+                dists.append(entry)
+                masks.append(entry.get("mask"))
+            else:
+                params = AugmentParams() if validation else \
+                    draw_params(self.augment, sample_rng(self.seed, epoch, pos, "augment"))
+                mask_path = item.mask if self.masks else None
+                min_side = self._min_side([(plan.size, params)])
+                if memo is not None:  # decoded for the largest size this item can need in the epoch
+                    side = self._worst_side(self.dataset.buckets[idx])
+                    img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side: _shrink(decode(it.path, m, s), s))
+                else:
+                    img, mask = decode(item.path, mask_path, min_side)
+                px, mpx = render_sample(img, mask, plan.size, params)
+                crops.append(crop_top_left((item.width, item.height), plan.size, params))
+                pixels.append(px)
+                pixel_masks.append(mpx)
+        raw: Dict[str, Any] = {"captions": captions, "loss_weights": torch.tensor(weights, dtype=torch.float32),
+                               "sizes": sizes, "crop_top_lefts": crops,
+                               "original_sizes": [(pool[i].height, pool[i].width) for i in plan.indices],
+                               "target_sizes": [(h, w) for w, h in sizes]}
+        if dists:
+            raw["latent_dist"] = {k: torch.stack([e[k] for e in dists]) for k in ("mean", "std")}
+            if self.masks:
+                h, w = raw["latent_dist"]["mean"].shape[-2:]
+                raw["mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in masks])
+        else:
+            raw["pixels"] = torch.stack(pixels)
+            if self.masks:
+                h, w = raw["pixels"].shape[-2:]
+                raw["pixel_mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in pixel_masks])
+        if texts:
+            for key in texts[0]:
+                raw[key] = torch.stack([t[key] for t in texts])
+        return raw
+
+    def _finish(self, raw: Dict[str, Any]) -> Dict[str, Any]:
+        """The model part of a batch, in the caller's thread: encode rendered pixels."""
+        if "pixels" in raw:
+            from trainer.data.images import mask_to_latent
+            if self.encode_fn is None:
+                raise RuntimeError("DataPipeline.prepare() must be called before batches are loaded")
+            import torch
+            with torch.no_grad():
+                out = self.encode_fn(raw.pop("pixels"))
+            raw["latent_dist"] = {"mean": out["mean"], "std": out["std"]}
+            if "pixel_mask" in raw:
+                raw["mask"] = mask_to_latent(raw.pop("pixel_mask"), tuple(out["mean"].shape[-2:]))
+        return raw
+
+
+class _Renderer:
+    """A cache job's loader: decode an image (and its mask) once, render every wanted variant."""
+
+    def __init__(self, item: ImageItem, specs: List[Tuple[Size, AugmentParams]], min_side: int):
+        self.item, self.specs, self.min_side = item, specs, min_side
+
+    def __call__(self) -> List[Tuple[Any, Any]]:
+        from trainer.data.images import decode, render_sample
+        img, mask = decode(self.item.path, self.item.mask, self.min_side)
+        return [render_sample(img, mask, size, params) for size, params in self.specs]
+
+
+def _shrink(pair: Tuple[Any, Any], min_side: int) -> Tuple[Any, Any]:
+    """Keep a decoded photo at most twice the size the epoch needs (a 6000-px photo trained at
+    512 would otherwise hold ~100 MB in the decode memo); the final resize still downsamples."""
+    from PIL import Image
+    img, mask = pair
+    short = min(img.size)
+    if short <= 2 * min_side:
+        return img, mask
+    f = 2 * min_side / short
+    new = (max(1, round(img.size[0] * f)), max(1, round(img.size[1] * f)))
+    img = img.resize(new, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    if mask is not None:
+        mask = mask.resize(new, Image.Resampling.BILINEAR, reducing_gap=3.0)
+    return img, mask
+
+
+class _DecodeMemo:
+    """Decoded images shared within an epoch: an image used several times (repeats) is decoded
+    once and released after its last use. Safe for several loader threads. Held pixels are capped
+    at ``budget`` bytes; past it an image is decoded again when next needed (correct, slower)."""
+
+    def __init__(self, uses: Counter, budget: int = 2 << 30):
+        self.uses = uses
+        self.budget = budget
+        self.held = 0
+        self.lock = threading.Lock()
+        self.entries: Dict[int, Any] = {}
+        self.pending: Dict[int, threading.Event] = {}
+
+    def get(self, index: int, load: Callable[[], Any]) -> Any:
+        while True:
+            with self.lock:
+                if index in self.entries:
+                    value = self.entries[index]
+                    self._release(index)
+                    return value
+                event = self.pending.get(index)
+                if event is None:
+                    event = self.pending[index] = threading.Event()
+                    owner = True
+                else:
+                    owner = False
+            if not owner:
+                event.wait()
+                continue
+            try:
+                value = load()
+            except BaseException:
+                with self.lock:
+                    self.pending.pop(index).set()
+                raise
+            with self.lock:
+                size = _nbytes(value)
+                if self.held + size <= self.budget:
+                    self.entries[index] = value
+                    self.held += size
+                self.pending.pop(index).set()
+                self._release(index)
+            return value
+
+    def _release(self, index: int) -> None:
+        self.uses[index] -= 1
+        if self.uses[index] <= 0 and index in self.entries:
+            self.held -= _nbytes(self.entries.pop(index))
+
+
+def _nbytes(pair: Tuple[Any, Any]) -> int:
+    img, mask = pair
+    return img.size[0] * img.size[1] * (3 + (1 if mask is not None else 0))
+
+
+def _probe_hash(encode_text_fn: Callable) -> str:
+    """A hash of the text encoder's output for a fixed caption, rounded to 1e-3: swapped or
+    retrained weights change it, so the text cache never serves embeddings of other weights."""
+    import torch
+    with torch.no_grad():
+        out = as_text_dict(encode_text_fn([_PROBE_CAPTION]))
+    h = hashlib.sha256()
+    for key in sorted(out):
+        t = out[key].detach().float().cpu()
+        h.update(key.encode())
+        h.update(torch.round(t * 1000).to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _progress_logger(stage: str, progress: Optional[ProgressFn]) -> Callable[[int, int], None]:
+    state = {"last": -1.0}
+
+    def report(done: int, total: int) -> None:
+        if progress is not None:
+            progress(stage, done, total)
+        if not total:
+            return
+        now = time.time()
+        if done == total or now - state["last"] > 5.0:
+            state["last"] = now
+            log.info("caching %s %d/%d", stage, done, total)
+    return report
+
+
+__all__ = ["DataPipeline"]

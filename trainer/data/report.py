@@ -1,20 +1,74 @@
-"""``python -m trainer data-report CONFIG``: what the trainer will do with the images, before any GPU time."""
+"""``python -m trainer data-report CONFIG``: what the trainer will do with the images, before any GPU time.
+
+The report is built by the same code as training (``trainer.data.dataset.build_dataset``: scan,
+buckets, epoch plan), without torch: images per concept, caption coverage, the bucket histogram,
+images in a bucket too small for the batch size (never trained: listed), images smaller than the
+training size, duplicates, missing and unusable masks, skipped files and every warning.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any, List
+from pathlib import Path
+from typing import Any, List, Optional
 
 
-def build_report(cfg: Any) -> dict:
-    """Scan the concepts (no model, no torch) and return the report as a dict with the warnings."""
-    from trainer.data.concepts import scan_concepts
+def build_report(cfg: Any, base_dir: Optional[Path] = None) -> dict:
+    """Scan and plan (no model, no torch) and return the report as a dict with the warnings."""
+    from trainer.data.dataset import build_dataset
     warnings: List[str] = []
-    _items, report = scan_concepts(cfg.data, warn=warnings.append)
-    out = report.to_dict()
+    dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir)
+    out = dataset.report.to_dict()
     out["warnings"] = warnings
     return out
+
+
+def format_report(rep: dict) -> str:
+    """The report as plain text for a terminal."""
+    lines: List[str] = []
+    for c in rep.get("concepts", []):
+        kind = " [validation]" if c.get("validation") else ""
+        lines.append(f"concept {c.get('index')} {c.get('name') or ''}{kind} ({c.get('path')}): "
+                     f"{c.get('images_used')} used / {c.get('images_found')} found, "
+                     f"repeats {c.get('repeats', 1):g}, {c.get('images_per_epoch', 0):g} per epoch")
+        lines.append(f"  captions: {100 * c.get('caption_coverage', 0):.0f}% have text "
+                     f"({c.get('captions_missing', 0)} without caption file, {c.get('captions_empty', 0)} empty)")
+        if c.get("masks_found") or c.get("masks_missing"):
+            lines.append(f"  masks: {c.get('masks_found', 0)} found, {c.get('masks_missing', 0)} missing")
+        for entry in c.get("skipped", []):
+            lines.append(f"  skipped: {entry['file']}: {entry['reason']}")
+        if c.get("skipped_not_listed"):
+            lines.append(f"  skipped: … and {c['skipped_not_listed']} more")
+        for entry in c.get("masks_bad", []):
+            lines.append(f"  mask ignored: {entry['file']}: {entry['reason']}")
+    bs = rep.get("batch_size")
+    lines.append(f"resolutions: {', '.join(rep.get('resolutions', []))}; batch size {bs}; "
+                 f"{rep.get('batches_per_epoch')} batches per epoch"
+                 + (f" ({rep.get('leftover_per_epoch')} samples left over in epoch 1)"
+                    if rep.get("leftover_per_epoch") else ""))
+    if rep.get("buckets"):
+        lines.append("buckets (size: images, samples per epoch):")
+        for b in rep["buckets"]:
+            flag = "" if b.get("trains") else f"   <- fewer than {bs}: never trains"
+            lines.append(f"  {b['size']:>11}: {b['images']:5d} images, {b['per_epoch']:g}/epoch{flag}")
+    for key, title in (("dropped", "never trained (bucket smaller than the batch)"),
+                       ("masks_missing", "without mask")):
+        if rep.get(f"{key}_count"):
+            lines.append(f"{title}: {rep[f'{key}_count']}")
+            lines += [f"  {p}" for p in rep[key]]
+    if rep.get("small_images_count"):
+        lines.append(f"smaller than the training size: {rep['small_images_count']}")
+        lines += [f"  {s['file']} ({s['size']}, trains at {s['bucket']}, enlarged {s['upscale']:g}x)"
+                  for s in rep["small_images"]]
+    if rep.get("duplicates_count"):
+        lines.append(f"identical files: {rep['duplicates_count']} groups")
+        lines += ["  " + " = ".join(g) for g in rep["duplicates"]]
+    for w in rep.get("warnings", []):
+        lines.append(f"warning: {w}")
+    lines.append(f"total: {rep.get('total_images')} images, {rep.get('total_skipped')} skipped, "
+                 f"{rep.get('images_per_epoch', 0):g} samples per epoch")
+    return "\n".join(lines)
 
 
 def print_report(cfg: Any, as_json: bool = False) -> int:
@@ -26,14 +80,6 @@ def print_report(cfg: Any, as_json: bool = False) -> int:
         return 1
     if as_json:
         print(json.dumps(rep, indent=1, default=str))
-        return 0
-    for c in rep.get("concepts", []):
-        print(f"concept {c.get('index')} {c.get('name') or ''} ({c.get('path')}): "
-              f"{c.get('images_used')} used / {c.get('images_found')} found, "
-              f"{c.get('captions_missing', 0)} without caption")
-        for entry in c.get("skipped", []):
-            print(f"  skipped: {entry}")
-    for w in rep["warnings"]:
-        print(f"warning: {w}")
-    print(f"total: {rep.get('total_images')} images")
+    else:
+        print(format_report(rep))
     return 0
