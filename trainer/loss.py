@@ -1,12 +1,248 @@
-"""Loss: per-sample MSE between prediction and target, weighted per concept."""
+"""The diffusion loss: noise, timesteps, the per-element loss, and its weightings.
+
+Everything here is a pure function of tensors, a ``LossConfig`` and (where randomness is needed)
+the trainer's ``torch.Generator`` — never the global RNG — so a resumed run draws exactly the same
+noise, timesteps and mask choices as an uninterrupted one. The loop calls, per micro-batch::
+
+    noise     = make_noise(latents.shape, generator, training.noise_offset)
+    timesteps = sample_timesteps(batch_size, num_train_timesteps, cfg.loss, generator)
+    noisy, target = model.noisy_and_target(latents, noise, timesteps)      # + input perturbation
+    mask      = choose_mask(batch.get("mask"), cfg.loss, generator)
+    losses    = per_sample_loss(model_pred, target, cfg.loss, timesteps, noise_scheduler, mask)
+    loss      = weighted_mean(losses, batch["loss_weights"])
+
+Formulas and their sources:
+
+- ``huber`` / ``smooth_l1`` are the pseudo-Huber forms of kohya's sd-scripts and the "scheduled
+  pseudo-Huber" paper (Khrapov et al. 2024), with δ = ``huber_delta`` (kohya's ``huber_c``):
+  huber = 2δ(√(d²+δ²) − δ) (≈ d² for small errors, so it is a drop-in for MSE),
+  smooth_l1 = 2(√(d²+δ²) − δ). The schedule over timesteps: constant δ; exponential
+  δ_t = exp(ln(δ)·t/T) (1 at t=0 → δ at t=T); snr δ_t = (1−δ)/(1+σ_t)² + δ with σ_t = √((1−ᾱ)/ᾱ).
+- min-SNR-γ (Hang et al. 2023, as in diffusers' examples): ε-prediction min(SNR, γ)/SNR,
+  v-prediction min(SNR, γ)/(SNR+1). Written as min(1, γ/SNR) for ε so SNR = 0 (zero terminal SNR)
+  gives its limit 1 instead of 0/0.
+- debiased estimation (kohya): ε-prediction 1/√SNR, v-prediction 1/(SNR+1), SNR capped at 1000.
+- masked loss (OneTrainer's semantics): the element loss is multiplied by
+  clamp(mask, unmasked_weight, 1); with ``normalize_masked_area_loss`` each sample is divided by
+  the mean of that weight, so a small mask does not mean a small loss.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any, Optional
+
+LOSS_TYPES = ("mse", "mae", "huber", "smooth_l1")
+HUBER_SCHEDULES = ("constant", "exponential", "snr")
+TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal", "mode")
+SNR_CAP = 1000.0  # SNR at t≈0 is huge (inf with some schedules); kohya caps it at 1000 for debiasing
+
+
+def _get(cfg: Any, name: str, default: Any) -> Any:
+    """Read a LossConfig field; tests may pass a SimpleNamespace with only some fields."""
+    return getattr(cfg, name, default) if cfg is not None else default
+
+
+# ------------------------------------------------------------------------------------------
+# noise and timesteps
+# ------------------------------------------------------------------------------------------
+
+def make_noise(shape, generator, noise_offset: float = 0.0):
+    """Gaussian noise for the latents, plus the per-channel noise offset (Guttenberg 2023)."""
+    import torch
+    noise = torch.randn(shape, generator=generator)
+    if noise_offset > 0:
+        noise = noise + noise_offset * torch.randn((shape[0], shape[1], 1, 1), generator=generator)
+    return noise
+
+
+def perturb_noise(noise, gamma: float, generator):
+    """Input perturbation (Ning et al. 2023): the model sees noise + γ·ξ; the target keeps ``noise``."""
+    import torch
+    if gamma <= 0:
+        return noise
+    return noise + gamma * torch.randn(noise.shape, generator=generator).to(noise.device)
+
+
+def timestep_range(cfg: Any, num_train_timesteps: int) -> tuple[int, int]:
+    """[lo, hi): the configured range clipped to the model's schedule."""
+    lo = int(_get(cfg, "timestep_min", 0))
+    hi = min(int(_get(cfg, "timestep_max", num_train_timesteps)), num_train_timesteps)
+    if not 0 <= lo < hi:
+        from trainer.config import ConfigError
+        raise ConfigError(f"loss.timestep_min ({lo}) must be below loss.timestep_max ({hi}; the model has "
+                          f"{num_train_timesteps} timesteps).", key="loss.timestep_min", value=lo)
+    return lo, hi
+
+
+def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, generator):
+    """Integer timesteps in [timestep_min, timestep_max), drawn with ``generator``.
+
+    ``uniform`` is ``torch.randint`` (the same draws as before these options existed);
+    ``logit_normal`` and ``mode`` draw u ∈ [0, 1] with diffusers' SD3 helper
+    ``compute_density_for_timestep_sampling`` (which takes our generator) and map it onto the range.
+    """
+    import torch
+    lo, hi = timestep_range(cfg, num_train_timesteps)
+    dist = _get(cfg, "timestep_distribution", "uniform")
+    if dist == "uniform":
+        return torch.randint(lo, hi, (batch_size,), generator=generator)
+    if dist not in TIMESTEP_DISTRIBUTIONS:
+        raise ValueError(f"unknown timestep distribution {dist!r}; one of {TIMESTEP_DISTRIBUTIONS}")
+    from diffusers.training_utils import compute_density_for_timestep_sampling
+    u = compute_density_for_timestep_sampling(
+        weighting_scheme=dist, batch_size=batch_size, logit_mean=float(_get(cfg, "logit_mean", 0.0)),
+        logit_std=float(_get(cfg, "logit_std", 1.0)), mode_scale=float(_get(cfg, "mode_scale", 1.29)),
+        device="cpu", generator=generator)
+    t = lo + (u.clamp(0.0, 1.0) * (hi - lo)).long()
+    return t.clamp(lo, hi - 1)
+
+
+def choose_mask(mask, cfg: Any, generator):
+    """The mask to use this micro-batch, or None.
+
+    With ``unmasked_probability`` p > 0 one number is drawn from ``generator`` per micro-batch that has
+    a mask: below p, the mask is ignored for this step (the model still sees the whole image now and
+    then, which keeps backgrounds from decaying). Deterministic, so resume is exact.
+    """
+    import torch
+    if mask is None:
+        return None
+    p = float(_get(cfg, "unmasked_probability", 0.0))
+    if p > 0 and torch.rand((1,), generator=generator).item() < p:
+        return None
+    return mask
+
+
+# ------------------------------------------------------------------------------------------
+# the loss
+# ------------------------------------------------------------------------------------------
+
+def snr(noise_scheduler, timesteps):
+    """SNR(t) = ᾱ_t / (1 − ᾱ_t), from diffusers' ``compute_snr``."""
+    from diffusers.training_utils import compute_snr
+    return compute_snr(noise_scheduler, timesteps)
+
+
+def huber_delta(cfg: Any, timesteps, noise_scheduler):
+    """Per-sample δ for huber / smooth_l1 under ``huber_schedule`` (see the module docstring)."""
+    import torch
+    c = float(_get(cfg, "huber_delta", 0.1))
+    schedule = _get(cfg, "huber_schedule", "constant")
+    t = timesteps.float()
+    if schedule == "constant":
+        return torch.full_like(t, c)
+    if schedule == "exponential":
+        total = int(noise_scheduler.config.num_train_timesteps)
+        return torch.exp(math.log(c) * t / total)
+    if schedule == "snr":
+        ac = noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+        sigmas = ((1.0 - ac) / ac) ** 0.5
+        return (1.0 - c) / (1.0 + sigmas) ** 2 + c
+    raise ValueError(f"unknown huber schedule {schedule!r}; one of {HUBER_SCHEDULES}")
+
+
+def elementwise_loss(pred, target, loss_type: str = "mse", delta=None):
+    """The unreduced loss, same shape as ``pred``; ``delta`` is a [B] tensor for huber/smooth_l1."""
+    diff = pred.float() - target.float()
+    if loss_type == "mse":
+        return diff ** 2
+    if loss_type == "mae":
+        return diff.abs()
+    if loss_type in ("huber", "smooth_l1"):
+        if delta is None:
+            raise ValueError(f"{loss_type} needs delta")
+        c = delta.float().view(-1, *([1] * (diff.ndim - 1)))
+        sq = diff ** 2
+        core = sq / ((sq + c ** 2).sqrt() + c)  # = √(d²+δ²) − δ without fp32 cancellation for small d
+        return 2 * c * core if loss_type == "huber" else 2 * core
+    raise ValueError(f"unknown loss type {loss_type!r}; one of {LOSS_TYPES}")
+
+
+def timestep_weights(cfg: Any, timesteps, noise_scheduler, prediction_type: Optional[str] = None):
+    """Per-sample weights from min-SNR-γ and debiased estimation, or None when both are off."""
+    import torch
+    gamma = float(_get(cfg, "min_snr_gamma", 0.0))
+    debiased = bool(_get(cfg, "debiased_estimation", False))
+    if gamma <= 0 and not debiased:
+        return None
+    pred = prediction_type or noise_scheduler.config.get("prediction_type", "epsilon")
+    if pred not in ("epsilon", "v_prediction"):
+        raise ValueError(f"SNR weighting is defined for epsilon and v_prediction, not {pred!r}")
+    s = snr(noise_scheduler, timesteps).float()
+    w = torch.ones_like(s)
+    if gamma > 0:
+        if pred == "epsilon":
+            w = w * torch.clamp(gamma / s, max=1.0)  # = min(SNR, γ)/SNR, and 1 at SNR = 0
+        else:
+            w = w * torch.clamp(s, max=gamma) / (s + 1.0)
+    if debiased:
+        s_cap = torch.clamp(s, min=1e-3, max=SNR_CAP)
+        w = w * (1.0 / (s_cap + 1.0) if pred == "v_prediction" else 1.0 / s_cap.sqrt())
+    return w
+
+
+def mask_weights(mask, loss_shape, unmasked_weight: float):
+    """clamp(mask, unmasked_weight, 1) resized (area) to the loss's spatial size, shape [B,1,h,w]."""
+    import torch.nn.functional as F
+    m = mask.float()
+    if m.ndim == 3:
+        m = m.unsqueeze(1)
+    if tuple(m.shape[-2:]) != tuple(loss_shape[-2:]):
+        m = F.interpolate(m, size=tuple(loss_shape[-2:]), mode="area")
+    if m.shape[1] != 1:
+        m = m.mean(dim=1, keepdim=True)
+    return m.clamp(min=float(unmasked_weight), max=1.0)
+
+
+def per_sample_loss(pred, target, cfg: Any, timesteps, noise_scheduler, mask=None,
+                    prediction_type: Optional[str] = None):
+    """One loss value per sample: element loss (× mask) averaged over C,H,W, × timestep weights.
+
+    ``cfg`` is a ``LossConfig`` (or anything with its fields); ``prediction_type`` defaults to the
+    noise scheduler's config, which the model family keeps in step with the model.
+    """
+    loss_type = _get(cfg, "type", "mse")
+    delta = huber_delta(cfg, timesteps, noise_scheduler) if loss_type in ("huber", "smooth_l1") else None
+    loss = elementwise_loss(pred, target, loss_type, delta)
+    reduce_dims = tuple(range(1, loss.ndim))
+    if mask is not None:
+        w = mask_weights(mask.to(loss.device), loss.shape, float(_get(cfg, "unmasked_weight", 0.0)))
+        loss = loss * w
+        per_sample = loss.mean(dim=reduce_dims)
+        if bool(_get(cfg, "normalize_masked_area_loss", False)):
+            per_sample = per_sample / w.mean(dim=tuple(range(1, w.ndim))).clamp(min=1e-8)
+    else:
+        per_sample = loss.mean(dim=reduce_dims)
+    tw = timestep_weights(cfg, timesteps, noise_scheduler, prediction_type)
+    if tw is not None:
+        per_sample = per_sample * tw.to(per_sample.device)
+    return per_sample
+
+
+def weighted_mean(per_sample, weights=None):
+    """Batch mean of per-sample losses, each multiplied by its concept's loss weight."""
+    if weights is not None:
+        per_sample = per_sample * weights.to(per_sample.device, per_sample.dtype)
+    return per_sample.mean()
+
 
 def diffusion_loss(model_pred, target, weights=None):
-    """Mean squared error per sample (mean over C,H,W), then the weighted batch mean."""
-    import torch.nn.functional as F
-    per_sample = F.mse_loss(model_pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    if weights is not None:
-        per_sample = per_sample * weights.to(per_sample.device)
-    return per_sample.mean()
+    """Plain MSE per sample (mean over C,H,W), then the weighted batch mean."""
+    return weighted_mean(elementwise_loss(model_pred, target, "mse").mean(dim=tuple(range(1, model_pred.ndim))),
+                         weights)
+
+
+# ------------------------------------------------------------------------------------------
+# set-up
+# ------------------------------------------------------------------------------------------
+
+def prepare_noise_schedule(model, cfg: Any, warn=None) -> None:
+    """Apply schedule-changing options to the model before training (zero-terminal-SNR rescale)."""
+    if not _get(cfg, "zero_terminal_snr", False):
+        return
+    model.rescale_zero_terminal_snr()
+    if warn is not None and getattr(model, "prediction_type", "") != "v_prediction":
+        warn("loss.zero_terminal_snr is on with an epsilon-prediction model: at the last timestep the "
+             "input is pure noise and epsilon is unlearnable. Zero terminal SNR wants v-prediction "
+             "(set model.prediction_type = v_prediction).")

@@ -1,0 +1,188 @@
+"""Precision options that need more than a dtype: fp8 weight storage and bf16 stochastic rounding.
+
+- fp8 storage: the frozen Linear/Conv2d weights of the UNet are kept in float8_e4m3fn and upcast for
+  each layer's op (a storage format, not fp8 matmuls; works on CPU and GPU with torch ≥ 2.1). Applied
+  after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
+  are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``.
+- bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
+  (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
+  copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
+  up or down with probability proportional to the distance — unbiased, so small updates survive on
+  average. The random bits come from a generator seeded by (seed, step): a resumed run rounds the
+  same way without any extra state in the backup. Works with any ``torch.optim.Optimizer`` subclass
+  whose ``step`` is called (not with per-parameter fused-backward updates).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+from trainer.config import ConfigError
+
+
+def stochastic_round_to_bf16(x, generator=None):
+    """Round fp32 ``x`` to bf16, up or down with probability by distance (adds 16 random low bits,
+    then truncates: E[result] = x)."""
+    import torch
+    x32 = x.detach().to(torch.float32).contiguous()
+    noise = torch.randint(0, 1 << 16, x32.shape, dtype=torch.int32, generator=generator,
+                          device=x32.device)
+    bits = (x32.view(torch.int32) + noise) & -65536  # 0xFFFF0000 as a signed int32
+    out = bits.view(torch.float32)
+    finite = torch.isfinite(x32)
+    return torch.where(finite, out, x32).to(torch.bfloat16)
+
+
+class StochasticRounding:
+    """Optimizer hooks: fp32 step for bf16 weights, stochastic rounding back to bf16 afterwards."""
+
+    def __init__(self, optimizer, seed_for_step: Callable[[], int]):
+        import torch
+        self.optimizer = optimizer
+        self.seed_for_step = seed_for_step
+        self.params: List[Any] = [p for g in optimizer.param_groups for p in g["params"]
+                                  if p.dtype == torch.bfloat16]
+        self._generators: dict = {}
+        self._handles = [optimizer.register_step_pre_hook(self._pre_step),
+                         optimizer.register_step_post_hook(self._post_step),
+                         optimizer.register_load_state_dict_pre_hook(self._pre_load),
+                         optimizer.register_load_state_dict_post_hook(self._post_load)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _upcast(self) -> None:
+        import torch
+        for p in self.params:
+            p.data = p.data.to(torch.float32)
+            if p.grad is not None:
+                p.grad = p.grad.to(torch.float32)
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:  # noqa: ARG002
+        import torch
+        self._upcast()
+        for p in self.params:  # state loaded or made while the weight was bf16 → fp32
+            for k, v in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v) and v.dtype == torch.bfloat16:
+                    optimizer.state[p][k] = v.to(torch.float32)
+
+    def _post_step(self, optimizer, args, kwargs) -> None:  # noqa: ARG002
+        import torch
+        seed = int(self.seed_for_step()) & 0x7FFF_FFFF_FFFF_FFFF
+        for p in self.params:
+            gen = self._generator(p.device)
+            gen.manual_seed(seed)
+            seed += 1
+            p.data = stochastic_round_to_bf16(p.data, gen)
+            if p.grad is not None:
+                p.grad = p.grad.to(torch.bfloat16)
+
+    def _generator(self, device):
+        import torch
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device)
+        return self._generators[key]
+
+    # load_state_dict casts state to each weight's dtype: make that fp32, so fp32 state survives resume
+    def _pre_load(self, optimizer, state_dict):  # noqa: ARG002
+        import torch
+        for p in self.params:
+            p.data = p.data.to(torch.float32)
+        return None
+
+    def _post_load(self, optimizer) -> None:  # noqa: ARG002
+        import torch
+        for p in self.params:
+            p.data = p.data.to(torch.bfloat16)  # exact: the values came from bf16
+
+
+def fp8_available() -> bool:
+    import torch
+    if not hasattr(torch, "float8_e4m3fn"):
+        return False
+    try:
+        torch.zeros(2).to(torch.float8_e4m3fn).to(torch.float32)
+        return True
+    except Exception:
+        return False
+
+
+FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-critical ends; the adapters
+
+
+def _fp8_forward(module, compute_dtype):
+    """Forward of an fp8-stored Linear/Conv2d: upcast the weight for the op, and (when a gradient will
+    flow through) recompute that upcast in backward instead of keeping it alive until then."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    is_linear = isinstance(module, torch.nn.Linear)
+
+    def run(x):
+        w = module.weight.to(compute_dtype)
+        b = None if module.bias is None else module.bias.to(compute_dtype)
+        return F.linear(x, w, b) if is_linear else module._conv_forward(x, w, b)
+
+    def forward(x):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
+        return run(x)
+
+    return forward
+
+
+def enable_fp8_storage(unet, compute_dtype) -> int:
+    """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
+
+    Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
+    layer's forward, and a Conv2d then meets an fp8 weight in backward ("expected scalar type Float
+    but found Float8_e4m3fn"); for Linear layers the upcast copy stays alive until backward, so
+    training would keep a full-precision copy of the UNet anyway. Here each layer upcasts inside a
+    non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
+    """
+    import torch
+    if not fp8_available():
+        raise ConfigError(f"precision.fp8_unet is on, but this PyTorch ({torch.__version__}) cannot store "
+                          "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn fp8_unet off and use "
+                          "model.unet_dtype = fp16/bf16.", key="precision.fp8_unet")
+    count = 0
+    for name, module in unet.named_modules():
+        if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in FP8_SKIP):
+            continue
+        if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
+            continue
+        module.weight.data = module.weight.data.to(torch.float8_e4m3fn)
+        module.forward = _fp8_forward(module, compute_dtype)
+        count += 1
+    return count
+
+
+def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], int],
+                    warn: Optional[Callable[[str], None]] = None) -> Optional[StochasticRounding]:
+    """Set up fp8 storage and stochastic rounding for a run; returns the rounding hooks (or None)."""
+    import logging
+    import torch
+    pc = cfg.precision
+    if pc.fp8_unet:
+        if "unet" in method.modules and cfg.training.method == "finetune":
+            raise ConfigError("precision.fp8_unet stores the UNet's frozen weights in fp8, but this run trains "
+                              "the whole UNet (training.method = finetune). Use LoRA, or turn fp8_unet off.",
+                              key="precision.fp8_unet")
+        count = enable_fp8_storage(model.unet, model.unet.dtype)
+        logging.getLogger("atelier").info("fp8 storage: %d UNet layers", count)
+    if not pc.stochastic_rounding:
+        return None
+    if not any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):
+        if warn is not None:
+            warn("precision.stochastic_rounding is on, but no trained weight is bf16 (LoRA adapters and fp32 "
+                 "weights train in fp32), so it has no effect. It matters for fine-tunes with "
+                 "model.unet_dtype = bf16.")
+        return None
+    if not hasattr(optimizer, "register_step_post_hook"):
+        raise ConfigError(f"precision.stochastic_rounding hooks into torch.optim.Optimizer.step, and "
+                          f"{type(optimizer).__name__} is not one. Turn stochastic rounding off or pick another "
+                          "optimizer.", key="precision.stochastic_rounding")
+    return StochasticRounding(optimizer, seed_for_step)
