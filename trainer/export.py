@@ -35,7 +35,8 @@ DTYPES = ("fp32", "fp16", "bf16")
 __all__ = [
     "FAMILIES", "DTYPES", "save_single_file_sd", "single_file_state_dict", "save_diffusers_folder",
     "kohya_lora_state_dict", "save_lora_kohya", "lora_metadata", "load_lora_kohya_into_peft",
-    "unet_key_to_original",
+    "unet_key_to_original", "lycoris_state_dict", "lycoris_metadata", "save_lycoris", "load_lycoris_into_peft",
+    "save_embedding_a1111", "load_embedding_a1111", "bundle_embedding_state_dict",
 ]
 
 
@@ -321,15 +322,24 @@ def _open_clip_state_dict(text_encoder: Any, prefix: str = "cond_stage_model.mod
 # single-file checkpoints
 # --------------------------------------------------------------------------------------------
 
-def single_file_state_dict(unet: Any, vae: Any, text_encoder: Any, family: str) -> dict[str, "torch.Tensor"]:
-    """The original-layout (CompVis/A1111) state dict of an SD1/SD2 model, tensors not yet cast.
+def single_file_state_dict(unet: Any, vae: Any, text_encoder: Any, family: str,
+                           text_encoder_2: Any = None) -> dict[str, "torch.Tensor"]:
+    """The original-layout (CompVis/A1111/SGM) state dict of an SD1/SD2/SDXL model, tensors not yet cast.
 
     Raises if two diffusers keys would land on one original key, so a mapping bug cannot silently
     lose weights.
     """
-    _check_family(family, ("sd15", "sd2"))
-    parts = [_unet_state_dict(unet), _vae_state_dict(vae),
-             _clip_state_dict(text_encoder) if family == "sd15" else _open_clip_state_dict(text_encoder)]
+    _check_family(family)
+    if (family == "sdxl") != (text_encoder_2 is not None):
+        raise ValueError("SDXL needs text_encoder_2 (OpenCLIP-G); SD1/SD2 have no second text encoder"
+                         if family == "sdxl" else f"family {family!r} has one text encoder; text_encoder_2 is for 'sdxl'")
+    if family == "sdxl":  # SGM layout: CLIP-L in the HF layout, OpenCLIP-G (with text_projection) in open_clip's
+        parts = [_unet_state_dict(unet), _vae_state_dict(vae),
+                 _clip_state_dict(text_encoder, prefix="conditioner.embedders.0.transformer."),
+                 _open_clip_state_dict(text_encoder_2, prefix="conditioner.embedders.1.model.")]
+    else:
+        parts = [_unet_state_dict(unet), _vae_state_dict(vae),
+                 _clip_state_dict(text_encoder) if family == "sd15" else _open_clip_state_dict(text_encoder)]
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
@@ -340,8 +350,9 @@ def single_file_state_dict(unet: Any, vae: Any, text_encoder: Any, family: str) 
 
 
 def save_single_file_sd(path: str | os.PathLike, unet: Any, vae: Any, text_encoder: Any, family: str,
-                        dtype: str, metadata: Mapping[str, Any] | None = None) -> None:
-    """Write an SD1 (``family="sd15"``) or SD2 (``"sd2"``) model as one original-layout checkpoint.
+                        dtype: str, metadata: Mapping[str, Any] | None = None, text_encoder_2: Any = None) -> None:
+    """Write an SD1 (``family="sd15"``), SD2 (``"sd2"``) or SDXL (``"sdxl"``, with ``text_encoder_2``)
+    model as one original-layout checkpoint.
 
     That is the file A1111, ComfyUI and ``from_single_file`` load: UNet under
     ``model.diffusion_model.``, VAE under ``first_stage_model.``, text encoder under
@@ -351,11 +362,14 @@ def save_single_file_sd(path: str | os.PathLike, unet: Any, vae: Any, text_encod
 
     SD2 note: diffusers' SD2 text encoder already dropped OpenCLIP's last layer (SD2 uses the
     penultimate one), so the file has one resblock fewer than Stability's release; A1111/ComfyUI
-    never run that layer. SDXL single files are not implemented yet.
+    never run that layer.
+
+    SDXL (Stability's SGM layout, as in ``sd_xl_base_1.0.safetensors``): UNet and VAE as above,
+    CLIP-L under ``conditioner.embedders.0.transformer.text_model.``, OpenCLIP-G under
+    ``conditioner.embedders.1.model.`` (resblocks with fused ``in_proj``, ``text_projection`` stored
+    transposed as open_clip does). diffusers keeps all of CLIP-G's layers, so nothing is dropped.
     """
-    if family == "sdxl":
-        raise NotImplementedError("SDXL single-file export is not implemented yet; save a diffusers folder")
-    state = _cast(single_file_state_dict(unet, vae, text_encoder, family), dtype)
+    state = _cast(single_file_state_dict(unet, vae, text_encoder, family, text_encoder_2), dtype)
     _write_checkpoint(Path(path), state, metadata)
 
 
@@ -460,10 +474,11 @@ def _kohya_alpha(layer: Any, adapter: str) -> float:
     return alpha
 
 
-def _module_names(model: Any, prefix: str, adapter: str, rename) -> dict[str, tuple[str, Any]]:
+def _module_names(model: Any, prefix: str, adapter: str, rename,
+                  layers=_lora_layers) -> dict[str, tuple[str, Any]]:
     """kohya name → (module path, layer), checking that no two modules share a name."""
     out: dict[str, tuple[str, Any]] = {}
-    for path, layer in _lora_layers(model, adapter):
+    for path, layer in layers(model, adapter):
         kohya = f"{prefix}_{rename(path).replace('.', '_')}"
         if kohya in out:
             raise RuntimeError(f"modules {out[kohya][0]!r} and {path!r} both map to kohya name {kohya!r}")
@@ -478,7 +493,7 @@ def _text_encoder_rename(text_encoder: Any):
 
 
 def _named_targets(unet: Any, text_encoder: Any, text_encoder_2: Any, adapter: str,
-                   family: str) -> dict[str, tuple[str, Any]]:
+                   family: str, layers=_lora_layers) -> dict[str, tuple[str, Any]]:
     _check_family(family)
     if family != "sdxl" and text_encoder_2 is not None:
         raise ValueError(f"family {family!r} has one text encoder; text_encoder_2 is for 'sdxl'")
@@ -486,13 +501,13 @@ def _named_targets(unet: Any, text_encoder: Any, text_encoder_2: Any, adapter: s
     if unet is not None:
         if family == "sdxl":
             layout = _UNetLayout.of(unet)
-            names.update(_module_names(unet, "lora_unet", adapter, lambda p: _unet_key(p, layout)))
+            names.update(_module_names(unet, "lora_unet", adapter, lambda p: _unet_key(p, layout), layers))
         else:  # kohya trains SD1/2 on the diffusers UNet and keeps its names
-            names.update(_module_names(unet, "lora_unet", adapter, lambda p: p))
+            names.update(_module_names(unet, "lora_unet", adapter, lambda p: p, layers))
     te_prefixes = ("lora_te1", "lora_te2") if family == "sdxl" else ("lora_te",)
     for model, prefix in zip((text_encoder, text_encoder_2), te_prefixes):
         if model is not None:
-            names.update(_module_names(model, prefix, adapter, _text_encoder_rename(model)))
+            names.update(_module_names(model, prefix, adapter, _text_encoder_rename(model), layers))
     return names
 
 
@@ -695,3 +710,240 @@ def _load_one(name: str, parts: Mapping[str, "torch.Tensor"], layer: Any, adapte
             raise ValueError(f"{name}: the model layer is DoRA but the file has no dora_scale")
         magnitude = layer.lora_magnitude_vector[adapter].weight
         _assign(magnitude, parts[".dora_scale"].reshape(magnitude.shape), f"{name}.dora_scale")
+
+
+# --------------------------------------------------------------------------------------------
+# LyCORIS LoHa / LoKr (trained on peft's LoHaLayer / LoKrLayer)
+# --------------------------------------------------------------------------------------------
+#
+# The LyCORIS file format (what A1111, ComfyUI and lycoris-lora load) uses kohya's module names
+# with per-module keys ``hada_w1_a … hada_t2`` (LoHa) or ``lokr_w1[_a/_b] … lokr_t2`` (LoKr) and
+# ``.alpha``. peft's parameters carry the same names and shapes; the one difference is LoKr's
+# scale when neither factor is decomposed: LyCORIS/A1111/ComfyUI then take scale 1 whatever the
+# alpha, while peft always scales by alpha/r — so we bake peft's scale into ``lokr_w1`` and write
+# alpha = rank.
+
+_LOHA_KEYS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+_LOKR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+
+
+def _lycoris_layers(model: Any, adapter: str) -> Iterator[tuple[str, Any]]:
+    """(module path, peft LoHaLayer/LoKrLayer) for every layer that carries ``adapter``."""
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, (LoHaLayer, LoKrLayer)) and adapter in module._available_adapters:
+            for prefix in _PEFT_PREFIXES:
+                name = name.removeprefix(prefix)
+            yield name, module
+
+
+def _lycoris_algo(layer: Any) -> str:
+    from peft.tuners.loha import LoHaLayer
+
+    return "loha" if isinstance(layer, LoHaLayer) else "lokr"
+
+
+def _lokr_full(layer: Any, adapter: str) -> bool:
+    """Neither Kronecker factor is decomposed: LyCORIS loaders then use scale 1."""
+    return adapter in layer.lokr_w1 and adapter in layer.lokr_w2
+
+
+def lycoris_state_dict(unet: Any = None, text_encoder: Any = None, text_encoder_2: Any = None,
+                       adapter_name: str = "default", family: str = "sd15") -> dict[str, "torch.Tensor"]:
+    """Read peft LoHa/LoKr layers into a LyCORIS-format state dict with kohya names.
+
+    Per module ``<name>.hada_*`` or ``<name>.lokr_*`` (peft's tensors as they are) and
+    ``<name>.alpha`` = scaling × rank, so that every loader's alpha/rank equals peft's scaling.
+    LoKr layers with two full factors get the scaling baked into ``lokr_w1`` and alpha = rank.
+    """
+    import torch
+
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers)
+    if not names:
+        raise ValueError(f"no peft LoHa/LoKr layers with adapter {adapter_name!r} found in the given models")
+    out: dict[str, torch.Tensor] = {}
+    for kohya, (path, layer) in names.items():
+        keys = _LOHA_KEYS if _lycoris_algo(layer) == "loha" else _LOKR_KEYS
+        rank = layer.r[adapter_name]
+        scaling = float(layer.scaling[adapter_name])
+        for key in keys:
+            store = getattr(layer, key)
+            if adapter_name in store:
+                out[f"{kohya}.{key}"] = store[adapter_name].detach().cpu().clone()
+        if _lycoris_algo(layer) == "lokr" and _lokr_full(layer, adapter_name):
+            out[f"{kohya}.lokr_w1"] = out[f"{kohya}.lokr_w1"] * scaling
+            scaling = 1.0
+        out[f"{kohya}.alpha"] = torch.tensor(scaling * rank, dtype=torch.float32)
+    return out
+
+
+def _lycoris_rank(state: Mapping[str, "torch.Tensor"], name: str) -> int | None:
+    """The rank a LyCORIS loader reads for one module (None: LoKr with two full factors)."""
+    for key in (".hada_w1_b", ".lokr_w1_b", ".lokr_w2_b"):
+        if name + key in state:
+            return int(state[name + key].shape[0])
+    return None
+
+
+def lycoris_metadata(state_dict: Mapping[str, "torch.Tensor"], algo: str,
+                     network_args: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """kohya-style header of a LyCORIS file: ``ss_network_module = lycoris.kohya``, the most common
+    (rank, alpha) as ``ss_network_dim``/``ss_network_alpha``, and ``ss_network_args`` with the algo."""
+    seen: Counter = Counter()
+    for key, value in state_dict.items():
+        if key.endswith(".alpha"):
+            rank = _lycoris_rank(state_dict, key[: -len(".alpha")])
+            if rank is not None:
+                seen[(rank, float(value.item()))] += 1
+    meta = {"ss_network_module": "lycoris.kohya",
+            "ss_network_args": json.dumps({"algo": algo, **{k: str(v) for k, v in (network_args or {}).items()}})}
+    if seen:
+        (rank, alpha), _ = seen.most_common(1)[0]
+        meta.update(ss_network_dim=str(rank), ss_network_alpha=str(alpha))
+    return meta
+
+
+def save_lycoris(path: str | os.PathLike, state_dict: Mapping[str, "torch.Tensor"],
+                 metadata: Mapping[str, Any] | None, dtype: str, algo: str,
+                 network_args: Mapping[str, Any] | None = None) -> None:
+    """Write a LyCORIS LoHa/LoKr ``.safetensors`` atomically.
+
+    Weights are cast to ``dtype``, ``.alpha`` stays float32; the header is ``metadata`` (e.g. from
+    :func:`lora_metadata`) with the LyCORIS keys of :func:`lycoris_metadata` on top.
+    """
+    import torch
+
+    if Path(path).suffix.lower() != ".safetensors":
+        raise ValueError(f"LyCORIS files are .safetensors; got {Path(path).name!r}")
+    target = _torch_dtype(dtype)
+    tensors = {}
+    for key, value in state_dict.items():
+        value = value.detach().cpu()
+        if key.endswith(".alpha"):
+            tensors[key] = value.to(torch.float32)
+        else:
+            tensors[key] = value.to(target) if value.is_floating_point() else value
+    header = {str(k): str(v) for k, v in (metadata or {}).items()}
+    header.update(lycoris_metadata(state_dict, algo, network_args))
+    save_safetensors_atomic(tensors, path, header)
+
+
+def load_lycoris_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tensor"], unet: Any = None,
+                           text_encoder: Any = None, text_encoder_2: Any = None, *,
+                           adapter_name: str = "default", family: str = "sd15", strict: bool = True) -> int:
+    """Copy a LyCORIS LoHa/LoKr file into peft LoHa/LoKr layers already added to the models
+    (``lora.init_weights``); the inverse of :func:`lycoris_state_dict`. Returns the layers loaded."""
+    state = _load_lora_file(path)
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers)
+    suffixes = tuple("." + k for k in _LOHA_KEYS + _LOKR_KEYS) + (".alpha",)
+    groups: dict[str, dict[str, Any]] = {}
+    unknown: list[str] = []
+    for key, value in state.items():
+        name, dot, part = key.partition(".")
+        if dot and "." + part in suffixes:
+            groups.setdefault(name, {})[part] = value
+        elif not key.startswith("bundle_emb."):
+            unknown.append(key)
+    unmatched = sorted(unknown + [f"{n}.*" for n in groups if n not in names])
+    if unmatched:
+        shown = ", ".join(unmatched[:10]) + (f" … ({len(unmatched)} in all)" if len(unmatched) > 10 else "")
+        raise ValueError(f"LyCORIS file keys match no LoHa/LoKr layer of the model (algo, targets or family "
+                         f"differ?): {shown}")
+    missing = sorted(n for n in names if n not in groups)
+    if strict and missing:
+        shown = ", ".join(missing[:10]) + (f" … ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise ValueError(f"model LoHa/LoKr layers not in the file (pass strict=False to keep them as they are): {shown}")
+    for name, parts in groups.items():
+        layer = names[name][1]
+        keys = _LOHA_KEYS if _lycoris_algo(layer) == "loha" else _LOKR_KEYS
+        for key in keys:
+            store = getattr(layer, key)
+            if (adapter_name in store) != (key in parts):
+                raise ValueError(f"{name}: the file's {_lycoris_algo(layer)} factors differ from the model's "
+                                 f"({key} {'missing in the file' if key not in parts else 'unexpected'}): "
+                                 "rank, factor or decompose_both changed?")
+            if key in parts:
+                _assign(store[adapter_name], parts[key], f"{name}.{key}")
+        rank = layer.r[adapter_name]
+        if _lycoris_algo(layer) == "lokr" and _lokr_full(layer, adapter_name):
+            scaling = 1.0  # LyCORIS convention: alpha ignored, the scale is in the weights
+        else:
+            scaling = float(parts["alpha"].item()) / rank if "alpha" in parts else 1.0
+        layer.scaling[adapter_name] = scaling
+        layer.alpha[adapter_name] = scaling * rank
+    return len(groups)
+
+
+# --------------------------------------------------------------------------------------------
+# textual-inversion embeddings (A1111 formats)
+# --------------------------------------------------------------------------------------------
+
+CLIP_STAR_TOKEN_ID = 265  # "*" in the CLIP vocab: A1111's placeholder in .pt files
+
+
+def save_embedding_a1111(path: str | os.PathLike, vectors: "torch.Tensor | Mapping[str, torch.Tensor]", *,
+                         name: str, step: int | None = None, metadata: Mapping[str, Any] | None = None,
+                         dtype: str = "fp32") -> None:
+    """Write a textual-inversion embedding the way A1111 (and kohya) do, atomically.
+
+    ``.safetensors``: ``{"emb_params": T[num_vectors, dim]}`` (SD1/2) — or, given a mapping such as
+    ``{"clip_l": …, "clip_g": …}`` (SDXL), those tensors. ``.pt``: A1111's
+    ``{"string_to_param": {"*": T}, "string_to_token": {"*": 265}, "name", "step"}``.
+    Both load with diffusers' ``load_textual_inversion``, A1111 and ComfyUI.
+    """
+    path = Path(path)
+    tensors = dict(vectors) if isinstance(vectors, Mapping) else {"emb_params": vectors}
+    tensors = {k: v.detach().reshape(-1, v.shape[-1]) for k, v in tensors.items()}
+    tensors = _cast(tensors, dtype)
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
+        save_safetensors_atomic({k: v.contiguous() for k, v in tensors.items()}, path,
+                                {str(k): str(v) for k, v in (metadata or {}).items()})
+    elif suffix == ".pt":
+        import torch
+
+        if set(tensors) != {"emb_params"}:
+            raise ValueError("A1111 .pt embeddings hold one tensor; save SDXL embeddings as .safetensors")
+        data = {"string_to_param": {"*": tensors["emb_params"].contiguous()},
+                "string_to_token": {"*": CLIP_STAR_TOKEN_ID}, "name": name, "step": step}
+        with atomic_path(path) as tmp:
+            torch.save(data, tmp)
+    else:
+        raise ValueError(f"embeddings are .safetensors or .pt; got {path.name!r}")
+
+
+def load_embedding_a1111(path: str | os.PathLike) -> "torch.Tensor":
+    """The vectors ``[num_vectors, dim]`` of an A1111 (``emb_params`` / ``string_to_param``) or
+    diffusers (``{token: T}``) embedding file."""
+    path = Path(path)
+    if path.suffix.lower() == ".safetensors":
+        from safetensors.torch import load_file
+
+        data: Any = load_file(str(path))
+    else:
+        import torch
+
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    if "string_to_param" in data:
+        params = data["string_to_param"]
+        if len(params) != 1:
+            raise ValueError(f"{path.name}: the embedding holds {len(params)} terms; expected one")
+        tensor = next(iter(params.values()))
+    elif "emb_params" in data:
+        tensor = data["emb_params"]
+    elif len(data) == 1:
+        tensor = next(iter(data.values()))
+    else:
+        raise ValueError(f"{path.name}: not an SD1/2 embedding (keys {sorted(data)[:5]}); SDXL files hold "
+                         "clip_l/clip_g")
+    return tensor.detach().reshape(-1, tensor.shape[-1]).float()
+
+
+def bundle_embedding_state_dict(name: str, vectors: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+    """Keys that bundle an embedding into a LoRA file: ``bundle_emb.<name>.string_to_param.*``
+    (A1111's Lora extension reads them; the embedding's prompt word is ``name``)."""
+    if not name or "." in name or any(c.isspace() for c in name):
+        raise ValueError(f"bundled embedding name {name!r} must be non-empty without dots or spaces")
+    return {f"bundle_emb.{name}.string_to_param.*": vectors.detach().cpu().reshape(-1, vectors.shape[-1]).clone()}

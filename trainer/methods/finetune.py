@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict
 
+from trainer.methods.base import MethodBase
 
-class FinetuneMethod:
+
+class FinetuneMethod(MethodBase):
     name = "finetune"
 
     def __init__(self, model, cfg):
@@ -23,22 +26,31 @@ class FinetuneMethod:
         for m in self.modules.values():
             if next(m.parameters()).dtype == torch.float16:
                 m.to(dtype=torch.float32)  # fp16 master weights lose updates; autocast does the rest
+        self._add_alongside_embedding(model, cfg)
 
     def result_suffix(self, fmt: str) -> str:
         return {"auto": ".safetensors", "safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": ""}[fmt]
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
+        from contextlib import nullcontext
+
         from trainer.export import save_diffusers_folder, save_single_file_sd
         m = self.model
-        if str(path).endswith((".safetensors", ".ckpt")):
-            save_single_file_sd(path, m.unet, m.vae, m.text_encoder, family=m.family, dtype=dtype,
-                                metadata=metadata)
-        else:
-            save_diffusers_folder(path, m.pipeline("ddim"), dtype)
+        # the model as users load it: no placeholder tokens in tokenizer or text encoder
+        with self.embedding.detached(m) if self.embedding is not None else nullcontext():
+            if str(path).endswith((".safetensors", ".ckpt")):
+                save_single_file_sd(path, m.unet, m.vae, m.text_encoder, family=m.family, dtype=dtype,
+                                    metadata=metadata)
+            else:
+                save_diffusers_folder(path, m.pipeline("ddim"), dtype)
+        self._save_alongside_embedding(Path(path), dtype, metadata)
 
 
 def make_method(model, cfg):
     if cfg.training.method == "lora":
         from trainer.methods.lora import LoraMethod
         return LoraMethod(model, cfg)
+    if cfg.training.method == "embedding":
+        from trainer.methods.embedding import EmbeddingMethod
+        return EmbeddingMethod(model, cfg)
     return FinetuneMethod(model, cfg)

@@ -1,8 +1,23 @@
-"""LoRA (and LoCon, with conv layers) on peft, saved in the kohya/A1111 key layout."""
+"""LoRA and its variants on peft, saved in the key layouts A1111 and ComfyUI load.
+
+``lora.type``:
+- ``lora``: peft LoRA (LoCon when conv layers are targeted) → kohya file (``lora_down``/``lora_up``/``alpha``).
+- ``dora``: peft LoRA with ``use_dora=True`` → kohya file plus ``dora_scale`` (LyCORIS/A1111/ComfyUI
+  convention; diffusers' ``load_lora_weights`` drops ``dora_scale`` with a warning).
+- ``loha`` / ``lokr``: peft ``LoHaConfig`` / ``LoKrConfig`` → LyCORIS file (``hada_*`` / ``lokr_*``,
+  ``alpha``). peft's parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into
+  LoKr layers with two full factors, where LyCORIS loaders use scale 1 (see trainer/export.py).
+  peft rather than lycoris-lora for training because peft layers sit inside the diffusers models
+  (the loop, backups, EMA and the sampling pipeline see them without a second mechanism).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from trainer.config import ConfigError
+from trainer.methods.base import MethodBase
 
 UNET_TARGETS: Dict[str, List[str]] = {
     "attn": ["to_q", "to_k", "to_v", "to_out.0"],
@@ -13,50 +28,149 @@ UNET_TARGETS: Dict[str, List[str]] = {
 }
 # out_proj/fc1/fc2 as kohya does: q/k/v alone is not loadable by diffusers (LIBRARY-NOTES).
 TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+LYCORIS_TYPES = ("loha", "lokr")
 
 
-def _lora_config(lcfg, targets: List[str]):
-    from peft import LoraConfig
-    return LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
-                      target_modules=targets, init_lora_weights=True)
+def unet_targets(lcfg) -> Union[List[str], str]:
+    """peft ``target_modules`` for the UNet: a list of name endings, or (custom) one regex."""
+    if lcfg.unet_targets == "custom":
+        from trainer.methods.rules import custom_target_regex
+        return custom_target_regex(list(lcfg.custom_targets))
+    return UNET_TARGETS[lcfg.unet_targets]
 
 
-class LoraMethod:
-    """Adds adapters to the chosen components; only adapter weights train."""
+def _conv_patterns(model, config, lcfg) -> tuple[Dict[str, int], Dict[str, float]]:
+    """rank/alpha patterns giving k×k convs ``lora.conv_rank``/``conv_alpha`` (kohya's conv_dim/conv_alpha)."""
+    if lcfg.conv_rank is None and lcfg.conv_alpha is None:
+        return {}, {}
+    import re
+
+    import torch
+    from peft.tuners.tuners_utils import check_target_module_exists
+    ranks: Dict[str, int] = {}
+    alphas: Dict[str, float] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv2d) and tuple(module.kernel_size) != (1, 1) \
+                and check_target_module_exists(config, name):
+            key = re.escape(name)
+            ranks[key] = int(lcfg.conv_rank if lcfg.conv_rank is not None else lcfg.rank)
+            alphas[key] = float(lcfg.conv_alpha if lcfg.conv_alpha is not None else lcfg.alpha)
+    return ranks, alphas
+
+
+def adapter_config(lcfg, targets: Union[List[str], str], model=None):
+    """The peft config of ``lora.type`` for one model (conv rank/alpha patterns need the model)."""
+    kind = lcfg.type
+    if kind in ("lora", "dora"):
+        from peft import LoraConfig
+        config = LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
+                            target_modules=targets, init_lora_weights=True, use_dora=kind == "dora")
+    elif kind == "loha":
+        from peft import LoHaConfig
+        config = LoHaConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
+                            module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True)
+    elif kind == "lokr":
+        from peft import LoKrConfig
+        config = LoKrConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
+                            module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
+                            decompose_both=bool(lcfg.decompose_both), decompose_factor=int(lcfg.factor))
+    else:
+        raise ConfigError(f"lora.type = {kind} is not known.", key="lora.type", value=kind)
+    if model is not None:
+        ranks, alphas = _conv_patterns(model, config, lcfg)
+        if ranks:
+            config.rank_pattern, config.alpha_pattern = ranks, alphas
+    return config
+
+
+def _add_adapter(model, config, what: str, key: str) -> None:
+    try:
+        model.add_adapter(config)
+    except ValueError as exc:  # peft: "Target modules … not found in the base model", unsupported layer, …
+        raise ConfigError(f"Could not add the {what} adapter: {exc}. Check {key}.", key=key) from None
+
+
+class LoraMethod(MethodBase):
+    """Adds adapters to the chosen components; only adapter weights (and an alongside embedding) train."""
 
     name = "lora"
 
     def __init__(self, model, cfg):
         self.model = model
         self.cfg = cfg
-        t = cfg.training
+        t, lcfg = cfg.training, cfg.lora
         self.modules: Dict[str, Any] = {}
         if t.train_unet:
-            model.unet.add_adapter(_lora_config(cfg.lora, UNET_TARGETS[cfg.lora.unet_targets]))
+            key = "lora.custom_targets" if lcfg.unet_targets == "custom" else "lora.unet_targets"
+            _add_adapter(model.unet, adapter_config(lcfg, unet_targets(lcfg), model.unet), "UNet", key)
             self.modules["unet"] = model.unet
         if t.train_text_encoder:
-            model.text_encoder.add_adapter(_lora_config(cfg.lora, TEXT_ENCODER_TARGETS))
+            _add_adapter(model.text_encoder, adapter_config(lcfg, TEXT_ENCODER_TARGETS, model.text_encoder),
+                         "text-encoder", "lora.type")
             self.modules["text_encoder"] = model.text_encoder
         for m in self.modules.values():
             for p in m.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()  # adapters train in fp32 whatever the base dtype
-        if cfg.lora.init_weights:
-            from trainer.export import load_lora_kohya_into_peft
-            load_lora_kohya_into_peft(cfg.lora.init_weights, model.unet if t.train_unet else None,
-                                      model.text_encoder if t.train_text_encoder else None)
+        if lcfg.init_weights:
+            self._load_init_weights(lcfg.init_weights)
+        self._add_alongside_embedding(model, cfg)
+
+    def _load_init_weights(self, path: str) -> None:
+        from safetensors.torch import load_file
+        from trainer.export import load_lora_kohya_into_peft, load_lycoris_into_peft
+        try:
+            state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
+            load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
+            load(state, self.modules.get("unet"), self.modules.get("text_encoder"), family=self.model.family)
+        except (OSError, ValueError, NotImplementedError) as exc:
+            raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
+                              f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None
 
     def result_suffix(self, fmt: str) -> str:
         if fmt in ("auto", "safetensors"):
             return ".safetensors"
         raise ValueError(f"output.format = {fmt} is not available for LoRA; use safetensors.")
 
+    def adapter_state_dict(self) -> Dict[str, Any]:
+        """The file's tensors: kohya LoRA/DoRA or LyCORIS LoHa/LoKr keys (+ a bundled embedding)."""
+        from trainer.export import bundle_embedding_state_dict, kohya_lora_state_dict, lycoris_state_dict
+        to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
+        sd = to_state(unet=self.modules.get("unet"), text_encoder=self.modules.get("text_encoder"),
+                      family=self.model.family)
+        if self.embedding is not None and self.cfg.embedding.bundle:
+            sd.update(bundle_embedding_state_dict(self.embedding.placeholder, self.embedding.vectors()))
+        return sd
+
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
-        from pathlib import Path
-        from trainer.export import kohya_lora_state_dict, lora_metadata, save_lora_kohya
-        sd = kohya_lora_state_dict(unet=self.modules.get("unet"), text_encoder=self.modules.get("text_encoder"),
-                                   family=self.model.family)
+        from trainer.export import lora_metadata, save_lora_kohya, save_lycoris
+        lcfg = self.cfg.lora
+        sd = self.adapter_state_dict()
         meta = lora_metadata(self.model.family, title=Path(path).stem,
                              prediction_type=self.model.prediction_type,
-                             resolution=int(self.cfg.data.resolution), extra=metadata)
-        save_lora_kohya(path, sd, meta, dtype)
+                             resolution=_resolution(self.cfg), extra=metadata)
+        if lcfg.type in LYCORIS_TYPES:
+            args: Dict[str, Any] = {}
+            if lcfg.conv_rank is not None or lcfg.conv_alpha is not None:
+                args.update(conv_dim=lcfg.conv_rank or lcfg.rank,
+                            conv_alpha=lcfg.conv_alpha if lcfg.conv_alpha is not None else lcfg.alpha)
+            if lcfg.type == "lokr":
+                args.update(factor=lcfg.factor, decompose_both=bool(lcfg.decompose_both))
+            save_lycoris(path, sd, meta, dtype, algo=lcfg.type, network_args=args)
+        else:
+            save_lora_kohya(path, sd, meta, dtype)
+        self._save_alongside_embedding(Path(path), dtype, metadata)
+
+
+def _resolution(cfg) -> Optional[Any]:
+    """The training resolution for the file header (an int or (w, h)); None if it cannot be told."""
+    value = cfg.data.resolution
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        pass
+    try:
+        from trainer.data.buckets import parse_resolution
+        return parse_resolution(value)[0]
+    except Exception:  # a header detail must never fail a save
+        return None

@@ -1,0 +1,221 @@
+"""Textual-inversion embeddings: new tokens whose vectors train while everything else stays frozen.
+
+How the new tokens live in the model, and why:
+
+- The placeholder (``<sks>``) becomes ``num_vectors`` added tokenizer tokens ``<sks>_0 <sks>_1 …``;
+  captions and sample prompts are expanded to them before tokenizing (:meth:`PlaceholderEmbedding.expand`).
+  The ``_i`` names also make diffusers' own multi-vector prompt rewriting a no-op in our pipelines.
+- The text encoder's ``nn.Embedding`` is *not* resized. It is replaced by an ``nn.Embedding``
+  subclass that shares the original weight ``Parameter`` (same state-dict key and shape, so
+  fine-tune export and backups are unchanged) and looks the new ids up in a separate
+  ``[num_vectors, dim]`` fp32 parameter. Only that parameter is in the optimizer, so no other token
+  row can change: nothing to restore after a step, no gradient mask, and weight decay touches only
+  the new vectors. The parameter lives in a small module (:class:`TokenVectors`) that is *not* a
+  submodule of the text encoder, so a text encoder trained alongside (LoRA or fine-tune) never
+  puts it in two optimizer groups.
+- Results are written in A1111's format (``emb_params``), which A1111, ComfyUI and diffusers'
+  ``load_textual_inversion`` read; the prompt word there is the file name (A1111/ComfyUI) or the
+  ``token=`` argument (diffusers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from trainer.config import ConfigError
+from trainer.methods.base import MethodBase
+from trainer.methods.rules import placeholder_pattern
+
+Text = Union[str, Sequence[str]]
+
+
+class TokenVectors(nn.Module):
+    """The trained vectors of one placeholder: the ``embedding`` optimizer group and backup entry."""
+
+    def __init__(self, vectors: torch.Tensor, text_encoder: nn.Module):
+        super().__init__()
+        self.vectors = nn.Parameter(vectors.detach().float().clone())
+        self.__dict__["_text_encoder"] = text_encoder  # not a submodule: its weights are not ours
+
+    def gradient_checkpointing_enable(self) -> None:
+        """The loop asks each trained module; gradients of the vectors flow through the text encoder."""
+        te = self.__dict__["_text_encoder"]
+        if hasattr(te, "gradient_checkpointing_enable"):
+            te.gradient_checkpointing_enable()
+
+
+class _EmbeddingWithNewTokens(nn.Embedding):
+    """The text encoder's token embedding plus looked-up rows for the added token ids."""
+
+    def __init__(self, base: nn.Embedding, holder: TokenVectors, token_ids: List[int]):
+        nn.Module.__init__(self)
+        for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):
+            setattr(self, attr, getattr(base, attr))
+        self.weight = base.weight  # the same Parameter: same key, same trainability
+        self.__dict__["_holder"] = holder
+        slot = torch.full((max(token_ids) + 1,), -1, dtype=torch.long)
+        slot[torch.tensor(token_ids)] = torch.arange(len(token_ids))
+        self.register_buffer("_slot", slot.to(base.weight.device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        slot = self._slot
+        inside = input_ids < slot.numel()
+        position = torch.where(inside, slot[input_ids.clamp(0, slot.numel() - 1)], -1)
+        is_new = position >= 0
+        base_ids = torch.where(is_new | (input_ids >= self.num_embeddings), 0, input_ids)
+        out = super().forward(base_ids)
+        vectors = self.__dict__["_holder"].vectors.to(device=out.device, dtype=out.dtype)
+        # always through the vectors (zero gradient where unused), so a batch without the
+        # placeholder still has a graph to backpropagate
+        return torch.where(is_new.unsqueeze(-1), vectors[position.clamp(min=0)], out)
+
+
+class PlaceholderEmbedding:
+    """One placeholder's tokens in a tokenizer + CLIP text encoder, and their trainable vectors."""
+
+    def __init__(self, tokenizer, text_encoder: nn.Module, placeholder: str, num_vectors: int,
+                 initial_text: str = "*", init_vectors: Optional[torch.Tensor] = None):
+        if not placeholder or any(c.isspace() for c in placeholder):
+            raise ConfigError(f"embedding.placeholder = {placeholder!r}: give one word without spaces (e.g. <sks>).",
+                              key="embedding.placeholder", value=placeholder)
+        self.placeholder = placeholder
+        self.tokens = [f"{placeholder.lower()}_{i}" for i in range(num_vectors)]
+        vocab = tokenizer.get_vocab()
+        taken = [t for t in self.tokens if t in vocab]
+        if taken:
+            raise ConfigError(f"embedding.placeholder = {placeholder!r}: the tokenizer already has the token "
+                              f"{taken[0]!r}. Pick another placeholder.", key="embedding.placeholder",
+                              value=placeholder)
+        self.original_tokenizer = copy.deepcopy(tokenizer)
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.base: nn.Embedding = text_encoder.get_input_embeddings()
+        tokenizer.add_tokens(self.tokens)
+        self.token_ids = tokenizer.convert_tokens_to_ids(self.tokens)
+        if init_vectors is None:
+            init_vectors = self._initial_vectors(initial_text, num_vectors)
+        elif tuple(init_vectors.shape) != (num_vectors, self.base.embedding_dim):
+            raise ConfigError(f"embedding.init_weights holds vectors of shape {tuple(init_vectors.shape)}; this "
+                              f"run needs ({num_vectors}, {self.base.embedding_dim}) (embedding.num_vectors, "
+                              "text-encoder width).", key="embedding.init_weights")
+        self.holder = TokenVectors(init_vectors.to(self.base.weight.device), text_encoder)
+        self.module = _EmbeddingWithNewTokens(self.base, self.holder, self.token_ids)
+        text_encoder.set_input_embeddings(self.module)
+        self._pattern = placeholder_pattern(placeholder)
+        self._replacement = " ".join(self.tokens)
+
+    @classmethod
+    def from_config(cls, model, ecfg) -> "PlaceholderEmbedding":
+        init = None
+        if ecfg.init_weights:
+            from trainer.export import load_embedding_a1111
+            try:
+                init = load_embedding_a1111(ecfg.init_weights)
+            except (OSError, ValueError, RuntimeError) as exc:
+                raise ConfigError(f"embedding.init_weights '{ecfg.init_weights}' could not be read: {exc}",
+                                  key="embedding.init_weights", value=ecfg.init_weights) from None
+        return cls(model.tokenizer, model.text_encoder, ecfg.placeholder, int(ecfg.num_vectors),
+                   ecfg.initial_text, init)
+
+    def _initial_vectors(self, text: str, n: int) -> torch.Tensor:
+        """Rows of the initial text's tokens, repeated or cut to ``n``; zeros without initial text."""
+        ids = self.original_tokenizer(text, add_special_tokens=False).input_ids if text.strip() else []
+        weight = self.base.weight.detach().float()
+        if not ids:
+            return torch.zeros(n, weight.shape[1], device=weight.device)
+        return weight[[ids[i % len(ids)] for i in range(n)]].clone()
+
+    # --- text --------------------------------------------------------------------------------
+    def expand(self, text: Text) -> Text:
+        """``a photo of <sks>`` → ``a photo of <sks>_0 <sks>_1`` (idempotent; lists map item by item)."""
+        if isinstance(text, str):
+            return self._pattern.sub(self._replacement, text)
+        return [self._pattern.sub(self._replacement, t) for t in text]
+
+    def contains(self, text: str) -> bool:
+        return bool(self._pattern.search(text or ""))
+
+    def data_warnings(self, items) -> List[str]:
+        captions = [c for it in items for c in getattr(it, "captions", [])]
+        hits = sum(1 for it in items if any(self.contains(c) for c in getattr(it, "captions", [])))
+        if captions and hits == 0:
+            return [f"No caption contains the embedding placeholder {self.placeholder!r}: the embedding gets no "
+                    f"training signal. Write it into the captions (e.g. 'a photo of {self.placeholder}')."]
+        return []
+
+    # --- results -----------------------------------------------------------------------------
+    def vectors(self) -> torch.Tensor:
+        return self.holder.vectors.detach().float().cpu().clone()
+
+    @contextlib.contextmanager
+    def detached(self, model=None) -> Iterator[None]:
+        """The text encoder (and ``model.tokenizer``) as they were before the placeholder was added,
+        for exports of the whole model (a fine-tune's single file or diffusers folder)."""
+        self.text_encoder.set_input_embeddings(self.base)
+        if model is not None:
+            model.tokenizer = self.original_tokenizer
+        try:
+            yield
+        finally:
+            self.text_encoder.set_input_embeddings(self.module)
+            if model is not None:
+                model.tokenizer = self.tokenizer
+
+    def save(self, path: Union[str, Path], dtype: str, metadata: Optional[Dict[str, str]] = None,
+             also_pt: bool = False, step: Optional[int] = None) -> List[Path]:
+        """A1111 ``.safetensors`` (``emb_params``) or ``.pt``; with ``also_pt`` a ``.pt`` beside it."""
+        from trainer.export import save_embedding_a1111
+        path = Path(path)
+        meta = {"atelier_placeholder": self.placeholder, "atelier_num_vectors": str(len(self.tokens)),
+                **(metadata or {})}
+        written = [path]
+        save_embedding_a1111(path, self.vectors(), name=path.stem, step=step, metadata=meta, dtype=dtype)
+        if also_pt and path.suffix.lower() != ".pt":
+            written.append(path.with_suffix(".pt"))
+            save_embedding_a1111(written[-1], self.vectors(), name=path.stem, step=step, dtype=dtype)
+        return written
+
+
+def file_safe(name: str) -> str:
+    """A placeholder as part of a file name (``<sks>`` → ``sks``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "", name).strip(".") or "embedding"
+
+
+def step_from(metadata: Dict[str, str]) -> Optional[int]:
+    try:
+        return int(metadata.get("atelier_step", ""))
+    except ValueError:
+        return None
+
+
+class EmbeddingMethod(MethodBase):
+    """``training.method = embedding``: only the placeholder's vectors train (text expansion and data
+    warnings come from :class:`~trainer.methods.base.MethodBase`)."""
+
+    name = "embedding"
+
+    def __init__(self, model, cfg):
+        self.model = model
+        self.cfg = cfg
+        self.embedding = PlaceholderEmbedding.from_config(model, cfg.embedding)
+        self.modules: Dict[str, Any] = {"embedding": self.embedding.holder}
+
+    def result_suffix(self, fmt: str) -> str:
+        if fmt in ("auto", "safetensors"):
+            return ".safetensors"
+        if fmt == "ckpt":
+            return ".pt"  # A1111's legacy embedding format
+        raise ValueError(f"output.format = {fmt} is not available for embeddings; use safetensors (or ckpt "
+                         "for an A1111 .pt file).")
+
+    def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
+        self.embedding.save(path, dtype, metadata, also_pt=bool(self.cfg.embedding.save_pt),
+                            step=step_from(metadata))

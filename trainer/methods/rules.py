@@ -1,0 +1,124 @@
+"""Config rules of the training methods (LoRA variants, embeddings): hard checks and warnings.
+
+Torch-free: ``trainer.config`` calls these before any model loads (CLI ``validate``, the web UI).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, List, Pattern
+
+
+def placeholder_pattern(placeholder: str) -> Pattern[str]:
+    """Where a placeholder stands as a word in a caption or prompt (case-insensitive, as CLIP).
+
+    A placeholder that begins or ends with a word character must not touch other word characters
+    (``ohwx`` is not found in ``ohwxy``); one ending in ``>`` or the like may touch anything but the
+    ``_<n>`` of an already expanded token, so expanding twice changes nothing.
+    """
+    word = r"[^\W]"
+    before = rf"(?<!{word})" if re.match(r"\w", placeholder[:1]) else ""
+    after = rf"(?!{word})" if re.match(r"\w", placeholder[-1:]) else r"(?!_\d)"
+    return re.compile(before + re.escape(placeholder) + after, re.IGNORECASE)
+
+
+def uses_embedding(cfg: Any) -> bool:
+    return cfg.training.method == "embedding" or bool(cfg.embedding.train_alongside)
+
+
+def custom_target_regex(entries: List[str]) -> str:
+    """``lora.custom_targets`` → one regular expression over full module paths (peft's ``target_modules``
+    as a string is full-matched): a plain entry matches a path that is it or ends in ``.<entry>``; an
+    entry ``re:<regex>`` is the regex itself."""
+    parts = []
+    for entry in entries:
+        entry = str(entry).strip()
+        if entry.startswith("re:"):
+            parts.append(f"(?:{entry[3:]})")
+        elif entry:
+            parts.append(rf"(?:(?:.*\.)?{re.escape(entry)})")
+    return "|".join(parts)
+
+
+def validate_method(cfg: Any) -> None:
+    """Hard errors (ConfigError) of the lora/embedding sections."""
+    from trainer.config import ConfigError
+
+    lora, emb, t = cfg.lora, cfg.embedding, cfg.training
+    if t.method == "lora" and lora.unet_targets == "custom" and t.train_unet:
+        entries = [str(e).strip() for e in lora.custom_targets if str(e).strip()]
+        if not entries:
+            raise ConfigError("lora.unet_targets = custom, but lora.custom_targets is empty: list module names "
+                              "(to_q, attn2.to_k, conv1, …) or re:<regex> entries.", key="lora.custom_targets")
+        for e in entries:
+            if e.startswith("re:"):
+                try:
+                    re.compile(e[3:])
+                except re.error as exc:
+                    raise ConfigError(f"lora.custom_targets entry {e!r} is not a valid regular expression: {exc}.",
+                                      key="lora.custom_targets", value=e) from None
+    if uses_embedding(cfg):
+        p = emb.placeholder
+        if not p or not p.strip():
+            raise ConfigError("embedding.placeholder is empty: give the word the embedding learns, as written in "
+                              "your captions and prompts (e.g. <sks>).", key="embedding.placeholder", value=p)
+        if any(c.isspace() for c in p):
+            raise ConfigError(f"embedding.placeholder = {p!r} contains spaces: use one word such as <my-style>.",
+                              key="embedding.placeholder", value=p)
+        if emb.bundle and "." in p:
+            raise ConfigError(f"embedding.placeholder = {p!r}: a bundled embedding's name cannot contain a dot "
+                              "(A1111 splits bundle_emb keys at dots). Remove the dot or turn off embedding.bundle.",
+                              key="embedding.placeholder", value=p)
+
+
+def method_warnings(cfg: Any) -> list:
+    """Community rules for adapters and embeddings, as ``trainer.config.Issue`` warnings."""
+    from trainer.config import Issue
+
+    out = []
+    lora, emb, t = cfg.lora, cfg.embedding, cfg.training
+    if t.method == "lora":
+        if lora.alpha > lora.rank:
+            out.append(Issue("lora.alpha", f"LoRA alpha ({lora.alpha:g}) is above rank ({lora.rank}): the update "
+                                           "is scaled up, which often overcooks. Use alpha ≤ rank."))
+        conv_rank = lora.conv_rank if lora.conv_rank is not None else lora.rank
+        conv_alpha = lora.conv_alpha if lora.conv_alpha is not None else lora.alpha
+        if (lora.conv_rank is not None or lora.conv_alpha is not None) and conv_alpha > conv_rank:
+            out.append(Issue("lora.conv_alpha", f"Conv alpha ({conv_alpha:g}) is above conv rank ({conv_rank}): "
+                                                "the update is scaled up. Use conv_alpha ≤ conv_rank."))
+        if lora.type in ("loha", "lokr") and lora.dropout > 0:
+            out.append(Issue("lora.dropout", f"lora.dropout is not applied to {lora.type} (LyCORIS has no input "
+                                             "dropout for it); use lora.rank_dropout or lora.module_dropout."))
+        if lora.type in ("lora", "dora") and (lora.rank_dropout > 0 or lora.module_dropout > 0):
+            out.append(Issue("lora.rank_dropout", f"lora.rank_dropout/module_dropout apply to LoHa/LoKr only; "
+                                                  f"{lora.type} uses lora.dropout."))
+        if (lora.conv_rank is not None or lora.conv_alpha is not None) and not _targets_convs(lora):
+            out.append(Issue("lora.conv_rank", "lora.conv_rank/conv_alpha are set but no conv layer is targeted: "
+                                               "use lora.unet_targets = all (LoCon) or custom targets with convs."))
+    if uses_embedding(cfg):
+        if t.method == "embedding" and emb.train_alongside:
+            out.append(Issue("embedding.train_alongside", "embedding.train_alongside has no effect when "
+                                                          "training.method = embedding (the embedding is the result)."))
+        if emb.bundle and t.method != "lora":
+            out.append(Issue("embedding.bundle", "embedding.bundle stores the embedding inside a LoRA file; with "
+                                                 f"training.method = {t.method} it is saved on its own only."))
+        prompts = [s.prompt + " " + (s.negative_prompt or "") for s in cfg.sampling.prompts]
+        if emb.placeholder and prompts:
+            pattern = placeholder_pattern(emb.placeholder)
+            if not any(pattern.search(p) for p in prompts):
+                out.append(Issue("embedding.placeholder",
+                                 f"No sample prompt contains the placeholder {emb.placeholder!r}: samples will not "
+                                 "show the embedding. Write it into sampling.prompts (it must also be in the "
+                                 "captions, or the embedding learns nothing)."))
+    elif emb.bundle:
+        out.append(Issue("embedding.bundle", "embedding.bundle is on but no embedding is trained "
+                                             "(training.method embedding or embedding.train_alongside)."))
+    return out
+
+
+def _targets_convs(lora: Any) -> bool:
+    if lora.unet_targets == "all":
+        return True
+    if lora.unet_targets == "custom":
+        return any("conv" in str(e) or str(e).startswith("re:") for e in lora.custom_targets)
+    return False
