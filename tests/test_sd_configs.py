@@ -94,7 +94,7 @@ def test_config_folder_rebuilds_stale_or_broken_copy(tmp_path):
 
 def test_config_folder_rejects_unknown_name(tmp_path):
     with pytest.raises(ValueError, match="sd15, sd2, sd2-base"):
-        config_folder("sdxl", tmp_path)
+        config_folder("sd3", tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +186,7 @@ def test_default_config_for():
     assert default_config_for("sd2", "epsilon") == "sd2-base"
     assert default_config_for("sd2", "v_prediction") == "sd2"
     assert default_config_for("sd2", None) == "sd2"
-    with pytest.raises(ValueError, match="no shipped diffusers config"):
-        default_config_for("sdxl", "epsilon")
+    assert default_config_for("sdxl", "epsilon") == "sdxl"
     with pytest.raises(ValueError, match="no shipped diffusers config"):
         default_config_for("sd15-inpaint", "epsilon")
     with pytest.raises(ValueError, match="unknown model family"):

@@ -101,3 +101,213 @@ class ModelFamily:
 
     def fingerprint(self) -> str:
         raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by the latent-diffusion families (SDXL uses these; sd.py still has its own copies, which
+# behave the same and can switch to these).
+# --------------------------------------------------------------------------------------------------
+
+SAMPLERS = {  # sampling.scheduler → diffusers scheduler class
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+    "euler_a": "EulerAncestralDiscreteScheduler",
+    "dpmpp_2m": "DPMSolverMultistepScheduler",
+}
+
+FAMILY_NAMES = {"sd15": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sd15-inpaint": "SD 1.x inpainting",
+                "sd2-inpaint": "SD 2.x inpainting", "sdxl-inpaint": "SDXL inpainting"}
+
+
+def detect_source_family(source: ModelSource, mcfg: Any = None) -> Optional[str]:
+    """The family the weights at ``source`` belong to (``sd15``, ``sd2``, ``sdxl``, ``*-inpaint``).
+
+    Local folders and files are read with :func:`sd_configs.detect_family` (key names and shapes only);
+    a file that is no model at all raises :class:`ModelLoadError` saying what it looks like. For a hub
+    id only ``model_index.json`` is read (from the cache when ``mcfg.hub_offline``): ``sdxl`` for an
+    SDXL pipeline, None when it cannot be told (the family's own loader then reports)."""
+    if source.kind in ("folder", "single_file"):
+        from trainer.models import sd_configs
+        try:
+            return sd_configs.detect_family(Path(source.location))
+        except (ValueError, OSError) as exc:  # refiner, depth/pix2pix UNet, VAE-only or LoRA file, garbage
+            raise ModelLoadError(f"model.path '{source.display}': {exc}", key="model.path",
+                                 value=source.display) from None
+    try:
+        from diffusers import DiffusionPipeline
+        kwargs: Dict[str, Any] = {"local_files_only": bool(getattr(mcfg, "hub_offline", False))}
+        if getattr(mcfg, "cache_dir", ""):
+            kwargs["cache_dir"] = mcfg.cache_dir
+        if getattr(mcfg, "revision", ""):
+            kwargs["revision"] = mcfg.revision
+        index = DiffusionPipeline.load_config(source.location, **kwargs)
+    except Exception:  # not cached, no network, gated …: the loader gives the full message
+        return None
+    name = str(index.get("_class_name", ""))
+    if "XL" in name:
+        return "sdxl-inpaint" if "Inpaint" in name else "sdxl"
+    return None
+
+
+def check_family(source: ModelSource, found: Optional[str], mcfg: Any, accepted: tuple, label: str) -> None:
+    """Refuse weights of another family, naming the family they look like and what to set."""
+    if found is None:
+        return
+    if found.endswith("-inpaint") and found.removesuffix("-inpaint") in accepted:
+        raise ModelLoadError(f"model.path '{source.display}' is a {FAMILY_NAMES[found]} model (9-channel UNet); "
+                             "inpainting training is not supported yet. Use the text-to-image base model.",
+                             key="model.path", value=source.display)
+    if found not in accepted:
+        base = found.removesuffix("-inpaint")
+        raise ModelLoadError(f"model.path '{source.display}' looks like {FAMILY_NAMES[found]} ({found}), but this "
+                             f"run is set up for {label}. Set model.family to {base} (or auto), or use a "
+                             f"{FAMILY_NAMES[base]} preset.", key="model.path", value=source.display)
+    family = getattr(mcfg, "family", "auto")
+    if family not in ("auto", found):
+        raise ModelLoadError(f"model.family is {family}, but '{source.display}' holds a {FAMILY_NAMES[found]} "
+                             f"({found}) model. Set model.family to {found} or auto.", key="model.family",
+                             value=family)
+
+
+def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: str, *, family: str,
+                  dtype: Any = None, **common: Any):
+    """Load ``pipeline_cls`` from a folder, a single file (with a shipped or given config) or a hub id.
+
+    ``family`` picks the shipped config for single files (:func:`sd_configs.default_config_for`).
+    ``dtype`` (a dtype or diffusers' ``{component: dtype, "default": dtype}``) loads weights
+    straight into their storage dtype: an SDXL UNet in fp32 alone is 10 GB of RAM."""
+    kw: Dict[str, Any] = dict(common)
+    if dtype is not None:
+        kw["dtype"] = dtype
+    if source.kind == "folder":
+        try:
+            return pipeline_cls.from_pretrained(source.location, local_files_only=True, **kw)
+        except Exception as exc:
+            raise ModelLoadError(f"Could not load the diffusers folder '{source.display}' as "
+                                 f"{pipeline_cls.__name__}: {type(exc).__name__}: {_first_line(exc)}",
+                                 key="model.path", value=source.display) from None
+    if source.kind == "single_file":
+        from trainer.models import sd_configs
+        if getattr(mcfg, "config_path", ""):
+            config = mcfg.config_path
+        else:
+            pred = getattr(mcfg, "prediction_type", "auto")
+            name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
+            config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))
+        if isinstance(kw.get("dtype"), dict):  # from_single_file takes one dtype
+            dtypes = set(kw.pop("dtype").values())
+            if len(dtypes) == 1:
+                kw["dtype"] = dtypes.pop()
+        try:
+            return pipeline_cls.from_single_file(source.location, config=config, local_files_only=True, **kw)
+        except Exception as exc:  # diffusers raises many kinds here
+            hint = "" if getattr(mcfg, "config_path", "") else (
+                " If the model is not the standard size, set model.config_path to a diffusers folder with "
+                "its configs.")
+            raise ModelLoadError(f"Could not load '{source.display}' as a single-file {family} checkpoint "
+                                 f"(config {config}): {type(exc).__name__}: {_first_line(exc)}.{hint}",
+                                 key="model.path", value=source.display) from None
+    kw["local_files_only"] = bool(mcfg.hub_offline)
+    if mcfg.cache_dir:
+        kw["cache_dir"] = mcfg.cache_dir
+    if mcfg.revision:
+        kw["revision"] = mcfg.revision
+    try:
+        return pipeline_cls.from_pretrained(source.location, **kw)
+    except Exception as exc:
+        if mcfg.hub_offline:
+            raise ModelLoadError(
+                f"model.path '{source.location}' is a hub id, but it is not in the hub cache"
+                f"{' ' + mcfg.cache_dir if mcfg.cache_dir else ''} and model.hub_offline is on. Download it "
+                "once with model.hub_offline off, or point model.path at a local folder or file.",
+                key="model.path", value=source.location) from None
+        raise ModelLoadError(f"Could not download or load '{source.location}' from the hub: "
+                             f"{type(exc).__name__}: {_first_line(exc)}. "
+                             "Check the id, your network and (for gated models) your HF token.",
+                             key="model.path", value=source.location) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else ""
+
+
+def source_fingerprint(source: ModelSource, extra: str) -> str:
+    """Identifies what changes cached latents: the weights' source (the VAE files where there is a
+    folder) and ``extra`` (the VAE dtype)."""
+    import hashlib
+    h = hashlib.sha256(f"{source.kind}:{source.location}:{extra}".encode())
+    p = Path(source.location)
+    if p.exists():
+        target = p / "vae" if (p / "vae").is_dir() else p
+        for fp in sorted(target.glob("*")) if target.is_dir() else [target]:
+            st = fp.stat()
+            h.update(f"{fp.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+class LatentDiffusionFamily(ModelFamily):
+    """The parts of the objective every VAE-latent, DDPM-trained UNet family shares.
+
+    Needs ``self.vae``, ``self.device``, ``self.noise_scheduler``, ``self.prediction_type`` and
+    ``self._sched_config`` (the sampling schedulers' config)."""
+
+    def _setup_schedule(self, scheduler_config: Dict[str, Any], prediction_type: str) -> None:
+        """Training schedule = the model's own betas in a DDPMScheduler; ``auto`` reads the prediction type."""
+        from diffusers import DDPMScheduler
+        self.noise_scheduler = DDPMScheduler.from_config(scheduler_config)
+        pred = prediction_type
+        if pred == "auto":
+            pred = self.noise_scheduler.config.get("prediction_type", "epsilon")
+        self.prediction_type = pred
+        self.noise_scheduler.register_to_config(prediction_type=pred)
+        self._sched_config = dict(scheduler_config)
+        self._sched_config["prediction_type"] = pred
+        self.num_train_timesteps = int(self.noise_scheduler.config.num_train_timesteps)
+        self._alphas = self.noise_scheduler.alphas_cumprod
+
+    def encode_pixels(self, pixels) -> Dict[str, Any]:
+        """VAE posterior (mean, std) in fp32: cached as is, sampled every step."""
+        import torch
+        with torch.no_grad():
+            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
+        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        import torch
+        mean = dist["mean"].to(self.device)
+        std = dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        return (mean + std * eps) * self.vae.config.scaling_factor
+
+    def noisy_and_target(self, latents, noise, timesteps):
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        elif self.prediction_type == "v_prediction":
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            raise ValueError(f"unknown prediction type {self.prediction_type}")
+        return noisy, target
+
+    def rescale_zero_terminal_snr(self) -> None:
+        """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
+        ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""
+        from diffusers import DDPMScheduler
+        self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
+        self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+        self._alphas = self.noise_scheduler.alphas_cumprod
+
+
+def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> ModelFamily:
+    """Pick the family class for ``model.family`` (``auto``: detected from the weights) and load it.
+
+    The one entry point the loop needs; each family still refuses weights of another family itself."""
+    family = getattr(mcfg, "family", "auto")
+    if family == "auto":
+        family = detect_source_family(classify_source(mcfg.path, workspace), mcfg) or "sd15"
+    if family.startswith("sdxl"):
+        from trainer.models.sdxl import StableDiffusionXL
+        return StableDiffusionXL(mcfg, workspace, device)
+    from trainer.models.sd import StableDiffusion
+    return StableDiffusion(mcfg, workspace, device)

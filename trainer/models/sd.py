@@ -166,6 +166,14 @@ class StableDiffusion(ModelFamily):
             raise ValueError(f"unknown prediction type {self.prediction_type}")
         return noisy, target
 
+    def rescale_zero_terminal_snr(self) -> None:
+        """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
+        ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""
+        from diffusers import DDPMScheduler
+        self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
+        self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+        self._alphas = self.noise_scheduler.alphas_cumprod
+
     def predict(self, noisy_latents, timesteps, conditioning):
         return self.unet(noisy_latents, timesteps, conditioning, return_dict=False)[0]
 

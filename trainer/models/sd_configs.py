@@ -1,4 +1,4 @@
-"""Shipped diffusers configs for Stable Diffusion 1.5 / 2.x, and checkpoint family detection.
+"""Shipped diffusers configs for Stable Diffusion 1.5 / 2.x / XL, and checkpoint family detection.
 
 Why: users load SD 1.5 / 2.x from one original-layout ``.safetensors``/``.ckpt`` file, and
 ``StableDiffusionPipeline.from_single_file(path, config=<local diffusers folder>, local_files_only=True)``
@@ -13,6 +13,11 @@ Shipped configs (``CONFIG_NAMES``):
 ``sd15``     — runwayml/stable-diffusion-v1-5 (epsilon, 512)
 ``sd2``      — stabilityai/stable-diffusion-2-1 (v-prediction, 768)
 ``sd2-base`` — stabilityai/stable-diffusion-2-1-base (epsilon, 512)
+
+and, for SDXL (``XL_CONFIG_NAMES``, kept apart because its pipeline has two text encoders/tokenizers):
+
+``sdxl``     — stabilityai/stable-diffusion-xl-base-1.0 (epsilon, 1024; ``tokenizer`` pads with
+               ``<|endoftext|>``, ``tokenizer_2`` with ``!``, both built from the same CLIP BPE)
 
 Public API: :func:`config_folder`, :func:`detect_family`, :func:`default_config_for`.
 """
@@ -30,6 +35,8 @@ import uuid
 from pathlib import Path
 
 CONFIG_NAMES = ("sd15", "sd2", "sd2-base")
+XL_CONFIG_NAMES = ("sdxl",)
+ALL_CONFIG_NAMES = CONFIG_NAMES + XL_CONFIG_NAMES
 FAMILIES = ("sd15", "sd2", "sdxl", "sd15-inpaint", "sd2-inpaint", "sdxl-inpaint")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -117,18 +124,18 @@ def _is_current(folder: Path, fingerprint: str) -> bool:
 
 
 def config_folder(name: str, cache_root: Path) -> Path:
-    """Materialise the shipped config ``name`` (``sd15``, ``sd2``, ``sd2-base``) into
+    """Materialise the shipped config ``name`` (``sd15``, ``sd2``, ``sd2-base``, ``sdxl``) into
     ``cache_root/configs/<name>/`` and return that folder.
 
     The folder is a diffusers pipeline folder without weights: ``model_index.json``, ``unet/``, ``vae/``,
     ``text_encoder/``, ``scheduler/`` configs and a complete ``tokenizer/`` (with ``vocab.json`` and
-    ``merges.txt``). Use it as ``config=str(folder)`` for ``from_single_file(..., local_files_only=True)``
+    ``merges.txt``); SDXL also has ``text_encoder_2/`` and ``tokenizer_2/``. Use it as ``config=str(folder)`` for ``from_single_file(..., local_files_only=True)``
     and as a ``from_pretrained`` source for the tokenizer (``subfolder="tokenizer"``).
 
     Built once (a stamp records the shipped files' hash; changed shipped files are rebuilt), in a temporary
     sibling folder that is renamed into place, so concurrent callers never see a half-written folder."""
-    if name not in CONFIG_NAMES:
-        raise ValueError(f"unknown SD config {name!r}; shipped configs: {', '.join(CONFIG_NAMES)}")
+    if name not in ALL_CONFIG_NAMES:
+        raise ValueError(f"unknown SD config {name!r}; shipped configs: {', '.join(ALL_CONFIG_NAMES)}")
     src = CONFIGS_DIR / name
     if not (src / "model_index.json").is_file():
         raise FileNotFoundError(f"shipped config folder {src} is missing or incomplete (package data not installed?)")
@@ -146,7 +153,8 @@ def config_folder(name: str, cache_root: Path) -> Path:
             dst = tmp / p.relative_to(src)
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(p, dst)
-        write_clip_tokenizer_files(tmp / "tokenizer")
+        for tokenizer_dir in sorted(p for p in src.glob("tokenizer*") if p.is_dir()):  # tokenizer[, tokenizer_2]
+            write_clip_tokenizer_files(tmp / tokenizer_dir.name)
         (tmp / _STAMP).write_text(fingerprint, encoding="utf-8")
         _install(tmp, target, fingerprint)
     finally:
@@ -186,16 +194,20 @@ def default_config_for(family: str, prediction_type: str | None) -> str:
     """The shipped config to use with ``from_single_file`` for a detected ``family``.
 
     ``sd15`` → ``sd15``; ``sd2`` + ``epsilon`` → ``sd2-base`` (512, PNDM), any other ``sd2`` → ``sd2``
-    (768, v-prediction). Inpainting and SDXL have no shipped config: ValueError."""
+    (768, v-prediction); ``sdxl`` → ``sdxl`` whatever the prediction type (v-prediction SDXL
+    fine-tunes share the base topology; the family overrides the scheduler's prediction type).
+    Inpainting has no shipped config: ValueError."""
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
         raise ValueError(f"unknown prediction_type {prediction_type!r}; expected one of {', '.join(PREDICTION_TYPES)}")
     if family == "sd15":
         return "sd15"
     if family == "sd2":
         return "sd2-base" if prediction_type == "epsilon" else "sd2"
+    if family == "sdxl":
+        return "sdxl"
     if family in FAMILIES:
         raise ValueError(f"no shipped diffusers config for model family {family!r} "
-                         f"(shipped: {', '.join(CONFIG_NAMES)})")
+                         f"(shipped: {', '.join(ALL_CONFIG_NAMES)})")
     raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
