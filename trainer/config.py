@@ -20,10 +20,12 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from trainer.optim import OPTIMIZER_NAMES, SCHEDULER_NAMES, used_by  # torch-free registry tables
 
 CONFIG_VERSION = 1
 ATELIER_ROOT = Path(__file__).resolve().parent.parent
@@ -104,34 +106,131 @@ class ConceptConfig:
                           ui="path")
     caption_extension: str = f(".txt", "Extension of per-image caption files.")
     repeats: float = f(1.0, "How many times each image is seen per epoch.", min=0.0, max=10000.0)
+    samples: int = f(0, "Samples per epoch from this concept, spread over its images (balances concepts "
+                        "of different sizes); 0 = use repeats.", min=0, max=10**7)
     loss_weight: float = f(1.0, "Loss multiplier for this concept.", min=0.0, max=100.0)
+    resolution: str = f("", "This concept's own training resolution (like data.resolution); empty = "
+                            "data.resolution.")
+    validation: bool = f(False, "Validation concept: never trained on; its loss is measured and logged.")
+    shuffle_tags: bool = f(False, "Shuffle the caption's tags (split at tag_delimiter) every time.")
+    tag_delimiter: str = f(",", "What separates tags in a caption.")
+    keep_tags: int = f(0, "Keep the first N tags in place (never shuffled or dropped), e.g. the trigger word.",
+                       min=0, max=1000)
+    tag_dropout: float = f(0.0, "Probability of leaving out each tag (not the kept ones).", min=0.0, max=1.0)
+    tag_dropout_keep: str = f("", "Tags never dropped, separated by tag_delimiter.")
+    caption_dropout: float = f(0.0, "Probability of training an image with an empty caption "
+                                    "(helps classifier-free guidance).", min=0.0, max=1.0)
 
 
 @dataclass
 class DataConfig:
     concepts: List[ConceptConfig] = f(help="Image folders to train on.", factory=list)
-    resolution: int = f(512, "Training resolution in pixels (square; images are resized and cropped).",
-                        min=64, max=4096)
+    resolution: str = f("512", "Training resolution: 512, WxH (768x512), or a comma list (384,448,512) of "
+                               "which each step trains on one at random; a pixel budget for the aspect buckets.")
+    aspect_buckets: bool = f(True, "Train each image at the bucket nearest its aspect ratio (same pixel count); "
+                                   "off = crop every image to the resolution's shape.")
+    bucket_step: int = f(64, "Bucket sides are multiples of this (64 for SD 1.x/2.x).", min=8, max=512)
+    max_aspect_ratio: float = f(2.0, "Most elongated bucket (long side / short side).", min=1.0, max=8.0)
+    max_upscale: float = f(2.0, "Enlarge an image at most this much to fill its bucket; a smaller image trains "
+                                "at a smaller bucket instead. 0 = no limit.", min=0.0, max=64.0)
     center_crop: bool = f(True, "Crop the center after resizing (off = random crop).")
     random_flip: bool = f(False, "Flip images horizontally at random.")
+    rotation: float = f(0.0, "Rotate by up to this many degrees (0 = off).", min=0.0, max=180.0)
+    crop_jitter: float = f(0.0, "Zoom in by up to this fraction at a random position (0 = off).",
+                           min=0.0, max=0.5)
+    brightness: float = f(0.0, "Change brightness by up to ± this fraction (0 = off).", min=0.0, max=1.0)
+    contrast: float = f(0.0, "Change contrast by up to ± this fraction (0 = off).", min=0.0, max=1.0)
+    saturation: float = f(0.0, "Change saturation by up to ± this fraction (0 = off).", min=0.0, max=1.0)
+    hue: float = f(0.0, "Shift hue by up to ± this fraction of the colour circle (0 = off).", min=0.0, max=0.5)
+    augment_random: bool = f(True, "Draw each augmentation at random up to its strength; off = apply "
+                                   "exactly the strength to every image.")
+    augment_variants: int = f(0, "With latent caching and augmentations: cache this many augmented versions "
+                                 "per image; 0 = augmented images skip the cache (encoded every step).",
+                              min=0, max=256)
+    masks: bool = f(False, "Masked training: read <image>-masklabel.png (white = focus) next to each image.")
     cache_latents: bool = f(True, "Encode images with the VAE once and reuse the latents.")
+    cache_text: bool = f(True, "Cache text-encoder outputs when the text encoder is frozen and captions have "
+                               "no tag shuffling or tag dropout.")
     cache_dir: str = f("", "Where caches live; empty = <workspace>/cache.", ui="path")
+    only_cache: bool = f(False, "Fill the caches, then stop without training.")
+
+
+def _opt(default: Any, help: str, setting: str, **kw: Any) -> Any:
+    """An optimizer setting; its help text ends with the optimizers that take it (from trainer.optim)."""
+    return f(default, f"{help} {used_by(setting)}".strip(), **kw)
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = f("adamw", "Optimizer.", choices=["adamw", "adam", "sgd"])
-    weight_decay: float = f(0.01, "Decoupled weight decay.", min=0.0, max=10.0)
-    beta1: float = f(0.9, "First-moment decay (Adam family).", min=0.0, max=1.0)
-    beta2: float = f(0.999, "Second-moment decay (Adam family).", min=0.0, max=1.0)
-    eps: float = f(1e-8, "Numerical epsilon (Adam family).", min=0.0, max=1.0)
-    momentum: float = f(0.0, "Momentum (SGD).", min=0.0, max=1.0)
+    """Settings of every optimizer in trainer.optim.OPTIMIZERS; each one takes only some of them
+    (trainer.optim.optimizer_fields). Blank (null) = the optimizer's own default."""
+    name: str = f("adamw", "Optimizer (torch, bitsandbytes 8-bit, prodigyopt, pytorch-optimizer, transformers). "
+                           "Prodigy/D-Adaptation want LR 1; *8bit need bitsandbytes.", choices=OPTIMIZER_NAMES)
+    weight_decay: Optional[float] = _opt(None, "Weight decay; blank = the optimizer's default (AdamW 0.01, "
+                                               "most others 0).", "weight_decay", min=0.0, max=10.0)
+    beta1: Optional[float] = _opt(None, "First-moment (momentum) decay; blank = default (0.9 for most). "
+                                        "Adafactor: blank = no first moment (least memory).", "beta1",
+                                  min=0.0, max=1.0)
+    beta2: Optional[float] = _opt(None, "Second-moment decay; blank = default (0.999 Adam, 0.99 Lion).", "beta2",
+                                  min=0.0, max=1.0)
+    beta3: Optional[float] = _opt(None, "Third beta: Prodigy's d-estimate decay (blank = sqrt(beta2)); "
+                                        "CAME/AdEMAMix/DAdapt-Adan's third moment.", "beta3", min=0.0, max=1.0)
+    eps: Optional[float] = _opt(None, "Numerical epsilon (Adafactor/CAME: the first, eps1); blank = default.",
+                                "eps", min=0.0, max=1.0)
+    eps2: Optional[float] = _opt(None, "Second epsilon (Adafactor: parameter-scale floor 1e-3; CAME 1e-16); "
+                                       "blank = default.", "eps2", min=0.0, max=1.0)
+    momentum: Optional[float] = _opt(None, "Momentum; blank = default (SGD/RMSprop 0, LARS/DAdapt-SGD 0.9). "
+                                           "sgd8bit and lars8bit need > 0.", "momentum", min=0.0, max=1.0)
+    nesterov: bool = _opt(False, "Nesterov momentum.", "nesterov")
+    amsgrad: bool = _opt(False, "AMSGrad variant (keeps the max of the second moment).", "amsgrad")
+    decouple: bool = _opt(True, "Decoupled (AdamW-style) weight decay instead of L2.", "decouple")
+    centered: bool = _opt(False, "Centered RMSprop (normalise by the gradient's variance).", "centered")
+    rmsprop_alpha: Optional[float] = _opt(None, "RMSprop smoothing constant; blank = 0.99.", "rmsprop_alpha",
+                                          min=0.0, max=1.0)
+    lars_trust_coefficient: Optional[float] = _opt(None, "LARS trust coefficient; blank = 0.001.",
+                                                   "lars_trust_coefficient", min=0.0, max=1.0)
+    ademamix_alpha: Optional[float] = _opt(None, "AdEMAMix weight of the slow EMA; blank = 5.", "ademamix_alpha",
+                                           min=0.0, max=1000.0)
+    # Prodigy / D-Adaptation
+    d0: float = _opt(1e-6, "Initial step-size estimate D (Prodigy/D-Adaptation).", "d0", min=1e-12, max=1.0)
+    d_coef: float = _opt(1.0, "Multiplier on Prodigy's estimated step size: <1 weaker, >1 stronger "
+                              "(use this, not the LR).", "d_coef", min=0.0, max=1000.0)
+    growth_rate: Optional[float] = _opt(None, "How fast D may grow per step (e.g. 1.02); blank = unlimited.",
+                                        "growth_rate", min=1.0, max=1e6)
+    use_bias_correction: bool = _opt(False, "Adam-style bias correction (Prodigy: recommended on for "
+                                            "diffusion LoRA by some guides).", "use_bias_correction")
+    safeguard_warmup: bool = _opt(False, "Keep the LR out of the D estimate's denominator: turn on when "
+                                         "using an LR warm-up.", "safeguard_warmup")
+    slice_p: int = _opt(1, "Estimate D from every p-th element (saves memory; 11 is typical).", "slice_p",
+                        min=1, max=1024)
+    d_limiter: bool = _opt(True, "Limit how fast D grows (stabler).", "d_limiter")
+    prodigy_steps: int = _opt(0, "Stop adapting D after this many steps; 0 = never.", "prodigy_steps",
+                              min=0, max=10**8)
+    split_groups: bool = _opt(True, "A separate D per parameter group (UNet, text encoder).", "split_groups")
+    factored: bool = _opt(True, "Factored second moment (Adafactor-style, less memory).", "factored")
+    use_stableadamw: bool = _opt(True, "StableAdamW update clipping (no gradient clipping needed).",
+                                 "use_stableadamw")
+    # Adafactor / CAME
+    relative_step: bool = _opt(True, "Adafactor computes its own LR from the step count (adaptive mode; use "
+                                     "lr_scheduler = adafactor). Off = a fixed LR from training.learning_rate.",
+                               "relative_step")
+    scale_parameter: bool = _opt(True, "Scale the step by each parameter's RMS (adaptive mode); off for the "
+                                       "low-memory AdamW-like mode.", "scale_parameter")
+    warmup_init: bool = _opt(False, "Adafactor's own warm-up of the relative step (needs relative_step).",
+                             "warmup_init")
+    clip_threshold: Optional[float] = _opt(None, "Update RMS clipping threshold; blank = 1.", "clip_threshold",
+                                           min=0.0, max=1e6)
+    decay_rate: Optional[float] = _opt(None, "Adafactor second-moment decay exponent; blank = -0.8.",
+                                       "decay_rate", min=-1.0, max=0.0)
+    extra_args: Dict[str, Any] = f(help="More constructor arguments, passed as-is (YAML mapping, e.g. "
+                                        "{use_cautious: true}); they win over the fields above.", factory=dict)
 
 
 @dataclass
 class TrainingConfig:
-    method: str = f("lora", "What to train: a LoRA adapter or the whole model.",
-                    choices=["lora", "finetune"])
+    method: str = f("lora", "What to train: a LoRA adapter (or LoHa/LoKr/DoRA, see lora.type), the whole "
+                            "model, or a textual-inversion embedding.",
+                    choices=["lora", "finetune", "embedding"])
     epochs: int = f(10, "Passes over the data (ignored when max_steps > 0).", min=1, max=100000)
     max_steps: int = f(0, "Stop after this many optimizer steps; 0 = use epochs.", min=0, max=10**8)
     batch_size: int = f(1, "Images per step.", min=1, max=1024)
@@ -145,13 +244,30 @@ class TrainingConfig:
                                             min=0.0, max=10.0)
     text_encoder_learning_rate: Optional[float] = f(None, "Text encoder learning rate; blank = the base rate.",
                                                     min=0.0, max=10.0)
+    text_encoder_2_learning_rate: Optional[float] = f(None, "Second text encoder (SDXL) learning rate; blank = "
+                                                            "the base rate.", min=0.0, max=10.0)
+    embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
+                                                       "blank = the base rate.", min=0.0, max=10.0)
     train_unet: bool = f(True, "Train the UNet.")
     train_text_encoder: bool = f(False, "Train the text encoder.")
-    lr_scheduler: str = f("constant", "Learning-rate schedule.",
-                          choices=["constant", "constant_with_warmup", "linear", "cosine",
-                                   "cosine_with_restarts"])
-    lr_warmup_steps: int = f(0, "Warm-up steps at the start of the schedule.", min=0, max=10**7)
-    lr_cycles: int = f(1, "Restarts for cosine_with_restarts.", min=1, max=1000)
+    lr_scheduler: str = f("constant", "Learning-rate schedule (trainer.optim.SCHEDULERS): cosine_with_restarts "
+                                      "rises back smoothly; cosine_with_hard_restarts jumps back (kohya's "
+                                      "cosine_with_restarts); rex takes no warm-up; custom = lr_scheduler_class.",
+                          choices=SCHEDULER_NAMES)
+    lr_warmup_steps: int = f(0, "Warm-up: optimizer steps of linear LR ramp at the start (0 = none).",
+                             min=0, max=10**7)
+    lr_warmup_fraction: float = f(0.0, "Warm-up as a fraction of all steps (e.g. 0.05); use instead of "
+                                       "lr_warmup_steps (keep that 0).", min=0.0, max=1.0)
+    lr_cycles: int = f(1, "Cycles of cosine_with_restarts / cosine_with_hard_restarts.", min=1, max=1000)
+    lr_min_factor: float = f(0.0, "Decaying schedules never go below this fraction of the LR (linear, cosine*, "
+                                  "polynomial: the end LR, rex).", min=0.0, max=1.0)
+    lr_power: float = f(1.0, "Exponent of the polynomial schedule (1 = linear).", min=0.0, max=100.0)
+    lr_step_rules: str = f("1:1000,0.1", "piecewise_constant: 'multiplier:until_step,...,final_multiplier'.")
+    lr_scheduler_class: str = f("", "lr_scheduler = custom: the scheduler class or factory, "
+                                    "'package.module:Class' (e.g. torch.optim.lr_scheduler:OneCycleLR).")
+    lr_scheduler_args: Dict[str, Any] = f(help="lr_scheduler = custom: its keyword arguments (YAML mapping); "
+                                               "num_training_steps/total_steps/num_warmup_steps are filled in "
+                                               "when it takes them.", factory=dict)
     noise_offset: float = f(0.0, "Noise offset (brighter darks / darker lights); 0.05–0.1 is typical.",
                             min=0.0, max=1.0)
     optimizer: OptimizerConfig = f(help="Optimizer and its settings.", factory=OptimizerConfig)
@@ -159,23 +275,112 @@ class TrainingConfig:
 
 @dataclass
 class LossConfig:
-    type: str = f("mse", "Loss between prediction and target.", choices=["mse"])
+    type: str = f("mse", "Loss between prediction and target: MSE, MAE (L1), or kohya's pseudo-Huber forms "
+                         "huber (≈MSE for small errors, linear for large) and smooth_l1.",
+                  choices=["mse", "mae", "huber", "smooth_l1"])
+    huber_delta: float = f(0.1, "Huber/smooth-L1 threshold δ (kohya's huber_c): errors beyond it count "
+                                "linearly. With a schedule, the value reached at the noisiest timestep.",
+                           min=1e-4, max=100.0)
+    huber_schedule: str = f("snr", "Huber δ over timesteps: constant, or exponential / snr (from 1 at low noise "
+                                   "down to huber_delta at high noise: scheduled pseudo-Huber).",
+                            choices=["constant", "exponential", "snr"])
+    min_snr_gamma: float = f(0.0, "Min-SNR-γ weighting: caps the weight of low-noise timesteps "
+                                  "(5 is typical); 0 = off. Handles epsilon and v-prediction.",
+                             min=0.0, max=100.0)
+    debiased_estimation: bool = f(False, "Debiased estimation: weight timesteps by 1/√SNR (epsilon) or "
+                                         "1/(SNR+1) (v-prediction), as kohya does.")
+    input_perturbation: float = f(0.0, "Input perturbation noise: extra noise on the model's input only "
+                                       "(0.1 is typical); 0 = off.", min=0.0, max=1.0)
+    zero_terminal_snr: bool = f(False, "Rescale the noise schedule so the last timestep is pure noise; wants "
+                                       "v-prediction. Samplers use it too (trailing timesteps).")
+    timestep_min: int = f(0, "Lowest timestep trained (inclusive).", min=0, max=10000)
+    timestep_max: int = f(1000, "Timesteps are drawn below this (exclusive); capped at the model's count.",
+                          min=1, max=10000)
+    timestep_distribution: str = f("uniform", "How timesteps are drawn in the range: uniform, logit_normal "
+                                              "(favours the middle), or mode (SD3 mode sampling).",
+                                   choices=["uniform", "logit_normal", "mode"])
+    logit_mean: float = f(0.0, "logit_normal: mean of the normal before the sigmoid (0 = the middle).",
+                          min=-10.0, max=10.0)
+    logit_std: float = f(1.0, "logit_normal: spread of the normal before the sigmoid.", min=0.01, max=10.0)
+    mode_scale: float = f(1.29, "mode: how strongly the middle is favoured (−1 to 1.75; 0 = uniform).",
+                          min=-1.0, max=1.75)
+    unmasked_weight: float = f(0.1, "Masked training: loss weight outside the mask (0 = ignore, 1 = no mask).",
+                               min=0.0, max=1.0)
+    unmasked_probability: float = f(0.1, "Masked training: fraction of steps that ignore the mask.",
+                                    min=0.0, max=1.0)
+    normalize_masked_area_loss: bool = f(False, "Masked training: divide each image's loss by its mask's "
+                                                "mean, so small masks are not under-weighted.")
 
 
 @dataclass
 class EmaConfig:
     enabled: bool = f(False, "Keep an exponential moving average of the trained weights.")
+    decay: float = f(0.999, "EMA decay per update: the average spans about 1/(1−decay) updates.",
+                     min=0.0, max=1.0)
+    warmup: bool = f(True, "Ramp the decay up as (1+n)/(10+n) over the first updates (diffusers' EMA), so "
+                           "early weights do not dominate.")
+    update_every_n_steps: int = f(1, "Update the EMA every N optimizer steps.", min=1, max=100000)
+    device: str = f("cpu", "Where the EMA copy lives: cpu (saves GPU memory) or the training device (faster).",
+                    choices=["cpu", "same"])
+    sample_with: str = f("both", "Samples from the EMA weights, the raw weights, or both (EMA files end in "
+                                 "-ema).", choices=["ema", "raw", "both"])
+    save_ema: bool = f(True, "Save the EMA weights as the result (off = the raw weights).")
+
+
+@dataclass
+class PrecisionConfig:
+    stochastic_rounding: bool = f(False, "bf16 weights: round each optimizer update stochastically, so updates "
+                                         "smaller than bf16's step are not lost (fine-tunes in bf16).")
+    fp8_unet: bool = f(False, "Store the frozen UNet weights in fp8 (e4m3) and upcast each layer as it runs: "
+                              "about half the memory of fp16. LoRA only.")
 
 
 @dataclass
 class LoraConfig:
+    type: str = f("lora", "Adapter kind: LoRA (LoCon when conv layers are targeted), DoRA (LoRA with "
+                          "weight decomposition), LoHa (Hadamard product) or LoKr (Kronecker product). "
+                          "LoHa/LoKr are saved in the LyCORIS format.",
+                  choices=["lora", "dora", "loha", "lokr"])
     rank: int = f(16, "LoRA rank (dim): capacity of the adapter.", min=1, max=1024)
     alpha: float = f(16.0, "LoRA alpha: the update is scaled by alpha/rank.", min=0.0, max=4096.0)
-    dropout: float = f(0.0, "Dropout on the LoRA path.", min=0.0, max=1.0)
-    unet_targets: str = f("attn", "UNet layers to adapt: attention, attention+MLP, or all "
-                                  "(adds conv layers: LoCon).",
-                          choices=["attn", "attn_mlp", "all"])
-    init_weights: str = f("", "Start from an existing LoRA .safetensors (kohya layout).", ui="path")
+    conv_rank: Optional[int] = f(None, "Rank of k×k conv layers (LoCon's conv_dim); blank = rank.",
+                                 min=1, max=1024)
+    conv_alpha: Optional[float] = f(None, "Alpha of k×k conv layers (conv_alpha); blank = alpha.",
+                                    min=0.0, max=4096.0)
+    dropout: float = f(0.0, "Dropout on the adapter's input (LoRA and DoRA).", min=0.0, max=1.0)
+    rank_dropout: float = f(0.0, "LoHa/LoKr: probability of dropping each output row of the update.",
+                            min=0.0, max=1.0)
+    module_dropout: float = f(0.0, "LoHa/LoKr: probability of skipping a whole layer's update in a step.",
+                              min=0.0, max=1.0)
+    unet_targets: str = f("attn", "UNet layers to adapt: attention, attention+MLP, all (adds conv "
+                                  "layers: LoCon), or custom (lora.custom_targets).",
+                          choices=["attn", "attn_mlp", "all", "custom"])
+    custom_targets: List[str] = f(help="With unet_targets = custom: UNet module names to adapt — name "
+                                       "endings such as to_q, attn2.to_k, ff.net.2, conv1, or regular "
+                                       "expressions prefixed with re: matched against the whole path "
+                                       "(re:.*up_blocks\\.[12].*to_[qkv]).", factory=list)
+    factor: int = f(-1, "LoKr: Kronecker factor of each dimension; -1 = as balanced as possible.",
+                    min=-1, max=4096)
+    decompose_both: bool = f(False, "LoKr: also make the smaller Kronecker factor low-rank.")
+    init_weights: str = f("", "Start from an existing adapter .safetensors (kohya LoRA/DoRA or LyCORIS "
+                              "LoHa/LoKr layout, matching lora.type).", ui="path")
+
+
+@dataclass
+class EmbeddingConfig:
+    placeholder: str = f("", "The new word the embedding learns, as written in captions and prompts "
+                             "(e.g. <sks>); it is expanded to num_vectors new tokens.")
+    num_vectors: int = f(1, "Tokens (vectors) the embedding uses; more = more capacity, less room in "
+                            "the 75-token prompt.", min=1, max=75)
+    initial_text: str = f("*", "Start the vectors from these words' embeddings (repeated or cut to "
+                               "num_vectors); empty = zeros.")
+    train_alongside: bool = f(False, "Also train this embedding alongside a LoRA or fine-tune "
+                                     "(training.method lora/finetune); saved next to the result.")
+    bundle: bool = f(False, "With train_alongside and a LoRA: also store the embedding inside the LoRA "
+                            "file (bundle_emb.*, read by A1111). diffusers' load_lora_weights refuses such "
+                            "files; the separate embedding file is always written too.")
+    save_pt: bool = f(False, "Also write the embedding as an A1111 .pt file.")
+    init_weights: str = f("", "Start from an existing embedding file (A1111 .safetensors/.pt).", ui="path")
 
 
 @dataclass
@@ -229,7 +434,11 @@ class AtelierConfig:
     training: TrainingConfig = f(help="Optimisation.", factory=TrainingConfig)
     loss: LossConfig = f(help="Loss function and weighting.", factory=LossConfig)
     ema: EmaConfig = f(help="Exponential moving average of the weights.", factory=EmaConfig)
+    precision: PrecisionConfig = f(help="fp8 weight storage and bf16 stochastic rounding.",
+                                   factory=PrecisionConfig)
     lora: LoraConfig = f(help="LoRA adapter (training.method = lora).", factory=LoraConfig)
+    embedding: EmbeddingConfig = f(help="Textual-inversion embedding (training.method = embedding, or "
+                                        "embedding.train_alongside).", factory=EmbeddingConfig)
     sampling: SamplingConfig = f(help="Sample images during training.", factory=SamplingConfig)
     backup: BackupConfig = f(help="Backups for resuming.", factory=BackupConfig)
     output: OutputConfig = f(help="The saved result.", factory=OutputConfig)
@@ -558,6 +767,54 @@ def _walk(node: Any, cls: type, prefix: str) -> None:
         _check_value(key, value, fld.metadata)
 
 
+def _check_loss_ema_precision(cfg: DictConfig) -> None:
+    """Hard rules of the loss, EMA and precision sections."""
+    lc = cfg.loss
+    if lc.timestep_min >= lc.timestep_max:
+        raise ConfigError(f"loss.timestep_min ({lc.timestep_min}) must be below loss.timestep_max "
+                          f"({lc.timestep_max}).", key="loss.timestep_min", value=lc.timestep_min)
+    if lc.type in ("huber", "smooth_l1") and lc.huber_schedule != "constant" and lc.huber_delta > 1:
+        raise ConfigError(f"loss.huber_delta = {lc.huber_delta:g} with huber_schedule = {lc.huber_schedule}: the "
+                          "schedule goes from 1 down to huber_delta, so it must be at most 1 (0.1 is typical). "
+                          "Use huber_schedule = constant for a larger δ.", key="loss.huber_delta",
+                          value=lc.huber_delta)
+    if cfg.precision.fp8_unet and cfg.training.method != "lora" and cfg.training.train_unet:
+        raise ConfigError("precision.fp8_unet stores the frozen UNet in fp8, but a fine-tune trains the UNet's "
+                          "own weights. Use training.method = lora, or turn fp8_unet off.",
+                          key="precision.fp8_unet", value=True)
+
+
+def _loss_ema_precision_warnings(cfg: DictConfig) -> List[Issue]:
+    out: List[Issue] = []
+    lc, e, t = cfg.loss, cfg.ema, cfg.training
+    if lc.zero_terminal_snr and cfg.model.prediction_type != "v_prediction":
+        out.append(Issue("loss.zero_terminal_snr",
+                         "Zero terminal SNR wants v-prediction: at the last timestep the input is pure noise, "
+                         "so epsilon cannot be learned there. Set model.prediction_type = v_prediction"
+                         + (" (fine as is if auto finds a v-prediction model)."
+                            if cfg.model.prediction_type == "auto" else ".")))
+    if lc.min_snr_gamma > 0 and lc.debiased_estimation:
+        out.append(Issue("loss.debiased_estimation", "Min-SNR-γ and debiased estimation both reweight "
+                                                     "timesteps and multiply; usually pick one."))
+    if lc.type == "mse" and lc.huber_delta != 0.1:
+        out.append(Issue("loss.huber_delta", "huber_delta only matters with loss.type = huber or smooth_l1."))
+    if e.enabled and not e.warmup and t.max_steps:
+        updates = t.max_steps // e.update_every_n_steps
+        span = 1.0 / max(1e-12, 1.0 - e.decay)
+        if updates < span:
+            out.append(Issue("ema.decay", f"EMA decay {e.decay:g} averages over about {span:.0f} updates, but the "
+                                          f"run makes only {updates}: the EMA result will lag far behind "
+                                          "training. Lower the decay (e.g. 0.99)."))
+    if cfg.precision.stochastic_rounding and t.method == "lora":
+        out.append(Issue("precision.stochastic_rounding", "LoRA adapters train in fp32: stochastic rounding "
+                                                          "only matters for bf16 fine-tunes."))
+    if t.method == "finetune" and cfg.model.unet_dtype == "bf16" and t.train_unet \
+            and not cfg.precision.stochastic_rounding:
+        out.append(Issue("precision.stochastic_rounding", "Training bf16 weights rounds small updates away; "
+                                                          "turn on precision.stochastic_rounding."))
+    return out
+
+
 def validate(cfg: DictConfig) -> None:
     """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
     _walk(cfg, AtelierConfig, "")
@@ -570,21 +827,46 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "
                               f"data.concepts.{i}.caption_file is empty.",
                               key=f"data.concepts.{i}.caption_file")
+    _check_resolutions(cfg)
     for i, s in enumerate(cfg.sampling.prompts):
         for dim in ("width", "height"):
             if s[dim] % 8:
                 raise ConfigError(f"sampling.prompts.{i}.{dim} = {s[dim]} must be a multiple of 8.",
                                   key=f"sampling.prompts.{i}.{dim}", value=s[dim])
+    _check_loss_ema_precision(cfg)
+    from trainer.methods.rules import validate_method
+    validate_method(cfg)  # LoRA variants and embeddings
+    from trainer.optim import validate_optim
+    validate_optim(cfg)
+
+
+def _check_resolutions(cfg: DictConfig) -> None:
+    """data.resolution and each concept's resolution: ``512``, ``768x512`` or ``384,448,512``."""
+    from trainer.data.buckets import parse_resolution
+    fields = [("data.resolution", cfg.data.resolution)]
+    fields += [(f"data.concepts.{i}.resolution", c.resolution) for i, c in enumerate(cfg.data.concepts)
+               if str(c.resolution or "").strip()]
+    for key, value in fields:
+        try:
+            parse_resolution(value)
+        except ValueError as exc:
+            raise ConfigError(f"'{key}' = {value!r} is not allowed: {exc}.", key=key, value=value) from None
+
+
+def training_side(cfg: DictConfig) -> int:
+    """The training resolution as one side length (the square root of the largest pixel budget
+    of data.resolution), for rules of thumb and metadata."""
+    from trainer.data.buckets import parse_resolution
+    return int(round(max(w * h for w, h in parse_resolution(cfg.data.resolution)) ** 0.5))
 
 
 def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     """The rules the community learned the hard way: shown before launch, never blocking."""
     out: List[Issue] = []
     t = cfg.training
-    if t.method == "lora" and cfg.lora.alpha > cfg.lora.rank:
-        out.append(Issue("lora.alpha", f"LoRA alpha ({cfg.lora.alpha:g}) is above rank ({cfg.lora.rank}): "
-                                       "the update is scaled up, which often overcooks. Use alpha ≤ rank."))
-    res = cfg.data.resolution
+    from trainer.methods.rules import method_warnings
+    out += method_warnings(cfg)  # alpha ≤ rank, adapter dropouts, embedding placeholder in prompts, ...
+    res = training_side(cfg)
     for i, s in enumerate(cfg.sampling.prompts):
         if max(s.width, s.height) < 0.6 * res or min(s.width, s.height) > 1.6 * res:
             out.append(Issue(f"sampling.prompts.{i}.width",
@@ -594,10 +876,8 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     if not enabled:
         out.append(Issue("data.concepts", "No enabled concept: add a folder of images to train on.",
                          level="error"))
-    if t.lr_scheduler in ("constant_with_warmup", "linear", "cosine", "cosine_with_restarts") \
-            and t.max_steps and t.lr_warmup_steps >= t.max_steps:
-        out.append(Issue("training.lr_warmup_steps",
-                         f"Warm-up ({t.lr_warmup_steps} steps) is as long as the whole run ({t.max_steps})."))
+    from trainer.optim import optim_warnings
+    out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.model.unet_dtype == "fp16":
         out.append(Issue("model.unet_dtype", "Training fp16 weights directly loses updates; keep the "
                                              "trained UNet in fp32 (or bf16) with fp16 autocast."))
@@ -605,16 +885,18 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
             and t.learning_rate > 5e-4:
         out.append(Issue("training.text_encoder_learning_rate",
                          "The text encoder usually wants a lower LR than the UNet (e.g. 5e-5)."))
+    out += _loss_ema_precision_warnings(cfg)
     return out
 
 
 def resolved_learning_rates(cfg: DictConfig) -> dict:
+    """LR of each component (optimizer param-group name); a blank component LR is the base LR."""
     t = cfg.training
-    return {
-        "unet": t.unet_learning_rate if t.unet_learning_rate is not None else t.learning_rate,
-        "text_encoder": t.text_encoder_learning_rate if t.text_encoder_learning_rate is not None
-        else t.learning_rate,
-    }
+    out = {}
+    for comp in ("unet", "text_encoder", "text_encoder_2", "embedding"):
+        value = t.get(f"{comp}_learning_rate")
+        out[comp] = value if value is not None else t.learning_rate
+    return out
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -17,12 +17,14 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.config import ConfigError, save_config, to_container
 from trainer.events import EventWriter
+from trainer.optim import on_eval, on_train
 
 log = logging.getLogger("atelier")
 
@@ -142,6 +144,7 @@ class Trainer:
         self.model = load_model(cfg.model, g.workspace, self.device)
         from trainer.methods.finetune import make_method
         self.method = make_method(self.model, cfg)
+        self.method.prepare_data(self.data, self.warn)  # embedding placeholder: captions, tag dropout, warnings
         if t.gradient_checkpointing:
             for m in self.method.modules.values():
                 m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
@@ -162,8 +165,14 @@ class Trainer:
         self.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * self.steps_per_epoch
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.generator = torch.Generator().manual_seed(g.seed)
+        self._setup_loss_ema_precision()
 
-        self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype)
+        frozen_text = not {"text_encoder", "embedding"} & set(self.method.modules)  # cached outputs stay valid
+        self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
+                          encode_text_fn=(lambda captions: self.model.encode_text(
+                              self.model.tokenize(self.method.expand_text(captions))))
+                          if frozen_text else None,
+                          text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}")
         self.tb = None
         if g.tensorboard:
             try:
@@ -176,31 +185,46 @@ class Trainer:
         log.warning(message)
         self.run.events.emit("warning", message=message)
 
+    # --- loss options, EMA, precision ------------------------------------------------------
+    def _setup_loss_ema_precision(self) -> None:
+        """Zero-terminal-SNR schedule, the EMA copy, fp8 storage and stochastic-rounding hooks."""
+        from trainer.ema import make_ema
+        from trainer.loss import prepare_noise_schedule
+        from trainer.precision import apply_precision
+        cfg = self.cfg
+        prepare_noise_schedule(self.model, cfg.loss, self.warn)
+        self.ema = make_ema(self.method, cfg.ema, self.device)
+        self.rounding = apply_precision(self.model, self.method, self.optimizer, cfg,
+                                        lambda: cfg.general.seed * 1_000_003 + self.pos.step, self.warn)
+
     # --- one micro-batch -------------------------------------------------------------------
     def _forward_loss(self, batch):
         import torch
-        from trainer.loss import diffusion_loss
+        from trainer.loss import (choose_mask, make_noise, per_sample_loss, perturb_noise, sample_timesteps,
+                                  weighted_mean)
         model = self.model
-        t = self.cfg.training
-        latents = model.sample_latents(batch["latent_dist"], self.generator)
-        noise = torch.randn(latents.shape, generator=self.generator).to(latents.device)
-        if t.noise_offset > 0:
-            noise = noise + t.noise_offset * torch.randn((latents.shape[0], latents.shape[1], 1, 1),
-                                                         generator=self.generator).to(latents.device)
-        timesteps = torch.randint(0, model.num_train_timesteps, (latents.shape[0],),
-                                  generator=self.generator).to(latents.device)
+        lc = self.cfg.loss
+        gen = self.generator  # all randomness of the step comes from here: exact resume
+        latents = model.sample_latents(batch["latent_dist"], gen)
+        noise = make_noise(latents.shape, gen, self.cfg.training.noise_offset).to(latents.device)
+        timesteps = sample_timesteps(latents.shape[0], model.num_train_timesteps, lc, gen).to(latents.device)
         noisy, target = model.noisy_and_target(latents, noise, timesteps)
+        if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
+            noisy, _ = model.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
+        mask = choose_mask(batch.get("mask"), lc, gen)
         with self.accelerator.autocast():
             cond = batch.get("encoder_hidden_states")
             if cond is not None:
                 cond = cond.to(model.device)
-            elif "text_encoder" in self.method.modules:
-                cond = model.encode_text(model.tokenize(batch["captions"]))
+            elif {"text_encoder", "embedding"} & set(self.method.modules):  # gradients flow into the text side
+                cond = model.encode_text(model.tokenize(self.method.expand_text(batch["captions"])))
             else:
                 with torch.no_grad():
-                    cond = model.encode_text(model.tokenize(batch["captions"]))
+                    cond = model.encode_text(model.tokenize(self.method.expand_text(batch["captions"])))
             model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond.to(model.unet.dtype))
-        return diffusion_loss(model_pred, target, batch["loss_weights"])
+        losses = per_sample_loss(model_pred, target, lc, timesteps, model.noise_scheduler,
+                                 mask=None if mask is None else mask.to(latents.device))
+        return weighted_mean(losses, batch["loss_weights"])
 
     # --- the run ---------------------------------------------------------------------------
     def train(self) -> str:
@@ -246,6 +270,8 @@ class Trainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.pos.step += 1
+                if self.ema is not None:
+                    self.ema.after_optimizer_step(self.pos.step)
                 self._after_step(loss_acc, t_start, steps_at_start, bar)
                 loss_acc = 0.0
                 if self.stop_requested:
@@ -335,29 +361,38 @@ class Trainer:
         modes = {n: m.training for n, m in self.method.modules.items()}
         for m in self.method.modules.values():
             m.eval()
+        on_eval(self.optimizer)  # schedule-free optimizers: sample the averaged weights
         pipe = self.model.pipeline(self.cfg.sampling.scheduler)
-        paths = []
+        paths, path_prompts, weights = [], [], []
+        from trainer.ema import sample_variants
         try:
-            for i, sp in enumerate(prompts):
-                gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
-                with torch.no_grad(), self.accelerator.autocast():
-                    image = pipe(sp.prompt, negative_prompt=sp.negative_prompt or None,
-                                 num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
-                                 width=sp.width, height=sp.height, generator=gen).images[0]
-                path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}.png"
-                tmp = path.with_name(path.stem + ".tmp.png")
-                image.save(tmp)
-                os.replace(tmp, path)
-                paths.append(str(path))
-                if self.tb is not None:
-                    import numpy as np
-                    self.tb.add_image(f"sample/{i}", np.asarray(image), self.pos.step, dataformats="HWC")
+            for suffix, use_ema in sample_variants(self.ema, self.cfg.ema):  # raw and/or EMA weights
+                with self.ema.applied() if use_ema else nullcontext():
+                    for i, sp in enumerate(prompts):
+                        gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
+                        with torch.no_grad(), self.accelerator.autocast():
+                            image = pipe(self.method.expand_text(sp.prompt),  # embedding placeholders
+                                         negative_prompt=self.method.expand_text(sp.negative_prompt) or None,
+                                         num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
+                                         width=sp.width, height=sp.height, generator=gen).images[0]
+                        path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}{suffix}.png"
+                        tmp = path.with_name(path.stem + ".tmp.png")
+                        image.save(tmp)
+                        os.replace(tmp, path)
+                        paths.append(str(path))
+                        path_prompts.append(sp.prompt)
+                        weights.append("ema" if use_ema else "raw")
+                        if self.tb is not None:
+                            import numpy as np
+                            self.tb.add_image(f"sample/{i}{suffix}", np.asarray(image), self.pos.step,
+                                              dataformats="HWC")
         finally:
+            on_train(self.optimizer)
             for n, m in self.method.modules.items():
                 m.train(modes[n])
             torch.set_rng_state(rng_state)
         self.run.events.emit("sample", step=self.pos.step, epoch=self.pos.epoch, paths=paths,
-                             prompts=[p.prompt for p in prompts])
+                             prompts=path_prompts, weights=weights)
         return paths
 
     # --- backups ---------------------------------------------------------------------------
@@ -374,6 +409,8 @@ class Trainer:
         with atomic_dir(target) as tmp:
             tmp = Path(tmp)
             save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
+            if self.ema is not None:
+                self.ema.save(tmp)  # ema.safetensors + ema.json
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                         "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
@@ -427,6 +464,9 @@ class Trainer:
             torch.cuda.set_rng_state_all(ts["cuda_rng"])
         random.setstate(ts["python_rng"])
         self.pos = Position(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
+        if self.ema is not None and not self.ema.load(path):
+            self.warn(f"Backup {path.name} has no EMA weights (EMA was off): the EMA starts from the resumed "
+                      "weights.")
         self._last_backup_step = self.pos.step
         log.info("resumed from %s at step %d", path, self.pos.step)
 
@@ -442,7 +482,15 @@ class Trainer:
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"atelier_config": json.dumps(to_container(self.cfg)), "atelier_step": str(self.pos.step),
                 "atelier_epoch": str(self.pos.epoch)}
-        self.method.save(path, self.cfg.output.dtype, meta)
+        use_ema = self.ema is not None and self.cfg.ema.save_ema
+        if use_ema:
+            meta["atelier_ema"] = f"decay={self.cfg.ema.decay:g} updates={self.ema.optimization_step}"
+        on_eval(self.optimizer)  # schedule-free optimizers: save the averaged weights
+        try:
+            with self.ema.applied() if use_ema else nullcontext():
+                self.method.save(path, self.cfg.output.dtype, meta)
+        finally:
+            on_train(self.optimizer)
         self.run.events.emit("saved", step=self.pos.step, path=str(path), format=self.cfg.output.format)
         log.info("saved %s", path)
         return path
