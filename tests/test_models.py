@@ -124,3 +124,42 @@ def test_text_encoder_only_lora_changes_output_through_the_prompt(tiny_workspace
     before = image(pipe)
     pipe.load_lora_weights(str(lora))
     assert abs(image(pipe) - before).max() > 1e-4
+
+
+def test_sdxl_lora_run_with_both_text_encoders_loads_in_diffusers(tiny_workspace, peft_strict):
+    ws = tiny_workspace
+    rc = cli(["train", "--preset", "demo-sdxl", *overrides(ws, "xl", "training.epochs=1", "sampling.prompts=[]")])
+    assert rc == 0
+    lora = ws / "runs" / "xl" / "xl.safetensors"
+    from safetensors import safe_open
+    with safe_open(str(lora), "pt") as fh:
+        keys = set(fh.keys())
+        assert fh.metadata()["ss_base_model_version"] == "sdxl_base_v1-0"
+    assert any(k.startswith("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q") for k in keys)
+    assert any(k.startswith("lora_te1_text_model_encoder_layers_0_self_attn_q_proj") for k in keys)
+    assert any(k.startswith("lora_te2_text_model_encoder_layers_0_mlp_fc1") for k in keys)
+    from diffusers import StableDiffusionXLPipeline
+    pipe = StableDiffusionXLPipeline.from_pretrained(ws / "models" / "tiny-sdxl", local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    before = image(pipe)
+    pipe.load_lora_weights(str(lora))
+    assert abs(image(pipe) - before).max() > 1e-4
+
+
+def test_sdxl_finetune_single_file_loads_back(tiny_workspace):
+    ws = tiny_workspace
+    rc = cli(["train", "--preset", "demo-sdxl", *overrides(
+        ws, "xlft", "training.method=finetune", "training.train_text_encoder=false",
+        "training.train_text_encoder_2=false", "training.max_steps=2", "sampling.prompts=[]",
+        "output.format=safetensors", "output.dtype=fp32", "backup.every_n_epochs=0")])
+    assert rc == 0
+    from diffusers import StableDiffusionXLPipeline
+    loaded = StableDiffusionXLPipeline.from_single_file(str(ws / "runs" / "xlft" / "xlft.safetensors"),
+                                                        config=str(ws / "models" / "tiny-sdxl"),
+                                                        local_files_only=True)
+    original = StableDiffusionXLPipeline.from_pretrained(ws / "models" / "tiny-sdxl", local_files_only=True)
+    got, orig = loaded.unet.state_dict(), original.unet.state_dict()
+    assert got.keys() == orig.keys()
+    assert any(not torch.equal(got[k], orig[k]) for k in got)  # trained
+    te_a, te_b = loaded.text_encoder_2.state_dict(), original.text_encoder_2.state_dict()
+    assert all(torch.equal(te_a[k], te_b[k]) for k in te_b)  # frozen encoder written back unchanged

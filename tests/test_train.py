@@ -297,3 +297,30 @@ def test_a_used_run_folder_is_not_overwritten(tiny_workspace, capsys):
     assert cli(["train", "--preset", "demo", *overrides(ws, "used")]) == 2
     assert "--resume last" in capsys.readouterr().err
     assert (run / "events.jsonl").read_text() == '{"type": "started", "time": 0}\n'
+
+
+def test_validation_concept_loss_is_logged_and_only_cache_mode(tiny_workspace, tmp_path):
+    ws = tiny_workspace
+    val = tmp_path / "val"
+    val.mkdir()
+    for name in ("00-red-square", "03-blue-circle"):
+        for ext in (".png", ".txt"):
+            shutil.copy(DEMO_DATA / (name + ext), val / (name + ext))
+    concepts = (f"data.concepts=[{{path: {DEMO_DATA}}}, {{path: {val}, validation: true}}]")
+    assert cli(["train", "--preset", "demo", *overrides(ws, "val", concepts, "training.epochs=2",
+                                                        "sampling.prompts=[]")]) == 0
+    events = read_events(ws / "runs" / "val" / "events.jsonl")
+    vals = [e for e in events if e["type"] == "validation"]
+    assert [v["step"] for v in vals] == [4, 8] and all(v["images"] == 2 for v in vals)
+    assert all(0 < v["loss"] < 10 for v in vals)
+    # the validation images never train: every step's batch comes from the 8 training images
+    assert next(e for e in events if e["type"] == "started")["steps_per_epoch"] == 4
+
+    cache_ws = tmp_path / "cachews"
+    shutil.copytree(ws / "models", cache_ws / "models")
+    assert cli(["cache", "--preset", "demo", "--run-dir", str(tmp_path / "cacherun"), "--no-progress",
+                "--set", f"general.workspace={cache_ws}"]) == 0
+    events = read_events(tmp_path / "cacherun" / "events.jsonl")
+    assert events[-1]["type"] == "finished" and "caches are ready" in events[-1]["message"]
+    assert not [e for e in events if e["type"] == "step"]
+    assert len(list((cache_ws / "cache" / "latents").rglob("*.safetensors"))) == 8

@@ -36,6 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     add_config_args(v)
     v.add_argument("--json", action="store_true", help="Print the result as JSON.")
 
+    c = sub.add_parser("cache", help="Fill the latent and text caches, then stop (no training).")
+    add_config_args(c)
+    c.add_argument("--run-dir", help="Run folder for the caching job's events and log.")
+    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--resume", default=None, help=argparse.SUPPRESS)
+
     dr = sub.add_parser("data-report", help="Scan the concepts and report what training would see.")
     add_config_args(dr)
     dr.add_argument("--json", action="store_true", help="Print the report as JSON.")
@@ -116,6 +122,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             print("config is valid" if not errors else "config has errors")
         return 1 if errors else 0
 
+    if args.command == "cache":
+        from omegaconf import OmegaConf
+        OmegaConf.update(cfg, "data.only_cache", True)
+        if not args.run_dir:
+            args.run_dir = str(Path(cfg.general.workspace) / "runs" / time.strftime("cache-%Y%m%d-%H%M%S"))
     # train
     for i in issues:
         print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)

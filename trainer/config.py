@@ -68,16 +68,17 @@ class GeneralConfig:
     device: str = f("auto", "Where to train: auto picks CUDA when present, else CPU.",
                     choices=["auto", "cuda", "cpu", "mps"])
     tensorboard: bool = f(True, "Write TensorBoard logs to <run>/tensorboard.")
-    dataloader_workers: int = f(0, "Background workers that load images (0 = in the main process).",
+    dataloader_workers: int = f(2, "Batches loaded ahead in background threads (0 = load in the main thread).",
                                 min=0, max=64)
 
 
 @dataclass
 class ModelConfig:
     path: str = f("", "Base model: a diffusers folder, a hub id (org/name), a .safetensors/.ckpt file, "
-                      "or builtin:tiny-sd for the offline demo model.", ui="path")
+                      "or builtin:tiny-sd / builtin:tiny-sd2 / builtin:tiny-sdxl for offline demo models.",
+                  ui="path")
     family: str = f("auto", "Model family; auto detects it from the weights.",
-                    choices=["auto", "sd15", "sd2"])
+                    choices=["auto", "sd15", "sd2", "sdxl"])
     prediction_type: str = f("auto", "What the UNet predicts; auto reads it from the model "
                                      "(SD 2.x 768 models are v_prediction).",
                              choices=["auto", "epsilon", "v_prediction"])
@@ -89,6 +90,8 @@ class ModelConfig:
     unet_dtype: str = f("fp32", "Storage dtype of the UNet's frozen weights.", choices=DTYPES)
     text_encoder_dtype: str = f("fp32", "Storage dtype of the text encoder's frozen weights.", choices=DTYPES)
     vae_dtype: str = f("fp32", "VAE dtype (fp32 avoids NaN latents with the SD VAE).", choices=DTYPES)
+    clip_skip: int = f(0, "Skip the last N text-encoder layers (SD 1.x anime models use 1; for SDXL, layers "
+                          "beyond its default penultimate one).", min=0, max=12)
     attention: str = f("sdpa", "Attention backend: PyTorch SDPA, or xformers when installed.",
                        choices=["sdpa", "xformers"])
 
@@ -249,7 +252,11 @@ class TrainingConfig:
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)
     train_unet: bool = f(True, "Train the UNet.")
-    train_text_encoder: bool = f(False, "Train the text encoder.")
+    train_text_encoder: bool = f(False, "Train the (first) text encoder.")
+    train_text_encoder_2: bool = f(False, "Train SDXL's second text encoder (OpenCLIP-G).")
+    validation_every_n_steps: int = f(0, "Measure the loss of validation concepts every N steps; 0 = at the end "
+                                         "of each epoch (only when a concept is marked validation).",
+                                      min=0, max=10**7)
     lr_scheduler: str = f("constant", "Learning-rate schedule (trainer.optim.SCHEDULERS): cosine_with_restarts "
                                       "rises back smoothly; cosine_with_hard_restarts jumps back (kohya's "
                                       "cosine_with_restarts); rex takes no warm-up; custom = lr_scheduler_class.",
@@ -819,9 +826,9 @@ def validate(cfg: DictConfig) -> None:
     """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
     _walk(cfg, AtelierConfig, "")
     t = cfg.training
-    if t.method == "lora" and not (t.train_unet or t.train_text_encoder):
-        raise ConfigError("Nothing to train: turn on training.train_unet and/or training.train_text_encoder.",
-                          key="training.train_unet", value=False)
+    if t.method in ("lora", "finetune") and not (t.train_unet or t.train_text_encoder or t.train_text_encoder_2):
+        raise ConfigError("Nothing to train: turn on training.train_unet and/or training.train_text_encoder"
+                          "(_2).", key="training.train_unet", value=False)
     for i, c in enumerate(cfg.data.concepts):
         if c.caption_source == "concept_file" and not c.caption_file:
             raise ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "

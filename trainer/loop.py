@@ -139,7 +139,7 @@ class Trainer:
         self.data = DataPipeline(cfg, warn=self.warn)
         self.report = self.data.report
 
-        from trainer.models.sd import load_model
+        from trainer.models.base import load_model
         log.info("loading model %s", cfg.model.path)
         self.model = load_model(cfg.model, g.workspace, self.device)
         from trainer.methods.finetune import make_method
@@ -167,12 +167,12 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(g.seed)
         self._setup_loss_ema_precision()
 
-        frozen_text = not {"text_encoder", "embedding"} & set(self.method.modules)  # cached outputs stay valid
+        # cached text outputs stay valid only while no text-side module trains
+        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
         self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
-                          encode_text_fn=(lambda captions: self.model.encode_text(
-                              self.model.tokenize(self.method.expand_text(captions))))
-                          if frozen_text else None,
-                          text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}")
+                          encode_text_fn=(lambda captions: self.model.encode_captions(
+                              self.method.expand_text(captions))) if frozen_text else None,
+                          text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
         self.tb = None
         if g.tensorboard:
             try:
@@ -198,13 +198,13 @@ class Trainer:
                                         lambda: cfg.general.seed * 1_000_003 + self.pos.step, self.warn)
 
     # --- one micro-batch -------------------------------------------------------------------
-    def _forward_loss(self, batch):
+    def _forward_loss(self, batch, gen=None):
         import torch
         from trainer.loss import (choose_mask, make_noise, per_sample_loss, perturb_noise, sample_timesteps,
                                   weighted_mean)
         model = self.model
         lc = self.cfg.loss
-        gen = self.generator  # all randomness of the step comes from here: exact resume
+        gen = self.generator if gen is None else gen  # all randomness of a step comes from here: exact resume
         latents = model.sample_latents(batch["latent_dist"], gen)
         noise = make_noise(latents.shape, gen, self.cfg.training.noise_offset).to(latents.device)
         timesteps = sample_timesteps(latents.shape[0], model.num_train_timesteps, lc, gen).to(latents.device)
@@ -212,19 +212,40 @@ class Trainer:
         if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
             noisy, _ = model.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
         mask = choose_mask(batch.get("mask"), lc, gen)
+        train_text = {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
         with self.accelerator.autocast():
-            cond = batch.get("encoder_hidden_states")
-            if cond is not None:
-                cond = cond.to(model.device)
-            elif {"text_encoder", "embedding"} & set(self.method.modules):  # gradients flow into the text side
-                cond = model.encode_text(model.tokenize(self.method.expand_text(batch["captions"])))
-            else:
-                with torch.no_grad():
-                    cond = model.encode_text(model.tokenize(self.method.expand_text(batch["captions"])))
-            model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond.to(model.unet.dtype))
+            cond = model.batch_condition(batch, self.method.expand_text, train_text)
+            model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond)
         losses = per_sample_loss(model_pred, target, lc, timesteps, model.noise_scheduler,
                                  mask=None if mask is None else mask.to(latents.device))
         return weighted_mean(losses, batch["loss_weights"])
+
+    def validate(self) -> Optional[float]:
+        """Mean loss over the validation concepts, with a fixed generator (same noise and timesteps every
+        time, so the numbers are comparable) and the trained modules in eval mode; not trained on."""
+        import torch
+        if not self.data.validation_batches():
+            return None
+        modes = {n: m.training for n, m in self.method.modules.items()}
+        for m in self.method.modules.values():
+            m.eval()
+        gen = torch.Generator().manual_seed(int(self.cfg.general.seed) + 7919)
+        total, count = 0.0, 0
+        try:
+            with torch.no_grad():
+                for batch in self.data.iter_validation():
+                    n = len(batch["captions"])
+                    total += self._forward_loss(batch, gen).item() * n
+                    count += n
+        finally:
+            for n, m in self.method.modules.items():
+                m.train(modes[n])
+        loss = total / max(count, 1)
+        self.run.events.emit("validation", step=self.pos.step, epoch=self.pos.epoch, loss=loss, images=count)
+        if self.tb is not None:
+            self.tb.add_scalar("validation_loss", loss, self.pos.step)
+        log.info("validation loss %.5f (%d images)", loss, count)
+        return loss
 
     # --- the run ---------------------------------------------------------------------------
     def train(self) -> str:
@@ -323,6 +344,9 @@ class Trainer:
             log.info("step %d/%d epoch %d loss %.5f lr %s", step, self.total_steps, self.pos.epoch + 1, loss,
                      {k: f"{v:.3g}" for k, v in lrs.items()})
         s, b = self.cfg.sampling, self.cfg.backup
+        v = self.cfg.training.validation_every_n_steps
+        if v and step % v == 0:
+            self.validate()
         if (s.every_n_steps and step % s.every_n_steps == 0 and step < self.total_steps) \
                 or self.run.control_requested("sample"):
             self.sample()
@@ -333,6 +357,8 @@ class Trainer:
         e = self.pos.epoch
         s, b, o = self.cfg.sampling, self.cfg.backup, self.cfg.output
         last = self.pos.step >= self.total_steps
+        if not self.cfg.training.validation_every_n_steps:
+            self.validate()
         if s.every_n_epochs and e % s.every_n_epochs == 0 and not (last and s.at_end):
             self.sample()
         if b.every_n_epochs and e % b.every_n_epochs == 0 and self._last_backup_step != self.pos.step:
@@ -374,7 +400,8 @@ class Trainer:
                             image = pipe(self.method.expand_text(sp.prompt),  # embedding placeholders
                                          negative_prompt=self.method.expand_text(sp.negative_prompt) or None,
                                          num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
-                                         width=sp.width, height=sp.height, generator=gen).images[0]
+                                         width=sp.width, height=sp.height, generator=gen,
+                                         **self.model.sampling_kwargs()).images[0]
                         path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}{suffix}.png"
                         tmp = path.with_name(path.stem + ".tmp.png")
                         image.save(tmp)
@@ -513,6 +540,10 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
         ev.emit("warning", message=w)
     try:
         trainer.setup()
+        if cfg.data.only_cache:
+            ev.emit("finished", step=0, message="caches are ready (data.only_cache); nothing trained")
+            log.info("caches are ready; data.only_cache is on, so no training")
+            return 0
         if trainer.stop_requested:
             ev.emit("stopped", step=0, message="stopped before training started")
             return 0

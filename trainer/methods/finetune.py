@@ -23,6 +23,13 @@ class FinetuneMethod(MethodBase):
         if t.train_text_encoder:
             model.text_encoder.requires_grad_(True)
             self.modules["text_encoder"] = model.text_encoder
+        if t.train_text_encoder_2:
+            if getattr(model, "text_encoder_2", None) is None:
+                from trainer.config import ConfigError
+                raise ConfigError(f"training.train_text_encoder_2 is on, but this {model.family} model has one "
+                                  "text encoder.", key="training.train_text_encoder_2")
+            model.text_encoder_2.requires_grad_(True)
+            self.modules["text_encoder_2"] = model.text_encoder_2
         for m in self.modules.values():
             if next(m.parameters()).dtype == torch.float16:
                 m.to(dtype=torch.float32)  # fp16 master weights lose updates; autocast does the rest
@@ -39,10 +46,11 @@ class FinetuneMethod(MethodBase):
         # the model as users load it: no placeholder tokens in tokenizer or text encoder
         with self.embedding.detached(m) if self.embedding is not None else nullcontext():
             if str(path).endswith((".safetensors", ".ckpt")):
+                extra = {"text_encoder_2": m.text_encoder_2} if getattr(m, "text_encoder_2", None) else {}
                 save_single_file_sd(path, m.unet, m.vae, m.text_encoder, family=m.family, dtype=dtype,
-                                    metadata=metadata)
-            else:
-                save_diffusers_folder(path, m.pipeline("ddim"), dtype)
+                                    metadata=metadata, **extra)
+            else:  # a diffusers folder carries the model's own sampler (DDIM for SD, Euler for SDXL)
+                save_diffusers_folder(path, m.pipeline("ddim" if m.family != "sdxl" else None), dtype)
         self._save_alongside_embedding(Path(path), dtype, metadata)
 
 
@@ -50,6 +58,11 @@ def make_method(model, cfg):
     if cfg.training.method == "lora":
         from trainer.methods.lora import LoraMethod
         return LoraMethod(model, cfg)
+    if cfg.training.method == "embedding" or cfg.embedding.train_alongside:
+        if model.family == "sdxl":
+            from trainer.config import ConfigError
+            raise ConfigError("Embeddings for SDXL (clip_l + clip_g) are not supported yet; train a LoRA, or use "
+                              "an SD 1.x/2.x model.", key="training.method")
     if cfg.training.method == "embedding":
         from trainer.methods.embedding import EmbeddingMethod
         return EmbeddingMethod(model, cfg)

@@ -108,6 +108,13 @@ class LoraMethod(MethodBase):
             _add_adapter(model.text_encoder, adapter_config(lcfg, TEXT_ENCODER_TARGETS, model.text_encoder),
                          "text-encoder", "lora.type")
             self.modules["text_encoder"] = model.text_encoder
+        if t.train_text_encoder_2:
+            te2 = getattr(model, "text_encoder_2", None)
+            if te2 is None:
+                raise ConfigError(f"training.train_text_encoder_2 is on, but this {model.family} model has one "
+                                  "text encoder.", key="training.train_text_encoder_2")
+            _add_adapter(te2, adapter_config(lcfg, TEXT_ENCODER_TARGETS, te2), "text-encoder-2", "lora.type")
+            self.modules["text_encoder_2"] = te2
         for m in self.modules.values():
             for p in m.parameters():
                 if p.requires_grad:
@@ -122,7 +129,8 @@ class LoraMethod(MethodBase):
         try:
             state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
             load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
-            load(state, self.modules.get("unet"), self.modules.get("text_encoder"), family=self.model.family)
+            load(state, self.modules.get("unet"), self.modules.get("text_encoder"),
+                 text_encoder_2=self.modules.get("text_encoder_2"), family=self.model.family)
         except (OSError, ValueError, NotImplementedError) as exc:
             raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
                               f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None
@@ -137,7 +145,7 @@ class LoraMethod(MethodBase):
         from trainer.export import bundle_embedding_state_dict, kohya_lora_state_dict, lycoris_state_dict
         to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
         sd = to_state(unet=self.modules.get("unet"), text_encoder=self.modules.get("text_encoder"),
-                      family=self.model.family)
+                      text_encoder_2=self.modules.get("text_encoder_2"), family=self.model.family)
         if self.embedding is not None and self.cfg.embedding.bundle:
             sd.update(bundle_embedding_state_dict(self.embedding.placeholder, self.embedding.vectors()))
         return sd

@@ -221,6 +221,16 @@ class StableDiffusionXL(LatentDiffusionFamily):
                                            drop_te1, drop_te2)
         return SDXLConditioning(prompt_embeds, pooled, self.add_time_ids(original_sizes, crop_top_lefts, target_size))
 
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set) -> "SDXLConditioning":
+        """Conditioning for a data batch (the loop's one call): cached ``prompt_embeds``/
+        ``pooled_prompt_embeds`` when the batch has them, else the (placeholder-expanded) captions
+        through both encoders; plus each image's size/crop time ids."""
+        sizes = (batch["original_sizes"], batch["crop_top_lefts"], batch["target_sizes"])
+        if batch.get("prompt_embeds") is not None:
+            return self.condition_from_embeds(batch["prompt_embeds"], batch["pooled_prompt_embeds"], *sizes)
+        return self.condition(expand(batch["captions"]), *sizes,
+                              train_text_encoders=frozenset(set(TEXT_ENCODERS) & set(train_text)))
+
     # --- objective ----------------------------------------------------------------------
     def predict(self, noisy_latents, timesteps, conditioning):
         """UNet output for ``noisy_latents``; ``conditioning`` is an :class:`SDXLConditioning` (or a
