@@ -1,0 +1,341 @@
+"""Several training processes (DDP through ``accelerate launch`` or ``torchrun``).
+
+Why it is shaped like this:
+
+- **One global batch plan.** Every process plans the epoch with the *global* micro-batch
+  (``training.batch_size`` × processes) and loads only its slice of each planned batch. Together the
+  processes therefore see exactly the batches a single process with the global batch would see.
+- **Batch-position-stable randomness.** Every random draw of a step (latent sampling noise, noise,
+  timesteps, perturbation) is made for the whole global micro-batch from the shared generator on
+  every process, and each process keeps its rows (:func:`expand_rows` / :func:`take_rows`). The
+  generators never diverge, and an N-process run equals a 1-process run with N× the batch.
+- **Gradients are averaged once per optimizer step** (:class:`GradientSync`): one flat all-reduce of
+  the trainable parameters' gradients after the last micro-batch of an accumulation — what DDP does
+  with ``no_sync`` on the other micro-batches — plus the step's loss and a stop flag in the same
+  buffer. No module is wrapped, so peft LoRA, text encoders and embeddings need no special case,
+  and the optimizer state is that of the plain modules (a backup resumes on any number of processes).
+- **Rank 0 writes**, everybody else computes; a failing process writes ``rank-K-error.json`` into
+  the run folder so rank 0 (or the launcher) can name it in the ``failed`` event.
+
+Only :func:`env_rank_world` and the launcher helpers run without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+Rows = Tuple[int, int, int]  # (first row, end row, global micro-batch size)
+
+
+def env_rank_world() -> Tuple[int, int]:
+    """(rank, world size) from the launcher's environment (torchrun / accelerate launch set them)."""
+    try:
+        return int(os.environ.get("RANK", "0")), max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 0, 1
+
+
+def launched() -> bool:
+    """True inside a process started by torchrun / accelerate launch (so never launch again)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+# ------------------------------------------------------------------------------------------------
+# process group
+# ------------------------------------------------------------------------------------------------
+
+def choose_backend(cpu: bool, warn) -> str:
+    """NCCL for GPUs when this torch has it, else gloo (CPU, Windows, torch without NCCL)."""
+    import torch.distributed as dist
+    if cpu:
+        return "gloo"
+    if dist.is_nccl_available():
+        return "nccl"
+    warn("NCCL is not available in this PyTorch (e.g. on Windows): the processes talk through gloo, "
+         "which works but is slower. Use Linux with a CUDA build of PyTorch for NCCL.")
+    return "gloo"
+
+
+def accelerator_kwargs(cfg, cpu: bool, world: int, warn) -> List[Any]:
+    """kwargs_handlers for ``Accelerator``: the backend and a bounded process-group timeout, so a
+    process that hangs or dies cannot keep the others waiting forever."""
+    if world <= 1:
+        return []
+    import datetime
+
+    from accelerate.utils import InitProcessGroupKwargs
+    timeout = int(getattr(cfg.general, "dist_timeout_s", 1800) or 1800)
+    return [InitProcessGroupKwargs(backend=choose_backend(cpu, warn), timeout=datetime.timedelta(seconds=timeout))]
+
+
+# ------------------------------------------------------------------------------------------------
+# data: each process takes its slice of the global batch
+# ------------------------------------------------------------------------------------------------
+
+def shard_plan(plan, rank: int, world: int):
+    """This process's part of a planned global micro-batch (same positions, so same data choices)."""
+    from trainer.data.buckets import PlannedBatch
+    n = len(plan.indices)
+    if n % world:
+        raise RuntimeError(f"a planned batch of {n} does not split over {world} processes")
+    per = n // world
+    lo, hi = rank * per, (rank + 1) * per
+    return PlannedBatch(tuple(plan.indices[lo:hi]), tuple(plan.positions[lo:hi]), plan.size), (lo, hi, n)
+
+
+def iter_shard(data, epoch: int, start: int, stop: int, rank: int, world: int) -> Iterator[Tuple[int, Dict]]:
+    """Like ``DataPipeline.iter_batches`` but yields this process's slice of each global batch,
+    marked with ``batch["global_rows"] = (lo, hi, global_size)`` for :meth:`Trainer._forward_loss`."""
+    from trainer.data.cache import _map_ahead
+    batches = data.epoch_batches(epoch)
+    selected = list(range(start, min(stop, len(batches))))
+    parts = {bi: shard_plan(batches[bi], rank, world) for bi in selected}
+    workers = int(getattr(data, "workers", 0) or 0)
+    if getattr(data, "_renders_pixels", lambda: True)():
+        workers = 0  # batch() VAE-encodes rendered pixels: keep that in this thread
+    ahead = _map_ahead(lambda bi: data.batch(parts[bi][0], epoch), selected, workers)
+    try:
+        for bi, batch in zip(selected, ahead):
+            batch["global_rows"] = parts[bi][1]
+            yield bi, batch
+    finally:
+        ahead.close()
+
+
+def expand_rows(x, rows: Optional[Rows]):
+    """A tensor (or dict of tensors) of this process's rows, placed in a zero tensor of the global
+    batch size: draws made from it have the global shape."""
+    if rows is None:
+        return x
+    if isinstance(x, dict):
+        return {k: expand_rows(v, rows) for k, v in x.items()}
+    import torch
+    lo, hi, n = rows
+    out = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out[lo:hi] = x
+    return out
+
+
+def take_rows(x, rows: Optional[Rows]):
+    """This process's rows of a global-batch tensor (None and non-tensors pass through)."""
+    if rows is None or x is None:
+        return x
+    return x[rows[0]:rows[1]]
+
+
+# ------------------------------------------------------------------------------------------------
+# gradients
+# ------------------------------------------------------------------------------------------------
+
+class GradientSync:
+    """Averages the gradients of ``params`` over all processes in one flat all-reduce, together with
+    a few scalars (the step's loss, the stop flag). A parameter without a gradient on every process
+    keeps ``grad = None`` (as on one process: optimizers skip it)."""
+
+    def __init__(self, params: Sequence[Any], world: int):
+        self.params = [p for p in params]
+        self.world = world
+
+    def broadcast_from_main(self) -> None:
+        """Start every process from rank 0's trainable weights (as DDP does at wrap time)."""
+        import torch
+        import torch.distributed as dist
+        with torch.no_grad():
+            for p in self.params:
+                dist.broadcast(p.data, src=0)
+
+    def step(self, loss: float, stop: bool) -> Tuple[float, bool]:
+        import torch
+        import torch.distributed as dist
+        ref = next((p.grad for p in self.params if p.grad is not None), None)
+        device = ref.device if ref is not None else self.params[0].device
+        dtype = torch.float32
+        pieces, has = [], []
+        for p in self.params:
+            if p.grad is None:
+                pieces.append(torch.zeros(p.numel(), device=device, dtype=dtype))
+                has.append(0.0)
+            else:
+                pieces.append(p.grad.detach().reshape(-1).to(device, dtype))
+                has.append(1.0)
+        extras = torch.tensor([*has, float(loss), 1.0 if stop else 0.0], device=device, dtype=dtype)
+        flat = torch.cat([*pieces, extras])
+        try:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        except Exception as exc:  # a peer died or hung past general.dist_timeout_s
+            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+        flat /= self.world
+        offset = 0
+        for i, p in enumerate(self.params):
+            n = p.numel()
+            if flat[-(len(self.params) + 2) + i] > 0:
+                g = flat[offset:offset + n].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+            offset += n
+        return float(flat[-2]), bool(flat[-1] > 0)
+
+
+class PeerLost(RuntimeError):
+    """A collective failed: another process died, hung or lost its connection."""
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception as exc:
+            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------------------------
+# failures: which rank, and why
+# ------------------------------------------------------------------------------------------------
+
+def rank_file(run_dir: Path, rank: int, what: str) -> Path:
+    return Path(run_dir) / f"rank-{rank}-{what}.json"
+
+
+def write_rank_info(run_dir: Path, rank: int) -> None:
+    """``rank-K-process.json``: pid and host, so rank 0 can tell a rank that died without a word."""
+    _write_json(rank_file(run_dir, rank, "process"), {"rank": rank, "pid": os.getpid(),
+                                                      "host": socket.gethostname(), "time": time.time()})
+
+
+def write_rank_error(run_dir: Path, rank: int, message: str, tb: str = "") -> None:
+    _write_json(rank_file(run_dir, rank, "error"), {"rank": rank, "message": message, "traceback": tb,
+                                                    "host": socket.gethostname(), "time": time.time()})
+
+
+def clear_rank_files(run_dir: Path) -> None:
+    for p in Path(run_dir).glob("rank-*-*.json"):
+        p.unlink(missing_ok=True)
+
+
+def rank_errors(run_dir: Path) -> List[dict]:
+    out = []
+    for p in sorted(Path(run_dir).glob("rank-*-error.json")):
+        try:
+            out.append(json.loads(p.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda e: e.get("time", 0))
+
+
+def dead_ranks(run_dir: Path, world: int) -> List[int]:
+    """Ranks on this host whose process is gone (died without writing an error, e.g. killed)."""
+    host = socket.gethostname()
+    dead = []
+    for k in range(world):
+        try:
+            info = json.loads(rank_file(run_dir, k, "process").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if info.get("host") != host:
+            continue
+        try:
+            os.kill(int(info["pid"]), 0)
+        except ProcessLookupError:
+            dead.append(k)
+        except (PermissionError, OSError, ValueError):
+            pass
+    return dead
+
+
+def explain_failure(run_dir: Path, own_rank: int, own_message: str, peer_lost: bool, world: int,
+                    wait_s: float = 3.0) -> Tuple[int, str]:
+    """(rank, message) that a ``failed`` event should name. When this process only lost its peers,
+    the cause is another rank's error file (waited for briefly) or a rank whose process is gone."""
+    if not peer_lost:
+        return own_rank, own_message
+    deadline = time.time() + wait_s
+    while True:
+        others = [e for e in rank_errors(run_dir) if e.get("rank") != own_rank]
+        if others:
+            e = others[0]
+            return int(e["rank"]), str(e.get("message", ""))
+        gone = [k for k in dead_ranks(run_dir, world) if k != own_rank]
+        if gone and time.time() > deadline - wait_s / 2:
+            return gone[0], (f"process rank {gone[0]} ended without a Python error (killed, out of memory, "
+                             f"or exited). Rank {own_rank} saw: {own_message}")
+        if time.time() > deadline:
+            return own_rank, (f"rank {own_rank} lost contact with the other processes (one died or hung "
+                              f"past general.dist_timeout_s): {own_message}")
+        time.sleep(0.2)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def fault_injection(rank: int, step: int) -> None:
+    """Test hook: ``ATELIER_TEST_FAULT=RANK:STEP:raise|exit`` makes that rank fail after that step."""
+    spec = os.environ.get("ATELIER_TEST_FAULT", "")
+    if not spec:
+        return
+    r, s, how = spec.split(":")
+    if int(r) == rank and int(s) == step:
+        if how == "exit":
+            os._exit(3)
+        raise RuntimeError(f"test fault on rank {rank} at step {step}")
+
+
+# ------------------------------------------------------------------------------------------------
+# launching (no torch)
+# ------------------------------------------------------------------------------------------------
+
+def launch_argv(cfg, trainer_args: Sequence[str], python: str) -> List[str]:
+    """``python -m accelerate.commands.launch --multi_gpu --num_processes N … -m trainer ARGS``.
+
+    ``--multi_gpu`` picks accelerate's torchrun-based launcher, which also starts N CPU processes
+    (gloo) on a machine without GPUs; ``--cpu`` would instead ask for mpirun."""
+    g = cfg.general
+    n = int(g.num_processes)
+    argv = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
+            "--num_machines", "1", "--mixed_precision", str(cfg.training.mixed_precision),
+            "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    ids = str(getattr(g, "gpu_ids", "") or "").strip()
+    if ids and g.device != "cpu":
+        argv += ["--gpu_ids", ids]
+    return argv + ["-m", "trainer", *trainer_args]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_devices(cfg) -> Optional[str]:
+    """An error message when ``general.num_processes`` cannot run here, else None."""
+    g = cfg.general
+    n = int(g.num_processes)
+    if n <= 1:
+        return None
+    ids = [s.strip() for s in str(getattr(g, "gpu_ids", "") or "").split(",") if s.strip()]
+    if ids and len(ids) != n:
+        return (f"general.gpu_ids lists {len(ids)} GPU(s) ({','.join(ids)}) but general.num_processes = {n}: "
+                "give one GPU per process, or empty gpu_ids to use the first N.")
+    if g.device == "cpu":
+        return None
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if g.device == "cuda" or (g.device == "auto" and count > 0):
+        if n > count:
+            return (f"general.num_processes = {n}, but only {count} CUDA GPU(s) are visible: use at most {count} "
+                    "processes (one per GPU), or general.device = cpu for CPU processes.")
+        bad = [i for i in ids if not i.isdigit() or int(i) >= count]
+        if bad:
+            return f"general.gpu_ids names GPU {bad[0]}, but the visible GPUs are 0..{count - 1}."
+    return None
