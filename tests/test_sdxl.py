@@ -146,17 +146,19 @@ def test_family_mismatch_messages_both_ways(ws, tmp_path):
     for sd15 in (models / "tiny-sd.safetensors", models / "tiny-sd"):
         with pytest.raises(ModelLoadError, match=r"looks like SD 1\.x \(sd15\).*set up for SDXL.*model\.family to sd15"):
             StableDiffusionXL(mcfg(path=str(sd15)), str(ws))
-    with pytest.raises(ModelLoadError, match="looks like a sdxl model"):
-        StableDiffusion(mcfg(path=str(models / "tiny-sdxl.safetensors")), str(ws))
+    for sdxl in (models / "tiny-sdxl.safetensors", models / "tiny-sdxl"):  # the reverse, file and folder
+        with pytest.raises(ModelLoadError, match=r"looks like SDXL \(sdxl\).*set up for SD 1\.x/2\.x.*model\.family to sdxl"):
+            StableDiffusion(mcfg(path=str(sdxl)), str(ws))
     with pytest.raises(ModelLoadError, match="model.family is sd15"):
         StableDiffusionXL(mcfg(path="builtin:tiny-sdxl", family="sd15"), str(ws))
 
-    # a 9-channel (inpainting) SDXL UNet: refused up front, before any weights load
+    # a 9-channel (inpainting) SDXL single file: trainable (tests/test_inpaint.py), but it has no built-in
+    # config, so it is refused up front, before any weights load, naming model.config_path
     state = load_file(str(models / "tiny-sdxl.safetensors"))
     conv_in = state["model.diffusion_model.input_blocks.0.0.weight"]
     state["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(conv_in.shape[0], 9, *conv_in.shape[2:])
     save_file(state, str(tmp_path / "inpaint.safetensors"))
-    with pytest.raises(ModelLoadError, match="SDXL inpainting model.*not supported yet"):
+    with pytest.raises(ModelLoadError, match="single-file SDXL inpainting checkpoint.*model.config_path"):
         StableDiffusionXL(mcfg(path=str(tmp_path / "inpaint.safetensors")), str(ws))
 
 
