@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="last|BACKUP_DIR",
                    help="Continue from the newest backup of --run-dir ('last') or from a backup folder.")
     t.add_argument("--no-progress", action="store_true", help="No progress bar on the terminal.")
+    t.add_argument("--num-processes", type=int, default=None, metavar="N",
+                   help="Train with N processes (one per GPU; sets general.num_processes). More than 1 "
+                        "launches through accelerate. Inside accelerate launch / torchrun this is not needed.")
 
     v = sub.add_parser("validate", help="Check a config: errors and warnings, without loading a model.")
     add_config_args(v)
@@ -68,7 +71,54 @@ def _run_dir(cfg, given: Optional[str]) -> Path:
     return Path(cfg.general.workspace) / "runs" / name
 
 
+def _effective_batch(cfg) -> str:
+    t = cfg.training
+    n = int(cfg.general.get("num_processes", 1) or 1)
+    return (f"effective batch: {t.batch_size} per process x {t.gradient_accumulation_steps} accumulation x "
+            f"{n} process(es) = {t.batch_size * t.gradient_accumulation_steps * n}")
+
+
+def _launch(cfg, argv: List[str], run_dir: Path) -> int:
+    """Run this same command under ``accelerate launch`` with general.num_processes processes, wait,
+    and make sure the run ends with a terminal event naming the failed rank (a rank can die too hard
+    to write one itself)."""
+    import signal
+    import subprocess
+
+    from trainer.distributed import dead_ranks, launch_argv, rank_errors
+    from trainer.events import EventWriter, read_events, run_state
+    rest = [a for a in argv]
+    if "--run-dir" not in rest:
+        rest += ["--run-dir", str(run_dir)]
+    cmd = launch_argv(cfg, rest, sys.executable)
+    print(f"launching {cfg.general.num_processes} processes: {' '.join(cmd)}", file=sys.stderr)
+    handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}  # ranks stop
+    try:
+        rc = subprocess.call(cmd, env=dict(os.environ, ATELIER_LAUNCHED="1"))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    events = read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    if rc != 0 and run_state(events) not in ("failed", "stopped", "finished"):
+        errs = rank_errors(run_dir)
+        dead = dead_ranks(run_dir, int(cfg.general.num_processes))
+        if errs:
+            rank, why = int(errs[0]["rank"]), str(errs[0].get("message", ""))
+        elif dead:
+            rank, why = dead[0], "the process ended without a Python error (killed, out of memory, or exited)"
+        else:
+            rank, why = -1, "the launcher failed before or while starting the processes"
+        step = max([e.get("step", 0) for e in events if e.get("type") == "step"] or [0])
+        EventWriter(run_dir / "events.jsonl").emit(
+            "failed", step=step, rank=rank, world_size=int(cfg.general.num_processes),
+            message=(f"rank {rank}: " if rank >= 0 else "") + f"{why} (launcher exit code {rc})")
+    if run_state(events) in ("stopped", "finished"):  # a stop: the launcher may exit non-zero after it
+        return 0
+    return 0 if rc == 0 else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     from trainer.config import ConfigError, cross_field_warnings
 
@@ -100,6 +150,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     try:
+        if getattr(args, "num_processes", None):
+            args.overrides.append(f"general.num_processes={args.num_processes}")
         cfg = _load(args)
     except ConfigError as exc:
         if args.command == "validate" and args.json:
@@ -119,6 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             for i in issues:
                 print(f"{i.level}: {i.key}: {i.message}")
+            print(_effective_batch(cfg))
             print("config is valid" if not errors else "config has errors")
         return 1 if errors else 0
 
@@ -132,8 +185,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)
     if errors:
         return 2
+    from trainer.distributed import check_devices, env_rank_world, launched
+    rank, world = env_rank_world()
+    if world > 1 and not args.run_dir and not cfg.general.run_name:
+        print("Config error: with several processes give --run-dir or general.run_name, so that every process "
+              "writes to the same run folder.", file=sys.stderr)
+        return 2
     run_dir = _run_dir(cfg, args.run_dir)
-    if not args.resume and (run_dir / "events.jsonl").exists():
+    if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched():
+        problem = check_devices(cfg)
+        if problem:
+            print(f"Config error: {problem}", file=sys.stderr)
+            return 2
+        print(_effective_batch(cfg), file=sys.stderr)
+    if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
         print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
               "or pick another general.run_name.", file=sys.stderr)
         return 2
@@ -143,6 +208,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
+        return _launch(cfg, argv, run_dir)
     from trainer.loop import run_training
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])

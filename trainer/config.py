@@ -70,6 +70,13 @@ class GeneralConfig:
     tensorboard: bool = f(True, "Write TensorBoard logs to <run>/tensorboard.")
     dataloader_workers: int = f(2, "Batches loaded ahead in background threads (0 = load in the main thread).",
                                 min=0, max=64)
+    num_processes: int = f(1, "Training processes, one per GPU (DDP through accelerate); more than 1 launches "
+                              "through accelerate. Effective batch = batch_size x accumulation x processes.",
+                           min=1, max=64)
+    gpu_ids: str = f("", "GPUs to train on with several processes, e.g. 0,1 (one per process); empty = the first "
+                         "num_processes GPUs.")
+    dist_timeout_s: int = f(1800, "Seconds a process waits for the others (a dead or stuck process, or rank 0 "
+                                  "caching or sampling) before the job fails.", min=30, max=86400)
 
 
 @dataclass
@@ -94,6 +101,11 @@ class ModelConfig:
                           "beyond its default penultimate one).", min=0, max=12)
     attention: str = f("sdpa", "Attention backend: PyTorch SDPA, or xformers when installed.",
                        choices=["sdpa", "xformers"])
+    inpainting_mask: str = f("random", "Inpainting models (9-channel UNet): where the repaint masks come from — "
+                                       "random rectangles/brush strokes, each image's own mask (data.masks), or "
+                                       "both (a coin per image).", choices=["random", "data", "both"])
+    inpainting_full_mask: float = f(0.25, "Inpainting models, random masks: fraction of images masked whole "
+                                          "(keeps text-only generation working).", min=0.0, max=1.0)
 
 
 @dataclass
@@ -254,6 +266,29 @@ class TrainingConfig:
     train_unet: bool = f(True, "Train the UNet.")
     train_text_encoder: bool = f(False, "Train the (first) text encoder.")
     train_text_encoder_2: bool = f(False, "Train SDXL's second text encoder (OpenCLIP-G).")
+    unet_stop_after_steps: int = f(0, "Stop training the UNet after this many optimizer steps; 0 = never.",
+                                   min=0, max=10**8)
+    unet_stop_after_epochs: int = f(0, "Stop training the UNet after this many epochs; 0 = never.",
+                                    min=0, max=100000)
+    text_encoder_stop_after_steps: int = f(0, "Train the text encoder only for the first N optimizer steps "
+                                              "(then it is frozen); 0 = the whole run.", min=0, max=10**8)
+    text_encoder_stop_after_epochs: int = f(0, "Train the text encoder only for the first N epochs; 0 = the "
+                                               "whole run.", min=0, max=100000)
+    text_encoder_2_stop_after_steps: int = f(0, "Train the second text encoder (SDXL) only for the first N "
+                                                "optimizer steps; 0 = the whole run.", min=0, max=10**8)
+    text_encoder_2_stop_after_epochs: int = f(0, "Train the second text encoder (SDXL) only for the first N "
+                                                 "epochs; 0 = the whole run.", min=0, max=100000)
+    embedding_stop_after_steps: int = f(0, "Train the embeddings only for the first N optimizer steps; 0 = the "
+                                           "whole run.", min=0, max=10**8)
+    embedding_stop_after_epochs: int = f(0, "Train the embeddings only for the first N epochs; 0 = the whole "
+                                            "run.", min=0, max=100000)
+    scale_lr: str = f("none", "Scale every learning rate by the effective batch (batch_size x "
+                              "gradient_accumulation_steps x processes): linear (x batch) or sqrt (x sqrt(batch)).",
+                      choices=["none", "linear", "sqrt"])
+    fused_backward: bool = f(False, "Fused backward pass: step each weight as soon as its gradient is ready and "
+                                    "free the gradient (less memory). Needs gradient_accumulation_steps = 1, "
+                                    "max_grad_norm = 0 and an optimizer that steps per weight (adamw, adam, sgd, "
+                                    "adafactor, ...).")
     validation_every_n_steps: int = f(0, "Measure the loss of validation concepts every N steps; 0 = at the end "
                                          "of each epoch (only when a concept is marked validation).",
                                       min=0, max=10**7)
@@ -277,6 +312,12 @@ class TrainingConfig:
                                                "when it takes them.", factory=dict)
     noise_offset: float = f(0.0, "Noise offset (brighter darks / darker lights); 0.05–0.1 is typical.",
                             min=0.0, max=1.0)
+    caption_dropout_te1: float = f(0.0, "Per-encoder caption dropout: probability that an image's first text "
+                                        "encoder (CLIP-L) output is dropped (SDXL: zeroed, its unconditional "
+                                        "input; SD 1.x/2.x: the empty caption).", min=0.0, max=1.0)
+    caption_dropout_te2: float = f(0.0, "Per-encoder caption dropout for SDXL's second text encoder "
+                                        "(OpenCLIP-G): its output and the pooled embedding are zeroed.",
+                                   min=0.0, max=1.0)
     optimizer: OptimizerConfig = f(help="Optimizer and its settings.", factory=OptimizerConfig)
 
 
@@ -399,6 +440,9 @@ class SamplePromptConfig:
     cfg_scale: float = f(7.0, "Classifier-free guidance scale.", min=0.0, max=50.0)
     width: int = f(512, "Width in pixels (multiple of 8).", min=64, max=4096)
     height: int = f(512, "Height in pixels (multiple of 8).", min=64, max=4096)
+    image: str = f("", "Inpainting models: the image to repaint (resized to width × height); empty = a "
+                       "blank image.", ui="path")
+    mask: str = f("", "Inpainting models: the mask (white = repaint); empty = repaint everything.", ui="path")
 
 
 @dataclass

@@ -941,9 +941,15 @@ def load_embedding_a1111(path: str | os.PathLike) -> "torch.Tensor":
     return tensor.detach().reshape(-1, tensor.shape[-1]).float()
 
 
-def bundle_embedding_state_dict(name: str, vectors: "torch.Tensor") -> dict[str, "torch.Tensor"]:
+def bundle_embedding_state_dict(name: str, vectors: "torch.Tensor | Mapping[str, torch.Tensor]"
+                                ) -> dict[str, "torch.Tensor"]:
     """Keys that bundle an embedding into a LoRA file: ``bundle_emb.<name>.string_to_param.*``
-    (A1111's Lora extension reads them; the embedding's prompt word is ``name``)."""
+    (A1111's Lora extension reads them; the embedding's prompt word is ``name``). An SDXL embedding
+    (a mapping ``{"clip_l", "clip_g"}``) gives ``bundle_emb.<name>.clip_l`` / ``.clip_g``, which A1111
+    collects into the same dict its SDXL embedding files hold."""
     if not name or "." in name or any(c.isspace() for c in name):
         raise ValueError(f"bundled embedding name {name!r} must be non-empty without dots or spaces")
+    if isinstance(vectors, Mapping):
+        return {f"bundle_emb.{name}.{k}": v.detach().cpu().reshape(-1, v.shape[-1]).clone()
+                for k, v in vectors.items()}
     return {f"bundle_emb.{name}.string_to_param.*": vectors.detach().cpu().reshape(-1, vectors.shape[-1]).clone()}

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.config import ConfigError, save_config, to_container
+from trainer.distributed import (PeerLost, env_rank_world, expand_rows, explain_failure,
+                                 fault_injection, iter_shard, rank_file, take_rows, write_rank_error,
+                                 write_rank_info)
 from trainer.events import EventWriter
 from trainer.optim import on_eval, on_train
 
@@ -46,11 +49,12 @@ class Position:
 # ----------------------------------------------------------------------------------------------
 
 class RunFolder:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, main: bool = True):
         self.path = Path(path)
+        self.main = main  # several processes: only rank 0 writes events and answers control requests
         for sub in ("samples", "backups", "control"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(self.path / "events.jsonl")
+        self.events = EventWriter(self.path / "events.jsonl", enabled=main)
 
     @property
     def backups(self) -> Path:
@@ -59,7 +63,7 @@ class RunFolder:
     def control_requested(self, what: str) -> bool:
         """The UI asks for 'sample' or 'backup' now by creating control/<what>."""
         f = self.path / "control" / what
-        if f.exists():
+        if self.main and f.exists():
             try:
                 f.unlink()
             except OSError:
@@ -76,16 +80,19 @@ def list_backups(run_dir: Path) -> List[Path]:
                    and not p.name.startswith(".")), key=lambda p: p.name)
 
 
-def setup_logging(run_dir: Path) -> None:
+def setup_logging(run_dir: Path, rank: int = 0) -> None:
     logger = logging.getLogger("atelier")
     logger.setLevel(logging.INFO)
     for h in list(logger.handlers):
         logger.removeHandler(h)
-    fh = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
-    fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    logger.addHandler(fh)
+    if rank == 0:  # several processes: rank 0 writes train.log, the others log warnings to stderr
+        fh = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        logger.addHandler(fh)
     sh = logging.StreamHandler(sys.stderr)
-    sh.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    if rank:
+        sh.setLevel(logging.WARNING)
+    sh.setFormatter(logging.Formatter(f"%(levelname)s {f'[rank {rank}] ' if rank else ''}%(message)s"))
     logger.addHandler(sh)
     logger.propagate = False
 
@@ -97,7 +104,11 @@ def setup_logging(run_dir: Path) -> None:
 class Trainer:
     def __init__(self, cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True):
         self.cfg = cfg
-        self.run = RunFolder(run_dir)
+        self.rank, self.world = env_rank_world()  # from torchrun / accelerate launch; (0, 1) otherwise
+        self.is_main = self.rank == 0
+        self.run = RunFolder(run_dir, main=self.is_main)
+        self._stop_signal_at = 0.0
+        self._weights_touched = False  # rank 0 sampled/saved (schedule-free swaps): re-broadcast weights
         self.resume = resume
         self.show_progress = progress
         self.stop_requested = False
@@ -106,6 +117,14 @@ class Trainer:
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame):  # noqa: ARG002
+        if self.world > 1:  # the stop rides the next gradient sync, so every process stops at the same step
+            if self._stop_signal_at and time.time() - self._stop_signal_at > 10:
+                log.warning("second stop request: stopping now without a backup")
+                raise KeyboardInterrupt
+            if not self._stop_signal_at:  # the launcher forwards the group's signal again: one request
+                self._stop_signal_at = time.time()
+                log.info("stop requested (signal %s): finishing the current step, then a backup", signum)
+            return
         if self.stop_requested:
             log.warning("second stop request: stopping now without a backup")
             raise KeyboardInterrupt
@@ -131,17 +150,22 @@ class Trainer:
                               key="general.device")
         from accelerate.state import AcceleratorState
         AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
-        self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu)
+        from trainer.distributed import accelerator_kwargs
+        self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu,
+                                       kwargs_handlers=accelerator_kwargs(cfg, cpu, self.world, self.warn))
         self.device = self.accelerator.device
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         set_seed(g.seed)
+        self.global_micro_batch = self._plan_global_batch()
 
         from trainer.data.pipeline import DataPipeline
-        self.data = DataPipeline(cfg, warn=self.warn)
+        self.data = DataPipeline(self._global_batch_cfg(), warn=self.warn)  # one plan of global batches
         self.report = self.data.report
 
         from trainer.models.base import load_model
         log.info("loading model %s", cfg.model.path)
-        self.model = load_model(cfg.model, g.workspace, self.device)
+        with self.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
+            self.model = load_model(cfg.model, g.workspace, self.device)
         from trainer.methods.finetune import make_method
         self.method = make_method(self.model, cfg)
         self.method.prepare_data(self.data, self.warn)  # embedding placeholder: captions, tag dropout, warnings
@@ -155,6 +179,11 @@ class Trainer:
         from trainer.optim import build_optimizer, build_scheduler, param_groups
         self.groups = param_groups(self.method, cfg)
         self.optimizer = build_optimizer(self.groups, cfg)
+        self.grad_sync = None
+        if self.world > 1:
+            from trainer.distributed import GradientSync
+            self.grad_sync = GradientSync([p for grp in self.groups for p in grp["params"]], self.world)
+            self.grad_sync.broadcast_from_main()
         self.micro_batches_per_epoch = len(self.data.epoch_batches(0))
         self.steps_per_epoch = max(1, self.micro_batches_per_epoch // t.gradient_accumulation_steps)
         if self.micro_batches_per_epoch < t.gradient_accumulation_steps:
@@ -169,12 +198,13 @@ class Trainer:
 
         # cached text outputs stay valid only while no text-side module trains
         frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
-        self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
-                          encode_text_fn=(lambda captions: self.model.encode_captions(
-                              self.method.expand_text(captions))) if frozen_text else None,
-                          text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
+        with self.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
+            self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
+                              encode_text_fn=(lambda captions: self.model.encode_captions(
+                                  self.method.expand_text(captions))) if frozen_text else None,
+                              text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
         self.tb = None
-        if g.tensorboard:
+        if g.tensorboard and self.is_main:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(str(self.run.path / "tensorboard"))
@@ -184,6 +214,52 @@ class Trainer:
     def warn(self, message: str) -> None:
         log.warning(message)
         self.run.events.emit("warning", message=message)
+
+    # --- several processes -----------------------------------------------------------------
+    def _plan_global_batch(self) -> int:
+        """The global micro-batch: training.batch_size per process x processes. A backup fixes it (and
+        the accumulation), so resuming on another number of processes adjusts the per-process batch."""
+        from omegaconf import OmegaConf
+        t, g = self.cfg.training, self.cfg.general
+        if self.world > 1:
+            if t.get("fused_backward"):
+                raise ConfigError("training.fused_backward steps each weight inside backward, before the processes "
+                                  "can average their gradients: turn it off to train with several processes.",
+                                  key="training.fused_backward")
+            if int(g.get("num_processes", 1) or 1) != self.world:  # launched by hand: the launcher's count wins
+                OmegaConf.update(self.cfg, "general.num_processes", self.world)
+        if self.resume:
+            path = self._resolve_resume(self.resume)
+            state = json.loads((path / "state.json").read_text())
+            saved, acc = state.get("global_micro_batch"), state.get("gradient_accumulation_steps")
+            if acc and int(acc) != int(t.gradient_accumulation_steps):
+                raise ConfigError(f"Backup {path.name} was made with training.gradient_accumulation_steps = {acc}; this "
+                                  f"config has {t.gradient_accumulation_steps}. Resume with the same accumulation.",
+                                  key="training.gradient_accumulation_steps")
+            if saved and int(saved) != int(t.batch_size) * self.world:
+                if int(saved) % self.world:
+                    raise ConfigError(
+                        f"Backup {path.name} trained with a global batch of {saved} per micro-batch "
+                        f"({state.get('world_size', 1)} process(es) x batch {int(saved) // state.get('world_size', 1)}); "
+                        f"{self.world} processes cannot split it. Resume with a general.num_processes that divides "
+                        f"{saved} (training.batch_size is adjusted).", key="general.num_processes")
+                per = int(saved) // self.world
+                self.warn(f"Resuming a backup of {state.get('world_size', 1)} process(es) on {self.world}: "
+                          f"training.batch_size is {per} per process (was {t.batch_size}) so the global batch "
+                          f"stays {saved} and the run continues exactly.")
+                OmegaConf.update(self.cfg, "training.batch_size", per)
+        return int(t.batch_size) * self.world
+
+    def _global_batch_cfg(self):
+        """The config the data pipeline plans with: every process plans the same global batches."""
+        if self.world == 1:
+            return self.cfg
+        import copy
+
+        from omegaconf import OmegaConf
+        data_cfg = copy.deepcopy(self.cfg)
+        OmegaConf.update(data_cfg, "training.batch_size", self.global_micro_batch)
+        return data_cfg
 
     # --- loss options, EMA, precision ------------------------------------------------------
     def _setup_loss_ema_precision(self) -> None:
@@ -205,16 +281,29 @@ class Trainer:
         model = self.model
         lc = self.cfg.loss
         gen = self.generator if gen is None else gen  # all randomness of a step comes from here: exact resume
-        latents = model.sample_latents(batch["latent_dist"], gen)
+        # several processes: every draw is made for the whole global micro-batch (the same on every
+        # process), each keeps its rows; so N processes equal one process with N x the batch
+        rows = batch.get("global_rows")
+        latents = model.sample_latents(expand_rows(batch["latent_dist"], rows), gen)
         noise = make_noise(latents.shape, gen, self.cfg.training.noise_offset).to(latents.device)
         timesteps = sample_timesteps(latents.shape[0], model.num_train_timesteps, lc, gen).to(latents.device)
         noisy, target = model.noisy_and_target(latents, noise, timesteps)
         if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
             noisy, _ = model.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
         mask = choose_mask(batch.get("mask"), lc, gen)
+        if getattr(model, "inpainting", False):  # 9-channel UNet: noisy ‖ mask ‖ masked-image latents
+            noisy = model.inpaint_input(noisy, batch, gen, self.warn)
         train_text = {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
+        drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
+        for key, p in (("drop_te1", self.cfg.training.caption_dropout_te1),
+                       ("drop_te2", self.cfg.training.caption_dropout_te2)):
+            if p > 0:
+                drops[key] = (torch.rand(latents.shape[0], generator=gen) < p).tolist()
+        if rows is not None:
+            noisy, target, timesteps = (take_rows(x, rows) for x in (noisy, target, timesteps))
+            drops = {k: v[rows[0]:rows[1]] for k, v in drops.items()}
         with self.accelerator.autocast():
-            cond = model.batch_condition(batch, self.method.expand_text, train_text)
+            cond = model.batch_condition(batch, self.method.expand_text, train_text, **drops)
             model_pred = model.predict(noisy.to(model.unet.dtype), timesteps, cond)
         losses = per_sample_loss(model_pred, target, lc, timesteps, model.noise_scheduler,
                                  mask=None if mask is None else mask.to(latents.device))
@@ -224,7 +313,7 @@ class Trainer:
         """Mean loss over the validation concepts, with a fixed generator (same noise and timesteps every
         time, so the numbers are comparable) and the trained modules in eval mode; not trained on."""
         import torch
-        if not self.data.validation_batches():
+        if not self.is_main or not self.data.validation_batches():  # no collectives: the others go on
             return None
         modes = {n: m.training for n, m in self.method.modules.items()}
         for m in self.method.modules.values():
@@ -259,7 +348,8 @@ class Trainer:
                 math.ceil(self.total_steps / self.steps_per_epoch), steps_per_epoch=self.steps_per_epoch,
                 batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
                 resumed_from_step=self.pos.step, dataset=self.report.to_dict(),
-                device=str(self.device))
+                device=str(self.device), world_size=self.world, global_micro_batch=self.global_micro_batch,
+                global_batch=self.global_micro_batch * t.gradient_accumulation_steps)
         log.info("training %d steps (%d per epoch) on %s", self.total_steps, self.steps_per_epoch, self.device)
         if cfg.sampling.at_start and self.pos.step == 0:
             self.sample()
@@ -270,11 +360,15 @@ class Trainer:
         loss_acc = 0.0
         while self.pos.step < self.total_steps:
             usable = (len(self.data.epoch_batches(self.pos.epoch)) // accum) * accum
-            for bi, batch in self.data.iter_batches(self.pos.epoch, self.pos.batch_in_epoch, usable):
+            if self.world == 1:
+                batches = self.data.iter_batches(self.pos.epoch, self.pos.batch_in_epoch, usable)
+            else:  # this process's slice of each global batch
+                batches = iter_shard(self.data, self.pos.epoch, self.pos.batch_in_epoch, usable, self.rank, self.world)
+            for bi, batch in batches:
                 if self.pos.step >= self.total_steps:
                     break
                 loss = self._forward_loss(batch)
-                if not torch.isfinite(loss):
+                if self.world == 1 and not torch.isfinite(loss):
                     raise TrainingError(
                         f"The loss became {loss.item()} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
                         "Training stopped; the last backup is intact. Try a lower learning rate, "
@@ -284,6 +378,8 @@ class Trainer:
                 self.pos.batch_in_epoch += 1
                 if self.pos.batch_in_epoch % accum:
                     continue
+                if self.grad_sync is not None:  # average gradients (+ loss, stop flag) over the processes
+                    loss_acc = self._sync_step(loss_acc)
                 if t.max_grad_norm > 0:
                     self.accelerator.clip_grad_norm_([p for g in self.groups for p in g["params"]],
                                                      t.max_grad_norm)
@@ -294,6 +390,7 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.after_optimizer_step(self.pos.step)
                 self._after_step(loss_acc, t_start, steps_at_start, bar)
+                fault_injection(self.rank, self.pos.step)
                 loss_acc = 0.0
                 if self.stop_requested:
                     return self._stop(bar)
@@ -314,6 +411,19 @@ class Trainer:
         log.info("finished: %s", path)
         return "finished"
 
+    def _sync_step(self, loss_acc: float) -> float:
+        if self._weights_touched:  # rank 0 swapped weights to sample/save: start again from identical ones
+            self.grad_sync.broadcast_from_main()
+            self._weights_touched = False
+        loss_acc, stop = self.grad_sync.step(loss_acc, bool(self._stop_signal_at) or self.stop_requested)
+        self.stop_requested = self.stop_requested or stop
+        if not math.isfinite(loss_acc):
+            raise TrainingError(
+                f"The loss became {loss_acc} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
+                "Training stopped; the last backup is intact. Try a lower learning rate, "
+                "model.vae_dtype = fp32, or bf16 instead of fp16.")
+        return loss_acc
+
     def _progress_bar(self):
         if not self.show_progress:
             return None
@@ -324,7 +434,24 @@ class Trainer:
         return tqdm(total=self.total_steps, initial=self.pos.step, unit="step", dynamic_ncols=True,
                     file=sys.stderr, disable=not sys.stderr.isatty())
 
+    def _apply_component_schedule(self) -> None:
+        """training.<component>_stop_after_steps/_epochs: freeze components whose window has ended (after
+        every scheduler step, which writes their LR again, and after loading a backup)."""
+        sched = getattr(self, "component_schedule", None)
+        if sched is None:
+            from trainer.optim import ComponentSchedule
+            sched = self.component_schedule = ComponentSchedule(self.optimizer, self.cfg, self.steps_per_epoch)
+        if sched:
+            for name in sched.apply(self.pos.step):
+                log.info("%s: training window over at step %d; its weights are frozen from now on", name,
+                         self.pos.step)
+
+    def _trained_params(self) -> set:
+        """ids of the weights the optimizer trains (frozen components included: they stay in backups)."""
+        return {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+
     def _after_step(self, loss: float, t_start: float, steps_at_start: int, bar) -> None:
+        self._apply_component_schedule()
         step = self.pos.step
         elapsed = time.time() - t_start
         done = step - steps_at_start
@@ -371,7 +498,8 @@ class Trainer:
             bar.close()
         path = None
         if self.cfg.backup.on_stop and self.pos.step > 0:
-            path = self.backup() if self._last_backup_step != self.pos.step else list_backups(self.run.path)[-1]
+            path = self.backup() if self._last_backup_step != self.pos.step else \
+                (list_backups(self.run.path) or [None])[-1]
         self.run.events.emit("stopped", step=self.pos.step, backup=str(path) if path else None,
                              message="stopped by request")
         log.info("stopped at step %d", self.pos.step)
@@ -381,8 +509,9 @@ class Trainer:
     def sample(self) -> List[str]:
         import torch
         prompts = list(self.cfg.sampling.prompts)
-        if not prompts:
+        if not prompts or not self.is_main:
             return []
+        self._weights_touched = self.world > 1
         rng_state = torch.get_rng_state()
         modes = {n: m.training for n, m in self.method.modules.items()}
         for m in self.method.modules.values():
@@ -401,7 +530,8 @@ class Trainer:
                                          negative_prompt=self.method.expand_text(sp.negative_prompt) or None,
                                          num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
                                          width=sp.width, height=sp.height, generator=gen,
-                                         **self.model.sampling_kwargs()).images[0]
+                                         **self.model.sampling_kwargs(),
+                                         **self.model.prompt_kwargs(sp)).images[0]  # inpainting: image, mask
                         path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}{suffix}.png"
                         tmp = path.with_name(path.stem + ".tmp.png")
                         image.save(tmp)
@@ -424,15 +554,19 @@ class Trainer:
 
     # --- backups ---------------------------------------------------------------------------
     def _trainable_state(self) -> Dict[str, Any]:
+        trained = self._trained_params()  # not requires_grad: components past their window stay in backups
         return {f"{name}.{pn}": p.detach().cpu().contiguous()
                 for name, m in self.method.modules.items()
-                for pn, p in m.named_parameters() if p.requires_grad}
+                for pn, p in m.named_parameters() if id(p) in trained}
 
     def backup(self) -> Path:
         import torch
         from safetensors.torch import save_file
         from trainer.io import atomic_dir
         target = self.run.backups / f"backup-step{self.pos.step:06d}"
+        if not self.is_main:  # every process holds the same weights and optimizer state: rank 0 writes
+            self._last_backup_step = self.pos.step
+            return None
         with atomic_dir(target) as tmp:
             tmp = Path(tmp)
             save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
@@ -444,6 +578,10 @@ class Trainer:
                         "python_rng": random.getstate()}, tmp / "training_state.pt")
             (tmp / "state.json").write_text(json.dumps({**asdict(self.pos), "time": time.time(),
                                                         "method": self.cfg.training.method,
+                                                        "world_size": self.world,
+                                                        "global_micro_batch": self.global_micro_batch,
+                                                        "gradient_accumulation_steps":
+                                                            self.cfg.training.gradient_accumulation_steps,
                                                         "model": self.cfg.model.path}))
         self._last_backup_step = self.pos.step
         for old in list_backups(self.run.path)[:-self.cfg.backup.keep_last]:
@@ -472,8 +610,9 @@ class Trainer:
             raise ConfigError(f"Backup {path} is from a {state.get('method')} run; this config trains "
                               f"{self.cfg.training.method}.", key="training.method")
         weights = load_file(str(path / "trainable.safetensors"))
+        trained = self._trained_params()
         params = {f"{name}.{pn}": p for name, m in self.method.modules.items()
-                  for pn, p in m.named_parameters() if p.requires_grad}
+                  for pn, p in m.named_parameters() if id(p) in trained}
         missing = sorted(set(params) - set(weights))
         if missing:
             raise ConfigError(f"Backup {path} does not match this config's trainable weights "
@@ -483,7 +622,12 @@ class Trainer:
             for k, p in params.items():
                 p.copy_(weights[k].to(p.device, p.dtype))
         ts = torch.load(path / "training_state.pt", weights_only=False)
-        self.optimizer.load_state_dict(ts["optimizer"])
+        try:
+            self.optimizer.load_state_dict(ts["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"Backup {path}: its optimizer state does not fit this config's optimizer ({exc}). "
+                              "Resume with the same training.optimizer and training.fused_backward settings.",
+                              key="training.optimizer.name") from None
         self.scheduler.load_state_dict(ts["scheduler"])
         self.generator.set_state(ts["generator"])
         torch.set_rng_state(ts["torch_rng"])
@@ -491,6 +635,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(ts["cuda_rng"])
         random.setstate(ts["python_rng"])
         self.pos = Position(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
+        self._apply_component_schedule()  # freeze what the uninterrupted run had frozen by this step
         if self.ema is not None and not self.ema.load(path):
             self.warn(f"Backup {path.name} has no EMA weights (EMA was off): the EMA starts from the resumed "
                       "weights.")
@@ -506,6 +651,9 @@ class Trainer:
 
     def save_result(self, suffix: str = "") -> Path:
         path = self.result_path(suffix)
+        if not self.is_main:
+            return path
+        self._weights_touched = self.world > 1
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"atelier_config": json.dumps(to_container(self.cfg)), "atelier_step": str(self.pos.step),
                 "atelier_epoch": str(self.pos.epoch)}
@@ -528,10 +676,15 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     """Run a whole training; returns the process exit code (0 finished/stopped, 1 failed)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0),
-                                                     "started": time.time()}))
+    rank, world = env_rank_world()
+    setup_logging(run_dir, rank)
+    if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+        (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0),
+                                                         "started": time.time()}))
+    if world > 1:
+        rank_file(run_dir, rank, "error").unlink(missing_ok=True)  # a failure of an earlier attempt
+        write_rank_info(run_dir, rank)
     trainer = Trainer(cfg, run_dir, resume=resume, progress=progress)
     previous_handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
     trainer.install_signal_handlers()
@@ -555,7 +708,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     except (ConfigError, TrainingError) as exc:
         log.error("%s", exc)
         ev.emit("error", message=str(exc), key=getattr(exc, "key", ""), traceback="")
-        ev.emit("failed", step=trainer.pos.step, message=str(exc))
+        _failed(trainer, str(exc), "", peer_lost=False)
         return 1
     except Exception as exc:  # unexpected: keep the traceback for the UI and the log
         tb = traceback.format_exc()
@@ -565,13 +718,37 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
                    "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
         log.error("%s\n%s", msg, tb)
         ev.emit("error", message=msg, traceback=tb)
-        ev.emit("failed", step=trainer.pos.step, message=msg)
+        _failed(trainer, msg, tb, peer_lost=isinstance(exc, PeerLost))
         return 1
     finally:
         signal.signal(signal.SIGINT, previous_handlers[0])
         signal.signal(signal.SIGTERM, previous_handlers[1])
         if getattr(trainer, "tb", None) is not None:
             trainer.tb.close()
+        _end_process_group()
         for h in list(log.handlers):
             h.close()
             log.removeHandler(h)
+
+
+def _failed(trainer: Trainer, message: str, tb: str, peer_lost: bool) -> None:
+    """The ``failed`` event. Several processes: every failing rank writes rank-K-error.json; rank 0 names
+    the rank that caused it (its own error, another rank's file, or a rank whose process is gone)."""
+    if trainer.world == 1:
+        trainer.run.events.emit("failed", step=trainer.pos.step, message=message)
+        return
+    write_rank_error(trainer.run.path, trainer.rank, message, tb)
+    if not trainer.is_main:
+        return
+    rank, why = explain_failure(trainer.run.path, trainer.rank, message, peer_lost, trainer.world)
+    trainer.run.events.emit("failed", step=trainer.pos.step, rank=rank, world_size=trainer.world,
+                            message=f"rank {rank} of {trainer.world}: {why}")
+
+
+def _end_process_group() -> None:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a peer already gone: nothing to tidy
+        pass

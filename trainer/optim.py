@@ -17,8 +17,9 @@ import importlib
 import importlib.util
 import inspect
 import logging
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 log = logging.getLogger("atelier")
@@ -44,6 +45,7 @@ class OptimizerSpec:
     needs_momentum: bool = False   # bitsandbytes SGD8bit/LARS8bit fail with momentum 0
     schedule_free: bool = False    # needs optimizer.train()/eval() around sampling and saving
     adaptive_lr: bool = False      # Prodigy / D-Adaptation: the LR multiplies an estimated step size
+    fused_ok: bool = False         # each weight's update depends on that weight only: fused backward works
 
     @property
     def library(self) -> str:
@@ -177,6 +179,14 @@ for _name, _cls, _fam, _args, _fallback, _extra in [
                                       f"{_cls} (bitsandbytes): 8-bit optimizer state, about a quarter of the "
                                       f"memory of {_fallback}.{paged}", eight_bit=True, fallback=_fallback, **_extra)
 
+#: Optimizers whose update of one tensor needs only that tensor's gradient and state, so one optimizer per
+#: tensor stepped from its gradient hook (training.fused_backward) is the same optimizer. Prodigy and
+#: D-Adaptation share one step-size estimate over all tensors; schedule-free ones swap weights in
+#: train()/eval(); bitsandbytes' 8-bit ones manage paged/quantised state per optimizer: not fused.
+FUSED_OPTIMIZERS = ("adamw", "adam", "nadam", "radam", "sgd", "adagrad", "rmsprop", "lion", "came", "adafactor")
+for _name in FUSED_OPTIMIZERS:
+    OPTIMIZERS[_name] = replace(OPTIMIZERS[_name], fused_ok=True)
+
 OPTIMIZER_NAMES: List[str] = list(OPTIMIZERS)
 
 #: Optimizer settings that are not constructor arguments of one optimizer but apply to all.
@@ -304,10 +314,127 @@ def validate_optim(cfg) -> None:
         raise ConfigError(f"training.lr_step_rules = {t.lr_step_rules!r} must look like "
                           "'1:100,0.5:200,0.1' (multiplier until step, ..., final multiplier).",
                           key="training.lr_step_rules", value=t.lr_step_rules)
+    if t.get("fused_backward"):
+        _check_fused(cfg, spec)
     if t.lr_scheduler == "adafactor" and not (o.name == "adafactor" and o.relative_step):
         raise ConfigError("training.lr_scheduler = adafactor reports Adafactor's own relative-step LR: it needs "
                           "training.optimizer.name = adafactor with relative_step = true. Pick another "
                           "schedule for this optimizer.", key="training.lr_scheduler", value="adafactor")
+
+
+def _check_fused(cfg, spec: OptimizerSpec) -> None:
+    """training.fused_backward steps each weight inside backward(): refuse what that cannot do."""
+    from trainer.config import ConfigError
+    t = cfg.training
+    key = "training.fused_backward"
+    if not spec.fused_ok:
+        raise ConfigError(f"training.fused_backward does not work with training.optimizer.name = "
+                          f"{t.optimizer.name}: it needs an optimizer that updates each weight on its own "
+                          f"({', '.join(FUSED_OPTIMIZERS)}). Pick one of those or turn fused_backward off.",
+                          key=key, value=True)
+    if t.gradient_accumulation_steps > 1:
+        raise ConfigError(f"training.fused_backward steps each weight as soon as its gradient exists, so it cannot "
+                          f"sum gradients over training.gradient_accumulation_steps = "
+                          f"{t.gradient_accumulation_steps}. Set accumulation to 1 (raise batch_size instead) or "
+                          "turn fused_backward off.", key=key, value=True)
+    if t.max_grad_norm > 0:
+        raise ConfigError(f"training.fused_backward cannot clip gradients (training.max_grad_norm = "
+                          f"{t.max_grad_norm:g}): clipping needs all gradients at once, and fused backward frees "
+                          "each one right after its update. Set max_grad_norm = 0 or turn fused_backward off.",
+                          key="training.max_grad_norm", value=t.max_grad_norm)
+    if t.mixed_precision == "fp16":
+        raise ConfigError("training.fused_backward does not work with training.mixed_precision = fp16: the "
+                          "loss scaler would have to unscale each gradient before its update. Use bf16 or no "
+                          "mixed precision, or turn fused_backward off.", key=key, value=True)
+    precision = cfg.get("precision")
+    if precision is not None and precision.get("stochastic_rounding"):
+        raise ConfigError("training.fused_backward cannot be combined with precision.stochastic_rounding (its "
+                          "hooks wrap one optimizer step). Turn one of them off.", key=key, value=True)
+    if t.lr_scheduler == "adafactor":
+        raise ConfigError("training.fused_backward cannot report Adafactor's own LR (lr_scheduler = adafactor "
+                          "reads one optimizer's state). Use lr_scheduler = constant: Adafactor with "
+                          "relative_step still computes its own step size.", key="training.lr_scheduler",
+                          value="adafactor")
+    if _num_processes(cfg) > 1:
+        raise ConfigError("training.fused_backward works in a single process only: with several processes "
+                          "gradients are averaged after backward, after fused backward already used them. "
+                          "Turn fused_backward off.", key=key, value=True)
+
+
+def _num_processes(cfg) -> int:
+    g = cfg.get("general")
+    n = g.get("num_processes", 1) if g is not None else 1
+    try:
+        return max(1, int(n or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def lr_scale_factor(cfg) -> float:
+    """training.scale_lr: the factor every component's LR is multiplied by (effective batch = batch_size x
+    gradient_accumulation_steps x general.num_processes, when that field exists)."""
+    t = cfg.training
+    mode = t.get("scale_lr") or "none"
+    if mode == "none":
+        return 1.0
+    batch = int(t.batch_size) * int(t.gradient_accumulation_steps) * _num_processes(cfg)
+    return float(batch) if mode == "linear" else math.sqrt(batch)
+
+
+#: Component (param-group name) → the training.* flag that turns it on (embedding: always, when present).
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "embedding")
+
+
+def stop_step(cfg, component: str, steps_per_epoch: int) -> int:
+    """The optimizer step after which ``component`` stops training: the smaller of
+    training.<component>_stop_after_steps and ..._epochs x steps_per_epoch; 0 = never."""
+    t = cfg.training
+    limits = []
+    steps = int(t.get(f"{component}_stop_after_steps") or 0)
+    epochs = int(t.get(f"{component}_stop_after_epochs") or 0)
+    if steps > 0:
+        limits.append(steps)
+    if epochs > 0:
+        limits.append(epochs * max(1, int(steps_per_epoch)))
+    return min(limits) if limits else 0
+
+
+class ComponentSchedule:
+    """Per-component training windows (training.<component>_stop_after_steps/_epochs).
+
+    After its last step a component is frozen: its weights get ``requires_grad = False`` (no gradients,
+    no backward work through it; the optimizer skips weights without a gradient) and its param group gets
+    lr = 0 and weight_decay = 0, so no optimizer moves it. LR schedulers write ``lr`` again at every step,
+    so :meth:`apply` runs after each ``scheduler.step()`` (and after loading a backup: a resumed run
+    freezes what the uninterrupted run had frozen at that step).
+    """
+
+    def __init__(self, optimizer, cfg, steps_per_epoch: int):
+        self.optimizer = optimizer
+        self.stops = {name: stop_step(cfg, name, steps_per_epoch) for name in COMPONENTS}
+        self.frozen: set = set()
+
+    def __bool__(self) -> bool:
+        return any(self.stops.values())
+
+    def apply(self, step: int) -> List[str]:
+        """Freeze every component whose window ended at or before ``step``; returns the newly frozen names."""
+        new = []
+        for group in self.optimizer.param_groups:
+            name = group.get("name")
+            stop = self.stops.get(name, 0)
+            if not stop or step < stop:
+                continue
+            group["lr"] = 0.0
+            if "weight_decay" in group:
+                group["weight_decay"] = 0.0
+            if name not in self.frozen:
+                self.frozen.add(name)
+                new.append(name)
+                for p in group["params"]:
+                    p.requires_grad_(False)
+                    p.grad = None
+        return new
 
 
 def optim_warnings(cfg) -> list:
@@ -359,6 +486,20 @@ def optim_warnings(cfg) -> list:
     if t.lr_scheduler in ("constant", "piecewise_constant") and warmup:
         out.append(Issue(warmup_key, f"lr_scheduler = {t.lr_scheduler} ignores the warm-up; use "
                                      "constant_with_warmup (or a decaying schedule) to warm up."))
+    flags = {"unet": t.train_unet, "text_encoder": t.train_text_encoder,
+             "text_encoder_2": t.train_text_encoder_2}
+    if t.method == "embedding":
+        flags = {"unet": False, "text_encoder": False, "text_encoder_2": False}
+    for comp, on in flags.items():
+        for unit in ("steps", "epochs"):
+            if (t.get(f"{comp}_stop_after_{unit}") or 0) > 0 and not on:
+                out.append(Issue(f"training.{comp}_stop_after_{unit}",
+                                 f"training.{comp}_stop_after_{unit} is set, but the {comp} is not trained in "
+                                 "this run: it is ignored."))
+    if (t.get("scale_lr") or "none") != "none" and spec.adaptive_lr:
+        out.append(Issue("training.scale_lr", f"{o.name} estimates its own step size and wants LR 1: "
+                                              f"training.scale_lr = {t.scale_lr} moves it away from 1. Set "
+                                              "scale_lr = none."))
     if t.lr_min_factor > 0 and t.lr_scheduler not in DECAYING_SCHEDULERS:
         out.append(Issue("training.lr_min_factor", f"lr_min_factor only applies to decaying schedules "
                                                    f"({', '.join(DECAYING_SCHEDULERS)}); {t.lr_scheduler} "
@@ -385,11 +526,13 @@ def param_groups(method, cfg) -> List[Dict[str, Any]]:
     """
     from trainer.config import ConfigError, resolved_learning_rates
     lrs = resolved_learning_rates(cfg)
+    scale = lr_scale_factor(cfg)  # training.scale_lr
     groups = []
     for name, module in method.modules.items():
         params = [p for p in module.parameters() if p.requires_grad]
         if params:
-            groups.append({"params": params, "lr": lrs.get(name, cfg.training.learning_rate), "name": name})
+            groups.append({"params": params, "lr": lrs.get(name, cfg.training.learning_rate) * scale,
+                           "name": name})
     if not groups:
         raise ConfigError("Nothing to train: no trainable parameters (check training.train_unet / "
                           "training.train_text_encoder).", key="training.train_unet")
@@ -524,13 +667,96 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
     else:
         kwargs["lr"] = t.learning_rate
     try:
-        optimizer = cls(groups, **kwargs)
+        if t.get("fused_backward"):
+            _check_fused(cfg, spec)
+            optimizer = fused_backward_optimizer(groups, cls, kwargs)
+        else:
+            optimizer = cls(groups, **kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
         shown = {k: v for k, v in kwargs.items() if k != "lr"}
         raise ConfigError(f"{key} = {o.name}: {spec.target} rejected its settings {shown}: {exc}",
                           key=key, value=o.name) from None
     on_train(optimizer)
     return optimizer
+
+
+_FUSED_CLASS: Any = None
+
+
+def fused_backward_optimizer(groups: List[Dict[str, Any]], cls: Any, kwargs: Dict[str, Any]):
+    """training.fused_backward: one ``cls`` optimizer per weight, stepped from the weight's
+    ``register_post_accumulate_grad_hook`` during backward, its gradient freed right after (kohya's fused
+    backward pass, generalised from Adafactor to any per-weight optimizer).
+
+    The returned object is a ``torch.optim.Optimizer`` over the same param groups, so LR schedulers drive
+    it as usual: each hook copies its group's current settings (lr, weight_decay, betas, ...) into the
+    weight's own optimizer before stepping. Its ``step()`` does nothing (the weights were updated during
+    backward); ``state_dict()`` holds every per-weight optimizer's state for backups.
+    """
+    global _FUSED_CLASS
+    if _FUSED_CLASS is None:
+        import torch
+
+        class FusedBackwardOptimizer(torch.optim.Optimizer):
+            fused_backward = True
+
+            def __init__(self, groups, cls, kwargs):
+                self.per_param: List[Any] = []  # (group index, weight, its optimizer)
+                for gi, g in enumerate(groups):
+                    options = {k: v for k, v in g.items() if k != "params"}
+                    for p in g["params"]:
+                        self.per_param.append((gi, p, cls([{"params": [p], **options}], **kwargs)))
+                defaults = dict(self.per_param[0][2].defaults) if self.per_param else {}
+                super().__init__(groups, defaults)
+                self.optimizer_class = cls
+                self._handles = [p.register_post_accumulate_grad_hook(self._hook(gi, opt))
+                                 for gi, p, opt in self.per_param]
+
+            def _hook(self, gi: int, opt):
+                def step_now(p) -> None:
+                    if p.grad is None:
+                        return
+                    inner = opt.param_groups[0]
+                    for k, v in self.param_groups[gi].items():  # the scheduler's current values
+                        if k != "params" and k in inner:
+                            inner[k] = v
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                return step_now
+
+            @torch.no_grad()
+            def step(self, closure=None):
+                """Nothing to do: every weight was updated while its gradient was made."""
+                if closure is not None:
+                    with torch.enable_grad():
+                        return closure()
+                return None
+
+            def state_dict(self) -> Dict[str, Any]:
+                return {"fused_backward": True,
+                        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                        "per_param": [opt.state_dict() for _, _, opt in self.per_param]}
+
+            def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+                if not state_dict.get("fused_backward"):
+                    raise ValueError("the saved optimizer state is from a run without training.fused_backward")
+                if len(state_dict["per_param"]) != len(self.per_param) or \
+                        len(state_dict["param_groups"]) != len(self.param_groups):
+                    raise ValueError(f"the saved state has {len(state_dict['per_param'])} weights in "
+                                     f"{len(state_dict['param_groups'])} groups, this optimizer "
+                                     f"{len(self.per_param)} in {len(self.param_groups)}")
+                for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+                    group.update(saved)
+                for (_, _, opt), saved in zip(self.per_param, state_dict["per_param"]):
+                    opt.load_state_dict(saved)
+
+            def remove_hooks(self) -> None:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
+
+        _FUSED_CLASS = FusedBackwardOptimizer
+    return _FUSED_CLASS(groups, cls, kwargs)
 
 
 def is_schedule_free(optimizer) -> bool:
@@ -671,4 +897,5 @@ def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
 __all__ = ["OPTIMIZERS", "OPTIMIZER_NAMES", "SCHEDULERS", "SCHEDULER_NAMES", "OptimizerSpec", "optimizer_spec",
            "optimizer_fields", "used_by", "validate_optim", "optim_warnings", "param_groups", "build_optimizer",
            "build_scheduler", "bitsandbytes_problem", "on_train", "on_eval", "warmup_steps", "rex_factor",
-           "DECAYING_SCHEDULERS", "WARMUP_SCHEDULERS"]
+           "DECAYING_SCHEDULERS", "WARMUP_SCHEDULERS", "FUSED_OPTIMIZERS", "fused_backward_optimizer",
+           "ComponentSchedule", "stop_step", "lr_scale_factor", "COMPONENTS"]

@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence
 import gradio as gr
 
 from trainer import config as tcfg
-from webui import runner
+from webui import optimizer_memory, runner
 from webui.context import AppContext
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
@@ -72,6 +72,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
                 queue.build(ctx)
         browser.build()
         config_bar.wire(ctx)
+        optimizer_memory.wire(ctx)  # per-optimizer settings remembered; only the chosen one's fields shown
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
         runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden")
 

@@ -113,7 +113,11 @@ class PlaceholderEmbedding:
         self._replacement = " ".join(self.tokens)
 
     @classmethod
-    def from_config(cls, model, ecfg) -> "PlaceholderEmbedding":
+    def from_config(cls, model, ecfg) -> "Union[PlaceholderEmbedding, DualPlaceholderEmbedding]":
+        """The placeholder for ``model``: in its one text encoder (SD 1.x/2.x), or in both of SDXL's
+        (a :class:`DualPlaceholderEmbedding`)."""
+        if getattr(model, "text_encoder_2", None) is not None:
+            return DualPlaceholderEmbedding.from_config(model, ecfg)
         init = None
         if ecfg.init_weights:
             from trainer.export import load_embedding_a1111
@@ -184,6 +188,114 @@ class PlaceholderEmbedding:
         return written
 
 
+class _BothVectors(nn.Module):
+    """SDXL: the CLIP-L and OpenCLIP-G vectors of one placeholder as one ``embedding`` module
+    (one optimizer group; backup keys ``embedding.clip_l.vectors`` / ``embedding.clip_g.vectors``)."""
+
+    def __init__(self, parts: Dict[str, TokenVectors]):
+        super().__init__()
+        for name, holder in parts.items():
+            self.add_module(name, holder)
+
+    def gradient_checkpointing_enable(self) -> None:
+        for holder in self.children():
+            holder.gradient_checkpointing_enable()
+
+
+SDXL_PARTS = (("clip_l", "tokenizer", "text_encoder"), ("clip_g", "tokenizer_2", "text_encoder_2"))
+
+
+class DualPlaceholderEmbedding:
+    """One placeholder in both SDXL text encoders: the same added tokens ``<sks>_0 …`` in both
+    tokenizers (so one expansion serves both), vectors for CLIP-L (768 wide) and OpenCLIP-G (1280).
+
+    Saved as ``{"clip_l": T[n, 768], "clip_g": T[n, 1280]}`` — the SDXL embedding format of A1111,
+    ComfyUI and diffusers (two ``load_textual_inversion`` calls: ``text_encoder``/``tokenizer`` with
+    ``clip_l``, then ``text_encoder_2``/``tokenizer_2`` with ``clip_g``)."""
+
+    def __init__(self, model, placeholder: str, num_vectors: int, initial_text: str = "*",
+                 init_vectors: Optional[Dict[str, torch.Tensor]] = None):
+        self.parts: Dict[str, PlaceholderEmbedding] = {}
+        for key, tok_attr, te_attr in SDXL_PARTS:
+            self.parts[key] = PlaceholderEmbedding(getattr(model, tok_attr), getattr(model, te_attr), placeholder,
+                                                   num_vectors, initial_text,
+                                                   None if init_vectors is None else init_vectors[key])
+        first = self.parts["clip_l"]
+        self.placeholder, self.tokens = first.placeholder, first.tokens
+        self.holder = _BothVectors({k: p.holder for k, p in self.parts.items()})
+
+    @classmethod
+    def from_config(cls, model, ecfg) -> "DualPlaceholderEmbedding":
+        init = None
+        if ecfg.init_weights:
+            init = load_embedding_sdxl(ecfg.init_weights)
+        return cls(model, ecfg.placeholder, int(ecfg.num_vectors), ecfg.initial_text, init)
+
+    # --- text (the same tokens in both tokenizers) -------------------------------------------------
+    def expand(self, text: Text) -> Text:
+        return self.parts["clip_l"].expand(text)
+
+    def contains(self, text: str) -> bool:
+        return self.parts["clip_l"].contains(text)
+
+    def data_warnings(self, items) -> List[str]:
+        return self.parts["clip_l"].data_warnings(items)
+
+    # --- results ----------------------------------------------------------------------------------
+    def vectors(self) -> Dict[str, torch.Tensor]:
+        return {k: p.vectors() for k, p in self.parts.items()}
+
+    @contextlib.contextmanager
+    def detached(self, model=None) -> Iterator[None]:
+        """Both encoders and tokenizers as they were before the placeholder was added."""
+        for key, tok_attr, _ in SDXL_PARTS:
+            part = self.parts[key]
+            part.text_encoder.set_input_embeddings(part.base)
+            if model is not None:
+                setattr(model, tok_attr, part.original_tokenizer)
+        try:
+            yield
+        finally:
+            for key, tok_attr, _ in SDXL_PARTS:
+                part = self.parts[key]
+                part.text_encoder.set_input_embeddings(part.module)
+                if model is not None:
+                    setattr(model, tok_attr, part.tokenizer)
+
+    def save(self, path: Union[str, Path], dtype: str, metadata: Optional[Dict[str, str]] = None,
+             also_pt: bool = False, step: Optional[int] = None) -> List[Path]:
+        """``{"clip_l", "clip_g"}`` ``.safetensors``. A1111's ``.pt`` holds one tensor, so there is no
+        SDXL ``.pt``: ``also_pt`` is skipped with a log line."""
+        import logging
+
+        from trainer.export import save_embedding_a1111
+        path = Path(path)
+        if path.suffix.lower() != ".safetensors":
+            raise ValueError(f"SDXL embeddings are saved as .safetensors (clip_l + clip_g); got {path.name!r}")
+        if also_pt:
+            logging.getLogger("atelier").warning("embedding.save_pt: SDXL embeddings have no A1111 .pt form; "
+                                                 "only %s is written", path.name)
+        meta = {"atelier_placeholder": self.placeholder, "atelier_num_vectors": str(len(self.tokens)),
+                **(metadata or {})}
+        save_embedding_a1111(path, self.vectors(), name=path.stem, step=step, metadata=meta, dtype=dtype)
+        return [path]
+
+
+def load_embedding_sdxl(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
+    """``{"clip_l": T[n, 768], "clip_g": T[n, 1280]}`` from an SDXL embedding ``.safetensors``."""
+    try:
+        from safetensors.torch import load_file
+        data = load_file(str(path))
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"embedding.init_weights '{path}' could not be read: {exc}", key="embedding.init_weights",
+                          value=str(path)) from None
+    if not {"clip_l", "clip_g"} <= set(data):
+        raise ConfigError(f"embedding.init_weights '{path}' is not an SDXL embedding (keys {sorted(data)[:5]}; "
+                          "expected clip_l and clip_g). SD 1.x/2.x embeddings do not fit SDXL's encoders.",
+                          key="embedding.init_weights", value=str(path))
+    return {k: data[k].detach().reshape(-1, data[k].shape[-1]).float() for k in ("clip_l", "clip_g")}
+
+
 def file_safe(name: str) -> str:
     """A placeholder as part of a file name (``<sks>`` → ``sks``)."""
     return re.sub(r"[^A-Za-z0-9_.-]+", "", name).strip(".") or "embedding"
@@ -211,6 +323,9 @@ class EmbeddingMethod(MethodBase):
     def result_suffix(self, fmt: str) -> str:
         if fmt in ("auto", "safetensors"):
             return ".safetensors"
+        if fmt == "ckpt" and isinstance(self.embedding, DualPlaceholderEmbedding):
+            raise ValueError("output.format = ckpt: SDXL embeddings (clip_l + clip_g) have no A1111 .pt form; "
+                             "use safetensors.")
         if fmt == "ckpt":
             return ".pt"  # A1111's legacy embedding format
         raise ValueError(f"output.format = {fmt} is not available for embeddings; use safetensors (or ckpt "

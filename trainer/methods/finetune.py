@@ -58,11 +58,6 @@ def make_method(model, cfg):
     if cfg.training.method == "lora":
         from trainer.methods.lora import LoraMethod
         return LoraMethod(model, cfg)
-    if cfg.training.method == "embedding" or cfg.embedding.train_alongside:
-        if model.family == "sdxl":
-            from trainer.config import ConfigError
-            raise ConfigError("Embeddings for SDXL (clip_l + clip_g) are not supported yet; train a LoRA, or use "
-                              "an SD 1.x/2.x model.", key="training.method")
     if cfg.training.method == "embedding":
         from trainer.methods.embedding import EmbeddingMethod
         return EmbeddingMethod(model, cfg)

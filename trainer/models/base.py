@@ -102,6 +102,10 @@ class ModelFamily:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
+    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
+        """Per-prompt extra pipeline arguments (an inpainting model's image and mask)."""
+        return {}
+
 
 # --------------------------------------------------------------------------------------------------
 # Shared by the latent-diffusion families (SDXL uses these; sd.py still has its own copies, which
@@ -154,9 +158,7 @@ def check_family(source: ModelSource, found: Optional[str], mcfg: Any, accepted:
     if found is None:
         return
     if found.endswith("-inpaint") and found.removesuffix("-inpaint") in accepted:
-        raise ModelLoadError(f"model.path '{source.display}' is a {FAMILY_NAMES[found]} model (9-channel UNet); "
-                             "inpainting training is not supported yet. Use the text-to-image base model.",
-                             key="model.path", value=source.display)
+        found = found.removesuffix("-inpaint")  # inpainting variants load with their base family
     if found not in accepted:
         base = found.removesuffix("-inpaint")
         raise ModelLoadError(f"model.path '{source.display}' looks like {FAMILY_NAMES[found]} ({found}), but this "
@@ -192,6 +194,11 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
             config = mcfg.config_path
         else:
             pred = getattr(mcfg, "prediction_type", "auto")
+            if family.endswith("-inpaint"):
+                raise ModelLoadError(f"'{source.display}' is a single-file {FAMILY_NAMES[family]} checkpoint; there "
+                                     "is no built-in config for it. Set model.config_path to a diffusers inpainting "
+                                     "model folder (its configs), or use the model's diffusers folder.",
+                                     key="model.config_path", value=source.display)
             name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
             config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))
         if isinstance(kw.get("dtype"), dict):  # from_single_file takes one dtype
@@ -246,8 +253,12 @@ def source_fingerprint(source: ModelSource, extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-class LatentDiffusionFamily(ModelFamily):
-    """The parts of the objective every VAE-latent, DDPM-trained UNet family shares.
+from trainer.models.inpaint import InpaintingMixin  # noqa: E402  (torch-free at import)
+
+
+class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
+    """The parts of the objective every VAE-latent, DDPM-trained UNet family shares (and, for
+    9-channel inpainting UNets, the masked input: :class:`~trainer.models.inpaint.InpaintingMixin`).
 
     Needs ``self.vae``, ``self.device``, ``self.noise_scheduler``, ``self.prediction_type`` and
     ``self._sched_config`` (the sampling schedulers' config)."""
@@ -271,7 +282,9 @@ class LatentDiffusionFamily(ModelFamily):
         import torch
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
-        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
+        out = {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
+        self._remember_pixels(pixels, out["mean"])  # inpainting: the masked image needs these pixels
+        return out
 
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         import torch

@@ -27,23 +27,25 @@ class StableDiffusion(LatentDiffusionFamily):
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu"):
         import torch
-        from diffusers import StableDiffusionPipeline
+        from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         check_family(self.source, found, mcfg, ("sd15", "sd2"), "SD 1.x/2.x")
-        pipe = load_pipeline(StableDiffusionPipeline, self.source, mcfg, workspace,
-                             family=found if found in ("sd15", "sd2") else "sd15",
+        inpaint = bool(found and found.endswith("-inpaint"))
+        pipe = load_pipeline(StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline, self.source,
+                             mcfg, workspace, family=found if found else "sd15",
                              safety_checker=None, requires_safety_checker=False)
         self.tokenizer = pipe.tokenizer
         self.text_encoder = pipe.text_encoder
         self.unet = pipe.unet
         self.vae = pipe.vae
         in_ch = self.unet.config.in_channels
-        if in_ch != 4:
-            raise ModelLoadError(f"'{self.source.display}' has a {in_ch}-channel UNet (an inpainting model?); "
-                                 "inpainting training is not supported yet.", key="model.path")
-        self.family = _family_of(self.source, found, self.unet)
+        if in_ch not in (4, 9):
+            raise ModelLoadError(f"'{self.source.display}' has a {in_ch}-channel UNet; only text-to-image (4) and "
+                                 "inpainting (9) UNets can be trained.", key="model.path")
+        self._setup_inpainting(mcfg)
+        self.family = _family_of(self.source, found and found.removesuffix("-inpaint"), self.unet)
         self._setup_schedule(dict(pipe.scheduler.config), mcfg.prediction_type)
         self.device = torch.device(device)
         self.unet.to(self.device, dtype=torch_dtype(mcfg.unet_dtype))
@@ -82,15 +84,27 @@ class StableDiffusion(LatentDiffusionFamily):
         """Captions → conditioning tensor: what the text cache stores for a frozen encoder."""
         return self.encode_text(self.tokenize(list(captions)))
 
-    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set):
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
         """The UNet's conditioning for a data batch: cached encoder output when the batch has it, else
         the captions (after ``expand``: embedding placeholders) through the text encoder, with
-        gradients only when a text-side module trains."""
+        gradients only when a text-side module trains.
+
+        ``drop_te1`` (one bool per image): caption dropout of the one text encoder — those images get
+        the empty caption's encoding, SD's unconditional input. ``drop_te2`` has no encoder here."""
         import torch
         cached = batch.get("encoder_hidden_states")
         if cached is not None:
-            return cached.to(self.device)
-        ids = self.tokenize(expand(batch["captions"]))
+            cond = cached.to(self.device)
+            if drop_te1 is not None and any(drop_te1):
+                with torch.no_grad():
+                    empty = self.encode_text(self.tokenize([""])).to(cond.dtype)
+                flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=cond.device)
+                cond = torch.where(flags[:, None, None], empty, cond)
+            return cond
+        captions = list(expand(batch["captions"]))
+        if drop_te1 is not None:
+            captions = ["" if drop else c for c, drop in zip(captions, drop_te1)]
+        ids = self.tokenize(captions)
         if train_text:
             return self.encode_text(ids)
         with torch.no_grad():
@@ -102,10 +116,11 @@ class StableDiffusion(LatentDiffusionFamily):
     # --- sampling -----------------------------------------------------------------------
     def pipeline(self, sampler: str = "ddim"):
         import diffusers
-        from diffusers import StableDiffusionPipeline
+        from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
         sched_cls = getattr(diffusers, SAMPLERS[sampler or "ddim"])
         scheduler = sched_cls.from_config(self._sched_config)
-        pipe = StableDiffusionPipeline(vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
+        pipe_cls = StableDiffusionInpaintPipeline if self.inpainting else StableDiffusionPipeline
+        pipe = pipe_cls(vae=self.vae, text_encoder=self.text_encoder, tokenizer=self.tokenizer,
                                        unet=self.unet, scheduler=scheduler, safety_checker=None,
                                        feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)

@@ -75,7 +75,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu", clip_skip: Optional[int] = None):
         import torch
-        from diffusers import StableDiffusionXLPipeline
+        from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
 
         self.source = classify_source(mcfg.path, workspace)
         family = getattr(mcfg, "family", "auto")
@@ -83,13 +83,15 @@ class StableDiffusionXL(LatentDiffusionFamily):
             raise ModelLoadError(f"model.family is {family}, but the SDXL loader was asked to load "
                                  f"'{self.source.display}'. Set model.family to sdxl or auto.",
                                  key="model.family", value=family)
-        check_family(self.source, detect_source_family(self.source, mcfg), mcfg, ("sdxl",), "SDXL")
+        found = detect_source_family(self.source, mcfg)
+        check_family(self.source, found, mcfg, ("sdxl",), "SDXL")
+        inpaint = found == "sdxl-inpaint"
         te_dtype = torch_dtype(mcfg.text_encoder_dtype)
         dtypes = {"unet": torch_dtype(mcfg.unet_dtype), "text_encoder": te_dtype,
                   "text_encoder_2": torch_dtype(getattr(mcfg, "text_encoder_2_dtype", "") or mcfg.text_encoder_dtype),
                   "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
-        pipe = load_pipeline(StableDiffusionXLPipeline, self.source, mcfg, workspace, family="sdxl",
-                             dtype=dtypes, add_watermarker=False)
+        pipe = load_pipeline(StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline, self.source,
+                             mcfg, workspace, family=found or "sdxl", dtype=dtypes, add_watermarker=False)
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
             raise ModelLoadError(f"'{self.source.display}' has no {'first' if pipe.text_encoder is None else 'second'} "
                                  "text encoder (the SDXL refiner?); only SDXL base models are supported.",
@@ -98,10 +100,10 @@ class StableDiffusionXL(LatentDiffusionFamily):
         self.text_encoder, self.text_encoder_2 = pipe.text_encoder, pipe.text_encoder_2
         self.unet, self.vae = pipe.unet, pipe.vae
         in_ch = self.unet.config.in_channels
-        if in_ch != 4:
-            raise ModelLoadError(f"'{self.source.display}' has a {in_ch}-channel UNet (an inpainting model?); "
-                                 "inpainting training is not supported yet.", key="model.path",
-                                 value=self.source.display)
+        if in_ch not in (4, 9):
+            raise ModelLoadError(f"'{self.source.display}' has a {in_ch}-channel UNet; only text-to-image (4) and "
+                                 "inpainting (9) UNets can be trained.", key="model.path", value=self.source.display)
+        self._setup_inpainting(mcfg)
         if self.unet.config.get("addition_embed_type") != "text_time":
             raise ModelLoadError(f"'{self.source.display}' has no SDXL size/crop conditioning in its UNet "
                                  "(addition_embed_type is not text_time): not an SDXL base model.", key="model.path",
@@ -221,15 +223,20 @@ class StableDiffusionXL(LatentDiffusionFamily):
                                            drop_te1, drop_te2)
         return SDXLConditioning(prompt_embeds, pooled, self.add_time_ids(original_sizes, crop_top_lefts, target_size))
 
-    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set) -> "SDXLConditioning":
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None,
+                        drop_te2=None) -> "SDXLConditioning":
         """Conditioning for a data batch (the loop's one call): cached ``prompt_embeds``/
         ``pooled_prompt_embeds`` when the batch has them, else the (placeholder-expanded) captions
-        through both encoders; plus each image's size/crop time ids."""
+        through both encoders; plus each image's size/crop time ids. A trained ``embedding`` needs
+        gradients through both (frozen) encoders to reach its vectors. ``drop_te1``/``drop_te2``:
+        per-encoder caption dropout flags (one bool per image), see :meth:`encode_text`."""
         sizes = (batch["original_sizes"], batch["crop_top_lefts"], batch["target_sizes"])
         if batch.get("prompt_embeds") is not None:
-            return self.condition_from_embeds(batch["prompt_embeds"], batch["pooled_prompt_embeds"], *sizes)
-        return self.condition(expand(batch["captions"]), *sizes,
-                              train_text_encoders=frozenset(set(TEXT_ENCODERS) & set(train_text)))
+            return self.condition_from_embeds(batch["prompt_embeds"], batch["pooled_prompt_embeds"], *sizes,
+                                              drop_te1=drop_te1, drop_te2=drop_te2)
+        grads = set(TEXT_ENCODERS) if "embedding" in train_text else set(TEXT_ENCODERS) & set(train_text)
+        return self.condition(expand(batch["captions"]), *sizes, train_text_encoders=frozenset(grads),
+                              drop_te1=drop_te1, drop_te2=drop_te2)
 
     # --- objective ----------------------------------------------------------------------
     def predict(self, noisy_latents, timesteps, conditioning):
@@ -250,13 +257,14 @@ class StableDiffusionXL(LatentDiffusionFamily):
         ``base.SAMPLERS``; None keeps the model's own scheduler class (Euler for SDXL base), which is
         what a saved diffusers folder should carry."""
         import diffusers
-        from diffusers import StableDiffusionXLPipeline
+        from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
         sched_cls = getattr(diffusers, SAMPLERS[sampler] if sampler else self._sampler_class)
-        pipe = StableDiffusionXLPipeline(
+        extra = {"requires_aesthetics_score": False} if self.inpainting else {}
+        pipe = (StableDiffusionXLInpaintPipeline if self.inpainting else StableDiffusionXLPipeline)(
             vae=self.vae, text_encoder=self.text_encoder, text_encoder_2=self.text_encoder_2,
             tokenizer=self.tokenizer, tokenizer_2=self.tokenizer_2, unet=self.unet,
             scheduler=sched_cls.from_config(self._sched_config), force_zeros_for_empty_prompt=True,
-            add_watermarker=False)
+            add_watermarker=False, **extra)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

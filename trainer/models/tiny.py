@@ -8,6 +8,8 @@ a diffusers folder and a single original-layout ``.safetensors`` file.
 ``builtin:tiny-sd``  — SD 1.5-shaped (CLIPTextModel, epsilon prediction)
 ``builtin:tiny-sd2`` — SD 2.x-shaped (linear projections, v-prediction)
 ``builtin:tiny-sdxl`` — SDXL-shaped (3 levels, two text encoders, text_time added conditioning, Euler)
+``builtin:tiny-sd-inpaint`` / ``builtin:tiny-sdxl-inpaint`` — the same with a 9-channel inpainting UNet
+(noisy latents ‖ mask ‖ masked-image latents), saved as StableDiffusion(XL)InpaintPipeline folders
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import shutil
 from pathlib import Path
 
-TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl")
+TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl", "tiny-sd-inpaint", "tiny-sdxl-inpaint")
 TINY_VERSION = 1  # bump when the builder changes, so stale built copies are rebuilt
 
 
@@ -82,8 +84,9 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
 
     if kind not in TINY_NAMES:
         raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_NAMES}")
-    if kind == "tiny-sdxl":
-        return _build_tiny_sdxl(seed)
+    inpaint = kind.endswith("-inpaint")
+    if kind.startswith("tiny-sdxl"):
+        return _build_tiny_sdxl(seed, inpaint=inpaint)
     sd2 = kind == "tiny-sd2"
     with tempfile.TemporaryDirectory() as tmp:
         write_tiny_tokenizer(Path(tmp))
@@ -99,7 +102,7 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
         pad_token_id=tokenizer.pad_token_id))
     # Real SD topology (4 levels, 3 cross-attention down blocks, 2 layers per block), tiny widths.
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2,
+        sample_size=8, in_channels=9 if inpaint else 4, out_channels=4, layers_per_block=2,
         block_out_channels=(16, 32, 32, 32), norm_num_groups=8,
         down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
         up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
@@ -118,6 +121,12 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
         clip_sample=False, steps_offset=1,
         prediction_type="v_prediction" if sd2 else "epsilon",
     )
+    if inpaint:
+        from diffusers import StableDiffusionInpaintPipeline
+        return StableDiffusionInpaintPipeline(
+            vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
@@ -125,7 +134,7 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
     return pipe
 
 
-def _build_tiny_sdxl(seed: int = 0):
+def _build_tiny_sdxl(seed: int = 0, inpaint: bool = False):
     """SDXL topology with tiny widths (see LIBRARY-NOTES "Tiny offline models").
 
     UNet: 3 levels (DownBlock2D + 2 CrossAttnDownBlock2D), ``layers_per_block=2``, transformer depths
@@ -159,7 +168,8 @@ def _build_tiny_sdxl(seed: int = 0):
     text_encoder = CLIPTextModel(text_config(te1_hidden, "quick_gelu", te1_hidden))
     text_encoder_2 = CLIPTextModelWithProjection(text_config(te2_hidden, "gelu", te2_hidden))
     unet = UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(16, 32, 32),
+        sample_size=8, in_channels=9 if inpaint else 4, out_channels=4, layers_per_block=2,
+        block_out_channels=(16, 32, 32),
         norm_num_groups=8, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         transformer_layers_per_block=(1, 2, 2), attention_head_dim=(2, 4, 4), use_linear_projection=True,
@@ -176,6 +186,13 @@ def _build_tiny_sdxl(seed: int = 0):
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
         steps_offset=1, timestep_spacing="leading", interpolation_type="linear", prediction_type="epsilon",
     )
+    if inpaint:
+        from diffusers import StableDiffusionXLInpaintPipeline
+        return StableDiffusionXLInpaintPipeline(
+            vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
+            tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, force_zeros_for_empty_prompt=True,
+            add_watermarker=False, requires_aesthetics_score=False,
+        )
     pipe = StableDiffusionXLPipeline(
         vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
         tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, force_zeros_for_empty_prompt=True,
@@ -203,7 +220,7 @@ def ensure_tiny_model(kind: str, root: str | os.PathLike) -> dict[str, Path]:
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
-        if kind == "tiny-sdxl":
+        if kind.startswith("tiny-sdxl"):
             save_single_file_sd(single, pipe.unet, pipe.vae, pipe.text_encoder, family="sdxl", dtype="fp32",
                                 text_encoder_2=pipe.text_encoder_2)
         else:
