@@ -71,6 +71,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             with gr.Tab("Queue", id="queue", elem_id="tab-queue"):
                 queue.build(ctx)
         browser.build()
+        for wire in ctx.after_build:
+            wire()
         config_bar.wire(ctx)
         optimizer_memory.wire(ctx)  # per-optimizer settings remembered; only the chosen one's fields shown
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]

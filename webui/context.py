@@ -48,6 +48,7 @@ class AppContext:
     browser: Optional[FileBrowser] = None
     components: dict = field(default_factory=dict)   # shared components by name (tabs, messages, …)
     handlers: dict = field(default_factory=dict)     # event functions by name (tests call them directly)
+    after_build: list = field(default_factory=list)  # wiring that needs every form widget (run once built)
 
     def __getitem__(self, name: str) -> Any:
         return self.components[name]

@@ -64,6 +64,10 @@ def concepts(ctx: AppContext) -> None:
     editor = ctx.form.editors.get("data.concepts")
     if editor is None:
         return
+    from webui.tabs.tools import dataset_check
+    gr.Markdown("### Dataset report\nWhat the trainer will do with every concept's images: buckets, images "
+                "that would never train, small images, duplicates, missing masks.")
+    dataset_check(ctx, "concepts")
     gr.Markdown("### Preview\nThe images of the concept being edited, with the captions the trainer will use.")
     note = gr.Markdown(elem_id="concept-preview-note")
     gallery = gr.Gallery(columns=6, height=320, elem_id="concept-thumbs", label="Concept images")
