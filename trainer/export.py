@@ -607,6 +607,21 @@ def _network_shape_metadata(state_dict: Mapping[str, "torch.Tensor"]) -> dict[st
     return meta
 
 
+def _cast_adapter_tensors(state_dict: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str, "torch.Tensor"]:
+    """Adapter weights cast to ``dtype`` on the CPU; ``.alpha`` scalars stay float32 (loaders read them
+    as exact numbers)."""
+    import torch
+    target = _torch_dtype(dtype)
+    out = {}
+    for key, value in state_dict.items():
+        value = value.detach().cpu()
+        if key.endswith(".alpha"):
+            out[key] = value.to(torch.float32)
+        else:
+            out[key] = value.to(target) if value.is_floating_point() else value
+    return out
+
+
 def save_lora_kohya(path: str | os.PathLike, state_dict: Mapping[str, "torch.Tensor"],
                     metadata: Mapping[str, Any] | None, dtype: str) -> None:
     """Write a kohya-format LoRA ``.safetensors`` atomically.
@@ -615,18 +630,9 @@ def save_lora_kohya(path: str | os.PathLike, state_dict: Mapping[str, "torch.Ten
     fp16. Header: rank/alpha read from the tensors, then ``metadata`` (e.g. from
     :func:`lora_metadata`) on top.
     """
-    import torch
-
     if Path(path).suffix.lower() != ".safetensors":
         raise ValueError(f"kohya LoRA files are .safetensors; got {Path(path).name!r}")
-    target = _torch_dtype(dtype)
-    tensors = {}
-    for key, value in state_dict.items():
-        value = value.detach().cpu()
-        if key.endswith(".alpha"):
-            tensors[key] = value.to(torch.float32)
-        else:
-            tensors[key] = value.to(target) if value.is_floating_point() else value
+    tensors = _cast_adapter_tensors(state_dict, dtype)
     header = _network_shape_metadata(state_dict)
     header.update({str(k): str(v) for k, v in (metadata or {}).items()})
     save_safetensors_atomic(tensors, path, header)
@@ -813,18 +819,9 @@ def save_lycoris(path: str | os.PathLike, state_dict: Mapping[str, "torch.Tensor
     Weights are cast to ``dtype``, ``.alpha`` stays float32; the header is ``metadata`` (e.g. from
     :func:`lora_metadata`) with the LyCORIS keys of :func:`lycoris_metadata` on top.
     """
-    import torch
-
     if Path(path).suffix.lower() != ".safetensors":
         raise ValueError(f"LyCORIS files are .safetensors; got {Path(path).name!r}")
-    target = _torch_dtype(dtype)
-    tensors = {}
-    for key, value in state_dict.items():
-        value = value.detach().cpu()
-        if key.endswith(".alpha"):
-            tensors[key] = value.to(torch.float32)
-        else:
-            tensors[key] = value.to(target) if value.is_floating_point() else value
+    tensors = _cast_adapter_tensors(state_dict, dtype)
     header = {str(k): str(v) for k, v in (metadata or {}).items()}
     header.update(lycoris_metadata(state_dict, algo, network_args))
     save_safetensors_atomic(tensors, path, header)

@@ -303,6 +303,14 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
             raise ValueError(f"unknown prediction type {self.prediction_type}")
         return noisy, target
 
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
+        return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}
+
+    def fingerprint(self) -> str:
+        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
+        return source_fingerprint(self.source, self._vae_dtype_name)
+
     def rescale_zero_terminal_snr(self) -> None:
         """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
         ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""

@@ -6,7 +6,7 @@ import logging
 from typing import Any, Dict, List
 
 from trainer.models.base import (SAMPLERS, LatentDiffusionFamily, ModelLoadError, ModelSource, check_family,
-                                 classify_source, detect_source_family, load_pipeline, source_fingerprint,
+                                 classify_source, detect_source_family, load_pipeline,
                                  torch_dtype)
 
 log = logging.getLogger("atelier")
@@ -125,10 +125,3 @@ class StableDiffusion(LatentDiffusionFamily):
                                        feature_extractor=None, requires_safety_checker=False)
         pipe.set_progress_bar_config(disable=True)
         return pipe
-
-    def sampling_kwargs(self) -> Dict[str, Any]:
-        return {"clip_skip": self.clip_skip} if self.clip_skip else {}
-
-    def fingerprint(self) -> str:
-        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
-        return source_fingerprint(self.source, self._vae_dtype_name)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from trainer.models.base import (SAMPLERS, LatentDiffusionFamily, ModelLoadError, check_family, classify_source,
-                                 detect_source_family, load_pipeline, source_fingerprint, torch_dtype)
+                                 detect_source_family, load_pipeline, torch_dtype)
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 Size = Tuple[int, int]
@@ -267,14 +267,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
             add_watermarker=False, **extra)
         pipe.set_progress_bar_config(disable=True)
         return pipe
-
-    def sampling_kwargs(self) -> Dict[str, Any]:
-        """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
-        return {"clip_skip": self.clip_skip} if self.clip_skip else {}
-
-    def fingerprint(self) -> str:
-        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
-        return source_fingerprint(self.source, self._vae_dtype_name)
 
 
 def load_model(mcfg, workspace: str, device: Any = "cpu") -> StableDiffusionXL:
