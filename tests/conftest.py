@@ -33,3 +33,15 @@ def peft_strict():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*inconsistency was discovered.*")
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared, busy CPU torch's thread pool makes each
+    small op ~20x slower (measured: 5 s vs 0.2 s per tiny generation). Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``; the thread count is restored after them."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,12 +25,7 @@ WITHOUT_TOKEN = "a red square on a white background"
 SAMPLE = "[{prompt: 'a <sks> on a white background', steps: 2, width: 64, height: 64}]"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -111,14 +111,7 @@ def _count_lora_layers(model) -> int:
     return sum(isinstance(m, LoraLayer) for m in model.modules())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads, and on a shared, busy CPU torch's thread pool makes
-    each small op ~20x slower (measured: 5 s vs 0.2 s per tiny generation)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

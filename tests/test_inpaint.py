@@ -22,12 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "presets" / "demo-data"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

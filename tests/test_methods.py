@@ -39,13 +39,7 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from threads; on a shared CPU the thread pool only slows them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _args(ws: Path, run: str, *extra: str) -> list:

@@ -2,14 +2,16 @@
 
 Every event has ``type`` and ``time`` (Unix seconds). Types and their fields:
 
-- ``started``: total_steps, epochs, steps_per_epoch, batch_size, resumed_from_step, dataset (report)
+- ``started``: total_steps, epochs, steps_per_epoch, batch_size, resumed_from_step, dataset (report),
+  world_size, global_micro_batch, global_batch, cache (latents/text encoded and reused, seconds)
 - ``step``: step, total_steps, epoch, loss, lr (dict group -> lr), it_s, eta_s
 - ``sample``: step, epoch, paths (list), prompts (list)
 - ``backup``: step, path
 - ``saved``: step, path, format
 - ``warning``: message
 - ``error``: message, traceback
-- ``finished`` / ``stopped`` / ``failed``: step, message
+- ``validation``: step, epoch, loss, images (validation concepts)
+- ``finished`` / ``stopped`` / ``failed``: step, message (``failed`` may name the ``rank``)
 
 The web UI, the CLI progress bar and the tests all read this one stream. The module is pure
 standard library so the UI can import it without torch.

@@ -199,10 +199,11 @@ class Trainer:
         # cached text outputs stay valid only while no text-side module trains
         frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
         with self.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
-            self.data.prepare(self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
-                              encode_text_fn=(lambda captions: self.model.encode_captions(
-                                  self.method.expand_text(captions))) if frozen_text else None,
-                              text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
+            self.cache_summary = self.data.prepare(
+                self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
+                encode_text_fn=(lambda captions: self.model.encode_captions(
+                    self.method.expand_text(captions))) if frozen_text else None,
+                text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
         self.tb = None
         if g.tensorboard and self.is_main:
             try:
@@ -349,7 +350,8 @@ class Trainer:
                 batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
                 resumed_from_step=self.pos.step, dataset=self.report.to_dict(),
                 device=str(self.device), world_size=self.world, global_micro_batch=self.global_micro_batch,
-                global_batch=self.global_micro_batch * t.gradient_accumulation_steps)
+                global_batch=self.global_micro_batch * t.gradient_accumulation_steps,
+                cache=getattr(self, "cache_summary", None))
         log.info("training %d steps (%d per epoch) on %s", self.total_steps, self.steps_per_epoch, self.device)
         if cfg.sampling.at_start and self.pos.step == 0:
             self.sample()
