@@ -293,3 +293,18 @@ def test_run_with_a_text_encoder_window_fused_and_scaled_resumes_exactly(tiny_wo
     assert set(a) == set(b) and any("lora_te" in k for k in a)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
+
+
+def test_prodigy_step_events_log_the_effective_learning_rate(tiny_workspace):
+    """Prodigy's group lr stays 1; the events and TensorBoard show d * lr, the step size it uses."""
+    from trainer.__main__ import main as cli
+    from trainer.events import read_events
+    ws = tiny_workspace
+    args = ["train", "--preset", "demo", "--no-progress"]
+    for s in (f"general.workspace={ws}", "general.run_name=prodigy-lr", "training.max_steps=3",
+              "training.optimizer.name=prodigy", "training.learning_rate=1", "sampling.prompts=[]",
+              "training.optimizer.d0=1e-6"):
+        args += ["--set", s]
+    assert cli(args) == 0
+    steps = [e for e in read_events(ws / "runs" / "prodigy-lr" / "events.jsonl") if e["type"] == "step"]
+    assert steps and all(0 < e["lr"]["unet"] < 1e-3 for e in steps), [e["lr"] for e in steps]

@@ -459,7 +459,9 @@ class Trainer:
         done = step - steps_at_start
         it_s = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total_steps - step) / it_s if it_s > 0 else None
-        lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(self.optimizer.param_groups)}
+        # Prodigy / D-Adaptation keep lr at ~1 and learn a step size d: log the LR they actually use
+        lrs = {g.get("name", str(i)): g["lr"] * g["d"] if isinstance(g.get("d"), float) else g["lr"]
+               for i, g in enumerate(self.optimizer.param_groups)}
         self.run.events.emit("step", step=step, total_steps=self.total_steps, epoch=self.pos.epoch + 1,
                              loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1))
         if self.tb is not None:
