@@ -163,3 +163,13 @@ def test_sdxl_finetune_single_file_loads_back(tiny_workspace):
     assert any(not torch.equal(got[k], orig[k]) for k in got)  # trained
     te_a, te_b = loaded.text_encoder_2.state_dict(), original.text_encoder_2.state_dict()
     assert all(torch.equal(te_a[k], te_b[k]) for k in te_b)  # frozen encoder written back unchanged
+
+
+def test_xformers_when_not_installed_is_a_clear_error(tiny_workspace):
+    try:
+        import xformers  # noqa: F401
+        pytest.skip("xformers is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ModelLoadError, match="model.attention = xformers.*Use sdpa"):
+        StableDiffusion(model_cfg(path="builtin:tiny-sd", attention="xformers"), str(tiny_workspace))

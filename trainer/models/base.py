@@ -303,6 +303,15 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
             raise ValueError(f"unknown prediction type {self.prediction_type}")
         return noisy, target
 
+    def _set_attention(self, backend: str) -> None:
+        """``model.attention``: PyTorch SDPA (diffusers' default) or xformers, refused clearly when absent."""
+        if backend == "xformers":
+            try:
+                self.unet.enable_xformers_memory_efficient_attention()
+            except Exception as exc:
+                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). "
+                                     "Use sdpa.", key="model.attention") from None
+
     def sampling_kwargs(self) -> Dict[str, Any]:
         """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
         return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}

@@ -56,12 +56,7 @@ class StableDiffusion(LatentDiffusionFamily):
         self.vae.eval()
         self.text_encoder.eval()
         self.clip_skip = int(getattr(mcfg, "clip_skip", 0) or 0)
-        if mcfg.attention == "xformers":
-            try:
-                self.unet.enable_xformers_memory_efficient_attention()
-            except Exception as exc:
-                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). "
-                                     "Use sdpa.", key="model.attention") from None
+        self._set_attention(mcfg.attention)
         self._vae_dtype_name = mcfg.vae_dtype
 
     # --- text ---------------------------------------------------------------------------

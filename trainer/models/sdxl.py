@@ -126,12 +126,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
             module.requires_grad_(False)
         for module in (self.vae, self.text_encoder, self.text_encoder_2):
             module.eval()
-        if mcfg.attention == "xformers":
-            try:
-                self.unet.enable_xformers_memory_efficient_attention()
-            except Exception as exc:
-                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). "
-                                     "Use sdpa.", key="model.attention") from None
+        self._set_attention(mcfg.attention)
         self._vae_dtype_name = mcfg.vae_dtype
 
     # --- components ---------------------------------------------------------------------
