@@ -75,6 +75,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             wire()
         config_bar.wire(ctx)
         optimizer_memory.wire(ctx)  # per-optimizer settings remembered; only the chosen one's fields shown
+        ctx.handlers["method_tabs"] = ctx.form.wire_method_tabs()  # LoRA / Embedding follow training.method
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
         runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden")
 

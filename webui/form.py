@@ -32,6 +32,17 @@ TAB_LAYOUT = [
     ("LoRA", "lora", ("lora",)),
 ]
 ROW_WIDTH = 3
+# Tabs whose settings apply to one training method: tab id -> what the tab says while they do not apply.
+METHOD_TABS = {
+    "lora": "LoRA settings apply when **training.method** is `lora` (Training tab).",
+    "embedding": "Embedding settings apply when **training.method** is `embedding`, or with "
+                 "**embedding.train_alongside** on.",
+}
+
+
+def method_tab_visibility(method: Any, alongside: Any) -> Dict[str, bool]:
+    """Which method-specific tabs show their settings for a config."""
+    return {"lora": method == "lora", "embedding": method == "embedding" or bool(alongside)}
 
 
 def _step(spec: FieldSpec) -> float:
@@ -185,6 +196,8 @@ class Form:
         self.widgets: Dict[str, gr.components.Component] = {}
         self.editors: Dict[str, ListEditor] = {}
         self.tab_of: Dict[str, str] = {}
+        # method-specific tabs: their settings are shown only when the method uses them
+        self.method_bodies: Dict[str, Any] = {}  # tab id -> (body column, "not used" note)
         self.layout = tab_layout(self.specs)
         self.tab_titles = {tab_id: title for title, tab_id, _ in self.layout}
 
@@ -198,14 +211,39 @@ class Form:
             with gr.Tab(title, id=tab_id, elem_id=f"tab-{tab_id}"):
                 if not hasattr(self, "hidden_state"):  # inside a tab: a bare child of gr.Tabs breaks tabs
                     self.hidden_state = gr.State({s.key: s.default for s in self.hidden_specs})
-                for prefix in prefixes:
-                    if len(prefixes) > 1:
-                        gr.Markdown(f"### {sw.label_of(prefix.split('.')[-1])}\n{sw.section_help(prefix)}")
-                    self._build_group([s for s in mine if prefix_of(s.key, all_prefixes) == prefix], prefix)
+                body = gr.Column(elem_id=f"tab-body-{tab_id}")
+                if tab_id in METHOD_TABS:
+                    note = gr.Markdown(METHOD_TABS[tab_id], visible=False, elem_id=f"tab-note-{tab_id}")
+                    self.method_bodies[tab_id] = (body, note)
+                with body:
+                    for prefix in prefixes:
+                        if len(prefixes) > 1:
+                            gr.Markdown(f"### {sw.label_of(prefix.split('.')[-1])}\n{sw.section_help(prefix)}")
+                        self._build_group([s for s in mine if prefix_of(s.key, all_prefixes) == prefix], prefix)
                 for s in mine:
                     self.tab_of[s.key] = tab_id
                 if tab_id in extras:
                     extras[tab_id]()
+
+    def wire_method_tabs(self) -> Optional[Callable[..., list]]:
+        """Show the LoRA / Embedding settings only while training.method uses them (a note otherwise).
+        Hiding is presentation only: the hidden fields keep their values and stay in the config."""
+        keys = [k for k in ("training.method", "embedding.train_alongside") if k in self.widgets]
+        if "training.method" not in keys or not self.method_bodies:
+            return None
+        outputs = [c for body, note in self.method_bodies.values() for c in (body, note)]
+
+        def update(method: Any, alongside: Any = False) -> list:
+            shown = method_tab_visibility(method, alongside)
+            out = []
+            for tab_id in self.method_bodies:
+                out += [gr.Column(visible=shown[tab_id]), gr.Markdown(visible=not shown[tab_id])]
+            return out
+
+        inputs = [self.widgets[k] for k in keys]
+        for widget in inputs:
+            widget.change(update, inputs, outputs, show_progress="hidden")
+        return update
 
     def _build_group(self, specs: List[FieldSpec], prefix: str) -> None:
         direct = [s for s in specs if s.group == prefix or s.key == prefix]

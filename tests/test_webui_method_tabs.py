@@ -1,0 +1,45 @@
+"""LoRA and Embedding settings are shown only while training.method uses them, in a real browser."""
+
+from __future__ import annotations
+
+from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a free port)
+from webui.form import method_tab_visibility
+
+
+def test_visibility_rules():
+    assert method_tab_visibility("lora", False) == {"lora": True, "embedding": False}
+    assert method_tab_visibility("finetune", False) == {"lora": False, "embedding": False}
+    assert method_tab_visibility("finetune", True) == {"lora": False, "embedding": True}
+    assert method_tab_visibility("embedding", False) == {"lora": False, "embedding": True}
+
+
+def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
+    from playwright.sync_api import sync_playwright
+
+    from test_webui_e2e import CHROMIUM, CHROMIUM_ARGS
+    url, ctx = page_url
+
+    def choose(page, preset: str) -> None:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name=preset, exact=True).click()
+        page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
+                               timeout=30000)
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(url)
+            page.wait_for_selector("#start-btn", timeout=60000)
+            choose(page, "demo-finetune")
+            page.get_by_role("tab", name="LoRA", exact=True).click()
+            page.locator("#tab-note-lora").wait_for(state="visible", timeout=20000)
+            assert not page.locator("#tab-body-lora").is_visible()
+            choose(page, "demo")
+            page.get_by_role("tab", name="LoRA", exact=True).click()
+            page.locator("#tab-body-lora").wait_for(state="visible", timeout=20000)
+            assert not page.locator("#tab-note-lora").is_visible()
+            rank = page.locator("#tab-body-lora input[type=number]").first
+            assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
+        finally:
+            browser.close()
