@@ -45,3 +45,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def train_quiet(ws: Path, run: str, preset: str, *settings: str) -> Path:
+    """Train ``preset`` in-process into ``<ws>/runs/<run>`` (no TensorBoard, no backups, fp32 result)
+    with extra ``key=value`` settings; asserts success and returns the run folder."""
+    from trainer.__main__ import main as cli
+    args = ["train", "--preset", preset, "--no-progress"]
+    for s in (f"general.workspace={ws}", f"general.run_name={run}", "general.tensorboard=false",
+              "backup.every_n_epochs=0", "output.dtype=fp32", *settings):
+        args += ["--set", s]
+    assert cli(args) == 0
+    return ws / "runs" / run
+
+
+@pytest.fixture(scope="session")
+def sks_data(tmp_path_factory) -> Path:
+    """The demo shapes with the placeholder in every caption ('a <sks> square on …')."""
+    import shutil
+    data = tmp_path_factory.mktemp("sks-data")
+    for img in DEMO_DATA.glob("*.png"):
+        shutil.copy(img, data / img.name)
+        caption = img.with_suffix(".txt").read_text().strip()
+        (data / img.with_suffix(".txt").name).write_text(caption.replace("a ", "a <sks> ", 1))
+    return data

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from trainer.__main__ import main as cli
 from trainer.config import ConfigError, cross_field_warnings, load_config
+from conftest import train_quiet
 from trainer.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,24 +29,8 @@ SAMPLE = "[{prompt: 'a <sks> on a white background', steps: 2, width: 64, height
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-@pytest.fixture(scope="module")
-def sks_data(tmp_path_factory) -> Path:
-    """The demo shapes with the placeholder in every caption ('a <sks> square on …')."""
-    data = tmp_path_factory.mktemp("sks-data")
-    for img in DEMO_DATA.glob("*.png"):
-        shutil.copy(img, data / img.name)
-        caption = img.with_suffix(".txt").read_text().strip()
-        (data / img.with_suffix(".txt").name).write_text(caption.replace("a ", "a <sks> ", 1))
-    return data
-
-
 def _train(ws: Path, run: str, *settings: str) -> Path:
-    args = ["train", "--preset", "demo", "--no-progress"]
-    for s in (f"general.workspace={ws}", f"general.run_name={run}", "general.tensorboard=false",
-              "backup.every_n_epochs=0", "output.dtype=fp32", *settings):
-        args += ["--set", s]
-    assert cli(args) == 0
-    return ws / "runs" / run
+    return train_quiet(ws, run, "demo", *settings)
 
 
 @pytest.fixture(scope="module")

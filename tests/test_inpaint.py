@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "presets" / "demo-data"
 
 
+from conftest import train_quiet  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
@@ -47,13 +49,6 @@ def masked_data(tmp_path_factory) -> Path:
     return data
 
 
-def _train(ws: Path, run: str, preset: str, *settings: str) -> Path:
-    args = ["train", "--preset", preset, "--no-progress"]
-    for s in (f"general.workspace={ws}", f"general.run_name={run}", "general.tensorboard=false",
-              "backup.every_n_epochs=0", "output.dtype=fp32", *settings):
-        args += ["--set", s]
-    assert cli(args) == 0
-    return ws / "runs" / run
 
 
 def test_tiny_inpaint_models_are_detected_and_load_as_inpainting(ws):
@@ -94,7 +89,7 @@ def test_inpaint_lora_run_trains_and_samples_with_image_and_mask(ws, masked_data
     image = masked_data / "00-red-square.png"
     mask = masked_data / "00-red-square-masklabel.png"
     sample = f"[{{prompt: 'a blue circle', steps: 2, width: 64, height: 64, image: '{image}', mask: '{mask}'}}]"
-    run = _train(ws, "inp-lora", "demo", "model.path=builtin:tiny-sd-inpaint", "data.cache_latents=false",
+    run = train_quiet(ws, "inp-lora", "demo", "model.path=builtin:tiny-sd-inpaint", "data.cache_latents=false",
                  f"data.concepts.0.path={masked_data}", "data.masks=true", "model.inpainting_mask=both",
                  "training.max_steps=3", f"sampling.prompts={sample}", "sampling.every_n_epochs=0")
     events = read_events(run / "events.jsonl")
@@ -120,7 +115,7 @@ def test_inpaint_lora_run_trains_and_samples_with_image_and_mask(ws, masked_data
 
 
 def test_sdxl_inpaint_lora_with_cached_latents_warns_and_trains(ws):
-    run = _train(ws, "xlinp", "demo-sdxl", "model.path=builtin:tiny-sdxl-inpaint", "training.max_steps=2",
+    run = train_quiet(ws, "xlinp", "demo-sdxl", "model.path=builtin:tiny-sdxl-inpaint", "training.max_steps=2",
                  "sampling.prompts=[{prompt: 'a red square', steps: 2, width: 64, height: 64}]",
                  "sampling.every_n_epochs=0")
     events = read_events(run / "events.jsonl")
@@ -168,7 +163,7 @@ def test_masked_inpaint_training_reaches_the_prediction_only_inside_the_mask(ws,
 
 
 def test_inpaint_finetune_saves_an_inpainting_diffusers_folder(ws):
-    run = _train(ws, "inp-ft", "demo", "model.path=builtin:tiny-sd-inpaint", "data.cache_latents=false",
+    run = train_quiet(ws, "inp-ft", "demo", "model.path=builtin:tiny-sd-inpaint", "data.cache_latents=false",
                  "training.method=finetune", "training.max_steps=1", "output.format=diffusers",
                  "sampling.prompts=[]")
     from diffusers import StableDiffusionInpaintPipeline
