@@ -177,6 +177,67 @@ def test_components_load_from_materialised_folder_like_from_single_file(cache_ro
 
 
 # --------------------------------------------------------------------------------------------
+# inpainting variants: the base config with a 9-channel UNet
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, base, pipeline", [
+    ("sd15-inpaint", "sd15", "StableDiffusionInpaintPipeline"),
+    ("sd2-inpaint", "sd2-base", "StableDiffusionInpaintPipeline"),
+    ("sdxl-inpaint", "sdxl", "StableDiffusionXLInpaintPipeline"),
+])
+def test_inpaint_config_variants(tmp_path, name, base, pipeline):
+    import diffusers
+    folder, ref = config_folder(name, tmp_path), config_folder(base, tmp_path)
+    assert folder == tmp_path / "configs" / name
+    assert detect_family(folder) == name
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert files == {p.relative_to(ref).as_posix() for p in ref.rglob("*") if p.is_file()}
+    changed = {"unet/config.json", "model_index.json", ".atelier-config"}
+    for rel in files - changed:  # scheduler, VAE, text encoders, tokenizers: the base's, byte for byte
+        assert (folder / rel).read_bytes() == (ref / rel).read_bytes(), rel
+    unet, unet_ref = (json.loads((f / "unet" / "config.json").read_text()) for f in (folder, ref))
+    assert unet.pop("in_channels") == 9 and unet_ref.pop("in_channels") == 4 and unet == unet_ref
+    index, index_ref = (json.loads((f / "model_index.json").read_text()) for f in (folder, ref))
+    assert index.pop("_class_name") == pipeline
+    assert index.pop("requires_aesthetics_score", False) is False
+    index_ref.pop("_class_name")
+    assert index == index_ref
+    # loads like from_single_file reads it; SD 2 inpainting is the 512 epsilon model
+    pipe_cls = getattr(diffusers, pipeline)
+    assert pipe_cls.load_config(str(folder))["_class_name"] == pipeline
+    sched = getattr(diffusers, index["scheduler"][1]).from_pretrained(str(folder), subfolder="scheduler",
+                                                                     local_files_only=True)
+    assert sched.config.prediction_type == "epsilon"
+    assert unet["sample_size"] == {"sdxl-inpaint": 128}.get(name, 64)
+    assert config_folder(name, tmp_path) == folder  # idempotent; the base's folder is untouched
+    assert json.loads((ref / "unet" / "config.json").read_text())["in_channels"] == 4
+
+
+def test_diffusers_single_file_loader_maps_nine_channel_checkpoints_like_we_do(tmp_path):
+    """What diffusers' own from_single_file (no config) picks for 9-channel checkpoints: SD 1.5
+    inpainting, SD 2 inpainting at 512 (stabilityai/stable-diffusion-2-inpainting: epsilon, the
+    512-base lineage, hence our sd2-base-derived sd2-inpaint) and SDXL inpainting 0.1."""
+    from diffusers.loaders.single_file_utils import (CHECKPOINT_KEY_NAMES, DIFFUSERS_DEFAULT_PIPELINE_PATHS,
+                                                     DIFFUSERS_TO_LDM_DEFAULT_IMAGE_SIZE_MAP,
+                                                     infer_diffusers_model_type)
+    cases = [("sd15", 768, "inpainting", "stable-diffusion-v1-5/stable-diffusion-inpainting", 512),
+             ("sd2", 1024, "inpainting_v2", "stabilityai/stable-diffusion-2-inpainting", 512),
+             ("sdxl", None, "xl_inpaint", "diffusers/stable-diffusion-xl-1.0-inpainting-0.1", 1024)]
+    for kind, ctx, model_type, repo, size in cases:
+        sd = _fake(kind, 9, ctx)
+        if ctx:
+            sd[CHECKPOINT_KEY_NAMES["v2"]] = _z(8, ctx)
+        if kind == "sdxl":
+            sd[CHECKPOINT_KEY_NAMES["xl_base"]] = _z(8)
+        path = _write(sd, tmp_path / f"{kind}.safetensors", "safetensors")
+        assert detect_family(path) == f"{kind}-inpaint"
+        assert default_config_for(f"{kind}-inpaint", None) == f"{kind}-inpaint"
+        assert infer_diffusers_model_type(sd) == model_type
+        assert DIFFUSERS_DEFAULT_PIPELINE_PATHS[model_type]["pretrained_model_name_or_path"] == repo
+        assert DIFFUSERS_TO_LDM_DEFAULT_IMAGE_SIZE_MAP[model_type] == size
+
+
+# --------------------------------------------------------------------------------------------
 # default_config_for
 # --------------------------------------------------------------------------------------------
 
@@ -187,8 +248,11 @@ def test_default_config_for():
     assert default_config_for("sd2", "v_prediction") == "sd2"
     assert default_config_for("sd2", None) == "sd2"
     assert default_config_for("sdxl", "epsilon") == "sdxl"
-    with pytest.raises(ValueError, match="no shipped diffusers config"):
-        default_config_for("sd15-inpaint", "epsilon")
+    # inpainting families: their variants, whatever the prediction type (SD 2 inpainting is 512 epsilon)
+    for pred in (None, "epsilon", "v_prediction"):
+        assert default_config_for("sd15-inpaint", pred) == "sd15-inpaint"
+        assert default_config_for("sd2-inpaint", pred) == "sd2-inpaint"
+        assert default_config_for("sdxl-inpaint", pred) == "sdxl-inpaint"
     with pytest.raises(ValueError, match="unknown model family"):
         default_config_for("sd3", "epsilon")
     with pytest.raises(ValueError, match="unknown prediction_type"):
@@ -392,6 +456,105 @@ def test_detect_family_diffusers_folders(tiny_folders, tmp_path):
         detect_family(tmp_path / "inpaint" / "tokenizer")
     with pytest.raises(ValueError, match="single diffusers component folder"):
         detect_family(tiny_folders["tiny-sd"] / "vae")
+
+
+# --------------------------------------------------------------------------------------------
+# folders and hub snapshots without a usable model_index.json: the UNet's config decides
+# --------------------------------------------------------------------------------------------
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _snapshot(hub: Path, repo: str, folder: Path, drop=()) -> None:
+    """``folder`` as the cached snapshot of hub repo ``repo`` (huggingface_hub's cache layout)."""
+    import shutil
+    root = hub / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(folder, root / "snapshots" / REVISION)
+    for rel in drop:
+        target = root / "snapshots" / REVISION / rel
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text(REVISION)
+
+
+def _model_cfg(path: str, **model):
+    from omegaconf import OmegaConf
+
+    from trainer.config import load_config
+    cfg = load_config(preset="demo")
+    OmegaConf.update(cfg, "model.path", path)
+    for k, v in model.items():
+        OmegaConf.update(cfg, f"model.{k}", v)
+    return cfg.model
+
+
+@pytest.fixture(scope="module")
+def xl_inpaint_folder(tmp_path_factory) -> tuple:
+    from trainer.models.tiny import build_tiny_pipeline
+    pipe = build_tiny_pipeline("tiny-sdxl-inpaint")
+    folder = tmp_path_factory.mktemp("xlinp") / "tiny-sdxl-inpaint"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder, pipe
+
+
+def test_hub_and_folder_detection_fall_back_to_the_unet_config(tiny_folders, xl_inpaint_folder, tmp_path):
+    import shutil
+
+    from trainer.models.base import ModelLoadError, ModelSource, detect_source_family
+    xl_folder, _ = xl_inpaint_folder
+    # local folders: no model_index.json, or an unreadable one
+    sd2 = tmp_path / "sd2"
+    shutil.copytree(tiny_folders["tiny-sd2"], sd2, ignore=shutil.ignore_patterns("*.safetensors"))
+    (sd2 / "model_index.json").write_text("{not json")
+    assert detect_family(sd2) == "sd2"
+    (sd2 / "model_index.json").unlink()
+    assert detect_family(sd2) == "sd2"
+
+    hub = tmp_path / "hub"
+    _snapshot(hub, "atelier/sd2", tiny_folders["tiny-sd2"])
+    _snapshot(hub, "atelier/xl-noindex", xl_folder, drop=["model_index.json"])
+    _snapshot(hub, "atelier/xl-badindex", xl_folder)
+    (hub / "models--atelier--xl-badindex" / "snapshots" / REVISION / "model_index.json").write_text("[1, 2]")
+    _snapshot(hub, "atelier/xl-index-only", xl_folder, drop=["unet"])
+    _snapshot(hub, "atelier/nothing", xl_folder, drop=["model_index.json", "unet"])
+    mcfg = _model_cfg("", hub_offline=True, cache_dir=str(hub))
+
+    def family(repo: str):
+        return detect_source_family(ModelSource("hub", repo, repo), mcfg)
+    assert family("atelier/sd2") == "sd2"  # model_index.json alone cannot tell SD 2 from SD 1
+    assert family("atelier/xl-noindex") == "sdxl-inpaint"  # unet/config.json: text_time, in_channels 9
+    assert family("atelier/xl-badindex") == "sdxl-inpaint"
+    assert family("atelier/xl-index-only") == "sdxl-inpaint"  # the pipeline class, without the UNet's config
+    assert family("atelier/not-cached") is None  # the loader says it is not in the cache
+    with pytest.raises(ModelLoadError, match="neither model_index.json nor unet/config.json"):
+        family("atelier/nothing")
+
+
+def test_folder_and_hub_snapshot_without_model_index_load(tiny_folders, xl_inpaint_folder, tmp_path):
+    import shutil
+
+    from trainer.models.base import load_model
+    xl_folder, xl_pipe = xl_inpaint_folder
+    local = tmp_path / "xl-local"
+    shutil.copytree(xl_folder, local)
+    (local / "model_index.json").unlink()
+    hub = tmp_path / "hub"
+    _snapshot(hub, "atelier/xl-noindex", xl_folder, drop=["model_index.json"])
+    for path, extra in ((str(local), {}), ("atelier/xl-noindex", {"hub_offline": True, "cache_dir": str(hub)})):
+        model = load_model(_model_cfg(path, **extra), str(tmp_path))
+        assert type(model).__name__ == "StableDiffusionXL" and model.inpainting and model.family == "sdxl"
+        assert model.source.kind == ("folder" if path == str(local) else "hub")
+        for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+            want, got = getattr(xl_pipe, name).state_dict(), getattr(model, name).state_dict()
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+        assert type(model.pipeline("euler")).__name__ == "StableDiffusionXLInpaintPipeline"
+        assert model.tokenize(["a red square"])[0].shape == (1, 77)
+    # an SD 2 folder without model_index.json: detected as SD 2 and loaded component by component
+    sd2 = tmp_path / "sd2"
+    shutil.copytree(tiny_folders["tiny-sd2"], sd2)
+    (sd2 / "model_index.json").unlink()
+    model = load_model(_model_cfg(str(sd2)), str(tmp_path))
+    assert model.family == "sd2" and not model.inpainting and model.prediction_type == "v_prediction"
 
 
 # --------------------------------------------------------------------------------------------

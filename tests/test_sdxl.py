@@ -146,13 +146,15 @@ def test_family_mismatch_messages_both_ways(ws, tmp_path):
     with pytest.raises(ModelLoadError, match="model.family is sd15"):
         StableDiffusionXL(mcfg(path="builtin:tiny-sdxl", family="sd15"), str(ws))
 
-    # a 9-channel (inpainting) SDXL single file: trainable (tests/test_inpaint.py), but it has no built-in
-    # config, so it is refused up front, before any weights load, naming model.config_path
+    # a 9-channel (inpainting) SDXL single file is loaded with the built-in SDXL inpainting config (the
+    # SDXL config with a 9-channel UNet; tests/test_inpaint.py loads tiny ones); this tiny file does not
+    # fit that real-sized config, and the message names the config and model.config_path
     state = load_file(str(models / "tiny-sdxl.safetensors"))
     conv_in = state["model.diffusion_model.input_blocks.0.0.weight"]
     state["model.diffusion_model.input_blocks.0.0.weight"] = torch.zeros(conv_in.shape[0], 9, *conv_in.shape[2:])
     save_file(state, str(tmp_path / "inpaint.safetensors"))
-    with pytest.raises(ModelLoadError, match="single-file SDXL inpainting checkpoint.*model.config_path"):
+    with pytest.raises(ModelLoadError,
+                       match=r"single-file sdxl-inpaint checkpoint \(config .*sdxl-inpaint\).*model.config_path"):
         StableDiffusionXL(mcfg(path=str(tmp_path / "inpaint.safetensors")), str(ws))
 
 

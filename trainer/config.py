@@ -84,7 +84,8 @@ class ModelConfig:
     path: str = f("", "Base model: a diffusers folder, a hub id (org/name), a .safetensors/.ckpt file, "
                       "or builtin:tiny-sd / builtin:tiny-sd2 / builtin:tiny-sdxl for offline demo models.",
                   ui="path")
-    family: str = f("auto", "Model family; auto detects it from the weights.",
+    family: str = f("auto", "Model family; auto detects it from the weights. An inpainting model takes its "
+                            "base family; inpainting is detected from the UNet's 9 input channels.",
                     choices=["auto", "sd15", "sd2", "sdxl"])
     prediction_type: str = f("auto", "What the UNet predicts; auto reads it from the model "
                                      "(SD 2.x 768 models are v_prediction).",

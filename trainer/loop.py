@@ -203,7 +203,9 @@ class Trainer:
                 self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
                 encode_text_fn=(lambda captions: self.model.encode_captions(
                     self.method.expand_text(captions))) if frozen_text else None,
-                text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}")
+                text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}",
+                # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
+                inpaint_fn=self.model.encode_masked_images if getattr(self.model, "inpainting", False) else None)
         self.tb = None
         if g.tensorboard and self.is_main:
             try:

@@ -9,7 +9,10 @@ without ever serving stale latents. Entries are written atomically (temp file, t
 ``os.replace``): a run stopped mid-caching resumes where it stopped and never reads half a file.
 
 Layout: ``<cache_dir>/latents/<first 2 hex>/<sha256>.safetensors``; an entry holds ``mean``,
-``std`` and, for a masked image, ``mask`` [1, h, w] at latent resolution. :class:`TextCache` does the
+``std`` and, for a masked image, ``mask`` [1, h, w] at latent resolution. For an inpainting model
+(``extras_fn`` given) it also holds what the masked-image latents are built from, exactly:
+``pixels_u8`` (the rendered, augmented pixels as uint8 [3, H, W], lossless) and, with data masks,
+``masked_mean`` (the VAE mean of the image with its own mask blanked). :class:`TextCache` does the
 same for text-encoder outputs under ``<cache_dir>/text/``.
 """
 
@@ -61,6 +64,9 @@ def make_settings_key(**parts: object) -> str:
 
 
 EncodeFn = Callable[["torch.Tensor"], Dict[str, "torch.Tensor"]]
+# (pixels [B, 3, H, W], per entry: its mask at latent resolution or None, latent (h, w)) -> more batched
+# tensors to store
+ExtrasFn = Callable[["torch.Tensor", List[Optional["torch.Tensor"]], Tuple[int, int]], Dict[str, "torch.Tensor"]]
 LoadFn = Callable[[ImageItem, int], "torch.Tensor"]
 ProgressFn = Callable[[int, int], None]
 # what a cache job's loader returns: one (pixels [3,H,W], pixel mask [1,H,W] or None) per entry
@@ -126,13 +132,15 @@ class LatentCache:
         return self.run_jobs(jobs, encode_fn, batch_size, progress)
 
     def run_jobs(self, jobs: Sequence[CacheJob], encode_fn: EncodeFn, batch_size: int,
-                 progress: Optional[ProgressFn] = None, workers: int = 0) -> int:
+                 progress: Optional[ProgressFn] = None, workers: int = 0,
+                 extras_fn: Optional[ExtrasFn] = None) -> int:
         """Encode the entries of ``jobs`` that do not exist yet (in batches of equal pixel size)
         and write them atomically; return how many were encoded.
 
         A job's pixel mask, when given, is stored with its entry as ``mask`` at latent resolution
-        (area-averaged to the encoded latents' height and width). ``workers`` > 0 decodes images
-        in that many background threads while the encoder runs.
+        (area-averaged to the encoded latents' height and width). ``extras_fn(pixels, latent_masks, latent_hw)``
+        adds more batched tensors to store (an inpainting model's pixels and masked-image latents).
+        ``workers`` > 0 decodes images in that many background threads while the encoder runs.
         """
         import torch
 
@@ -155,12 +163,16 @@ class LatentCache:
             with torch.no_grad():
                 out = encode_fn(pixels)
             extras: List[Dict[str, torch.Tensor]] = []
+            latent_hw = tuple(next(iter(out.values())).shape[-2:]) if isinstance(out, dict) and out else None
             for _, (_, mask) in batch:
                 if mask is None:
                     extras.append({})
                 else:
-                    ref = next(iter(out.values()))
-                    extras.append({"mask": mask_to_latent(mask, tuple(ref.shape[-2:]))})
+                    extras.append({"mask": mask_to_latent(mask, latent_hw)})
+            if extras_fn is not None:
+                with torch.no_grad():
+                    more = extras_fn(pixels, [e.get("mask") for e in extras], latent_hw)
+                out = {**out, **more}
             self._write_batch([p for p, _ in batch], out, len(batch), extras)
             done += len(batch)
             if progress is not None:
@@ -363,5 +375,5 @@ def as_text_dict(out: object) -> Dict[str, "torch.Tensor"]:
     return {"encoder_hidden_states": out}  # type: ignore[dict-item]
 
 
-__all__ = ["LatentCache", "TextCache", "CacheJob", "make_settings_key", "file_sha256", "CACHE_FORMAT",
+__all__ = ["LatentCache", "TextCache", "CacheJob", "ExtrasFn", "make_settings_key", "file_sha256", "CACHE_FORMAT",
            "as_text_dict"]

@@ -120,6 +120,18 @@ def to_tensor(img: Image.Image) -> "torch.Tensor":
     return data.view(h, w, 3).permute(2, 0, 1).float().div_(127.5).sub_(1.0).contiguous()
 
 
+def pixels_to_uint8(pixels: "torch.Tensor") -> "torch.Tensor":
+    """:func:`to_tensor`'s output back to its uint8 values (lossless: every value it makes is k/127.5 - 1).
+    A quarter of the float's size, for caches that keep rendered pixels (inpainting's masked images)."""
+    import torch
+    return pixels.detach().float().add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def uint8_to_pixels(data: "torch.Tensor") -> "torch.Tensor":
+    """uint8 [..., 3, H, W] → float32 in [-1, 1], bit for bit what :func:`to_tensor` made from them."""
+    return data.float().div_(127.5).sub_(1.0)
+
+
 def load_image(path: Path, resolution: int, center_crop: bool, flip: bool,
                crop_rng: Optional[random.Random] = None) -> "torch.Tensor":
     """A training image as float32 [3, resolution, resolution] in [-1, 1].
@@ -205,5 +217,6 @@ def mask_to_latent(mask: "torch.Tensor", latent_hw: Tuple[int, int]) -> "torch.T
     return out[0] if squeeze else out
 
 
-__all__ = ["open_rgb", "resize_crop", "to_tensor", "load_image", "open_mask", "decode", "mask_to_tensor",
+__all__ = ["open_rgb", "resize_crop", "to_tensor", "pixels_to_uint8", "uint8_to_pixels", "load_image", "open_mask",
+           "decode", "mask_to_tensor",
            "render_sample", "mask_to_latent"]

@@ -18,9 +18,15 @@ A batch is a dict::
     original_sizes         list of B (height, width) of the images as displayed   } SDXL's size and
     crop_top_lefts         list of B (top, left) of the crop in the resized image } crop conditioning
     target_sizes           list of B (height, width) trained at                   } (time ids)
+    inpaint_pixels         float32 [B, 3, H, W] in [-1, 1]: the pixels the latents were encoded from,
+                           exactly (only for an inpainting model: prepare() got ``inpaint_fn``)
+    masked_mean            [B, 4, h, w] VAE mean of each image with its own mask (``mask``) blanked
+                           (inpainting with data.masks and cached latents; exact, encoded at cache time)
 
 Latents come from the latent cache (``data.cache_latents``) or, when augmentations are on with
-``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. Batches
+``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. For an
+inpainting model the cache also keeps each entry's rendered pixels (uint8, lossless) and, with masks,
+the masked image's latents, so cached and uncached runs build the same masked-image latents. Batches
 are loaded ``general.dataloader_workers`` ahead in background threads (0 = in the caller's thread);
 VAE encoding always happens in the caller's thread. In that uncached mode each image is decoded
 at most once per epoch (kept until its last use in the epoch).
@@ -49,6 +55,7 @@ log = logging.getLogger("atelier")
 
 ProgressFn = Callable[[str, int, int], None]  # (stage: "latents" | "text", done, total)
 _PROBE_CAPTION = "a photo of a cat, atelier text cache probe"
+_INPAINT_CACHE = 1  # inpainting entries' extra layout (pixels_u8, masked_mean); bump when it changes
 
 
 class DataPipeline:
@@ -81,6 +88,7 @@ class DataPipeline:
         self.cache: Optional[LatentCache] = None
         self.text_cache: Optional[TextCache] = None
         self.encode_fn: Optional[Callable] = None
+        self.inpaint_fn: Optional[Callable] = None
 
     # --- captions ------------------------------------------------------------------------------
     def set_placeholder(self, placeholder: str, replacement: Replacement) -> None:
@@ -196,7 +204,8 @@ class DataPipeline:
     def prepare(self, encode_fn: Callable, fingerprint: str, vae_dtype: str,
                 encode_text_fn: Optional[Callable[[List[str]], Any]] = None,
                 text_fingerprint: Optional[str] = None,
-                progress: Optional[ProgressFn] = None) -> Dict[str, Any]:
+                progress: Optional[ProgressFn] = None,
+                inpaint_fn: Optional[Callable] = None) -> Dict[str, Any]:
         """Attach the VAE encoder and fill every cache; returns what was encoded and reused.
 
         ``encode_fn(pixels [B,3,H,W] in [-1,1]) -> {"mean", "std"}``; ``fingerprint`` identifies
@@ -207,19 +216,29 @@ class DataPipeline:
         and cacheable captions every possible caption is encoded now and batches carry
         ``encoder_hidden_states``. Caching resumes where an interrupted run stopped (entries are
         written atomically). This is all an "only cache" command needs.
+
+        ``inpaint_fn`` (an inpainting model's ``encode_masked_images(pixels, latent_masks)``) makes
+        batches carry ``inpaint_pixels`` and cache entries keep what the masked-image latents need:
+        the pixels (uint8) and, with data.masks, the masked image's latents (``masked_mean``). Its
+        entries are apart from a text-to-image model's (another settings key).
         """
         d = self.data_cfg
         self.encode_fn = encode_fn
+        self.inpaint_fn = inpaint_fn
         summary: Dict[str, Any] = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0,
                                    "text_reused": 0, "text_cache": "off"}
         t0 = time.time()
         report = _progress_logger("latents", progress)
         if d.cache_latents:
-            self.cache = LatentCache(self.cache_dir(), make_settings_key(model=fingerprint, vae_dtype=vae_dtype))
+            key = dict(model=fingerprint, vae_dtype=vae_dtype)
+            if inpaint_fn is not None:
+                key["inpaint"] = _INPAINT_CACHE
+            self.cache = LatentCache(self.cache_dir(), make_settings_key(**key))
             jobs = self._cache_jobs()
             total = sum(len(j.paths) for j in jobs)
             n = self.cache.run_jobs(jobs, encode_fn, batch_size=max(1, self.batch_size), progress=report,
-                                    workers=self.workers)
+                                    workers=self.workers,
+                                    extras_fn=self._inpaint_extras if inpaint_fn is not None else None)
             summary.update(latents_encoded=n, latents_reused=total - n)
             log.info("latent cache: %d encoded, %d reused (%.1fs)", n, total - n, time.time() - t0)
         if encode_text_fn is not None and d.cache_text:
@@ -238,6 +257,20 @@ class DataPipeline:
                 log.info("text cache: %d encoded, %d reused (%.1fs)", n, len(captions) - n, time.time() - t1)
         summary["seconds"] = round(time.time() - t0, 3)
         return summary
+
+    def _inpaint_extras(self, pixels, latent_masks: List[Any], latent_hw: Tuple[int, int]) -> Dict[str, Any]:
+        """What an inpainting model's cache entry adds: the pixels (uint8, lossless) and, with
+        data.masks, the latents of the image with its own mask blanked — exactly what
+        ``inpaint_fn`` makes of a batch's ``inpaint_pixels`` and ``mask`` at training time (an image
+        without a mask file gets the all-ones mask the batches give it)."""
+        import torch
+
+        from trainer.data.images import pixels_to_uint8
+        out: Dict[str, Any] = {"pixels_u8": pixels_to_uint8(pixels)}
+        if self.masks and self.inpaint_fn is not None:
+            masks = torch.stack([m if m is not None else torch.ones(1, *latent_hw) for m in latent_masks])
+            out["masked_mean"] = self.inpaint_fn(pixels, masks)
+        return out
 
     def _cache_jobs(self) -> List[CacheJob]:
         assert self.cache is not None
@@ -331,6 +364,11 @@ class DataPipeline:
             if self.masks:
                 h, w = raw["latent_dist"]["mean"].shape[-2:]
                 raw["mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in masks])
+            if self.inpaint_fn is not None and all("pixels_u8" in e for e in dists):
+                from trainer.data.images import uint8_to_pixels
+                raw["inpaint_pixels"] = uint8_to_pixels(torch.stack([e["pixels_u8"] for e in dists]))
+                if self.masks and all("masked_mean" in e for e in dists):
+                    raw["masked_mean"] = torch.stack([e["masked_mean"] for e in dists])
         else:
             raw["pixels"] = torch.stack(pixels)
             if self.masks:
@@ -348,9 +386,12 @@ class DataPipeline:
             if self.encode_fn is None:
                 raise RuntimeError("DataPipeline.prepare() must be called before batches are loaded")
             import torch
+            pixels = raw.pop("pixels")
             with torch.no_grad():
-                out = self.encode_fn(raw.pop("pixels"))
+                out = self.encode_fn(pixels)
             raw["latent_dist"] = {"mean": out["mean"], "std": out["std"]}
+            if self.inpaint_fn is not None:
+                raw["inpaint_pixels"] = pixels
             if "pixel_mask" in raw:
                 raw["mask"] = mask_to_latent(raw.pop("pixel_mask"), tuple(out["mean"].shape[-2:]))
         return raw

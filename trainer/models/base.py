@@ -128,8 +128,11 @@ def detect_source_family(source: ModelSource, mcfg: Any = None) -> Optional[str]
 
     Local folders and files are read with :func:`sd_configs.detect_family` (key names and shapes only);
     a file that is no model at all raises :class:`ModelLoadError` saying what it looks like. For a hub
-    id only ``model_index.json`` is read (from the cache when ``mcfg.hub_offline``): ``sdxl`` for an
-    SDXL pipeline, None when it cannot be told (the family's own loader then reports)."""
+    id the repo's ``unet/config.json`` decides (SDXL by its ``text_time`` conditioning or 2048-wide
+    context, SD 1.x/2.x by the context width, inpainting by 9 input channels), with ``model_index.json``
+    as a hint (or, without the UNet's config, alone: ``sdxl``/``sdxl-inpaint`` by the pipeline class).
+    Read from the cache when ``mcfg.hub_offline``. None when nothing can be read (not cached, no
+    network, gated …: the family's own loader then reports); a repo that has neither file raises."""
     if source.kind in ("folder", "single_file"):
         from trainer.models import sd_configs
         try:
@@ -137,20 +140,114 @@ def detect_source_family(source: ModelSource, mcfg: Any = None) -> Optional[str]
         except (ValueError, OSError) as exc:  # refiner, depth/pix2pix UNet, VAE-only or LoRA file, garbage
             raise ModelLoadError(f"model.path '{source.display}': {exc}", key="model.path",
                                  value=source.display) from None
-    try:
-        from diffusers import DiffusionPipeline
-        kwargs: Dict[str, Any] = {"local_files_only": bool(getattr(mcfg, "hub_offline", False))}
-        if getattr(mcfg, "cache_dir", ""):
-            kwargs["cache_dir"] = mcfg.cache_dir
-        if getattr(mcfg, "revision", ""):
-            kwargs["revision"] = mcfg.revision
-        index = DiffusionPipeline.load_config(source.location, **kwargs)
-    except Exception:  # not cached, no network, gated …: the loader gives the full message
-        return None
-    name = str(index.get("_class_name", ""))
-    if "XL" in name:
-        return "sdxl-inpaint" if "Inpaint" in name else "sdxl"
+    from trainer.models import sd_configs
+    index = _read_hub_json(source.location, "model_index.json", mcfg)
+    unet = _read_hub_json(source.location, "unet/config.json", mcfg)
+    if isinstance(unet, dict):
+        try:
+            return sd_configs.detect_from_configs(unet, index if isinstance(index, dict) else {},
+                                                  f"hub model '{source.location}'")
+        except ValueError as exc:  # refiner, unCLIP, depth …
+            raise ModelLoadError(f"model.path {exc}", key="model.path", value=source.display) from None
+    if isinstance(index, dict):
+        name = str(index.get("_class_name", "") or "")
+        if "XL" in name:
+            return "sdxl-inpaint" if "Inpaint" in name else "sdxl"
+        return None  # SD 1.x or 2.x: the loader tells them apart from the loaded UNet
+    if index is _MISSING and unet is _MISSING:
+        raise ModelLoadError(
+            f"model.path '{source.location}': the hub repo has neither model_index.json nor unet/config.json, so it "
+            "is not a diffusers Stable Diffusion pipeline. If it holds a single .safetensors/.ckpt checkpoint, "
+            "download that file and set model.path to it.", key="model.path", value=source.display)
     return None
+
+
+_MISSING = object()  # a hub repo (or its cached snapshot) that has no such file
+
+
+def _hub_kwargs(mcfg: Any) -> Dict[str, Any]:
+    return {"cache_dir": getattr(mcfg, "cache_dir", "") or None, "revision": getattr(mcfg, "revision", "") or None}
+
+
+def _hub_offline(mcfg: Any) -> bool:
+    from huggingface_hub import constants
+    return bool(getattr(mcfg, "hub_offline", False)) or bool(constants.HF_HUB_OFFLINE)
+
+
+def _read_hub_json(repo: str, filename: str, mcfg: Any):
+    """A JSON file of a hub repo as a dict; ``_MISSING`` when the repo (or, offline, its cached
+    snapshot) has no such file or it is no JSON object; None when it cannot be told (not cached,
+    no network, gated, no such repo)."""
+    from huggingface_hub import hf_hub_download, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    from trainer.models import sd_configs
+    kw = _hub_kwargs(mcfg)
+    offline = _hub_offline(mcfg)
+    try:
+        path = Path(hf_hub_download(repo, filename, local_files_only=offline, **kw))
+    except LocalEntryNotFoundError:  # not in the cache: missing, if a snapshot of the repo is
+        try:
+            snapshot = Path(snapshot_download(repo, local_files_only=True, **kw))
+        except Exception:
+            return None
+        return _MISSING if not (snapshot / filename).is_file() else None
+    except EntryNotFoundError:
+        return _MISSING
+    except Exception:
+        return None
+    try:
+        return sd_configs._read_json(path)
+    except ValueError:
+        return _MISSING
+
+
+def _usable_index(folder: Path) -> bool:
+    """A ``model_index.json`` that ``from_pretrained`` can use: a JSON object naming a pipeline class."""
+    from trainer.models import sd_configs
+    try:
+        return bool(sd_configs._read_json(folder / "model_index.json").get("_class_name"))
+    except ValueError:
+        return False
+
+
+def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, **common: Any):
+    """``pipeline_cls`` from a diffusers folder without a usable ``model_index.json``: each component from
+    its own subfolder, its class read from its config (``_class_name`` for diffusers models and
+    schedulers, ``architectures`` for transformers models, ``tokenizer_class`` for tokenizers).
+    Components the pipeline may go without (safety checker, image encoder …) are None when absent."""
+    import diffusers
+    import transformers
+
+    from trainer.models import sd_configs
+    expected, optional = pipeline_cls._get_signature_keys(pipeline_cls)
+    parts: Dict[str, Any] = {k: v for k, v in common.items() if k in expected}
+    for name in sorted(set(expected) - set(parts)):
+        sub = folder / name
+        if not sub.is_dir():
+            if name in pipeline_cls._optional_components:
+                parts[name] = None
+                continue
+            raise ValueError(f"no model_index.json and no {name}/ subfolder")
+        dt = dtype.get(name, dtype.get("default")) if isinstance(dtype, dict) else dtype
+        dkw = {} if dt is None else {"dtype": dt}
+        if (sub / "scheduler_config.json").is_file():
+            cls_name = sd_configs._read_json(sub / "scheduler_config.json").get("_class_name", "")
+            parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
+        elif name.startswith("tokenizer"):
+            tok_cfg = sub / "tokenizer_config.json"
+            cls_name = (sd_configs._read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None)
+            cls_name = str(cls_name or "CLIPTokenizer").removesuffix("Fast")
+            cls = getattr(transformers, cls_name, transformers.CLIPTokenizer)
+            parts[name] = cls.from_pretrained(str(folder), subfolder=name)
+        else:
+            cfg = sd_configs._read_json(sub / "config.json")
+            if cfg.get("_class_name"):
+                parts[name] = getattr(diffusers, cfg["_class_name"]).from_pretrained(str(folder), subfolder=name, **dkw)
+            else:
+                arch = (cfg.get("architectures") or [""])[0]
+                parts[name] = getattr(transformers, arch).from_pretrained(str(folder), subfolder=name, **dkw)
+    return pipeline_cls(**parts, **{k: v for k, v in common.items() if k in optional})
 
 
 def check_family(source: ModelSource, found: Optional[str], mcfg: Any, accepted: tuple, label: str) -> None:
@@ -175,7 +272,9 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
                   dtype: Any = None, **common: Any):
     """Load ``pipeline_cls`` from a folder, a single file (with a shipped or given config) or a hub id.
 
-    ``family`` picks the shipped config for single files (:func:`sd_configs.default_config_for`).
+    ``family`` picks the shipped config for single files (:func:`sd_configs.default_config_for`; an
+    ``*-inpaint`` family gets its base config with a 9-channel UNet). A folder or hub snapshot without
+    a usable ``model_index.json`` is loaded component by component (:func:`load_components`).
     ``dtype`` (a dtype or diffusers' ``{component: dtype, "default": dtype}``) loads weights
     straight into their storage dtype: an SDXL UNet in fp32 alone is 10 GB of RAM."""
     kw: Dict[str, Any] = dict(common)
@@ -183,6 +282,8 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
         kw["dtype"] = dtype
     if source.kind == "folder":
         try:
+            if not _usable_index(Path(source.location)):  # detected from unet/config.json
+                return load_components(pipeline_cls, Path(source.location), kw.pop("dtype", None), **kw)
             return pipeline_cls.from_pretrained(source.location, local_files_only=True, **kw)
         except Exception as exc:
             raise ModelLoadError(f"Could not load the diffusers folder '{source.display}' as "
@@ -194,11 +295,7 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
             config = mcfg.config_path
         else:
             pred = getattr(mcfg, "prediction_type", "auto")
-            if family.endswith("-inpaint"):
-                raise ModelLoadError(f"'{source.display}' is a single-file {FAMILY_NAMES[family]} checkpoint; there "
-                                     "is no built-in config for it. Set model.config_path to a diffusers inpainting "
-                                     "model folder (its configs), or use the model's diffusers folder.",
-                                     key="model.config_path", value=source.display)
+            # an inpainting family (9-channel conv_in in the file) gets its base config with in_channels 9
             name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
             config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))
         if isinstance(kw.get("dtype"), dict):  # from_single_file takes one dtype
@@ -220,6 +317,11 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
     if mcfg.revision:
         kw["revision"] = mcfg.revision
     try:
+        if not isinstance(_read_hub_json(source.location, "model_index.json", mcfg), dict):
+            folder = _hub_snapshot_without_index(source.location, mcfg)
+            if folder is not None:
+                common_kw = {k: v for k, v in kw.items() if k not in ("local_files_only", "cache_dir", "revision")}
+                return load_components(pipeline_cls, folder, common_kw.pop("dtype", None), **common_kw)
         return pipeline_cls.from_pretrained(source.location, **kw)
     except Exception as exc:
         if mcfg.hub_offline:
@@ -232,6 +334,22 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
                              f"{type(exc).__name__}: {_first_line(exc)}. "
                              "Check the id, your network and (for gated models) your HF token.",
                              key="model.path", value=source.location) from None
+
+
+_COMPONENT_DIRS = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+
+
+def _hub_snapshot_without_index(repo: str, mcfg: Any) -> Optional[Path]:
+    """The local snapshot of a hub repo without a usable ``model_index.json`` but with ``unet/``: its
+    component folders (safetensors weights where the repo has them), from the cache when offline."""
+    from huggingface_hub import snapshot_download
+    if _read_hub_json(repo, "unet/config.json", mcfg) is None and not _hub_offline(mcfg):
+        return None
+    folder = Path(snapshot_download(repo, local_files_only=_hub_offline(mcfg),
+                                    allow_patterns=[f"{c}/*" for c in _COMPONENT_DIRS],
+                                    ignore_patterns=["*.onnx", "*.msgpack", "*.h5", "*.ckpt", "*.fp16.*"],
+                                    **_hub_kwargs(mcfg)))
+    return folder if (folder / "unet" / "config.json").is_file() else None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -282,9 +400,7 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         import torch
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
-        out = {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
-        self._remember_pixels(pixels, out["mean"])  # inpainting: the masked image needs these pixels
-        return out
+        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
 
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         import torch

@@ -12,12 +12,15 @@ Where the masks come from (``model.inpainting_mask``):
 - ``data``: each image's own mask (``data.masks``; white = repaint);
 - ``both``: per image, a coin from the generator picks its own mask or a random one.
 
-The masked image needs the training image's *pixels*. The latent cache keeps only latents, so:
-with ``data.cache_latents`` off (what the inpainting presets do) the pixels that the data pipeline
-renders and hands to :meth:`encode_pixels` are kept for the batch they belong to (matched by
-identity of the latent tensor) and used exactly. With cached latents the pixels are rebuilt by
-decoding the cached latent mean through the VAE (close, not exact), with a warning once. Masked-image
-latents cannot be cached themselves: random masks change every step.
+The masked image needs the training image's *pixels*. The data pipeline hands them over in each
+batch (``inpaint_pixels``, once :meth:`DataPipeline.prepare` got :meth:`encode_masked_images`): freshly
+rendered without the latent cache, and from the cache otherwise, which for an inpainting model keeps each
+entry's rendered pixels as uint8 (lossless: they come from 8-bit images). With data masks the cache also
+keeps the masked image's latents (``masked_mean``, encoded at cache time from the same pixels and mask),
+so ``model.inpainting_mask = data`` costs no VAE pass per step. Either way a cached run builds the same
+masked-image latents as an uncached one. Random masks change every step, so their masked images are
+encoded per step. Only a batch without pixels (a data pipeline prepared without the model) falls back
+to decoding the latents through the VAE (close, not exact), with a warning once.
 """
 
 from __future__ import annotations
@@ -64,75 +67,112 @@ def random_masks(n: int, height: int, width: int, generator, full_probability: f
     return masks
 
 
+def data_masks_to_pixels(latent_masks, size):
+    """A batch's own masks (``batch["mask"]``, [B, 1, h, w] in [0, 1]) as binary repaint masks at pixel
+    ``size``: nearest upsampling, > 0.5 repaints."""
+    import torch.nn.functional as F
+    return (F.interpolate(latent_masks.float(), size=tuple(size), mode="nearest") > 0.5).float()
+
+
+def masked_pixels(pixels, masks):
+    """The inpainting pipelines' masked image: the repainted part (mask ≥ 0.5) blanked to 0 (grey)."""
+    return pixels * (masks < 0.5)
+
+
 class InpaintingMixin:
     """What a latent-diffusion family adds for 9-channel UNets; ``self.inpainting`` switches it on."""
 
     inpainting: bool = False
     inpainting_mask: str = "random"
     inpainting_full_mask: float = 0.25
-    _recent_pixels: list
-    _warned_cached = False
+    _warned_no_pixels = False
 
     def _setup_inpainting(self, mcfg) -> None:
         self.inpainting = int(self.unet.config.in_channels) == INPAINT_CHANNELS
         self.inpainting_mask = str(getattr(mcfg, "inpainting_mask", "random") or "random")
         self.inpainting_full_mask = float(getattr(mcfg, "inpainting_full_mask", 0.25))
-        self._recent_pixels = []
 
-    def _remember_pixels(self, pixels, mean) -> None:
-        """Keep the pixels of the last few encoded batches, keyed by their latent tensor object."""
-        if self.inpainting:
-            self._recent_pixels = (self._recent_pixels + [(mean, pixels.detach().cpu())])[-4:]
+    def _encode_mean(self, pixels, cpu: bool = True):
+        """VAE posterior mean (unscaled, fp32; on the CPU unless ``cpu`` is False) of ``pixels`` in [-1, 1]."""
+        import torch
+        with torch.no_grad():
+            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
+        mean = dist.mean.float()
+        return mean.cpu() if cpu else mean
+
+    def encode_masked_images(self, pixels, latent_masks):
+        """VAE means of ``pixels`` with their own masks (``latent_masks`` [B, 1, h, w], as batches carry
+        them) blanked: the latent cache stores this as ``masked_mean`` for ``inpainting_mask = data``."""
+        masks = data_masks_to_pixels(latent_masks, pixels.shape[-2:])
+        return self._encode_mean(masked_pixels(pixels.float(), masks))
 
     def _pixels_for(self, batch, warn: Optional[Callable[[str], None]]):
         import torch
+        pixels = batch.get("inpaint_pixels")
+        if pixels is not None:
+            return pixels
+        if warn is not None and not self._warned_no_pixels:
+            warn("Inpainting: this batch carries no training pixels (the data pipeline was prepared without "
+                 "the inpainting model), so the masked images are rebuilt from the latents through the VAE "
+                 "(close, not exact).")
+        self._warned_no_pixels = True
         mean = batch["latent_dist"]["mean"]
-        for kept_mean, pixels in self._recent_pixels:
-            if kept_mean is mean:
-                return pixels.to(self.device)
-        if warn is not None and not self._warned_cached:
-            warn("Inpainting with cached latents: the masked images are rebuilt from the cached latents through "
-                 "the VAE (close, not exact). Set data.cache_latents = false for exact masked images.")
-        self._warned_cached = True
         with torch.no_grad():
             # the posterior mean is in the VAE's own (unscaled) latent space
             decoded = self.vae.decode(mean.to(self.device, dtype=self.vae.dtype)).sample
-        return decoded.float().clamp(-1, 1)
+        return decoded.float().clamp(-1, 1).cpu()
 
-    def inpaint_masks(self, batch, pixel_size, generator, mode: Optional[str] = None):
-        """``[B, 1, H, W]`` binary masks at pixel resolution (1 = repaint) for ``mode``."""
+    def inpaint_masks(self, batch, pixel_size, generator, mode: Optional[str] = None, n: Optional[int] = None):
+        """``[n, 1, H, W]`` binary masks at pixel resolution (1 = repaint) for ``mode``.
+
+        ``n`` (default: the batch's size) is the global micro-batch with several processes: every
+        process draws the random masks for all rows from the shared generator (its own data masks sit
+        in its rows, see ``batch["global_rows"]``) and keeps its rows."""
         import torch
-        import torch.nn.functional as F
+
+        from trainer.distributed import expand_rows
         mode = mode or self.inpainting_mask
-        n = batch["latent_dist"]["mean"].shape[0]
+        n = batch["latent_dist"]["mean"].shape[0] if n is None else n
         h, w = pixel_size
         data = batch.get("mask")
         if mode in ("data", "both") and data is None:
             raise ValueError(f"model.inpainting_mask = {mode} needs the images' masks: turn on data.masks "
                              "(<image>-masklabel.png, white = repaint), or use random.")
+        if data is not None:
+            data = expand_rows(data, batch.get("global_rows"))
         if mode == "data":
-            return (F.interpolate(data.float(), size=(h, w), mode="nearest") > 0.5).float()
+            return data_masks_to_pixels(data, (h, w))
         masks = random_masks(n, h, w, generator, self.inpainting_full_mask)
         if mode == "both":
-            own = (F.interpolate(data.float(), size=(h, w), mode="nearest") > 0.5).float()
+            own = data_masks_to_pixels(data, (h, w))
             pick = torch.rand(n, generator=generator) < 0.5
             masks = torch.where(pick[:, None, None, None], own, masks)
         return masks
 
     def inpaint_input(self, noisy_latents, batch, generator, warn: Optional[Callable[[str], None]] = None):
-        """The UNet's 9-channel input for a training batch: ``noisy ‖ mask ‖ masked-image latents``."""
+        """The UNet's 9-channel input for a training batch: ``noisy ‖ mask ‖ masked-image latents``.
+
+        With ``inpainting_mask = data`` and a cached ``masked_mean`` in the batch the masked-image
+        latents are those (encoded at cache time from the same pixels and masks); otherwise the batch's
+        pixels are masked and encoded now. ``noisy_latents`` has the global micro-batch's rows with
+        several processes (``batch["global_rows"]``); the rows of the other processes get zeros."""
         import torch
         import torch.nn.functional as F
-        pixels = self._pixels_for(batch, warn)
-        masks = self.inpaint_masks(batch, tuple(pixels.shape[-2:]), generator).to(pixels.device)
-        masked = pixels * (masks < 0.5)
-        with torch.no_grad():
-            dist = self.vae.encode(masked.to(self.device, dtype=self.vae.dtype)).latent_dist
-            masked_latents = dist.mean.float() * self.vae.config.scaling_factor
+
+        from trainer.distributed import expand_rows, take_rows
+        rows = batch.get("global_rows")
+        pixels = self._pixels_for(batch, warn).float()
+        masks = take_rows(self.inpaint_masks(batch, tuple(pixels.shape[-2:]), generator,
+                                             n=noisy_latents.shape[0]), rows)
+        cached = batch.get("masked_mean")
+        if self.inpainting_mask == "data" and cached is not None:
+            masked_mean = cached.float()
+        else:
+            masked_mean = self._encode_mean(masked_pixels(pixels, masks.to(pixels.device)), cpu=False)
+        masked_latents = masked_mean.to(noisy_latents.device) * self.vae.config.scaling_factor
         latent_mask = F.interpolate(masks, size=tuple(noisy_latents.shape[-2:]), mode="nearest")
-        dtype = noisy_latents.dtype
-        return torch.cat([noisy_latents, latent_mask.to(noisy_latents.device, dtype),
-                          masked_latents.to(noisy_latents.device, dtype)], dim=1)
+        extra = expand_rows(torch.cat([latent_mask.to(masked_latents.device), masked_latents], dim=1), rows)
+        return torch.cat([noisy_latents, extra.to(noisy_latents.device, noisy_latents.dtype)], dim=1)
 
     def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
         """Per-prompt pipeline arguments: for an inpainting model the sample's image and mask

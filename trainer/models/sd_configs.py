@@ -19,7 +19,18 @@ and, for SDXL (``XL_CONFIG_NAMES``, kept apart because its pipeline has two text
 ``sdxl``     — stabilityai/stable-diffusion-xl-base-1.0 (epsilon, 1024; ``tokenizer`` pads with
                ``<|endoftext|>``, ``tokenizer_2`` with ``!``, both built from the same CLIP BPE)
 
-Public API: :func:`config_folder`, :func:`detect_family`, :func:`default_config_for`.
+and the inpainting variants (``INPAINT_CONFIG_NAMES``), not shipped as files but materialised from the
+config above them with the UNet's ``in_channels`` set to 9 and the inpainting pipeline class in
+``model_index.json`` — the only differences between the hub's inpainting repos and their bases:
+
+``sd15-inpaint`` — ``sd15`` as stable-diffusion-v1-5/stable-diffusion-inpainting
+``sd2-inpaint``  — ``sd2-base`` as stabilityai/stable-diffusion-2-inpainting (epsilon, 512: it was
+                   trained on from the 512-base model; diffusers' own single-file loader maps a
+                   9-channel SD 2 checkpoint to that repo too, ``inpainting_v2``, 512 px)
+``sdxl-inpaint`` — ``sdxl`` as diffusers/stable-diffusion-xl-1.0-inpainting-0.1
+
+Public API: :func:`config_folder`, :func:`detect_family`, :func:`default_config_for`,
+:func:`detect_from_configs`.
 """
 
 from __future__ import annotations
@@ -36,7 +47,15 @@ from pathlib import Path
 
 CONFIG_NAMES = ("sd15", "sd2", "sd2-base")
 XL_CONFIG_NAMES = ("sdxl",)
-ALL_CONFIG_NAMES = CONFIG_NAMES + XL_CONFIG_NAMES
+# inpainting variant -> (shipped config it is derived from, pipeline class written to model_index.json)
+INPAINT_CONFIGS = {
+    "sd15-inpaint": ("sd15", "StableDiffusionInpaintPipeline"),
+    "sd2-inpaint": ("sd2-base", "StableDiffusionInpaintPipeline"),
+    "sdxl-inpaint": ("sdxl", "StableDiffusionXLInpaintPipeline"),
+}
+INPAINT_CONFIG_NAMES = tuple(INPAINT_CONFIGS)
+ALL_CONFIG_NAMES = CONFIG_NAMES + XL_CONFIG_NAMES + INPAINT_CONFIG_NAMES
+INPAINT_IN_CHANNELS = 9
 FAMILIES = ("sd15", "sd2", "sdxl", "sd15-inpaint", "sd2-inpaint", "sdxl-inpaint")
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 
@@ -101,14 +120,31 @@ def write_clip_tokenizer_files(folder: Path) -> None:
 # Materialising a shipped config
 # --------------------------------------------------------------------------------------------------
 
+def _source_name(name: str) -> str:
+    """The shipped folder a config is materialised from (an inpainting variant's base)."""
+    return INPAINT_CONFIGS[name][0] if name in INPAINT_CONFIGS else name
+
+
 def _shipped_files(name: str) -> list[Path]:
-    src = CONFIGS_DIR / name
+    src = CONFIGS_DIR / _source_name(name)
     return sorted(p for p in src.rglob("*.json") if p.is_file())
+
+
+def _inpaint_patches(name: str) -> dict[str, dict]:
+    """JSON keys an inpainting variant changes in its base's files: ``{relative path: {key: value}}``."""
+    if name not in INPAINT_CONFIGS:
+        return {}
+    pipeline = INPAINT_CONFIGS[name][1]
+    index: dict = {"_class_name": pipeline}
+    if "XL" in pipeline:
+        index["requires_aesthetics_score"] = False  # as in the hub's SDXL inpainting 0.1 repo
+    return {"unet/config.json": {"in_channels": INPAINT_IN_CHANNELS}, "model_index.json": index}
 
 
 def _fingerprint(name: str) -> str:
     h = hashlib.sha256(f"atelier-sd-config:{_MATERIALISE_VERSION}:{name}\n".encode())
-    src = CONFIGS_DIR / name
+    h.update(json.dumps(_inpaint_patches(name), sort_keys=True).encode())
+    src = CONFIGS_DIR / _source_name(name)
     for p in _shipped_files(name):
         h.update(p.relative_to(src).as_posix().encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
@@ -124,7 +160,8 @@ def _is_current(folder: Path, fingerprint: str) -> bool:
 
 
 def config_folder(name: str, cache_root: Path) -> Path:
-    """Materialise the shipped config ``name`` (``sd15``, ``sd2``, ``sd2-base``, ``sdxl``) into
+    """Materialise the shipped config ``name`` (``sd15``, ``sd2``, ``sd2-base``, ``sdxl``, or an
+    inpainting variant ``sd15-inpaint``, ``sd2-inpaint``, ``sdxl-inpaint``) into
     ``cache_root/configs/<name>/`` and return that folder.
 
     The folder is a diffusers pipeline folder without weights: ``model_index.json``, ``unet/``, ``vae/``,
@@ -136,9 +173,10 @@ def config_folder(name: str, cache_root: Path) -> Path:
     sibling folder that is renamed into place, so concurrent callers never see a half-written folder."""
     if name not in ALL_CONFIG_NAMES:
         raise ValueError(f"unknown SD config {name!r}; shipped configs: {', '.join(ALL_CONFIG_NAMES)}")
-    src = CONFIGS_DIR / name
+    src = CONFIGS_DIR / _source_name(name)
     if not (src / "model_index.json").is_file():
         raise FileNotFoundError(f"shipped config folder {src} is missing or incomplete (package data not installed?)")
+    patches = _inpaint_patches(name)
     parent = Path(cache_root) / "configs"
     target = parent / name
     fingerprint = _fingerprint(name)
@@ -152,7 +190,11 @@ def config_folder(name: str, cache_root: Path) -> Path:
         for p in _shipped_files(name):
             dst = tmp / p.relative_to(src)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(p, dst)
+            patch = patches.get(p.relative_to(src).as_posix())
+            if patch:
+                dst.write_text(json.dumps({**_read_json(p), **patch}, indent=2) + "\n", encoding="utf-8")
+            else:
+                shutil.copyfile(p, dst)
         for tokenizer_dir in sorted(p for p in src.glob("tokenizer*") if p.is_dir()):  # tokenizer[, tokenizer_2]
             write_clip_tokenizer_files(tmp / tokenizer_dir.name)
         (tmp / _STAMP).write_text(fingerprint, encoding="utf-8")
@@ -196,7 +238,9 @@ def default_config_for(family: str, prediction_type: str | None) -> str:
     ``sd15`` → ``sd15``; ``sd2`` + ``epsilon`` → ``sd2-base`` (512, PNDM), any other ``sd2`` → ``sd2``
     (768, v-prediction); ``sdxl`` → ``sdxl`` whatever the prediction type (v-prediction SDXL
     fine-tunes share the base topology; the family overrides the scheduler's prediction type).
-    Inpainting has no shipped config: ValueError."""
+    The inpainting families map to their variants whatever the prediction type: ``sd15-inpaint``,
+    ``sdxl-inpaint``, and ``sd2-inpaint`` (512, epsilon, like the only SD 2 inpainting model there is;
+    a ``v_prediction`` setting still wins over the scheduler's at training time)."""
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
         raise ValueError(f"unknown prediction_type {prediction_type!r}; expected one of {', '.join(PREDICTION_TYPES)}")
     if family == "sd15":
@@ -205,9 +249,8 @@ def default_config_for(family: str, prediction_type: str | None) -> str:
         return "sd2-base" if prediction_type == "epsilon" else "sd2"
     if family == "sdxl":
         return "sdxl"
-    if family in FAMILIES:
-        raise ValueError(f"no shipped diffusers config for model family {family!r} "
-                         f"(shipped: {', '.join(ALL_CONFIG_NAMES)})")
+    if family in INPAINT_CONFIGS:
+        return family
     raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
@@ -414,23 +457,38 @@ def _detect_diffusers_folder(folder: Path) -> str:
                              f"with unet/ and model_index.json")
         raise ValueError(f"{folder}: not a diffusers pipeline folder: no unet/config.json"
                          + ("" if index_path.is_file() else " and no model_index.json"))
-    cfg = _read_json(unet_cfg_path)
-    index = _read_json(index_path) if index_path.is_file() else {}
-    pipe_cls = str(index.get("_class_name", ""))
+    try:  # the UNet's config decides; an unreadable model_index.json only loses the pipeline class name
+        index = _read_json(index_path) if index_path.is_file() else {}
+    except ValueError:
+        index = {}
+    return detect_from_configs(_read_json(unet_cfg_path), index, str(folder))
+
+
+def detect_from_configs(unet_config: dict, model_index: dict | None, where: str) -> str:
+    """The family of a diffusers pipeline from its ``unet/config.json`` (a dict) and, when there is one,
+    its ``model_index.json`` (a dict, or None/{}: the UNet's config alone decides).
+
+    SDXL: ``addition_embed_type == "text_time"`` (size/crop conditioning), ``cross_attention_dim`` 2048, or
+    an ``…XL…`` pipeline class; SD 2.x: ``cross_attention_dim`` 1024 (else linear projections at unusual
+    widths); SD 1.x otherwise; ``in_channels`` 9 adds ``-inpaint``. ValueError for refiners,
+    class-embedding UNets (unCLIP, upscalers) and other input widths."""
+    cfg = unet_config
+    index = model_index or {}
+    pipe_cls = str(index.get("_class_name", "") or "")
     unet_cls = str(cfg.get("_class_name", "UNet2DConditionModel"))
     if unet_cls != "UNet2DConditionModel":
-        raise ValueError(f"{folder}: the UNet is a {unet_cls}, not a UNet2DConditionModel (SD 1.x/2.x/XL)")
+        raise ValueError(f"{where}: the UNet is a {unet_cls}, not a UNet2DConditionModel (SD 1.x/2.x/XL)")
 
     cad = cfg.get("cross_attention_dim")
-    if cfg.get("addition_embed_type") == "text_time" or "XL" in pipe_cls:
+    if cfg.get("addition_embed_type") == "text_time" or cad == 2048 or "XL" in pipe_cls:
         te1 = index.get("text_encoder")
         no_first_text_encoder = bool(index) and (te1 is None or (isinstance(te1, list) and te1[:1] == [None]))
         if cad == 1280 or no_first_text_encoder:
-            raise ValueError(f"{folder}: looks like the SDXL refiner (no first text encoder / "
+            raise ValueError(f"{where}: looks like the SDXL refiner (no first text encoder / "
                              f"cross_attention_dim {cad}); only SDXL base models are supported")
         base = "sdxl"
     elif cfg.get("class_embed_type") is not None or cfg.get("num_class_embeds") is not None:
-        raise ValueError(f"{folder}: the UNet has a class embedding: an unCLIP/upscaler-type model")
+        raise ValueError(f"{where}: the UNet has a class embedding: an unCLIP/upscaler-type model")
     elif cad == 768:
         base = "sd15"
     elif cad == 1024:
@@ -441,7 +499,7 @@ def _detect_diffusers_folder(folder: Path) -> str:
     in_ch = cfg.get("in_channels", 4)
     if in_ch == 4:
         return base
-    if in_ch == 9:
+    if in_ch == INPAINT_IN_CHANNELS:
         return f"{base}-inpaint"
-    raise ValueError(f"{folder}: a {base} UNet with in_channels={in_ch}; only 4 (text-to-image) and 9 "
+    raise ValueError(f"{where}: a {base} UNet with in_channels={in_ch}; only 4 (text-to-image) and 9 "
                      f"(inpainting) are supported")
