@@ -167,3 +167,234 @@ def test_validate_shows_the_effective_batch_and_bad_device_counts(tiny_workspace
         assert "CUDA GPU" in capsys.readouterr().err
     rc = cli(["train", "--preset", "demo", *_sets(ws, "dist-ids", "general.gpu_ids=0"), "--num-processes", "2"])
     assert rc == 2 and "gpu_ids" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP: full fine-tunes shard the UNet (general.distributed = fsdp, or an accelerate FSDP config)
+# ------------------------------------------------------------------------------------------------
+
+# SGD with momentum, not AdamW: Adam's step hardly depends on the gradient's scale, so a wrong average
+# (a sum, or averaged twice) would go unnoticed; with SGD one and two processes agree to float rounding
+# (measured ~1e-7; AdamW gives ~1e-5 for DDP and FSDP alike). The text encoder trains too (averaged by
+# GradientSync beside the sharded UNet) and the clip norm is low enough to bite (sharded-aware clipping).
+FT = ["training.optimizer.name=sgd", "training.optimizer.momentum=0.9", "training.learning_rate=0.05",
+      "training.train_text_encoder=true", "training.max_grad_norm=0.5", "sampling.every_n_epochs=0",
+      "sampling.prompts=[{prompt: a red square on a white background, seed: 1, steps: 3, width: 64, height: 64}]"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tiny_workspace, one_thread):
+    """A full fine-tune on one process with batch 2, and on two FSDP processes with batch 1 (backups on).
+    In-process runs use one torch thread (see conftest's one_thread: a busy shared CPU is far slower
+    with torch's thread pool)."""
+    ws = tiny_workspace
+    assert cli(["train", "--preset", "demo-finetune", *_sets(ws, "fsdp-one", *FT, "backup.every_n_epochs=1")]) == 0
+    t0 = time.time()
+    out = _torchrun(["train", "--preset", "demo-finetune", *_sets(ws, "fsdp-two", *FT, "training.batch_size=1",
+                                                                   "general.distributed=fsdp",
+                                                                   "backup.every_n_epochs=1")])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return ws, time.time() - t0
+
+
+def test_fsdp_fine_tune_on_two_processes_equals_one_process(fsdp_runs):
+    ws, _ = fsdp_runs
+    one, two = ws / "runs" / "fsdp-one", ws / "runs" / "fsdp-two"
+    _close(_lora(one / "fsdp-one.safetensors"), _lora(two / "fsdp-two.safetensors"), atol=1e-6)
+    events = read_events(two / "events.jsonl")
+    types = [e["type"] for e in events]
+    assert types.count("started") == 1 and types.count("finished") == 1 and types[-1] == "finished"
+    started = events[types.index("started")]
+    assert started["distributed"] == "fsdp" and started["world_size"] == 2 and started["global_micro_batch"] == 2
+    steps = [e for e in events if e["type"] == "step"]
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    ref = [e["loss"] for e in read_events(one / "events.jsonl") if e["type"] == "step"]
+    assert [s["loss"] for s in steps] == pytest.approx(ref, abs=1e-5)
+    # one set of outputs: one result, rank 0's backups, rank 0's sample (made by both processes together)
+    assert sorted(p.name for p in two.glob("*.safetensors")) == ["fsdp-two.safetensors"]
+    assert sorted(p.name for p in (two / "backups").iterdir()) == ["backup-step000004", "backup-step000008"]
+    assert sorted(p.name for p in (two / "samples").iterdir()) == ["step000008-p0.png"]
+    import numpy as np
+    from PIL import Image
+    a, b = (np.asarray(Image.open(r / "samples" / "step000008-p0.png")).astype(int) for r in (one, two))
+    assert np.abs(a - b).max() <= 2
+    assert not list(two.glob("rank-*-error.json"))
+
+
+def test_fsdp_backups_are_the_files_one_process_writes(fsdp_runs):
+    """Gathered on rank 0: whole weights and a whole optimizer state, in the single-process layout."""
+    ws, _ = fsdp_runs
+    one = ws / "runs" / "fsdp-one" / "backups" / "backup-step000008"
+    two = ws / "runs" / "fsdp-two" / "backups" / "backup-step000008"
+    weights = _lora(two / "trainable.safetensors")
+    _close(_lora(one / "trainable.safetensors"), weights, atol=1e-6)
+    assert any(k.startswith("unet.") for k in weights) and any(k.startswith("text_encoder.") for k in weights)
+    a = torch.load(one / "training_state.pt", weights_only=False)["optimizer"]
+    b = torch.load(two / "training_state.pt", weights_only=False)["optimizer"]
+    assert a["param_groups"] == b["param_groups"] and set(a["state"]) == set(b["state"])
+    for i, st in b["state"].items():
+        assert type(st["momentum_buffer"]) is torch.Tensor  # a plain tensor, not a DTensor
+        torch.testing.assert_close(st["momentum_buffer"], a["state"][i]["momentum_buffer"], rtol=0, atol=1e-6)
+    state = json.loads((two / "state.json").read_text())
+    assert state["world_size"] == 2 and state["step"] == 8
+
+
+def test_fsdp_result_single_file_loads(fsdp_runs):
+    ws, _ = fsdp_runs
+    run = ws / "runs" / "fsdp-two"
+    from diffusers import StableDiffusionPipeline
+    loaded = StableDiffusionPipeline.from_single_file(str(run / "fsdp-two.safetensors"),
+                                                      config=str(ws / "models" / "tiny-sd"),
+                                                      local_files_only=True, safety_checker=None)
+    backup = _lora(run / "backups" / "backup-step000008" / "trainable.safetensors")
+    got = loaded.unet.state_dict()
+    trained = {k[len("unet."):]: v for k, v in backup.items() if k.startswith("unet.")}
+    assert set(got) == set(trained)
+    for k, v in trained.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0)
+
+
+def test_an_fsdp_backup_resumes_on_one_process(fsdp_runs):
+    ws, _ = fsdp_runs
+    backup = ws / "runs" / "fsdp-two" / "backups" / "backup-step000004"
+    run = ws / "runs" / "fsdp-resumed-one"
+    # general.distributed = fsdp stays in the config: on one process it changes nothing
+    assert cli(["train", "--preset", "demo-finetune", *_sets(ws, "fsdp-resumed-one", *FT, "training.batch_size=1",
+                                                             "general.distributed=fsdp", "backup.every_n_epochs=0"),
+                "--run-dir", str(run), "--resume", str(backup)]) == 0
+    started = [e for e in read_events(run / "events.jsonl") if e["type"] == "started"][0]
+    assert started["resumed_from_step"] == 4 and started["world_size"] == 1 and started["distributed"] == "none"
+    _close(_lora(ws / "runs" / "fsdp-one" / "fsdp-one.safetensors"), _lora(run / "fsdp-resumed-one.safetensors"),
+           atol=1e-6)
+
+
+def test_a_one_process_backup_resumes_under_fsdp_from_an_accelerate_config(fsdp_runs, tmp_path):
+    """The CLI launches through accelerate with general.accelerate_config = an FSDP config (as written by
+    `accelerate config`); the processes take its FSDP settings from the launcher and shard the UNet."""
+    ws, _ = fsdp_runs
+    conf = tmp_path / "fsdp.yaml"
+    conf.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_machines: 1\n"
+                    "num_processes: 2\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_version: 2\n"
+                    "  fsdp_reshard_after_forward: false\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
+                    "  fsdp_min_num_params: 20000\n  fsdp_offload_params: false\n"
+                    "  fsdp_state_dict_type: SHARDED_STATE_DICT\n")
+    backup = ws / "runs" / "fsdp-one" / "backups" / "backup-step000004"
+    run = ws / "runs" / "fsdp-resumed-two"
+    proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--preset", "demo-finetune", "--num-processes",
+                           "2", *_sets(ws, "fsdp-resumed-two", *FT, "training.batch_size=1",
+                                       f"general.accelerate_config={conf}", "backup.every_n_epochs=0"),
+                           "--run-dir", str(run), "--resume", str(backup)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"--config_file {conf}" in proc.stderr and "--multi_gpu" not in proc.stderr  # the launch line
+    log = (run / "train.log").read_text()
+    assert "general.fsdp_sharding_strategy = shard_grad_op" in log and "size_based_wrap" in log
+    events = read_events(run / "events.jsonl")
+    started = [e for e in events if e["type"] == "started"][0]
+    assert started["distributed"] == "fsdp" and started["resumed_from_step"] == 4
+    assert any(e["type"] == "warning" and "SHARDED_STATE_DICT" in e["message"] for e in events)
+    _close(_lora(ws / "runs" / "fsdp-one" / "fsdp-one.safetensors"), _lora(run / "fsdp-resumed-two.safetensors"),
+           atol=1e-6)
+
+
+def _fsdp_cfg(ws, *extra, preset="demo-finetune"):
+    from trainer.config import load_config
+    return load_config(preset=preset, overrides=[f"general.workspace={ws}", "general.num_processes=2",
+                                                 "general.distributed=fsdp", *extra])
+
+
+def test_fsdp_refuses_what_cannot_work_on_sharded_weights(tiny_workspace, tmp_path):
+    from trainer.config import ConfigError, cross_field_warnings
+    ws = tiny_workspace
+    for setting, key in (("ema.enabled=true", "ema.enabled"),
+                         ("precision.stochastic_rounding=true", "precision.stochastic_rounding"),
+                         ("training.unet_stop_after_steps=2", "training.unet_stop_after_steps")):
+        with pytest.raises(ConfigError) as err:
+            _fsdp_cfg(ws, setting)
+        assert err.value.key == key and "general.distributed = ddp" in str(err.value)
+        _fsdp_cfg(ws, setting, "general.num_processes=1")  # one process: nothing is sharded
+        _fsdp_cfg(ws, setting, "general.distributed=ddp")
+    # LoRA with fsdp: a warning, and DDP (EMA is fine there)
+    issues = cross_field_warnings(_fsdp_cfg(ws, "ema.enabled=true", preset="demo"))
+    assert any(i.key == "general.distributed" and "DDP" in i.message for i in issues)
+    issues = cross_field_warnings(_fsdp_cfg(ws, "training.optimizer.name=adamw8bit", "general.fsdp_offload_params=true",
+                                            "general.device=cpu"))
+    assert {"training.optimizer.name", "general.fsdp_offload_params"} <= {i.key for i in issues}
+    # an accelerate config file: missing → error; an FSDP one turns the rules on without general.distributed
+    with pytest.raises(ConfigError) as err:
+        _fsdp_cfg(ws, f"general.accelerate_config={tmp_path / 'none.yaml'}")
+    assert err.value.key == "general.accelerate_config"
+    conf = tmp_path / "fsdp.yaml"
+    conf.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    with pytest.raises(ConfigError) as err:
+        _fsdp_cfg(ws, "general.distributed=ddp", f"general.accelerate_config={conf}", "ema.enabled=true")
+    assert err.value.key == "ema.enabled"
+
+
+def test_fsdp_launch_line_and_plugin(tiny_workspace, tmp_path):
+    from trainer.distributed import launch_argv
+    from trainer.fsdp import fsdp_plugin
+    ws = tiny_workspace
+    cfg = _fsdp_cfg(ws)
+    argv = launch_argv(cfg, ["train"], "python")
+    assert "--multi_gpu" in argv and "--config_file" not in argv  # general.distributed: the trainer shards itself
+    conf = tmp_path / "fsdp.yaml"
+    conf.write_text("distributed_type: FSDP\n")
+    argv = launch_argv(_fsdp_cfg(ws, f"general.accelerate_config={conf}"), ["train"], "python")
+    assert argv[argv.index("--config_file") + 1] == str(conf) and "--multi_gpu" not in argv
+    conf.write_text("distributed_type: MULTI_GPU\n")
+    argv = launch_argv(_fsdp_cfg(ws, f"general.accelerate_config={conf}"), ["train"], "python")
+    assert "--config_file" in argv and "--multi_gpu" in argv
+
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    plugin = fsdp_plugin(_fsdp_cfg(ws, "general.fsdp_sharding_strategy=shard_grad_op",
+                                   "general.fsdp_transformer_layer_cls_to_wrap=BasicTransformerBlock, ResnetBlock2D",
+                                   "training.mixed_precision=bf16"), cpu=True, warn=print)
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
+    assert plugin.transformer_cls_names_to_wrap == ["BasicTransformerBlock", "ResnetBlock2D"]
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    offload = _fsdp_cfg(ws, "general.fsdp_offload_params=true")
+    assert not isinstance(fsdp_plugin(offload, cpu=True, warn=print).cpu_offload, CPUOffloadPolicy)  # CPU: no-op
+    assert isinstance(fsdp_plugin(offload, cpu=False, warn=print).cpu_offload, CPUOffloadPolicy)
+
+
+def test_fsdp_settings_come_from_the_accelerate_launcher(tiny_workspace, monkeypatch):
+    """`accelerate launch --config_file fsdp.yaml` passes FSDP_* variables; the launcher wins."""
+    from trainer.fsdp import plan_fsdp
+    ws = tiny_workspace
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
+                 "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "FSDP_RESHARD_AFTER_FORWARD": "true",
+                 "FSDP_OFFLOAD_PARAMS": "false", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+                 "FSDP_TRANSFORMER_CLS_TO_WRAP": "BasicTransformerBlock", "FSDP_MIN_NUM_PARAMS": "100000000",
+                 "FSDP_ACTIVATION_CHECKPOINTING": "true"}.items():
+        monkeypatch.setenv(k, v)
+    from trainer.config import load_config
+    cfg = load_config(preset="demo-finetune", overrides=[f"general.workspace={ws}"])
+    warnings, logged = [], []
+    plugin = plan_fsdp(cfg, 2, True, warnings.append, logged.append)
+    g = cfg.general
+    assert g.distributed == "fsdp" and g.fsdp_sharding_strategy == "shard_grad_op"
+    assert g.fsdp_transformer_layer_cls_to_wrap == "BasicTransformerBlock" and cfg.training.gradient_checkpointing
+    assert plugin is not None and plugin.reshard_after_forward is False
+    assert any("version 1" in w for w in warnings) and logged
+    assert os.environ["ACCELERATE_USE_FSDP"] == "false"  # CPU: accelerate must not build its own FSDP1 plugin
+    # the same launcher on a LoRA run: DDP
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    lora = load_config(preset="demo", overrides=[f"general.workspace={ws}"])
+    assert plan_fsdp(lora, 2, True, warnings.append) is None and lora.general.distributed == "fsdp"
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "NO_SHARD")
+    cfg = load_config(preset="demo-finetune", overrides=[f"general.workspace={ws}"])
+    assert plan_fsdp(cfg, 2, True, warnings.append) is None and cfg.general.distributed == "ddp"
+
+
+def test_gradient_sync_without_params_still_carries_loss_and_stop():
+    """With FSDP and only the UNet trained, nothing is left for GradientSync but the loss and the stop flag."""
+    import torch.distributed as dist
+    from trainer.distributed import GradientSync
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert GradientSync([], 1, torch.device("cpu")).step(0.25, True) == (0.25, True)
+    finally:
+        dist.destroy_process_group()

@@ -73,10 +73,33 @@ class GeneralConfig:
     num_processes: int = f(1, "Training processes, one per GPU (DDP through accelerate); more than 1 launches "
                               "through accelerate. Effective batch = batch_size x accumulation x processes.",
                            min=1, max=64)
-    gpu_ids: str = f("", "GPUs to train on with several processes, e.g. 0,1 (one per process); empty = the first "
-                         "num_processes GPUs.")
+    gpu_ids: str = f("", "GPUs to train on, e.g. 0,1 (one process each, so num_processes = how many); one id "
+                         "with num_processes 1 trains on that GPU; empty = the first num_processes GPUs.")
     dist_timeout_s: int = f(1800, "Seconds a process waits for the others (a dead or stuck process, or rank 0 "
                                   "caching or sampling) before the job fails.", min=30, max=86400)
+    distributed: str = f("ddp", "Several processes: ddp = every process holds the whole model; fsdp = a full "
+                                "fine-tune shards the UNet's weights, gradients and optimizer state over the "
+                                "processes (accelerate FSDP2), for models too big for one GPU. LoRA and embedding "
+                                "runs always use ddp (fsdp only warns).", choices=["ddp", "fsdp"])
+    fsdp_sharding_strategy: str = f("full_shard", "FSDP: full_shard frees each block's gathered weights after its "
+                                                  "forward (least memory); shard_grad_op keeps them for the backward "
+                                                  "(faster, more memory). FSDP2's reshard_after_forward true/false.",
+                                    choices=["full_shard", "shard_grad_op"])
+    fsdp_offload_params: bool = f(False, "FSDP: keep the sharded weights, gradients and optimizer state in CPU RAM "
+                                         "(far less GPU memory, slower). GPUs only.")
+    fsdp_auto_wrap_policy: str = f("transformer_based_wrap", "FSDP: the blocks gathered one at a time: the classes "
+                                                             "in fsdp_transformer_layer_cls_to_wrap, every block "
+                                                             "over fsdp_min_num_params, or no_wrap (the whole UNet "
+                                                             "at once: no memory saved while it runs).",
+                                   choices=["transformer_based_wrap", "size_based_wrap", "no_wrap"])
+    fsdp_transformer_layer_cls_to_wrap: str = f("", "FSDP transformer_based_wrap: block classes, comma-separated "
+                                                    "(e.g. BasicTransformerBlock,ResnetBlock2D); empty = the UNet's "
+                                                    "own list (its _no_split_modules).")
+    fsdp_min_num_params: int = f(100_000_000, "FSDP size_based_wrap: blocks with more parameters than this are "
+                                              "gathered as one unit.", min=0, max=10**12)
+    accelerate_config: str = f("", "An accelerate config file (from `accelerate config`) passed to accelerate launch "
+                                    "as --config_file; when it sets distributed_type: FSDP, full fine-tunes use fsdp "
+                                    "with its fsdp_config settings.", ui="path")
 
 
 @dataclass
@@ -890,6 +913,8 @@ def validate(cfg: DictConfig) -> None:
     validate_method(cfg)  # LoRA variants and embeddings
     from trainer.optim import validate_optim
     validate_optim(cfg)
+    from trainer.fsdp import validate_fsdp
+    validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
 
 
 def _check_resolutions(cfg: DictConfig) -> None:
@@ -938,6 +963,8 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
         out.append(Issue("training.text_encoder_learning_rate",
                          "The text encoder usually wants a lower LR than the UNet (e.g. 5e-5)."))
     out += _loss_ema_precision_warnings(cfg)
+    from trainer.fsdp import fsdp_warnings
+    out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
 
 

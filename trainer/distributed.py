@@ -16,6 +16,9 @@ Why it is shaped like this:
   and the optimizer state is that of the plain modules (a backup resumes on any number of processes).
 - **Rank 0 writes**, everybody else computes; a failing process writes ``rank-K-error.json`` into
   the run folder so rank 0 (or the launcher) can name it in the ``failed`` event.
+- **FSDP for full fine-tunes** (``general.distributed = fsdp``): the UNet is sharded instead, see
+  :mod:`trainer.fsdp`; :class:`GradientSync` then averages only the other trainable weights (text
+  encoders, embeddings) and still carries the loss and the stop flag.
 
 Only :func:`env_rank_world` and the launcher helpers run without torch.
 """
@@ -61,16 +64,20 @@ def choose_backend(cpu: bool, warn) -> str:
     return "gloo"
 
 
-def accelerator_kwargs(cfg, cpu: bool, world: int, warn) -> List[Any]:
+def accelerator_kwargs(cfg, cpu: bool, world: int, warn, sharded: bool = False) -> List[Any]:
     """kwargs_handlers for ``Accelerator``: the backend and a bounded process-group timeout, so a
-    process that hangs or dies cannot keep the others waiting forever."""
+    process that hangs or dies cannot keep the others waiting forever. FSDP on GPUs also gets gloo for
+    CPU tensors (offloaded shards are gathered on the CPU), as accelerate does."""
     if world <= 1:
         return []
     import datetime
 
     from accelerate.utils import InitProcessGroupKwargs
     timeout = int(getattr(cfg.general, "dist_timeout_s", 1800) or 1800)
-    return [InitProcessGroupKwargs(backend=choose_backend(cpu, warn), timeout=datetime.timedelta(seconds=timeout))]
+    backend = choose_backend(cpu, warn)
+    if sharded and backend == "nccl":
+        backend = "cuda:nccl,cpu:gloo"
+    return [InitProcessGroupKwargs(backend=backend, timeout=datetime.timedelta(seconds=timeout))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -135,11 +142,14 @@ def take_rows(x, rows: Optional[Rows]):
 class GradientSync:
     """Averages the gradients of ``params`` over all processes in one flat all-reduce, together with
     a few scalars (the step's loss, the stop flag). A parameter without a gradient on every process
-    keeps ``grad = None`` (as on one process: optimizers skip it)."""
+    keeps ``grad = None`` (as on one process: optimizers skip it). With FSDP, ``params`` leaves out the
+    sharded UNet (FSDP averages its gradients in backward) and may be empty; ``device`` is then where
+    the scalars travel."""
 
-    def __init__(self, params: Sequence[Any], world: int):
+    def __init__(self, params: Sequence[Any], world: int, device: Any = None):
         self.params = [p for p in params]
         self.world = world
+        self.device = device
 
     def broadcast_from_main(self) -> None:
         """Start every process from rank 0's trainable weights (as DDP does at wrap time)."""
@@ -153,7 +163,7 @@ class GradientSync:
         import torch
         import torch.distributed as dist
         ref = next((p.grad for p in self.params if p.grad is not None), None)
-        device = ref.device if ref is not None else self.params[0].device
+        device = ref.device if ref is not None else self.params[0].device if self.params else self.device
         dtype = torch.float32
         pieces, has = [], []
         for p in self.params:
@@ -299,10 +309,21 @@ def launch_argv(cfg, trainer_args: Sequence[str], python: str) -> List[str]:
     """``python -m accelerate.commands.launch --multi_gpu --num_processes N … -m trainer ARGS``.
 
     ``--multi_gpu`` picks accelerate's torchrun-based launcher, which also starts N CPU processes
-    (gloo) on a machine without GPUs; ``--cpu`` would instead ask for mpirun."""
+    (gloo) on a machine without GPUs; ``--cpu`` would instead ask for mpirun. With
+    ``general.accelerate_config`` the file comes first as ``--config_file``; when it is an FSDP config,
+    ``--multi_gpu`` is left out (it would override the file's ``distributed_type``), so accelerate
+    hands its FSDP settings to the processes (see :func:`trainer.fsdp.fsdp_from_launcher`)."""
     g = cfg.general
     n = int(g.num_processes)
-    argv = [python, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(n),
+    conf_path = str(g.get("accelerate_config", "") or "").strip()
+    head: List[str] = ["--multi_gpu"]
+    if conf_path:
+        from trainer.fsdp import accelerate_config_file
+        conf = accelerate_config_file(cfg) or {}
+        head = ["--config_file", str(Path(conf_path).expanduser())]
+        if str(conf.get("distributed_type", "")).upper() != "FSDP":
+            head.append("--multi_gpu")
+    argv = [python, "-m", "accelerate.commands.launch", *head, "--num_processes", str(n),
             "--num_machines", "1", "--mixed_precision", str(cfg.training.mixed_precision),
             "--dynamo_backend", "no", "--main_process_port", str(free_port())]
     ids = str(getattr(g, "gpu_ids", "") or "").strip()
@@ -339,3 +360,20 @@ def check_devices(cfg) -> Optional[str]:
         if bad:
             return f"general.gpu_ids names GPU {bad[0]}, but the visible GPUs are 0..{count - 1}."
     return None
+
+
+def weight_grad_average(world: int):
+    """``training.fused_backward`` with several processes: average one weight's gradient over the
+    processes inside its post-accumulate-grad hook, right before that weight's update (the gradient is
+    freed after it, so the once-per-step flat all-reduce of :class:`GradientSync` has nothing to
+    average). One small all-reduce per weight, in the order backward makes them — the same on every
+    process, since they run the same graph."""
+    import torch.distributed as dist
+
+    def average(p) -> None:
+        try:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        except Exception as exc:  # a peer died or hung past general.dist_timeout_s
+            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+        p.grad.div_(world)
+    return average

@@ -3,7 +3,8 @@
 Every event has ``type`` and ``time`` (Unix seconds). Types and their fields:
 
 - ``started``: total_steps, epochs, steps_per_epoch, batch_size, resumed_from_step, dataset (report),
-  world_size, global_micro_batch, global_batch, cache (latents/text encoded and reused, seconds)
+  world_size, global_micro_batch, global_batch, distributed (none / ddp / fsdp), cache (latents/text
+  encoded and reused, seconds)
 - ``step``: step, total_steps, epoch, loss, lr (dict group -> lr), it_s, eta_s
 - ``sample``: step, epoch, paths (list), prompts (list)
 - ``backup``: step, path

@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -114,6 +114,7 @@ class Trainer:
         self.stop_requested = False
         self.pos = Position()
         self._last_backup_step = -1
+        self.fsdp = None  # FSDPShards when a full fine-tune shards its UNet over the processes
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame):  # noqa: ARG002
@@ -151,8 +152,12 @@ class Trainer:
         from accelerate.state import AcceleratorState
         AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
         from trainer.distributed import accelerator_kwargs
+        from trainer.fsdp import plan_fsdp
+        fsdp_plugin = plan_fsdp(cfg, self.world, cpu, self.warn, log.info)  # None: gradients averaged as DDP does
         self.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu,
-                                       kwargs_handlers=accelerator_kwargs(cfg, cpu, self.world, self.warn))
+                                       fsdp_plugin=None if cpu else fsdp_plugin,  # accelerate: FSDP on GPUs only
+                                       kwargs_handlers=accelerator_kwargs(cfg, cpu, self.world, self.warn,
+                                                                          sharded=fsdp_plugin is not None))
         self.device = self.accelerator.device
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         set_seed(g.seed)
@@ -175,15 +180,25 @@ class Trainer:
                     m.enable_gradient_checkpointing()
         for name, m in self.method.modules.items():
             m.train()
+        if fsdp_plugin is not None:  # shard the UNet before the optimizer is built on its weights
+            from trainer.fsdp import FSDPShards
+            self.fsdp = FSDPShards(self.method.modules["unet"], fsdp_plugin, self.device, self.world)
+            log.info("FSDP: the UNet is sharded over %d processes (%d units + root, %s)", self.world,
+                     self.fsdp.units, g.fsdp_sharding_strategy)
 
         from trainer.optim import build_optimizer, build_scheduler, param_groups
         self.groups = param_groups(self.method, cfg)
         self.optimizer = build_optimizer(self.groups, cfg)
-        self.grad_sync = None
-        if self.world > 1:
+        self.grad_sync = self.weights_sync = None  # weights_sync: broadcasts, when grad_sync carries scalars only
+        if self.world > 1:  # FSDP averages the sharded UNet's gradients itself: the rest (and loss, stop) here
             from trainer.distributed import GradientSync
-            self.grad_sync = GradientSync([p for grp in self.groups for p in grp["params"]], self.world)
+            self.grad_sync = GradientSync([p for grp in self.groups for p in grp["params"]
+                                           if self.fsdp is None or not self.fsdp.owns(p)], self.world, self.device)
             self.grad_sync.broadcast_from_main()
+            if getattr(self.optimizer, "fused_backward", False):  # each weight steps inside backward: its
+                from trainer.distributed import weight_grad_average  # gradient is averaged right before
+                self.optimizer.grad_reduce = weight_grad_average(self.world)
+                self.weights_sync, self.grad_sync = self.grad_sync, GradientSync([], self.world, self.device)
         self.micro_batches_per_epoch = len(self.data.epoch_batches(0))
         self.steps_per_epoch = max(1, self.micro_batches_per_epoch // t.gradient_accumulation_steps)
         if self.micro_batches_per_epoch < t.gradient_accumulation_steps:
@@ -225,10 +240,6 @@ class Trainer:
         from omegaconf import OmegaConf
         t, g = self.cfg.training, self.cfg.general
         if self.world > 1:
-            if t.get("fused_backward"):
-                raise ConfigError("training.fused_backward steps each weight inside backward, before the processes "
-                                  "can average their gradients: turn it off to train with several processes.",
-                                  key="training.fused_backward")
             if int(g.get("num_processes", 1) or 1) != self.world:  # launched by hand: the launcher's count wins
                 OmegaConf.update(self.cfg, "general.num_processes", self.world)
         if self.resume:
@@ -316,8 +327,8 @@ class Trainer:
         """Mean loss over the validation concepts, with a fixed generator (same noise and timesteps every
         time, so the numbers are comparable) and the trained modules in eval mode; not trained on."""
         import torch
-        if not self.is_main or not self.data.validation_batches():  # no collectives: the others go on
-            return None
+        if not self.data.validation_batches() or (not self.is_main and self.fsdp is None):
+            return None  # DDP: rank 0 alone (no collectives); FSDP: every process runs the sharded UNet
         modes = {n: m.training for n, m in self.method.modules.items()}
         for m in self.method.modules.values():
             m.eval()
@@ -352,6 +363,7 @@ class Trainer:
                 batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
                 resumed_from_step=self.pos.step, dataset=self.report.to_dict(),
                 device=str(self.device), world_size=self.world, global_micro_batch=self.global_micro_batch,
+                distributed="fsdp" if self.fsdp is not None else "ddp" if self.world > 1 else "none",
                 global_batch=self.global_micro_batch * t.gradient_accumulation_steps,
                 cache=getattr(self, "cache_summary", None))
         log.info("training %d steps (%d per epoch) on %s", self.total_steps, self.steps_per_epoch, self.device)
@@ -384,10 +396,19 @@ class Trainer:
                     continue
                 if self.grad_sync is not None:  # average gradients (+ loss, stop flag) over the processes
                     loss_acc = self._sync_step(loss_acc)
+                # fp16 on a GPU: accelerate's backward scaled the loss, but the optimizer is ours (never
+                # accelerator.prepare'd), so unscaling and the overflow-skipping step are done here
+                scaler = self.accelerator.scaler
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
                 if t.max_grad_norm > 0:
                     self.accelerator.clip_grad_norm_([p for g in self.groups for p in g["params"]],
                                                      t.max_grad_norm)
-                self.optimizer.step()
+                if scaler is not None:
+                    scaler.step(self.optimizer)  # skipped when a gradient overflowed; the scale then drops
+                    scaler.update()
+                else:
+                    self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.pos.step += 1
@@ -417,7 +438,7 @@ class Trainer:
 
     def _sync_step(self, loss_acc: float) -> float:
         if self._weights_touched:  # rank 0 swapped weights to sample/save: start again from identical ones
-            self.grad_sync.broadcast_from_main()
+            (self.weights_sync or self.grad_sync).broadcast_from_main()
             self._weights_touched = False
         loss_acc, stop = self.grad_sync.step(loss_acc, bool(self._stop_signal_at) or self.stop_requested)
         self.stop_requested = self.stop_requested or stop
@@ -481,10 +502,25 @@ class Trainer:
         if v and step % v == 0:
             self.validate()
         if (s.every_n_steps and step % s.every_n_steps == 0 and step < self.total_steps) \
-                or self.run.control_requested("sample"):
+                or self._requested("sample"):
             self.sample()
-        if (b.every_n_steps and step % b.every_n_steps == 0) or self.run.control_requested("backup"):
+        if (b.every_n_steps and step % b.every_n_steps == 0) or self._requested("backup"):
             self.backup()
+
+    def _requested(self, what: str) -> bool:
+        """The UI asked for a sample or backup now (rank 0 sees the request). With FSDP every process
+        takes part in either, so rank 0's answer is broadcast."""
+        asked = self.run.control_requested(what)
+        if self.fsdp is None:
+            return asked
+        import torch
+        import torch.distributed as dist
+        flag = torch.tensor([1.0 if asked else 0.0], device=self.device)
+        try:
+            dist.broadcast(flag, src=0)
+        except Exception as exc:  # a peer died or hung past general.dist_timeout_s
+            raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+        return bool(flag.item() > 0)
 
     def _after_epoch(self) -> None:
         e = self.pos.epoch
@@ -515,8 +551,8 @@ class Trainer:
     def sample(self) -> List[str]:
         import torch
         prompts = list(self.cfg.sampling.prompts)
-        if not prompts or not self.is_main:
-            return []
+        if not prompts or (not self.is_main and self.fsdp is None):
+            return []  # FSDP: every process runs the pipeline (the sharded UNet gathers per block); rank 0 writes
         self._weights_touched = self.world > 1
         rng_state = torch.get_rng_state()
         modes = {n: m.training for n, m in self.method.modules.items()}
@@ -539,6 +575,8 @@ class Trainer:
                                          **self.model.sampling_kwargs(),
                                          **self.model.prompt_kwargs(sp)).images[0]  # inpainting: image, mask
                         path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}{suffix}.png"
+                        if not self.is_main:
+                            continue
                         tmp = path.with_name(path.stem + ".tmp.png")
                         image.save(tmp)
                         os.replace(tmp, path)
@@ -560,25 +598,39 @@ class Trainer:
 
     # --- backups ---------------------------------------------------------------------------
     def _trainable_state(self) -> Dict[str, Any]:
+        """Whole trained weights on the CPU (FSDP: gathered by every process, kept by rank 0)."""
+        from trainer.fsdp import full_tensor
         trained = self._trained_params()  # not requires_grad: components past their window stay in backups
-        return {f"{name}.{pn}": p.detach().cpu().contiguous()
-                for name, m in self.method.modules.items()
-                for pn, p in m.named_parameters() if id(p) in trained}
+        out = {}
+        for name, m in self.method.modules.items():
+            for pn, p in m.named_parameters():
+                if id(p) in trained:
+                    full = full_tensor(p.detach())
+                    if self.is_main:
+                        out[f"{name}.{pn}"] = full.cpu().contiguous()
+        return out
 
     def backup(self) -> Path:
         import torch
         from safetensors.torch import save_file
         from trainer.io import atomic_dir
         target = self.run.backups / f"backup-step{self.pos.step:06d}"
-        if not self.is_main:  # every process holds the same weights and optimizer state: rank 0 writes
+        weights = optimizer_state = None
+        if self.fsdp is not None:  # every process gathers its shards; rank 0 writes the same files as DDP
+            from trainer.fsdp import full_optimizer_state
+            weights = self._trainable_state()
+            optimizer_state = full_optimizer_state(self.optimizer.state_dict(), keep=self.is_main)
+        if not self.is_main:  # DDP: every process holds the same weights and optimizer state: rank 0 writes
             self._last_backup_step = self.pos.step
             return None
         with atomic_dir(target) as tmp:
             tmp = Path(tmp)
-            save_file(self._trainable_state(), str(tmp / "trainable.safetensors"))
+            save_file(weights if weights is not None else self._trainable_state(), str(tmp / "trainable.safetensors"))
             if self.ema is not None:
                 self.ema.save(tmp)  # ema.safetensors + ema.json
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            torch.save({"optimizer": optimizer_state if optimizer_state is not None else self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(),
+                        "grad_scaler": None if self.accelerator.scaler is None else self.accelerator.scaler.state_dict(),
                         "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python_rng": random.getstate()}, tmp / "training_state.pt")
@@ -624,9 +676,10 @@ class Trainer:
             raise ConfigError(f"Backup {path} does not match this config's trainable weights "
                               f"(e.g. {missing[0]} is missing): LoRA rank, targets or components changed.",
                               key="resume")
+        from trainer.fsdp import load_full_into
         with torch.no_grad():
             for k, p in params.items():
-                p.copy_(weights[k].to(p.device, p.dtype))
+                load_full_into(p, weights[k])  # FSDP: each process takes its piece of the whole weight
         ts = torch.load(path / "training_state.pt", weights_only=False)
         try:
             self.optimizer.load_state_dict(ts["optimizer"])
@@ -634,7 +687,12 @@ class Trainer:
             raise ConfigError(f"Backup {path}: its optimizer state does not fit this config's optimizer ({exc}). "
                               "Resume with the same training.optimizer and training.fused_backward settings.",
                               key="training.optimizer.name") from None
+        if self.fsdp is not None:
+            from trainer.fsdp import shard_optimizer_state
+            shard_optimizer_state(self.optimizer)
         self.scheduler.load_state_dict(ts["scheduler"])
+        if ts.get("grad_scaler") and self.accelerator.scaler is not None:  # fp16: the loss scale reached
+            self.accelerator.scaler.load_state_dict(ts["grad_scaler"])
         self.generator.set_state(ts["generator"])
         torch.set_rng_state(ts["torch_rng"])
         if ts.get("cuda_rng") is not None and torch.cuda.is_available():
@@ -657,10 +715,11 @@ class Trainer:
 
     def save_result(self, suffix: str = "") -> Path:
         path = self.result_path(suffix)
-        if not self.is_main:
+        if not self.is_main and self.fsdp is None:
             return path
         self._weights_touched = self.world > 1
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"atelier_config": json.dumps(to_container(self.cfg)), "atelier_step": str(self.pos.step),
                 "atelier_epoch": str(self.pos.epoch)}
         use_ema = self.ema is not None and self.cfg.ema.save_ema
@@ -668,13 +727,33 @@ class Trainer:
             meta["atelier_ema"] = f"decay={self.cfg.ema.decay:g} updates={self.ema.optimization_step}"
         on_eval(self.optimizer)  # schedule-free optimizers: save the averaged weights
         try:
-            with self.ema.applied() if use_ema else nullcontext():
-                self.method.save(path, self.cfg.output.dtype, meta)
+            with self.ema.applied() if use_ema else nullcontext(), self._whole_unet():
+                if self.is_main:
+                    self.method.save(path, self.cfg.output.dtype, meta)
         finally:
             on_train(self.optimizer)
+        if not self.is_main:
+            return path
         self.run.events.emit("saved", step=self.pos.step, path=str(path), format=self.cfg.output.format)
         log.info("saved %s", path)
         return path
+
+
+    @contextmanager
+    def _whole_unet(self):
+        """FSDP: every process gathers the sharded UNet; on rank 0 ``model.unet`` is an unsharded CPU copy
+        meanwhile, so the exporters read whole weights. Without FSDP: nothing to do."""
+        if self.fsdp is None:
+            yield
+            return
+        sharded = self.model.unet
+        plain = self.fsdp.plain_copy(keep=self.is_main)
+        if plain is not None:
+            self.model.unet = plain
+        try:
+            yield
+        finally:
+            self.model.unet = sharded
 
 
 def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True,

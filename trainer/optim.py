@@ -355,10 +355,6 @@ def _check_fused(cfg, spec: OptimizerSpec) -> None:
                           "reads one optimizer's state). Use lr_scheduler = constant: Adafactor with "
                           "relative_step still computes its own step size.", key="training.lr_scheduler",
                           value="adafactor")
-    if _num_processes(cfg) > 1:
-        raise ConfigError("training.fused_backward works in a single process only: with several processes "
-                          "gradients are averaged after backward, after fused backward already used them. "
-                          "Turn fused_backward off.", key=key, value=True)
 
 
 def _num_processes(cfg) -> int:
@@ -709,6 +705,9 @@ def fused_backward_optimizer(groups: List[Dict[str, Any]], cls: Any, kwargs: Dic
                 defaults = dict(self.per_param[0][2].defaults) if self.per_param else {}
                 super().__init__(groups, defaults)
                 self.optimizer_class = cls
+                #: several processes: averages one weight's gradient over them before its update
+                #: (set by the trainer; every process runs the same hooks in the same order)
+                self.grad_reduce: Optional[Callable[[Any], None]] = None
                 self._handles = [p.register_post_accumulate_grad_hook(self._hook(gi, opt))
                                  for gi, p, opt in self.per_param]
 
@@ -716,6 +715,8 @@ def fused_backward_optimizer(groups: List[Dict[str, Any]], cls: Any, kwargs: Dic
                 def step_now(p) -> None:
                     if p.grad is None:
                         return
+                    if self.grad_reduce is not None:
+                        self.grad_reduce(p)
                     inner = opt.param_groups[0]
                     for k, v in self.param_groups[gi].items():  # the scheduler's current values
                         if k != "params" and k in inner:

@@ -1,0 +1,24 @@
+"""training.fused_backward with several processes: each weight's gradient is averaged over the processes
+inside its hook, right before its update, so 2 processes equal 1 process with the same global batch."""
+
+from __future__ import annotations
+
+from test_distributed import _close, _lora, _sets, _torchrun
+from trainer.__main__ import main as cli
+from trainer.events import read_events
+
+FUSED = ["training.fused_backward=true", "training.max_grad_norm=0", "training.optimizer.name=adamw",
+         "training.lr_scheduler=cosine", "backup.every_n_epochs=0"]
+
+
+def test_fused_backward_on_two_processes_equals_one_process(tiny_workspace):
+    ws = tiny_workspace
+    assert cli(["train", "--preset", "demo", *_sets(ws, "fused-one", *FUSED)]) == 0
+    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "fused-two", "training.batch_size=1", *FUSED)])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    one, two = ws / "runs" / "fused-one", ws / "runs" / "fused-two"
+    _close(_lora(one / "fused-one.safetensors"), _lora(two / "fused-two.safetensors"))
+    steps = [e for e in read_events(two / "events.jsonl") if e["type"] == "step"]
+    ref = [e["loss"] for e in read_events(one / "events.jsonl") if e["type"] == "step"]
+    assert len(steps) == len(ref) == 8
+    assert [s["loss"] for s in steps] == __import__("pytest").approx(ref, abs=1e-5)
