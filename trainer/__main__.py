@@ -78,6 +78,30 @@ def _effective_batch(cfg) -> str:
             f"{n} process(es) = {t.batch_size * t.gradient_accumulation_steps * n}")
 
 
+def _one_gpu(cfg, apply: bool) -> Optional[str]:
+    """One process on a chosen GPU (``general.gpu_ids`` = one id): make it the only one this process sees,
+    as accelerate's ``--gpu_ids`` does for several. Returns an error message for a list that cannot work."""
+    g = cfg.general
+    ids = [s.strip() for s in str(g.get("gpu_ids", "") or "").split(",") if s.strip()]
+    if int(g.get("num_processes", 1) or 1) != 1 or not ids or g.device == "cpu":
+        return None
+    if len(ids) > 1:
+        return (f"general.gpu_ids lists {len(ids)} GPUs ({','.join(ids)}) but general.num_processes = 1: set "
+                f"num_processes = {len(ids)} to train on all of them, or list one GPU.")
+    if not ids[0].isdigit():
+        return f"general.gpu_ids = {ids[0]!r} is not a GPU number (0, 1, ...)."
+    if apply:
+        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if seen:  # already narrowed: the id counts within what this process may see
+            visible = [s.strip() for s in seen.split(",") if s.strip()]
+            if int(ids[0]) >= len(visible):
+                return (f"general.gpu_ids = {ids[0]}, but CUDA_VISIBLE_DEVICES={seen} leaves GPUs 0..{len(visible) - 1}.")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible[int(ids[0])]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ids[0]
+    return None
+
+
 def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     """Run this same command under ``accelerate launch`` with general.num_processes processes, wait,
     and make sure the run ends with a terminal event naming the failed rank (a rank can die too hard
@@ -117,9 +141,13 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     return 0 if rc == 0 else 1
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
+    """The CLI. ``fresh_process``: this is its own ``python -m trainer`` process (start-up trims apply)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if fresh_process and args.command == "train":
+        from trainer.startup import pause_gc
+        pause_gc()  # until set-up is done (see trainer/startup.py)
     from trainer.config import ConfigError, cross_field_warnings
 
     if args.command == "presets":
@@ -206,14 +234,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"Config error: --resume last needs an existing run folder; {run_dir} does not exist.",
               file=sys.stderr)
         return 2
+    problem = None if launched() else _one_gpu(cfg, apply=fresh_process)
+    if problem:
+        print(f"Config error: {problem}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
+    if fresh_process:
+        from trainer.startup import skip_unused_imports
+        skip_unused_imports(cfg)
     from trainer.loop import run_training
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(fresh_process=True))

@@ -353,6 +353,8 @@ class Trainer:
     # --- the run ---------------------------------------------------------------------------
     def train(self) -> str:
         import torch
+
+        from trainer.startup import resume_gc
         cfg = self.cfg
         t = cfg.training
         ev = self.run.events
@@ -415,6 +417,7 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.after_optimizer_step(self.pos.step)
                 self._after_step(loss_acc, t_start, steps_at_start, bar)
+                resume_gc()  # paused during a fresh process's start-up (trainer/startup.py); no-op after
                 fault_injection(self.rank, self.pos.step)
                 loss_acc = 0.0
                 if self.stop_requested:

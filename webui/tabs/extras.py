@@ -22,8 +22,56 @@ THUMBS = 24
 
 
 def extras(ctx: AppContext) -> Dict[str, Callable[[], None]]:
-    return {"concepts": lambda: concepts(ctx), "sampling": lambda: sampling(ctx),
-            "backup": lambda: backup(ctx)}
+    return {"general": lambda: general(ctx), "concepts": lambda: concepts(ctx),
+            "sampling": lambda: sampling(ctx), "backup": lambda: backup(ctx)}
+
+
+def general(ctx: AppContext) -> None:
+    """Devices: the GPUs nvidia-smi lists, ticked into general.gpu_ids / general.num_processes (one
+    process per GPU), and what Start will launch with the current settings."""
+    from webui import devices
+    assert ctx.form is not None
+    w = ctx.form.widgets
+    if not all(k in w for k in ("general.gpu_ids", "general.num_processes")):
+        return
+    gpus, note = devices.detect_gpus()
+    gr.Markdown("### Devices\nTick the GPUs to train on: one training process each. More than one GPU launches "
+                "through accelerate (DDP, or FSDP per general.distributed); a config made for one GPU runs "
+                "unchanged on several.")
+    picker = gr.CheckboxGroup(choices=[g.label for g in gpus], label="GPUs to train on",
+                              elem_id="gpu-picker", visible=bool(gpus),
+                              value=devices.fields_to_selection(gpus, "", 1))
+    gr.Markdown(note or f"{len(gpus)} GPU(s) found by nvidia-smi.", elem_id="gpu-note")
+    summary = gr.Markdown(elem_id="launch-summary")
+    ctx.components["gpu_picker"] = picker
+
+    def picked(selected: List[str]) -> List[Any]:
+        if not selected:  # nothing ticked: leave the fields as they are (the first GPU by default)
+            return [gr.update(), gr.update()]
+        ids, n = devices.selection_to_fields(selected)
+        return [ids, n]
+
+    def from_fields(ids: str, n: Any) -> Any:
+        return gr.update(value=devices.fields_to_selection(gpus, ids, int(n or 1))) if gpus else gr.update()
+
+    keys = ["general.num_processes", "general.gpu_ids", "training.batch_size",
+            "training.gradient_accumulation_steps", "general.device"]
+
+    def summarise(*values: Any) -> str:
+        n, ids, b, a, dev = values
+        return devices.launch_summary(int(n or 1), ids or "", b, a, dev or "auto", gpus)
+    ctx.handlers["launch_summary"] = summarise
+
+    def wire() -> None:
+        if gpus:
+            picker.input(picked, [picker], [w["general.gpu_ids"], w["general.num_processes"]])
+            for k in ("general.gpu_ids", "general.num_processes"):
+                w[k].change(from_fields, [w["general.gpu_ids"], w["general.num_processes"]], [picker],
+                            show_progress="hidden")
+        if all(k in w for k in keys):
+            for k in keys:
+                w[k].change(summarise, [w[k2] for k2 in keys], [summary], show_progress="hidden")
+    ctx.after_build.append(wire)
 
 
 def resolve_path(value: str) -> str:
