@@ -4,57 +4,86 @@
     .venv/bin/python bench/bench_train.py                       # the demo preset
     .venv/bin/python bench/bench_train.py --preset sd15-lora --set model.path=/models/sd15.safetensors \
         --set data.concepts.0.path=/data/dog
+    # the same run, side by side with diffusers' own example script (needs torchvision + datasets):
+    PY/bin/python bench/bench_train.py --diffusers-script ~/diffusers/examples/text_to_image/train_text_to_image_lora.py
 
 Runs ``python -m trainer train`` as a child process (so start-up, imports and model loading count, as
 they do for a user), reads its events.jsonl, and prints one JSON line plus a table row for
-docs/performance.md. Peak RAM is the child's max RSS; peak VRAM comes from the trainer's own
+docs/performance.md. Peak RAM is the child's own max RSS; peak VRAM comes from the trainer's own
 ``started``/``finished`` events when it ran on a GPU.
+
+With ``--diffusers-script`` the bench also prepares the same model (a diffusers folder), images and
+captions (an imagefolder with metadata.jsonl) and settings for diffusers'
+``train_text_to_image_lora.py``, runs it as a child too, reads its step times from its progress bar,
+and prints both rows. Sampling and backups are off in both runs (the script's validation is not the
+same thing), and each trainer gets one unmeasured warm-up run (model build, latent cache, datasets
+cache, disk cache) before the measured ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import resource
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from childproc import run_child, steady_rate  # noqa: E402
+
+# what the comparison run turns off in Atelier (the script does no sampling and no mid-run checkpoint)
+COMPARE_OVERRIDES = ["sampling.prompts=[]", "backup.every_n_epochs=0", "backup.every_n_steps=0",
+                     "output.save_every_n_epochs=0"]
+FIGURES = ("time_to_first_step_s", "time_to_started_s", "loop_steps_per_s", "steady_steps_per_s",
+           "process_steps_per_s", "wall_s", "exit_s_after_last_step",
+           "end_s_after_last_step", "peak_ram_mib", "peak_vram_mib", "caching_images_per_s")
 
 
-def measure(preset: str, overrides: list, workspace: Path, run_name: str) -> dict:
+def thread_env(threads: Optional[int]) -> Optional[dict]:
+    """The children's environment: torch's thread pool capped at ``threads`` (None = torch's default)."""
+    if not threads:
+        return None
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+
+
+def measure(preset: str, overrides: list, workspace: Path, run_name: str, python: str = sys.executable,
+            env: Optional[dict] = None) -> dict:
     from trainer.events import read_events
-    cmd = [sys.executable, "-m", "trainer", "train", "--preset", preset, "--no-progress",
+    cmd = [python, "-m", "trainer", "train", "--preset", preset, "--no-progress",
            "--set", f"general.workspace={workspace}", "--set", f"general.run_name={run_name}",
            *[x for o in overrides for x in ("--set", o)]]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    wall = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"training failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    res = run_child(cmd, cwd=ROOT, env=env, log_path=workspace / f"{run_name}.log")
+    if res.returncode != 0:
+        raise SystemExit(f"training failed ({res.returncode}):\n" + "\n".join(res.tail[-30:]))
     events = read_events(workspace / "runs" / run_name / "events.jsonl")
     started = next(e for e in events if e["type"] == "started")
     steps = [e for e in events if e["type"] == "step"]
     end = next(e for e in events if e["type"] in ("finished", "stopped", "failed"))
     loop_s = steps[-1]["time"] - steps[0]["time"]
     return {
+        "trainer": "atelier",
         "preset": preset,
         "overrides": overrides,
         "steps": len(steps),
         "batch_size": started["batch_size"],
         "device": started.get("device"),
-        "time_to_first_step_s": round(steps[0]["time"] - t0, 2),
-        "time_to_started_s": round(started["time"] - t0, 2),
+        "time_to_first_step_s": round(steps[0]["time"] - res.t0, 2),
+        "time_to_started_s": round(started["time"] - res.t0, 2),
         "loop_steps_per_s": round((len(steps) - 1) / loop_s, 2) if loop_s > 0 else None,
-        "process_steps_per_s": round(len(steps) / wall, 2),
-        "wall_s": round(wall, 2),
-        "end_s_after_last_step": round(end["time"] - steps[-1]["time"], 2),
-        "peak_ram_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "steady_steps_per_s": steady_rate([(e["step"], e["time"]) for e in steps]),
+        "process_steps_per_s": round(len(steps) / res.wall_s, 2),
+        "wall_s": round(res.wall_s, 2),
+        "end_s_after_last_step": round(end["time"] - steps[-1]["time"], 2),  # to the `finished` event
+        "exit_s_after_last_step": round(res.t0 + res.wall_s - steps[-1]["time"], 2),  # to the process's exit
+        "peak_ram_mib": res.max_rss_mib,
         "peak_vram_mib": end.get("peak_vram_mib"),
         "cache": started.get("cache"),
         "caching_images_per_s": _caching_rate(started.get("cache")),
@@ -68,6 +97,99 @@ def _caching_rate(cache) -> "float | None":
     return round(cache["latents_encoded"] / cache["seconds"], 2)
 
 
+def median_of(runs: List[dict]) -> dict:
+    """The first run's fields, with each figure replaced by the median over ``runs``."""
+    out = dict(runs[0])
+    for key in FIGURES:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = round(statistics.median(values), 2) if values else None
+    if len(runs) > 1:
+        out["runs"] = len(runs)
+        out["all"] = {k: [r.get(k) for r in runs] for k in ("time_to_first_step_s", "loop_steps_per_s",
+                                                            "steady_steps_per_s", "process_steps_per_s",
+                                                            "peak_ram_mib")}
+    return out
+
+
+def _row(r: dict, label: str) -> str:
+    ram = f"{r['peak_ram_mib']} MiB" if r.get("peak_ram_mib") is not None else "–"
+    cache = r.get("caching_images_per_s")
+    return (f"| {label} | {r.get('device')} | {r['steps']} | {r['time_to_first_step_s']} s | "
+            f"{r['loop_steps_per_s']} | {r.get('steady_steps_per_s')} | {r['process_steps_per_s']} | {ram} | "
+            f"{cache if cache is not None else '–'} |")
+
+
+def _machine() -> Dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"machine": f"{platform.machine()} {platform.processor() or ''} cores={os.cpu_count()}".replace("  ", " "),
+            "load_before": [round(x, 2) for x in load] if load else None}
+
+
+def _torch_version(python: str) -> str:
+    if python == sys.executable:
+        import torch
+        return torch.__version__
+    import subprocess
+    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True).stdout.strip() or "?"
+
+
+def compare(args, ws: Path) -> int:
+    """Atelier and diffusers' train_text_to_image_lora.py on the same model, data and settings."""
+    import diffusers_compare as dc
+    from trainer.config import load_config
+
+    script, script_info = dc.check_script(args.diffusers_script)
+    dpython = args.diffusers_python or sys.executable
+    interp = dc.check_interpreter(dpython, script=script)
+    overrides = args.overrides + COMPARE_OVERRIDES
+    machine = _machine()
+    env = thread_env(args.threads)
+
+    # Atelier warm-up: builds a built-in model, fills the latent/text caches (as in the plain bench)
+    if not args.no_warmup:
+        measure(args.preset, overrides + ["training.max_steps=1"], ws, f"warmup-{int(time.time())}", env=env)
+    cfg = load_config(None, overrides + [f"general.workspace={ws}"], preset=args.preset)
+    inputs = dc.prepare_inputs(cfg, ws / "diffusers", base_dir=ROOT)
+
+    atelier_runs, diffusers_runs, notes = [], [], []
+    for i in range(args.repeat):
+        atelier_runs.append(measure(args.preset, overrides, ws, f"bench-{int(time.time())}-{i}", env=env))
+        steps = atelier_runs[0]["steps"]
+        if i == 0:
+            sargs, notes = dc.script_args(cfg, inputs, steps, ws / "diffusers" / "output",
+                                          ws / "diffusers" / "hf-cache", script_info)
+            sargs += args.diffusers_arg
+            if not args.no_warmup:  # datasets' imagefolder cache, page cache, .pyc files
+                warm = list(sargs)
+                warm[warm.index("--max_train_steps") + 1] = "1"
+                dc.measure_diffusers(interp["executable"], script, warm, ws / "diffusers", "warmup",
+                                     threads=args.threads)
+        diffusers_runs.append(dc.measure_diffusers(interp["executable"], script, sargs, ws / "diffusers",
+                                                   f"bench-{i}", threads=args.threads))
+    a, d = median_of(atelier_runs), median_of(diffusers_runs)
+    a["torch"] = _torch_version(sys.executable)
+    d["torch"] = interp["versions"].get("torch")
+    d["script"] = script_info
+    d["args"] = sargs
+    result = {"compare": True, "preset": args.preset, "overrides": overrides, "threads": args.threads,
+              **machine,
+              "load_after": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+              "inputs": inputs, "not_equivalent": notes, "atelier": a, "diffusers": d,
+              "versions": {"atelier_python": sys.executable, "diffusers_python": interp["executable"],
+                           **{k: v for k, v in interp["versions"].items()}}}
+    print(json.dumps(result))
+    print("| trainer | device | steps | first step | loop steps/s | median-step steps/s | process steps/s | "
+          "peak RAM | caching img/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    label = ", ".join([args.preset, *args.overrides])
+    print(_row(a, f"Atelier ({label})"))
+    print(_row(d, "diffusers train_text_to_image_lora.py"))
+    for n in notes:
+        print(f"- not the same: {n}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="demo")
@@ -76,14 +198,37 @@ def main() -> int:
                                         "and latent cache are built in a first, unmeasured warm-up run).")
     ap.add_argument("--no-warmup", action="store_true", help="Measure a cold first run (builds the tiny model, "
                                                          "fills the caches: gives caching images/s).")
+    ap.add_argument("--diffusers-script", metavar="PATH",
+                    help="Also run diffusers' examples/text_to_image/train_text_to_image_lora.py (this file, or "
+                         "a diffusers checkout) on the same model, images and settings, and print both rows.")
+    ap.add_argument("--diffusers-python", metavar="PATH",
+                    help="Interpreter for the diffusers script (default: this one); it needs torch, "
+                         "torchvision, datasets, diffusers, transformers, accelerate and peft.")
+    ap.add_argument("--diffusers-arg", action="append", default=[], metavar="ARG",
+                    help="Extra argument for the diffusers script (repeatable), e.g. "
+                         "--diffusers-arg=--dataloader_num_workers=2.")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="Cap torch's CPU threads in every measured child (OMP_NUM_THREADS); default: torch's "
+                         "own choice. On a shared, busy CPU 1 thread gives steadier figures.")
+    ap.add_argument("--repeat", type=int, default=1, help="Measured runs per trainer (alternating); "
+                                                          "figures are medians.")
     args = ap.parse_args()
     ws = Path(args.workspace) if args.workspace else Path(tempfile.mkdtemp(prefix="atelier-bench-"))
+    ws.mkdir(parents=True, exist_ok=True)
+    if args.diffusers_script or args.diffusers_python:
+        if not args.diffusers_script:
+            raise SystemExit("bench: --diffusers-python needs --diffusers-script PATH.")
+        return compare(args, ws)
+    machine = _machine()
+    env = thread_env(args.threads)
     if not args.no_warmup:
-        measure(args.preset, args.overrides + ["sampling.prompts=[]", "training.max_steps=1"], ws, "warmup")
-    result = measure(args.preset, args.overrides, ws, f"bench-{int(time.time())}")
-    import torch
-    result["machine"] = f"{platform.machine()} {platform.processor() or ''} cores={__import__('os').cpu_count()}"
-    result["torch"] = torch.__version__
+        measure(args.preset, args.overrides + ["sampling.prompts=[]", "training.max_steps=1"], ws,
+                f"warmup-{int(time.time())}", env=env)
+    runs = [measure(args.preset, args.overrides, ws, f"bench-{int(time.time())}-{i}", env=env)
+            for i in range(args.repeat)]
+    result = median_of(runs)
+    result.update(machine, threads=args.threads)
+    result["torch"] = _torch_version(sys.executable)
     print(json.dumps(result))
     print(f"| {result['preset']} | {result['device']} | {result['time_to_first_step_s']} s | "
           f"{result['loop_steps_per_s']} | {result['process_steps_per_s']} | {result['peak_ram_mib']} MiB |")

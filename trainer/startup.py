@@ -48,8 +48,8 @@ def skip_unused_imports(cfg) -> List[str]:
 # --- garbage collection during start-up ---------------------------------------------------------
 # Importing torch/diffusers/transformers creates hundreds of thousands of objects, and the cyclic GC
 # runs again and again over all of them (≈ 10 % of the import CPU time here). A fresh training process
-# pauses it until the first step is about to run, then freezes what start-up built (modules, classes,
-# configs: kept for the whole run) so later collections skip it.
+# pauses it until its first step is done, then freezes what start-up built (modules, classes, configs:
+# kept for the whole run) so later collections skip it.
 _gc_paused = False
 
 
@@ -66,7 +66,8 @@ def resume_gc() -> None:
     global _gc_paused
     if _gc_paused:
         import gc
-        gc.collect()  # garbage start-up made, before freezing the survivors
+        # no gc.collect() first: it takes ~0.5 s over ~700k start-up objects and finds ~14k unreachable
+        # ones (RSS unchanged, measured on the demo); they stay frozen with the rest, a few MB at most
         gc.freeze()
         gc.enable()
         _gc_paused = False

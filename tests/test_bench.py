@@ -1,0 +1,122 @@
+"""bench/: the diffusers comparison's checks, input preparation, argument mapping and step timing.
+
+None of this runs diffusers' script (it is not in the repo, and needs torchvision + datasets): the
+checks are driven with fake scripts and modules, the timing with a small child that draws a tqdm-like bar.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import diffusers_compare as dc  # noqa: E402
+from childproc import loop_rate, run_child, steady_rate  # noqa: E402
+
+FAKE_SCRIPT = """
+parser.add_argument("--train_data_dir")
+parser.add_argument("--rank")
+from peft import LoraConfig
+check_min_version("0.37.0.dev0")
+"""
+
+
+def test_missing_script_names_the_path(tmp_path):
+    with pytest.raises(SystemExit, match=r"no-such\.py: no such file"):
+        dc.check_script(tmp_path / "no-such.py")
+
+
+def test_script_checks(tmp_path):
+    old = tmp_path / "old.py"
+    old.write_text('parser.add_argument("--train_data_dir")\nparser.add_argument("--rank")\n'
+                   "from diffusers.models.attention_processor import LoRAAttnProcessor\n")
+    with pytest.raises(SystemExit, match="old version"):
+        dc.check_script(old)
+    other = tmp_path / "other.py"
+    other.write_text("print('hello')\n")
+    with pytest.raises(SystemExit, match="does not look like"):
+        dc.check_script(other)
+    checkout = tmp_path / "diffusers"
+    script = checkout / dc.SCRIPT_RELPATH
+    script.parent.mkdir(parents=True)
+    script.write_text(FAKE_SCRIPT)
+    path, info = dc.check_script(checkout)  # a checkout's top folder is accepted
+    assert path == script.resolve() and info["min_version"] == "0.37.0.dev0"
+
+
+def test_interpreter_without_modules_is_refused():
+    with pytest.raises(SystemExit) as exc:
+        dc.check_interpreter(sys.executable, modules=("json", "no_such_module_for_bench"))
+    msg = str(exc.value)
+    assert sys.executable in msg and "no_such_module_for_bench" in msg and "json" not in msg.split("needs")[0]
+    with pytest.raises(SystemExit, match="no such interpreter"):
+        dc.check_interpreter("/no/such/python")
+    info = dc.check_interpreter(sys.executable, modules=("json",))
+    assert "json" in info["versions"]
+
+
+def _demo_cfg(ws: Path):
+    from trainer.config import load_config
+    return load_config(None, [f"general.workspace={ws}", "sampling.prompts=[]"], preset="demo")
+
+
+def test_dataset_is_an_imagefolder_with_the_same_captions(tmp_path):
+    cfg = _demo_cfg(tmp_path)
+    out = dc.prepare_dataset(cfg, tmp_path / "data", base_dir=ROOT)
+    rows = [json.loads(line) for line in (tmp_path / "data" / "metadata.jsonl").read_text().splitlines()]
+    assert out["images"] == len(rows) == len(list((ROOT / "presets" / "demo-data").glob("*.png")))
+    for row in rows:
+        image = tmp_path / "data" / row["file_name"]
+        original = image.resolve()
+        assert original.read_bytes() == image.read_bytes()
+        assert row["text"] == original.with_suffix(".txt").read_text().strip()
+
+
+def test_script_args_match_the_demo_settings(tmp_path):
+    cfg = _demo_cfg(tmp_path)
+    inputs = {"model": "/m", "train_data_dir": "/d"}
+    args, notes = dc.script_args(cfg, inputs, 32, tmp_path / "out", tmp_path / "cache")
+
+    def value(flag):
+        return args[args.index(flag) + 1]
+
+    assert value("--resolution") == "64" and value("--train_batch_size") == "2"
+    assert value("--max_train_steps") == "32" and value("--rank") == "4"
+    assert float(value("--learning_rate")) == 0.001 and value("--lr_scheduler") == "constant"
+    assert value("--lr_warmup_steps") == "0" and value("--seed") == str(cfg.general.seed)
+    assert value("--mixed_precision") == "no" and "--center_crop" in args
+    assert int(value("--checkpointing_steps")) > 32  # no mid-run checkpoint, like Atelier's comparison run
+    assert any("caches" in n for n in notes)
+
+
+def test_bar_watcher_and_child_timing(tmp_path):
+    child = tmp_path / "child.py"
+    child.write_text(textwrap.dedent("""
+        import sys, time
+        print("Device: cpu", flush=True)
+        print("***** Running training *****", flush=True)
+        for n in range(0, 6):
+            sys.stderr.write(f"\\rSteps: {n*20}%|##| {n}/5 [00:00<00:00, 1.0it/s]")
+            sys.stderr.flush()
+            if n != 3:  # a skipped redraw: the rate must still be right
+                time.sleep(0.05)
+        sys.stderr.write("\\n")
+    """))
+    watcher = dc.BarWatcher()
+    res = run_child([sys.executable, str(child)], watch=watcher, log_path=tmp_path / "child.log")
+    assert res.returncode == 0 and res.wall_s > 0
+    assert [n for n, _ in watcher.marks] == [1, 2, 3, 4, 5] and watcher.total == 5
+    assert watcher.device == "cpu" and watcher.started is not None
+    assert res.max_rss_mib is None or res.max_rss_mib > 1
+    rate = loop_rate(watcher.marks)
+    assert rate is not None and rate > 0
+    assert loop_rate([(1, 0.0), (5, 2.0)]) == 2.0 and loop_rate([(1, 0.0)]) is None
+    # one stall after the first step moves the first-to-last rate, not the median step
+    marks = [(1, 0.0), (2, 1.0), (3, 1.1), (4, 1.2), (5, 1.3)]
+    assert loop_rate(marks) == 3.08 and steady_rate(marks) == 10.0 and steady_rate([(1, 0.0)]) is None
