@@ -220,44 +220,20 @@ def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, fam
                          **common: Any):
     """Stands in for ``trainer.models.base.load_pipeline``: the same pipeline class and components,
     built from the configs alone (random init; fake tensors under the fake session), in the dtypes
-    ``load_pipeline`` would load them in."""
-    import diffusers
-    import transformers
+    ``load_pipeline`` would load them in — the trainer's own component loader with the weights left out."""
+    from trainer.models.base import load_components
 
-    from trainer.models import sd_configs
-    folder = _config_folder(source, mcfg, workspace, family)
-    expected, optional = pipeline_cls._get_signature_keys(pipeline_cls)
-    parts: Dict[str, Any] = {k: v for k, v in common.items() if k in expected}
-    for name in sorted(set(expected) - set(parts)):
-        sub = folder / name
-        if not sub.is_dir():
-            if name in pipeline_cls._optional_components:
-                parts[name] = None
-                continue
-            raise FileNotFoundError(f"{folder} has no {name}/ config")
-        dt = dtype.get(name, dtype.get("default")) if isinstance(dtype, dict) else dtype
-        if (sub / "scheduler_config.json").is_file():
-            cls_name = sd_configs._read_json(sub / "scheduler_config.json").get("_class_name", "")
-            parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
-        elif name.startswith("tokenizer"):
-            tok_cfg = sub / "tokenizer_config.json"
-            cls_name = sd_configs._read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None
-            cls_name = str(cls_name or "CLIPTokenizer").removesuffix("Fast")
-            cls = getattr(transformers, cls_name, transformers.CLIPTokenizer)
-            parts[name] = cls.from_pretrained(str(folder), subfolder=name)
-        else:
-            cfg = sd_configs._read_json(sub / "config.json")
-            with _default_dtype(dt):  # built in its dtype: real tensors (tests, --real) never need fp32 RAM
-                if cfg.get("_class_name"):
-                    cls = getattr(diffusers, cfg["_class_name"])
-                    module = cls.from_config(cls.load_config(str(sub)))
-                else:
-                    arch = getattr(transformers, (cfg.get("architectures") or ["CLIPTextModel"])[0])
-                    module = arch(arch.config_class.from_pretrained(str(sub)))
-            if dt is not None:
-                module.to(dtype=dt)
-            parts[name] = module.eval()
-    return pipeline_cls(**parts, **{k: v for k, v in common.items() if k in optional})
+    def build(cls: Any, sub: Path, dt: Any) -> Any:
+        with _default_dtype(dt):  # built in its dtype: real tensors (tests, --real) never need fp32 RAM
+            if hasattr(cls, "load_config"):  # diffusers model
+                module = cls.from_config(cls.load_config(str(sub)))
+            else:  # transformers model
+                module = cls(cls.config_class.from_pretrained(str(sub)))
+        if dt is not None:
+            module.to(dtype=dt)
+        return module.eval()
+    return load_components(pipeline_cls, _config_folder(source, mcfg, workspace, family), dtype,
+                           build_model=build, **common)
 
 
 @contextlib.contextmanager

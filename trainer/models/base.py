@@ -211,11 +211,12 @@ def _usable_index(folder: Path) -> bool:
         return False
 
 
-def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, **common: Any):
+def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_model: Any = None, **common: Any):
     """``pipeline_cls`` from a diffusers folder without a usable ``model_index.json``: each component from
     its own subfolder, its class read from its config (``_class_name`` for diffusers models and
     schedulers, ``architectures`` for transformers models, ``tokenizer_class`` for tokenizers).
-    Components the pipeline may go without (safety checker, image encoder …) are None when absent."""
+    Components the pipeline may go without (safety checker, image encoder …) are None when absent.
+    ``build_model(cls, subfolder, dtype)`` replaces ``cls.from_pretrained`` for the models (weights)."""
     import diffusers
     import transformers
 
@@ -243,10 +244,11 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, **common
         else:
             cfg = sd_configs._read_json(sub / "config.json")
             if cfg.get("_class_name"):
-                parts[name] = getattr(diffusers, cfg["_class_name"]).from_pretrained(str(folder), subfolder=name, **dkw)
+                cls = getattr(diffusers, cfg["_class_name"])
             else:
-                arch = (cfg.get("architectures") or [""])[0]
-                parts[name] = getattr(transformers, arch).from_pretrained(str(folder), subfolder=name, **dkw)
+                cls = getattr(transformers, (cfg.get("architectures") or ["CLIPTextModel"])[0])
+            parts[name] = (build_model(cls, sub, dt) if build_model is not None
+                           else cls.from_pretrained(str(folder), subfolder=name, **dkw))
     return pipeline_cls(**parts, **{k: v for k, v in common.items() if k in optional})
 
 
