@@ -173,7 +173,8 @@ def test_start_tail_and_finish(manager):
     assert view.samples[-1].prompt == "a blue circle" and "step 12" in view.samples[-1].caption
     wait_for(lambda: (run_dir / runner.EXIT).exists(), 10, "exit.json")
     assert json.loads((run_dir / runner.EXIT).read_text())["returncode"] == 0
-    assert manager.active_runs() == []
+    # exit.json is written by the supervisor just before it exits itself: the run leaves the active list then
+    wait_for(lambda: manager.active_runs() == [], 10, "the run to leave the active list")
 
 
 def test_stop_finishes_the_step_writes_a_backup_and_reports_stopped(manager, monkeypatch):
