@@ -42,27 +42,18 @@ def test_dataset_report_does_not_import_torch():
 
 
 def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    from test_webui_e2e import CHROMIUM, CHROMIUM_ARGS
+    from test_webui_e2e import open_page
     url, _ctx = page_url
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1400})
-        try:
-            page.goto(url)
-            page.wait_for_selector("#start-btn", timeout=60000)
-            page.locator("#preset-select input").click()
-            page.get_by_role("option", name="demo", exact=True).click()
-            page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
-                                   timeout=30000)
-            page.get_by_role("tab", name="Concepts", exact=True).click()
-            page.locator("#concepts-dataset-btn").click()
-            page.wait_for_function(
-                "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
-                timeout=60000)
-            text = page.locator("#concepts-dataset-report").inner_text()
-            assert "8 used / 8 found" in text and "64x64" in text
-            page.screenshot(path=str(tmp_path / "concepts-report.png"), full_page=True)
-        finally:
-            browser.close()
+    with open_page(url, height=1400) as page:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name="demo", exact=True).click()
+        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
+                               timeout=30000)
+        page.get_by_role("tab", name="Concepts", exact=True).click()
+        page.locator("#concepts-dataset-btn").click()
+        page.wait_for_function(
+            "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
+            timeout=60000)
+        text = page.locator("#concepts-dataset-report").inner_text()
+        assert "8 used / 8 found" in text and "64x64" in text
+        page.screenshot(path=str(tmp_path / "concepts-report.png"), full_page=True)

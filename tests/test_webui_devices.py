@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 import pytest
 
-from test_webui_e2e import CHROMIUM, CHROMIUM_ARGS, free_port
+from test_webui_e2e import free_port, open_page
 from webui import devices
 
 FAKE_SMI = """#!/bin/sh
@@ -86,32 +85,24 @@ def page_with_gpus(fake_gpus, tmp_path):
 
 
 def test_ticking_gpus_sets_processes_and_shows_the_launch(page_with_gpus):
-    from playwright.sync_api import sync_playwright
     url, ctx = page_with_gpus
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(url)
-            page.wait_for_selector("#start-btn", timeout=60000)
-            page.get_by_role("tab", name="General", exact=True).click()
-            picker = page.locator("#gpu-picker")
-            picker.wait_for(state="visible", timeout=20000)
-            assert "2 GPU(s) found" in page.locator("#gpu-note").inner_text()
-            second = picker.get_by_label("1: NVIDIA H100 80GB HBM3 (80 GiB)")
-            second.check()
-            page.wait_for_function(
-                "document.querySelector('#launch-summary').innerText.includes('2 processes')", timeout=20000)
-            summary = page.locator("#launch-summary").inner_text()
-            assert "accelerate launch" in summary and "GPU 0, 1" in summary
-            ids = ctx.form.widgets["general.gpu_ids"].elem_id
-            procs = ctx.form.widgets["general.num_processes"].elem_id
-            assert page.locator(f"#{ids} input, #{ids} textarea").first.input_value() == "0,1"
-            assert page.locator(f"#{procs} input[type=number]").input_value() == "2"
-            picker.get_by_label("0: NVIDIA H100 80GB HBM3 (80 GiB)").uncheck()  # only GPU 1 now
-            page.wait_for_function(
-                "document.querySelector('#launch-summary').innerText.includes('one training process on GPU 1')",
-                timeout=20000)
-            assert page.locator(f"#{procs} input[type=number]").input_value() == "1"
-        finally:
-            browser.close()
+    with open_page(url) as page:
+        page.get_by_role("tab", name="General", exact=True).click()
+        picker = page.locator("#gpu-picker")
+        picker.wait_for(state="visible", timeout=20000)
+        assert "2 GPU(s) found" in page.locator("#gpu-note").inner_text()
+        second = picker.get_by_label("1: NVIDIA H100 80GB HBM3 (80 GiB)")
+        second.check()
+        page.wait_for_function(
+            "document.querySelector('#launch-summary').innerText.includes('2 processes')", timeout=20000)
+        summary = page.locator("#launch-summary").inner_text()
+        assert "accelerate launch" in summary and "GPU 0, 1" in summary
+        ids = ctx.form.widgets["general.gpu_ids"].elem_id
+        procs = ctx.form.widgets["general.num_processes"].elem_id
+        assert page.locator(f"#{ids} input, #{ids} textarea").first.input_value() == "0,1"
+        assert page.locator(f"#{procs} input[type=number]").input_value() == "2"
+        picker.get_by_label("0: NVIDIA H100 80GB HBM3 (80 GiB)").uncheck()  # only GPU 1 now
+        page.wait_for_function(
+            "document.querySelector('#launch-summary').innerText.includes('one training process on GPU 1')",
+            timeout=20000)
+        assert page.locator(f"#{procs} input[type=number]").input_value() == "1"

@@ -4,6 +4,7 @@ Stop, and the run shown as stopped with a backup. About a minute and a half on a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -23,6 +24,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def open_page(url: str, height: int = 1000):
+    """A Debian-chromium page on the served app, loaded up to the Start button; closed afterwards."""
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": height})
+            page.goto(url)
+            page.wait_for_selector("#start-btn", timeout=60000)
+            yield page
+        finally:
+            browser.close()
 
 
 @pytest.fixture
@@ -58,14 +74,9 @@ def wait_state(page, states: tuple, timeout: float) -> str:
 
 def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
     assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "Debian's chromium is required"
-    from playwright.sync_api import sync_playwright
     url, ctx = page_url
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    with open_page(url) as page:
         try:
-            page.goto(url)
-            page.wait_for_selector("#start-btn", timeout=60000)
             page.locator("#preset-select input").click()
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
@@ -108,7 +119,5 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             except Exception:
                 pass
             raise
-        finally:
-            browser.close()
     runs = sorted(p.name for p in (ctx.workspace / "runs").iterdir())
     assert len(runs) == 2

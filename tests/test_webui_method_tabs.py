@@ -14,9 +14,7 @@ def test_visibility_rules():
 
 
 def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
-    from playwright.sync_api import sync_playwright
-
-    from test_webui_e2e import CHROMIUM, CHROMIUM_ARGS
+    from test_webui_e2e import open_page
     url, ctx = page_url
 
     def choose(page, preset: str) -> None:
@@ -25,21 +23,14 @@ def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
         page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
                                timeout=30000)
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(url)
-            page.wait_for_selector("#start-btn", timeout=60000)
-            choose(page, "demo-finetune")
-            page.get_by_role("tab", name="LoRA", exact=True).click()
-            page.locator("#tab-note-lora").wait_for(state="visible", timeout=20000)
-            assert not page.locator("#tab-body-lora").is_visible()
-            choose(page, "demo")
-            page.get_by_role("tab", name="LoRA", exact=True).click()
-            page.locator("#tab-body-lora").wait_for(state="visible", timeout=20000)
-            assert not page.locator("#tab-note-lora").is_visible()
-            rank = page.locator("#tab-body-lora input[type=number]").first
-            assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
-        finally:
-            browser.close()
+    with open_page(url) as page:
+        choose(page, "demo-finetune")
+        page.get_by_role("tab", name="LoRA", exact=True).click()
+        page.locator("#tab-note-lora").wait_for(state="visible", timeout=20000)
+        assert not page.locator("#tab-body-lora").is_visible()
+        choose(page, "demo")
+        page.get_by_role("tab", name="LoRA", exact=True).click()
+        page.locator("#tab-body-lora").wait_for(state="visible", timeout=20000)
+        assert not page.locator("#tab-note-lora").is_visible()
+        rank = page.locator("#tab-body-lora input[type=number]").first
+        assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
