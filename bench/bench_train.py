@@ -54,6 +54,15 @@ def thread_env(threads: Optional[int]) -> Optional[dict]:
     return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
 
 
+def warmup_env(env: Optional[dict]) -> dict:
+    """The warm-up run's environment: as the measured runs', but allowed to write ``.pyc`` files (some
+    shells and containers set PYTHONDONTWRITEBYTECODE, which would make every measured run compile
+    Atelier's own modules again, ≈ 0.15 s; a user's first run writes them)."""
+    warm = dict(env if env is not None else os.environ)
+    warm.pop("PYTHONDONTWRITEBYTECODE", None)
+    return warm
+
+
 def measure(preset: str, overrides: list, workspace: Path, run_name: str, python: str = sys.executable,
             env: Optional[dict] = None) -> dict:
     from trainer.events import read_events
@@ -125,13 +134,13 @@ def _machine() -> Dict[str, Any]:
             "load_before": [round(x, 2) for x in load] if load else None}
 
 
-def _torch_version(python: str) -> str:
-    if python == sys.executable:
-        import torch
-        return torch.__version__
+def _torch_probe(python: str, env: Optional[dict] = None) -> Dict[str, Any]:
+    """torch's version and how long ``import torch`` takes in a fresh ``python``: a yardstick for the
+    machine's speed at the time (on a shared VM it drifts by 1.5x over an hour), printed beside the figures."""
     import subprocess
-    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                          text=True).stdout.strip() or "?"
+    code = "import time; t = time.perf_counter(); import torch; print(torch.__version__, time.perf_counter() - t)"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env).stdout.split()
+    return {"torch": out[0], "import_torch_s": round(float(out[1]), 2)} if len(out) == 2 else {"torch": "?"}
 
 
 def compare(args, ws: Path) -> int:
@@ -148,7 +157,8 @@ def compare(args, ws: Path) -> int:
 
     # Atelier warm-up: builds a built-in model, fills the latent/text caches (as in the plain bench)
     if not args.no_warmup:
-        measure(args.preset, overrides + ["training.max_steps=1"], ws, f"warmup-{int(time.time())}", env=env)
+        measure(args.preset, overrides + ["training.max_steps=1"], ws, f"warmup-{int(time.time())}",
+                env=warmup_env(env))
     cfg = load_config(None, overrides + [f"general.workspace={ws}"], preset=args.preset)
     inputs = dc.prepare_inputs(cfg, ws / "diffusers", base_dir=ROOT)
 
@@ -168,7 +178,7 @@ def compare(args, ws: Path) -> int:
         diffusers_runs.append(dc.measure_diffusers(interp["executable"], script, sargs, ws / "diffusers",
                                                    f"bench-{i}", threads=args.threads))
     a, d = median_of(atelier_runs), median_of(diffusers_runs)
-    a["torch"] = _torch_version(sys.executable)
+    a.update(_torch_probe(sys.executable, env))
     d["torch"] = interp["versions"].get("torch")
     d["script"] = script_info
     d["args"] = sargs
@@ -223,15 +233,17 @@ def main() -> int:
     env = thread_env(args.threads)
     if not args.no_warmup:
         measure(args.preset, args.overrides + ["sampling.prompts=[]", "training.max_steps=1"], ws,
-                f"warmup-{int(time.time())}", env=env)
+                f"warmup-{int(time.time())}", env=warmup_env(env))
     runs = [measure(args.preset, args.overrides, ws, f"bench-{int(time.time())}-{i}", env=env)
             for i in range(args.repeat)]
     result = median_of(runs)
     result.update(machine, threads=args.threads)
-    result["torch"] = _torch_version(sys.executable)
+    result.update(_torch_probe(sys.executable, env))
     print(json.dumps(result))
     print(f"| {result['preset']} | {result['device']} | {result['time_to_first_step_s']} s | "
           f"{result['loop_steps_per_s']} | {result['process_steps_per_s']} | {result['peak_ram_mib']} MiB |")
+    if "import_torch_s" in result:
+        print(f"(machine speed at the time: `import torch` took {result['import_torch_s']} s in a fresh process)")
     return 0
 
 

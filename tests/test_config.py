@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import (CONFIG_VERSION, ConfigError, all_keys, config_from_dict, cross_field_warnings,
+from trainer.config import (CONFIG_VERSION, ConfigError, _apply_overrides, all_keys, config_from_dict, cross_field_warnings,
                             iter_fields, load_config, save_config, to_yaml)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +38,25 @@ def test_saved_config_round_trips_exactly(tmp_path):
     save_config(cfg, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert to_yaml(again) == to_yaml(cfg)
+
+
+def test_overrides_applied_together_equal_overrides_applied_one_by_one():
+    # runs of plain keys are merged in one step; the result must be what one merge per --set gives
+    overrides = ["training.epochs=4", "training.optimizer={name: adamw, weight_decay: 0.05}",
+                 "lora.custom_targets=[to_q, to_k]", "training.optimizer={eps: 1.0e-7}",
+                 "data.concepts.0.repeats=3", "lora.rank=8", "lora.rank=16",
+                 "sampling.prompts=[{prompt: a}, {prompt: b}]", "sampling.prompts=[{prompt: c}]",
+                 "data.concepts.0.path=/x", "training.epochs=6"]
+    together = load_config(preset="demo", overrides=overrides)
+    one_by_one = load_config(preset="demo")
+    for ov in overrides:
+        one_by_one = _apply_overrides(one_by_one, [ov])
+    assert to_yaml(together) == to_yaml(one_by_one)
+    assert together.training.epochs == 6 and together.lora.rank == 16
+    assert together.training.optimizer.weight_decay == 0.05 and together.training.optimizer.eps == 1.0e-7
+    assert list(together.lora.custom_targets) == ["to_q", "to_k"]
+    assert [p.prompt for p in together.sampling.prompts] == ["c"]
+    assert together.data.concepts[0].repeats == 3 and together.data.concepts[0].path == "/x"
 
 
 @pytest.mark.parametrize("override, words", [

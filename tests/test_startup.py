@@ -71,3 +71,111 @@ def test_gc_is_paused_for_start_up_and_resumed_once():
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+# --- import-time caches (speed_up_imports) -----------------------------------------------------------
+STRUCTURE_PROBE = """
+import os, sys
+from trainer.startup import speed_up_imports
+print("patched", speed_up_imports())
+import transformers, transformers.models, peft
+from transformers import CLIPTextModel
+from transformers.utils import import_utils as iu
+info = iu.create_import_structure_from_path.cache_info()
+print("maxsize", info.maxsize, "misses", info.misses)
+models = os.path.join(os.path.dirname(transformers.__file__), "models")
+fresh = getattr(iu.create_import_structure_from_path, "__wrapped__")(models)
+ref = iu.spread_import_structure(fresh)
+used = iu.define_import_structure(os.path.join(models, "__init__.py"))
+print("same", used == ref, len(ref))
+"""
+
+
+def _structure_probe(cache_home: Path, **env) -> str:
+    out = subprocess.run([sys.executable, "-c", STRUCTURE_PROBE], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache_home), **env),
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _misses(out: str) -> int:
+    return int(out.split("misses ")[1].split()[0])
+
+
+def test_transformers_scans_its_models_folder_once_and_then_reads_the_disk_cache(tmp_path):
+    first = _structure_probe(tmp_path)
+    assert "patched True" in first and "maxsize None" in first and "same True" in first
+    # one scan of ~550 folders (without the fix: two, each missing the 128-entry cache every time)
+    assert 500 < _misses(first) < 700, first
+    assert list((tmp_path / "atelier").glob("transformers-*-import-structure.json"))
+    second = _structure_probe(tmp_path)  # a new process: the structure comes from disk, no folder is read
+    assert "same True" in second and _misses(second) < 50, second
+    off = _structure_probe(tmp_path, ATELIER_IMPORT_ALL="1")  # the escape hatch leaves transformers alone
+    assert "patched False" in off and "maxsize 128" in off and _misses(off) > 1000
+
+
+def _fake_transformers(tmp_path: Path):
+    from types import SimpleNamespace
+    pkg = tmp_path / "site" / "transformers"
+    (pkg / "utils").mkdir(parents=True)
+    (pkg / "utils" / "import_utils.py").write_text("")
+    (pkg / "models" / "clip").mkdir(parents=True)
+    (pkg / "models" / "clip" / "modeling_clip.py").write_text("__all__ = ['CLIPTextModel']\n")
+    calls = []
+
+    def define(module_path, prefix=None):
+        calls.append((str(module_path), prefix))
+        return {frozenset({"torch"}): {"clip.modeling_clip": {"CLIPTextModel"}}}
+
+    return SimpleNamespace(__file__=str(pkg / "utils" / "import_utils.py")), pkg / "models", define, calls
+
+
+def test_the_models_structure_cache_is_rebuilt_when_a_file_changes_and_survives_a_bad_cache(tmp_path, monkeypatch):
+    from trainer import startup
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    module, models, define, calls = _fake_transformers(tmp_path)
+    want = {frozenset({"torch"}): {"clip.modeling_clip": {"CLIPTextModel"}}}
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 1
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 1  # from disk
+    assert startup._disk_cached_structure(module, define)(str(models / "__init__.py"), "models") == want
+    assert len(calls) == 2  # another prefix is another entry
+    (models / "clip" / "modeling_clip.py").write_text("__all__ = ['CLIPTextModel', 'CLIPModel']\n")
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 3  # rescanned
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    startup._disk_cached_structure(module, define)(other)  # other folders are never cached
+    startup._disk_cached_structure(module, define)(other)
+    assert len(calls) == 5
+    cache = next((tmp_path / "cache" / "atelier").glob("transformers-*-import-structure.json"))
+    cache.write_text("{not json")
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 6
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 6  # rewritten
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")  # the cache folder cannot be made: no cache, same results
+    assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 7
+
+
+def test_packages_distributions_is_cached_until_a_distribution_is_installed(tmp_path, monkeypatch):
+    from trainer import startup
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setattr(sys, "path", [str(site)])
+    calls = []
+
+    def original():
+        calls.append(1)
+        return {"PIL": ["pillow"], "yaml": ["PyYAML"]}
+
+    assert startup._cached_packages_distributions(original)() == original() and len(calls) == 2
+    assert startup._cached_packages_distributions(original)() == {"PIL": ["pillow"], "yaml": ["PyYAML"]}
+    assert len(calls) == 2  # a new process reads it from disk
+    (site / "newpkg-1.0.dist-info").mkdir()  # pip installed something
+    startup._cached_packages_distributions(original)()
+    assert len(calls) == 3
+    monkeypatch.setattr(sys, "path", [str(site), str(tmp_path)])  # another sys.path: its own entry
+    startup._cached_packages_distributions(original)()
+    monkeypatch.setattr(sys, "path", [str(site)])
+    startup._cached_packages_distributions(original)()
+    assert len(calls) == 4  # the first sys.path's entry was kept

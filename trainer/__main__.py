@@ -243,8 +243,9 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
     if fresh_process:
-        from trainer.startup import skip_unused_imports
+        from trainer.startup import skip_unused_imports, speed_up_imports
         skip_unused_imports(cfg)
+        speed_up_imports()
     from trainer.loop import run_training
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])

@@ -732,15 +732,38 @@ def parse_overrides(overrides: Iterable[str]) -> List[tuple[str, Any]]:
     return items
 
 
+def _merge_plain(into: dict, key: str, value: Any) -> None:
+    """Put ``value`` at dotted ``key`` of the plain dict ``into`` as a merge would: mappings merge,
+    anything else (lists included) replaces."""
+    *parents, leaf = key.split(".")
+    node = into
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for k, v in value.items():
+            _merge_plain(node[leaf], k, v)
+    else:
+        node[leaf] = value
+
+
 def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
-    """Apply --set overrides one by one; list items are addressed by index (data.concepts.0.path)."""
+    """Apply --set overrides in order; list items are addressed by index (data.concepts.0.path).
+    Runs of plain keys are merged in one step (each merge copies the whole config)."""
+    pending: dict = {}
+
+    def flush(cfg: DictConfig) -> DictConfig:
+        if pending:
+            cfg = _merge_into_schema(cfg, OmegaConf.create(pending), "--set")
+            pending.clear()
+        return cfg
+
     for key, value in parse_overrides(overrides):
         if not any(part.isdigit() for part in key.split(".")):
-            nested: Any = value
-            for part in reversed(key.split(".")):
-                nested = {part: nested}
-            cfg = _merge_into_schema(cfg, OmegaConf.create(nested), "--set")
+            _merge_plain(pending, key, value)
             continue
+        cfg = flush(cfg)
         parent_key, _, leaf = key.rpartition(".")
         try:
             parent = OmegaConf.select(cfg, parent_key, throw_on_missing=True) if parent_key else cfg
@@ -761,7 +784,7 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
                               key=key, value=value) from None
         except OmegaConfBaseException as exc:
             raise ConfigError(f"--set {key}: {exc}", key=key) from None
-    return cfg
+    return flush(cfg)
 
 
 def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
