@@ -154,6 +154,9 @@ def test_the_models_structure_cache_is_rebuilt_when_a_file_changes_and_survives_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "a-file"))
     (tmp_path / "a-file").write_text("")  # the cache folder cannot be made: no cache, same results
     assert startup._disk_cached_structure(module, define)(models) == want and len(calls) == 7
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # never a cache relative to the current folder
+    monkeypatch.setenv("HOME", "")
+    assert startup._cache_dir() == "" and startup._disk_cached_structure(module, define) is None
 
 
 def test_packages_distributions_is_cached_until_a_distribution_is_installed(tmp_path, monkeypatch):

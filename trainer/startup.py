@@ -67,8 +67,9 @@ _TRANSFORMERS_IMPORT_UTILS = "transformers.utils.import_utils"
 
 
 def _cache_dir() -> str:
+    """``$XDG_CACHE_HOME/atelier`` or ``~/.cache/atelier``; "" (no disk cache) without a usable home."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "atelier")
+    return os.path.join(base, "atelier") if os.path.isabs(base) else ""
 
 
 def _tree_fingerprint(folder: str) -> str:
@@ -110,14 +111,17 @@ def _from_json(entries) -> dict:
 
 
 def _disk_cached_structure(module, original):
-    """Wrap transformers' ``define_import_structure`` with the on-disk cache for its ``models`` folder."""
+    """Wrap transformers' ``define_import_structure`` with the on-disk cache for its ``models`` folder
+    (None: no cache to be had)."""
     import functools
     import json
     try:
         from importlib.metadata import version
         tf_version = version("transformers")
     except Exception:
-        return original
+        return None
+    if not _cache_dir():
+        return None
     models = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))), "models")
     path = os.path.join(_cache_dir(), f"transformers-{tf_version}-import-structure.json")
     fingerprint = []  # computed once per process, when first needed
@@ -167,7 +171,9 @@ def _patch_transformers_import_utils(module) -> bool:
     if inner is None or info is None or info().maxsize is None or getattr(define, "__wrapped__", None) is None:
         return False  # not the functions this was written for (or already patched): leave them
     module.create_import_structure_from_path = functools.lru_cache(maxsize=None)(inner)
-    module.define_import_structure = _disk_cached_structure(module, define.__wrapped__)
+    cached = _disk_cached_structure(module, define.__wrapped__)
+    if cached is not None:
+        module.define_import_structure = cached
     return True
 
 
@@ -195,6 +201,8 @@ def _dist_fingerprint() -> str:
 def _cached_packages_distributions(original):
     import functools
     import json
+    if not _cache_dir():
+        return original
     path = os.path.join(_cache_dir(), f"packages-distributions-py{sys.version_info[0]}{sys.version_info[1]}.json")
 
     @functools.wraps(original)
