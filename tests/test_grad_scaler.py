@@ -54,3 +54,20 @@ def test_a_step_whose_gradients_overflow_is_skipped(tiny_workspace, scaled, one_
     got = load_file(str(run / "scaler-inf.safetensors"))
     for k in untrained:  # the overflowing step changed nothing
         torch.testing.assert_close(got[k], untrained[k], rtol=0, atol=0)
+
+
+def _step_lrs(run) -> list:
+    import json
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [list(e["lr"].values())[0] for e in events if e["type"] == "step"]
+
+
+def test_skipped_steps_do_not_advance_the_learning_rate_schedule(tiny_workspace, scaled, one_thread):
+    import warnings
+    plain = train_quiet(tiny_workspace, "sched-plain", "demo", *SGD, "training.lr_scheduler=linear")
+    assert _step_lrs(plain)[0] < 0.05  # without overflows the linear schedule moves after every step
+    scaled(float("inf"))  # every step overflows: the schedule must stay where it starts
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*before.*optimizer.step.*")
+        run = train_quiet(tiny_workspace, "scaler-sched", "demo", *SGD, "training.lr_scheduler=linear")
+    assert _step_lrs(run) == [0.05, 0.05, 0.05]

@@ -101,6 +101,18 @@ def setup_logging(run_dir: Path, rank: int = 0) -> None:
 # the trainer
 # ----------------------------------------------------------------------------------------------
 
+
+def _step_overflowed(scaler, optimizer) -> Optional[bool]:
+    """Whether ``scaler.step`` skipped the optimizer step (a gradient was inf/NaN), from the scaler's
+    record of its unscale; read between ``step`` and ``update``. None when this scaler keeps no such
+    record: the caller then compares the scale before and after ``update`` (as accelerate does)."""
+    try:
+        found = scaler._found_inf_per_device(optimizer)
+        return any(bool(v.item()) for v in found.values())
+    except Exception:
+        return None
+
+
 class Trainer:
     def __init__(self, cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True):
         self.cfg = cfg
@@ -409,12 +421,18 @@ class Trainer:
                 if t.max_grad_norm > 0:
                     self.accelerator.clip_grad_norm_([p for g in self.groups for p in g["params"]],
                                                      t.max_grad_norm)
+                overflowed = False
                 if scaler is not None:
+                    scale = scaler.get_scale()
                     scaler.step(self.optimizer)  # skipped when a gradient overflowed; the scale then drops
+                    overflowed = _step_overflowed(scaler, self.optimizer)
                     scaler.update()
+                    if overflowed is None:
+                        overflowed = scaler.get_scale() < scale
                 else:
                     self.optimizer.step()
-                self.scheduler.step()
+                if not overflowed:  # as accelerate's own scheduler wrapper: a skipped step does not advance
+                    self.scheduler.step()  # the schedule (and torch warns about a step before optimizer.step)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.pos.step += 1
                 if self.ema is not None:
