@@ -62,7 +62,7 @@ def skip_unused_imports(cfg) -> List[str]:
 #    results between callers), so the second scan is a lookup;
 # 2. the structure of the ``models`` folder is kept on disk (JSON, under ``~/.cache/atelier``, one file
 #    per transformers version) and reused while no ``.py`` file below it changed (name, size and
-#    mtime of every file are compared: ≈ 0.05 s instead of the 0.5 s scan).
+#    mtime of every file are compared: ≈ 0.05 s instead of the 0.5 s scan; one file per install).
 _TRANSFORMERS_IMPORT_UTILS = "transformers.utils.import_utils"
 
 
@@ -122,8 +122,10 @@ def _disk_cached_structure(module, original):
         return None
     if not _cache_dir():
         return None
+    import hashlib
     models = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))), "models")
-    path = os.path.join(_cache_dir(), f"transformers-{tf_version}-import-structure.json")
+    where = hashlib.blake2b(models.encode(), digest_size=4).hexdigest()  # one file per install (venv)
+    path = os.path.join(_cache_dir(), f"transformers-{tf_version}-{where}-import-structure.json")
     fingerprint = []  # computed once per process, when first needed
 
     def cached(module_path, prefix=None):
