@@ -61,8 +61,8 @@ def skip_unused_imports(cfg) -> List[str]:
 # 1. that function gets an unbounded cache (the same function and results; its cache already shares
 #    results between callers), so the second scan is a lookup;
 # 2. the structure of the ``models`` folder is kept on disk (JSON, under ``~/.cache/atelier``, one file
-#    per transformers version) and reused while no ``.py`` file below it changed (name, size and
-#    mtime of every file are compared: ≈ 0.05 s instead of the 0.5 s scan; one file per install).
+#    per transformers install) and reused while no ``.py`` file below it changed (name, size and
+#    mtime of every file are compared: ≈ 0.05 s instead of the 0.5 s scan).
 _TRANSFORMERS_IMPORT_UTILS = "transformers.utils.import_utils"
 
 
