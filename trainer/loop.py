@@ -102,15 +102,19 @@ def setup_logging(run_dir: Path, rank: int = 0) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _step_overflowed(scaler, optimizer) -> Optional[bool]:
-    """Whether ``scaler.step`` skipped the optimizer step (a gradient was inf/NaN), from the scaler's
-    record of its unscale; read between ``step`` and ``update``. None when this scaler keeps no such
-    record: the caller then compares the scale before and after ``update`` (as accelerate does)."""
+def _scaler_step(scaler, optimizer) -> bool:
+    """fp16: the GradScaler's step (skipped when a gradient is inf/NaN) and scale update; returns
+    whether the step was skipped. Read from the scaler's record of its unscale, between ``step`` and
+    ``update``; a scaler class without that record is judged, as accelerate does, by a drop of the scale."""
+    scaler.step(optimizer)
     try:
         found = scaler._found_inf_per_device(optimizer)
-        return any(bool(v.item()) for v in found.values())
+        skipped = any(bool(v.item()) for v in found.values())
     except Exception:
-        return None
+        skipped = None
+        scale = scaler.get_scale()
+    scaler.update()
+    return skipped if skipped is not None else scaler.get_scale() < scale
 
 
 class Trainer:
@@ -423,12 +427,7 @@ class Trainer:
                                                      t.max_grad_norm)
                 overflowed = False
                 if scaler is not None:
-                    scale = scaler.get_scale()
-                    scaler.step(self.optimizer)  # skipped when a gradient overflowed; the scale then drops
-                    overflowed = _step_overflowed(scaler, self.optimizer)
-                    scaler.update()
-                    if overflowed is None:
-                        overflowed = scaler.get_scale() < scale
+                    overflowed = _scaler_step(scaler, self.optimizer)
                 else:
                     self.optimizer.step()
                 if not overflowed:  # as accelerate's own scheduler wrapper: a skipped step does not advance

@@ -72,6 +72,26 @@ def _cache_dir() -> str:
     return os.path.join(base, "atelier") if os.path.isabs(base) else ""
 
 
+def _read_cache(path: str) -> dict:
+    import json
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(path: str, data: dict) -> None:
+    """Best effort: a read-only home or a full disk just means no cache."""
+    import json
+    from trainer.io import atomic_write_bytes
+    try:
+        atomic_write_bytes(path, json.dumps(data).encode("utf-8"))
+    except Exception:
+        pass
+
+
 def _tree_fingerprint(folder: str) -> str:
     """Names, sizes and mtimes of every ``.py`` file below ``folder``, hashed."""
     import hashlib
@@ -114,7 +134,6 @@ def _disk_cached_structure(module, original):
     """Wrap transformers' ``define_import_structure`` with the on-disk cache for its ``models`` folder
     (None: no cache to be had)."""
     import functools
-    import json
     try:
         from importlib.metadata import version
         tf_version = version("transformers")
@@ -138,27 +157,19 @@ def _disk_cached_structure(module, original):
             if not fingerprint:
                 fingerprint.append(_tree_fingerprint(models))
             key = f"{prefix}"
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                data = {}
-            if data.get("folder") == models and data.get("fingerprint") == fingerprint[0] \
-                    and key in data.get("entries", {}):
-                return _from_json(data["entries"][key])
+            data = _read_cache(path)
+            entries = data.get("entries") if data.get("folder") == models and \
+                data.get("fingerprint") == fingerprint[0] and isinstance(data.get("entries"), dict) else {}
+            if key in entries:
+                return _from_json(entries[key])
         except Exception:
             return original(module_path, prefix)
         result = original(module_path, prefix)
         try:
-            entries = data.get("entries", {}) if data.get("fingerprint") == fingerprint[0] else {}
             entries[key] = _to_json(result)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"folder": models, "fingerprint": fingerprint[0], "entries": entries}, f)
-            os.replace(tmp, path)
-        except Exception:  # a read-only home, a full disk: just no cache
-            pass
+        except TypeError:  # not the structure this cache was written for: no cache
+            return result
+        _write_cache(path, {"folder": models, "fingerprint": fingerprint[0], "entries": entries})
         return result
 
     return functools.lru_cache(maxsize=None)(cached)
@@ -202,7 +213,6 @@ def _dist_fingerprint() -> str:
 
 def _cached_packages_distributions(original):
     import functools
-    import json
     if not _cache_dir():
         return original
     path = os.path.join(_cache_dir(), f"packages-distributions-py{sys.version_info[0]}{sys.version_info[1]}.json")
@@ -211,28 +221,17 @@ def _cached_packages_distributions(original):
     def packages_distributions():
         try:
             key = _dist_fingerprint()
-            try:
-                with open(path, encoding="utf-8") as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                data = {}
-            maps = data.get("maps") if isinstance(data.get("maps"), dict) else {}
+            maps = _read_cache(path).get("maps")
+            maps = maps if isinstance(maps, dict) else {}
             if isinstance(maps.get(key), dict):
                 return {k: list(v) for k, v in maps[key].items()}
         except Exception:
             return original()
         result = original()
-        try:
-            # one entry per sys.path seen (python -m / -c / a script differ in sys.path[0]), newest 8 kept
-            maps = {k: v for k, v in list(maps.items())[-7:]}
-            maps[key] = {k: list(v) for k, v in result.items()}
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump({"maps": maps}, f)
-            os.replace(tmp, path)
-        except Exception:
-            pass
+        # one entry per sys.path seen (python -m / -c / a script differ in sys.path[0]), newest 8 kept
+        maps = {k: v for k, v in list(maps.items())[-7:]}
+        maps[key] = {k: list(v) for k, v in result.items()}
+        _write_cache(path, {"maps": maps})
         return result
 
     packages_distributions.atelier_cached = True
