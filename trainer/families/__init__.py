@@ -1,0 +1,209 @@
+"""The model families Atelier trains: a torch-free registry, and detection that asks each family.
+
+A family is one folder under ``trainer/families/`` with an ``info.py`` that defines ``INFO`` (a
+:class:`FamilyInfo`, plain data, importable without torch) and, beside it, the family class, its
+detection, export namer/key maps, tiny offline model and shipped configs. Adding a family is that
+folder plus one line in :data:`REGISTERED`.
+
+The schema (``model.family`` choices), ``validate`` (options a family's objective refuses), the
+UI and ``builtin:`` model names read this registry; nothing here imports torch, diffusers or a
+family class. :func:`family_class` imports the class only when a model is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+# One line per family: the folder name under trainer/families/. Order = detection order.
+REGISTERED: Tuple[str, ...] = (
+    "sd",
+    "sdxl",
+)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One trainable part of a family.
+
+    ``slot`` is the settings group and the key the training methods, optimizer groups, precision and
+    stop-after windows use: ``unet`` (the denoiser, UNet or transformer), ``text_encoder``,
+    ``text_encoder_2``. ``attr`` is the attribute holding the module on the loaded family object."""
+
+    slot: str
+    attr: str
+    role: str  # "denoiser" | "text_encoder"
+    label: str  # what the UI calls it: "UNet", "Transformer", "CLIP-L", "T5-XXL"
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """What a family is, as data: read by the schema, validate, the UI and detection."""
+
+    name: str  # registry name = folder name: "sd", "pixart"
+    label: str  # "Stable Diffusion 1.x/2.x"
+    choices: Tuple[str, ...]  # model.family values it owns: ("sd15", "sd2")
+    variants: Tuple[str, ...]  # what detection may return (choices + e.g. "sd15-inpaint", "flux-dev")
+    parts: Tuple[Part, ...]
+    objective: str  # "ddpm" | "flow"
+    family_class: str  # "trainer.families.pixart.family:PixArt"
+    detect: str  # module with claim(evidence) -> variant | None (raises ValueError to refuse)
+    tiny: Dict[str, str] = field(default_factory=dict)  # builtin name -> "module:function(root) -> paths"
+    # shown when weights of this kind are given but nobody claims them (e.g. a variant not trained yet)
+    caption_limit: int = 77  # longest caption (tokens) the default text path sees
+
+    def part(self, slot: str) -> Optional[Part]:
+        return next((p for p in self.parts if p.slot == slot), None)
+
+    @property
+    def text_slots(self) -> Tuple[str, ...]:
+        return tuple(p.slot for p in self.parts if p.role == "text_encoder")
+
+
+def _load_info(name: str) -> FamilyInfo:
+    return importlib.import_module(f"trainer.families.{name}.info").INFO
+
+
+_INFOS: Optional[Dict[str, FamilyInfo]] = None
+
+
+def infos() -> Dict[str, FamilyInfo]:
+    """Every registered family's info, in detection order (torch-free)."""
+    global _INFOS
+    if _INFOS is None:
+        _INFOS = {name: _load_info(name) for name in REGISTERED}
+    return _INFOS
+
+
+def family_choices() -> List[str]:
+    """The values ``model.family`` accepts: ``auto`` and each family's own choices."""
+    return ["auto"] + [c for info in infos().values() for c in info.choices]
+
+
+def info_for(variant: str) -> FamilyInfo:
+    """The family that owns a ``model.family`` choice or a detected variant (``sd15-inpaint`` → sd)."""
+    for info in infos().values():
+        if variant == info.name or variant in info.choices or variant in info.variants:
+            return info
+    raise KeyError(f"no registered family owns {variant!r}; known: {', '.join(family_choices()[1:])}")
+
+
+def tiny_models() -> Dict[str, Tuple[FamilyInfo, str]]:
+    """``builtin:<name>`` models: name -> (family info, "module:function")."""
+    return {name: (info, fn) for info in infos().values() for name, fn in info.tiny.items()}
+
+
+def _resolve(spec: str) -> Any:
+    module, _, attr = spec.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attr) if attr else obj
+
+
+def family_class(variant: str) -> Any:
+    """The class that loads and trains ``variant`` (imports it: torch/diffusers load here)."""
+    return _resolve(info_for(variant).family_class)
+
+
+def build_tiny(name: str, root: Any) -> Dict[str, Any]:
+    """Build (once) the built-in tiny model ``name`` under ``root``: ``{"diffusers": folder, "single_file": file}``."""
+    _, fn = tiny_models()[name]
+    return _resolve(fn)(name, root)
+
+
+# --------------------------------------------------------------------------------------------------
+# Detection: each family claims or declines what it is shown
+# --------------------------------------------------------------------------------------------------
+
+MISSING = object()  # a file a folder/hub repo does not have (vs None: cannot tell, e.g. offline)
+
+
+@dataclass
+class Evidence:
+    """What detection may look at, without loading weights.
+
+    ``kind``: ``single_file`` (``shapes``: key → shape), ``folder`` or ``hub`` (``read_json(relpath)``
+    returns the parsed JSON object, :data:`MISSING` when the file is absent, None when it cannot be
+    told). ``where`` names the source in messages."""
+
+    kind: str
+    where: str
+    shapes: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
+    read_json: Callable[[str], Any] = lambda rel: MISSING
+
+    def json(self, rel: str) -> Optional[dict]:
+        """The JSON object at ``rel`` or None (absent, unreadable, unknown)."""
+        value = self.read_json(rel)
+        return value if isinstance(value, dict) else None
+
+    def has_prefix(self, *prefixes: str) -> bool:
+        return any(k.startswith(prefixes) for k in self.shapes)
+
+
+# Weights Atelier does not train yet, recognised so the message can name them (first match wins).
+# (single-file key marker, diffusers class name marker, what to say)
+NOT_YET = (
+    ("joint_blocks.", "SD3Transformer2DModel", "Stable Diffusion 3/3.5 (MMDiT)"),
+    ("", "StableCascade", "Stable Cascade (Würstchen 3)"),
+    ("", "Wuerstchen", "Würstchen 2"),
+    ("", "QwenImage", "Qwen-Image"),
+    ("", "ZImage", "Z-Image"),
+    ("", "Chroma", "Chroma"),
+    ("", "Flux2", "Flux.2"),
+    ("", "HunyuanDiT", "Hunyuan-DiT"),
+    ("", "Kandinsky", "Kandinsky"),
+    ("", "AuraFlow", "AuraFlow"),
+    ("", "Sana", "Sana"),
+    ("", "Lumina", "Lumina"),
+)
+
+
+def _class_names(ev: Evidence) -> List[str]:
+    names = []
+    index = ev.json("model_index.json")
+    if index:
+        names.append(str(index.get("_class_name", "")))
+        names += [str(v[1]) for v in index.values() if isinstance(v, list) and len(v) == 2]
+    for sub in ("transformer", "unet", "prior", "decoder"):
+        cfg = ev.json(f"{sub}/config.json")
+        if cfg:
+            names.append(str(cfg.get("_class_name", "")))
+    own = ev.json("config.json")
+    if own:
+        names.append(str(own.get("_class_name", "")))
+    return [n for n in names if n]
+
+
+def unclaimed_message(ev: Evidence) -> str:
+    """Why nobody claimed ``ev``: the closest family, or what the file is instead."""
+    trained = ", ".join(info.label for info in infos().values())
+    keys = list(ev.shapes)
+    stripped = [k.split("model.diffusion_model.", 1)[-1] for k in keys]
+    classes = _class_names(ev)
+    for key_marker, class_marker, label in NOT_YET:
+        if (key_marker and any(k.startswith(key_marker) or f".{key_marker}" in k for k in stripped)) or \
+                any(class_marker in c for c in classes):
+            return (f"{ev.where} looks like {label}, which Atelier does not train yet (it trains {trained}). "
+                    "Pick a model of one of those families.")
+    if ev.kind == "single_file":
+        from trainer.families.common.describe import describe_non_checkpoint
+        return describe_non_checkpoint(ev.shapes, ev.where) + f". Atelier trains {trained}."
+    if classes:
+        return (f"{ev.where} holds {', '.join(sorted(set(classes)))}, which no Atelier family loads "
+                f"(it trains {trained}).")
+    if ev.kind == "folder":
+        return (f"{ev.where} is a folder but not a diffusers model (no model_index.json and no unet/ or "
+                "transformer/ folder). Point model.path at the model's top folder, or at a .safetensors file.")
+    return (f"{ev.where}: the hub repo has no model_index.json nor a unet/ or transformer/ config, so it is no "
+            "diffusers pipeline. If it holds a single .safetensors checkpoint, download that file and set "
+            "model.path to it.")
+
+
+def claim(ev: Evidence) -> Optional[str]:
+    """The variant of the first family that claims ``ev``; None when none does. A family that
+    recognises the weights but refuses them (an SDXL refiner, a Flux fill model) raises ValueError."""
+    for info in infos().values():
+        variant = _resolve(info.detect).claim(ev)
+        if variant:
+            return variant
+    return None

@@ -1,0 +1,159 @@
+"""The family protocol: everything the loop, the methods and the writers may call on a loaded model.
+
+A family object holds its loaded modules as attributes named by its parts (``FamilyInfo.parts``:
+``unet``/``transformer``, ``text_encoder``, ``text_encoder_2`` …) plus a VAE, and provides::
+
+    latents      = family.sample_latents(family.encode_pixels(pixels), generator)   # cached dist → latents
+    cond         = family.batch_condition(batch, expand, train_text, drop_te1=…, drop_te2=…)
+    timesteps    = family.objective.sample_timesteps(bsz, cfg.loss, generator, latents)
+    noisy, target = family.objective.noisy_and_target(latents, noise, timesteps)
+    model_pred   = family.predict(family.model_input(noisy, batch, generator, warn), timesteps, cond)
+    losses       = per_sample_loss(model_pred, target, cfg.loss, timesteps, family.objective, mask)
+
+and for samples ``pipeline(sampler)``, ``sampling_kwargs()``, ``prompt_kwargs(sample_prompt)``; for the
+caches ``encode_captions(captions)`` and ``fingerprint()``; for the writers ``lora_namer()``,
+``lora_metadata(...)`` and ``save_single_file(...)``.
+
+Imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from trainer.config import ConfigError
+
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+class ModelLoadError(ConfigError):
+    """The base model could not be loaded; the message says why and what to do."""
+
+
+# The kohya-style LoRA namer: slot -> (key prefix, module-path rename). A file key is
+# f"{prefix}_{rename(module_path).replace('.', '_')}.lora_down.weight" (…lora_up.weight, …alpha).
+Namer = Dict[str, Tuple[str, Callable[[str], str]]]
+
+
+class Family:
+    """Base class of every family. Subclasses set the class attributes and implement the methods
+    that raise NotImplementedError; the rest has defaults that fit most families."""
+
+    name: str = ""  # registry name ("sd", "pixart"); the info is ``trainer.families.info_for(name)``
+    family: str = ""  # the loaded variant ("sd15", "sdxl", "pixart-sigma", "flux-dev"): files' metadata
+    prediction_type: str = "epsilon"  # "epsilon" | "v_prediction" | "flow"
+    inpainting: bool = False
+    fp8_skip: Tuple[str, ...] = ()  # module-name parts whose frozen weights stay out of fp8 storage
+    objective: Any = None  # trainer.objectives.DDPMObjective | FlowMatchingObjective
+    device: Any = None
+    source: Any = None
+
+    # --- parts ------------------------------------------------------------------------------
+    @property
+    def info(self):
+        from trainer.families import info_for
+        return info_for(self.name)
+
+    def part(self, slot: str) -> Any:
+        """The module in ``slot`` (``unet`` = the denoiser, ``text_encoder``, ``text_encoder_2``), or None."""
+        part = self.info.part(slot)
+        return None if part is None else getattr(self, part.attr, None)
+
+    def parts(self) -> Dict[str, Any]:
+        """slot -> module for every part this model has."""
+        return {p.slot: getattr(self, p.attr) for p in self.info.parts if getattr(self, p.attr, None) is not None}
+
+    def set_part(self, slot: str, module: Any) -> None:
+        """Replace a part's module (FSDP's gathered copy, a compiled module)."""
+        setattr(self, self.info.part(slot).attr, module)
+
+    @property
+    def denoiser(self) -> Any:
+        return self.part("unet")
+
+    def trainable_modules(self) -> Dict[str, Any]:
+        return self.parts()
+
+    # --- latents ----------------------------------------------------------------------------
+    def encode_pixels(self, pixels) -> Dict[str, Any]:
+        """VAE posterior (mean, std) in fp32 on the CPU: cached as is, sampled every step."""
+        import torch
+        with torch.no_grad():
+            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
+        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        """A latent drawn from the cached posterior, in the denoiser's scale: (z - shift) * scale."""
+        import torch
+        mean = dist["mean"].to(self.device)
+        std = dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        shift = getattr(self.vae.config, "shift_factor", None) or 0.0
+        return (mean + std * eps - shift) * self.vae.config.scaling_factor
+
+    # --- text -------------------------------------------------------------------------------
+    def encode_captions(self, captions: List[str]) -> Any:
+        """Frozen-encoder outputs for the text cache (a tensor or a dict of tensors, on the CPU)."""
+        raise NotImplementedError
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        """The denoiser's conditioning for a data batch: the cached encoder outputs when the batch has
+        them, else the captions (after ``expand``: embedding placeholders) through the encoders, with
+        gradients only for slots in ``train_text``. ``drop_te1``/``drop_te2``: one bool per image,
+        caption dropout of the first/second text encoder."""
+        raise NotImplementedError
+
+    # --- the denoiser -----------------------------------------------------------------------
+    def model_input(self, noisy_latents, batch: Dict[str, Any], generator=None, warn=None):
+        """What the denoiser sees besides the conditioning (inpainting adds mask channels)."""
+        return noisy_latents
+
+    def predict(self, model_input, timesteps, conditioning):
+        """The denoiser's prediction in the objective's target space (packing/unpacking, learned-σ
+        chunking happen here)."""
+        raise NotImplementedError
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        raise NotImplementedError
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
+        return {}
+
+    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
+        """Per-prompt extra pipeline arguments (an inpainting model's image and mask)."""
+        return {}
+
+    def fingerprint(self) -> str:
+        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
+        from trainer.models.base import source_fingerprint
+        return source_fingerprint(self.source, getattr(self, "_vae_dtype_name", ""))
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        """Identifies what changes cached text-encoder outputs."""
+        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{getattr(mcfg, 'clip_skip', 0)}"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_namer(self) -> Namer:
+        """slot -> (kohya key prefix, module-path rename) for LoRA/LyCORIS files."""
+        raise NotImplementedError
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        """Header keys model sites and loaders read (``modelspec.*``, ``ss_*``)."""
+        return dict(extra or {})
+
+    def save_single_file(self, path: Any, dtype: str, parts: Dict[str, Any]) -> None:
+        """Write a fine-tune as the single file the community's loaders read (original layout)."""
+        raise NotImplementedError
+
+
+def refuse(message: str, key: str, value: Any = None) -> ModelLoadError:
+    """A ModelLoadError for ``raise``: one message naming the field and what to do."""
+    return ModelLoadError(message, key=key, value=value)

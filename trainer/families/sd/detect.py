@@ -1,0 +1,13 @@
+"""Claim SD 1.x/2.x weights: original-layout single files, diffusers folders and hub repos."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from trainer.families import Evidence
+from trainer.families.common.unet_lineage import classify
+
+
+def claim(ev: Evidence) -> Optional[str]:
+    found = classify(ev)
+    return found if found and not found.startswith("sdxl") else None

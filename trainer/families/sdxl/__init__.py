@@ -1,0 +1,1 @@
+"""Stable Diffusion XL base models (and SDXL inpainting)."""

@@ -1,0 +1,18 @@
+"""Registry entry of Stable Diffusion XL (torch-free)."""
+
+from trainer.families import FamilyInfo, Part
+
+INFO = FamilyInfo(
+    name="sdxl",
+    label="SDXL",
+    choices=("sdxl",),
+    variants=("sdxl", "sdxl-inpaint"),
+    parts=(Part("unet", "unet", "denoiser", "UNet"),
+           Part("text_encoder", "text_encoder", "text_encoder", "CLIP-L"),
+           Part("text_encoder_2", "text_encoder_2", "text_encoder", "OpenCLIP-G")),
+    objective="ddpm",
+    family_class="trainer.models.sdxl:StableDiffusionXL",
+    detect="trainer.families.sdxl.detect",
+    tiny={"tiny-sdxl": "trainer.models.tiny:ensure_tiny_model",
+          "tiny-sdxl-inpaint": "trainer.models.tiny:ensure_tiny_model"},
+)

@@ -1,0 +1,169 @@
+"""The diffusion objectives, in one place: which timesteps are drawn, what the denoiser sees, what it
+must predict, and how each sample's loss is weighted. A family picks one (``FamilyInfo.objective``)
+and the loop calls only these methods, as diffusers' training examples do::
+
+    timesteps     = objective.sample_timesteps(bsz, cfg.loss, generator, latents)
+    noisy, target = objective.noisy_and_target(latents, noise, timesteps)
+    weights       = objective.timestep_weights(cfg.loss, timesteps)          # or None
+
+- :class:`DDPMObjective`: integer timesteps of the model's own β schedule, ε- or v-prediction;
+  min-SNR-γ, debiased estimation, the Huber δ schedules and zero terminal SNR (see trainer/loss.py
+  for the formulas and sources).
+- :class:`FlowMatchingObjective` (rectified flow, SD3/Flux): σ ∈ (0, 1) from a uniform, logit-normal
+  or mode density (diffusers' ``compute_density_for_timestep_sampling``), shifted by a fixed shift or,
+  for models trained that way (Flux.1 dev), by the resolution-dependent shift μ(image tokens)
+  (``FluxPipeline``'s ``calculate_shift`` and the scheduler's exponential time shift);
+  noisy = (1 − σ)·x + σ·ε, target = ε − x; SD3's loss weightings (``compute_loss_weighting_for_sd3``).
+
+Every draw comes from the trainer's generator, so a resumed run draws exactly what an uninterrupted
+one would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from trainer.loss import _get
+
+FLOW_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+
+# Loss options that only mean something for the DDPM objective: (field, value that means "off", why)
+DDPM_ONLY = (
+    ("min_snr_gamma", 0.0, "min-SNR-γ weights by the DDPM signal-to-noise ratio"),
+    ("debiased_estimation", False, "debiased estimation weights by the DDPM signal-to-noise ratio"),
+    ("zero_terminal_snr", False, "zero terminal SNR rescales a DDPM β schedule"),
+)
+FLOW_ONLY = (
+    ("flow_weighting", "none", "SD3-style loss weighting is defined on flow-matching σ"),
+    ("flow_shift", 0.0, "the timestep shift is a flow-matching option"),
+)
+
+
+def refused_options(objective: str, lc: Any, family_label: str) -> list:
+    """(key, message) for every ``loss.*`` option that makes no sense with ``objective`` ("ddpm"/"flow")."""
+    problems = []
+    rules = DDPM_ONLY if objective == "flow" else FLOW_ONLY
+    for name, off, why in rules:
+        value = _get(lc, name, off)
+        if value != off and not (isinstance(off, float) and float(value) == off):
+            problems.append((f"loss.{name}", f"loss.{name} = {value}: {why}, and {family_label} trains with "
+                             f"{'flow matching' if objective == 'flow' else 'the DDPM objective'}. "
+                             f"Set it back to {off}."))
+    if objective == "flow" and _get(lc, "huber_schedule", "constant") == "snr":
+        problems.append(("loss.huber_schedule", f"loss.huber_schedule = snr reads the DDPM noise schedule; "
+                         f"{family_label} trains with flow matching. Use constant or exponential."))
+    return problems
+
+
+class DDPMObjective:
+    """ε/v-prediction on a DDPM β schedule (``diffusers.DDPMScheduler``)."""
+
+    kind = "ddpm"
+
+    def __init__(self, noise_scheduler: Any, prediction_type: str):
+        self.noise_scheduler = noise_scheduler
+        self.prediction_type = prediction_type
+
+    @property
+    def num_train_timesteps(self) -> int:
+        return int(self.noise_scheduler.config.num_train_timesteps)
+
+    def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
+        from trainer.loss import sample_timesteps
+        return sample_timesteps(batch_size, self.num_train_timesteps, lc, generator)
+
+    def noisy_and_target(self, latents, noise, timesteps):
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            return noisy, noise
+        if self.prediction_type == "v_prediction":
+            return noisy, self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        raise ValueError(f"unknown prediction type {self.prediction_type}")
+
+    def timestep_weights(self, lc: Any, timesteps):
+        from trainer.loss import timestep_weights
+        return timestep_weights(lc, timesteps, self.noise_scheduler, self.prediction_type)
+
+    def huber_delta(self, lc: Any, timesteps):
+        from trainer.loss import huber_delta
+        return huber_delta(lc, timesteps, self.noise_scheduler)
+
+
+def flux_shift_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
+                  base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """μ for the resolution-dependent shift: linear in the number of image tokens between
+    (base_seq_len, base_shift) and (max_seq_len, max_shift) — ``diffusers.pipelines.flux.calculate_shift``."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * m + (base_shift - m * base_seq_len)
+
+
+class FlowMatchingObjective:
+    """Rectified flow: x_σ = (1 − σ)·x + σ·ε, target ε − x; ``timesteps`` are σ ∈ (0, 1) (float).
+
+    ``shift``: a fixed shift s (σ' = s·σ / (1 + (s − 1)·σ)), 1 = none. ``dynamic_shift``: a function
+    latents → μ (resolution-dependent, e.g. Flux.1 dev), used when ``loss.flow_shift`` is 0 (auto);
+    σ' = e^μ / (e^μ + 1/σ − 1). ``loss.flow_shift`` > 0 overrides both with a fixed shift."""
+
+    kind = "flow"
+    prediction_type = "flow"
+    num_train_timesteps = 1000
+
+    def __init__(self, shift: float = 1.0, dynamic_shift: Optional[Callable[[Any], float]] = None):
+        self.shift = float(shift)
+        self.dynamic_shift = dynamic_shift
+
+    def _shifted(self, sigmas, lc: Any, latents):
+        import torch
+        fixed = float(_get(lc, "flow_shift", 0.0) or 0.0)
+        if fixed > 0 or self.dynamic_shift is None or latents is None:
+            s = fixed if fixed > 0 else self.shift
+            return sigmas if s == 1.0 else s * sigmas / (1 + (s - 1) * sigmas)
+        mu = float(self.dynamic_shift(latents))
+        return math.exp(mu) / (math.exp(mu) + (1 / sigmas.clamp(min=1e-6) - 1)).to(torch.float32)
+
+    def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
+        """σ for each sample: u from ``loss.timestep_distribution`` within [timestep_min, timestep_max)/1000,
+        then shifted."""
+        import torch
+        lo = int(_get(lc, "timestep_min", 0)) / self.num_train_timesteps
+        hi = min(int(_get(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
+            / self.num_train_timesteps
+        if not 0 <= lo < hi:
+            from trainer.config import ConfigError
+            raise ConfigError(f"loss.timestep_min ({_get(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
+                              key="loss.timestep_min")
+        dist = _get(lc, "timestep_distribution", "uniform")
+        if dist == "uniform":
+            u = torch.rand((batch_size,), generator=generator)
+        else:
+            from diffusers.training_utils import compute_density_for_timestep_sampling
+            u = compute_density_for_timestep_sampling(
+                weighting_scheme=dist, batch_size=batch_size, logit_mean=float(_get(lc, "logit_mean", 0.0)),
+                logit_std=float(_get(lc, "logit_std", 1.0)), mode_scale=float(_get(lc, "mode_scale", 1.29)),
+                device="cpu", generator=generator)
+        u = lo + u.clamp(0.0, 1.0) * (hi - lo)
+        sigmas = self._shifted(u.float().clamp(1e-5, 1.0), lc, latents)
+        return sigmas.to(latents.device if latents is not None else "cpu")
+
+    def noisy_and_target(self, latents, noise, timesteps):
+        s = timesteps.to(latents.device, latents.dtype).view(-1, *([1] * (latents.ndim - 1)))
+        return (1.0 - s) * latents + s * noise, noise - latents
+
+    def timestep_weights(self, lc: Any, timesteps):
+        scheme = _get(lc, "flow_weighting", "none")
+        if scheme in (None, "none"):
+            return None
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+        return compute_loss_weighting_for_sd3(scheme, timesteps.float())
+
+    def huber_delta(self, lc: Any, timesteps):
+        """δ per sample: constant, or exponential in σ (1 at σ = 0 → δ at σ = 1)."""
+        import torch
+        c = float(_get(lc, "huber_delta", 0.1))
+        schedule = _get(lc, "huber_schedule", "constant")
+        if schedule == "exponential":
+            return torch.exp(math.log(c) * timesteps.float())
+        if schedule == "constant":
+            return torch.full_like(timesteps.float(), c)
+        raise ValueError(f"loss.huber_schedule = {schedule} is not defined for flow matching")
