@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,12 +92,19 @@ def _trained_peft_pipe(ws: Path, run: Path):
     return _TRAINED[run]
 
 
+def _sd_model(pipe):
+    """The SD family object over an already loaded pipeline (what the trainer's loader builds)."""
+    from trainer.models.sd import StableDiffusion
+    model = StableDiffusion.__new__(StableDiffusion)
+    model.unet, model.text_encoder, model.tokenizer, model.family = pipe.unet, pipe.text_encoder, pipe.tokenizer, "sd15"
+    return model
+
+
 def _build_trained_peft_pipe(ws: Path, run: Path):
     from trainer.methods.lora import LoraMethod
     cfg = load_config(run / "config.yaml")
     pipe = _pipe(ws)
-    model = SimpleNamespace(unet=pipe.unet, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
-                            family="sd15")
+    model = _sd_model(pipe)
     method = LoraMethod(model, cfg)
     backup = sorted((run / "backups").iterdir())[-1]
     weights = load_file(str(backup / "trainable.safetensors"))
@@ -186,8 +192,7 @@ def test_our_loader_round_trips_into_peft(kind, runs, tiny_workspace):
     fresh_pipe = _pipe(ws)
     cfg = load_config(run / "config.yaml", [f"lora.init_weights={run / f'm-{kind}.safetensors'}"])
     from trainer.methods.lora import LoraMethod
-    LoraMethod(SimpleNamespace(unet=fresh_pipe.unet, text_encoder=fresh_pipe.text_encoder,
-                               tokenizer=fresh_pipe.tokenizer, family="sd15"), cfg)
+    LoraMethod(_sd_model(fresh_pipe), cfg)
     ids = trained_pipe.tokenizer([PROMPT], padding="max_length", max_length=77, return_tensors="pt").input_ids
     latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     t = torch.tensor([400])

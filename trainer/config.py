@@ -102,6 +102,11 @@ class GeneralConfig:
                                     "with its fsdp_config settings.", ui="path")
 
 
+def _family_choices() -> List[str]:
+    from trainer.families import family_choices  # torch-free registry
+    return family_choices()
+
+
 @dataclass
 class ModelConfig:
     path: str = f("", "Base model: a diffusers folder, a hub id (org/name), a .safetensors/.ckpt file, "
@@ -109,7 +114,7 @@ class ModelConfig:
                   ui="path")
     family: str = f("auto", "Model family; auto detects it from the weights. An inpainting model takes its "
                             "base family; inpainting is detected from the UNet's 9 input channels.",
-                    choices=["auto", "sd15", "sd2", "sdxl"])
+                    choices=_family_choices())
     prediction_type: str = f("auto", "What the UNet predicts; auto reads it from the model "
                                      "(SD 2.x 768 models are v_prediction).",
                              choices=["auto", "epsilon", "v_prediction"])
@@ -376,6 +381,11 @@ class LossConfig:
     logit_std: float = f(1.0, "logit_normal: spread of the normal before the sigmoid.", min=0.01, max=10.0)
     mode_scale: float = f(1.29, "mode: how strongly the middle is favoured (−1 to 1.75; 0 = uniform).",
                           min=-1.0, max=1.75)
+    flow_shift: float = f(0.0, "Flow-matching families (Flux …): timestep shift s (σ' = sσ/(1+(s−1)σ); 3 is "
+                               "common); 0 = the model's own (Flux.1 dev: resolution-dependent).", min=0.0, max=100.0)
+    flow_weighting: str = f("none", "Flow-matching families: SD3-style loss weighting over σ (diffusers' "
+                                    "compute_loss_weighting_for_sd3): none, sigma_sqrt or cosmap.",
+                            choices=["none", "sigma_sqrt", "cosmap"])
     unmasked_weight: float = f(0.1, "Masked training: loss weight outside the mask (0 = ignore, 1 = no mask).",
                                min=0.0, max=1.0)
     unmasked_probability: float = f(0.1, "Masked training: fraction of steps that ignore the mask.",
@@ -938,6 +948,8 @@ def validate(cfg: DictConfig) -> None:
     validate_optim(cfg)
     from trainer.fsdp import validate_fsdp
     validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
+    from trainer.families.checks import check_family_options
+    check_family_options(cfg)  # options the model's family or its objective cannot use
 
 
 def _check_resolutions(cfg: DictConfig) -> None:

@@ -22,7 +22,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from trainer.io import atomic_dir, atomic_path, save_safetensors_atomic
 
@@ -492,27 +492,53 @@ def _text_encoder_rename(text_encoder: Any):
     return (lambda p: p if p.startswith("text_model.") else "text_model." + p) if flat else (lambda p: p)
 
 
-def _named_targets(unet: Any, text_encoder: Any, text_encoder_2: Any, adapter: str,
-                   family: str, layers=_lora_layers) -> dict[str, tuple[str, Any]]:
+def sd_namer(family: str, unet: Any = None, text_encoder: Any = None, text_encoder_2: Any = None) -> dict:
+    """The SD 1.x/2.x/SDXL LoRA namer: slot -> (kohya prefix, module-path rename). SD1/2 keep the
+    diffusers UNet names (kohya trains on them); SDXL names UNet modules in the original layout;
+    text encoders get ``text_model.`` back (transformers 5's CLIPTextModel is flat)."""
     _check_family(family)
     if family != "sdxl" and text_encoder_2 is not None:
         raise ValueError(f"family {family!r} has one text encoder; text_encoder_2 is for 'sdxl'")
-    names: dict[str, tuple[str, Any]] = {}
+    namer: dict = {}
     if unet is not None:
         if family == "sdxl":
             layout = _UNetLayout.of(unet)
-            names.update(_module_names(unet, "lora_unet", adapter, lambda p: _unet_key(p, layout), layers))
-        else:  # kohya trains SD1/2 on the diffusers UNet and keeps its names
-            names.update(_module_names(unet, "lora_unet", adapter, lambda p: p, layers))
+            namer["unet"] = ("lora_unet", lambda p: _unet_key(p, layout))
+        else:
+            namer["unet"] = ("lora_unet", lambda p: p)
     te_prefixes = ("lora_te1", "lora_te2") if family == "sdxl" else ("lora_te",)
-    for model, prefix in zip((text_encoder, text_encoder_2), te_prefixes):
+    for slot, model, prefix in zip(("text_encoder", "text_encoder_2"), (text_encoder, text_encoder_2), te_prefixes):
         if model is not None:
-            names.update(_module_names(model, prefix, adapter, _text_encoder_rename(model), layers))
+            namer[slot] = (prefix, _text_encoder_rename(model))
+    return namer
+
+
+def _named_targets(unet: Any, text_encoder: Any, text_encoder_2: Any, adapter: str,
+                   family: str, layers=_lora_layers, modules: Optional[Mapping[str, Any]] = None,
+                   namer: Optional[Mapping[str, Any]] = None) -> dict[str, tuple[str, Any]]:
+    """kohya name -> (module path, layer) over ``modules`` (slot -> module) with a family's ``namer``;
+    without them, over the SD/SDXL ``unet``/``text_encoder``/``text_encoder_2`` with :func:`sd_namer`."""
+    if modules is None:
+        modules = {"unet": unet, "text_encoder": text_encoder, "text_encoder_2": text_encoder_2}
+        namer = sd_namer(family, unet, text_encoder, text_encoder_2)
+    names: dict[str, tuple[str, Any]] = {}
+    for slot, model in modules.items():
+        if model is None:
+            continue
+        if slot not in namer:
+            raise ValueError(f"the model family has no LoRA file names for its {slot} part")
+        prefix, rename = namer[slot]
+        for kohya, found in _module_names(model, prefix, adapter, rename, layers).items():
+            if kohya in names:
+                raise RuntimeError(f"modules {names[kohya][0]!r} and {found[0]!r} both map to kohya name {kohya!r}")
+            names[kohya] = found
     return names
 
 
 def kohya_lora_state_dict(unet: Any = None, text_encoder: Any = None, text_encoder_2: Any = None,
-                          adapter_name: str = "default", family: str = "sd15") -> dict[str, "torch.Tensor"]:
+                          adapter_name: str = "default", family: str = "sd15", *,
+                          modules: Optional[Mapping[str, Any]] = None,
+                          namer: Optional[Mapping[str, Any]] = None) -> dict[str, "torch.Tensor"]:
     """Read the peft LoRA layers of the given models into a kohya-format state dict.
 
     Per module: ``<name>.lora_down.weight`` (peft ``lora_A``), ``<name>.lora_up.weight``
@@ -524,7 +550,7 @@ def kohya_lora_state_dict(unet: Any = None, text_encoder: Any = None, text_encod
     """
     import torch
 
-    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family)
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, modules=modules, namer=namer)
     if not names:
         raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found in the given models")
     out: dict[str, torch.Tensor] = {}
@@ -673,7 +699,9 @@ def _assign(param: "torch.Tensor", value: "torch.Tensor", what: str) -> None:
 
 def load_lora_kohya_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tensor"], unet: Any = None,
                               text_encoder: Any = None, text_encoder_2: Any = None, *,
-                              adapter_name: str = "default", family: str = "sd15", strict: bool = True) -> int:
+                              adapter_name: str = "default", family: str = "sd15", strict: bool = True,
+                              modules: Optional[Mapping[str, Any]] = None,
+                              namer: Optional[Mapping[str, Any]] = None) -> int:
     """Copy a kohya LoRA file into the peft LoRA layers already added to the models (resume, or
     ``lora.init_weights``). Returns the number of layers loaded.
 
@@ -682,7 +710,7 @@ def load_lora_kohya_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tens
     not cover raise too, because they would keep their fresh initialisation unnoticed.
     """
     state = _load_lora_file(path)
-    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family)
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, modules=modules, namer=namer)
     groups, unknown = _split_kohya_keys(state)
     unmatched = sorted(unknown + [f"{n}.*" for n in groups if n not in names])
     if unmatched:
@@ -757,7 +785,9 @@ def _lokr_full(layer: Any, adapter: str) -> bool:
 
 
 def lycoris_state_dict(unet: Any = None, text_encoder: Any = None, text_encoder_2: Any = None,
-                       adapter_name: str = "default", family: str = "sd15") -> dict[str, "torch.Tensor"]:
+                       adapter_name: str = "default", family: str = "sd15", *,
+                       modules: Optional[Mapping[str, Any]] = None,
+                       namer: Optional[Mapping[str, Any]] = None) -> dict[str, "torch.Tensor"]:
     """Read peft LoHa/LoKr layers into a LyCORIS-format state dict with kohya names.
 
     Per module ``<name>.hada_*`` or ``<name>.lokr_*`` (peft's tensors as they are) and
@@ -766,7 +796,8 @@ def lycoris_state_dict(unet: Any = None, text_encoder: Any = None, text_encoder_
     """
     import torch
 
-    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers)
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers,
+                           modules=modules, namer=namer)
     if not names:
         raise ValueError(f"no peft LoHa/LoKr layers with adapter {adapter_name!r} found in the given models")
     out: dict[str, torch.Tensor] = {}
@@ -829,11 +860,14 @@ def save_lycoris(path: str | os.PathLike, state_dict: Mapping[str, "torch.Tensor
 
 def load_lycoris_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tensor"], unet: Any = None,
                            text_encoder: Any = None, text_encoder_2: Any = None, *,
-                           adapter_name: str = "default", family: str = "sd15", strict: bool = True) -> int:
+                           adapter_name: str = "default", family: str = "sd15", strict: bool = True,
+                           modules: Optional[Mapping[str, Any]] = None,
+                           namer: Optional[Mapping[str, Any]] = None) -> int:
     """Copy a LyCORIS LoHa/LoKr file into peft LoHa/LoKr layers already added to the models
     (``lora.init_weights``); the inverse of :func:`lycoris_state_dict`. Returns the layers loaded."""
     state = _load_lora_file(path)
-    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers)
+    names = _named_targets(unet, text_encoder, text_encoder_2, adapter_name, family, _lycoris_layers,
+                           modules=modules, namer=namer)
     suffixes = tuple("." + k for k in _LOHA_KEYS + _LOKR_KEYS) + (".alpha",)
     groups: dict[str, dict[str, Any]] = {}
     unknown: list[str] = []

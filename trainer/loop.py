@@ -235,7 +235,7 @@ class Trainer:
                 self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
                 encode_text_fn=(lambda captions: self.model.encode_captions(
                     self.method.expand_text(captions))) if frozen_text else None,
-                text_fingerprint=f"{cfg.model.path}:{cfg.model.text_encoder_dtype}:{cfg.model.clip_skip}",
+                text_fingerprint=self.model.text_fingerprint(cfg.model),
                 # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
                 inpaint_fn=self.model.encode_masked_images if getattr(self.model, "inpainting", False) else None)
         self.tb = None
@@ -307,9 +307,9 @@ class Trainer:
     # --- one micro-batch -------------------------------------------------------------------
     def _forward_loss(self, batch, gen=None):
         import torch
-        from trainer.loss import (choose_mask, make_noise, per_sample_loss, perturb_noise, sample_timesteps,
-                                  weighted_mean)
+        from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
         model = self.model
+        objective = model.objective  # DDPM or flow matching, chosen by the family
         lc = self.cfg.loss
         gen = self.generator if gen is None else gen  # all randomness of a step comes from here: exact resume
         # several processes: every draw is made for the whole global micro-batch (the same on every
@@ -317,13 +317,12 @@ class Trainer:
         rows = batch.get("global_rows")
         latents = model.sample_latents(expand_rows(batch["latent_dist"], rows), gen)
         noise = make_noise(latents.shape, gen, self.cfg.training.noise_offset).to(latents.device)
-        timesteps = sample_timesteps(latents.shape[0], model.num_train_timesteps, lc, gen).to(latents.device)
-        noisy, target = model.noisy_and_target(latents, noise, timesteps)
+        timesteps = objective.sample_timesteps(latents.shape[0], lc, gen, latents).to(latents.device)
+        noisy, target = objective.noisy_and_target(latents, noise, timesteps)
         if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
-            noisy, _ = model.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
+            noisy, _ = objective.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
         mask = choose_mask(batch.get("mask"), lc, gen)
-        if getattr(model, "inpainting", False):  # 9-channel UNet: noisy ‖ mask ‖ masked-image latents
-            noisy = model.inpaint_input(noisy, batch, gen, self.warn)
+        noisy = model.model_input(noisy, batch, gen, self.warn)  # inpainting: noisy ‖ mask ‖ masked-image latents
         train_text = {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
         drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
         for key, p in (("drop_te1", self.cfg.training.caption_dropout_te1),
@@ -336,9 +335,9 @@ class Trainer:
         with self.accelerator.autocast():
             cond = model.batch_condition(batch, self.method.expand_text, train_text, **drops)
             if self._unet_dtype is None:  # diffusers' .dtype walks every module (~8 ms a step on the tiny UNet)
-                self._unet_dtype = model.unet.dtype
+                self._unet_dtype = model.denoiser.dtype
             model_pred = model.predict(noisy.to(self._unet_dtype), timesteps, cond)
-        losses = per_sample_loss(model_pred, target, lc, timesteps, model.noise_scheduler,
+        losses = per_sample_loss(model_pred, target, lc, timesteps, objective,
                                  mask=None if mask is None else mask.to(latents.device))
         return weighted_mean(losses, batch["loss_weights"])
 
@@ -769,14 +768,14 @@ class Trainer:
         if self.fsdp is None:
             yield
             return
-        sharded = self.model.unet
+        sharded = self.model.denoiser
         plain = self.fsdp.plain_copy(keep=self.is_main)
         if plain is not None:
-            self.model.unet = plain
+            self.model.set_part("unet", plain)
         try:
             yield
         finally:
-            self.model.unet = sharded
+            self.model.set_part("unet", sharded)
 
 
 def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True,

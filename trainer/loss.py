@@ -5,10 +5,10 @@ the trainer's ``torch.Generator`` — never the global RNG — so a resumed run 
 noise, timesteps and mask choices as an uninterrupted one. The loop calls, per micro-batch::
 
     noise     = make_noise(latents.shape, generator, training.noise_offset)
-    timesteps = sample_timesteps(batch_size, num_train_timesteps, cfg.loss, generator)
-    noisy, target = model.noisy_and_target(latents, noise, timesteps)      # + input perturbation
+    timesteps = model.objective.sample_timesteps(batch_size, cfg.loss, generator, latents)
+    noisy, target = model.objective.noisy_and_target(latents, noise, timesteps)   # + input perturbation
     mask      = choose_mask(batch.get("mask"), cfg.loss, generator)
-    losses    = per_sample_loss(model_pred, target, cfg.loss, timesteps, noise_scheduler, mask)
+    losses    = per_sample_loss(model_pred, target, cfg.loss, timesteps, model.objective, mask)
     loss      = weighted_mean(losses, batch["loss_weights"])
 
 Formulas and their sources:
@@ -195,15 +195,19 @@ def mask_weights(mask, loss_shape, unmasked_weight: float):
     return m.clamp(min=float(unmasked_weight), max=1.0)
 
 
-def per_sample_loss(pred, target, cfg: Any, timesteps, noise_scheduler, mask=None,
+def per_sample_loss(pred, target, cfg: Any, timesteps, objective, mask=None,
                     prediction_type: Optional[str] = None):
     """One loss value per sample: element loss (× mask) averaged over C,H,W, × timestep weights.
 
-    ``cfg`` is a ``LossConfig`` (or anything with its fields); ``prediction_type`` defaults to the
-    noise scheduler's config, which the model family keeps in step with the model.
+    ``cfg`` is a ``LossConfig`` (or anything with its fields); ``objective`` the family's objective
+    (``trainer.objectives``), or a DDPM noise scheduler (its ``prediction_type`` defaults to the
+    scheduler's config, which the model family keeps in step with the model).
     """
+    if not hasattr(objective, "timestep_weights"):
+        from trainer.objectives import DDPMObjective
+        objective = DDPMObjective(objective, prediction_type or objective.config.get("prediction_type", "epsilon"))
     loss_type = _get(cfg, "type", "mse")
-    delta = huber_delta(cfg, timesteps, noise_scheduler) if loss_type in ("huber", "smooth_l1") else None
+    delta = objective.huber_delta(cfg, timesteps) if loss_type in ("huber", "smooth_l1") else None
     loss = elementwise_loss(pred, target, loss_type, delta)
     reduce_dims = tuple(range(1, loss.ndim))
     if mask is not None:
@@ -214,7 +218,7 @@ def per_sample_loss(pred, target, cfg: Any, timesteps, noise_scheduler, mask=Non
             per_sample = per_sample / w.mean(dim=tuple(range(1, w.ndim))).clamp(min=1e-8)
     else:
         per_sample = loss.mean(dim=reduce_dims)
-    tw = timestep_weights(cfg, timesteps, noise_scheduler, prediction_type)
+    tw = objective.timestep_weights(cfg, timesteps)
     if tw is not None:
         per_sample = per_sample * tw.to(per_sample.device)
     return per_sample
@@ -225,12 +229,6 @@ def weighted_mean(per_sample, weights=None):
     if weights is not None:
         per_sample = per_sample * weights.to(per_sample.device, per_sample.dtype)
     return per_sample.mean()
-
-
-def diffusion_loss(model_pred, target, weights=None):
-    """Plain MSE per sample (mean over C,H,W), then the weighted batch mean."""
-    return weighted_mean(elementwise_loss(model_pred, target, "mse").mean(dim=tuple(range(1, model_pred.ndim))),
-                         weights)
 
 
 # ------------------------------------------------------------------------------------------

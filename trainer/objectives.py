@@ -50,7 +50,8 @@ def refused_options(objective: str, lc: Any, family_label: str) -> list:
             problems.append((f"loss.{name}", f"loss.{name} = {value}: {why}, and {family_label} trains with "
                              f"{'flow matching' if objective == 'flow' else 'the DDPM objective'}. "
                              f"Set it back to {off}."))
-    if objective == "flow" and _get(lc, "huber_schedule", "constant") == "snr":
+    if objective == "flow" and _get(lc, "type", "mse") in ("huber", "smooth_l1") \
+            and _get(lc, "huber_schedule", "constant") == "snr":
         problems.append(("loss.huber_schedule", f"loss.huber_schedule = snr reads the DDPM noise schedule; "
                          f"{family_label} trains with flow matching. Use constant or exponential."))
     return problems

@@ -134,7 +134,7 @@ def _fp8_forward(module, compute_dtype):
     return forward
 
 
-def enable_fp8_storage(unet, compute_dtype) -> int:
+def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
@@ -150,7 +150,7 @@ def enable_fp8_storage(unet, compute_dtype) -> int:
                           "model.unet_dtype = fp16/bf16.", key="precision.fp8_unet")
     count = 0
     for name, module in unet.named_modules():
-        if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in FP8_SKIP):
+        if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in skip):
             continue
         if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
             continue
@@ -171,8 +171,9 @@ def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], i
             raise ConfigError("precision.fp8_unet stores the UNet's frozen weights in fp8, but this run trains "
                               "the whole UNet (training.method = finetune). Use LoRA, or turn fp8_unet off.",
                               key="precision.fp8_unet")
-        count = enable_fp8_storage(model.unet, model.unet.dtype)
-        logging.getLogger("atelier").info("fp8 storage: %d UNet layers", count)
+        denoiser = model.denoiser
+        count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
+        logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
     if not pc.stochastic_rounding:
         return None
     if not any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):

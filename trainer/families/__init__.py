@@ -50,8 +50,9 @@ class FamilyInfo:
     family_class: str  # "trainer.families.pixart.family:PixArt"
     detect: str  # module with claim(evidence) -> variant | None (raises ValueError to refuse)
     tiny: Dict[str, str] = field(default_factory=dict)  # builtin name -> "module:function(root) -> paths"
-    # shown when weights of this kind are given but nobody claims them (e.g. a variant not trained yet)
     caption_limit: int = 77  # longest caption (tokens) the default text path sees
+    # options this family cannot use, refused by validate: (config key, the value that means "off", why)
+    refuses: Tuple[Tuple[str, Any, str], ...] = ()
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)
@@ -194,8 +195,8 @@ def unclaimed_message(ev: Evidence) -> str:
     if ev.kind == "folder":
         return (f"{ev.where} is a folder but not a diffusers model (no model_index.json and no unet/ or "
                 "transformer/ folder). Point model.path at the model's top folder, or at a .safetensors file.")
-    return (f"{ev.where}: the hub repo has no model_index.json nor a unet/ or transformer/ config, so it is no "
-            "diffusers pipeline. If it holds a single .safetensors checkpoint, download that file and set "
+    return (f"{ev.where}: the hub repo has neither model_index.json nor unet/config.json (nor transformer/config.json), "
+            "so it is not a diffusers pipeline. If it holds a single .safetensors checkpoint, download that file and set "
             "model.path to it.")
 
 

@@ -17,19 +17,10 @@ class FinetuneMethod(MethodBase):
         self.cfg = cfg
         t = cfg.training
         self.modules: Dict[str, Any] = {}
-        if t.train_unet:
-            model.unet.requires_grad_(True)
-            self.modules["unet"] = model.unet
-        if t.train_text_encoder:
-            model.text_encoder.requires_grad_(True)
-            self.modules["text_encoder"] = model.text_encoder
-        if t.train_text_encoder_2:
-            if getattr(model, "text_encoder_2", None) is None:
-                from trainer.config import ConfigError
-                raise ConfigError(f"training.train_text_encoder_2 is on, but this {model.family} model has one "
-                                  "text encoder.", key="training.train_text_encoder_2")
-            model.text_encoder_2.requires_grad_(True)
-            self.modules["text_encoder_2"] = model.text_encoder_2
+        from trainer.methods.lora import chosen_parts
+        for slot, module in chosen_parts(model, t).items():
+            module.requires_grad_(True)
+            self.modules[slot] = module
         for m in self.modules.values():
             if next(m.parameters()).dtype == torch.float16:
                 m.to(dtype=torch.float32)  # fp16 master weights lose updates; autocast does the rest
@@ -41,20 +32,23 @@ class FinetuneMethod(MethodBase):
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
         from contextlib import nullcontext
 
-        from trainer.export import save_diffusers_folder, save_single_file_sd
+        from trainer.export import save_diffusers_folder
         m = self.model
         # the model as users load it: no placeholder tokens in tokenizer or text encoder
         with self.embedding.detached(m) if self.embedding is not None else nullcontext():
             if str(path).endswith((".safetensors", ".ckpt")):
-                extra = {"text_encoder_2": m.text_encoder_2} if getattr(m, "text_encoder_2", None) else {}
-                save_single_file_sd(path, m.unet, m.vae, m.text_encoder, family=m.family, dtype=dtype,
-                                    metadata=metadata, **extra)
+                m.save_single_file(path, dtype=dtype, metadata=metadata)
             else:  # a diffusers folder carries the model's own sampler (DDIM for SD, Euler for SDXL)
-                save_diffusers_folder(path, m.pipeline("ddim" if m.family != "sdxl" else None), dtype)
+                save_diffusers_folder(path, m.pipeline(getattr(m, "folder_sampler", None)), dtype)
         self._save_alongside_embedding(Path(path), dtype, metadata)
 
 
 def make_method(model, cfg):
+    if (cfg.training.method == "embedding" or cfg.embedding.train_alongside) and model.name not in ("sd", "sdxl"):
+        from trainer.config import ConfigError
+        key = "training.method" if cfg.training.method == "embedding" else "embedding.train_alongside"
+        raise ConfigError(f"{key}: textual-inversion embeddings are trained for SD 1.x/2.x and SDXL; this is a "
+                          f"{model.info.label} model. Train a LoRA or a fine-tune instead.", key=key)
     if cfg.training.method == "lora":
         from trainer.methods.lora import LoraMethod
         return LoraMethod(model, cfg)

@@ -31,12 +31,34 @@ TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 LYCORIS_TYPES = ("loha", "lokr")
 
 
-def unet_targets(lcfg) -> Union[List[str], str]:
-    """peft ``target_modules`` for the UNet: a list of name endings, or (custom) one regex."""
+def unet_targets(lcfg, model=None) -> Union[List[str], str]:
+    """peft ``target_modules`` for the denoiser: the family's list of name endings for the
+    ``lora.unet_targets`` preset (the SD UNet's without a model), or (custom) one regex."""
     if lcfg.unet_targets == "custom":
         from trainer.methods.rules import custom_target_regex
         return custom_target_regex(list(lcfg.custom_targets))
+    if model is not None:
+        return model.lora_targets("unet", lcfg.unet_targets)
     return UNET_TARGETS[lcfg.unet_targets]
+
+
+def chosen_parts(model, t) -> Dict[str, Any]:
+    """slot -> module for the parts ``training.train_*`` switches on; a switch for a part the model
+    does not have is refused, naming the family's parts."""
+    from trainer.config import ConfigError
+    wanted = {"unet": t.train_unet, "text_encoder": t.train_text_encoder,
+              "text_encoder_2": t.train_text_encoder_2}
+    chosen: Dict[str, Any] = {}
+    for slot, on in wanted.items():
+        if not on:
+            continue
+        module = model.part(slot)
+        if module is None:
+            have = ", ".join(f"{p.label} (training.train_{p.slot})" for p in model.info.parts)
+            raise ConfigError(f"training.train_{slot} is on, but this {model.family} model has no such part; "
+                              f"its parts are {have}.", key=f"training.train_{slot}")
+        chosen[slot] = module
+    return chosen
 
 
 def _conv_patterns(model, config, lcfg) -> tuple[Dict[str, int], Dict[str, float]]:
@@ -100,21 +122,14 @@ class LoraMethod(MethodBase):
         self.cfg = cfg
         t, lcfg = cfg.training, cfg.lora
         self.modules: Dict[str, Any] = {}
-        if t.train_unet:
-            key = "lora.custom_targets" if lcfg.unet_targets == "custom" else "lora.unet_targets"
-            _add_adapter(model.unet, adapter_config(lcfg, unet_targets(lcfg), model.unet), "UNet", key)
-            self.modules["unet"] = model.unet
-        if t.train_text_encoder:
-            _add_adapter(model.text_encoder, adapter_config(lcfg, TEXT_ENCODER_TARGETS, model.text_encoder),
-                         "text-encoder", "lora.type")
-            self.modules["text_encoder"] = model.text_encoder
-        if t.train_text_encoder_2:
-            te2 = getattr(model, "text_encoder_2", None)
-            if te2 is None:
-                raise ConfigError(f"training.train_text_encoder_2 is on, but this {model.family} model has one "
-                                  "text encoder.", key="training.train_text_encoder_2")
-            _add_adapter(te2, adapter_config(lcfg, TEXT_ENCODER_TARGETS, te2), "text-encoder-2", "lora.type")
-            self.modules["text_encoder_2"] = te2
+        for slot, module in chosen_parts(model, t).items():  # slot: unet (the denoiser), text_encoder(_2)
+            if slot == "unet":
+                key = "lora.custom_targets" if lcfg.unet_targets == "custom" else "lora.unet_targets"
+                targets = unet_targets(lcfg, model)
+            else:
+                key, targets = "lora.type", model.lora_targets(slot, "default")
+            _add_adapter(module, adapter_config(lcfg, targets, module), model.info.part(slot).label, key)
+            self.modules[slot] = module
         for m in self.modules.values():
             for p in m.parameters():
                 if p.requires_grad:
@@ -129,11 +144,14 @@ class LoraMethod(MethodBase):
         try:
             state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
             load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
-            load(state, self.modules.get("unet"), self.modules.get("text_encoder"),
-                 text_encoder_2=self.modules.get("text_encoder_2"), family=self.model.family)
+            load(state, modules=self._adapted(), namer=self.model.lora_namer())
         except (OSError, ValueError, NotImplementedError) as exc:
             raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
                               f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None
+
+    def _adapted(self) -> Dict[str, Any]:
+        """slot -> module carrying the adapter (the embedding holder is no adapter)."""
+        return {slot: m for slot, m in self.modules.items() if slot != "embedding"}
 
     def result_suffix(self, fmt: str) -> str:
         if fmt in ("auto", "safetensors"):
@@ -144,19 +162,18 @@ class LoraMethod(MethodBase):
         """The file's tensors: kohya LoRA/DoRA or LyCORIS LoHa/LoKr keys (+ a bundled embedding)."""
         from trainer.export import bundle_embedding_state_dict, kohya_lora_state_dict, lycoris_state_dict
         to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
-        sd = to_state(unet=self.modules.get("unet"), text_encoder=self.modules.get("text_encoder"),
-                      text_encoder_2=self.modules.get("text_encoder_2"), family=self.model.family)
+        custom = getattr(self.model, "lora_state_dict", None)  # a family whose files are not kohya-shaped
+        sd = custom(self._adapted(), "default") if custom is not None and to_state is kohya_lora_state_dict \
+            else to_state(modules=self._adapted(), namer=self.model.lora_namer())
         if self.embedding is not None and self.cfg.embedding.bundle:
             sd.update(bundle_embedding_state_dict(self.embedding.placeholder, self.embedding.vectors()))
         return sd
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
-        from trainer.export import lora_metadata, save_lora_kohya, save_lycoris
+        from trainer.export import save_lora_kohya, save_lycoris
         lcfg = self.cfg.lora
         sd = self.adapter_state_dict()
-        meta = lora_metadata(self.model.family, title=Path(path).stem,
-                             prediction_type=self.model.prediction_type,
-                             resolution=_resolution(self.cfg), extra=metadata)
+        meta = self.model.lora_metadata(title=Path(path).stem, resolution=_resolution(self.cfg), extra=metadata)
         if lcfg.type in LYCORIS_TYPES:
             args: Dict[str, Any] = {}
             if lcfg.conv_rank is not None or lcfg.conv_alpha is not None:

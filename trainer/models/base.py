@@ -13,18 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.config import ConfigError
-
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-def torch_dtype(name: str):
-    import torch
-    return getattr(torch, DTYPE_NAMES[name])
-
-
-class ModelLoadError(ConfigError):
-    """The base model could not be loaded; the message says why and what to do."""
+from trainer.families.base import DTYPE_NAMES, Family, ModelLoadError, torch_dtype  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -41,17 +30,17 @@ def classify_source(path: str, workspace: str | os.PathLike) -> ModelSource:
         raise ModelLoadError("model.path is empty: give a diffusers folder, a hub id (org/name), a "
                              ".safetensors/.ckpt file, or builtin:tiny-sd.", key="model.path", value=path)
     if path.startswith("builtin:"):
-        from trainer.models.tiny import TINY_NAMES, ensure_tiny_model
+        from trainer.families import build_tiny, tiny_models
         name = path.split(":", 1)[1]
-        if name not in TINY_NAMES:
+        if name not in tiny_models():
             raise ModelLoadError(f"model.path '{path}': unknown built-in model; choose from "
-                                 + ", ".join(f"builtin:{n}" for n in TINY_NAMES) + ".", key="model.path",
+                                 + ", ".join(f"builtin:{n}" for n in tiny_models()) + ".", key="model.path",
                                  value=path)
-        paths = ensure_tiny_model(name, Path(workspace) / "models")
+        paths = build_tiny(name, Path(workspace) / "models")
         return ModelSource("folder", str(paths["diffusers"]), path)
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "model_index.json").exists() and not (p / "unet").is_dir():
+        if not (p / "model_index.json").exists() and not (p / "unet").is_dir() and not (p / "transformer").is_dir():
             raise ModelLoadError(f"model.path '{path}' is a folder but not a diffusers model (no "
                                  "model_index.json). Point it at the model's top folder, or at a "
                                  ".safetensors file.", key="model.path", value=path)
@@ -69,42 +58,7 @@ def classify_source(path: str, workspace: str | os.PathLike) -> ModelSource:
     return ModelSource("hub", path, path)
 
 
-class ModelFamily:
-    """Interface the loop uses. Tensors: ``pixels`` in [-1, 1], ``latents`` scaled for the UNet."""
-
-    family: str = ""
-    prediction_type: str = "epsilon"
-
-    def trainable_modules(self) -> Dict[str, Any]:
-        raise NotImplementedError
-
-    def tokenize(self, captions: List[str]):
-        raise NotImplementedError
-
-    def encode_text(self, input_ids):
-        raise NotImplementedError
-
-    def encode_pixels(self, pixels) -> Dict[str, Any]:
-        raise NotImplementedError
-
-    def sample_latents(self, dist: Dict[str, Any], generator: Optional[Any]):
-        raise NotImplementedError
-
-    def noisy_and_target(self, latents, noise, timesteps):
-        raise NotImplementedError
-
-    def predict(self, noisy_latents, timesteps, conditioning):
-        raise NotImplementedError
-
-    def pipeline(self, sampler: str):
-        raise NotImplementedError
-
-    def fingerprint(self) -> str:
-        raise NotImplementedError
-
-    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
-        """Per-prompt extra pipeline arguments (an inpainting model's image and mask)."""
-        return {}
+ModelFamily = Family  # the protocol (trainer/families/base.py); kept under its old name for imports
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,42 +78,29 @@ FAMILY_NAMES = {"sd15": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sd15-inpaint
 
 
 def detect_source_family(source: ModelSource, mcfg: Any = None) -> Optional[str]:
-    """The family the weights at ``source`` belong to (``sd15``, ``sd2``, ``sdxl``, ``*-inpaint``).
+    """The variant the weights at ``source`` belong to (``sd15``, ``sdxl-inpaint``, ``pixart-sigma`` …),
+    asked of every registered family (``trainer.families.claim``) from key names/shapes or configs only.
 
-    Local folders and files are read with :func:`sd_configs.detect_family` (key names and shapes only);
-    a file that is no model at all raises :class:`ModelLoadError` saying what it looks like. For a hub
-    id the repo's ``unet/config.json`` decides (SDXL by its ``text_time`` conditioning or 2048-wide
-    context, SD 1.x/2.x by the context width, inpainting by 9 input channels), with ``model_index.json``
-    as a hint (or, without the UNet's config, alone: ``sdxl``/``sdxl-inpaint`` by the pipeline class).
-    Read from the cache when ``mcfg.hub_offline``. None when nothing can be read (not cached, no
-    network, gated …: the family's own loader then reports); a repo that has neither file raises."""
-    if source.kind in ("folder", "single_file"):
-        from trainer.models import sd_configs
-        try:
-            return sd_configs.detect_family(Path(source.location))
-        except (ValueError, OSError) as exc:  # refiner, depth/pix2pix UNet, VAE-only or LoRA file, garbage
-            raise ModelLoadError(f"model.path '{source.display}': {exc}", key="model.path",
-                                 value=source.display) from None
-    from trainer.models import sd_configs
-    index = _read_hub_json(source.location, "model_index.json", mcfg)
-    unet = _read_hub_json(source.location, "unet/config.json", mcfg)
-    if isinstance(unet, dict):
-        try:
-            return sd_configs.detect_from_configs(unet, index if isinstance(index, dict) else {},
-                                                  f"hub model '{source.location}'")
-        except ValueError as exc:  # refiner, unCLIP, depth …
-            raise ModelLoadError(f"model.path {exc}", key="model.path", value=source.display) from None
-    if isinstance(index, dict):
-        name = str(index.get("_class_name", "") or "")
-        if "XL" in name:
-            return "sdxl-inpaint" if "Inpaint" in name else "sdxl"
-        return None  # SD 1.x or 2.x: the loader tells them apart from the loaded UNet
-    if index is _MISSING and unet is _MISSING:
-        raise ModelLoadError(
-            f"model.path '{source.location}': the hub repo has neither model_index.json nor unet/config.json, so it "
-            "is not a diffusers Stable Diffusion pipeline. If it holds a single .safetensors/.ckpt checkpoint, "
-            "download that file and set model.path to it.", key="model.path", value=source.display)
-    return None
+    Raises :class:`ModelLoadError` when a family recognises the weights but refuses them (an SDXL
+    refiner, a Flux fill model …) or when no family claims them (naming the closest family or what the
+    file is instead). None only for a hub id whose files cannot be read (not cached, no network, gated):
+    the caller then says so."""
+    from trainer.families import MISSING, claim, unclaimed_message
+    from trainer.families.sources import evidence_for
+    try:
+        ev = evidence_for(source, mcfg)
+        found = claim(ev)
+    except (ValueError, OSError) as exc:  # refiner, depth/pix2pix UNet, Flux fill, VAE-only or LoRA file, garbage
+        raise ModelLoadError(f"model.path '{source.display}': {exc}" if source.kind != "hub" else f"model.path {exc}",
+                             key="model.path", value=source.display) from None
+    if found:
+        return found
+    if source.kind == "hub" and all(ev.read_json(rel) is None for rel in (
+            "model_index.json", "unet/config.json", "transformer/config.json")):
+        return None  # nothing could be read: not cached / offline / gated
+    where = unclaimed_message(ev)
+    raise ModelLoadError(f"model.path {where}" if source.kind == "hub" else where, key="model.path",
+                         value=source.display)
 
 
 _MISSING = object()  # a hub repo (or its cached snapshot) that has no such file
@@ -396,30 +337,15 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         self._sched_config["prediction_type"] = pred
         self.num_train_timesteps = int(self.noise_scheduler.config.num_train_timesteps)
         self._alphas = self.noise_scheduler.alphas_cumprod
-
-    def encode_pixels(self, pixels) -> Dict[str, Any]:
-        """VAE posterior (mean, std) in fp32: cached as is, sampled every step."""
-        import torch
-        with torch.no_grad():
-            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
-        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
-
-    def sample_latents(self, dist: Dict[str, Any], generator=None):
-        import torch
-        mean = dist["mean"].to(self.device)
-        std = dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
-        return (mean + std * eps) * self.vae.config.scaling_factor
+        from trainer.objectives import DDPMObjective
+        self.objective = DDPMObjective(self.noise_scheduler, pred)
 
     def noisy_and_target(self, latents, noise, timesteps):
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        if self.prediction_type == "epsilon":
-            target = noise
-        elif self.prediction_type == "v_prediction":
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            raise ValueError(f"unknown prediction type {self.prediction_type}")
-        return noisy, target
+        return self.objective.noisy_and_target(latents, noise, timesteps)
+
+    def model_input(self, noisy_latents, batch, generator=None, warn=None):
+        """9-channel inpainting UNets: noisy ‖ mask ‖ masked-image latents; others the noisy latents."""
+        return self.inpaint_input(noisy_latents, batch, generator, warn) if self.inpainting else noisy_latents
 
     def _set_attention(self, backend: str) -> None:
         """``model.attention``: PyTorch SDPA (diffusers' default) or xformers, refused clearly when absent."""
@@ -434,6 +360,29 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
         return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}
 
+    # --- export (the writers in trainer/export.py, named for the SD lineage) ---------------------
+    def lora_targets(self, slot: str, preset: str) -> List[str]:
+        """peft target name endings: the UNet's for ``lora.unet_targets`` presets; CLIP's for text encoders."""
+        from trainer.methods.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS
+        return list(UNET_TARGETS[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
+
+    def lora_namer(self):
+        from trainer.export import sd_namer
+        return sd_namer(self.family, self.unet, self.text_encoder, getattr(self, "text_encoder_2", None))
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import lora_metadata
+        return lora_metadata(self.family, title=title, prediction_type=self.prediction_type, resolution=resolution,
+                             extra=extra)
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """An original-layout SD1/SD2/SDXL checkpoint (A1111, ComfyUI, diffusers' from_single_file)."""
+        from trainer.export import save_single_file_sd
+        extra = {"text_encoder_2": self.text_encoder_2} if getattr(self, "text_encoder_2", None) is not None else {}
+        save_single_file_sd(path, self.unet, self.vae, self.text_encoder, family=self.family, dtype=dtype,
+                            metadata=metadata, **extra)
+
     def fingerprint(self) -> str:
         """Identifies what changes cached latents: the weights' source and the VAE dtype."""
         return source_fingerprint(self.source, self._vae_dtype_name)
@@ -445,17 +394,28 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
         self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
         self._alphas = self.noise_scheduler.alphas_cumprod
+        self.objective.noise_scheduler = self.noise_scheduler
 
 
 def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> ModelFamily:
-    """Pick the family class for ``model.family`` (``auto``: detected from the weights) and load it.
+    """Detect the family (``model.family: auto``) or take the given one, and load it with its class.
 
     The one entry point the loop needs; each family still refuses weights of another family itself."""
+    from trainer.families import family_class, info_for
     family = getattr(mcfg, "family", "auto")
+    source = classify_source(mcfg.path, workspace)
+    found = detect_source_family(source, mcfg)
     if family == "auto":
-        family = detect_source_family(classify_source(mcfg.path, workspace), mcfg) or "sd15"
-    if family.startswith("sdxl"):
-        from trainer.models.sdxl import StableDiffusionXL
-        return StableDiffusionXL(mcfg, workspace, device)
-    from trainer.models.sd import StableDiffusion
-    return StableDiffusion(mcfg, workspace, device)
+        if found is None:
+            raise ModelLoadError(
+                f"model.path '{mcfg.path}' is a hub id, but its model_index.json could not be read "
+                f"({'model.hub_offline is on and it is not in the hub cache' if getattr(mcfg, 'hub_offline', False) else 'not in the hub cache and not downloadable: check the id, your network and, for gated models, your HF token'}). "
+                "Set model.family to the model's family to load it anyway, or point model.path at a local "
+                "folder or file.", key="model.path", value=mcfg.path)
+        family = found
+    elif found is not None and info_for(found).name != info_for(family).name:
+        got, want = info_for(found), info_for(family)
+        raise ModelLoadError(f"model.family is {family} ({want.label}), but '{source.display}' holds a "
+                             f"{got.label} model ({found}). Set model.family to {found.removesuffix('-inpaint')} "
+                             "or auto.", key="model.family", value=family)
+    return family_class(family)(mcfg, workspace, device)

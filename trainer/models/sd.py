@@ -23,7 +23,8 @@ def _family_of(source: ModelSource, found, unet) -> str:
 class StableDiffusion(LatentDiffusionFamily):
     """SD 1.x / 2.x components plus the pieces of the diffusion objective the loop needs."""
 
-    text_encoder_names = ("text_encoder",)
+    name = "sd"
+    folder_sampler = "ddim"  # what a saved diffusers folder carries
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu"):
         import torch

@@ -71,7 +71,9 @@ class StableDiffusionXL(LatentDiffusionFamily):
     convention): 0 = ``hidden_states[-2]`` (what SDXL was trained with), 1 = ``hidden_states[-3]`` …
     It applies to both encoders, in training and (through :meth:`sampling_kwargs`) in samples."""
 
+    name = "sdxl"
     family = "sdxl"
+    folder_sampler = None  # a saved diffusers folder keeps the model's own (Euler)
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu", clip_skip: Optional[int] = None):
         import torch
@@ -263,6 +265,3 @@ class StableDiffusionXL(LatentDiffusionFamily):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-
-def load_model(mcfg, workspace: str, device: Any = "cpu") -> StableDiffusionXL:
-    return StableDiffusionXL(mcfg, workspace, device)

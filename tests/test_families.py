@@ -1,0 +1,146 @@
+"""The family contract, once per registered family: what a user relies on whatever model they train.
+
+Load from a diffusers folder and from the single file people download; train a LoRA through the real
+CLI (the validation loss on the memorised images falls); a run resumed from a backup ends equal to the
+uninterrupted run; the saved LoRA loads where users load it (diffusers' ``load_lora_weights``, or peft
+on the diffusers model where diffusers has no loader) and changes the pipeline's output; the file's
+keys round-trip into fresh adapters (``lora.init_weights``).
+
+Adding a family adds one row to ROWS (a test fails until it has one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Tuple
+
+import pytest
+import torch
+
+from tests.conftest import DEMO_DATA, train_quiet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@dataclass(frozen=True)
+class Row:
+    family: str  # registry name
+    tiny: str  # builtin tiny model
+    preset: str  # a LoRA preset of the family on the tiny model
+    # what loading its tiny single file needs besides model.path ({diffusers}: the tiny model's folder)
+    single_file_settings: Tuple[str, ...] = ("model.config_path={diffusers}",)
+    settings: Tuple[str, ...] = ()  # extra training settings
+    # "diffusers": pipe.load_lora_weights(path); else "module:function(pipe, path)"
+    lora_loader: str = "diffusers"
+    prompt_kwargs: dict = field(default_factory=dict)
+
+
+ROWS = [
+    Row("sd", "tiny-sd", "demo"),
+    Row("sdxl", "tiny-sdxl", "demo-sdxl", settings=("training.train_text_encoder=false",
+                                                     "training.train_text_encoder_2=false",
+                                                     "training.learning_rate=0.01", "lora.unet_targets=all")),
+]
+
+
+def test_every_registered_family_has_a_contract_row():
+    from trainer.families import REGISTERED
+    assert sorted(r.family for r in ROWS) == sorted(REGISTERED)
+
+
+def _events(run: Path):
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _lora_file(run: Path) -> Path:
+    return run / f"{run.name}.safetensors"
+
+
+def _tensors(path: Path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def _sample(pipe, row: Row):
+    return pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
+                generator=torch.Generator().manual_seed(0), output_type="np", **row.prompt_kwargs).images[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", ROWS, ids=[r.family for r in ROWS])
+def test_family_contract(row: Row, tmp_path):
+    from trainer.config import load_config
+    from trainer.families import build_tiny, info_for
+    from trainer.models.base import load_model
+
+    ws = tmp_path / "ws"
+    info = info_for(row.family)
+    paths = build_tiny(row.tiny, ws / "models")
+
+    # 1. the diffusers folder and the single file load as this family
+    for path, extra in ((paths["diffusers"], ()), (paths["single_file"], row.single_file_settings)):
+        cfg = load_config(None, [f"model.path={path}", *(e.format(**paths) for e in extra)])
+        model = load_model(cfg.model, str(ws))
+        assert model.name == row.family and model.family in info.variants, (path, model.family)
+        assert set(model.parts()) >= {"unet"}
+        del model
+
+    # 2. a LoRA memorising two images: the fixed-noise validation loss on them falls
+    data = tmp_path / "two"
+    data.mkdir()
+    for name in ("00-red-square", "03-blue-circle"):
+        for ext in (".png", ".txt"):
+            shutil.copy(DEMO_DATA / (name + ext), data / (name + ext))
+    val = tmp_path / "val"
+    shutil.copytree(data, val)
+    common = (f"model.path=builtin:{row.tiny}", "training.max_steps=24", "training.batch_size=2",
+              "training.learning_rate=0.01", "training.lr_scheduler=constant", "loss.timestep_min=500", "lora.rank=8", "lora.alpha=8",
+              f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]",
+              "training.validation_every_n_steps=6", "sampling.prompts=[]", "backup.keep_last=4",
+              "data.cache_latents=false", *row.settings)
+    straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=12")
+    vals = [e["loss"] for e in _events(straight) if e["type"] == "validation"]
+    assert len(vals) == 4 and all(torch.isfinite(torch.tensor(vals))), vals
+    assert vals[-1] < 0.85 * vals[0], vals
+
+    # 3. resumed from the step-12 backup, the run ends where the uninterrupted one did
+    resumed = ws / "runs" / f"{row.family}-resumed"
+    shutil.copytree(straight, resumed)
+    for backup in (resumed / "backups").iterdir():
+        if not backup.name.endswith("000012"):
+            shutil.rmtree(backup)
+    (resumed / f"{row.family}-straight.safetensors").unlink()
+    from trainer.__main__ import main as cli
+    assert cli(["train", str(resumed / "config.yaml"), "--run-dir", str(resumed), "--resume", "last",
+                "--no-progress"]) == 0
+    a = _tensors(_lora_file(straight))
+    b = _tensors(_lora_file(resumed))
+    assert set(a) == set(b) and a
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+
+    # 4. the file loads where users load it and changes what the pipeline draws
+    cfg = load_config(None, [f"model.path={paths['diffusers']}"])
+    pipe = load_model(cfg.model, str(ws)).pipeline(None)
+    before = _sample(pipe, row)
+    if row.lora_loader == "diffusers":
+        pipe.load_lora_weights(str(_lora_file(straight)))
+    else:
+        module, _, fn = row.lora_loader.partition(":")
+        getattr(importlib.import_module(module), fn)(pipe, _lora_file(straight))
+    after = _sample(pipe, row)
+    assert abs(after - before).max() > 1e-3
+
+    # 5. the file's keys round-trip into fresh adapters (lora.init_weights)
+    from trainer.methods.lora import LoraMethod
+    cfg = load_config(straight / "config.yaml", [f"lora.init_weights={_lora_file(straight)}"])
+    method = LoraMethod(load_model(cfg.model, str(ws)), cfg)
+    again = method.adapter_state_dict()
+    assert set(again) == set(a)
+    for k in a:
+        torch.testing.assert_close(again[k].float(), a[k].float(), rtol=0, atol=1e-6, msg=k)
+

@@ -1,0 +1,98 @@
+"""``validate``'s family rules: options the model's family (or its objective) cannot use, refused
+before any model loads, naming the field and the reason. Torch-free.
+
+The family is ``model.family`` when set, else what can be told without loading weights: a
+``builtin:`` name, a diffusers folder's configs, or a ``.safetensors`` file's header (read as JSON,
+no torch). A hub id with ``model.family: auto`` is checked when the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from trainer.config import ConfigError
+
+
+def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
+    """key -> shape from a .safetensors header (8-byte length + JSON), without torch."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a .safetensors file (too short)")
+        (n,) = struct.unpack("<Q", head)
+        if not 0 < n <= min(path.stat().st_size - 8, 100 * 2**20):
+            raise ValueError(f"{path}: not a .safetensors file (bad header length)")
+        header = json.loads(fh.read(n))
+    return {k: tuple(v.get("shape", ())) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+
+
+def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
+    """The variant of ``model`` as far as it can be told cheaply; None when it cannot (hub ids, .ckpt,
+    unreadable or unknown files: the loader reports those)."""
+    from trainer.families import MISSING, Evidence, claim, tiny_models
+    family = getattr(mcfg, "family", "auto") or "auto"
+    if family != "auto":
+        return family
+    path = str(getattr(mcfg, "path", "") or "")
+    if path.startswith("builtin:"):
+        entry = tiny_models().get(path.split(":", 1)[1])
+        return entry[0].choices[0] if entry else None
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir():
+            def read(rel: str):
+                f = p / rel
+                if not f.is_file():
+                    return MISSING
+                try:
+                    data = json.loads(f.read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    return MISSING
+                return data if isinstance(data, dict) else MISSING
+            ev = Evidence("folder", str(p), read_json=read)
+        elif p.is_file() and p.suffix.lower() == ".safetensors":
+            ev = Evidence("single_file", str(p), shapes=read_safetensors_shapes(p))
+        else:
+            return None
+        return claim(ev)
+    except (OSError, ValueError):
+        return None  # the loader says what is wrong with the file, at the field
+
+
+def check_family_options(cfg: Any) -> None:
+    """Raise ConfigError for the first option the family of ``cfg.model`` cannot use."""
+    from trainer.families import info_for
+    from trainer.objectives import refused_options
+    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    if not variant:
+        return
+    info = info_for(variant)
+    for key, message in refused_options(info.objective, cfg.loss, info.label):
+        raise ConfigError(message, key=key)
+    if info.objective == "flow" and cfg.model.prediction_type != "auto":
+        raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} is a flow-matching "
+                          "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
+                          value=cfg.model.prediction_type)
+    t = cfg.training
+    slots = {p.slot for p in info.parts}
+    for slot, key in (("text_encoder", "training.train_text_encoder"), ("text_encoder_2", "training.train_text_encoder_2")):
+        if t.get(key.split(".")[1]) and t.method in ("lora", "finetune") and slot not in slots:
+            have = ", ".join(f"{p.label} ({'training.train_' + p.slot})" for p in info.parts)
+            raise ConfigError(f"{key} is on, but {info.label} has no such part; its parts are {have}.", key=key)
+    if info.name not in ("sd", "sdxl"):
+        if t.method == "embedding" or cfg.embedding.train_alongside:
+            key = "training.method" if t.method == "embedding" else "embedding.train_alongside"
+            raise ConfigError(f"{key}: textual-inversion embeddings are trained for SD 1.x/2.x and SDXL; this is "
+                              f"a {info.label} model. Train a LoRA or a fine-tune instead.", key=key)
+        if int(cfg.model.clip_skip or 0):
+            raise ConfigError(f"model.clip_skip = {cfg.model.clip_skip}: {info.label} does not condition on a CLIP "
+                              "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",
+                              key="model.clip_skip", value=cfg.model.clip_skip)
+    for key, off, why in info.refuses:
+        section, name = key.split(".", 1)
+        value = cfg[section].get(name)
+        if value != off:
+            raise ConfigError(f"{key} = {value}: {why}. Set it to {off}.", key=key, value=value)
