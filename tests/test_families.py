@@ -144,3 +144,45 @@ def test_family_contract(row: Row, tmp_path):
     for k in a:
         torch.testing.assert_close(again[k].float(), a[k].float(), rtol=0, atol=1e-6, msg=k)
 
+
+
+# --- detection asks every family; what nobody claims is named ----------------------------------------------
+
+def _load_error(tmp_path, path, *settings):
+    from trainer.config import load_config
+    from trainer.families.base import ModelLoadError
+    from trainer.models.base import load_model
+    cfg = load_config(None, [f"model.path={path}", *settings])
+    with pytest.raises(ModelLoadError) as err:
+        load_model(cfg.model, str(tmp_path))
+    return str(err.value)
+
+
+def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
+    from safetensors.torch import save_file
+    sd3 = tmp_path / "sd3.safetensors"
+    save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(6, 2)}, str(sd3))
+    assert "Stable Diffusion 3/3.5" in _load_error(tmp_path, sd3)
+    cascade = tmp_path / "cascade"
+    (cascade / "prior").mkdir(parents=True)
+    (cascade / "model_index.json").write_text(json.dumps({"_class_name": "StableCascadePriorPipeline"}))
+    (cascade / "prior" / "config.json").write_text(json.dumps({"_class_name": "StableCascadeUNet"}))
+    msg = _load_error(tmp_path, cascade)
+    assert "Stable Cascade" in msg and "does not train yet" in msg
+    lora = tmp_path / "lora.safetensors"
+    save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora))
+    assert "LoRA" in _load_error(tmp_path, lora)
+
+
+def test_an_unreadable_hub_id_says_so_instead_of_loading_as_sd15(tmp_path):
+    msg = _load_error(tmp_path, "someone/not-cached-model", "model.hub_offline=true", f"model.cache_dir={tmp_path}")
+    assert "could not be read" in msg and "model.family" in msg
+
+
+def test_validate_refuses_what_the_family_cannot_use(tmp_path):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="loss.flow_weighting = cosmap: SD3-style") as err:
+        load_config(None, ["model.path=builtin:tiny-sd", "loss.flow_weighting=cosmap"])
+    assert err.value.key == "loss.flow_weighting"
+    with pytest.raises(ConfigError, match="training.train_text_encoder_2 is on, but Stable Diffusion 1.x/2.x has no"):
+        load_config(None, ["model.path=builtin:tiny-sd", "training.train_text_encoder_2=true"])

@@ -120,8 +120,8 @@ class FlowMatchingObjective:
         if fixed > 0 or self.dynamic_shift is None or latents is None:
             s = fixed if fixed > 0 else self.shift
             return sigmas if s == 1.0 else s * sigmas / (1 + (s - 1) * sigmas)
-        mu = float(self.dynamic_shift(latents))
-        return math.exp(mu) / (math.exp(mu) + (1 / sigmas.clamp(min=1e-6) - 1)).to(torch.float32)
+        mu = float(self.dynamic_shift(latents))  # σ' = e^μ / (e^μ + 1/σ − 1)
+        return (math.exp(mu) / (math.exp(mu) + (1 / sigmas.clamp(min=1e-6) - 1))).to(torch.float32)
 
     def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
         """σ for each sample: u from ``loss.timestep_distribution`` within [timestep_min, timestep_max)/1000,
