@@ -34,3 +34,34 @@ def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
         assert not page.locator("#tab-note-lora").is_visible()
         rank = page.locator("#tab-body-lora input[type=number]").first
         assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
+
+
+def test_the_form_follows_the_models_family_and_its_parts(page_url):
+    """model.path → the family told from the registry (no model load), its parts named; fields of parts the
+    family lacks are hidden, those it has carry the part's name."""
+    from test_webui_e2e import open_page
+    url, ctx = page_url
+
+    def choose(page, preset: str) -> None:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name=preset, exact=True).click()
+        page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
+                               timeout=30000)
+
+    with open_page(url) as page:
+        choose(page, "demo-sdxl")
+        page.get_by_role("tab", name="Model", exact=True).click()
+        page.wait_for_function("document.querySelector('#family-parts').innerText.includes('OpenCLIP-G')",
+                               timeout=20000)
+        assert "SDXL" in page.locator("#family-parts").inner_text()
+        page.get_by_role("tab", name="Training", exact=True).click()
+        te2 = page.locator("#cfg-training-train-text-encoder-2")
+        te2.wait_for(state="visible", timeout=20000)
+        assert "OpenCLIP-G" in te2.inner_text()
+        choose(page, "demo")
+        page.get_by_role("tab", name="Model", exact=True).click()
+        page.wait_for_function(
+            "document.querySelector('#family-parts').innerText.includes('Stable Diffusion 1.x/2.x')", timeout=20000)
+        page.get_by_role("tab", name="Training", exact=True).click()
+        te2.wait_for(state="hidden", timeout=20000)
+        assert "CLIP text encoder" in page.locator("#cfg-training-train-text-encoder").inner_text()

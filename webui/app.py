@@ -76,6 +76,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         config_bar.wire(ctx)
         optimizer_memory.wire(ctx)  # per-optimizer settings remembered; only the chosen one's fields shown
         ctx.handlers["method_tabs"] = ctx.form.wire_method_tabs()  # LoRA / Embedding follow training.method
+        from webui import family_parts
+        ctx.handlers["family_parts"] = family_parts.wire(ctx.form)  # the form follows the model's family
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
         runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden")
 

@@ -216,6 +216,8 @@ class Form:
                     note = gr.Markdown(METHOD_TABS[tab_id], visible=False, elem_id=f"tab-note-{tab_id}")
                     self.method_bodies[tab_id] = (body, note)
                 with body:
+                    if "model" in prefixes:  # which family the model is, and its parts (webui/family_parts.py)
+                        self.family_note = gr.Markdown("", elem_id="family-parts")
                     for prefix in prefixes:
                         if len(prefixes) > 1:
                             gr.Markdown(f"### {sw.label_of(prefix.split('.')[-1])}\n{sw.section_help(prefix)}")

@@ -1,0 +1,68 @@
+"""The form follows the model's family: which family ``model.path`` holds (told without loading it, from
+the torch-free registry), its parts, and per-part fields labelled by the part (Transformer, T5 …) or
+hidden when the family has no such part. Presentation only: hidden fields keep their values."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Dict, List, Tuple
+
+# the settings of each part slot (until per-part settings replace these fields)
+SLOT_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "unet": ("training.train_unet", "training.unet_learning_rate", "training.unet_stop_after_steps",
+             "training.unet_stop_after_epochs", "model.unet_dtype", "precision.fp8_unet", "lora.unet_targets"),
+    "text_encoder": ("training.train_text_encoder", "training.text_encoder_learning_rate",
+                     "training.text_encoder_stop_after_steps", "training.text_encoder_stop_after_epochs",
+                     "training.caption_dropout_te1", "model.text_encoder_dtype"),
+    "text_encoder_2": ("training.train_text_encoder_2", "training.text_encoder_2_learning_rate",
+                       "training.text_encoder_2_stop_after_steps", "training.text_encoder_2_stop_after_epochs",
+                       "training.caption_dropout_te2"),
+}
+
+
+def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, str]]:
+    """(markdown summary, key -> shown, key -> part label) for a model path and ``model.family``."""
+    from trainer.families import info_for
+    from trainer.families.checks import family_without_loading
+    try:
+        variant = family_without_loading(SimpleNamespace(path=str(path or ""), family=str(family or "auto")))
+    except Exception as exc:  # a family's detection refused the weights: say so at the model
+        return f"**Model:** {exc}", {}, {}
+    if not variant:
+        return ("**Model family:** told when the model loads (a hub id or a .ckpt file; set model.family "
+                "to choose it now)."), {}, {}
+    info = info_for(variant)
+    parts = {p.slot: p for p in info.parts}
+    lines = [f"**Model family:** {info.label} (`{variant}`) — objective: "
+             f"{'flow matching' if info.objective == 'flow' else 'DDPM'}; parts: "
+             + ", ".join(f"{p.label} (`training.train_{p.slot}`)" for p in info.parts)]
+    shown = {key: slot in parts for slot, keys in SLOT_FIELDS.items() for key in keys}
+    labels = {key: parts[slot].label for slot, keys in SLOT_FIELDS.items() for key in keys if slot in parts}
+    return "\n".join(lines), shown, labels
+
+
+def wire(form: Any) -> Any:
+    """On model.path / model.family changes: the summary, and per-part fields shown and labelled."""
+    import gradio as gr
+
+    from webui import schema_widgets as sw
+    note = getattr(form, "family_note", None)
+    if note is None or "model.path" not in form.widgets:
+        return None
+    keys: List[str] = [k for keys in SLOT_FIELDS.values() for k in keys if k in form.widgets]
+    base_labels = {s.key: s.label for s in form.specs}
+
+    def update(path: Any, family: Any = "auto") -> list:
+        text, shown, labels = describe(path, family)
+        out = [gr.Markdown(value=text)]
+        for key in keys:
+            label = base_labels.get(key, sw.label_of(key.split(".")[-1]))
+            if key in labels:
+                label = f"{label} — {labels[key]}"
+            out.append(gr.update(visible=shown.get(key, True), label=label))
+        return out
+
+    inputs = [form.widgets["model.path"]] + ([form.widgets["model.family"]] if "model.family" in form.widgets else [])
+    for widget in inputs:
+        widget.change(update, inputs, [note] + [form.widgets[k] for k in keys], show_progress="hidden")
+    return update
