@@ -250,13 +250,16 @@ def session(fake: bool = True) -> Iterator[Any]:
     Yields the FakeTensorMode (or None)."""
     import torch
 
-    import trainer.models.sd as sd_family
-    import trainer.models.sdxl as sdxl_family
+    import importlib
+
+    from trainer.families import infos
     patches = _Patches()
     mode = None
     try:
-        patches.set(sd_family, "load_pipeline", config_only_pipeline)
-        patches.set(sdxl_family, "load_pipeline", config_only_pipeline)
+        for info in infos().values():  # every registered family that loads through load_pipeline
+            family_module = importlib.import_module(info.family_class.split(":")[0])
+            if hasattr(family_module, "load_pipeline"):
+                patches.set(family_module, "load_pipeline", config_only_pipeline)
         if fake:
             from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
             mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -94,7 +94,7 @@ def _trained_peft_pipe(ws: Path, run: Path):
 
 def _sd_model(pipe):
     """The SD family object over an already loaded pipeline (what the trainer's loader builds)."""
-    from trainer.models.sd import StableDiffusion
+    from trainer.families.sd.family import StableDiffusion
     model = StableDiffusion.__new__(StableDiffusion)
     model.unet, model.text_encoder, model.tokenizer, model.family = pipe.unet, pipe.text_encoder, pipe.tokenizer, "sd15"
     return model

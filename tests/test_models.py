@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from trainer.config import load_config
 from trainer.events import read_events
 from trainer.models.base import ModelLoadError
-from trainer.models.sd import StableDiffusion
+from trainer.families.sd.family import StableDiffusion
 
 from test_train import cli, image, overrides, tiny_pipe
 

@@ -1,4 +1,4 @@
-"""The SDXL family (trainer/models/sdxl.py) on the tiny SDXL model: single-file round trip, family
+"""The SDXL family (trainer/families/sdxl/family.py) on the tiny SDXL model: single-file round trip, family
 mismatch messages, size/crop conditioning, and a LoRA trained through the family that diffusers loads.
 
 The tiny model has SDXL's topology (3 levels, two text encoders, text_time conditioning), so key
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer.config import load_config
 from trainer.models.base import ModelLoadError, load_model
-from trainer.models.sdxl import SDXLConditioning, StableDiffusionXL
+from trainer.families.sdxl.family import SDXLConditioning, StableDiffusionXL
 
 TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
@@ -134,7 +134,7 @@ def test_shipped_sdxl_config_builds_real_sized_models_on_meta(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 def test_family_mismatch_messages_both_ways(ws, tmp_path):
-    from trainer.models.sd import StableDiffusion
+    from trainer.families.sd.family import StableDiffusion
 
     models = ws / "models"
     for sd15 in (models / "tiny-sd.safetensors", models / "tiny-sd"):

@@ -151,7 +151,7 @@ def test_sdxl_init_weights_must_be_an_sdxl_embedding(tmp_path):
 
 def test_per_encoder_caption_dropout_zeroes_each_encoder(tiny_workspace):
     from trainer.config import load_config
-    from trainer.models.sdxl import StableDiffusionXL
+    from trainer.families.sdxl.family import StableDiffusionXL
     cfg = load_config(preset="demo-sdxl", overrides=[f"general.workspace={tiny_workspace}"])
     model = StableDiffusionXL(cfg.model, str(tiny_workspace))
     batch = {"captions": ["a red square", "a blue circle"], "original_sizes": [(64, 64)] * 2,

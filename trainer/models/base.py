@@ -1,9 +1,8 @@
-"""What every model family offers the training loop.
-
-A family loads its components (from a diffusers folder, a hub id or a single file), turns captions
-into conditioning, images into latents, builds the noisy input and the target for a timestep,
-predicts, and makes a sampling pipeline. The loop only talks to this interface, so a new family
-(SDXL, SD3, Flux …) is a new module, not a new loop. Families never import each other.
+"""Loading kit shared by the families: where weights come from (``classify_source``: folder, hub id,
+single file, ``builtin:`` tiny models from the registry), loading a diffusers pipeline from any of them
+(``load_pipeline``/``load_components``), detection through the registry (``detect_source_family``),
+``load_model`` (the loop's one entry point), and ``LatentDiffusionFamily``: what the DDPM-trained UNet
+families (SD 1.x/2.x and SDXL, in trainer/families/sd and trainer/families/sdxl) share.
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ ModelFamily = Family  # the protocol (trainer/families/base.py); kept under its 
 
 
 # --------------------------------------------------------------------------------------------------
-# Shared by the latent-diffusion families (SDXL uses these; sd.py still has its own copies, which
-# behave the same and can switch to these).
+# Shared by the SD-lineage families
 # --------------------------------------------------------------------------------------------------
 
 SAMPLERS = {  # sampling.scheduler → diffusers scheduler class

@@ -10,7 +10,7 @@ INFO = FamilyInfo(
     parts=(Part("unet", "unet", "denoiser", "UNet"),
            Part("text_encoder", "text_encoder", "text_encoder", "CLIP text encoder")),
     objective="ddpm",
-    family_class="trainer.models.sd:StableDiffusion",
+    family_class="trainer.families.sd.family:StableDiffusion",
     detect="trainer.families.sd.detect",
     tiny={"tiny-sd": "trainer.models.tiny:ensure_tiny_model", "tiny-sd2": "trainer.models.tiny:ensure_tiny_model",
           "tiny-sd-inpaint": "trainer.models.tiny:ensure_tiny_model"},

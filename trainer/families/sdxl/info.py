@@ -11,7 +11,7 @@ INFO = FamilyInfo(
            Part("text_encoder", "text_encoder", "text_encoder", "CLIP-L"),
            Part("text_encoder_2", "text_encoder_2", "text_encoder", "OpenCLIP-G")),
     objective="ddpm",
-    family_class="trainer.models.sdxl:StableDiffusionXL",
+    family_class="trainer.families.sdxl.family:StableDiffusionXL",
     detect="trainer.families.sdxl.detect",
     tiny={"tiny-sdxl": "trainer.models.tiny:ensure_tiny_model",
           "tiny-sdxl-inpaint": "trainer.models.tiny:ensure_tiny_model"},
