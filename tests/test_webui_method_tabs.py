@@ -6,6 +6,14 @@ from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a
 from webui.form import method_tab_visibility
 
 
+def choose(page, preset: str) -> None:
+    """Pick a preset in the config bar and wait until the form says it loaded."""
+    page.locator("#preset-select input").click()
+    page.get_by_role("option", name=preset, exact=True).click()
+    page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
+                           timeout=30000)
+
+
 def test_visibility_rules():
     assert method_tab_visibility("lora", False) == {"lora": True, "embedding": False}
     assert method_tab_visibility("finetune", False) == {"lora": False, "embedding": False}
@@ -16,12 +24,6 @@ def test_visibility_rules():
 def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
     from test_webui_e2e import open_page
     url, ctx = page_url
-
-    def choose(page, preset: str) -> None:
-        page.locator("#preset-select input").click()
-        page.get_by_role("option", name=preset, exact=True).click()
-        page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
-                               timeout=30000)
 
     with open_page(url) as page:
         choose(page, "demo-finetune")
@@ -41,12 +43,6 @@ def test_the_form_follows_the_models_family_and_its_parts(page_url):
     family lacks are hidden, those it has carry the part's name."""
     from test_webui_e2e import open_page
     url, ctx = page_url
-
-    def choose(page, preset: str) -> None:
-        page.locator("#preset-select input").click()
-        page.get_by_role("option", name=preset, exact=True).click()
-        page.wait_for_function(f"document.querySelector('#form-messages').innerText.includes('{preset}')",
-                               timeout=30000)
 
     with open_page(url) as page:
         choose(page, "demo-sdxl")
