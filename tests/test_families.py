@@ -44,6 +44,8 @@ ROWS = [
     Row("sdxl", "tiny-sdxl", "demo-sdxl", settings=("training.train_text_encoder=false",
                                                      "training.train_text_encoder_2=false",
                                                      "training.learning_rate=0.01", "lora.unet_targets=all")),
+    Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"max_sequence_length": 64}),
 ]
 
 

@@ -926,6 +926,8 @@ def _loss_ema_precision_warnings(cfg: DictConfig) -> List[Issue]:
 def validate(cfg: DictConfig) -> None:
     """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
     _walk(cfg, AtelierConfig, "")
+    from trainer.families.checks import check_family_options
+    check_family_options(cfg)  # options the model's family or its objective cannot use
     t = cfg.training
     if t.method in ("lora", "finetune") and not (t.train_unet or t.train_text_encoder or t.train_text_encoder_2):
         raise ConfigError("Nothing to train: turn on training.train_unet and/or training.train_text_encoder"
@@ -948,8 +950,6 @@ def validate(cfg: DictConfig) -> None:
     validate_optim(cfg)
     from trainer.fsdp import validate_fsdp
     validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
-    from trainer.families.checks import check_family_options
-    check_family_options(cfg)  # options the model's family or its objective cannot use
 
 
 def _check_resolutions(cfg: DictConfig) -> None:

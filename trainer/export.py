@@ -577,6 +577,16 @@ def _modelspec_architecture(family: str, prediction_type: str) -> str:
     return "stable-diffusion-xl-v1-base"
 
 
+def modelspec_common(*, title: str, resolution: tuple[int, int] | int | None = None) -> dict[str, str]:
+    """The family-independent ``modelspec.*`` header keys (title, date, resolution)."""
+    meta = {"modelspec.sai_model_spec": "1.0.0", "modelspec.title": title,
+            "modelspec.date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()}
+    if resolution is not None:
+        w, h = (resolution, resolution) if isinstance(resolution, int) else resolution
+        meta["modelspec.resolution"] = f"{w}x{h}"
+    return meta
+
+
 def lora_metadata(family: str, *, title: str, prediction_type: str = "epsilon",
                   resolution: tuple[int, int] | int | None = None,
                   extra: Mapping[str, Any] | None = None) -> dict[str, str]:
@@ -594,16 +604,11 @@ def lora_metadata(family: str, *, title: str, prediction_type: str = "epsilon",
         "ss_base_model_version": _BASE_MODEL_VERSION[family] + ("_v" if pred == "v" and family != "sdxl" else ""),
         "ss_v2": str(family == "sd2"),
         "ss_network_module": "networks.lora",
-        "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": _modelspec_architecture(family, pred) + "/lora",
         "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
-        "modelspec.title": title,
         "modelspec.prediction_type": pred,
-        "modelspec.date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        **modelspec_common(title=title, resolution=resolution),
     }
-    if resolution is not None:
-        w, h = (resolution, resolution) if isinstance(resolution, int) else resolution
-        meta["modelspec.resolution"] = f"{w}x{h}"
     meta.update({k: str(v) for k, v in (extra or {}).items()})
     return meta
 

@@ -32,6 +32,12 @@ def _temp_name(path: Path, kind: str = "tmp", suffix: str = "") -> Path:
             return candidate
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _fsync_file(path: Path) -> None:
     """Flush a written file to disk so that the rename never exposes an empty file after a crash."""
     with open(path, "rb+") as f:
@@ -54,6 +60,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if not tmp.exists():
             raise FileNotFoundError(f"nothing was written for {path} (expected {tmp.name})")
         _fsync_file(tmp)
+        if tmp.is_file():  # some writers (safetensors' save_file) create 0600 files: readable as the umask says
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

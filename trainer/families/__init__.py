@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 REGISTERED: Tuple[str, ...] = (
     "sd",
     "sdxl",
+    "flux",
 )
 
 
@@ -145,11 +146,11 @@ class Evidence:
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
     ("joint_blocks.", "SD3Transformer2DModel", "Stable Diffusion 3/3.5 (MMDiT)"),
+    ("distilled_guidance_layer.", "ChromaTransformer2DModel", "Chroma"),
     ("", "StableCascade", "Stable Cascade (Würstchen 3)"),
     ("", "Wuerstchen", "Würstchen 2"),
     ("", "QwenImage", "Qwen-Image"),
     ("", "ZImage", "Z-Image"),
-    ("", "Chroma", "Chroma"),
     ("", "Flux2", "Flux.2"),
     ("", "HunyuanDiT", "Hunyuan-DiT"),
     ("", "Kandinsky", "Kandinsky"),

@@ -143,8 +143,12 @@ class LoraMethod(MethodBase):
         from trainer.export import load_lora_kohya_into_peft, load_lycoris_into_peft
         try:
             state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
-            load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
-            load(state, modules=self._adapted(), namer=self.model.lora_namer())
+            own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
+            if own is not None and self.cfg.lora.type not in LYCORIS_TYPES:
+                own(state, self._adapted())
+            else:
+                load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
+                load(state, modules=self._adapted(), namer=self.model.lora_namer())
         except (OSError, ValueError, NotImplementedError) as exc:
             raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
                               f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None

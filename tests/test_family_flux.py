@@ -1,0 +1,146 @@
+"""Flux.1 specifics the contract test (tests/test_families.py) does not cover: the BFL key map both ways,
+the fine-tune single file, detection of Flux variants that cannot train, options Flux refuses, and LoRA
+keys ComfyUI maps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("flux-ws")
+    return ws, build_tiny("tiny-flux", ws / "models")
+
+
+def _model(ws, path, *settings):
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
+
+
+def test_bfl_single_file_is_the_same_transformer_and_fine_tunes_save_back_to_it(flux, tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.families.flux.keys import bfl_to_diffusers, diffusers_to_bfl
+    ws, paths = flux
+    folder = _model(ws, paths["diffusers"])
+    single = _model(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    assert single.family == folder.family == "flux-dev"
+    a, b = folder.transformer.state_dict(), single.transformer.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    bfl = load_file(str(paths["single_file"]))
+    assert "double_blocks.0.img_attn.qkv.weight" in bfl and "single_blocks.0.linear1.weight" in bfl
+    back = diffusers_to_bfl(bfl_to_diffusers(bfl))
+    assert set(back) == set(bfl) and all(torch.equal(back[k], bfl[k]) for k in bfl)
+    # a fine-tune is saved as the BFL file: its weights load back as the same transformer
+    with torch.no_grad():
+        folder.transformer.transformer_blocks[0].attn.to_k.weight.add_(0.5)
+    out = tmp_path / "ft.safetensors"
+    folder.save_single_file(out, dtype="fp32", metadata={"x": "y"})
+    import os
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by others as the umask says (not 0600)
+    again = _model(ws, out, f"model.config_path={paths['diffusers']}")
+    torch.testing.assert_close(again.transformer.transformer_blocks[0].attn.to_k.weight,
+                               folder.transformer.transformer_blocks[0].attn.to_k.weight, rtol=0, atol=0)
+
+
+def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
+    ws, paths = flux
+    m = _model(ws, paths["diffusers"])
+    cond = m.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    x = torch.randn(1, 16, 8, 12, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        pred = m.predict(x, torch.tensor([0.5]), cond)
+    assert pred.shape == x.shape
+    lc = type("L", (), {"timestep_distribution": "uniform"})()
+    small = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(512, 16, 16, 16))
+    large = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(512, 16, 128, 128))
+    assert large.mean() > small.mean()
+    with pytest.raises(ValueError, match="must be even"):
+        m.predict(torch.zeros(1, 16, 7, 8), torch.tensor([0.5]), cond)
+
+
+def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):
+    """ComfyUI (comfy/lora.py model_lora_keys_unet, Flux branch) maps ``transformer.{k}`` for every weight
+    ``k`` of the diffusers Flux transformer (comfy/utils.py flux_to_diffusers) and reads ``{x}.lora_A.weight``/
+    ``{x}.lora_B.weight`` (load_lora, "diffusers2" naming); CLIP-L LoRA as ``text_encoder.text_model.…``
+    (model_lora_keys_clip's diffusers keys). Without ``.alpha`` keys the scale is 1: α/r is in lora_B."""
+    from trainer.config import load_config
+    from trainer.methods.lora import LoraMethod
+    ws, paths = flux
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", "lora.unet_targets=attn_mlp", "lora.rank=4",
+                             "lora.alpha=2", "training.train_text_encoder=true"])
+    model = _model(ws, paths["diffusers"])
+    weights = {k[:-len(".weight")] for k in model.transformer.state_dict() if k.endswith(".weight")}
+    te_weights = {k[:-len(".weight")] for k in model.text_encoder.state_dict() if k.endswith(".weight")}
+    method = LoraMethod(model, cfg)
+    for m in method.modules.values():
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(3))
+    state = method.adapter_state_dict()
+    for key in state:
+        assert key.endswith((".lora_A.weight", ".lora_B.weight")), key
+        x = key.rsplit(".lora_", 1)[0]
+        if x.startswith("transformer."):
+            assert x[len("transformer."):] in weights, key
+        else:
+            assert x.startswith("text_encoder.text_model.") and x[len("text_encoder."):].removeprefix("text_model.") \
+                in te_weights, key
+    assert any(".single_transformer_blocks.0.proj_mlp." in k for k in state)
+    # the scale is baked in: lora_B in the file = trained lora_B × α/r
+    layer = model.transformer.transformer_blocks[0].attn.to_q
+    torch.testing.assert_close(state["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"],
+                               layer.lora_B["default"].weight.detach() * 0.5)
+
+
+def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from trainer.config import load_config
+    from trainer.families.base import ModelLoadError
+    from trainer.models.base import load_model
+    ws, paths = flux
+    bfl = load_file(str(paths["single_file"]))
+
+    def error(path, *settings):
+        with pytest.raises(ModelLoadError) as err:
+            load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
+        return str(err.value)
+    fill = dict(bfl)
+    fill["img_in.weight"] = torch.zeros(bfl["img_in.weight"].shape[0], 384)
+    save_file(fill, str(tmp_path / "fill.safetensors"))
+    assert "Flux.1 Fill" in error(tmp_path / "fill.safetensors")
+    kontext = tmp_path / "kontext"
+    shutil.copytree(paths["diffusers"], kontext)
+    index = json.loads((kontext / "model_index.json").read_text())
+    (kontext / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxKontextPipeline")))
+    assert "Kontext" in error(kontext)
+    chroma = dict(bfl, **{"distilled_guidance_layer.in_proj.weight": torch.zeros(2, 2)})
+    save_file(chroma, str(tmp_path / "chroma.safetensors"))
+    assert "Chroma" in error(tmp_path / "chroma.safetensors")
+    schnell = {k: v for k, v in bfl.items() if not k.startswith("guidance_in.")}
+    save_file(schnell, str(tmp_path / "schnell.safetensors"))
+    m = _model(ws, tmp_path / "schnell.safetensors", f"model.config_path={paths['diffusers']}")
+    assert m.family == "flux-schnell" and m.objective.dynamic_shift is None
+
+
+@pytest.mark.parametrize("setting, key", [("loss.min_snr_gamma=5", "loss.min_snr_gamma"),
+                                          ("model.clip_skip=1", "model.clip_skip"),
+                                          ("training.method=embedding", "training.method"),
+                                          ("model.prediction_type=epsilon", "model.prediction_type")])
+def test_validate_refuses_sd_settings_for_flux(setting, key):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-flux", setting])
+    assert err.value.key == key

@@ -1,0 +1,47 @@
+"""Claim Flux.1 weights: the BFL single file (transformer only, optionally ``model.diffusion_model.``-
+prefixed as in ComfyUI checkpoints), a diffusers ``FluxPipeline`` folder or hub repo. Flux variants that
+are not text-to-image (Fill, Depth/Canny, Kontext, Redux) are refused: they need their own inputs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from trainer.families import Evidence
+
+# x_embedder / img_in input width -> what the model is (64 = 16 latent channels × 2×2 packing)
+_IN_CHANNELS = {384: "Flux.1 Fill (inpainting/outpainting: 64 + 320 mask and image channels)",
+                128: "Flux.1 Depth or Canny (structure-conditioned: 64 + 64 control channels)"}
+_OTHER_PIPELINES = {"FluxFillPipeline": "Flux.1 Fill", "FluxKontextPipeline": "Flux.1 Kontext (image editing)",
+                    "FluxKontextInpaintPipeline": "Flux.1 Kontext", "FluxPriorReduxPipeline": "Flux.1 Redux",
+                    "FluxControlPipeline": "Flux.1 Depth/Canny", "FluxControlNetPipeline": "a Flux ControlNet"}
+
+
+def _refuse(where: str, what: str) -> ValueError:
+    return ValueError(f"{where} is {what}, which trains with inputs Atelier does not build yet. Use the plain "
+                      "Flux.1 dev or schnell text-to-image model (model.path) instead.")
+
+
+def claim(ev: Evidence) -> Optional[str]:
+    if ev.kind == "single_file":
+        keys = [k.split("diffusion_model.", 1)[-1] for k in ev.shapes]
+        if "double_blocks.0.img_attn.qkv.weight" not in keys:
+            return None
+        if any(k.startswith("distilled_guidance_layer.") for k in keys):
+            return None  # Chroma: Flux-shaped, its own family
+        img_in = next((s for k, s in ev.shapes.items() if k.endswith("img_in.weight")), None)
+        if img_in is not None and len(img_in) == 2 and int(img_in[1]) in _IN_CHANNELS:
+            raise _refuse(ev.where, _IN_CHANNELS[int(img_in[1])])
+        return "flux-dev" if any(k.startswith("guidance_in.") for k in keys) else "flux-schnell"
+    index = ev.json("model_index.json") or {}
+    name = str(index.get("_class_name", "") or "")
+    if name in _OTHER_PIPELINES:
+        raise _refuse(ev.where, _OTHER_PIPELINES[name])
+    transformer = ev.json("transformer/config.json")
+    if transformer is None or transformer.get("_class_name") != "FluxTransformer2DModel":
+        if name == "FluxPipeline" and transformer is None:
+            return "flux-dev"  # the repo's transformer config could not be read: the loader tells dev/schnell
+        return None
+    in_ch = int(transformer.get("in_channels", 64))
+    if in_ch in _IN_CHANNELS:
+        raise _refuse(ev.where, _IN_CHANNELS[in_ch])
+    return "flux-dev" if transformer.get("guidance_embeds", False) else "flux-schnell"

@@ -1,0 +1,339 @@
+"""Flux.1 dev / schnell on diffusers' ``FluxPipeline`` classes.
+
+What differs from the SD lineage, and where it lives here:
+
+- Flow matching (``trainer.objectives.FlowMatchingObjective``): dev with the resolution-dependent shift
+  its scheduler config declares (μ from the packed image-token count, as ``FluxPipeline`` samples),
+  schnell without. The transformer takes σ as its timestep.
+- Packed latents: 16-channel VAE latents, ``(z − shift_factor) · scaling_factor``, packed 2×2 into
+  64-wide tokens with 3-axis position ids; :meth:`predict` packs, runs and unpacks, so the loop sees
+  [B, 16, h, w] like any family.
+- Text: the pooled vector from CLIP-L (``text_encoder``) and T5's hidden states (``text_encoder_2``),
+  as ``FluxPipeline.encode_prompt``; each with its own caption dropout (the empty caption's encoding).
+- Guidance: dev is guidance-distilled; training feeds ``model.guidance_scale`` (default 1, as
+  OneTrainer and ai-toolkit do for LoRA) into its guidance embedding.
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``, α/r baked into
+  lora_B), which ``FluxPipeline.load_lora_weights`` loads and ComfyUI maps for Flux (comfy/lora.py,
+  ``model_lora_keys_unet``: ``transformer.{diffusers key}``); CLIP-L LoRA as ``text_encoder.…`` likewise.
+  Fine-tunes as the BFL single file (keys.py). LoHa/LoKr as ``lycoris_<module>`` (ComfyUI's SimpleTuner
+  LyCORIS keys; diffusers has no LyCORIS loader).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.families.base import Family, ModelLoadError, torch_dtype
+
+log = logging.getLogger("atelier")
+CONFIGS = Path(__file__).parent / "configs"
+OFFICIAL = {"flux-dev": "black-forest-labs/FLUX.1-dev", "flux-schnell": "black-forest-labs/FLUX.1-schnell"}
+T5_MAX = {"flux-dev": 512, "flux-schnell": 256}
+# transformer LoRA targets (diffusers module-name endings)
+TARGETS = {
+    "attn": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
+    "attn_mlp": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                 "single_transformer_blocks.*.proj_out"],
+    "all": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+            "single_transformer_blocks.*.proj_out", "norm1.linear", "norm1_context.linear", "norm.linear"],
+}
+CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
+T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
+
+
+def _regex(endings: List[str]) -> str:
+    """peft target regex for name endings ('*' matches one path part)."""
+    import re
+    parts = [re.escape(e).replace(r"\*", r"[^.]+") for e in endings]
+    return r"^(.*\.)?(" + "|".join(parts) + r")$"
+
+
+class FluxConditioning:
+    """T5 ``prompt_embeds`` [B, L, D] and CLIP-L ``pooled_prompt_embeds`` [B, P]; ``.to()`` like a tensor."""
+
+    def __init__(self, prompt_embeds, pooled_prompt_embeds):
+        self.prompt_embeds, self.pooled_prompt_embeds = prompt_embeds, pooled_prompt_embeds
+
+    def to(self, *args: Any, **kwargs: Any) -> "FluxConditioning":
+        return FluxConditioning(self.prompt_embeds.to(*args, **kwargs), self.pooled_prompt_embeds.to(*args, **kwargs))
+
+
+class Flux(Family):
+    name = "flux"
+    prediction_type = "flow"
+    fp8_skip = ("norm", "x_embedder", "context_embedder", "time_text_embed", "proj_out")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        import torch
+        from diffusers import FluxPipeline
+
+        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        self.source = classify_source(mcfg.path, workspace)
+        found = detect_source_family(self.source, mcfg)
+        chosen = getattr(mcfg, "family", "auto")
+        variant = found or (chosen if chosen in OFFICIAL else "flux-dev")
+        dtypes = {"transformer": torch_dtype(mcfg.unet_dtype), "text_encoder": torch_dtype(mcfg.text_encoder_dtype),
+                  "text_encoder_2": torch_dtype(getattr(mcfg, "text_encoder_2_dtype", "") or mcfg.text_encoder_dtype),
+                  "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
+        if self.source.kind == "single_file":
+            pipe = self._from_single_file(mcfg, variant, dtypes)
+        else:
+            pipe = load_pipeline(FluxPipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
+        self.family = "flux-dev" if self.transformer.config.guidance_embeds else "flux-schnell"
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or T5_MAX[self.family]),
+                                       int(self.tokenizer_2.model_max_length))
+        self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
+        self.objective = self._objective()
+        self.device = torch.device(device)
+        for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
+            module = getattr(self, name)
+            module.to(self.device)
+            if module.dtype != dtypes[name]:
+                module.to(dtype=dtypes[name])
+            module.requires_grad_(False)
+            module.eval()
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            raise ModelLoadError("model.attention = xformers: Flux runs on PyTorch SDPA. Use sdpa.", key="model.attention")
+        self._vae_dtype_name = mcfg.vae_dtype
+        self._empty: Optional[Dict[str, Any]] = None
+
+    # --- loading ----------------------------------------------------------------------------
+    def _from_single_file(self, mcfg: Any, variant: str, dtypes: Dict[str, Any]):
+        """The BFL transformer file, with VAE/CLIP/T5 from ``model.config_path`` (a diffusers folder or
+        hub id; default the official repo of the variant)."""
+        from diffusers import FluxPipeline, FluxTransformer2DModel
+        from safetensors.torch import load_file
+
+        from trainer.families.flux.keys import bfl_to_diffusers, config_from_bfl
+        try:
+            state = load_file(self.source.location)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: "
+                                 f"{exc}", key="model.path", value=self.source.display) from None
+        base = json.loads((CONFIGS / variant / "transformer" / "config.json").read_text())
+        try:
+            config = config_from_bfl(state, base)
+            transformer = FluxTransformer2DModel.from_config(config)
+            missing, unexpected = transformer.load_state_dict(bfl_to_diffusers(state), strict=False)
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Flux.1 transformer in the "
+                                 f"original (BFL) layout ({type(exc).__name__}: {exc}).", key="model.path",
+                                 value=self.source.display) from None
+        if missing or unexpected:
+            raise ModelLoadError(f"model.path '{self.source.display}': the Flux transformer's weights do not fit "
+                                 f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}).",
+                                 key="model.path", value=self.source.display)
+        transformer.to(dtypes["transformer"])
+        rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
+        offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and _hub_offline()
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(  # the variant's own (schnell: no dynamic shift)
+            json.loads((CONFIGS / config_variant(config) / "scheduler" / "scheduler_config.json").read_text()))
+        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}, "scheduler": scheduler}
+        if not Path(rest).is_dir():
+            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
+        try:
+            return FluxPipeline.from_pretrained(rest, transformer=transformer, local_files_only=offline or Path(rest).is_dir(),
+                                                **kw)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model.path '{self.source.display}' is the Flux transformer alone; its VAE and text encoders come "
+                f"from model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}). Set model.config_path to a diffusers Flux folder "
+                f"(or the hub id {OFFICIAL[variant]}, downloaded once with network access).",
+                key="model.config_path", value=rest) from None
+
+    def _objective(self):
+        from trainer.objectives import FlowMatchingObjective, flux_shift_mu
+        cfg = self._sched_config
+        if not cfg.get("use_dynamic_shifting", False):
+            return FlowMatchingObjective(shift=float(cfg.get("shift", 1.0)))
+
+        def mu(latents) -> float:  # packed 2×2 tokens of the latent
+            return flux_shift_mu(latents.shape[-2] * latents.shape[-1] // 4, int(cfg.get("base_image_seq_len", 256)),
+                                 int(cfg.get("max_image_seq_len", 4096)), float(cfg.get("base_shift", 0.5)),
+                                 float(cfg.get("max_shift", 1.15)))
+        return FlowMatchingObjective(dynamic_shift=mu)
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions: List[str], grads: frozenset = frozenset()):
+        import torch
+        ids = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
+                             truncation=True, return_tensors="pt").input_ids
+        with torch.set_grad_enabled(torch.is_grad_enabled() and "text_encoder" in grads):
+            pooled = self.text_encoder(ids.to(self.device), output_hidden_states=False).pooler_output
+        ids_2 = self.tokenizer_2(captions, padding="max_length", max_length=self.max_sequence_length,
+                                 truncation=True, return_tensors="pt").input_ids
+        with torch.set_grad_enabled(torch.is_grad_enabled() and "text_encoder_2" in grads):
+            prompt_embeds = self.text_encoder_2(ids_2.to(self.device), output_hidden_states=False)[0]
+        return prompt_embeds, pooled
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            prompt_embeds, pooled = self._encode(list(captions))
+        return {"prompt_embeds": prompt_embeds.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
+
+    def _drop(self, prompt_embeds, pooled, drop_te1, drop_te2):
+        """Per-encoder caption dropout: the flagged images get that encoder's encoding of the empty caption."""
+        import torch
+        if not (drop_te1 is not None and any(drop_te1)) and not (drop_te2 is not None and any(drop_te2)):
+            return prompt_embeds, pooled
+        if self._empty is None:
+            self._empty = self.encode_captions([""])
+        if drop_te1 is not None and any(drop_te1):
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=pooled.device)[:, None]
+            pooled = torch.where(flags, self._empty["pooled_prompt_embeds"].to(pooled), pooled)
+        if drop_te2 is not None and any(drop_te2):
+            flags = torch.as_tensor(list(drop_te2), dtype=torch.bool, device=prompt_embeds.device)[:, None, None]
+            prompt_embeds = torch.where(flags, self._empty["prompt_embeds"].to(prompt_embeds), prompt_embeds)
+        return prompt_embeds, pooled
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        if batch.get("prompt_embeds") is not None:
+            prompt_embeds = batch["prompt_embeds"].to(self.device)
+            pooled = batch["pooled_prompt_embeds"].to(self.device)
+        else:
+            prompt_embeds, pooled = self._encode(list(expand(batch["captions"])),
+                                                 frozenset(train_text) & {"text_encoder", "text_encoder_2"})
+        return FluxConditioning(*self._drop(prompt_embeds, pooled, drop_te1, drop_te2))
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        import torch
+        from diffusers import FluxPipeline
+        b, c, h, w = model_input.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"Flux packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a multiple "
+                             f"of {2 * self.vae_scale_factor})")
+        dtype = model_input.dtype
+        packed = FluxPipeline._pack_latents(model_input, b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, model_input.device, dtype)
+        prompt_embeds = conditioning.prompt_embeds.to(model_input.device, dtype)
+        txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=model_input.device, dtype=dtype)
+        guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=dtype)
+                    if self.transformer.config.guidance_embeds else None)
+        out = self.transformer(hidden_states=packed, timestep=timesteps.to(model_input.device, dtype), guidance=guidance,
+                               pooled_projections=conditioning.pooled_prompt_embeds.to(model_input.device, dtype),
+                               encoder_hidden_states=prompt_embeds, txt_ids=txt_ids, img_ids=img_ids,
+                               return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
+                                            self.vae_scale_factor)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        """FluxPipeline over the live modules with the model's own flow-matching Euler sampler (the SD
+        samplers of ``sampling.scheduler`` do not apply to flow models)."""
+        from diffusers import FluxPipeline
+        pipe = FluxPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                            text_encoder=self.text_encoder, tokenizer=self.tokenizer,
+                            text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
+                            transformer=self.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{self.max_sequence_length}"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_targets(self, slot: str, preset: str):
+        if slot == "unet":
+            return _regex(TARGETS[preset])
+        return list(CLIP_TARGETS if slot == "text_encoder" else T5_TARGETS)
+
+    def lora_namer(self):
+        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>`` (ComfyUI's Flux key map)."""
+        return {"unet": ("lycoris", lambda p: p),
+                "text_encoder": ("lora_te1", lambda p: p if p.startswith("text_model.") else "text_model." + p),
+                "text_encoder_2": ("lora_te2", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        """LoRA in the diffusers/peft layout with α/r baked into ``lora_B`` (so loaders that read no
+        alpha — diffusers without adapter metadata, ComfyUI for these keys — apply the trained scale)."""
+        from trainer.export import _check_plain_lora, _kohya_alpha, _lora_layers
+        out: Dict[str, Any] = {}
+        prefixes = {"unet": "transformer", "text_encoder": "text_encoder"}
+        for slot, module in modules.items():
+            if slot not in prefixes:
+                raise ValueError("Flux LoRA files hold the transformer and CLIP-L (diffusers loads no T5 LoRA): "
+                                 "turn training.train_text_encoder_2 off")
+            for path, layer in _lora_layers(module, adapter_name):
+                _check_plain_lora(path, layer, adapter_name)
+                if adapter_name in layer.lora_magnitude_vector:
+                    raise ValueError("DoRA files for Flux are not written yet: use lora.type = lora")
+                if slot == "text_encoder" and not path.startswith("text_model."):
+                    path = "text_model." + path
+                scale = _kohya_alpha(layer, adapter_name) / layer.r[adapter_name]
+                out[f"{prefixes[slot]}.{path}.lora_A.weight"] = layer.lora_A[adapter_name].weight.detach().cpu().clone()
+                out[f"{prefixes[slot]}.{path}.lora_B.weight"] = \
+                    layer.lora_B[adapter_name].weight.detach().cpu().clone() * scale
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        """The inverse of :meth:`lora_state_dict` into fresh peft layers (``lora.init_weights``, alpha = rank)."""
+        import torch
+
+        from trainer.export import _lora_layers
+        prefixes = {"unet": "transformer.", "text_encoder": "text_encoder."}
+        loaded, used = 0, set()
+        for slot, module in modules.items():
+            for path, layer in _lora_layers(module, adapter_name):
+                key = prefixes.get(slot, "?") + (("text_model." + path) if slot == "text_encoder"
+                                                  and not path.startswith("text_model.") else path)
+                a, b = state.get(f"{key}.lora_A.weight"), state.get(f"{key}.lora_B.weight")
+                if a is None or b is None:
+                    raise ValueError(f"the LoRA file has no {key}.lora_A/lora_B (targets or rank differ?)")
+                scale = layer.scaling[adapter_name]
+                with torch.no_grad():
+                    layer.lora_A[adapter_name].weight.copy_(a)
+                    layer.lora_B[adapter_name].weight.copy_(b / scale)
+                used.update({f"{key}.lora_A.weight", f"{key}.lora_B.weight"})
+                loaded += 1
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return loaded
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": f"{self.family.replace('-', '-1-')}/lora",
+                     "modelspec.implementation": "https://github.com/black-forest-labs/flux",
+                     "ss_base_model_version": self.family.replace("-", "1_")})
+        meta.update(extra or {})
+        return meta
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """The fine-tuned transformer as the BFL single file ComfyUI's UNet loader reads (VAE and text
+        encoders are separate files in that world)."""
+        from trainer.export import _cast, _write_checkpoint
+        from trainer.families.flux.keys import diffusers_to_bfl
+        state = _cast({k: v.detach().cpu().contiguous() for k, v in
+                       diffusers_to_bfl(self.transformer.state_dict()).items()}, dtype)
+        _write_checkpoint(Path(path), state, metadata or {})
+
+
+def config_variant(transformer_config: dict) -> str:
+    return "flux-dev" if transformer_config.get("guidance_embeds") else "flux-schnell"
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+    return bool(constants.HF_HUB_OFFLINE)

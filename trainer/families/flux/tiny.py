@@ -1,0 +1,107 @@
+"""Tiny Flux.1 models with seeded random weights, in the layouts people download: a diffusers
+``FluxPipeline`` folder and the BFL single file (transformer only, as ``flux1-dev.safetensors``).
+
+``builtin:tiny-flux`` (dev: guidance embedding, resolution-dependent shift) and
+``builtin:tiny-flux-schnell``. The real topology (double and single blocks, 16-channel VAE with shift
+and scale, CLIP-L pooled + T5 hidden states) at widths of 32, so the real loading, packing and key
+maps run in tests and the offline demo. Built without touching torch's global RNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Dict
+
+TINY_VERSION = 1
+_WORDS = ["a", "photo", "of", "the", "sks", "dog", "cat", "red", "blue", "green", "square", "circle", "on",
+          "white", "black", "background", "painting", "style", "in", "an", "with", "and", "triangle", "yellow"]
+
+
+def write_tiny_t5_tokenizer(folder: Path, max_length: int = 64) -> None:
+    """A T5-style (SentencePiece Unigram) tokenizer built offline with the ``tokenizers`` library:
+    ``<pad>``=0, ``</s>``=1, ``<unk>``=2, a few whole words and every printable ASCII character."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [("▁" + w, -2.0) for w in _WORDS] + [("▁", -3.0)]
+    vocab += [(chr(c), -5.0) for c in range(33, 127)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "T5TokenizerFast", "model_max_length": max_length, "pad_token": "<pad>",
+        "eos_token": "</s>", "unk_token": "<unk>", "extra_ids": 0, "additional_special_tokens": []}),
+        encoding="utf-8")
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}), encoding="utf-8")
+
+
+def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = None):
+    """The tiny FluxPipeline in memory (tokenizers are written to ``folder``/tokenizer*)."""
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+    from trainer.models.tiny import write_tiny_tokenizer
+    dev = kind == "tiny-flux"
+    write_tiny_tokenizer(folder / "tokenizer")
+    write_tiny_t5_tokenizer(folder / "tokenizer_2")
+    tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
+    tokenizer_2 = T5TokenizerFast.from_pretrained(str(folder / "tokenizer_2"))
+    sched = json.loads((Path(__file__).parent / "configs" / ("flux-dev" if dev else "flux-schnell")
+                        / "scheduler" / "scheduler_config.json").read_text())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                             pooled_projection_dim=32, guidance_embeds=dev, axes_dims_rope=(4, 6, 6))
+        vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
+                            up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 32], layers_per_block=1,
+                            latent_channels=16, norm_num_groups=8, sample_size=64, scaling_factor=0.3611,
+                            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=77, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+        text_encoder_2 = T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(sched), vae=vae,
+                        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
+                        tokenizer_2=tokenizer_2, transformer=transformer)
+    return pipe
+
+
+def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
+    """Build (once) ``{"diffusers": <FluxPipeline folder>, "single_file": <BFL transformer .safetensors>}``."""
+    from safetensors.torch import save_file
+
+    from trainer.families.flux.keys import diffusers_to_bfl
+    root = Path(root)
+    folder, single = root / kind, root / f"{kind}.safetensors"
+    stamp = folder / ".atelier-tiny"
+    if stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists():
+        return {"diffusers": folder, "single_file": single}
+    tmp = root / f".{kind}.building"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    pipe = build_tiny_pipeline(kind, folder=tmp / ".tokenizers")
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    shutil.rmtree(tmp / ".tokenizers")
+    state = {k: v.contiguous() for k, v in diffusers_to_bfl(pipe.transformer.state_dict()).items()}
+    save_file(state, str(root / f".{kind}.safetensors.tmp"))
+    (tmp / ".atelier-tiny").write_text(str(TINY_VERSION))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    os.replace(root / f".{kind}.safetensors.tmp", single)
+    os.chmod(single, 0o644)
+    return {"diffusers": folder, "single_file": single}
