@@ -44,6 +44,9 @@ ROWS = [
     Row("sdxl", "tiny-sdxl", "demo-sdxl", settings=("training.train_text_encoder=false",
                                                      "training.train_text_encoder_2=false",
                                                      "training.learning_rate=0.01", "lora.unet_targets=all")),
+    Row("pixart", "tiny-pixart", "demo-pixart", settings=("training.learning_rate=0.03", "lora.unet_targets=attn_mlp"),
+        lora_loader="trainer.families.pixart.family:load_lora_into_pipeline",
+        prompt_kwargs={"max_sequence_length": 64, "use_resolution_binning": False}),
     Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 64}),
 ]

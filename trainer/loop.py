@@ -589,9 +589,10 @@ class Trainer:
                 with self.ema.applied() if use_ema else nullcontext():
                     for i, sp in enumerate(prompts):
                         gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
+                        negative = self.method.expand_text(sp.negative_prompt)  # pipelines' own default if empty
                         with torch.no_grad(), self.accelerator.autocast():
                             image = pipe(self.method.expand_text(sp.prompt),  # embedding placeholders
-                                         negative_prompt=self.method.expand_text(sp.negative_prompt) or None,
+                                         **({"negative_prompt": negative} if negative else {}),
                                          num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
                                          width=sp.width, height=sp.height, generator=gen,
                                          **self.model.sampling_kwargs(),

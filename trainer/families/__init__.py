@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 REGISTERED: Tuple[str, ...] = (
     "sd",
     "sdxl",
+    "pixart",
     "flux",
 )
 
@@ -54,6 +55,8 @@ class FamilyInfo:
     caption_limit: int = 77  # longest caption (tokens) the default text path sees
     # options this family cannot use, refused by validate: (config key, the value that means "off", why)
     refuses: Tuple[Tuple[str, Any, str], ...] = ()
+    # parts a fine-tune can save (the single file holds the denoiser alone in some families); () = all
+    finetune_slots: Tuple[str, ...] = ()
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)

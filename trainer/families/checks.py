@@ -91,6 +91,14 @@ def check_family_options(cfg: Any) -> None:
             raise ConfigError(f"model.clip_skip = {cfg.model.clip_skip}: {info.label} does not condition on a CLIP "
                               "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",
                               key="model.clip_skip", value=cfg.model.clip_skip)
+    if t.method == "finetune" and info.finetune_slots:
+        for slot in ("text_encoder", "text_encoder_2"):
+            if t.get(f"train_{slot}") and slot not in info.finetune_slots:
+                part = info.part(slot)
+                raise ConfigError(f"training.train_{slot} is on with training.method = finetune, but a {info.label} "
+                                  f"fine-tune is saved as the {info.part('unet').label.lower()} alone, so the trained "
+                                  f"{part.label if part else slot} would be lost. Train it with LoRA, or turn it off.",
+                                  key=f"training.train_{slot}")
     for key, off, why in info.refuses:
         section, name = key.split(".", 1)
         value = cfg[section].get(name)

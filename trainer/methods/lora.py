@@ -106,8 +106,14 @@ def adapter_config(lcfg, targets: Union[List[str], str], model=None):
 
 
 def _add_adapter(model, config, what: str, key: str) -> None:
+    """diffusers' ``add_adapter`` where the model has it, else peft's injection (PixArt's transformer
+    has no PeftAdapterMixin); both wrap the targets in the same peft layers."""
     try:
-        model.add_adapter(config)
+        if hasattr(model, "add_adapter"):
+            model.add_adapter(config)
+        else:
+            from peft import inject_adapter_in_model
+            inject_adapter_in_model(config, model)
     except ValueError as exc:  # peft: "Target modules … not found in the base model", unsupported layer, …
         raise ConfigError(f"Could not add the {what} adapter: {exc}. Check {key}.", key=key) from None
 

@@ -258,57 +258,30 @@ class Flux(Family):
     def lora_namer(self):
         """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>`` (ComfyUI's Flux key map)."""
         return {"unet": ("lycoris", lambda p: p),
-                "text_encoder": ("lora_te1", lambda p: p if p.startswith("text_model.") else "text_model." + p),
+                "text_encoder": ("lora_te1", _clip_text_model),
                 "text_encoder_2": ("lora_te2", lambda p: p)}
 
+    _FILE_PREFIXES = {"unet": "transformer", "text_encoder": "text_encoder"}
+
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        """LoRA in the diffusers/peft layout with α/r baked into ``lora_B`` (so loaders that read no
-        alpha — diffusers without adapter metadata, ComfyUI for these keys — apply the trained scale)."""
-        from trainer.export import _check_plain_lora, _kohya_alpha, _lora_layers
-        out: Dict[str, Any] = {}
-        prefixes = {"unet": "transformer", "text_encoder": "text_encoder"}
-        for slot, module in modules.items():
-            if slot not in prefixes:
-                raise ValueError("Flux LoRA files hold the transformer and CLIP-L (diffusers loads no T5 LoRA): "
-                                 "turn training.train_text_encoder_2 off")
-            for path, layer in _lora_layers(module, adapter_name):
-                _check_plain_lora(path, layer, adapter_name)
-                if adapter_name in layer.lora_magnitude_vector:
-                    raise ValueError("DoRA files for Flux are not written yet: use lora.type = lora")
-                if slot == "text_encoder" and not path.startswith("text_model."):
-                    path = "text_model." + path
-                scale = _kohya_alpha(layer, adapter_name) / layer.r[adapter_name]
-                out[f"{prefixes[slot]}.{path}.lora_A.weight"] = layer.lora_A[adapter_name].weight.detach().cpu().clone()
-                out[f"{prefixes[slot]}.{path}.lora_B.weight"] = \
-                    layer.lora_B[adapter_name].weight.detach().cpu().clone() * scale
+        """LoRA in the diffusers/peft layout with α/r baked into ``lora_B`` (families/common/peft_lora.py)."""
+        from trainer.families.common.peft_lora import clip_text_model, peft_layout_state_dict
+        if "text_encoder_2" in modules:
+            raise ValueError("Flux LoRA files hold the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux): "
+                             "turn training.train_text_encoder_2 off")
+        out = peft_layout_state_dict(modules, self._FILE_PREFIXES, adapter_name, {"text_encoder": clip_text_model})
         if not out:
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return out
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        """The inverse of :meth:`lora_state_dict` into fresh peft layers (``lora.init_weights``, alpha = rank)."""
-        import torch
-
-        from trainer.export import _lora_layers
-        prefixes = {"unet": "transformer.", "text_encoder": "text_encoder."}
-        loaded, used = 0, set()
-        for slot, module in modules.items():
-            for path, layer in _lora_layers(module, adapter_name):
-                key = prefixes.get(slot, "?") + (("text_model." + path) if slot == "text_encoder"
-                                                  and not path.startswith("text_model.") else path)
-                a, b = state.get(f"{key}.lora_A.weight"), state.get(f"{key}.lora_B.weight")
-                if a is None or b is None:
-                    raise ValueError(f"the LoRA file has no {key}.lora_A/lora_B (targets or rank differ?)")
-                scale = layer.scaling[adapter_name]
-                with torch.no_grad():
-                    layer.lora_A[adapter_name].weight.copy_(a)
-                    layer.lora_B[adapter_name].weight.copy_(b / scale)
-                used.update({f"{key}.lora_A.weight", f"{key}.lora_B.weight"})
-                loaded += 1
+        """The inverse of :meth:`lora_state_dict` into fresh peft layers (``lora.init_weights``)."""
+        from trainer.families.common.peft_lora import clip_text_model, load_peft_layout
+        used = load_peft_layout(state, modules, self._FILE_PREFIXES, adapter_name, {"text_encoder": clip_text_model})
         extra = sorted(set(state) - used)
         if extra:
             raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
-        return loaded
+        return len(used) // 2
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
@@ -328,6 +301,11 @@ class Flux(Family):
         state = _cast({k: v.detach().cpu().contiguous() for k, v in
                        diffusers_to_bfl(self.transformer.state_dict()).items()}, dtype)
         _write_checkpoint(Path(path), state, metadata or {})
+
+
+def _clip_text_model(path: str) -> str:
+    from trainer.families.common.peft_lora import clip_text_model
+    return clip_text_model(path)
 
 
 def config_variant(transformer_config: dict) -> str:

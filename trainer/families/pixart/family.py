@@ -1,0 +1,275 @@
+"""PixArt-α / PixArt-Σ on diffusers' ``PixArtAlphaPipeline`` / ``PixArtSigmaPipeline`` classes.
+
+What differs from the SD lineage, and where it lives here:
+
+- Text: one T5 encoder with its attention mask (padding never attends), at the pipelines' caption length
+  (α 120 tokens, Σ 300); caption dropout gives the empty caption's encoding (what the pipelines use
+  as the unconditional input).
+- Learned variance: the transformer outputs 2× the latent channels (ε ‖ variance); as OneTrainer's
+  PixArt setup does, the loss uses the ε half and the variance half is not trained.
+- Micro-conditions: α 1024 models (``use_additional_conditions``) are told each batch's pixel size and
+  aspect ratio, as the α pipeline does; Σ has none.
+- DDPM ε objective from the model's own β schedule (``DDPMObjective``), so min-SNR, debiased, Huber-SNR
+  and zero terminal SNR work as for SD.
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``; α/r baked in), the
+  "default format" ComfyUI maps for PixArt (comfy/lora.py model_lora_keys_unet, PixArt branch:
+  ``transformer.{diffusers key}``); diffusers has no PixArt ``load_lora_weights``, so it loads through peft
+  on the transformer (:func:`load_lora_into_pipeline`). A T5 LoRA goes in the same file as kohya
+  ``lora_te1_<module>`` keys (ComfyUI's T5 key map when no CLIP is present). Fine-tunes: the transformer
+  as the original single file (keys.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from trainer.families.base import Family, ModelLoadError, torch_dtype
+
+CONFIGS = Path(__file__).parent / "configs"
+OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",
+            "pixart-sigma": "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"}
+CAPTION_TOKENS = {"pixart-alpha": 120, "pixart-sigma": 300}
+ATTN = ["to_q", "to_k", "to_v", "to_out.0"]
+TARGETS = {"attn": ATTN, "attn_mlp": ATTN + ["ff.net.0.proj", "ff.net.2"],
+           "all": ATTN + ["ff.net.0.proj", "ff.net.2", "caption_projection.linear_1", "caption_projection.linear_2",
+                          "adaln_single.linear"]}
+T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
+
+
+class PixArtConditioning:
+    """T5 ``prompt_embeds`` [B, L, D] and its ``prompt_attention_mask`` [B, L]; ``.to()`` like a tensor
+    (the mask keeps its integer dtype)."""
+
+    def __init__(self, prompt_embeds, prompt_attention_mask):
+        self.prompt_embeds, self.prompt_attention_mask = prompt_embeds, prompt_attention_mask
+
+    def to(self, *args: Any, **kwargs: Any) -> "PixArtConditioning":
+        import torch
+        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
+        mask = self.prompt_attention_mask if device is None else self.prompt_attention_mask.to(device)
+        return PixArtConditioning(self.prompt_embeds.to(*args, **kwargs), mask)
+
+
+class PixArt(Family):
+    name = "pixart"
+    fp8_skip = ("norm", "pos_embed", "adaln_single", "caption_projection", "proj_out")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        import torch
+        from diffusers import DDPMScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline
+
+        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.objectives import DDPMObjective
+        self.source = classify_source(mcfg.path, workspace)
+        found = detect_source_family(self.source, mcfg)
+        chosen = getattr(mcfg, "family", "auto")
+        variant = found or (chosen if chosen in OFFICIAL else "pixart-sigma")
+        dtypes = {"transformer": torch_dtype(mcfg.unet_dtype), "text_encoder": torch_dtype(mcfg.text_encoder_dtype),
+                  "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
+        pipe_cls = PixArtAlphaPipeline if variant == "pixart-alpha" else PixArtSigmaPipeline
+        if self.source.kind == "single_file":
+            pipe = self._from_single_file(mcfg, variant, pipe_cls, dtypes)
+        else:
+            pipe = load_pipeline(pipe_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self.family, self._pipe_cls = variant, pipe_cls
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        pred = getattr(mcfg, "prediction_type", "auto")
+        self.prediction_type = self._sched_config.get("prediction_type", "epsilon") if pred == "auto" else pred
+        train_config = {k: v for k, v in self._sched_config.items() if not k.startswith("_")}
+        self.noise_scheduler = DDPMScheduler.from_config(dict(train_config, prediction_type=self.prediction_type))
+        self.objective = DDPMObjective(self.noise_scheduler, self.prediction_type)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or CAPTION_TOKENS[variant]),
+                                       int(self.tokenizer.model_max_length))
+        self.device = torch.device(device)
+        for name in ("transformer", "text_encoder", "vae"):
+            module = getattr(self, name)
+            module.to(self.device)
+            if module.dtype != dtypes[name]:
+                module.to(dtype=dtypes[name])
+            module.requires_grad_(False)
+            module.eval()
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            try:
+                self.transformer.enable_xformers_memory_efficient_attention()
+            except Exception as exc:
+                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). Use sdpa.",
+                                     key="model.attention") from None
+        self._vae_dtype_name = mcfg.vae_dtype
+        self._empty: Optional[Dict[str, Any]] = None
+
+    def _from_single_file(self, mcfg: Any, variant: str, pipe_cls: Any, dtypes: Dict[str, Any]):
+        """The original-layout transformer file; its config and the VAE/T5 from ``model.config_path`` (a
+        diffusers PixArt folder or hub id; default the official repo of the variant)."""
+        from diffusers import PixArtTransformer2DModel
+        from safetensors.torch import load_file
+
+        from trainer.families.pixart.keys import SKIPPED, original_to_diffusers
+        rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
+        local = Path(rest).is_dir()
+        cfg_file = Path(rest) / "transformer" / "config.json" if local else None
+        config = json.loads((cfg_file if cfg_file is not None and cfg_file.is_file() else
+                             CONFIGS / variant / "transformer" / "config.json").read_text())
+        try:
+            state = {k: v for k, v in load_file(self.source.location).items() if k.split("diffusion_model.")[-1]
+                     not in SKIPPED}
+            config["num_layers"] = 1 + max(int(k.split("diffusion_model.")[-1].split(".")[1]) for k in state
+                                           if k.split("diffusion_model.")[-1].startswith("blocks."))
+            transformer = PixArtTransformer2DModel.from_config(config)
+            transformer.load_state_dict(original_to_diffusers(state), strict=True)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}': not a PixArt transformer of the size its "
+                                 f"config describes ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). Set "
+                                 "model.config_path to a diffusers PixArt folder whose transformer/config.json fits.",
+                                 key="model.path", value=self.source.display) from None
+        transformer.to(dtypes["transformer"])
+        try:
+            return pipe_cls.from_pretrained(rest, transformer=transformer, local_files_only=local or bool(
+                getattr(mcfg, "hub_offline", False)), dtype={k: v for k, v in dtypes.items() if k != "transformer"})
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model.path '{self.source.display}' is the PixArt transformer alone; its VAE and T5 come from "
+                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set "
+                f"model.config_path to a diffusers PixArt folder (or the hub id {OFFICIAL[variant]}).",
+                key="model.config_path", value=rest) from None
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions, grads: bool = False):
+        import torch
+        tokens = self.tokenizer(list(captions), padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, add_special_tokens=True, return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            embeds = self.text_encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
+        return embeds, mask
+
+    def encode_captions(self, captions) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            embeds, mask = self._encode(captions)
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        import torch
+        if batch.get("prompt_embeds") is not None:
+            embeds = batch["prompt_embeds"].to(self.device)
+            mask = batch["prompt_attention_mask"].to(self.device).long()
+        else:
+            embeds, mask = self._encode(expand(batch["captions"]), grads=bool({"text_encoder", "embedding"}
+                                                                               & set(train_text)))
+        if drop_te1 is not None and any(drop_te1):
+            if self._empty is None:
+                self._empty = self.encode_captions([""])
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
+            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+            mask = torch.where(flags[:, None], self._empty["prompt_attention_mask"].to(mask), mask)
+        return PixArtConditioning(embeds, mask)
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        import torch
+        b, c, h, w = model_input.shape
+        added = {"resolution": None, "aspect_ratio": None}
+        if self.transformer.config.get("use_additional_conditions"):
+            height, width = h * self.vae_scale_factor, w * self.vae_scale_factor
+            added = {"resolution": torch.tensor([[height, width]], dtype=model_input.dtype,
+                                                device=model_input.device).repeat(b, 1),
+                     "aspect_ratio": torch.tensor([[height / width]], dtype=model_input.dtype,
+                                                  device=model_input.device).repeat(b, 1)}
+        out = self.transformer(model_input, encoder_hidden_states=conditioning.prompt_embeds.to(model_input.dtype),
+                               encoder_attention_mask=conditioning.prompt_attention_mask.to(model_input.device),
+                               timestep=timesteps, added_cond_kwargs=added, return_dict=False)[0]
+        if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the loss is on ε (as OneTrainer and the pipelines)
+            out = out.chunk(2, dim=1)[0]
+        return out
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        """The variant's pipeline over the live modules; ``sampler`` (a ``sampling.scheduler``) or the
+        model's own DPM-Solver."""
+        import diffusers
+
+        from trainer.models.base import SAMPLERS
+        cls = getattr(diffusers, SAMPLERS[sampler]) if sampler else self._sched_class
+        pipe = self._pipe_cls(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
+                              transformer=self.transformer, scheduler=cls.from_config(self._sched_config))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        # the sample size the user asked for, not the pipelines' aspect-ratio bins
+        return {"max_sequence_length": self.max_sequence_length, "use_resolution_binning": False}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{self.max_sequence_length}"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_targets(self, slot: str, preset: str):
+        return list(TARGETS[preset]) if slot == "unet" else list(T5_TARGETS)
+
+    def lora_namer(self):
+        """kohya/LyCORIS names: ``lycoris_<diffusers module path>`` for the transformer, ``lora_te1_`` for T5."""
+        return {"unet": ("lycoris", lambda p: p), "text_encoder": ("lora_te1", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        from trainer.export import kohya_lora_state_dict
+        from trainer.families.common.peft_lora import peft_layout_state_dict
+        out = peft_layout_state_dict({k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
+                                     adapter_name)
+        if "text_encoder" in modules:
+            out.update(kohya_lora_state_dict(modules={"text_encoder": modules["text_encoder"]},
+                                             namer=self.lora_namer(), adapter_name=adapter_name))
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        from trainer.export import load_lora_kohya_into_peft
+        from trainer.families.common.peft_lora import load_peft_layout
+        used = load_peft_layout(state, {k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
+                                adapter_name)
+        rest = {k: v for k, v in state.items() if k not in used}
+        if "text_encoder" in modules:
+            load_lora_kohya_into_peft(rest, modules={"text_encoder": modules["text_encoder"]},
+                                      namer=self.lora_namer(), adapter_name=adapter_name)
+        elif rest:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(sorted(rest)[:5])}")
+        return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": f"{self.family}/lora", "modelspec.prediction_type": "epsilon",
+                     "modelspec.implementation": "https://github.com/PixArt-alpha/PixArt-sigma",
+                     "ss_base_model_version": self.family.replace("-", "_")})
+        meta.update(extra or {})
+        return meta
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """The fine-tuned transformer in the original PixArt layout (VAE and T5 stay separate files)."""
+        from trainer.export import _cast, _write_checkpoint
+        from trainer.families.pixart.keys import diffusers_to_original
+        state = _cast({k: v.detach().cpu().contiguous() for k, v in
+                       diffusers_to_original(self.transformer.state_dict()).items()}, dtype)
+        _write_checkpoint(Path(path), state, metadata or {})
+
+
+def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default") -> None:
+    """Load an Atelier PixArt LoRA file into a diffusers PixArt pipeline through peft (diffusers has no
+    PixArt ``load_lora_weights``): an adapter of the file's rank on the file's modules, then its weights."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    state = {k[len("transformer."):]: v for k, v in load_file(str(path)).items() if k.startswith("transformer.")}
+    if not state:
+        raise ValueError(f"{path}: no transformer LoRA keys (transformer.<module>.lora_A/lora_B.weight)")
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    rank = int(next(v for k, v in state.items() if k.endswith("lora_A.weight")).shape[0])
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=modules), pipe.transformer, adapter_name)
+    result = set_peft_model_state_dict(pipe.transformer, state, adapter_name)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{path}: keys that fit no module: {result.unexpected_keys[:5]}")
