@@ -106,7 +106,7 @@ def test_family_contract(row: Row, tmp_path):
               "training.learning_rate=0.01", "training.lr_scheduler=constant", "loss.timestep_min=500", "lora.rank=8", "lora.alpha=8",
               f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]",
               "training.validation_every_n_steps=6", "sampling.prompts=[]", "backup.keep_last=4",
-              "data.cache_latents=false", *row.settings)
+              *row.settings)
     straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=12")
     vals = [e["loss"] for e in _events(straight) if e["type"] == "validation"]
     assert len(vals) == 4 and all(torch.isfinite(torch.tensor(vals))), vals
@@ -191,3 +191,15 @@ def test_validate_refuses_what_the_family_cannot_use(tmp_path):
     assert err.value.key == "loss.flow_weighting"
     with pytest.raises(ConfigError, match="training.train_text_encoder_2 is on, but Stable Diffusion 1.x/2.x has no"):
         load_config(None, ["model.path=builtin:tiny-sd", "training.train_text_encoder_2=true"])
+
+
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
+def test_building_a_builtin_model_leaves_the_global_rng_alone(name, tmp_path):
+    """The first run in a fresh workspace builds the tiny model; it must not reseed torch, or that run's
+    dropout/initialisation would differ from every later run with the same seed."""
+    from trainer.families import build_tiny
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    build_tiny(name, tmp_path / "models")
+    torch.testing.assert_close(torch.rand(3), expected)

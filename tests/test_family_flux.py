@@ -63,8 +63,8 @@ def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
         pred = m.predict(x, torch.tensor([0.5]), cond)
     assert pred.shape == x.shape
     lc = type("L", (), {"timestep_distribution": "uniform"})()
-    small = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(512, 16, 16, 16))
-    large = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(512, 16, 128, 128))
+    small = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(1, 16, 16, 16).expand(512, -1, -1, -1))
+    large = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(1, 16, 128, 128).expand(512, -1, -1, -1))
     assert large.mean() > small.mean()
     with pytest.raises(ValueError, match="must be even"):
         m.predict(torch.zeros(1, 16, 7, 8), torch.tensor([0.5]), cond)
@@ -144,3 +144,17 @@ def test_validate_refuses_sd_settings_for_flux(setting, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-flux", setting])
     assert err.value.key == key
+
+
+def test_fp8_storage_trains_a_flux_lora(flux, tmp_path):
+    """The 24 GB preset's memory setting: frozen transformer weights stored in fp8 (the family's fp8_skip
+    keeps norms and embedders out), the LoRA trains and is saved."""
+    from tests.conftest import train_quiet
+    from trainer.events import read_events
+    ws, _ = flux
+    run = train_quiet(ws, "fp8", "demo-flux", "precision.fp8_unet=true", "training.max_steps=2", "sampling.prompts=[]")
+    assert any(e["type"] == "finished" for e in read_events(run / "events.jsonl"))
+    assert (run / "fp8.safetensors").is_file()
+    import re
+    layers = re.search(r"fp8 storage: (\d+) denoiser layers", (run / "train.log").read_text())
+    assert layers and int(layers.group(1)) > 0

@@ -55,8 +55,8 @@ def test_resolution_dependent_shift_grows_with_the_image():
         return flux_shift_mu(latents.shape[-1] * latents.shape[-2] // 4)
     obj = FlowMatchingObjective(dynamic_shift=mu_of)
     gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
-    small = obj.sample_timesteps(2000, _lc(), gen(), torch.zeros(2000, 16, 32, 32))
-    large = obj.sample_timesteps(2000, _lc(), gen(), torch.zeros(2000, 16, 128, 128))
+    small = obj.sample_timesteps(2000, _lc(), gen(), torch.zeros(1, 16, 32, 32).expand(2000, -1, -1, -1))
+    large = obj.sample_timesteps(2000, _lc(), gen(), torch.zeros(1, 16, 128, 128).expand(2000, -1, -1, -1))
     assert large.mean() > small.mean() + 0.05  # more tokens, more noise (as FluxPipeline samples)
     u = FlowMatchingObjective().sample_timesteps(2000, _lc(), gen())
     mu = flux_shift_mu(32 * 32 // 4)

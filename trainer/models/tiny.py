@@ -211,7 +211,9 @@ def ensure_tiny_model(kind: str, root: str | os.PathLike) -> dict[str, Path]:
     if not (stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists()):
         from trainer.export import save_single_file_sd
 
-        pipe = build_tiny_pipeline(kind)
+        import torch
+        with torch.random.fork_rng(devices=[]):  # the builders seed torch: leave the caller's RNG as it was
+            pipe = build_tiny_pipeline(kind)
         tmp = root / f".{kind}.building"
         if tmp.exists():
             shutil.rmtree(tmp)
