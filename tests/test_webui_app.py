@@ -148,3 +148,35 @@ def test_runs_tab_resumes_a_stopped_run_and_reuses_its_config(tmp_path, monkeypa
 def json_cmd(run_dir):
     import json
     return json.loads((run_dir / "launch.json").read_text())["cmd"]
+
+
+def test_logins_are_rate_limited_and_compared_in_constant_time():
+    from webui.app import RateLimitedAuth
+    now = [1000.0]
+    auth = RateLimitedAuth([("ada", "s3cret")], limit=5, window=60, cooldown=30, clock=lambda: now[0])
+    assert auth("ada", "s3cret")
+    for _ in range(50):  # a brute force: after 5 misses even the right password is refused for a while
+        assert not auth("ada", "guess")
+    assert not auth("ada", "s3cret")
+    now[0] += 31
+    assert auth("ada", "s3cret") and not auth("eve", "s3cret")
+
+
+def test_the_served_page_uses_the_rate_limited_login(served):
+    from gradio_client import Client
+    for _ in range(5):
+        with pytest.raises(Exception):
+            Client(served, auth=("ada", "wrong"), verbose=False)
+    with pytest.raises(Exception):  # locked out: the right password waits for the cool-down
+        Client(served, auth=("ada", "s3cret"), verbose=False)
+
+
+def test_listen_without_auth_warns_loudly(tmp_path, capsys, monkeypatch):
+    import webui.app as app
+    calls = []
+    monkeypatch.setattr(app, "serve", lambda demo, **kw: calls.append(kw))
+    assert app.main(["--listen", "--workspace", str(tmp_path)]) == 0
+    assert calls and calls[0]["host"] == "0.0.0.0"
+    assert "--listen without --auth" in capsys.readouterr().err
+    assert app.main(["--listen", "--auth", "a:b", "--workspace", str(tmp_path)]) == 0
+    assert "--listen without --auth" not in capsys.readouterr().err

@@ -101,13 +101,51 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     return demo
 
 
+class RateLimitedAuth:
+    """The login check Gradio calls: constant-time comparison of the given pairs, and a lock-out after
+    ``limit`` wrong passwords within ``window`` seconds — for ``cooldown`` seconds every login is refused,
+    the right one too, so a share link cannot be brute-forced (Gradio has no limit of its own)."""
+
+    def __init__(self, pairs: Sequence[tuple], limit: int = 5, window: float = 60.0, cooldown: float = 30.0,
+                 clock: Any = None):
+        import time
+        self.pairs = [(str(u), str(p)) for u, p in pairs]
+        self.limit, self.window, self.cooldown = limit, window, cooldown
+        self.clock = clock or time.monotonic
+        self.failures: List[float] = []
+        self.locked_until = 0.0
+
+    def __call__(self, username: str, password: str) -> bool:
+        import hmac
+        now = self.clock()
+        if now < self.locked_until:
+            return False
+        ok = any(hmac.compare_digest(str(username).encode(), u.encode()) &
+                 hmac.compare_digest(str(password).encode(), p.encode()) for u, p in self.pairs)
+        if ok:
+            return True
+        self.failures = [t for t in self.failures if now - t < self.window] + [now]
+        if len(self.failures) >= self.limit:
+            self.locked_until = now + self.cooldown
+            self.failures = []
+            print(f"atelier: {self.limit} wrong logins within {self.window:.0f} s: logins refused for "
+                  f"{self.cooldown:.0f} s", file=sys.stderr)
+        return False
+
+
+LISTEN_NO_AUTH_WARNING = ("atelier: WARNING: --listen without --auth serves this page to every machine that can "
+                          "reach this one, with no password; anyone on the network can start training runs and "
+                          "read the workspace. Add --auth USER:PASS (or --auth-file FILE).")
+
+
 def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 7860, share: bool = False,
           auth: Optional[List[tuple]] = None, root_path: Optional[str] = None, inbrowser: bool = False,
           prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
     """Launch with the settings the page needs (CSS, served run folders)."""
     ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
     return demo.queue(default_concurrency_limit=4).launch(
-        server_name=host, server_port=port, share=share, auth=auth or None, root_path=root_path,
+        server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
+        root_path=root_path,
         inbrowser=inbrowser, prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
         auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
@@ -161,6 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"  {SHARE_NO_AUTH_FLAG}", file=sys.stderr)
         return 2
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    if args.listen and not creds:
+        print(LISTEN_NO_AUTH_WARNING, file=sys.stderr)
     demo = build_app(args.workspace, args.browse_root)
     ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
     active = ctx.manager.active_runs()

@@ -93,10 +93,39 @@ class AppContext:
 
     # -- runs ---------------------------------------------------------------------------------
     def run_dir(self, name: str) -> Optional[Path]:
-        if not name or name == AUTO:
+        """A run of this workspace by its name; anything else (a path, ``..``) is no run."""
+        if not name or name == AUTO or name in (".", "..") or Path(name).name != name or "\\" in name:
             return None
         path = runner.runs_root(self.workspace) / name
         return path if path.is_dir() else None
+
+    # -- files the page may read and write ----------------------------------------------------------
+    def confined(self, path: str, write: bool = False) -> tuple[Optional[Path], str]:
+        """``(path, "")`` for a file the page may read (``write``: create or replace), else ``(None, why)``.
+
+        Every handler that takes a path from the page goes through here: relative paths are read from the
+        workspace; the result must lie below an allowed root (the workspace, each ``--browse-root``, and,
+        to read only, Atelier's presets) after links are resolved; a missing file is told apart from a
+        forbidden one."""
+        text = (path or "").strip()
+        if not text:
+            return None, "Type a path first."
+        p = Path(text).expanduser()
+        p = p if p.is_absolute() else self.workspace / p
+        try:
+            real = p.resolve()
+        except (OSError, RuntimeError):
+            return None, f"`{text}` is not a usable path."
+        presets = tcfg.PRESETS_DIR.resolve()
+        if not self.roots.allowed(real) or (write and (real == presets or presets in real.parents)):
+            where = ", ".join(f"`{r}`" for r in self.roots.paths if not (write and r == presets))
+            return None, (f"`{text}` is outside the folders this page may {'write' if write else 'read'} "
+                          f"({where}). Start the UI with `--browse-root FOLDER` to allow another folder.")
+        if not write and not real.is_file():
+            return None, f"`{text}` does not exist{' (it is a folder)' if real.is_dir() else ''}."
+        if write and real.is_dir():
+            return None, f"`{text}` is a folder; give a file name ending in .yaml."
+        return real, ""
 
     def resolve_watched(self, name: Optional[str]) -> Optional[Path]:
         """A chosen run, or (AUTO) the running one, else the newest."""

@@ -69,9 +69,9 @@ def wire(ctx: AppContext) -> None:
             return refuse(_named(exc))
 
     def load_file(path: str) -> List[Any]:
-        target = _resolve(ctx, path)
+        target, why = ctx.confined(path)
         if target is None:
-            return refuse("Type the path of a YAML file first.")
+            return refuse(why)
         try:
             return show(tcfg.load_config(target), f"Loaded `{target}`.")
         except tcfg.ConfigError as exc:
@@ -90,9 +90,9 @@ def wire(ctx: AppContext) -> None:
     c["upload"].upload(upload, [c["upload"]], outs)
 
     def save_file(path: str, *values: Any) -> str:
-        target = _resolve(ctx, path)
+        target, why = ctx.confined(path, write=True)
         if target is None:
-            return "⛔ Type where to save (a .yaml path) first."
+            return f"⛔ Not saved: {why}"
         checked = ctx.check(values)
         if checked.cfg is None:
             return "⛔ Not saved — fix these first:\n" + issues_md(checked.issues, form)
@@ -107,6 +107,7 @@ def wire(ctx: AppContext) -> None:
         out.write_text(tcfg.to_yaml(checked.cfg), encoding="utf-8")
         return [gr.File(value=str(out), visible=True), "Your YAML is ready below."]
 
+    ctx.handlers["load_file"], ctx.handlers["save_file"] = load_file, save_file
     c["save_file"].click(save_file, [c["config_path"], *form.inputs], [c["messages"]])
     c["download"].click(download, form.inputs, [c["download_file"], c["messages"]])
 
@@ -187,14 +188,6 @@ def load_draft(ctx: AppContext) -> Optional[List[Any]]:
         return None
     assert ctx.form is not None
     return ctx.form.lenient_values_for(raw)
-
-
-def _resolve(ctx: AppContext, path: str) -> Optional[Path]:
-    path = (path or "").strip()
-    if not path:
-        return None
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else ctx.workspace / p
 
 
 def _named(exc: tcfg.ConfigError) -> str:
