@@ -226,13 +226,35 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
             print(f"Config error: {problem}", file=sys.stderr)
             return 2
         print(_effective_batch(cfg), file=sys.stderr)
-    if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
-        print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
-              "or pick another general.run_name.", file=sys.stderr)
-        return 2
     if args.resume and not run_dir.exists() and args.resume == "last":
         print(f"Config error: --resume last needs an existing run folder; {run_dir} does not exist.",
               file=sys.stderr)
+        return 2
+    trains_here = not (int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched())
+    if rank == 0 and trains_here:  # one trainer per run folder, before anything in it is read or written
+        from trainer.runlock import RunFolderBusy, acquire, release
+        try:
+            acquire(run_dir)
+        except RunFolderBusy as exc:
+            print(f"Config error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"Error: cannot create or write the run folder {run_dir} ({exc.strerror or exc}). Pick a "
+                  "folder you can write (general.workspace, general.run_name or --run-dir).", file=sys.stderr)
+            return 2
+        try:
+            return _train_locked(args, argv, cfg, issues, run_dir, rank, fresh_process)
+        finally:
+            release(run_dir)
+    return _train_locked(args, argv, cfg, issues, run_dir, rank, fresh_process)
+
+
+def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_process: bool) -> int:
+    """The rest of ``train``/``cache`` once this process holds the run folder (rank 0)."""
+    from trainer.distributed import launched
+    if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
+        print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
+              "or pick another general.run_name.", file=sys.stderr)
         return 2
     problem = None if launched() else _one_gpu(cfg, apply=fresh_process)
     if problem:
