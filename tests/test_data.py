@@ -410,3 +410,29 @@ def test_concepts_module_imports_without_torch():
     code = ("import sys; import trainer.data.concepts; "
             "assert 'torch' not in sys.modules, 'concepts pulled in torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parent.parent)
+
+
+# --- the event stream stays one whole event a line ---------------------------------------------------------
+
+def test_a_torn_last_event_line_is_repaired_on_open_and_a_failed_write_leaves_no_half_line(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import trainer.events as events
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"type": "step", "time": 1, "step": 1}\n{"type": "st')  # a writer died mid-line
+    writer = events.EventWriter(path)
+    writer.emit("started", total_steps=3)
+    assert [e["type"] for e in events.read_events(path)] == ["step", "started"]
+    real_write = os.write
+
+    def disk_full(fd, data):  # half the line reaches the disk, then ENOSPC
+        real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(events.os, "write", disk_full)
+    with pytest.raises(OSError):
+        writer.emit("step", step=2)
+    monkeypatch.setattr(events.os, "write", real_write)
+    assert path.read_bytes().endswith(b"\n")
+    writer.emit("finished", step=3)
+    assert [e["type"] for e in events.read_events(path)] == ["step", "started", "finished"]

@@ -324,3 +324,27 @@ def test_validation_concept_loss_is_logged_and_only_cache_mode(tiny_workspace, t
     assert events[-1]["type"] == "finished" and "caches are ready" in events[-1]["message"]
     assert not [e for e in events if e["type"] == "step"]
     assert len(list((cache_ws / "cache" / "latents").rglob("*.safetensors"))) == 8
+
+
+def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_folder(tiny_workspace, monkeypatch):
+    import shutil as _shutil
+    from collections import namedtuple
+    ws = tiny_workspace
+
+    def full(*args, **kwargs):  # what torch/safetensors raise when the disk fills mid-write
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                           "data/0: file write failed")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 3 * 2**20, 3 * 2**20))
+    msg = _fails_with(ws, "diskfull", "training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]",
+                      "data.cache_latents=false", "data.cache_text=false",
+                      words=("a backup", "disk is full", "3 MiB free", "--resume last"))
+    assert "enforce fail" not in msg
+    # the same disk filling while the latent cache is written (another workspace: nothing cached yet)
+    other = ws.parent / "diskfull-ws"
+    shutil.copytree(ws / "models", other / "models", dirs_exist_ok=True)
+    msg = _fails_with(other, "diskfull2", "training.max_steps=2", "sampling.prompts=[]", words=("disk is full",))
+    assert "enforce fail" not in msg
+    backups = ws / "runs" / "diskfull" / "backups"
+    assert not [p for p in backups.iterdir()] if backups.exists() else True  # the half-written backup is gone

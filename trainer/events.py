@@ -30,24 +30,60 @@ TERMINAL = ("finished", "stopped", "failed")
 
 
 class EventWriter:
-    """Appends events; each line is flushed and fsync'd so a reader never sees half a line
-    and a crash never loses an announced event."""
+    """Appends events, one whole line each: a line is written with one ``os.write`` on an append-only
+    descriptor and fsync'd, so a reader never sees half a line and a crash never loses an announced
+    event; a write that fails part-way (a full disk) is cut back to the previous end. Opening repairs a
+    torn last line left by a process that died mid-write, so the next event starts on a line of its own."""
 
     def __init__(self, path: str | os.PathLike, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            repair_torn_tail(self.path)
 
     def emit(self, type: str, **fields: Any) -> dict:
         event = {"type": type, "time": time.time(), **fields}
         if self.enabled:
-            line = json.dumps(event, default=_default) + "\n"
-            with open(self.path, "a", encoding="utf-8") as fh:
-                fh.write(line)
-                fh.flush()
-                os.fsync(fh.fileno())
+            data = (json.dumps(event, default=_default) + "\n").encode("utf-8")
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                end = os.fstat(fd).st_size
+                try:
+                    written = os.write(fd, data)
+                    if written != len(data):
+                        raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
+                    os.fsync(fd)
+                except OSError:
+                    try:  # take the partial line back out, so the stream stays one event a line
+                        os.ftruncate(fd, end)
+                    except OSError:
+                        pass
+                    raise
+            finally:
+                os.close(fd)
         return event
+
+
+def repair_torn_tail(path: str | os.PathLike) -> bool:
+    """Drop an unterminated last line (a writer died mid-line); True when something was cut."""
+    path = Path(path)
+    try:
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return False
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return False
+            start = max(0, size - (1 << 20))
+            fh.seek(start)
+            tail = fh.read()
+            cut = tail.rfind(b"\n")
+            fh.truncate(start + cut + 1 if cut >= 0 else start)
+            return True
+    except FileNotFoundError:
+        return False
 
 
 def _default(obj: Any) -> Any:

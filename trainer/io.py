@@ -123,3 +123,38 @@ def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | o
     data = {k: v.detach().contiguous() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(data, str(tmp), metadata=meta or None)
+
+
+def looks_like_write_failure(exc: BaseException) -> bool:
+    """A full disk or a permission problem while writing (OSError, or torch/safetensors' RuntimeError)."""
+    import errno
+    text = str(exc)
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS) \
+        or "No space left" in text or "write failed" in text
+
+
+def write_failure(exc: BaseException, folder: str | os.PathLike, what: str) -> str:
+    """One line for a failed write: a full disk (errno ENOSPC, or torch's "enforce fail … file write failed"
+    with little space left) says how much is free and what to do, a permission problem names the folder;
+    anything else keeps its first line."""
+    import errno
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = None
+    text = str(exc)
+    code = getattr(exc, "errno", None)
+    low_space = free is not None and free < 256 * 2**20
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or (low_space and "write failed" in text):
+        left = f"{free / 2**20:.0f} MiB free" if free is not None else "no space left"
+        return (f"Writing {what} to {folder} failed: the disk is full ({left}). Free some space (old runs, backups, "
+                "caches) and continue with --resume last; the last complete backup is intact.")
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"Writing {what} to {folder} failed: no permission to write there ({exc.strerror}). Make the folder "
+                "writable or choose another general.workspace; the last complete backup is intact.")
+    return f"Writing {what} to {folder} failed: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+

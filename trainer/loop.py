@@ -634,9 +634,6 @@ class Trainer:
         return out
 
     def backup(self) -> Path:
-        import torch
-        from safetensors.torch import save_file
-        from trainer.io import atomic_dir
         target = self.run.backups / f"backup-step{self.pos.step:06d}"
         weights = optimizer_state = None
         if self.fsdp is not None:  # every process gathers its shards; rank 0 writes the same files as DDP
@@ -646,6 +643,22 @@ class Trainer:
         if not self.is_main:  # DDP: every process holds the same weights and optimizer state: rank 0 writes
             self._last_backup_step = self.pos.step
             return None
+        try:
+            self._write_backup(target, weights, optimizer_state)
+        except (OSError, RuntimeError) as exc:  # a full disk, a permission problem: one clear message
+            from trainer.io import write_failure
+            raise TrainingError(write_failure(exc, self.run.backups, "a backup")) from None
+        self._last_backup_step = self.pos.step
+        for old in list_backups(self.run.path)[:-self.cfg.backup.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        self.run.events.emit("backup", step=self.pos.step, path=str(target))
+        log.info("backup written: %s", target)
+        return target
+
+    def _write_backup(self, target: Path, weights, optimizer_state) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from trainer.io import atomic_dir
         with atomic_dir(target) as tmp:
             tmp = Path(tmp)
             save_file(weights if weights is not None else self._trainable_state(), str(tmp / "trainable.safetensors"))
@@ -664,12 +677,6 @@ class Trainer:
                                                         "gradient_accumulation_steps":
                                                             self.cfg.training.gradient_accumulation_steps,
                                                         "model": self.cfg.model.path}))
-        self._last_backup_step = self.pos.step
-        for old in list_backups(self.run.path)[:-self.cfg.backup.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        self.run.events.emit("backup", step=self.pos.step, path=str(target))
-        log.info("backup written: %s", target)
-        return target
 
     def _resolve_resume(self, resume: str) -> Path:
         if resume == "last":
@@ -753,6 +760,11 @@ class Trainer:
             with self.ema.applied() if use_ema else nullcontext(), self._whole_unet():
                 if self.is_main:
                     self.method.save(path, self.cfg.output.dtype, meta)
+        except (OSError, RuntimeError) as exc:
+            from trainer.io import write_failure
+            if "write" not in str(exc).lower() and not isinstance(exc, OSError):
+                raise
+            raise TrainingError(write_failure(exc, path.parent, f"the result {path.name}")) from None
         finally:
             on_train(self.optimizer)
         if not self.is_main:
@@ -821,7 +833,10 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     except Exception as exc:  # unexpected: keep the traceback for the UI and the log
         tb = traceback.format_exc()
         msg = f"{type(exc).__name__}: {exc}"
-        if "out of memory" in str(exc).lower():
+        from trainer.io import looks_like_write_failure, write_failure
+        if looks_like_write_failure(exc):  # caches, samples …: a full disk or a read-only folder, said plainly
+            msg = write_failure(exc, cfg.general.workspace, "the run's files (caches, samples, results)")
+        elif "out of memory" in str(exc).lower():
             msg = ("The GPU ran out of memory. Lower training.batch_size or data.resolution, turn on "
                    "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
         log.error("%s\n%s", msg, tb)
