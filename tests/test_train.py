@@ -348,3 +348,24 @@ def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_fol
     assert "enforce fail" not in msg
     backups = ws / "runs" / "diskfull" / "backups"
     assert not [p for p in backups.iterdir()] if backups.exists() else True  # the half-written backup is gone
+
+
+def test_temporaries_of_a_killed_save_are_removed_on_the_next_start_and_never_count_as_backups(tiny_workspace):
+    from webui.runner import list_backups as ui_backups
+    ws = tiny_workspace
+    common = ("training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]")
+    assert cli(["train", "--preset", "demo", *overrides(ws, "killed", *common)]) == 0
+    run = ws / "runs" / "killed"
+    # what kill -9 inside atomic_dir / atomic_path leaves: a hidden half backup, an old copy, a half result
+    half = run / "backups" / ".backup-step000003.tmp-0a1b2c3d"
+    half.mkdir()
+    (half / "trainable.safetensors").write_bytes(b"half")
+    (half / "state.json").write_text("{}")
+    old = run / "backups" / ".backup-step000002.old-deadbeef"
+    old.mkdir()
+    (run / ".killed.safetensors.tmp-12345678.safetensors").write_bytes(b"half")
+    assert [p.name for p in ui_backups(run)] == ["backup-step000001", "backup-step000002"]  # the UI never lists them
+    assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
+                "--set", "training.max_steps=3"]) == 0
+    leftovers = [p.name for d in (run, run / "backups") for p in d.iterdir() if p.name.startswith(".")]
+    assert leftovers == []

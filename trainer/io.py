@@ -32,6 +32,32 @@ def _temp_name(path: Path, kind: str = "tmp", suffix: str = "") -> Path:
             return candidate
 
 
+_TEMP_NAME = None
+
+
+def remove_stale_temps(folder: str | os.PathLike) -> list:
+    """Delete the hidden temporaries (``.name.tmp-XXXXXXXX…``, ``.name.old-XXXXXXXX``) that a process killed
+    in the middle of an atomic write left in ``folder``; only safe while no other process writes there
+    (a run folder under its trainer lock). Returns the names removed."""
+    import re
+    global _TEMP_NAME
+    if _TEMP_NAME is None:
+        _TEMP_NAME = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}")
+    folder = Path(folder)
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        if _TEMP_NAME.match(entry.name):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+            removed.append(entry.name)
+    return removed
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

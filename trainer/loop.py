@@ -55,6 +55,11 @@ class RunFolder:
         for sub in ("samples", "backups", "control"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         self.events = EventWriter(self.path / "events.jsonl", enabled=main)
+        if main:  # a save killed half-way (kill -9, power loss) left temporaries: this trainer holds the folder
+            from trainer.io import remove_stale_temps
+            for folder in (self.path, self.path / "backups", self.path / "samples"):
+                for name in remove_stale_temps(folder):
+                    log.info("removed %s, left by an interrupted save", folder / name)
 
     @property
     def backups(self) -> Path:

@@ -165,8 +165,8 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
     view.loss_points = sorted(losses.items())
     view.lr_points = sorted((s, g, v) for (s, g), v in lrs.items())
     view.samples = scan_samples(run_dir, prompts)
-    if not view.backups:
-        view.backups = [str(p) for p in sorted((run_dir / "backups").glob("*")) if p.is_dir()]
+    on_disk = {p.name: str(p) for p in runner.list_backups(run_dir)}  # pruned or half-written ones do not count
+    view.backups = [b for b in view.backups if Path(b).name in on_disk] or list(on_disk.values())
     if view.state in TERMINAL:
         if view.state == "failed" and _is_oom(view.message + view.traceback):
             view.advice = OOM_ADVICE

@@ -73,6 +73,16 @@ def make_run_dir(workspace: str | os.PathLike, name: str = "") -> Path:
     raise RuntimeError(f"no free run folder name for {base!r}")
 
 
+def list_backups(run_dir: str | os.PathLike) -> List[Path]:
+    """The run's complete backups, oldest first: folders with a state.json, never a hidden temporary
+    (``.backup-….tmp-…``) a killed save left behind."""
+    folder = Path(run_dir) / "backups"
+    if not folder.is_dir():
+        return []
+    return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
+                   and (p / "state.json").is_file()), key=lambda p: p.name)
+
+
 def list_run_dirs(workspace: str | os.PathLike) -> List[Path]:
     """Run folders, newest first."""
     root = runs_root(workspace)

@@ -192,9 +192,8 @@ def sampling(ctx: AppContext) -> None:
 def all_backups(ctx: AppContext) -> List[tuple]:
     out = []
     for d in runner.list_run_dirs(ctx.workspace):
-        for b in sorted((d / "backups").glob("*"), reverse=True):
-            if b.is_dir():
-                out.append((f"{d.name} / {b.name}", str(b)))
+        for b in reversed(runner.list_backups(d)):
+            out.append((f"{d.name} / {b.name}", str(b)))
     return out
 
 
