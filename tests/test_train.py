@@ -369,3 +369,23 @@ def test_temporaries_of_a_killed_save_are_removed_on_the_next_start_and_never_co
                 "--set", "training.max_steps=3"]) == 0
     leftovers = [p.name for d in (run, run / "backups") for p in d.iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_resume_applies_a_new_learning_rate_with_a_warning_and_refuses_a_new_rank(tiny_workspace):
+    ws = tiny_workspace
+    common = ("training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]", "training.learning_rate=0.001",
+              "training.lr_scheduler=constant", "training.lr_warmup_steps=0")
+    assert cli(["train", "--preset", "demo", *overrides(ws, "relr", *common)]) == 0
+    run = ws / "runs" / "relr"
+    assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
+                "--set", "training.max_steps=3", "--set", "training.learning_rate=0.01"]) == 0
+    events = read_events(run / "events.jsonl")
+    warnings = [e["message"] for e in events if e["type"] == "warning"]
+    assert any("training.learning_rate was 0.001" in w and "now 0.01" in w for w in warnings), warnings
+    last_step = [e for e in events if e["type"] == "step"][-1]
+    assert last_step["step"] == 3 and float(last_step["lr"]["unet"]) == pytest.approx(0.01)
+    rc = cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
+              "--set", "training.max_steps=4", "--set", "lora.rank=8"])
+    assert rc == 1
+    failed = read_events(run / "events.jsonl")[-1]
+    assert failed["type"] == "failed" and "lora.rank: 4 in the backup, 8 now" in failed["message"]

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.config import ConfigError, save_config, to_container
+from trainer.config import ConfigError, save_config, to_container, to_yaml
 from trainer.distributed import (PeerLost, env_rank_world, expand_rows, explain_failure,
                                  fault_injection, iter_shard, rank_file, take_rows, write_rank_error,
                                  write_rank_info)
@@ -30,6 +30,26 @@ from trainer.events import EventWriter
 from trainer.optim import on_eval, on_train
 
 log = logging.getLogger("atelier")
+
+
+# Resume: settings whose change makes a backup meaningless (refused), and bookkeeping never compared
+RESUME_FIXED = ("model.path", "model.family", "model.config_path", "training.method", "training.train_unet",
+                "training.train_text_encoder", "training.train_text_encoder_2", "lora.type", "lora.rank", "lora.alpha", "lora.unet_targets",
+                "lora.custom_targets", "lora.conv_rank", "lora.conv_alpha", "lora.factor", "lora.decompose_both",
+                "embedding.placeholder", "embedding.num_vectors", "embedding.train_alongside",
+                "training.optimizer.name")
+RESUME_IGNORED = ("general.workspace", "general.run_name", "version", "general.num_processes", "general.gpu_ids",
+                  "training.batch_size")  # batch: the global batch is kept across process counts (see setup)
+
+
+def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
+    """A nested config as dotted keys (lists compared whole)."""
+    if isinstance(node, dict):
+        out: Dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
 
 
 class TrainingError(RuntimeError):
@@ -675,6 +695,7 @@ class Trainer:
                         "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                         "python_rng": random.getstate()}, tmp / "training_state.pt")
+            (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")  # what resume compares with
             (tmp / "state.json").write_text(json.dumps({**asdict(self.pos), "time": time.time(),
                                                         "method": self.cfg.training.method,
                                                         "world_size": self.world,
@@ -702,6 +723,7 @@ class Trainer:
         if state.get("method") != self.cfg.training.method:
             raise ConfigError(f"Backup {path} is from a {state.get('method')} run; this config trains "
                               f"{self.cfg.training.method}.", key="training.method")
+        self._compare_with_backup_config(path)
         weights = load_file(str(path / "trainable.safetensors"))
         trained = self._trained_params()
         params = {f"{name}.{pn}": p for name, m in self.method.modules.items()
@@ -725,7 +747,9 @@ class Trainer:
         if self.fsdp is not None:
             from trainer.fsdp import shard_optimizer_state
             shard_optimizer_state(self.optimizer)
+        new_base_lrs = list(getattr(self.scheduler, "base_lrs", []))  # this config's learning rates
         self.scheduler.load_state_dict(ts["scheduler"])
+        self._rebase_learning_rates(new_base_lrs)
         if ts.get("grad_scaler") and self.accelerator.scaler is not None:  # fp16: the loss scale reached
             self.accelerator.scaler.load_state_dict(ts["grad_scaler"])
         self.generator.set_state(ts["generator"])
@@ -740,6 +764,46 @@ class Trainer:
                       "weights.")
         self._last_backup_step = self.pos.step
         log.info("resumed from %s at step %d", path, self.pos.step)
+
+    def _compare_with_backup_config(self, path: Path) -> None:
+        """Resume with changed settings: refuse what cannot change (the model, what trains and its shape),
+        apply the rest with one ``warning`` event per change (learning rates, schedule, sampling, backups …)."""
+        saved = path / "config.yaml"
+        if not saved.is_file():
+            return  # a backup from before backups carried their config
+        from omegaconf import OmegaConf
+        try:
+            old = _flat(to_container(OmegaConf.load(saved)))
+        except Exception:
+            return
+        new = _flat(to_container(self.cfg))
+        def under(key: str, names: tuple) -> bool:
+            return any(key == n or key.startswith(n + ".") or (n.endswith("_") and key.startswith(n)) for n in names)
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and not under(k, RESUME_IGNORED))
+        fixed = [k for k in changed if under(k, RESUME_FIXED)]
+        if fixed:
+            shown = "; ".join(f"{k}: {old.get(k)!r} in the backup, {new.get(k)!r} now" for k in fixed[:4])
+            raise ConfigError(f"Backup {path.name} cannot continue with these settings changed ({shown}): they change "
+                              "the model or the shape of what trains. Resume with the backup's values, or start a "
+                              "new run.", key=fixed[0])
+        for k in changed:
+            self.warn(f"Resumed with a changed setting: {k} was {old.get(k)!r} in backup {path.name}, now "
+                      f"{new.get(k)!r}; the new value applies from step {json.loads((path / 'state.json').read_text())['step'] + 1}.")
+
+    def _rebase_learning_rates(self, new_base_lrs: list) -> None:
+        """A resumed scheduler restores the backup's base learning rates; a changed training.*learning_rate
+        must win (config.yaml and the file's metadata say the new one)."""
+        old = list(getattr(self.scheduler, "base_lrs", []))
+        if not new_base_lrs or len(old) != len(new_base_lrs) or old == new_base_lrs:
+            return
+        self.scheduler.base_lrs = list(new_base_lrs)
+        for group, base in zip(self.optimizer.param_groups, new_base_lrs):
+            group["initial_lr"] = base
+        closed = getattr(self.scheduler, "_get_closed_form_lr", None)
+        lrs = closed() if closed is not None else self.scheduler.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self.scheduler._last_lr = list(lrs)
 
     # --- result ----------------------------------------------------------------------------
     def result_path(self, suffix: str = "") -> Path:
