@@ -165,12 +165,12 @@ def test_load_then_save_changes_nothing(app, tmp_path):
     h = app.handlers
     values = plain(h["load_preset"]("demo"))[:len(app.form.inputs)]
     values = [through_browser(c, v) for c, v in zip(app.form.inputs, values)]
-    first = tmp_path / "a.yaml"
+    first = app.workspace / "a.yaml"
     assert "Saved" in h["save_file"](str(first), *values)
     assert first.read_text() == tcfg.to_yaml(tcfg.load_config(preset="demo"))
     again = plain(h["load_file"](str(first)))[:len(app.form.inputs)]
     again = [through_browser(c, v) for c, v in zip(app.form.inputs, again)]
-    second = tmp_path / "b.yaml"
+    second = app.workspace / "b.yaml"
     h["save_file"](str(second), *again)
     assert second.read_bytes() == first.read_bytes()
     assert "${atelier_root:}" in first.read_text()  # interpolations survive the trip
@@ -211,7 +211,7 @@ def test_bad_table_cell_names_row_and_column(app):
 
 
 def test_unknown_key_in_a_loaded_yaml_is_named_and_the_form_kept(app, tmp_path):
-    bad = tmp_path / "bad.yaml"
+    bad = app.workspace / "bad.yaml"
     bad.write_text("training:\n  learning_rat: 0.1\n")
     out = app.handlers["load_file"](str(bad))
     assert "training.learning_rat" in out[-1] and "Did you mean 'training.learning_rate'" in out[-1]
@@ -219,18 +219,18 @@ def test_unknown_key_in_a_loaded_yaml_is_named_and_the_form_kept(app, tmp_path):
 
 
 def test_invalid_yaml_is_refused_and_the_form_kept(app, tmp_path):
-    bad = tmp_path / "broken.yaml"
+    bad = app.workspace / "broken.yaml"
     bad.write_text("training: [unclosed\n  epochs: 3\n")
     out = app.handlers["load_file"](str(bad))
     assert "not valid YAML" in out[-1] and _skipped(out, len(out) - 1)
-    out = app.handlers["load_file"](str(tmp_path / "missing.yaml"))
+    out = app.handlers["load_file"](str(app.workspace / "missing.yaml"))
     assert "does not exist" in out[-1]
     out = app.handlers["upload"](str(bad))
     assert "not valid YAML" in out[-1] and _skipped(out, len(out) - 1)
 
 
 def test_out_of_range_value_in_a_loaded_yaml_is_named(app, tmp_path):
-    bad = tmp_path / "range.yaml"
+    bad = app.workspace / "range.yaml"
     bad.write_text("base: demo\nlora:\n  rank: 0\n")
     out = app.handlers["load_file"](str(bad))
     assert "lora.rank" in out[-1] and _skipped(out, len(out) - 1)

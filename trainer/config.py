@@ -695,7 +695,50 @@ def migrate(data: DictConfig, source: str = "") -> DictConfig:
     return data
 
 
+def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
+    """(key, message) for the first place where ``layer`` has a value of the wrong shape for the schema:
+    a section (mapping) given as a list or a scalar, a list (concepts, prompts) given as a mapping."""
+    from omegaconf import ListConfig
+    if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
+        return None
+    for key in layer.keys():
+        if key not in schema:
+            continue  # unknown keys get their own message from the merge
+        full = f"{prefix}{key}"
+        value = layer._get_node(key)
+        if value is None or (hasattr(value, "_is_none") and value._is_none()):
+            continue
+        target = schema._get_node(key)
+        if isinstance(target, DictConfig) and not isinstance(value, DictConfig):
+            if hasattr(value, "_is_interpolation") and value._is_interpolation():
+                continue
+            return full, (f"'{full}' is a section of settings and must be a mapping ('{key}:' followed by indented "
+                          f"'<setting>: <value>' lines), not {_shape_name(value)}.")
+        if isinstance(target, ListConfig) and not isinstance(value, ListConfig):
+            if hasattr(value, "_is_interpolation") and value._is_interpolation():
+                continue
+            return full, (f"'{full}' must be a list (one '- ' item per entry), not {_shape_name(value)}.")
+        if isinstance(target, DictConfig):
+            found = _shape_problem(target, value, full + ".")
+            if found:
+                return found
+    return None
+
+
+def _shape_name(node: Any) -> str:
+    from omegaconf import ListConfig
+    if isinstance(node, ListConfig):
+        return "a list"
+    if isinstance(node, DictConfig):
+        return "a mapping"
+    value = getattr(node, "_value", lambda: node)()
+    return f"the value {value!r}"
+
+
 def _merge_into_schema(schema: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    problem = _shape_problem(schema, layer)
+    if problem:
+        raise ConfigError(f"{source}: {problem[1]}", key=problem[0])
     try:
         return OmegaConf.merge(schema, layer)  # type: ignore[return-value]
     except ConfigKeyError as exc:
@@ -706,7 +749,22 @@ def _merge_into_schema(schema: DictConfig, layer: DictConfig, source: str) -> Di
         raise ConfigError(f"{source}: '{key}' = {exc.value!r} is not allowed: {_allowed(key)}",
                           key=key, value=exc.value) from None
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"{source}: {exc}", key=getattr(exc, "full_key", "") or "") from None
+        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}", key=getattr(exc, "full_key", "") or "") from None
+    except (TypeError, ValueError) as exc:  # merge of incompatible shapes the check above did not foresee
+        raise ConfigError(f"{source}: a setting has the wrong shape ({exc}); compare the file with "
+                          "`python -m trainer config-help`.") from None
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    """``${...}`` references that cannot be resolved, as one line naming the setting (resolved on a copy:
+    saved configs keep their interpolations)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"'{key}': its ${{...}} reference cannot be resolved ({first}). Write the value itself, "
+                          "or refer to an existing setting (${section.key}).", key=key) from None
 
 
 def _allowed(key: str) -> str:
@@ -807,6 +865,7 @@ def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[st
     if path is not None:
         cfg = _merge_into_schema(cfg, _load_layer(Path(path), "Config file"), str(path))
     cfg = _apply_overrides(cfg, overrides)
+    _check_interpolations(cfg)
     validate(cfg)
     return cfg
 
