@@ -293,10 +293,21 @@ def test_a_used_run_folder_is_not_overwritten(tiny_workspace, capsys):
     ws = tiny_workspace
     run = ws / "runs" / "used"
     run.mkdir(parents=True)
-    (run / "events.jsonl").write_text('{"type": "started", "time": 0}\n')
+    done = '{"type": "started", "time": 0}\n{"type": "finished", "time": 1, "step": 8}\n'
+    (run / "events.jsonl").write_text(done)
     assert cli(["train", "--preset", "demo", *overrides(ws, "used")]) == 2
     assert "--resume last" in capsys.readouterr().err
-    assert (run / "events.jsonl").read_text() == '{"type": "started", "time": 0}\n'
+    assert (run / "events.jsonl").read_text() == done
+
+
+def test_a_run_that_died_before_its_first_backup_starts_again_in_place(tiny_workspace, capsys):
+    ws = tiny_workspace
+    run = ws / "runs" / "died"
+    run.mkdir(parents=True)
+    (run / "events.jsonl").write_text('{"type": "started", "time": 0, "total_steps": 8}\n')  # then kill -9
+    assert cli(["train", "--preset", "demo", *overrides(ws, "died", "training.max_steps=1", "sampling.prompts=[]")]) == 0
+    assert "starts again in place" in capsys.readouterr().err
+    assert types(run)[0] == "started" and types(run)[-1] == "finished"
 
 
 def test_validation_concept_loss_is_logged_and_only_cache_mode(tiny_workspace, tmp_path):
@@ -389,3 +400,19 @@ def test_resume_applies_a_new_learning_rate_with_a_warning_and_refuses_a_new_ran
     assert rc == 1
     failed = read_events(run / "events.jsonl")[-1]
     assert failed["type"] == "failed" and "lora.rank: 4 in the backup, 8 now" in failed["message"]
+
+
+def test_result_metadata_carries_no_local_paths_unless_asked(tiny_workspace):
+    from safetensors import safe_open
+    ws = tiny_workspace
+    common = ("training.max_steps=1", "sampling.prompts=[]", "output.path=" + str(ws / "out" / "results"))
+    assert cli(["train", "--preset", "demo", *overrides(ws, "meta-portable", *common)]) == 0
+    with safe_open(str(ws / "out" / "results" / "meta-portable.safetensors"), "pt") as f:
+        config = json.loads(f.metadata()["atelier_config"])
+    text = json.dumps(config)
+    assert str(ws) not in text and str(ROOT) not in text and str(Path.home()) not in text
+    assert config["data"]["concepts"][0]["path"] == "…/demo-data"
+    assert config["output"]["path"] == "out/results"  # inside the workspace: relative to it
+    assert cli(["train", "--preset", "demo", *overrides(ws, "meta-none", *common, "output.config_metadata=none")]) == 0
+    with safe_open(str(ws / "out" / "results" / "meta-none.safetensors"), "pt") as f:
+        assert "atelier_config" not in f.metadata() and f.metadata()["atelier_step"] == "1"

@@ -249,13 +249,29 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     return _train_locked(args, argv, cfg, issues, run_dir, rank, fresh_process)
 
 
+def _restartable(run_dir: Path) -> bool:
+    """A run folder with no complete backup whose run did not finish (so it wrote no result): restarting
+    it in place loses nothing. Torch-free."""
+    from trainer.events import read_events, run_state
+    backups = run_dir / "backups"
+    if backups.is_dir() and any(p.is_dir() and not p.name.startswith(".") and (p / "state.json").is_file()
+                                for p in backups.iterdir()):
+        return False
+    # "running" with no trainer holding the folder (this process has its lock): one that died (kill -9)
+    return run_state(read_events(run_dir / "events.jsonl")) in ("stopped", "failed", "running", "new")
+
+
 def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_process: bool) -> int:
     """The rest of ``train``/``cache`` once this process holds the run folder (rank 0)."""
     from trainer.distributed import launched
     if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
-        print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
-              "or pick another general.run_name.", file=sys.stderr)
-        return 2
+        if _restartable(run_dir):  # stopped or failed before its first backup: nothing to resume, nothing to lose
+            print(f"note: {run_dir} holds a run that ended before its first backup; it starts again in place.",
+                  file=sys.stderr)
+        else:
+            print(f"Config error: the run folder {run_dir} already holds a run. Continue it with --resume last, "
+                  "or pick another general.run_name.", file=sys.stderr)
+            return 2
     problem = None if launched() else _one_gpu(cfg, apply=fresh_process)
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)

@@ -507,6 +507,10 @@ class OutputConfig:
     dtype: str = f("fp16", "dtype of the saved weights.", choices=DTYPES)
     save_every_n_epochs: int = f(0, "Also save an intermediate result every N epochs; 0 = only at the end.",
                                  min=0, max=100000)
+    config_metadata: str = f("portable", "The training config written into the result's metadata: portable "
+                                         "(paths relative to the workspace; folders outside it by their name "
+                                         "only), full (as run, absolute paths included) or none.",
+                             choices=["portable", "full", "none"])
 
 
 @dataclass

@@ -42,6 +42,23 @@ RESUME_IGNORED = ("general.workspace", "general.run_name", "version", "general.n
                   "training.batch_size")  # batch: the global batch is kept across process counts (see setup)
 
 
+def portable_paths(node: Any, workspace: str) -> Any:
+    """The config with absolute paths made shareable: relative to the workspace inside it, the last
+    component alone (``…/name``) outside it."""
+    if isinstance(node, dict):
+        return {k: portable_paths(v, workspace) for k, v in node.items()}
+    if isinstance(node, list):
+        return [portable_paths(v, workspace) for v in node]
+    if isinstance(node, str) and (os.path.isabs(node) or node.startswith("~")):
+        p = Path(node).expanduser()
+        try:
+            return Path(os.path.relpath(p, Path(workspace).expanduser().resolve())).as_posix() \
+                if Path(workspace).expanduser().resolve() in p.resolve().parents else f"…/{p.name}"
+        except (OSError, ValueError):
+            return f"…/{p.name}"
+    return node
+
+
 def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
     """A nested config as dotted keys (lists compared whole)."""
     if isinstance(node, dict):
@@ -819,8 +836,12 @@ class Trainer:
         self._weights_touched = self.world > 1
         if self.is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"atelier_config": json.dumps(to_container(self.cfg)), "atelier_step": str(self.pos.step),
-                "atelier_epoch": str(self.pos.epoch)}
+        meta = {"atelier_step": str(self.pos.step), "atelier_epoch": str(self.pos.epoch)}
+        embed = self.cfg.output.get("config_metadata", "portable")
+        if embed != "none":  # files are shared publicly: no home or data folders in them unless asked
+            config = to_container(self.cfg)
+            meta["atelier_config"] = json.dumps(config if embed == "full" else
+                                                portable_paths(config, self.cfg.general.workspace))
         use_ema = self.ema is not None and self.cfg.ema.save_ema
         if use_ema:
             meta["atelier_ema"] = f"decay={self.cfg.ema.decay:g} updates={self.ema.optimization_step}"
