@@ -35,7 +35,7 @@ def served(tmp_path):
     demo.close()
 
 
-def test_with_auth_a_request_without_credentials_is_refused(served):
+def test_with_auth_a_request_without_credentials_is_refused(served, tmp_path):
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(served.rstrip("/") + "/config", timeout=30)
     assert err.value.code in (401, 403)
@@ -46,6 +46,11 @@ def test_with_auth_a_request_without_credentials_is_refused(served):
         Client(served, auth=("ada", "wrong"), verbose=False)
     client = Client(served, auth=("ada", "s3cret"), verbose=False)  # the right password gets in
     assert client.view_api(print_info=False, return_format="dict") is not None
+    # before login the page is the login form: no description of the endpoints, no server paths
+    page = urllib.request.urlopen(served, timeout=30).read().decode()
+    assert '"auth_required":true' in page.replace(" ", "") and len(page) < 200_000
+    assert "named_endpoints\":{}" in page.replace(" ", "") or "named_endpoints" not in page
+    assert "/_go" not in page and str(tmp_path) not in page  # the workspace (a server path) is not named
 
 
 def test_share_without_auth_refuses_to_start(tmp_path, capsys):

@@ -143,6 +143,11 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
           prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
     """Launch with the settings the page needs (CSS, served run folders)."""
     ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
+    if auth:
+        # Gradio 6 embeds the description of every endpoint (with server paths as defaults and choices) in the
+        # page it serves *before* login (routes.py main(): gradio_api_info is rendered whatever the auth), and
+        # caches one copy for all. With a login, the page describes no endpoints: the UI needs none of it.
+        demo.get_api_info = lambda all_endpoints=False: {"named_endpoints": {}, "unnamed_endpoints": {}}
     return demo.queue(default_concurrency_limit=4).launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
         root_path=root_path,
