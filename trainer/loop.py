@@ -32,8 +32,9 @@ from trainer.optim import on_eval, on_train
 log = logging.getLogger("atelier")
 
 
-# Resume: settings whose change makes a backup meaningless (refused), and bookkeeping never compared
-RESUME_FIXED = ("model.path", "model.family", "model.config_path", "training.method", "training.train_unet",
+# Resume: settings whose change makes a backup meaningless (refused), and bookkeeping never compared.
+# model.path may change (a moved or re-downloaded file): a warning, and the trainable weights must still fit.
+RESUME_FIXED = ("model.family", "training.method", "training.train_unet",
                 "training.train_text_encoder", "training.train_text_encoder_2", "lora.type", "lora.rank", "lora.alpha", "lora.unet_targets",
                 "lora.custom_targets", "lora.conv_rank", "lora.conv_alpha", "lora.factor", "lora.decompose_both",
                 "embedding.placeholder", "embedding.num_vectors", "embedding.train_alongside",
@@ -816,8 +817,15 @@ class Trainer:
         self.scheduler.base_lrs = list(new_base_lrs)
         for group, base in zip(self.optimizer.param_groups, new_base_lrs):
             group["initial_lr"] = base
-        closed = getattr(self.scheduler, "_get_closed_form_lr", None)
-        lrs = closed() if closed is not None else self.scheduler.get_lr()
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)  # LambdaLR (diffusers' schedules): lr = base × λ(step)
+        if lambdas is not None:
+            lrs = [base * fn(self.scheduler.last_epoch) for base, fn in zip(new_base_lrs, lambdas)]
+        else:
+            import warnings
+            with warnings.catch_warnings():  # torch warns when get_lr is called outside step()
+                warnings.simplefilter("ignore", UserWarning)
+                closed = getattr(self.scheduler, "_get_closed_form_lr", None)
+                lrs = closed() if closed is not None else self.scheduler.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs):
             group["lr"] = lr
         self.scheduler._last_lr = list(lrs)

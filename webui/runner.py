@@ -74,13 +74,12 @@ def make_run_dir(workspace: str | os.PathLike, name: str = "") -> Path:
 
 
 def list_backups(run_dir: str | os.PathLike) -> List[Path]:
-    """The run's complete backups, oldest first: folders with a state.json, never a hidden temporary
-    (``.backup-….tmp-…``) a killed save left behind."""
+    """The run's backups on disk, oldest first — never a hidden temporary (``.backup-….tmp-…``) a killed save
+    left behind (a backup is written under a hidden name and renamed into place only once complete)."""
     folder = Path(run_dir) / "backups"
     if not folder.is_dir():
         return []
-    return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
-                   and (p / "state.json").is_file()), key=lambda p: p.name)
+    return sorted((p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
 
 
 def list_run_dirs(workspace: str | os.PathLike) -> List[Path]:
