@@ -69,3 +69,19 @@ def sks_data(tmp_path_factory) -> Path:
         caption = img.with_suffix(".txt").read_text().strip()
         (data / img.with_suffix(".txt").name).write_text(caption.replace("a ", "a <sks> ", 1))
     return data
+
+
+# The fast tier (`pytest -m "not slow"`, under 3 minutes): whole modules that train through the CLI, start
+# processes or drive a browser are slow; single slower tests elsewhere carry @pytest.mark.slow themselves.
+SLOW_MODULES = {
+    "test_distributed", "test_distributed_fused", "test_webui_e2e", "test_webui_method_tabs", "test_webui_dataset",
+    "test_webui_devices", "test_webui_runner", "test_startup", "test_train", "test_methods", "test_inpaint",
+    "test_ema", "test_models", "test_sdxl", "test_sdxl_more", "test_optim_more", "test_estimate_vram",
+    "test_embedding", "test_export",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

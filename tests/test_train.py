@@ -71,6 +71,9 @@ def test_lora_run_writes_the_whole_run_folder(tiny_workspace, peft_strict):
     assert "lora_unet_mid_block_attentions_0_transformer_blocks_0_attn2_to_out_0.alpha" in keys
     assert all(k.startswith("lora_unet_") for k in keys)
     assert meta["ss_network_dim"] == "4" and "atelier_config" in meta
+    shared = json.loads(meta["atelier_config"])  # files are shared publicly: no local paths in them
+    assert str(ws) not in meta["atelier_config"] and str(ROOT) not in meta["atelier_config"]
+    assert shared["data"]["concepts"][0]["path"] == "…/demo-data" and shared["general"]["workspace"] == "."
     pipe = tiny_pipe(ws)
     before = image(pipe)
     pipe.load_lora_weights(str(lora))
@@ -361,35 +364,23 @@ def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_fol
     assert not [p for p in backups.iterdir()] if backups.exists() else True  # the half-written backup is gone
 
 
-def test_temporaries_of_a_killed_save_are_removed_on_the_next_start_and_never_count_as_backups(tiny_workspace):
+def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and_refuses_a_new_rank(tiny_workspace):
     from webui.runner import list_backups as ui_backups
-    ws = tiny_workspace
-    common = ("training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]")
-    assert cli(["train", "--preset", "demo", *overrides(ws, "killed", *common)]) == 0
-    run = ws / "runs" / "killed"
-    # what kill -9 inside atomic_dir / atomic_path leaves: a hidden half backup, an old copy, a half result
-    half = run / "backups" / ".backup-step000003.tmp-0a1b2c3d"
-    half.mkdir()
-    (half / "trainable.safetensors").write_bytes(b"half")
-    (half / "state.json").write_text("{}")
-    old = run / "backups" / ".backup-step000002.old-deadbeef"
-    old.mkdir()
-    (run / ".killed.safetensors.tmp-12345678.safetensors").write_bytes(b"half")
-    assert [p.name for p in ui_backups(run)] == ["backup-step000001", "backup-step000002"]  # the UI never lists them
-    assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
-                "--set", "training.max_steps=3"]) == 0
-    leftovers = [p.name for d in (run, run / "backups") for p in d.iterdir() if p.name.startswith(".")]
-    assert leftovers == []
-
-
-def test_resume_applies_a_new_learning_rate_with_a_warning_and_refuses_a_new_rank(tiny_workspace):
     ws = tiny_workspace
     common = ("training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]", "training.learning_rate=0.001",
               "training.lr_scheduler=constant", "training.lr_warmup_steps=0")
     assert cli(["train", "--preset", "demo", *overrides(ws, "relr", *common)]) == 0
     run = ws / "runs" / "relr"
+    # what kill -9 inside atomic_dir / atomic_path leaves: a hidden half backup, an old copy, a half result
+    half = run / "backups" / ".backup-step000003.tmp-0a1b2c3d"
+    half.mkdir()
+    (half / "state.json").write_text("{}")
+    (run / "backups" / ".backup-step000002.old-deadbeef").mkdir()
+    (run / ".relr.safetensors.tmp-12345678.safetensors").write_bytes(b"half")
+    assert [p.name for p in ui_backups(run)] == ["backup-step000001", "backup-step000002"]  # the UI never lists them
     assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
                 "--set", "training.max_steps=3", "--set", "training.learning_rate=0.01"]) == 0
+    assert [p.name for d in (run, run / "backups") for p in d.iterdir() if p.name.startswith(".")] == []
     events = read_events(run / "events.jsonl")
     warnings = [e["message"] for e in events if e["type"] == "warning"]
     assert any("training.learning_rate was 0.001" in w and "now 0.01" in w for w in warnings), warnings
@@ -402,17 +393,9 @@ def test_resume_applies_a_new_learning_rate_with_a_warning_and_refuses_a_new_ran
     assert failed["type"] == "failed" and "lora.rank: 4 in the backup, 8 now" in failed["message"]
 
 
-def test_result_metadata_carries_no_local_paths_unless_asked(tiny_workspace):
-    from safetensors import safe_open
-    ws = tiny_workspace
-    common = ("training.max_steps=1", "sampling.prompts=[]", "output.path=" + str(ws / "out" / "results"))
-    assert cli(["train", "--preset", "demo", *overrides(ws, "meta-portable", *common)]) == 0
-    with safe_open(str(ws / "out" / "results" / "meta-portable.safetensors"), "pt") as f:
-        config = json.loads(f.metadata()["atelier_config"])
-    text = json.dumps(config)
-    assert str(ws) not in text and str(ROOT) not in text and str(Path.home()) not in text
-    assert config["data"]["concepts"][0]["path"] == "…/demo-data"
-    assert config["output"]["path"] == "out/results"  # inside the workspace: relative to it
-    assert cli(["train", "--preset", "demo", *overrides(ws, "meta-none", *common, "output.config_metadata=none")]) == 0
-    with safe_open(str(ws / "out" / "results" / "meta-none.safetensors"), "pt") as f:
-        assert "atelier_config" not in f.metadata() and f.metadata()["atelier_step"] == "1"
+def test_portable_config_paths():
+    from trainer.loop import portable_paths
+    ws = str(ROOT / "ws")
+    out = portable_paths({"a": ws, "b": [str(ROOT / "ws" / "runs" / "r")], "c": "/data/private/dogs", "d": "text",
+                          "e": 3, "f": "~/secret/cats"}, ws)
+    assert out == {"a": ".", "b": ["runs/r"], "c": "…/dogs", "d": "text", "e": 3, "f": "…/cats"}

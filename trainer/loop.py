@@ -53,8 +53,8 @@ def portable_paths(node: Any, workspace: str) -> Any:
     if isinstance(node, str) and (os.path.isabs(node) or node.startswith("~")):
         p = Path(node).expanduser()
         try:
-            return Path(os.path.relpath(p, Path(workspace).expanduser().resolve())).as_posix() \
-                if Path(workspace).expanduser().resolve() in p.resolve().parents else f"…/{p.name}"
+            ws, real = Path(workspace).expanduser().resolve(), p.resolve()
+            return Path(os.path.relpath(real, ws)).as_posix() if real == ws or ws in real.parents else f"…/{p.name}"
         except (OSError, ValueError):
             return f"…/{p.name}"
     return node
