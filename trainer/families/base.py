@@ -79,6 +79,25 @@ class Family:
     def trainable_modules(self) -> Dict[str, Any]:
         return self.parts()
 
+    def _place_frozen(self, dtypes: Dict[str, Any], names: Tuple[str, ...]) -> None:
+        """Move each named module to ``self.device`` in its storage dtype (a single file with mixed dtypes
+        loads in fp32), frozen and in eval mode: the methods unfreeze what trains."""
+        for name in names:
+            module = getattr(self, name)
+            module.to(self.device)
+            if module.dtype != dtypes[name]:
+                module.to(dtype=dtypes[name])
+            module.requires_grad_(False)
+            module.eval()
+
+    @staticmethod
+    def _storage_dtypes(mcfg: Any, **parts: str) -> Dict[str, Any]:
+        """``{module name: torch dtype}`` from the ``model.*_dtype`` fields named in ``parts`` (plus the VAE's)."""
+        import torch
+        out = {name: torch_dtype(getattr(mcfg, field, "") or mcfg.text_encoder_dtype) for name, field in parts.items()}
+        out.update(vae=torch_dtype(mcfg.vae_dtype), default=torch.float32)
+        return out
+
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """VAE posterior (mean, std) in fp32 on the CPU: cached as is, sampled every step."""

@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, ModelLoadError, torch_dtype
+from trainer.families.base import Family, ModelLoadError
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
@@ -77,9 +77,8 @@ class Flux(Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         variant = found or (chosen if chosen in OFFICIAL else "flux-dev")
-        dtypes = {"transformer": torch_dtype(mcfg.unet_dtype), "text_encoder": torch_dtype(mcfg.text_encoder_dtype),
-                  "text_encoder_2": torch_dtype(getattr(mcfg, "text_encoder_2_dtype", "") or mcfg.text_encoder_dtype),
-                  "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
+        dtypes = self._storage_dtypes(mcfg, transformer="unet_dtype", text_encoder="text_encoder_dtype",
+                                      text_encoder_2="text_encoder_2_dtype")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes)
         else:
@@ -96,13 +95,7 @@ class Flux(Family):
         self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
         self.objective = self._objective()
         self.device = torch.device(device)
-        for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
-            module = getattr(self, name)
-            module.to(self.device)
-            if module.dtype != dtypes[name]:
-                module.to(dtype=dtypes[name])
-            module.requires_grad_(False)
-            module.eval()
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "text_encoder_2", "vae"))
         if getattr(mcfg, "attention", "sdpa") == "xformers":
             raise ModelLoadError("model.attention = xformers: Flux runs on PyTorch SDPA. Use sdpa.", key="model.attention")
         self._vae_dtype_name = mcfg.vae_dtype

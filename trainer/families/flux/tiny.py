@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Dict
 
@@ -58,27 +57,7 @@ def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = N
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <FluxPipeline folder>, "single_file": <BFL transformer .safetensors>}``."""
-    from safetensors.torch import save_file
-
+    from trainer.families.common.tiny_store import store_tiny
     from trainer.families.flux.keys import diffusers_to_bfl
-    root = Path(root)
-    folder, single = root / kind, root / f"{kind}.safetensors"
-    stamp = folder / ".atelier-tiny"
-    if stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists():
-        return {"diffusers": folder, "single_file": single}
-    tmp = root / f".{kind}.building"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    pipe = build_tiny_pipeline(kind, folder=tmp / ".tokenizers")
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    shutil.rmtree(tmp / ".tokenizers")
-    state = {k: v.contiguous() for k, v in diffusers_to_bfl(pipe.transformer.state_dict()).items()}
-    save_file(state, str(root / f".{kind}.safetensors.tmp"))
-    (tmp / ".atelier-tiny").write_text(str(TINY_VERSION))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    os.replace(root / f".{kind}.safetensors.tmp", single)
-    os.chmod(single, 0o644)
-    return {"diffusers": folder, "single_file": single}
+    return store_tiny(kind, root, TINY_VERSION, lambda tokenizers: build_tiny_pipeline(kind, folder=tokenizers),
+                      diffusers_to_bfl)

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.families.base import Family, ModelLoadError, torch_dtype
+from trainer.families.base import Family, ModelLoadError
 
 CONFIGS = Path(__file__).parent / "configs"
 OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",
@@ -66,8 +66,7 @@ class PixArt(Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         variant = found or (chosen if chosen in OFFICIAL else "pixart-sigma")
-        dtypes = {"transformer": torch_dtype(mcfg.unet_dtype), "text_encoder": torch_dtype(mcfg.text_encoder_dtype),
-                  "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
+        dtypes = self._storage_dtypes(mcfg, transformer="unet_dtype", text_encoder="text_encoder_dtype")
         pipe_cls = PixArtAlphaPipeline if variant == "pixart-alpha" else PixArtSigmaPipeline
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, pipe_cls, dtypes)
@@ -87,13 +86,7 @@ class PixArt(Family):
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or CAPTION_TOKENS[variant]),
                                        int(self.tokenizer.model_max_length))
         self.device = torch.device(device)
-        for name in ("transformer", "text_encoder", "vae"):
-            module = getattr(self, name)
-            module.to(self.device)
-            if module.dtype != dtypes[name]:
-                module.to(dtype=dtypes[name])
-            module.requires_grad_(False)
-            module.eval()
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
         if getattr(mcfg, "attention", "sdpa") == "xformers":
             try:
                 self.transformer.enable_xformers_memory_efficient_attention()

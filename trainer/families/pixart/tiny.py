@@ -6,7 +6,6 @@ width 16, a T5 tokenizer built offline, a 4-channel VAE. Built without touching 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Dict
 
@@ -44,27 +43,6 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <PixArtSigmaPipeline folder>, "single_file": <original-layout .safetensors>}``."""
-    from safetensors.torch import save_file
-
+    from trainer.families.common.tiny_store import store_tiny
     from trainer.families.pixart.keys import diffusers_to_original
-    root = Path(root)
-    folder, single = root / kind, root / f"{kind}.safetensors"
-    stamp = folder / ".atelier-tiny"
-    if stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists():
-        return {"diffusers": folder, "single_file": single}
-    tmp = root / f".{kind}.building"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    pipe = build_tiny_pipeline(tmp / ".tokenizers")
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    shutil.rmtree(tmp / ".tokenizers")
-    state = {k: v.contiguous() for k, v in diffusers_to_original(pipe.transformer.state_dict()).items()}
-    save_file(state, str(root / f".{kind}.safetensors.tmp"))
-    (tmp / ".atelier-tiny").write_text(str(TINY_VERSION))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
-    os.replace(root / f".{kind}.safetensors.tmp", single)
-    os.chmod(single, 0o644)
-    return {"diffusers": folder, "single_file": single}
+    return store_tiny(kind, root, TINY_VERSION, lambda tokenizers: build_tiny_pipeline(tokenizers), diffusers_to_original)
