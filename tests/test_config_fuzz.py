@@ -11,11 +11,11 @@ SECTIONS = ["general", "model", "data", "training", "loss", "ema", "precision", 
             "backup", "output"]
 BAD_VALUES = ["[1, 2]", "5", "'text'", "true", "{a: 1}", "null_value", "${missing.key}", "${no_such_resolver:}"]
 CASES = (
-    [f"{s}: {v}" for s in SECTIONS for v in ("[1, 2]", "5", "'text'")]
+    [f"{s}: {v}" for s in SECTIONS for v in ("[1, 2]", "'text'")]
     + [f"data:\n  concepts: {v}" for v in ("{a: 1}", "5", "'x'", "[1, 2]", "[{path: 3, repeats: many}]")]
     + [f"sampling:\n  prompts: {v}" for v in ("{a: 1}", "a cat", "[{prompt: x, width: big}]")]
     + [f"training:\n  {k}: {v}" for k in ("epochs", "learning_rate", "batch_size", "optimizer", "method")
-       for v in BAD_VALUES[:4] + BAD_VALUES[6:]]
+       for v in ("[1, 2]", "{a: 1}", "${missing.key}")]
     + [f"model:\n  path: {v}" for v in ("${missing.key}", "${no_such_resolver:}", "[a, b]", "{x: 1}")]
     + ["[1, 2, 3]", "just a string", "{", "training:\n  epochs: 1\n   bad_indent: 2", "base: no-such-preset",
        "version: 99", "version: many", "nonsense_section:\n  x: 1", "training:\n  no_such_key: 1",

@@ -102,21 +102,21 @@ def test_family_contract(row: Row, tmp_path):
             shutil.copy(DEMO_DATA / (name + ext), data / (name + ext))
     val = tmp_path / "val"
     shutil.copytree(data, val)
-    common = (f"model.path=builtin:{row.tiny}", "training.max_steps=24", "training.batch_size=2",
+    common = (f"model.path=builtin:{row.tiny}", "training.max_steps=16", "training.batch_size=2",
               "training.learning_rate=0.01", "training.lr_scheduler=constant", "loss.timestep_min=500", "lora.rank=8", "lora.alpha=8",
               f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]",
-              "training.validation_every_n_steps=6", "sampling.prompts=[]", "backup.keep_last=4",
+              "training.validation_every_n_steps=4", "sampling.prompts=[]", "backup.keep_last=4",
               *row.settings)
-    straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=12")
+    straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=8")
     vals = [e["loss"] for e in _events(straight) if e["type"] == "validation"]
     assert len(vals) == 4 and all(torch.isfinite(torch.tensor(vals))), vals
-    assert vals[-1] < 0.85 * vals[0], vals
+    assert vals[-1] < 0.9 * vals[0], vals  # 16 steps on two images: the fixed-noise loss falls by >10 %
 
-    # 3. resumed from the step-12 backup, the run ends where the uninterrupted one did
+    # 3. resumed from the step-8 backup, the run ends where the uninterrupted one did
     resumed = ws / "runs" / f"{row.family}-resumed"
     shutil.copytree(straight, resumed)
     for backup in (resumed / "backups").iterdir():
-        if not backup.name.endswith("000012"):
+        if not backup.name.endswith("000008"):
             shutil.rmtree(backup)
     (resumed / f"{row.family}-straight.safetensors").unlink()
     from trainer.__main__ import main as cli

@@ -1,4 +1,5 @@
-"""LoRA and Embedding settings are shown only while training.method uses them, in a real browser."""
+"""LoRA and Embedding settings are shown only while training.method uses them, and per-part fields follow the
+model's family, in a real browser."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def test_visibility_rules():
     assert method_tab_visibility("embedding", False) == {"lora": False, "embedding": True}
 
 
-def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
+def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
+    """LoRA settings follow training.method and keep their values while hidden; model.path → the family told
+    from the registry (no model load) with its parts named, per-part fields hidden when the family lacks the
+    part and carrying the part's name when it has it. One browser session for both (each costs seconds)."""
     from test_webui_e2e import open_page
     url, ctx = page_url
 
@@ -30,21 +34,6 @@ def test_lora_settings_follow_the_method_and_keep_their_values(page_url):
         page.get_by_role("tab", name="LoRA", exact=True).click()
         page.locator("#tab-note-lora").wait_for(state="visible", timeout=20000)
         assert not page.locator("#tab-body-lora").is_visible()
-        choose(page, "demo")
-        page.get_by_role("tab", name="LoRA", exact=True).click()
-        page.locator("#tab-body-lora").wait_for(state="visible", timeout=20000)
-        assert not page.locator("#tab-note-lora").is_visible()
-        rank = page.locator("#tab-body-lora input[type=number]").first
-        assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
-
-
-def test_the_form_follows_the_models_family_and_its_parts(page_url):
-    """model.path → the family told from the registry (no model load), its parts named; fields of parts the
-    family lacks are hidden, those it has carry the part's name."""
-    from test_webui_e2e import open_page
-    url, ctx = page_url
-
-    with open_page(url) as page:
         choose(page, "demo-sdxl")
         page.get_by_role("tab", name="Model", exact=True).click()
         page.wait_for_function("document.querySelector('#family-parts').innerText.includes('OpenCLIP-G')",
@@ -55,6 +44,11 @@ def test_the_form_follows_the_models_family_and_its_parts(page_url):
         te2.wait_for(state="visible", timeout=20000)
         assert "OpenCLIP-G" in te2.inner_text()
         choose(page, "demo")
+        page.get_by_role("tab", name="LoRA", exact=True).click()
+        page.locator("#tab-body-lora").wait_for(state="visible", timeout=20000)
+        assert not page.locator("#tab-note-lora").is_visible()
+        rank = page.locator("#tab-body-lora input[type=number]").first
+        assert rank.input_value() == "4"  # the demo's lora.rank survived being hidden
         page.get_by_role("tab", name="Model", exact=True).click()
         page.wait_for_function(
             "document.querySelector('#family-parts').innerText.includes('Stable Diffusion 1.x/2.x')", timeout=20000)
