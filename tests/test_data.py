@@ -151,6 +151,55 @@ def test_unreadable_images_are_skipped_with_warnings(tmp_path):
     assert report.to_dict()["total_skipped"] == 4
 
 
+def _png_with_idat(path: Path, idat: bytes, size=(32, 32)) -> None:
+    """A PNG whose chunk checksums are all valid but whose pixel stream is ``idat``."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+    ihdr = struct.pack(">IIBBBBB", size[0], size[1], 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def test_the_check_decodes_every_image_and_names_what_it_does_not_use(tmp_path):
+    """Valid checksums are not enough: a PNG whose pixel stream is broken or missing rows is skipped
+    and named (before, the first failed the whole run at caching and the second trained as black);
+    a GIF is named as not used; empty caption files and all-black masks are named."""
+    import zlib
+    d = tmp_path / "c"
+    _img(d / "good.png", size=(32, 32))
+    (d / "good.txt").write_text("a cat", encoding="utf-8")
+    rows = b"".join(b"\x00" + bytes([120, 60, 30]) * 32 for _ in range(32))
+    _png_with_idat(d / "whole.png", zlib.compress(rows))
+    _png_with_idat(d / "short.png", zlib.compress(rows[: len(rows) // 4]))
+    broken = bytearray(zlib.compress(rows))
+    broken[8:16] = b"\xff" * 8
+    _png_with_idat(d / "broken.png", bytes(broken))
+    (d / "blank.txt").write_text("  \n", encoding="utf-8")
+    _img(d / "blank.png", size=(32, 32))
+    Image.new("RGB", (8, 8)).save(d / "anim.gif")
+    _img(d / "good-masklabel.png", mode="L", size=(32, 32), color=0)  # nothing in focus
+    _img(d / "whole-masklabel.png", mode="L", size=(32, 32), color=255)
+    warnings: list[str] = []
+    items, report = scan_concepts(_cfg({"path": str(d)}, masks=True), warn=warnings.append)
+
+    assert sorted(it.path.name for it in items) == ["blank.png", "good.png", "whole.png"]
+    c = report.concepts[0]
+    reasons = dict(c.skipped)
+    assert set(reasons) == {"short.png", "broken.png"}
+    assert "rows" in reasons["short.png"] and "8 of 32" in reasons["short.png"]
+    assert "damaged" in reasons["broken.png"]
+    assert c.unused_files == ["anim.gif"] and any("anim.gif" in w for w in warnings)
+    assert c.captions_empty_files == ["blank.txt"] and any("blank.txt" in w for w in warnings)
+    assert c.masks_blank == ["good-masklabel.png"]
+    assert any("good-masklabel.png" in w and "black" in w for w in warnings)
+    from trainer.data.report import format_report
+    text = format_report(report.to_dict())
+    for name in ("anim.gif", "blank.txt", "good-masklabel.png", "short.png", "broken.png"):
+        assert name in text, name
+
+
 def test_folder_problems_name_the_field(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError) as err:
@@ -436,3 +485,32 @@ def test_a_torn_last_event_line_is_repaired_on_open_and_a_failed_write_leaves_no
     assert path.read_bytes().endswith(b"\n")
     writer.emit("finished", step=3)
     assert [e["type"] for e in events.read_events(path)] == ["step", "started", "finished"]
+
+
+def test_a_full_disk_still_lets_the_run_record_why_it_ended(tmp_path, monkeypatch):
+    """The trainer's writer keeps a small reserve file: when the disk fills, the event that hit it fails
+    (the run ends), the reserve is freed, and the error and failed events fit in its place."""
+    import errno
+    import os
+
+    import trainer.events as events
+    path = tmp_path / "events.jsonl"
+    writer = events.EventWriter(path, reserve=True)
+    reserve = tmp_path / ".events.jsonl.reserve"
+    assert reserve.stat().st_size == events.EventWriter.RESERVE_BYTES
+    real_write = os.write
+
+    def full_until_space_is_freed(fd, data):
+        if reserve.exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(events.os, "write", full_until_space_is_freed)
+    with pytest.raises(OSError):
+        writer.emit("step", step=1)
+    assert not reserve.exists()
+    writer.emit("error", message="the disk is full")
+    writer.emit("failed", step=1, message="the disk is full")
+    assert [e["type"] for e in events.read_events(path)] == ["error", "failed"]
+    monkeypatch.setattr(events.os, "write", real_write)
+    events.EventWriter(path, reserve=True).emit("finished", step=2)  # a terminal event gives the reserve back
+    assert not reserve.exists()

@@ -28,6 +28,8 @@ from trainer.config import ConfigError
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+# Image files people drop into a dataset that are not trained on: named in the check, not silently ignored.
+UNUSED_IMAGE_EXTENSIONS = (".gif", ".avif", ".heic", ".heif", ".jxl", ".svg", ".psd", ".ico", ".apng", ".jp2")
 MASK_SUFFIX = "-masklabel.png"  # OneTrainer's mask naming; masks are paired with images later
 _LIST_LIMIT = 20  # how many file names a warning or report lists before "and N more"
 
@@ -67,6 +69,9 @@ class ConceptReport:
     skipped: List[Tuple[str, str]] = field(default_factory=list)  # (file, reason)
     captions_missing: int = 0   # txt mode: no caption file next to the image
     captions_empty: int = 0     # caption file present but blank
+    captions_empty_files: List[str] = field(default_factory=list)
+    unused_files: List[str] = field(default_factory=list)     # images in a format Atelier does not train on
+    masks_blank: List[str] = field(default_factory=list)      # all-black masks: the image trains only outside focus
     validation: bool = False
     resolution: str = ""        # the concept's own resolution setting ("" = data.resolution)
     masks_found: int = 0
@@ -90,6 +95,9 @@ class ConceptReport:
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped[:_LIST_LIMIT]],
             "skipped_not_listed": max(0, self.images_skipped - _LIST_LIMIT),
             "captions_missing": self.captions_missing, "captions_empty": self.captions_empty,
+            "captions_empty_files": self.captions_empty_files[:_LIST_LIMIT],
+            "unused_files": self.unused_files[:_LIST_LIMIT],
+            "masks_blank": self.masks_blank[:_LIST_LIMIT],
             "caption_coverage": round(self.captions_with_text / self.images_used, 4) if self.images_used else 0.0,
             "masks_found": self.masks_found, "masks_missing": len(self.masks_missing),
             "masks_missing_files": self.masks_missing[:_LIST_LIMIT],
@@ -202,8 +210,9 @@ def _resolve(path_str: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
-              masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
+def concept_folder(index: int, concept: Any, base: Path) -> Tuple[Path, List[Path]]:
+    """The folder of an enabled concept and its image files, or DataError naming the field: empty,
+    missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too."""
     key = f"data.concepts.{index}.path"
     label = _label(index, concept)
     if not str(concept.path or "").strip():
@@ -216,19 +225,47 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     if not folder.is_dir():
         raise DataError(f"{key}: '{folder}' is a file, not a folder. Point {label} at the folder "
                         "that holds the images.", key=key, value=str(concept.path))
-
-    report = ConceptReport(index=index, name=str(concept.name or folder.name), path=str(folder),
-                           repeats=float(concept.repeats), validation=bool(getattr(concept, "validation", False)),
-                           resolution=str(getattr(concept, "resolution", "") or ""))
     files = find_images(folder, bool(concept.recursive))
-    report.images_found = len(files)
     if not files:
         hint = ""
         if not concept.recursive and find_images(folder, True):
             hint = f" Its sub-folders do hold images: turn on data.concepts.{index}.recursive."
         raise DataError(f"{key}: folder '{folder}' has no images ({' '.join(IMAGE_EXTENSIONS)}).{hint} "
                         f"Add images, fix the path, or disable {label}.", key=key, value=str(concept.path))
+    return folder, files
 
+
+def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> Path:
+    """The caption file of a ``caption_source: concept_file`` concept, or DataError naming the field."""
+    key = f"data.concepts.{index}.caption_file"
+    if not str(concept.caption_file or "").strip():
+        raise DataError(f"{key} is empty: {_label(index, concept)} reads its captions from one text "
+                        "file; name that file.", key=key)
+    path = _resolve(concept.caption_file, base)
+    if not path.is_file() and not Path(str(concept.caption_file)).is_absolute():
+        path = folder / str(concept.caption_file)  # also accept a path relative to the concept folder
+    if not path.is_file():
+        raise DataError(f"{key}: caption file '{concept.caption_file}' was not found (looked in "
+                        f"'{base}' and '{folder}'). Fix the path or use caption_source=txt.",
+                        key=key, value=str(concept.caption_file))
+    return path
+
+
+def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
+              masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
+    key = f"data.concepts.{index}.path"
+    label = _label(index, concept)
+    folder, files = concept_folder(index, concept, base)
+
+    report = ConceptReport(index=index, name=str(concept.name or folder.name), path=str(folder),
+                           repeats=float(concept.repeats), validation=bool(getattr(concept, "validation", False)),
+                           resolution=str(getattr(concept, "resolution", "") or ""))
+    report.images_found = len(files)
+    report.unused_files = find_images(folder, bool(concept.recursive), UNUSED_IMAGE_EXTENSIONS, relative=True)
+    if report.unused_files:
+        warn(f"{label}: {len(report.unused_files)} files are in a format Atelier does not train on and are "
+             f"not used ({_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
+             "export the frames you want) to train on them.")
     shared_captions: Optional[List[str]] = None
     if concept.caption_source == "concept_file":
         shared_captions = _read_concept_file(index, concept, folder, base, warn)
@@ -256,6 +293,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
                 captions = [""]
             elif not captions:
                 report.captions_empty += 1
+                report.captions_empty_files.append(_rel(path.with_name(path.stem + _caption_ext(concept.caption_extension)),
+                                                        folder))
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
                                loss_weight=float(concept.loss_weight), width=size[0], height=size[1],
@@ -271,8 +310,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
              f"({_list(missing)}); they train with an empty caption. Add <image name>{ext} next to "
              f"each image, or set data.concepts.{index}.caption_source to concept_file or filename.")
     if report.captions_empty:
-        warn(f"{label}: {report.captions_empty} caption files are empty; those images train with an "
-             "empty caption.")
+        warn(f"{label}: {report.captions_empty} caption files are empty ({_list(report.captions_empty_files)}); "
+             "those images train with an empty caption. Write a caption into each, or delete them.")
     if not items:
         raise DataError(f"{key}: none of the {report.images_found} images in '{folder}' could be read "
                         f"({_list([f'{f}: {r}' for f, r in report.skipped], 5)}). "
@@ -314,14 +353,22 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
             continue
         item.mask = m
         report.masks_found += 1
+        if mask_is_blank(m):
+            report.masks_blank.append(mrel)
+    if report.masks_blank:
+        warn(f"{label}: {len(report.masks_blank)} masks are black everywhere ({_list(report.masks_blank)}): "
+             "nothing of those images is in focus, so they train only at loss.unmasked_weight. Paint the "
+             "subject white, or delete the mask to train the whole image.")
     if report.masks_missing:
         warn(f"{label}: {len(report.masks_missing)} of {len(items)} images have no mask "
              f"({_list(report.masks_missing)}); they train as if all of the image were in focus. "
              f"Add <image name>{MASK_SUFFIX} (white = focus) next to each image.")
 
 
-def find_images(folder: Path, recursive: bool) -> List[Path]:
-    """Image files of a folder, sorted so every machine sees the same order.
+def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMAGE_EXTENSIONS,
+                relative: bool = False) -> List[Any]:
+    """Image files of a folder, sorted so every machine sees the same order (``relative``: as
+    strings relative to ``folder``).
 
     Hidden files and folders (``.DS_Store``, macOS ``._name.png`` resource forks,
     ``.ipynb_checkpoints``) and mask files (``*-masklabel.png``) are not training images.
@@ -332,22 +379,24 @@ def find_images(folder: Path, recursive: bool) -> List[Path]:
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         for name in names:
             low = name.lower()
-            if name.startswith(".") or low.endswith(MASK_SUFFIX) or not low.endswith(IMAGE_EXTENSIONS):
+            if name.startswith(".") or low.endswith(MASK_SUFFIX) or not low.endswith(extensions):
                 continue
             p = Path(root) / name
             if p.is_file():
                 out.append(p)
     out.sort(key=lambda p: _rel(p, folder))
-    return out
+    return [_rel(p, folder) for p in out] if relative else out
 
 
 def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
-    """Cheaply check that ``path`` is a readable image: ``((width, height), None)`` or
+    """Check that ``path`` is an image that decodes whole: ``((width, height), None)`` or
     ``((0, 0), reason)``.
 
-    PNGs get Pillow's ``verify()`` (chunk structure and CRCs, no pixel decoding); JPEGs are decoded
-    at a reduced DCT scale (``draft``), which catches truncation for a fraction of the cost; other
-    formats (WebP, BMP, TIFF), whose ``verify()`` checks little, are decoded in full.
+    Every image is decoded in full, so a file whose checksums are valid but whose pixel stream is
+    broken is caught here, not at caching. PNGs also get Pillow's ``verify()`` (chunk CRCs) and a
+    check that the compressed stream holds every row (Pillow fills missing rows with black without
+    a word); JPEGs are decoded at a reduced DCT scale (``draft``: the whole entropy-coded stream is
+    still read, so truncation and corruption show, for a fraction of the cost).
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -360,10 +409,14 @@ def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
             orientation = _orientation(img)
             if fmt == "PNG":
                 img.verify()
-            else:
-                if fmt == "JPEG":
-                    img.draft(None, (64, 64))
-                img.load()
+        if fmt == "PNG":
+            problem = png_stream_problem(path)
+            if problem:
+                return (0, 0), problem
+        with Image.open(path) as img:
+            if fmt == "JPEG":
+                img.draft(None, (64, 64))
+            img.load()
     except UnidentifiedImageError:
         return (0, 0), "not an image Pillow can read (wrong extension or damaged file)"
     except Image.DecompressionBombError as exc:
@@ -375,6 +428,61 @@ def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
     if orientation in (5, 6, 7, 8):  # rotated by 90°: displayed size is transposed
         width, height = height, width
     return (width, height), None
+
+
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
+
+
+def png_stream_problem(path: Path) -> Optional[str]:
+    """Why the pixel data of a PNG is incomplete or broken, or None: the IDAT stream must inflate to
+    exactly the bytes its header promises (a cut-off stream with valid checksums otherwise decodes
+    as an image whose last rows are black). Standard library only."""
+    import struct
+    import zlib
+    with open(path, "rb") as fh:
+        data = fh.read()
+    pos, ihdr, inflater, got = 8, None, zlib.decompressobj(), 0
+    while pos + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        ctype, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        pos += 12 + length
+        if ctype == b"IHDR" and len(body) >= 13:
+            ihdr = struct.unpack(">IIBBBBB", body[:13])
+        elif ctype == b"IDAT":
+            try:
+                got += len(inflater.decompress(body))
+            except zlib.error as exc:
+                return f"damaged pixel data ({exc})"
+        elif ctype == b"IEND":
+            break
+    if ihdr is None:
+        return "no PNG header"
+    width, height, depth, colour, _c, _f, interlace = ihdr
+    bits = _PNG_CHANNELS.get(colour, 4) * depth
+    if interlace:  # Adam7: seven reduced images, each row with its filter byte
+        passes = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
+        want = 0
+        for x0, y0, dx, dy in passes:
+            w, h = (width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy
+            if w and h:
+                want += h * (1 + (w * bits + 7) // 8)
+    else:
+        want = height * (1 + (width * bits + 7) // 8)
+    if got < want or not inflater.eof:
+        rows = got * height // want if want else 0
+        return (f"truncated pixel data: about {rows} of {height} rows are in the file (the rest would train "
+                "as black)")
+    return None
+
+
+def mask_is_blank(path: Path) -> bool:
+    """True when a mask is black everywhere (no pixel in focus)."""
+    from PIL import Image
+    try:
+        with Image.open(path) as img:
+            return img.convert("L").getextrema()[1] == 0
+    except (OSError, ValueError, SyntaxError):
+        return False
 
 
 def _orientation(img: Any) -> int:
@@ -450,16 +558,7 @@ def _read_image_captions(image: Path, extension: str, warn: Warn) -> Optional[Li
 
 def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn: Warn) -> List[str]:
     key = f"data.concepts.{index}.caption_file"
-    if not str(concept.caption_file or "").strip():
-        raise DataError(f"{key} is empty: {_label(index, concept)} reads its captions from one text "
-                        "file; name that file.", key=key)
-    path = _resolve(concept.caption_file, base)
-    if not path.is_file() and not Path(str(concept.caption_file)).is_absolute():
-        path = folder / str(concept.caption_file)  # also accept a path relative to the concept folder
-    if not path.is_file():
-        raise DataError(f"{key}: caption file '{concept.caption_file}' was not found (looked in "
-                        f"'{base}' and '{folder}'). Fix the path or use caption_source=txt.",
-                        key=key, value=str(concept.caption_file))
+    path = concept_caption_file(index, concept, folder, base)
     lines = caption_lines(read_text(path, warn))
     if not lines:
         raise DataError(f"{key}: caption file '{path}' has no caption. Write one caption a line.",
@@ -627,6 +726,6 @@ def _list(names: Sequence[str], limit: int = 5) -> str:
 
 __all__ = [
     "DataError", "ImageItem", "ConceptReport", "DataReport", "IMAGE_EXTENSIONS", "MASK_SUFFIX",
-    "scan_concepts", "find_images", "probe_image", "mask_path", "concept_repeats", "read_text", "caption_lines", "caption_from_filename",
+    "scan_concepts", "concept_folder", "concept_caption_file", "find_images", "probe_image", "png_stream_problem", "mask_is_blank", "mask_path", "concept_repeats", "read_text", "caption_lines", "caption_from_filename",
     "pick_caption", "sample_rng", "epoch_order", "epoch_length", "item_repeats",
 ]

@@ -42,6 +42,12 @@ def format_report(rep: dict) -> str:
             lines.append(f"  skipped: … and {c['skipped_not_listed']} more")
         for entry in c.get("masks_bad", []):
             lines.append(f"  mask ignored: {entry['file']}: {entry['reason']}")
+        for name in c.get("masks_blank", []):
+            lines.append(f"  mask black everywhere (nothing in focus): {name}")
+        for name in c.get("captions_empty_files", []):
+            lines.append(f"  empty caption file: {name}")
+        for name in c.get("unused_files", []):
+            lines.append(f"  not used (format not trained on): {name}")
     bs = rep.get("batch_size")
     lines.append(f"resolutions: {', '.join(rep.get('resolutions', []))}; batch size {bs}; "
                  f"{rep.get('batches_per_epoch')} batches per epoch"
