@@ -168,23 +168,19 @@ def _fails_with(ws, run, *extra, words=()):
     return msg
 
 
-def test_missing_model_path(tiny_workspace, capsys):
-    _fails_with(tiny_workspace, "bad-model", "model.path=/nonexistent/model.safetensors",
-                words=("model.path", "/nonexistent/model.safetensors", "does not exist"))
-    assert "Traceback" not in capsys.readouterr().err
-
-
-def test_hub_id_while_offline(tiny_workspace, tmp_path):
-    _fails_with(tiny_workspace, "bad-hub", "model.path=someone/not-cached-model", "model.hub_offline=true",
-                f"model.cache_dir={tmp_path}", words=("someone/not-cached-model", "hub_offline", "cache"))
-
-
-def test_empty_and_missing_concept_folders(tiny_workspace, tmp_path):
+def test_train_refuses_missing_files_before_the_run_starts(tiny_workspace, tmp_path, capsys):
+    """The check validate runs (trainer/preflight.py): a config error at the field, no run folder, no model loaded."""
     (tmp_path / "empty").mkdir()
-    _fails_with(tiny_workspace, "bad-empty", f"data.concepts.0.path={tmp_path / 'empty'}",
-                words=("data.concepts.0", str(tmp_path / "empty")))
-    _fails_with(tiny_workspace, "bad-missing", f"data.concepts.0.path={tmp_path / 'nope'}",
-                words=("data.concepts.0.path", "nope"))
+    for run, setting, words in (("bad-model", "model.path=/nonexistent/model.safetensors",
+                                 ("model.path", "/nonexistent/model.safetensors", "does not exist")),
+                                ("bad-empty", f"data.concepts.0.path={tmp_path / 'empty'}",
+                                 ("data.concepts.0.path", str(tmp_path / "empty"), "has no images")),
+                                ("bad-missing", f"data.concepts.0.path={tmp_path / 'nope'}",
+                                 ("data.concepts.0.path", "nope", "does not exist"))):
+        assert cli(["train", "--preset", "demo", *overrides(tiny_workspace, run, setting)]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words) and "Traceback" not in err, err
+        assert not (tiny_workspace / "runs" / run / "events.jsonl").exists()
 
 
 def test_broken_image_is_reported_and_skipped(tiny_workspace, tmp_path):
@@ -321,6 +317,23 @@ def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_fol
     assert "enforce fail" not in msg
     backups = ws / "runs" / "diskfull" / "backups"
     assert not [p for p in backups.iterdir()] if backups.exists() else True  # the half-written backup is gone
+    # the disk fills while the event stream is written: the run still ends with its failed event, saying why
+    import errno
+    import trainer.events as events_mod
+    real_write, run3 = os.write, ws / "runs" / "diskfull3"
+    state = {"steps": 0}
+
+    def full_after_a_step(fd, data):
+        if b'"type": "step"' in data:
+            state["steps"] += 1
+        if state["steps"] >= 2 and (run3 / ".events.jsonl.reserve").exists():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(events_mod.os, "write", full_after_a_step)
+    msg = _fails_with(ws, "diskfull3", "training.max_steps=4", "sampling.prompts=[]", words=("disk is full",))
+    monkeypatch.setattr(events_mod.os, "write", real_write)
+    assert [e["type"] for e in read_events(run3 / "events.jsonl")][-2:] == ["error", "failed"]
+    assert (run3 / "events.jsonl").read_bytes().endswith(b"\n") and not (run3 / ".events.jsonl.reserve").exists()
 
 
 def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and_refuses_a_new_rank(tiny_workspace):
@@ -328,15 +341,24 @@ def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and
     ws = tiny_workspace
     common = ("training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]", "training.learning_rate=0.001",
               "training.lr_scheduler=constant", "training.lr_warmup_steps=0")
-    assert cli(["train", "--preset", "demo", *overrides(ws, "relr", *common)]) == 0
+    # a real kill -9 while the second backup is being put in place (written whole under its hidden name)
+    killer = ("import os, signal, sys\nreal = os.replace\n"
+              "def replace(src, dst):\n"
+              "    if '.backup-step000002.tmp-' in str(src):\n"
+              "        os.kill(os.getpid(), signal.SIGKILL)\n"
+              "    return real(src, dst)\n"
+              "os.replace = replace\n"
+              "from trainer.__main__ import main\nsys.exit(main(sys.argv[1:], fresh_process=True))\n")
+    proc = subprocess.run([sys.executable, "-c", killer, "train", "--preset", "demo", *overrides(ws, "relr", *common)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run = ws / "runs" / "relr"
-    # what kill -9 inside atomic_dir / atomic_path leaves: a hidden half backup, an old copy, a half result
-    half = run / "backups" / ".backup-step000003.tmp-0a1b2c3d"
-    half.mkdir()
-    (half / "state.json").write_text("{}")
-    (run / "backups" / ".backup-step000002.old-deadbeef").mkdir()
+    left = [p.name for p in (run / "backups").iterdir() if p.name.startswith(".backup-step000002.tmp-")]
+    assert left and (run / "backups" / left[0] / "state.json").exists()  # what the kill left behind
+    # what a kill inside atomic_dir's swap or atomic_path leaves: an old copy, a half result
+    (run / "backups" / ".backup-step000001.old-deadbeef").mkdir()
     (run / ".relr.safetensors.tmp-12345678.safetensors").write_bytes(b"half")
-    assert [p.name for p in ui_backups(run)] == ["backup-step000001", "backup-step000002"]  # the UI never lists them
+    assert [p.name for p in ui_backups(run)] == ["backup-step000001"]  # the UI never lists them
     assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
                 "--set", "training.max_steps=3", "--set", "training.learning_rate=0.01"]) == 0
     assert [p.name for d in (run, run / "backups") for p in d.iterdir() if p.name.startswith(".")] == []

@@ -421,7 +421,9 @@ class PrecisionConfig:
 class LoraConfig:
     type: str = f("lora", "Adapter kind: LoRA (LoCon when conv layers are targeted), DoRA (LoRA with "
                           "weight decomposition), LoHa (Hadamard product) or LoKr (Kronecker product). "
-                          "LoHa/LoKr are saved in the LyCORIS format.",
+                          "LoRA/LoCon files load in ComfyUI, Forge, A1111 and diffusers; DoRA exactly in the "
+                          "loader output.dora_format names; LoHa/LoKr (LyCORIS format) in ComfyUI, Forge and "
+                          "A1111 but not diffusers.",
                   choices=["lora", "dora", "loha", "lokr"])
     rank: int = f(16, "LoRA rank (dim): capacity of the adapter.", min=1, max=1024)
     alpha: float = f(16.0, "LoRA alpha: the update is scaled by alpha/rank.", min=0.0, max=4096.0)
@@ -507,6 +509,13 @@ class OutputConfig:
     dtype: str = f("fp16", "dtype of the saved weights.", choices=DTYPES)
     save_every_n_epochs: int = f(0, "Also save an intermediate result every N epochs; 0 = only at the end.",
                                  min=0, max=100000)
+    dora_format: str = f("comfyui", "DoRA results: which loader's formula the file is written for (each loader "
+                                    "reads dora_scale differently; the file is exact in the one picked). comfyui = "
+                                    "ComfyUI and Forge; a1111 = AUTOMATIC1111 v1.10 (and ComfyUI/Forge builds from "
+                                    "before 2025; a larger file); lycoris = the LyCORIS/kohya formula (OneTrainer, "
+                                    "sd-scripts, LyCORIS). diffusers applies no DoRA file exactly (it drops "
+                                    "dora_scale).",
+                         choices=["comfyui", "a1111", "lycoris"])
     config_metadata: str = f("portable", "The training config written into the result's metadata: portable "
                                          "(paths relative to the workspace; folders outside it by their name "
                                          "only), full (as run, absolute paths included) or none.",
@@ -1051,6 +1060,8 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     if not enabled:
         out.append(Issue("data.concepts", "No enabled concept: add a folder of images to train on.",
                          level="error"))
+    from trainer.preflight import path_problems
+    out += [Issue(key, message, level="error") for key, message in path_problems(cfg)]  # files train would reject
     from trainer.optim import optim_warnings
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.model.unet_dtype == "fp16":

@@ -25,35 +25,19 @@ class ModelSource:
 
 def classify_source(path: str, workspace: str | os.PathLike) -> ModelSource:
     """Turn ``model.path`` into a concrete source, building built-in tiny models on demand."""
-    if not path:
-        raise ModelLoadError("model.path is empty: give a diffusers folder, a hub id (org/name), a "
-                             ".safetensors/.ckpt file, or builtin:tiny-sd.", key="model.path", value=path)
+    from trainer.preflight import model_path_problem
+    problem = model_path_problem(path)  # the same rules validate applies
+    if problem:
+        raise ModelLoadError(problem, key="model.path", value=path)
     if path.startswith("builtin:"):
-        from trainer.families import build_tiny, tiny_models
-        name = path.split(":", 1)[1]
-        if name not in tiny_models():
-            raise ModelLoadError(f"model.path '{path}': unknown built-in model; choose from "
-                                 + ", ".join(f"builtin:{n}" for n in tiny_models()) + ".", key="model.path",
-                                 value=path)
-        paths = build_tiny(name, Path(workspace) / "models")
+        from trainer.families import build_tiny
+        paths = build_tiny(path.split(":", 1)[1], Path(workspace) / "models")
         return ModelSource("folder", str(paths["diffusers"]), path)
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "model_index.json").exists() and not (p / "unet").is_dir() and not (p / "transformer").is_dir():
-            raise ModelLoadError(f"model.path '{path}' is a folder but not a diffusers model (no "
-                                 "model_index.json). Point it at the model's top folder, or at a "
-                                 ".safetensors file.", key="model.path", value=path)
         return ModelSource("folder", str(p), path)
     if p.is_file():
-        if p.suffix.lower() not in (".safetensors", ".ckpt", ".pt", ".pth", ".bin"):
-            raise ModelLoadError(f"model.path '{path}' is a {p.suffix or 'extension-less'} file; expected a "
-                                 ".safetensors or .ckpt checkpoint.", key="model.path", value=path)
         return ModelSource("single_file", str(p), path)
-    looks_local = path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", "", 1) \
-        or path.lower().endswith((".safetensors", ".ckpt"))
-    if looks_local or path.count("/") != 1:
-        raise ModelLoadError(f"model.path '{path}' does not exist. Check the path (it is read relative to "
-                             f"the folder you started from: {os.getcwd()}).", key="model.path", value=path)
     return ModelSource("hub", path, path)
 
 

@@ -1,0 +1,131 @@
+"""Everything ``train`` would reject about files and folders, checked before a model loads.
+
+``validate`` (and the UI's "Check settings") run these through :func:`trainer.config.cross_field_warnings`,
+so a missing model file, concept folder, caption file, LoRA to continue from, sample image or an
+unwritable workspace is named at its field in a second, not after minutes of model loading.
+Torch-free: a directory listing and ``os.access``, no image decoding (the data check does that).
+
+Relative paths are read from the folder Atelier was started in, as the trainer reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, List, Optional
+
+CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+
+
+def _local(path: str, base: Path) -> Path:
+    p = Path(os.path.expanduser(path))
+    return p if p.is_absolute() else base / p
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``org/name``: one slash, no backslash, drive letter, leading dot or tilde, no checkpoint suffix."""
+    return (path.count("/") == 1 and not path.startswith((".", "/", "~")) and "\\" not in path
+            and ":" not in path and not path.lower().endswith(CHECKPOINT_SUFFIXES)
+            and all(part.strip() for part in path.split("/")))
+
+
+def model_path_problem(path: str, base: Optional[Path] = None) -> Optional[str]:
+    """Why ``model.path`` cannot be loaded, when that can be told without loading it; None for an
+    existing folder or checkpoint file, a known ``builtin:`` name, or something shaped like a hub id."""
+    base = base or Path.cwd()
+    path = str(path or "").strip()
+    if not path:
+        return ("model.path is empty: give a diffusers folder, a hub id (org/name), a .safetensors/.ckpt file, "
+                "or builtin:tiny-sd.")
+    if path.startswith("builtin:"):
+        from trainer.families import tiny_models
+        if path.split(":", 1)[1] not in tiny_models():
+            return (f"model.path '{path}': unknown built-in model; choose from "
+                    + ", ".join(f"builtin:{n}" for n in tiny_models()) + ".")
+        return None
+    p = _local(path, base)
+    if p.is_dir():
+        if not (p / "model_index.json").exists() and not (p / "unet").is_dir() \
+                and not (p / "transformer").is_dir():
+            return (f"model.path '{path}' is a folder but not a diffusers model (no model_index.json). Point it "
+                    "at the model's top folder, or at a .safetensors file.")
+        return None
+    if p.is_file():
+        if p.suffix.lower() not in CHECKPOINT_SUFFIXES:
+            return (f"model.path '{path}' is a {p.suffix or 'extension-less'} file; expected a .safetensors or "
+                    ".ckpt checkpoint.")
+        return None
+    if looks_like_hub_id(path):
+        return None  # read from the hub (or its cache) when the model loads
+    return (f"model.path '{path}' does not exist. Check the path (it is read relative to the folder you "
+            f"started from: {base}).")
+
+
+def _writable_problem(key: str, value: str, base: Path) -> Optional[str]:
+    """A folder Atelier must create or write: it must be a folder (or not exist yet) under a writable one."""
+    p = _local(value, base)
+    if p.exists() and not p.is_dir():
+        return f"{key} = '{value}' is a file; it must be a folder Atelier can write to."
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        return f"{key} = '{value}' cannot be created: '{probe}' is a file, not a folder."
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        return (f"{key} = '{value}': '{probe}' is not writable for this user. Pick a folder you can write to, "
+                "or fix its permissions.")
+    return None
+
+
+def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
+    """(key, message) for every file or folder of ``cfg`` that ``train`` would reject."""
+    from trainer.data.concepts import DataError, concept_caption_file, concept_folder
+    base = base or Path.cwd()
+    out: List[tuple] = []
+
+    def add(key: str, message: Optional[str]) -> None:
+        if message:
+            out.append((key, message))
+
+    add("model.path", model_path_problem(str(cfg.model.path or ""), base))
+    config_path = str(cfg.model.get("config_path", "") or "").strip()
+    if config_path and not _local(config_path, base).is_dir():
+        add("model.config_path", f"model.config_path '{config_path}' is not a folder. Give a diffusers model "
+                                 "folder whose configs describe the single file, or leave it empty.")
+    for i, concept in enumerate(cfg.data.concepts or []):
+        if not concept.enabled:
+            continue
+        try:
+            folder, _files = concept_folder(i, concept, base)
+            if concept.caption_source == "concept_file":
+                concept_caption_file(i, concept, folder, base)
+        except DataError as exc:
+            add(exc.key or f"data.concepts.{i}.path", str(exc))
+    method = cfg.training.method
+    for key, used in (("lora.init_weights", method == "lora"), ("embedding.init_weights", method == "embedding")):
+        value = str(_get(cfg, key) or "").strip()
+        if used and value and not _local(value, base).is_file():
+            add(key, f"{key} '{value}' does not exist. Give the file to continue from, or leave it empty to "
+                     "start fresh.")
+    for i, prompt in enumerate(cfg.sampling.prompts or []):
+        for field in ("image", "mask"):
+            value = str(prompt.get(field, "") or "").strip()
+            if value and not _local(value, base).is_file():
+                add(f"sampling.prompts.{i}.{field}", f"sampling.prompts.{i}.{field} '{value}' does not exist. "
+                                                     "Fix the path or leave it empty.")
+    for key in ("general.workspace", "data.cache_dir", "output.path"):
+        value = str(_get(cfg, key) or "").strip()
+        if value:
+            add(key, _writable_problem(key, value, base))
+    return out
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
