@@ -334,6 +334,76 @@ def test_dora_scale_round_trip(tmp_path):
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+# Each loader's DoRA formula, as published (see trainer/export.py): base weight W, the file's up/down/alpha/
+# dora_scale for one layer -> the weight the loader computes.
+def _lora_diff(W, f):
+    return (f["up"].flatten(1) @ f["down"].flatten(1)).reshape(W.shape) * (f["alpha"] / f["down"].shape[0])
+
+
+def _input_axis_norm(V):
+    return V.transpose(0, 1).reshape(V.shape[1], -1).norm(dim=1, keepdim=True) \
+        .reshape(V.shape[1], *[1] * (V.dim() - 1)).transpose(0, 1)
+
+
+def _comfyui(W, f):  # comfy/weight_adapter/base.py weight_decompose (also Forge's backend)
+    V, s = W + _lora_diff(W, f), f["dora_scale"]
+    if s.shape[0] == V.shape[0]:
+        norm = W.reshape(W.shape[0], -1).norm(dim=1, keepdim=True).reshape(W.shape[0], *[1] * (W.dim() - 1))
+    else:
+        norm = _input_axis_norm(V)
+    return V * (s / (norm + torch.finfo(W.dtype).eps))
+
+
+def _a1111(W, f):  # extensions-builtin/Lora/network.py apply_weight_decompose (v1.10)
+    V = W + _lora_diff(W, f)
+    return V * (f["dora_scale"] / _input_axis_norm(V))
+
+
+def _lycoris(W, f):  # LyCORIS apply_weight_decompose (decompose on the output axis), as peft trains it
+    V = W + _lora_diff(W, f)
+    return V * (f["dora_scale"] / V.reshape(V.shape[0], -1).norm(dim=1).reshape(V.shape[0], *[1] * (V.dim() - 1)))
+
+
+LOADERS = {"comfyui": _comfyui, "a1111": _a1111, "lycoris": _lycoris}
+
+
+def test_each_dora_format_rebuilds_the_trained_weights_in_its_loader(tmp_path):
+    """For each output.dora_format, the loader it names rebuilds exactly the weight peft trained (and the
+    other loaders do not: the formats really differ); resuming from each file restores the magnitudes."""
+    import copy
+
+    from safetensors.torch import load_file
+    from trainer.export import _named_targets
+    pipe = _pipe()
+    _add_lora(pipe, ["to_q", "conv1"], use_dora=True, te=False)
+    layers = {k: layer for k, (_, layer) in _named_targets(pipe.unet, None, None, "default", "sd15").items()}
+    base = {k: layer.get_base_layer().weight.detach().clone() for k, layer in layers.items()}
+    merged_unet = copy.deepcopy(pipe.unet)
+    merged = {}
+    for k, (_, layer) in _named_targets(merged_unet, None, None, "default", "sd15").items():
+        layer.merge(adapter_names=["default"])  # peft's own DoRA merge: the trained weight
+        merged[k] = layer.get_base_layer().weight.detach()
+    for fmt, loader in LOADERS.items():
+        path = tmp_path / f"dora-{fmt}.safetensors"
+        save_lora_kohya(path, kohya_lora_state_dict(pipe.unet, dora_format=fmt), {"atelier_dora_format": fmt}, "fp32")
+        state = load_file(path)
+        for k in layers:
+            f = {"up": state[f"{k}.lora_up.weight"], "down": state[f"{k}.lora_down.weight"],
+                 "alpha": float(state[f"{k}.alpha"]), "dora_scale": state[f"{k}.dora_scale"]}
+            for other, apply in LOADERS.items():
+                err = (apply(base[k], f) - merged[k]).abs().max().item() / merged[k].abs().max().item()
+                if other == fmt:
+                    assert err < 1e-5, (fmt, k, err)
+                elif not (fmt, other) == ("comfyui", "lycoris"):  # peft's init can leave ‖W‖ = ‖V‖ on a row
+                    assert err > 1e-3, (fmt, other, k, err)
+        fresh = _pipe()
+        _add_lora(fresh, ["to_q", "conv1"], use_dora=True, te=False, seed=5)
+        load_lora_kohya_into_peft(path, fresh.unet, dora_format=fmt)
+        ours, theirs = _lora_params(pipe.unet), _lora_params(fresh.unet)
+        for name in ours:
+            assert torch.allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6), (fmt, name)
+
+
 def test_rslora_alpha_is_written_as_kohya_scale():
     from peft import LoraConfig
 

@@ -35,17 +35,54 @@ class EventWriter:
     event; a write that fails part-way (a full disk) is cut back to the previous end. Opening repairs a
     torn last line left by a process that died mid-write, so the next event starts on a line of its own."""
 
-    def __init__(self, path: str | os.PathLike, enabled: bool = True):
+    RESERVE_BYTES = 256 * 1024  # room for the last error and ``failed`` events when the disk fills
+
+    def __init__(self, path: str | os.PathLike, enabled: bool = True, reserve: bool = False):
         self.path = Path(path)
         self.enabled = enabled
+        self.reserve = self.path.with_name(f".{self.path.name}.reserve")
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             repair_torn_tail(self.path)
+            if reserve:  # the trainer's writer: a run must be able to say why it ended
+                self._make_reserve()
+
+    def _make_reserve(self) -> None:
+        """A hidden file of zeros beside the stream: when the disk fills, deleting it frees the room the
+        run's last events need (the error and ``failed``), so a full disk never ends a run silently."""
+        try:
+            if not self.reserve.exists():
+                with open(self.reserve, "wb") as fh:
+                    fh.write(b"\0" * self.RESERVE_BYTES)
+        except OSError:  # the disk is already full: nothing to reserve, nothing lost
+            try:
+                self.reserve.unlink()
+            except OSError:
+                pass
 
     def emit(self, type: str, **fields: Any) -> dict:
         event = {"type": type, "time": time.time(), **fields}
         if self.enabled:
             data = (json.dumps(event, default=_default) + "\n").encode("utf-8")
+            try:
+                self._append(data)
+            except OSError:
+                if not self.reserve.exists():
+                    raise
+                self.reserve.unlink()  # a full disk: free the room the run's last events need
+                if type not in ("error", *TERMINAL):
+                    raise  # the run ends on this error; its error and failed events go into the freed room
+                self._append(data)
+            if type in TERMINAL:
+                try:
+                    self.reserve.unlink()
+                except OSError:
+                    pass
+        return event
+
+    def _append(self, data: bytes) -> None:
+        """One whole line or nothing."""
+        if True:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 end = os.fstat(fd).st_size
@@ -62,7 +99,6 @@ class EventWriter:
                     raise
             finally:
                 os.close(fd)
-        return event
 
 
 def repair_torn_tail(path: str | os.PathLike) -> bool:

@@ -538,12 +538,14 @@ def _named_targets(unet: Any, text_encoder: Any, text_encoder_2: Any, adapter: s
 def kohya_lora_state_dict(unet: Any = None, text_encoder: Any = None, text_encoder_2: Any = None,
                           adapter_name: str = "default", family: str = "sd15", *,
                           modules: Optional[Mapping[str, Any]] = None,
-                          namer: Optional[Mapping[str, Any]] = None) -> dict[str, "torch.Tensor"]:
+                          namer: Optional[Mapping[str, Any]] = None,
+                          dora_format: str = "lycoris") -> dict[str, "torch.Tensor"]:
     """Read the peft LoRA layers of the given models into a kohya-format state dict.
 
     Per module: ``<name>.lora_down.weight`` (peft ``lora_A``), ``<name>.lora_up.weight``
-    (``lora_B``), ``<name>.alpha`` (scalar), and ``<name>.dora_scale`` for DoRA
-    (``lora_magnitude_vector`` reshaped to ``(out, 1[, 1, 1])``). Conv layers keep 4-D shapes
+    (``lora_B``), ``<name>.alpha`` (scalar), and ``<name>.dora_scale`` for DoRA in the loader
+    convention ``dora_format`` (:func:`dora_scale_for`; ``lycoris``: ``lora_magnitude_vector`` reshaped
+    to ``(out, 1[, 1, 1])``, what backups hold). Conv layers keep 4-D shapes
     (LoCon). Names: ``lora_unet_`` + diffusers module path (SD1/2; original block names for SDXL),
     ``lora_te_`` (``lora_te1_``/``lora_te2_`` for SDXL) + ``text_model_...``.
     Tensors are detached CPU copies in the layers' dtype; alpha is float32.
@@ -560,10 +562,69 @@ def kohya_lora_state_dict(unet: Any = None, text_encoder: Any = None, text_encod
         out[f"{kohya}.lora_up.weight"] = layer.lora_B[adapter_name].weight.detach().cpu().clone()
         out[f"{kohya}.alpha"] = torch.tensor(_kohya_alpha(layer, adapter_name), dtype=torch.float32)
         if adapter_name in layer.lora_magnitude_vector:
-            magnitude = layer.lora_magnitude_vector[adapter_name].weight.detach().cpu()
-            base_ndim = layer.get_base_layer().weight.ndim
-            out[f"{kohya}.dora_scale"] = magnitude.reshape(-1, *([1] * (base_ndim - 1))).clone()
+            out[f"{kohya}.dora_scale"] = dora_scale_for(layer, adapter_name, dora_format)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# DoRA: one trained layer, three loader formulas
+# --------------------------------------------------------------------------------------------
+#
+# peft (what trains) and LyCORIS compute W' = m · V / ‖V‖ with V = W + (α/r)·up·down and the norm taken
+# per output row of V. Loaders read the same ``dora_scale`` key differently (their published code):
+# - ComfyUI and Forge (comfy/weight_adapter/base.py ``weight_decompose``): a dora_scale with one value
+#   per output row is divided by the norm of the *original* W (+ eps): W' = V · s / (‖W‖ + eps).
+# - AUTOMATIC1111 v1.10 (extensions-builtin/Lora/network.py ``apply_weight_decompose``, and ComfyUI/Forge
+#   before the output-axis branch): the norm over the *input* axis of V: W' = V · s / ‖V‖_col.
+# - LyCORIS / kohya sd-scripts / OneTrainer: W' = V · s / ‖V‖_row, s = m as trained.
+# A file can satisfy one of them; ``output.dora_format`` picks which. Each is exact for its loader.
+
+DORA_FORMATS = ("comfyui", "a1111", "lycoris")
+_COMFY_EPS = 1.1920928955078125e-07  # torch.finfo(torch.float32).eps: ComfyUI adds it to the norm
+
+
+def _dora_norms(layer: Any, adapter: str) -> tuple:
+    """(‖W‖ per output row, ‖V‖ per output row, ‖V‖ per input channel, W's shape), float32, on CPU."""
+    base = layer.get_base_layer().weight.detach().float().cpu()
+    down = layer.lora_A[adapter].weight.detach().float().cpu()
+    up = layer.lora_B[adapter].weight.detach().float().cpu()
+    delta = (up.flatten(1) @ down.flatten(1)).reshape(base.shape) * float(layer.scaling[adapter])
+    merged = base + delta
+    rows_w = base.flatten(1).norm(dim=1)
+    rows_v = merged.flatten(1).norm(dim=1)
+    cols_v = merged.transpose(0, 1).reshape(merged.shape[1], -1).norm(dim=1)
+    return rows_w, rows_v, cols_v, base.shape
+
+
+def dora_scale_for(layer: Any, adapter: str, dora_format: str = "comfyui") -> "torch.Tensor":
+    """The ``dora_scale`` tensor that makes ``dora_format``'s loader rebuild this layer's trained weight."""
+    if dora_format not in DORA_FORMATS:
+        raise ValueError(f"output.dora_format = {dora_format!r}: choose one of {', '.join(DORA_FORMATS)}")
+    magnitude = layer.lora_magnitude_vector[adapter].weight.detach().float().cpu().reshape(-1)
+    ndim = layer.get_base_layer().weight.ndim
+    if dora_format == "lycoris":
+        return magnitude.reshape(-1, *([1] * (ndim - 1))).clone()
+    rows_w, rows_v, cols_v, shape = _dora_norms(layer, adapter)
+    if dora_format == "comfyui":
+        return (magnitude * (rows_w + _COMFY_EPS) / rows_v).reshape(-1, *([1] * (ndim - 1)))
+    # a1111: s / ‖V‖_col must equal m / ‖V‖_row for every entry, so s holds one value per (out, in) pair
+    full = (magnitude / rows_v)[:, None] * cols_v[None, :]
+    return full.reshape(shape[0], shape[1], *([1] * (ndim - 2)))
+
+
+def dora_magnitude_from(scale: "torch.Tensor", layer: Any, adapter: str, dora_format: str) -> "torch.Tensor":
+    """peft's magnitude from a file's ``dora_scale`` (the inverse of :func:`dora_scale_for`); the layer's
+    up/down weights and scaling must already be the file's. A scale with one value per (out, in) pair is
+    the a1111 form whatever the header says; one value per output row is read as ``dora_format``."""
+    scale = scale.detach().float().cpu()
+    per_row = scale.numel() == scale.shape[0]
+    if per_row and dora_format != "comfyui":
+        return scale.reshape(-1)
+    rows_w, rows_v, cols_v, shape = _dora_norms(layer, adapter)
+    if per_row:
+        return scale.reshape(-1) * rows_v / (rows_w + _COMFY_EPS)
+    per = scale.reshape(shape[0], shape[1], -1)[:, :, 0] / cols_v[None, :]
+    return per.mean(dim=1) * rows_v
 
 
 _BASE_MODEL_VERSION = {"sd15": "sd_v1", "sd2": "sd_v2", "sdxl": "sdxl_base_v1-0"}
@@ -706,9 +767,11 @@ def load_lora_kohya_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tens
                               text_encoder: Any = None, text_encoder_2: Any = None, *,
                               adapter_name: str = "default", family: str = "sd15", strict: bool = True,
                               modules: Optional[Mapping[str, Any]] = None,
-                              namer: Optional[Mapping[str, Any]] = None) -> int:
+                              namer: Optional[Mapping[str, Any]] = None,
+                              dora_format: str = "lycoris") -> int:
     """Copy a kohya LoRA file into the peft LoRA layers already added to the models (resume, or
-    ``lora.init_weights``). Returns the number of layers loaded.
+    ``lora.init_weights``). Returns the number of layers loaded. ``dora_format``: the convention the
+    file's ``dora_scale`` was written in (its ``atelier_dora_format`` header; LyCORIS/kohya files: lycoris).
 
     The file's alpha replaces the layer's (``lora_alpha`` and ``scaling``). Any file key without a
     matching peft layer raises, naming the keys; with ``strict`` (default) peft layers the file does
@@ -726,11 +789,12 @@ def load_lora_kohya_into_peft(path: str | os.PathLike | Mapping[str, "torch.Tens
         shown = ", ".join(missing[:10]) + (f" … ({len(missing)} in all)" if len(missing) > 10 else "")
         raise ValueError(f"model LoRA layers not in the file (pass strict=False to keep them as they are): {shown}")
     for name, parts in groups.items():
-        _load_one(name, parts, names[name][1], adapter_name)
+        _load_one(name, parts, names[name][1], adapter_name, dora_format)
     return len(groups)
 
 
-def _load_one(name: str, parts: Mapping[str, "torch.Tensor"], layer: Any, adapter: str) -> None:
+def _load_one(name: str, parts: Mapping[str, "torch.Tensor"], layer: Any, adapter: str,
+              dora_format: str = "lycoris") -> None:
     _check_plain_lora(name, layer, adapter)
     for suffix in (".lora_down.weight", ".lora_up.weight"):
         if suffix not in parts:
@@ -748,7 +812,8 @@ def _load_one(name: str, parts: Mapping[str, "torch.Tensor"], layer: Any, adapte
         if ".dora_scale" not in parts:
             raise ValueError(f"{name}: the model layer is DoRA but the file has no dora_scale")
         magnitude = layer.lora_magnitude_vector[adapter].weight
-        _assign(magnitude, parts[".dora_scale"].reshape(magnitude.shape), f"{name}.dora_scale")
+        value = dora_magnitude_from(parts[".dora_scale"], layer, adapter, dora_format)
+        _assign(magnitude, value.reshape(magnitude.shape), f"{name}.dora_scale")
 
 
 # --------------------------------------------------------------------------------------------

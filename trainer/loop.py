@@ -92,7 +92,7 @@ class RunFolder:
         self.main = main  # several processes: only rank 0 writes events and answers control requests
         for sub in ("samples", "backups", "control"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(self.path / "events.jsonl", enabled=main)
+        self.events = EventWriter(self.path / "events.jsonl", enabled=main, reserve=True)
         if main:  # a save killed half-way (kill -9, power loss) left temporaries: this trainer holds the folder
             from trainer.io import remove_stale_temps
             for folder in (self.path, self.path / "backups", self.path / "samples"):
@@ -938,8 +938,11 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             msg = ("The GPU ran out of memory. Lower training.batch_size or data.resolution, turn on "
                    "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
         log.error("%s\n%s", msg, tb)
-        ev.emit("error", message=msg, traceback=tb)
-        _failed(trainer, msg, tb, peer_lost=isinstance(exc, PeerLost))
+        try:
+            ev.emit("error", message=msg, traceback=tb)
+            _failed(trainer, msg, tb, peer_lost=isinstance(exc, PeerLost))
+        except OSError as again:  # not even the reserve left room: say it where the user looks
+            print(f"error: {msg}\n(the run folder's events.jsonl could not record it: {again})", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGINT, previous_handlers[0])

@@ -152,9 +152,11 @@ class LoraMethod(MethodBase):
             own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
             if own is not None and self.cfg.lora.type not in LYCORIS_TYPES:
                 own(state, self._adapted())
+            elif self.cfg.lora.type in LYCORIS_TYPES:
+                load_lycoris_into_peft(state, modules=self._adapted(), namer=self.model.lora_namer())
             else:
-                load = load_lycoris_into_peft if self.cfg.lora.type in LYCORIS_TYPES else load_lora_kohya_into_peft
-                load(state, modules=self._adapted(), namer=self.model.lora_namer())
+                load_lora_kohya_into_peft(state, modules=self._adapted(), namer=self.model.lora_namer(),
+                                          dora_format=_header(path).get("atelier_dora_format", "lycoris"))
         except (OSError, ValueError, NotImplementedError) as exc:
             raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
                               f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None
@@ -173,17 +175,27 @@ class LoraMethod(MethodBase):
         from trainer.export import bundle_embedding_state_dict, kohya_lora_state_dict, lycoris_state_dict
         to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
         custom = getattr(self.model, "lora_state_dict", None)  # a family whose files are not kohya-shaped
-        sd = custom(self._adapted(), "default") if custom is not None and to_state is kohya_lora_state_dict \
-            else to_state(modules=self._adapted(), namer=self.model.lora_namer())
+        if custom is not None and to_state is kohya_lora_state_dict:
+            sd = custom(self._adapted(), "default")
+        elif to_state is kohya_lora_state_dict:
+            sd = to_state(modules=self._adapted(), namer=self.model.lora_namer(), dora_format=self.dora_format)
+        else:
+            sd = to_state(modules=self._adapted(), namer=self.model.lora_namer())
         if self.embedding is not None and self.cfg.embedding.bundle:
             sd.update(bundle_embedding_state_dict(self.embedding.placeholder, self.embedding.vectors()))
         return sd
+
+    @property
+    def dora_format(self) -> str:
+        return str(self.cfg.output.get("dora_format", "comfyui") or "comfyui")
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
         from trainer.export import save_lora_kohya, save_lycoris
         lcfg = self.cfg.lora
         sd = self.adapter_state_dict()
         meta = self.model.lora_metadata(title=Path(path).stem, resolution=_resolution(self.cfg), extra=metadata)
+        if lcfg.type == "dora" and getattr(self.model, "lora_state_dict", None) is None:
+            meta = {**meta, "atelier_dora_format": self.dora_format}  # how dora_scale is to be read
         if lcfg.type in LYCORIS_TYPES:
             args: Dict[str, Any] = {}
             if lcfg.conv_rank is not None or lcfg.conv_alpha is not None:
@@ -195,6 +207,13 @@ class LoraMethod(MethodBase):
         else:
             save_lora_kohya(path, sd, meta, dtype)
         self._save_alongside_embedding(Path(path), dtype, metadata)
+
+
+def _header(path: str) -> Dict[str, str]:
+    """A .safetensors file's metadata header."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as fh:
+        return dict(fh.metadata() or {})
 
 
 def _resolution(cfg) -> Optional[Any]:
