@@ -86,6 +86,24 @@ def test_validate_names_the_field_train_would_reject(good, key, value, words):
     assert words in errors[want], errors[want]
 
 
+@pytest.mark.parametrize("settings,words", [
+    ({"output": {"format": "diffusers"}}, "a LoRA is saved as a kohya .safetensors"),
+    ({"training": {"method": "embedding"}, "embedding": {"placeholder": "<sks>"}, "output": {"format": "diffusers"}},
+     "an embedding is saved as .safetensors"),
+    ({"training": {"method": "embedding"}, "embedding": {"placeholder": "<sks>"}, "output": {"format": "ckpt"},
+      "model": {"path": "builtin:tiny-sdxl"}}, "SDXL embeddings"),
+])
+def test_an_output_format_the_method_cannot_write_is_refused_before_training(good, settings, words):
+    """Before, these trained to the end and failed when the result was saved."""
+    from trainer.config import ConfigError
+    data = json.loads(json.dumps(good))
+    for section, values in settings.items():
+        data.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert info.value.key == "output.format" and words in str(info.value)
+
+
 def test_the_loader_applies_the_same_rules(good):
     with pytest.raises(ModelLoadError) as info:
         classify_source("models/missing.safetensors", "ws")

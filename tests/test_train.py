@@ -176,7 +176,9 @@ def test_train_refuses_missing_files_before_the_run_starts(tiny_workspace, tmp_p
                                 ("bad-empty", f"data.concepts.0.path={tmp_path / 'empty'}",
                                  ("data.concepts.0.path", str(tmp_path / "empty"), "has no images")),
                                 ("bad-missing", f"data.concepts.0.path={tmp_path / 'nope'}",
-                                 ("data.concepts.0.path", "nope", "does not exist"))):
+                                 ("data.concepts.0.path", "nope", "does not exist")),
+                                ("bad-optim", "training.optimizer.extra_args={bogus: 1}",  # needs torch: train checks it
+                                 ("training.optimizer.extra_args.bogus", "takes no 'bogus'"))):
         assert cli(["train", "--preset", "demo", *overrides(tiny_workspace, run, setting)]) == 2
         err = capsys.readouterr().err
         assert all(w in err for w in words) and "Traceback" not in err, err

@@ -276,6 +276,13 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
+    from trainer.config import ConfigError
+    from trainer.optim import check_optimizer_class
+    try:  # needs the optimizer's library (torch): checked here, before any model loads, not by validate
+        check_optimizer_class(cfg)
+    except ConfigError as exc:
+        print(f"Config error: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":

@@ -1010,6 +1010,7 @@ def validate(cfg: DictConfig) -> None:
                               f"data.concepts.{i}.caption_file is empty.",
                               key=f"data.concepts.{i}.caption_file")
     _check_resolutions(cfg)
+    _check_output_format(cfg)
     for i, s in enumerate(cfg.sampling.prompts):
         for dim in ("width", "height"):
             if s[dim] % 8:
@@ -1022,6 +1023,22 @@ def validate(cfg: DictConfig) -> None:
     validate_optim(cfg)
     from trainer.fsdp import validate_fsdp
     validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
+
+
+def _check_output_format(cfg: DictConfig) -> None:
+    """output.format must be one the method can write (checked at save time, after training, before)."""
+    method, fmt = cfg.training.method, cfg.output.format
+    allowed = {"lora": ("auto", "safetensors"), "embedding": ("auto", "safetensors", "ckpt")}.get(method)
+    if allowed and fmt not in allowed:
+        what = {"lora": "a LoRA is saved as a kohya .safetensors file: use auto or safetensors",
+                "embedding": "an embedding is saved as .safetensors (or an A1111 .pt with ckpt)"}[method]
+        raise ConfigError(f"output.format = {fmt} does not fit training.method = {method}: {what}.",
+                          key="output.format", value=fmt)
+    if method == "embedding" and fmt == "ckpt":
+        from trainer.families.checks import family_without_loading
+        if (family_without_loading(cfg.model) or "").startswith("sdxl"):
+            raise ConfigError("output.format = ckpt: SDXL embeddings (clip_l + clip_g) have no A1111 .pt form; use "
+                              "safetensors.", key="output.format", value=fmt)
 
 
 def _check_resolutions(cfg: DictConfig) -> None:

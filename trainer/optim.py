@@ -277,6 +277,36 @@ def _component_lrs(cfg) -> Dict[str, float]:
     return out
 
 
+def _check_extra_args(name: str, spec: Any, cls: Any, extra: dict, warn: bool = False) -> None:
+    from trainer.config import ConfigError
+    try:
+        sig = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        sig = {}
+    named = {n for n, p in sig.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"params", "self"}
+    open_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.values())
+    unknown = [k for k in extra if k not in named]
+    if unknown and not open_kwargs:
+        raise ConfigError(f"training.optimizer.extra_args.{unknown[0]}: {name} ({spec.target}) takes no "
+                          f"'{unknown[0]}'. It takes: {', '.join(sorted(named))}.",
+                          key=f"training.optimizer.extra_args.{unknown[0]}")
+    if unknown and warn:
+        log.warning("training.optimizer.extra_args %s are not named parameters of %s; passed through as "
+                    "**kwargs (check the spelling)", unknown, spec.target)
+
+
+def check_optimizer_class(cfg) -> None:
+    """The optimizer's package and extra_args, checked by ``train`` before the model loads (this imports
+    the optimizer's library, so ``validate``, which stays torch-free, leaves it to train)."""
+    o = cfg.training.optimizer
+    spec = optimizer_spec(o.name)
+    cls = _import(spec.target, "training.optimizer.name", o.name,
+                  f" Install the '{spec.library}' package or pick another optimizer.")
+    extra = _plain(o.extra_args) or {}
+    if extra:
+        _check_extra_args(o.name, spec, cls, extra)
+
+
 def validate_optim(cfg) -> None:
     """Hard rules on the optimizer and scheduler settings; raises ConfigError naming the field."""
     from trainer.config import ConfigError
@@ -643,20 +673,7 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
     kwargs = optimizer_kwargs(spec, cls, o)
     extra = _plain(o.extra_args) or {}
     if extra:
-        try:
-            sig = inspect.signature(cls).parameters
-        except (TypeError, ValueError):
-            sig = {}
-        named = {n for n, p in sig.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"params", "self"}
-        open_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.values())
-        unknown = [k for k in extra if k not in named]
-        if unknown and not open_kwargs:
-            raise ConfigError(f"training.optimizer.extra_args.{unknown[0]}: {o.name} ({spec.target}) takes no "
-                              f"'{unknown[0]}'. It takes: {', '.join(sorted(named))}.",
-                              key=f"training.optimizer.extra_args.{unknown[0]}")
-        if unknown:
-            log.warning("training.optimizer.extra_args %s are not named parameters of %s; passed through as "
-                        "**kwargs (check the spelling)", unknown, spec.target)
+        _check_extra_args(o.name, spec, cls, extra, warn=True)
         kwargs.update(extra)
     if o.name == "adafactor" and kwargs.get("relative_step", True):
         kwargs["lr"] = None  # transformers refuses a manual LR with relative_step
