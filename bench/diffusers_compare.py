@@ -249,10 +249,11 @@ def script_args(cfg: Any, inputs: Dict[str, Any], steps: int, output_dir: Path, 
         notes.append(f"training.method={t.method}, lora.type={lora.type}: the script trains a plain LoRA")
     if float(lora.alpha) != float(lora.rank):
         notes.append(f"lora.alpha {lora.alpha} != rank {lora.rank}: the script uses alpha = rank")
-    if lora.unet_targets != "attn":
-        notes.append(f"lora.unet_targets {lora.unet_targets}: the script adapts to_q/to_k/to_v/to_out.0 only")
-    if t.train_text_encoder:
-        notes.append("training.train_text_encoder: the script trains the UNet only")
+    if cfg.parts.denoiser.lora_targets != "attn":
+        notes.append(f"parts.denoiser.lora_targets {cfg.parts.denoiser.lora_targets}: the script adapts "
+                     "to_q/to_k/to_v/to_out.0 only")
+    if cfg.parts.text_encoder_1.train:
+        notes.append("parts.text_encoder_1.train: the script trains the UNet only")
     if loss.type != "mse":
         notes.append(f"loss.type {loss.type}: the script uses MSE")
     if cfg.ema.enabled:

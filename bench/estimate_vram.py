@@ -614,15 +614,15 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
     est.details.update(resolution=f"{size[0]}x{size[1]}", batch_size=int(t.batch_size),
                        gradient_accumulation_steps=int(t.gradient_accumulation_steps),
                        mixed_precision=t.mixed_precision, gradient_checkpointing=bool(t.gradient_checkpointing),
-                       optimizer=t.optimizer.name, method=t.method, fp8_unet=bool(cfg.precision.fp8_unet),
-                       unet_dtype=cfg.model.unet_dtype, text_encoder_dtype=cfg.model.text_encoder_dtype,
+                       optimizer=t.optimizer.name, method=t.method, fp8_unet=bool(cfg.parts.denoiser.fp8),
+                       unet_dtype=cfg.parts.denoiser.dtype, text_encoder_dtype=cfg.parts.text_encoder_1.dtype,
                        vae_dtype=cfg.model.vae_dtype, fake=fake, torch=torch.__version__)
     classify_source(cfg.model.path, workspace)  # builds a builtin:tiny-* model on disk (real tensors) first
     if optimizer_spec(t.optimizer.name).eight_bit:
         bitsandbytes_problem("cpu")  # the trainer's own check takes a real step: done here, outside fake mode
 
     with session(fake):
-        model = load_model(cfg.model, workspace, "cpu")
+        model = load_model(cfg, workspace, "cpu")
         components = [m for m in _components(model) if m is not None]
         est.phases["load"] = Breakdown(weights=storage_bytes(module_tensors(components)))
 

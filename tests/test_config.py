@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import (CONFIG_VERSION, ConfigError, _apply_overrides, all_keys, config_from_dict, cross_field_warnings,
-                            iter_fields, load_config, save_config, to_yaml)
+                            iter_fields, load_config, preset_names, save_config, to_yaml)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,3 +123,59 @@ def test_cli_config_typo_is_one_clear_line(tmp_path):
 def test_all_keys_cover_list_items():
     keys = all_keys()
     assert "data.concepts.path" in keys and "sampling.prompts.prompt" in keys
+
+
+# --- version 2: per-part settings (parts.*); version-1 files, presets and --set keys migrate without loss ---
+
+V1_PRESETS = Path(__file__).resolve().parent / "data" / "v1-presets"
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_shipped_preset_is_its_version_1_form_migrated(name):
+    """tests/data/v1-presets holds the presets as they were in version 1 (base: names point at the copies)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from trainer.config import RENAMED_V1
+    old_file = V1_PRESETS / f"{name}.yaml"
+    new = OmegaConf.to_container(load_config(preset=name), resolve=True)
+    migrated = OmegaConf.to_container(load_config(old_file), resolve=True)
+    assert migrated == new
+    assert migrated["version"] == CONFIG_VERSION == 2
+    raw = yaml.safe_load(old_file.read_text(encoding="utf-8"))
+    for old_key, new_keys in RENAMED_V1.items():  # every old setting the file had is at its new place
+        section, leaf = old_key.split(".")
+        if leaf in (raw.get(section) or {}):
+            for key in new_keys:
+                assert OmegaConf.select(OmegaConf.create(migrated), key) == raw[section][leaf], (old_key, key)
+
+
+def test_old_keys_still_work_on_the_command_line_and_in_a_version_1_file(tmp_path):
+    cfg = load_config(None, ["training.train_text_encoder=true", "training.text_encoder_learning_rate=5e-5",
+                             "model.text_encoder_dtype=bf16", "lora.unet_targets=all", "precision.fp8_unet=true",
+                             "training.caption_dropout_te2=0.1"], preset="sdxl-lora")
+    p = cfg.parts
+    assert p.text_encoder_1.train and p.text_encoder_1.learning_rate == 5e-5
+    assert p.text_encoder_1.dtype == p.text_encoder_2.dtype == "bf16" and p.text_encoder_3.dtype == "fp32"
+    assert p.denoiser.lora_targets == "all" and p.denoiser.fp8 and p.text_encoder_2.caption_dropout == 0.1
+    old_run = tmp_path / "config.yaml"  # what a version-1 run folder holds
+    old_run.write_text("version: 1\nmodel:\n  path: builtin:tiny-sd\n  unet_dtype: bf16\ntraining:\n"
+                       "  train_unet: false\n  train_text_encoder: true\n  text_encoder_stop_after_steps: 5\n"
+                       "data:\n  concepts: []\n", encoding="utf-8")
+    cfg = load_config(old_run)
+    assert cfg.version == 2 and cfg.parts.denoiser.dtype == "bf16" and not cfg.parts.denoiser.train
+    assert cfg.parts.text_encoder_1.train and cfg.parts.text_encoder_1.stop_after_steps == 5
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("version: 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="newer than this Atelier"):
+        load_config(newer)
+
+
+def test_settings_of_a_part_the_family_lacks_are_named_as_ignored():
+    issues = {i.key: i.message for i in cross_field_warnings(load_config(
+        None, ["training.caption_dropout_te2=0.2", "parts.text_encoder_3.learning_rate=1e-5"], preset="demo"))}
+    assert "Stable Diffusion 1.x/2.x has no text encoder 2: ignored" in issues["parts.text_encoder_2.caption_dropout"]
+    assert "no text encoder 3" in issues["parts.text_encoder_3.learning_rate"]
+    sdxl = {i.key for i in cross_field_warnings(load_config(None, ["training.caption_dropout_te2=0.2"],
+                                                            preset="demo-sdxl"))}
+    assert "parts.text_encoder_2.caption_dropout" not in sdxl

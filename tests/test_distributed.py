@@ -308,7 +308,7 @@ def test_fsdp_refuses_what_cannot_work_on_sharded_weights(tiny_workspace, tmp_pa
     ws = tiny_workspace
     for setting, key in (("ema.enabled=true", "ema.enabled"),
                          ("precision.stochastic_rounding=true", "precision.stochastic_rounding"),
-                         ("training.unet_stop_after_steps=2", "training.unet_stop_after_steps")):
+                         ("training.unet_stop_after_steps=2", "parts.denoiser.stop_after_steps")):
         with pytest.raises(ConfigError) as err:
             _fsdp_cfg(ws, setting)
         assert err.value.key == key and "general.distributed = ddp" in str(err.value)

@@ -189,7 +189,7 @@ def test_validate_refuses_what_the_family_cannot_use(tmp_path):
     with pytest.raises(ConfigError, match="loss.flow_weighting = cosmap: SD3-style") as err:
         load_config(None, ["model.path=builtin:tiny-sd", "loss.flow_weighting=cosmap"])
     assert err.value.key == "loss.flow_weighting"
-    with pytest.raises(ConfigError, match="training.train_text_encoder_2 is on, but Stable Diffusion 1.x/2.x has no"):
+    with pytest.raises(ConfigError, match="parts.text_encoder_2.train is on, but Stable Diffusion 1.x/2.x has no"):
         load_config(None, ["model.path=builtin:tiny-sd", "training.train_text_encoder_2=true"])
 
 

@@ -106,7 +106,7 @@ def test_alpha_and_sigma_single_files_are_told_apart(tmp_path):
 
 
 @pytest.mark.parametrize("setting, key", [("model.clip_skip=2", "model.clip_skip"),
-                                          ("training.train_text_encoder_2=true", "training.train_text_encoder_2"),
+                                          ("training.train_text_encoder_2=true", "parts.text_encoder_2.train"),
                                           ("loss.flow_shift=3", "loss.flow_shift")])
 def test_validate_refuses_what_pixart_cannot_use(setting, key):
     from trainer.config import ConfigError, load_config

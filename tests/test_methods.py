@@ -28,7 +28,8 @@ RUNS = {
     # LoCon (conv layers), own conv rank/alpha, text encoder too
     "lora": ["lora.type=lora", "lora.unet_targets=all", "training.train_text_encoder=true",
              "training.text_encoder_learning_rate=0.005", "lora.conv_rank=2", "lora.conv_alpha=1"],
-    "dora": ["lora.type=dora", "lora.unet_targets=attn_mlp"],
+    "dora": ["lora.type=dora", "lora.unet_targets=attn_mlp",
+             "output.dora_format=lycoris"],  # checked below through the LyCORIS library's own apply
     "loha": ["lora.type=loha", "lora.unet_targets=all", "training.train_text_encoder=true",
              "training.text_encoder_learning_rate=0.005"],
     # rank 4 on the tiny widths: most layers get two full Kronecker factors (alpha ignored by
@@ -225,7 +226,7 @@ def test_custom_targets_select_by_name_ending_and_regex():
     cfg = load_config(preset="demo", overrides=["lora.unet_targets=custom",
                                                 "lora.custom_targets=[attn2.to_k, 're:up_blocks\\.1\\..*conv1']"])
     unet = build_tiny_pipeline().unet
-    unet.add_adapter(adapter_config(cfg.lora, unet_targets(cfg.lora), unet))
+    unet.add_adapter(adapter_config(cfg.lora, unet_targets(cfg), unet))
     adapted = {n for n, m in unet.named_modules() if hasattr(m, "lora_A")}
     assert adapted and all(n.endswith("attn2.to_k") or (n.startswith("up_blocks.1.") and n.endswith("conv1"))
                            for n in adapted)

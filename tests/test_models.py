@@ -18,10 +18,13 @@ from test_train import cli, image, overrides, tiny_pipe
 
 
 def model_cfg(**kw):
+    """The model settings a family loads from (model.* plus the parts' dtypes; old names such as unet_dtype work)."""
+    from trainer.config import ModelSettings, renamed_key
     cfg = load_config(preset="demo")
     for k, v in kw.items():
-        OmegaConf.update(cfg, f"model.{k}", v)
-    return cfg.model
+        for key in renamed_key(f"model.{k}"):
+            OmegaConf.update(cfg, key, v)
+    return ModelSettings(cfg)
 
 
 def unet_state(m):

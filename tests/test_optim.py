@@ -217,8 +217,8 @@ def test_settings_reach_the_constructor():
 def test_param_groups_per_component_lr_blank_falls_back():
     mods = {n: torch.nn.Linear(2, 2) for n in ("unet", "text_encoder", "text_encoder_2", "embedding", "other")}
     mods["frozen"] = torch.nn.Linear(2, 2).requires_grad_(False)
-    cfg = make_cfg(learning_rate=1e-4, unet_learning_rate=2e-4, text_encoder_2_learning_rate=3e-5,
-                   embedding_learning_rate=5e-3)
+    cfg = make_cfg(learning_rate=1e-4, embedding_learning_rate=5e-3)
+    cfg.parts.denoiser.learning_rate, cfg.parts.text_encoder_2.learning_rate = 2e-4, 3e-5
     groups = param_groups(FakeMethod(mods), cfg)
     assert {g["name"]: g["lr"] for g in groups} == {"unet": 2e-4, "text_encoder": 1e-4, "text_encoder_2": 3e-5,
                                                      "embedding": 5e-3, "other": 1e-4}
@@ -410,7 +410,7 @@ def test_warnings_prodigy_rex_schedule_free_adafactor():
     assert "LR 1" in w["training.learning_rate"] and "d_coef" in w["training.learning_rate"]
     w = warnings_for("training.optimizer.name=dadapt_adam", "training.learning_rate=1",
                      "training.train_text_encoder=true", "training.text_encoder_learning_rate=0.5")
-    assert "training.text_encoder_learning_rate = 0.5" in w["training.text_encoder_learning_rate"]
+    assert "parts.text_encoder_1.learning_rate = 0.5" in w["parts.text_encoder_1.learning_rate"]
     assert "training.learning_rate" not in w
     w = warnings_for("training.optimizer.name=prodigy", "training.learning_rate=1",
                      "training.train_text_encoder=true", "training.unet_learning_rate=1",

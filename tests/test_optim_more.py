@@ -17,11 +17,16 @@ BASE = OmegaConf.structured(AtelierConfig)
 
 
 def make_cfg(**training):
+    """training.* settings; the per-part ones by their version-1 names (train_text_encoder, ...)."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import renamed_key
     cfg = BASE.copy()
     for k, v in training.pop("optimizer", {}).items():
         cfg.training.optimizer[k] = v
     for k, v in training.items():
-        cfg.training[k] = v
+        for key in renamed_key(f"training.{k}"):
+            OmegaConf.update(cfg, key, v, merge=False)
     return cfg
 
 
@@ -143,7 +148,7 @@ def test_resumed_run_refreezes_and_matches_the_uninterrupted_one():
 
 def test_a_window_on_an_untrained_component_warns():
     cfg = make_cfg(train_text_encoder=False, text_encoder_stop_after_epochs=1)
-    assert any(i.key == "training.text_encoder_stop_after_epochs" for i in cross_field_warnings(cfg))
+    assert any(i.key == "parts.text_encoder_1.stop_after_epochs" for i in cross_field_warnings(cfg))
 
 
 # --- fused backward pass -----------------------------------------------------------------------

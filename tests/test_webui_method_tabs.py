@@ -39,8 +39,8 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         page.wait_for_function("document.querySelector('#family-parts').innerText.includes('OpenCLIP-G')",
                                timeout=20000)
         assert "SDXL" in page.locator("#family-parts").inner_text()
-        page.get_by_role("tab", name="Training", exact=True).click()
-        te2 = page.locator("#cfg-training-train-text-encoder-2")
+        page.get_by_role("tab", name="Parts", exact=True).click()
+        te2 = page.locator("#cfg-parts-text-encoder-2-train")
         te2.wait_for(state="visible", timeout=20000)
         assert "OpenCLIP-G" in te2.inner_text()
         choose(page, "demo")
@@ -52,6 +52,7 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         page.get_by_role("tab", name="Model", exact=True).click()
         page.wait_for_function(
             "document.querySelector('#family-parts').innerText.includes('Stable Diffusion 1.x/2.x')", timeout=20000)
-        page.get_by_role("tab", name="Training", exact=True).click()
+        page.get_by_role("tab", name="Parts", exact=True).click()
         te2.wait_for(state="hidden", timeout=20000)
-        assert "CLIP text encoder" in page.locator("#cfg-training-train-text-encoder").inner_text()
+        assert "CLIP text encoder" in page.locator("#cfg-parts-text-encoder-1-train").inner_text()
+        assert not page.locator("#cfg-parts-text-encoder-3-train").is_visible()  # no third encoder in SD

@@ -274,10 +274,10 @@ def test_lenient_values_fall_back_to_defaults():
 
 def test_optional_number_blank_means_none(app):
     values = form_values(app, tcfg.load_config(preset="demo"))
-    key = "training.unet_learning_rate"
+    key = "parts.denoiser.learning_rate"
     assert values[[s.key for s in app.form.specs].index(key)] is None
     data, errors = app.form.collect(values)
-    assert not errors and data["training"]["unet_learning_rate"] is None
+    assert not errors and data["parts"]["denoiser"]["learning_rate"] is None
     data, errors = app.form.collect(set_value(app, values, "training.epochs", None))
     assert errors and errors[0].key == "training.epochs" and "empty" in errors[0].message
 

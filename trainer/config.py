@@ -27,7 +27,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from trainer.optim import OPTIMIZER_NAMES, SCHEDULER_NAMES, used_by  # torch-free registry tables
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 2
 ATELIER_ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = ATELIER_ROOT / "presets"
 
@@ -123,8 +123,6 @@ class ModelConfig:
     hub_offline: bool = f(False, "Never touch the network: a hub id must already be in the cache.")
     cache_dir: str = f("", "Hub cache folder; empty = the Hugging Face default.", ui="path")
     revision: str = f("", "Hub revision (branch, tag or commit); empty = main.")
-    unet_dtype: str = f("fp32", "Storage dtype of the UNet's frozen weights.", choices=DTYPES)
-    text_encoder_dtype: str = f("fp32", "Storage dtype of the text encoder's frozen weights.", choices=DTYPES)
     vae_dtype: str = f("fp32", "VAE dtype (fp32 avoids NaN latents with the SD VAE).", choices=DTYPES)
     clip_skip: int = f(0, "Skip the last N text-encoder layers (SD 1.x anime models use 1; for SDXL, layers "
                           "beyond its default penultimate one).", min=0, max=12)
@@ -284,29 +282,8 @@ class TrainingConfig:
                              choices=["no", "fp16", "bf16"])
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
-    unet_learning_rate: Optional[float] = f(None, "UNet learning rate; blank = the base rate.",
-                                            min=0.0, max=10.0)
-    text_encoder_learning_rate: Optional[float] = f(None, "Text encoder learning rate; blank = the base rate.",
-                                                    min=0.0, max=10.0)
-    text_encoder_2_learning_rate: Optional[float] = f(None, "Second text encoder (SDXL) learning rate; blank = "
-                                                            "the base rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)
-    train_unet: bool = f(True, "Train the UNet.")
-    train_text_encoder: bool = f(False, "Train the (first) text encoder.")
-    train_text_encoder_2: bool = f(False, "Train SDXL's second text encoder (OpenCLIP-G).")
-    unet_stop_after_steps: int = f(0, "Stop training the UNet after this many optimizer steps; 0 = never.",
-                                   min=0, max=10**8)
-    unet_stop_after_epochs: int = f(0, "Stop training the UNet after this many epochs; 0 = never.",
-                                    min=0, max=100000)
-    text_encoder_stop_after_steps: int = f(0, "Train the text encoder only for the first N optimizer steps "
-                                              "(then it is frozen); 0 = the whole run.", min=0, max=10**8)
-    text_encoder_stop_after_epochs: int = f(0, "Train the text encoder only for the first N epochs; 0 = the "
-                                               "whole run.", min=0, max=100000)
-    text_encoder_2_stop_after_steps: int = f(0, "Train the second text encoder (SDXL) only for the first N "
-                                                "optimizer steps; 0 = the whole run.", min=0, max=10**8)
-    text_encoder_2_stop_after_epochs: int = f(0, "Train the second text encoder (SDXL) only for the first N "
-                                                 "epochs; 0 = the whole run.", min=0, max=100000)
     embedding_stop_after_steps: int = f(0, "Train the embeddings only for the first N optimizer steps; 0 = the "
                                            "whole run.", min=0, max=10**8)
     embedding_stop_after_epochs: int = f(0, "Train the embeddings only for the first N epochs; 0 = the whole "
@@ -341,12 +318,6 @@ class TrainingConfig:
                                                "when it takes them.", factory=dict)
     noise_offset: float = f(0.0, "Noise offset (brighter darks / darker lights); 0.05–0.1 is typical.",
                             min=0.0, max=1.0)
-    caption_dropout_te1: float = f(0.0, "Per-encoder caption dropout: probability that an image's first text "
-                                        "encoder (CLIP-L) output is dropped (SDXL: zeroed, its unconditional "
-                                        "input; SD 1.x/2.x: the empty caption).", min=0.0, max=1.0)
-    caption_dropout_te2: float = f(0.0, "Per-encoder caption dropout for SDXL's second text encoder "
-                                        "(OpenCLIP-G): its output and the pooled embedding are zeroed.",
-                                   min=0.0, max=1.0)
     optimizer: OptimizerConfig = f(help="Optimizer and its settings.", factory=OptimizerConfig)
 
 
@@ -413,8 +384,6 @@ class EmaConfig:
 class PrecisionConfig:
     stochastic_rounding: bool = f(False, "bf16 weights: round each optimizer update stochastically, so updates "
                                          "smaller than bf16's step are not lost (fine-tunes in bf16).")
-    fp8_unet: bool = f(False, "Store the frozen UNet weights in fp8 (e4m3) and upcast each layer as it runs: "
-                              "about half the memory of fp16. LoRA only.")
 
 
 @dataclass
@@ -436,10 +405,7 @@ class LoraConfig:
                             min=0.0, max=1.0)
     module_dropout: float = f(0.0, "LoHa/LoKr: probability of skipping a whole layer's update in a step.",
                               min=0.0, max=1.0)
-    unet_targets: str = f("attn", "UNet layers to adapt: attention, attention+MLP, all (adds conv "
-                                  "layers: LoCon), or custom (lora.custom_targets).",
-                          choices=["attn", "attn_mlp", "all", "custom"])
-    custom_targets: List[str] = f(help="With unet_targets = custom: UNet module names to adapt — name "
+    custom_targets: List[str] = f(help="With parts.denoiser.lora_targets = custom: denoiser module names to adapt — name "
                                        "endings such as to_q, attn2.to_k, ff.net.2, conv1, or regular "
                                        "expressions prefixed with re: matched against the whole path "
                                        "(re:.*up_blocks\\.[12].*to_[qkv]).", factory=list)
@@ -523,12 +489,87 @@ class OutputConfig:
 
 
 @dataclass
+class DenoiserPart:
+    train: bool = f(True, "Train the denoiser (the UNet, or the transformer of PixArt/Flux).")
+    learning_rate: Optional[float] = f(None, "Learning rate of the denoiser; blank = training.learning_rate.",
+                                       min=0.0, max=10.0)
+    stop_after_steps: int = f(0, "Stop training the denoiser after this many optimizer steps; 0 = never.",
+                              min=0, max=10**8)
+    stop_after_epochs: int = f(0, "Stop training the denoiser after this many epochs; 0 = never.", min=0, max=100000)
+    dtype: str = f("fp32", "Storage dtype of the denoiser's weights (frozen ones for a LoRA).", choices=DTYPES)
+    fp8: bool = f(False, "Store the frozen denoiser weights in fp8 (e4m3) and upcast each layer as it runs: about "
+                         "half the memory of fp16. LoRA only.")
+    lora_targets: str = f("attn", "Denoiser layers a LoRA adapts: attention, attention+MLP, all (adds conv layers: "
+                                  "LoCon), or custom (lora.custom_targets).",
+                          choices=["attn", "attn_mlp", "all", "custom"])
+
+
+@dataclass
+class TextEncoderPart:
+    train: bool = f(False, "Train this text encoder.")
+    learning_rate: Optional[float] = f(None, "Learning rate of this text encoder; blank = training.learning_rate.",
+                                       min=0.0, max=10.0)
+    stop_after_steps: int = f(0, "Train this text encoder only for the first N optimizer steps (then it is "
+                                 "frozen); 0 = the whole run.", min=0, max=10**8)
+    stop_after_epochs: int = f(0, "Train this text encoder only for the first N epochs; 0 = the whole run.",
+                               min=0, max=100000)
+    dtype: str = f("fp32", "Storage dtype of this text encoder's weights.", choices=DTYPES)
+    caption_dropout: float = f(0.0, "Per-encoder caption dropout: probability that this encoder's output for an "
+                                    "image is dropped (zeroed, its unconditional input; SD 1.x/2.x: the empty "
+                                    "caption). SDXL's second encoder drops its pooled embedding too.",
+                               min=0.0, max=1.0)
+
+
+@dataclass
+class PartsConfig:
+    denoiser: DenoiserPart = f(help="The denoiser: UNet (SD, SDXL) or transformer (PixArt, Flux).",
+                               factory=DenoiserPart)
+    text_encoder_1: TextEncoderPart = f(help="The first text encoder: CLIP-L (SD, SDXL, Flux), T5 (PixArt).",
+                                        factory=TextEncoderPart)
+    text_encoder_2: TextEncoderPart = f(help="The second text encoder: OpenCLIP-G (SDXL), T5-XXL (Flux).",
+                                        factory=TextEncoderPart)
+    text_encoder_3: TextEncoderPart = f(help="The third text encoder (families with three).", factory=TextEncoderPart)
+
+
+# the family's part slots (trainer.families Part.slot) -> their section under parts:
+PART_OF_SLOT = {"unet": "denoiser", "text_encoder": "text_encoder_1", "text_encoder_2": "text_encoder_2",
+                "text_encoder_3": "text_encoder_3"}
+
+
+def part_of(cfg: Any, slot: str) -> Any:
+    """The ``parts.*`` section of a model slot (``unet`` -> ``parts.denoiser``)."""
+    return cfg.parts[PART_OF_SLOT[slot]]
+
+
+def part_key(slot: str, name: str) -> str:
+    """The dotted key of a per-part setting: ``part_key("text_encoder", "train")`` -> ``parts.text_encoder_1.train``."""
+    return f"parts.{PART_OF_SLOT[slot]}.{name}"
+
+
+class ModelSettings:
+    """What a family needs to load: the ``model`` section plus each part's storage dtype (``dtypes``:
+    slot -> dtype name, from ``parts.*.dtype``)."""
+
+    def __init__(self, cfg: Any):
+        object.__setattr__(self, "_model", cfg.model)
+        object.__setattr__(self, "dtypes", {slot: str(cfg.parts[part].dtype) for slot, part in PART_OF_SLOT.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._model.get(key, default)
+
+
+@dataclass
 class AtelierConfig:
     version: int = f(CONFIG_VERSION, "Config format version (for migrating old files).",
                      min=1, max=CONFIG_VERSION, ui="hidden")
     general: GeneralConfig = f(help="Workspace, run name, seed, device.", factory=GeneralConfig)
     model: ModelConfig = f(help="Base model and precision.", factory=ModelConfig)
     data: DataConfig = f(help="Concepts and image handling.", factory=DataConfig)
+    parts: PartsConfig = f(help="Per-part settings of the model (denoiser, text encoders): train on/off, learning "
+                                "rate, training window, dtype, caption dropout, LoRA targets.", factory=PartsConfig)
     training: TrainingConfig = f(help="Optimisation.", factory=TrainingConfig)
     loss: LossConfig = f(help="Loss function and weighting.", factory=LossConfig)
     ema: EmaConfig = f(help="Exponential moving average of the weights.", factory=EmaConfig)
@@ -694,18 +735,67 @@ def _load_layer(path: Path, what: str, depth: int = 0) -> DictConfig:
     return data
 
 
+# Version 1 kept the UNet/text-encoder settings as fixed fields; version 2 has them per part (parts.*).
+# old key -> new keys (one old key may fill several parts: model.text_encoder_dtype was both encoders').
+RENAMED_V1 = {
+    "model.unet_dtype": ("parts.denoiser.dtype",),
+    "model.text_encoder_dtype": ("parts.text_encoder_1.dtype", "parts.text_encoder_2.dtype"),
+    "training.train_unet": ("parts.denoiser.train",),
+    "training.train_text_encoder": ("parts.text_encoder_1.train",),
+    "training.train_text_encoder_2": ("parts.text_encoder_2.train",),
+    "training.unet_learning_rate": ("parts.denoiser.learning_rate",),
+    "training.text_encoder_learning_rate": ("parts.text_encoder_1.learning_rate",),
+    "training.text_encoder_2_learning_rate": ("parts.text_encoder_2.learning_rate",),
+    "training.unet_stop_after_steps": ("parts.denoiser.stop_after_steps",),
+    "training.unet_stop_after_epochs": ("parts.denoiser.stop_after_epochs",),
+    "training.text_encoder_stop_after_steps": ("parts.text_encoder_1.stop_after_steps",),
+    "training.text_encoder_stop_after_epochs": ("parts.text_encoder_1.stop_after_epochs",),
+    "training.text_encoder_2_stop_after_steps": ("parts.text_encoder_2.stop_after_steps",),
+    "training.text_encoder_2_stop_after_epochs": ("parts.text_encoder_2.stop_after_epochs",),
+    "training.caption_dropout_te1": ("parts.text_encoder_1.caption_dropout",),
+    "training.caption_dropout_te2": ("parts.text_encoder_2.caption_dropout",),
+    "precision.fp8_unet": ("parts.denoiser.fp8",),
+    "lora.unet_targets": ("parts.denoiser.lora_targets",),
+}
+
+
+def renamed_key(key: str) -> tuple:
+    """The version-2 keys of a version-1 key (``--set`` accepts the old names); ``(key,)`` when unchanged."""
+    return RENAMED_V1.get(key, (key,))
+
+
 def migrate(data: DictConfig, source: str = "") -> DictConfig:
-    """Bring an older config file up to CONFIG_VERSION (none needed yet: version 1 is the first)."""
-    version = data.get("version", CONFIG_VERSION)
+    """Bring an older config file (or a form, a preset) up to CONFIG_VERSION without losing a setting.
+
+    Version 1 -> 2: the per-part fields move under ``parts`` (see RENAMED_V1). A file without
+    ``version`` that still uses old keys is read as version 1."""
+    version = data.get("version", None)
     try:
-        version = int(version)
+        version = int(version) if version is not None else None
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: 'version' must be a whole number, got {version!r}.", "version", version)
-    if version > CONFIG_VERSION:
+    if version is not None and version > CONFIG_VERSION:
         raise ConfigError(f"{source}: config version {version} is newer than this Atelier "
                           f"(knows up to {CONFIG_VERSION}); update Atelier.", "version", version)
+    if version is None or version < 2:
+        _move_v1_keys(data)
     data["version"] = CONFIG_VERSION
     return data
+
+
+def _move_v1_keys(data: DictConfig) -> None:
+    for old, new_keys in RENAMED_V1.items():
+        section, leaf = old.split(".")
+        node = data.get(section) if isinstance(data, DictConfig) else None
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        value = node._get_node(leaf)
+        raw = value._value() if hasattr(value, "_value") else value
+        if isinstance(raw, str) and raw.startswith("${") and raw.endswith("}"):  # keep interpolations working
+            raw = "${" + renamed_key(raw[2:-1])[0] + "}" if raw[2:-1] in RENAMED_V1 else raw
+        for new in new_keys:
+            OmegaConf.update(data, new, raw, merge=False, force_add=True)
+        node.pop(leaf)
 
 
 def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
@@ -840,7 +930,13 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
             pending.clear()
         return cfg
 
-    for key, value in parse_overrides(overrides):
+    for old_key, value in parse_overrides(overrides):
+        keys = renamed_key(old_key)  # version-1 names keep working on the command line
+        if len(keys) > 1 or keys[0] != old_key:
+            for key in keys:
+                _merge_plain(pending, key, value)
+            continue
+        key = old_key
         if not any(part.isdigit() for part in key.split(".")):
             _merge_plain(pending, key, value)
             continue
@@ -958,10 +1054,10 @@ def _check_loss_ema_precision(cfg: DictConfig) -> None:
                           "schedule goes from 1 down to huber_delta, so it must be at most 1 (0.1 is typical). "
                           "Use huber_schedule = constant for a larger δ.", key="loss.huber_delta",
                           value=lc.huber_delta)
-    if cfg.precision.fp8_unet and cfg.training.method != "lora" and cfg.training.train_unet:
-        raise ConfigError("precision.fp8_unet stores the frozen UNet in fp8, but a fine-tune trains the UNet's "
-                          "own weights. Use training.method = lora, or turn fp8_unet off.",
-                          key="precision.fp8_unet", value=True)
+    if cfg.parts.denoiser.fp8 and cfg.training.method != "lora" and cfg.parts.denoiser.train:
+        raise ConfigError("parts.denoiser.fp8 stores the frozen denoiser in fp8, but a fine-tune trains its own "
+                          "weights. Use training.method = lora, or turn parts.denoiser.fp8 off.",
+                          key="parts.denoiser.fp8", value=True)
 
 
 def _loss_ema_precision_warnings(cfg: DictConfig) -> List[Issue]:
@@ -988,7 +1084,7 @@ def _loss_ema_precision_warnings(cfg: DictConfig) -> List[Issue]:
     if cfg.precision.stochastic_rounding and t.method == "lora":
         out.append(Issue("precision.stochastic_rounding", "LoRA adapters train in fp32: stochastic rounding "
                                                           "only matters for bf16 fine-tunes."))
-    if t.method == "finetune" and cfg.model.unet_dtype == "bf16" and t.train_unet \
+    if t.method == "finetune" and cfg.parts.denoiser.dtype == "bf16" and cfg.parts.denoiser.train \
             and not cfg.precision.stochastic_rounding:
         out.append(Issue("precision.stochastic_rounding", "Training bf16 weights rounds small updates away; "
                                                           "turn on precision.stochastic_rounding."))
@@ -1001,9 +1097,9 @@ def validate(cfg: DictConfig) -> None:
     from trainer.families.checks import check_family_options
     check_family_options(cfg)  # options the model's family or its objective cannot use
     t = cfg.training
-    if t.method in ("lora", "finetune") and not (t.train_unet or t.train_text_encoder or t.train_text_encoder_2):
-        raise ConfigError("Nothing to train: turn on training.train_unet and/or training.train_text_encoder"
-                          "(_2).", key="training.train_unet", value=False)
+    if t.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):
+        raise ConfigError("Nothing to train: turn on parts.denoiser.train and/or a text encoder's train "
+                          "(parts.text_encoder_1.train …).", key="parts.denoiser.train", value=False)
     for i, c in enumerate(cfg.data.concepts):
         if c.caption_source == "concept_file" and not c.caption_file:
             raise ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "
@@ -1081,14 +1177,16 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += [Issue(key, message, level="error") for key, message in path_problems(cfg)]  # files train would reject
     from trainer.optim import optim_warnings
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
-    if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.model.unet_dtype == "fp16":
-        out.append(Issue("model.unet_dtype", "Training fp16 weights directly loses updates; keep the "
-                                             "trained UNet in fp32 (or bf16) with fp16 autocast."))
-    if t.train_text_encoder and t.method == "lora" and t.text_encoder_learning_rate is None \
-            and t.learning_rate > 5e-4:
-        out.append(Issue("training.text_encoder_learning_rate",
-                         "The text encoder usually wants a lower LR than the UNet (e.g. 5e-5)."))
+    if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
+        out.append(Issue("parts.denoiser.dtype", "Training fp16 weights directly loses updates; keep the "
+                                                 "trained denoiser in fp32 (or bf16) with fp16 autocast."))
+    te1 = cfg.parts.text_encoder_1
+    if te1.train and t.method == "lora" and te1.learning_rate is None and t.learning_rate > 5e-4:
+        out.append(Issue("parts.text_encoder_1.learning_rate",
+                         "The text encoder usually wants a lower LR than the denoiser (e.g. 5e-5)."))
     out += _loss_ema_precision_warnings(cfg)
+    from trainer.families.checks import part_warnings
+    out += part_warnings(cfg)  # settings of parts this family does not have
     from trainer.fsdp import fsdp_warnings
     out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
@@ -1098,8 +1196,8 @@ def resolved_learning_rates(cfg: DictConfig) -> dict:
     """LR of each component (optimizer param-group name); a blank component LR is the base LR."""
     t = cfg.training
     out = {}
-    for comp in ("unet", "text_encoder", "text_encoder_2", "embedding"):
-        value = t.get(f"{comp}_learning_rate")
+    for comp in ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "embedding"):
+        value = t.embedding_learning_rate if comp == "embedding" else part_of(cfg, comp).learning_rate
         out[comp] = value if value is not None else t.learning_rate
     return out
 

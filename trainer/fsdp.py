@@ -97,8 +97,7 @@ def wants_fsdp(cfg) -> bool:
 
 def shards_unet(cfg) -> bool:
     """FSDP asked for, and a run it applies to: a full fine-tune that trains the UNet."""
-    t = cfg.training
-    return wants_fsdp(cfg) and t.method == "finetune" and bool(t.train_unet)
+    return wants_fsdp(cfg) and cfg.training.method == "finetune" and bool(cfg.parts.denoiser.train)
 
 
 def validate_fsdp(cfg, world: Optional[int] = None) -> None:
@@ -117,17 +116,17 @@ def validate_fsdp(cfg, world: Optional[int] = None) -> None:
                           key="ema.enabled", value=True)
     if cfg.precision.get("stochastic_rounding"):
         raise ConfigError(f"precision.stochastic_rounding: {why}, and its hooks swap each weight's storage, which "
-                          "FSDP owns. Train fp32 weights (model.unet_dtype = fp32) with training.mixed_precision = "
+                          "FSDP owns. Train fp32 weights (parts.denoiser.dtype = fp32) with training.mixed_precision = "
                           "bf16 instead, or use general.distributed = ddp.", key="precision.stochastic_rounding",
                           value=True)
     if cfg.training.get("fused_backward"):
         raise ConfigError(f"training.fused_backward: {why}, and FSDP averages each gradient after backward. Turn "
                           "fused_backward off.", key="training.fused_backward", value=True)
-    for key in ("unet_stop_after_steps", "unet_stop_after_epochs"):
-        if cfg.training.get(key):
-            raise ConfigError(f"training.{key}: {why}, and a sharded UNet cannot be frozen in the middle of the run. "
-                              f"Set it to 0 (train the UNet throughout), or use general.distributed = ddp.",
-                              key=f"training.{key}", value=cfg.training.get(key))
+    for key in ("stop_after_steps", "stop_after_epochs"):
+        if cfg.parts.denoiser.get(key):
+            raise ConfigError(f"parts.denoiser.{key}: {why}, and a sharded UNet cannot be frozen in the middle of the "
+                              f"run. Set it to 0 (train the UNet throughout), or use general.distributed = ddp.",
+                              key=f"parts.denoiser.{key}", value=cfg.parts.denoiser.get(key))
 
 
 def fsdp_warnings(cfg) -> list:
@@ -142,7 +141,7 @@ def fsdp_warnings(cfg) -> list:
         out.append(Issue(key, f"FSDP shards full fine-tunes only; this {t.method} run uses DDP (every process holds "
                               "the model; the trained adapter or embedding is small)."))
         return out
-    if not t.train_unet:
+    if not cfg.parts.denoiser.train:
         out.append(Issue(key, "FSDP shards the UNet, which this fine-tune does not train: it uses DDP."))
         return out
     from trainer.optim import OPTIMIZERS

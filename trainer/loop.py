@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.config import ConfigError, save_config, to_container, to_yaml
+from trainer.config import ConfigError, ModelSettings, save_config, to_container, to_yaml
 from trainer.distributed import (PeerLost, env_rank_world, expand_rows, explain_failure,
                                  fault_injection, iter_shard, rank_file, take_rows, write_rank_error,
                                  write_rank_info)
@@ -34,8 +34,9 @@ log = logging.getLogger("atelier")
 
 # Resume: settings whose change makes a backup meaningless (refused), and bookkeeping never compared.
 # model.path may change (a moved or re-downloaded file): a warning, and the trainable weights must still fit.
-RESUME_FIXED = ("model.family", "training.method", "training.train_unet",
-                "training.train_text_encoder", "training.train_text_encoder_2", "lora.type", "lora.rank", "lora.alpha", "lora.unet_targets",
+RESUME_FIXED = ("model.family", "training.method", "parts.denoiser.train", "parts.text_encoder_1.train",
+                "parts.text_encoder_2.train", "parts.text_encoder_3.train", "lora.type", "lora.rank", "lora.alpha",
+                "parts.denoiser.lora_targets",
                 "lora.custom_targets", "lora.conv_rank", "lora.conv_alpha", "lora.factor", "lora.decompose_both",
                 "embedding.placeholder", "embedding.num_vectors", "embedding.train_alongside",
                 "training.optimizer.name")
@@ -230,7 +231,7 @@ class Trainer:
         from trainer.models.base import load_model
         log.info("loading model %s", cfg.model.path)
         with self.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
-            self.model = load_model(cfg.model, g.workspace, self.device)
+            self.model = load_model(cfg, g.workspace, self.device)
         from trainer.methods.finetune import make_method
         self.method = make_method(self.model, cfg)
         self.method.prepare_data(self.data, self.warn)  # embedding placeholder: captions, tag dropout, warnings
@@ -278,7 +279,7 @@ class Trainer:
                 self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
                 encode_text_fn=(lambda captions: self.model.encode_captions(
                     self.method.expand_text(captions))) if frozen_text else None,
-                text_fingerprint=self.model.text_fingerprint(cfg.model),
+                text_fingerprint=self.model.text_fingerprint(ModelSettings(cfg)),
                 # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
                 inpaint_fn=self.model.encode_masked_images if getattr(self.model, "inpainting", False) else None)
         self.tb = None
@@ -366,10 +367,11 @@ class Trainer:
             noisy, _ = objective.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
         mask = choose_mask(batch.get("mask"), lc, gen)
         noisy = model.model_input(noisy, batch, gen, self.warn)  # inpainting: noisy ‖ mask ‖ masked-image latents
-        train_text = {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
+        train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "embedding"} & set(self.method.modules)
         drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
-        for key, p in (("drop_te1", self.cfg.training.caption_dropout_te1),
-                       ("drop_te2", self.cfg.training.caption_dropout_te2)):
+        parts = self.cfg.parts
+        for key, p in (("drop_te1", parts.text_encoder_1.caption_dropout),
+                       ("drop_te2", parts.text_encoder_2.caption_dropout)):
             if p > 0:
                 drops[key] = (torch.rand(latents.shape[0], generator=gen) < p).tolist()
         if rows is not None:
@@ -525,7 +527,7 @@ class Trainer:
                     file=sys.stderr, disable=not sys.stderr.isatty())
 
     def _apply_component_schedule(self) -> None:
-        """training.<component>_stop_after_steps/_epochs: freeze components whose window has ended (after
+        """parts.<part>.stop_after_steps/_epochs: freeze components whose window has ended (after
         every scheduler step, which writes their LR again, and after loading a backup)."""
         sched = getattr(self, "component_schedule", None)
         if sched is None:
@@ -791,7 +793,8 @@ class Trainer:
             return  # a backup from before backups carried their config
         from omegaconf import OmegaConf
         try:
-            old = _flat(to_container(OmegaConf.load(saved)))
+            from trainer.config import migrate
+            old = _flat(to_container(migrate(OmegaConf.load(saved), str(saved))))  # a version-1 backup too
         except Exception:
             return
         new = _flat(to_container(self.cfg))

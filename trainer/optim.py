@@ -263,13 +263,17 @@ def _component_lrs(cfg) -> Dict[str, float]:
     component falls back to it.
     """
     t = cfg.training
+    parts = cfg.parts
     out: Dict[str, float] = {}
     uses_base = False
-    for comp, trained in (("unet", t.train_unet), ("text_encoder", t.train_text_encoder),
-                          ("text_encoder_2", None), ("embedding", None)):
-        value = t.get(f"{comp}_learning_rate")
+    for key, part, trained in (("parts.denoiser.learning_rate", parts.denoiser, parts.denoiser.train),
+                               ("parts.text_encoder_1.learning_rate", parts.text_encoder_1, parts.text_encoder_1.train),
+                               ("parts.text_encoder_2.learning_rate", parts.text_encoder_2, None),
+                               ("parts.text_encoder_3.learning_rate", parts.text_encoder_3, None),
+                               ("training.embedding_learning_rate", None, None)):
+        value = part.learning_rate if part is not None else t.embedding_learning_rate
         if value is not None and trained is not False:
-            out[f"training.{comp}_learning_rate"] = float(value)
+            out[key] = float(value)
         elif value is None and trained:
             uses_base = True
     if uses_base or not out:
@@ -407,17 +411,25 @@ def lr_scale_factor(cfg) -> float:
     return float(batch) if mode == "linear" else math.sqrt(batch)
 
 
-#: Component (param-group name) → the training.* flag that turns it on (embedding: always, when present).
-COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "embedding")
+#: Components (param-group names): the model's part slots (parts.* in the config) and the embedding.
+COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "embedding")
+
+
+def _window(cfg, component: str) -> tuple:
+    """(stop_after_steps, stop_after_epochs) of a component: parts.<part>.* or training.embedding_*."""
+    if component == "embedding":
+        t = cfg.training
+        return int(t.embedding_stop_after_steps or 0), int(t.embedding_stop_after_epochs or 0)
+    from trainer.config import part_of
+    part = part_of(cfg, component)
+    return int(part.stop_after_steps or 0), int(part.stop_after_epochs or 0)
 
 
 def stop_step(cfg, component: str, steps_per_epoch: int) -> int:
     """The optimizer step after which ``component`` stops training: the smaller of
-    training.<component>_stop_after_steps and ..._epochs x steps_per_epoch; 0 = never."""
-    t = cfg.training
+    parts.<part>.stop_after_steps and ..._epochs x steps_per_epoch; 0 = never."""
     limits = []
-    steps = int(t.get(f"{component}_stop_after_steps") or 0)
-    epochs = int(t.get(f"{component}_stop_after_epochs") or 0)
+    steps, epochs = _window(cfg, component)
     if steps > 0:
         limits.append(steps)
     if epochs > 0:
@@ -426,7 +438,7 @@ def stop_step(cfg, component: str, steps_per_epoch: int) -> int:
 
 
 class ComponentSchedule:
-    """Per-component training windows (training.<component>_stop_after_steps/_epochs).
+    """Per-component training windows (parts.<part>.stop_after_steps/_epochs, training.embedding_stop_after_*).
 
     After its last step a component is frozen: its weights get ``requires_grad = False`` (no gradients,
     no backward work through it; the optimizer skips weights without a gradient) and its param group gets
@@ -512,15 +524,12 @@ def optim_warnings(cfg) -> list:
     if t.lr_scheduler in ("constant", "piecewise_constant") and warmup:
         out.append(Issue(warmup_key, f"lr_scheduler = {t.lr_scheduler} ignores the warm-up; use "
                                      "constant_with_warmup (or a decaying schedule) to warm up."))
-    flags = {"unet": t.train_unet, "text_encoder": t.train_text_encoder,
-             "text_encoder_2": t.train_text_encoder_2}
-    if t.method == "embedding":
-        flags = {"unet": False, "text_encoder": False, "text_encoder_2": False}
-    for comp, on in flags.items():
+    for name, part in cfg.parts.items():
+        on = bool(part.train) and t.method != "embedding"
         for unit in ("steps", "epochs"):
-            if (t.get(f"{comp}_stop_after_{unit}") or 0) > 0 and not on:
-                out.append(Issue(f"training.{comp}_stop_after_{unit}",
-                                 f"training.{comp}_stop_after_{unit} is set, but the {comp} is not trained in "
+            if (part.get(f"stop_after_{unit}") or 0) > 0 and not on:
+                out.append(Issue(f"parts.{name}.stop_after_{unit}",
+                                 f"parts.{name}.stop_after_{unit} is set, but the {name} is not trained in "
                                  "this run: it is ignored."))
     if (t.get("scale_lr") or "none") != "none" and spec.adaptive_lr:
         out.append(Issue("training.scale_lr", f"{o.name} estimates its own step size and wants LR 1: "
@@ -560,8 +569,8 @@ def param_groups(method, cfg) -> List[Dict[str, Any]]:
             groups.append({"params": params, "lr": lrs.get(name, cfg.training.learning_rate) * scale,
                            "name": name})
     if not groups:
-        raise ConfigError("Nothing to train: no trainable parameters (check training.train_unet / "
-                          "training.train_text_encoder).", key="training.train_unet")
+        raise ConfigError("Nothing to train: no trainable parameters (check parts.denoiser.train / "
+                          "parts.text_encoder_1.train).", key="parts.denoiser.train")
     return groups
 
 

@@ -145,9 +145,9 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP) -> int:
     """
     import torch
     if not fp8_available():
-        raise ConfigError(f"precision.fp8_unet is on, but this PyTorch ({torch.__version__}) cannot store "
-                          "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn fp8_unet off and use "
-                          "model.unet_dtype = fp16/bf16.", key="precision.fp8_unet")
+        raise ConfigError(f"parts.denoiser.fp8 is on, but this PyTorch ({torch.__version__}) cannot store "
+                          "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn parts.denoiser.fp8 off and "
+                          "use parts.denoiser.dtype = fp16/bf16.", key="parts.denoiser.fp8")
     count = 0
     for name, module in unet.named_modules():
         if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in skip):
@@ -166,11 +166,11 @@ def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], i
     import logging
     import torch
     pc = cfg.precision
-    if pc.fp8_unet:
+    if cfg.parts.denoiser.fp8:
         if "unet" in method.modules and cfg.training.method == "finetune":
-            raise ConfigError("precision.fp8_unet stores the UNet's frozen weights in fp8, but this run trains "
-                              "the whole UNet (training.method = finetune). Use LoRA, or turn fp8_unet off.",
-                              key="precision.fp8_unet")
+            raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
+                              "the whole denoiser (training.method = finetune). Use LoRA, or turn "
+                              "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
         denoiser = model.denoiser
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
@@ -180,7 +180,7 @@ def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], i
         if warn is not None:
             warn("precision.stochastic_rounding is on, but no trained weight is bf16 (LoRA adapters and fp32 "
                  "weights train in fp32), so it has no effect. It matters for fine-tunes with "
-                 "model.unet_dtype = bf16.")
+                 "parts.denoiser.dtype = bf16.")
         return None
     if not hasattr(optimizer, "register_step_post_hook"):
         raise ConfigError(f"precision.stochastic_rounding hooks into torch.optim.Optimizer.step, and "

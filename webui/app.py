@@ -148,12 +148,33 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
         # page it serves *before* login (routes.py main(): gradio_api_info is rendered whatever the auth), and
         # caches one copy for all. With a login, the page describes no endpoints: the UI needs none of it.
         demo.get_api_info = lambda all_endpoints=False: {"named_endpoints": {}, "unnamed_endpoints": {}}
+    from gradio import networking
+    networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     return demo.queue(default_concurrency_limit=4).launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
         root_path=root_path,
         inbrowser=inbrowser, prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
         auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
+
+
+def _patient_url_ok(url: str) -> bool:
+    """Gradio checks that its own page answers before it serves, with one 3-second request that gives up on the
+    first timeout; on a busy machine (a pod that is caching latents, a test run) that fails and launch refuses to
+    start ("When localhost is not accessible, a shareable link must be created"). Ask for up to 30 s instead."""
+    import time
+
+    import httpx
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.head(url, timeout=5, verify=False).status_code in (200, 401, 301, 302, 303, 307, 308):
+                return True
+        except (httpx.ConnectError, httpx.TimeoutException, ConnectionError):
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

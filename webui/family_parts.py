@@ -7,21 +7,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
-# the settings of each part slot (until per-part settings replace these fields)
-SLOT_FIELDS: Dict[str, Tuple[str, ...]] = {
-    "unet": ("training.train_unet", "training.unet_learning_rate", "training.unet_stop_after_steps",
-             "training.unet_stop_after_epochs", "model.unet_dtype", "precision.fp8_unet", "lora.unet_targets"),
-    "text_encoder": ("training.train_text_encoder", "training.text_encoder_learning_rate",
-                     "training.text_encoder_stop_after_steps", "training.text_encoder_stop_after_epochs",
-                     "training.caption_dropout_te1", "model.text_encoder_dtype"),
-    "text_encoder_2": ("training.train_text_encoder_2", "training.text_encoder_2_learning_rate",
-                       "training.text_encoder_2_stop_after_steps", "training.text_encoder_2_stop_after_epochs",
-                       "training.caption_dropout_te2"),
-}
+def _slot_fields() -> Dict[str, Tuple[str, ...]]:
+    """The per-part settings of each model slot: every ``parts.<part>.*`` key of the schema."""
+    from trainer.config import PART_OF_SLOT, all_keys
+    keys = all_keys()
+    return {slot: tuple(k for k in keys if k.startswith(f"parts.{part}.")) for slot, part in PART_OF_SLOT.items()}
+
+
+SLOT_FIELDS: Dict[str, Tuple[str, ...]] = _slot_fields()
 
 
 def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, str]]:
     """(markdown summary, key -> shown, key -> part label) for a model path and ``model.family``."""
+    from trainer.config import part_key
     from trainer.families import info_for
     from trainer.families.checks import family_without_loading
     try:
@@ -35,7 +33,7 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
     parts = {p.slot: p for p in info.parts}
     lines = [f"**Model family:** {info.label} (`{variant}`) — objective: "
              f"{'flow matching' if info.objective == 'flow' else 'DDPM'}; parts: "
-             + ", ".join(f"{p.label} (`training.train_{p.slot}`)" for p in info.parts)]
+             + ", ".join(f"{p.label} (`{part_key(p.slot, 'train')}`)" for p in info.parts)]
     shown = {key: slot in parts for slot, keys in SLOT_FIELDS.items() for key in keys}
     labels = {key: parts[slot].label for slot, keys in SLOT_FIELDS.items() for key in keys if slot in parts}
     return "\n".join(lines), shown, labels

@@ -24,6 +24,7 @@ from webui.schema_widgets import FieldError, FieldSpec
 TAB_LAYOUT = [
     ("General", "general", ("general",)),
     ("Model", "model", ("model", "output")),
+    ("Parts", "parts", ("parts",)),
     ("Data", "data", ("data",)),
     ("Concepts", "concepts", ("data.concepts",)),
     ("Training", "training", ("training",)),

@@ -24,8 +24,8 @@ OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "ca
                "memoryerror", "oom-kill", "killed process")
 OOM_ADVICE = ("To use less memory: lower the batch size (training.batch_size), turn on gradient "
               "checkpointing (training.gradient_checkpointing), use mixed precision "
-              "(training.mixed_precision = bf16 or fp16) and lower weight dtypes (model.unet_dtype, "
-              "model.text_encoder_dtype), or train at a smaller resolution (data.resolution).")
+              "(training.mixed_precision = bf16 or fp16) and lower weight dtypes (parts.denoiser.dtype, "
+              "parts.text_encoder_1.dtype), or train at a smaller resolution (data.resolution).")
 
 
 @dataclass

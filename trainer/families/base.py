@@ -26,6 +26,15 @@ from trainer.config import ConfigError
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def part_dtype(mcfg: Any, slot: str) -> str:
+    """The storage dtype name of a part: ``parts.<part>.dtype`` as carried by :class:`trainer.config.ModelSettings`
+    (``load_model`` builds it from the whole config); fp32 for a bare ``model`` section."""
+    dtypes = getattr(mcfg, "dtypes", None)
+    if isinstance(dtypes, dict):
+        return dtypes.get(slot, "fp32")
+    return "fp32"
+
+
 def torch_dtype(name: str):
     import torch
     return getattr(torch, DTYPE_NAMES[name])
@@ -92,9 +101,10 @@ class Family:
 
     @staticmethod
     def _storage_dtypes(mcfg: Any, **parts: str) -> Dict[str, Any]:
-        """``{module name: torch dtype}`` from the ``model.*_dtype`` fields named in ``parts`` (plus the VAE's)."""
+        """``{module name: torch dtype}``: each module named in ``parts`` (module name -> part slot) gets its
+        part's ``parts.*.dtype``; plus the VAE's."""
         import torch
-        out = {name: torch_dtype(getattr(mcfg, field, "") or mcfg.text_encoder_dtype) for name, field in parts.items()}
+        out = {name: torch_dtype(part_dtype(mcfg, slot)) for name, slot in parts.items()}
         out.update(vae=torch_dtype(mcfg.vae_dtype), default=torch.float32)
         return out
 
@@ -156,7 +166,7 @@ class Family:
 
     def text_fingerprint(self, mcfg: Any) -> str:
         """Identifies what changes cached text-encoder outputs."""
-        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{getattr(mcfg, 'clip_skip', 0)}"
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{getattr(mcfg, 'clip_skip', 0)}"
 
     # --- export -----------------------------------------------------------------------------
     def lora_namer(self) -> Namer:

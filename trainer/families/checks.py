@@ -13,6 +13,8 @@ import struct
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from omegaconf import OmegaConf
+
 from trainer.config import ConfigError
 
 
@@ -76,11 +78,13 @@ def check_family_options(cfg: Any) -> None:
         raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} is a flow-matching "
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
                           value=cfg.model.prediction_type)
+    from trainer.config import PART_OF_SLOT, part_key, part_of
     t = cfg.training
     slots = {p.slot for p in info.parts}
-    for slot, key in (("text_encoder", "training.train_text_encoder"), ("text_encoder_2", "training.train_text_encoder_2")):
-        if t.get(key.split(".")[1]) and t.method in ("lora", "finetune") and slot not in slots:
-            have = ", ".join(f"{p.label} ({'training.train_' + p.slot})" for p in info.parts)
+    for slot in PART_OF_SLOT:
+        if part_of(cfg, slot).train and t.method in ("lora", "finetune") and slot not in slots:
+            have = ", ".join(f"{p.label} ({part_key(p.slot, 'train')})" for p in info.parts)
+            key = part_key(slot, "train")
             raise ConfigError(f"{key} is on, but {info.label} has no such part; its parts are {have}.", key=key)
     if info.name not in ("sd", "sdxl"):
         if t.method == "embedding" or cfg.embedding.train_alongside:
@@ -92,15 +96,37 @@ def check_family_options(cfg: Any) -> None:
                               "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",
                               key="model.clip_skip", value=cfg.model.clip_skip)
     if t.method == "finetune" and info.finetune_slots:
-        for slot in ("text_encoder", "text_encoder_2"):
-            if t.get(f"train_{slot}") and slot not in info.finetune_slots:
+        for slot in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if part_of(cfg, slot).train and slot not in info.finetune_slots:
                 part = info.part(slot)
-                raise ConfigError(f"training.train_{slot} is on with training.method = finetune, but a {info.label} "
+                raise ConfigError(f"{part_key(slot, 'train')} is on with training.method = finetune, but a {info.label} "
                                   f"fine-tune is saved as the {info.part('unet').label.lower()} alone, so the trained "
                                   f"{part.label if part else slot} would be lost. Train it with LoRA, or turn it off.",
-                                  key=f"training.train_{slot}")
+                                  key=part_key(slot, "train"))
     for key, off, why in info.refuses:
-        section, name = key.split(".", 1)
-        value = cfg[section].get(name)
+        value = OmegaConf.select(cfg, key)
         if value != off:
             raise ConfigError(f"{key} = {value}: {why}. Set it to {off}.", key=key, value=value)
+
+
+def part_warnings(cfg: Any) -> list:
+    """Per-part settings of parts the model's family does not have (told without loading it): ignored, and
+    said so (``train`` on such a part is an error, raised by :func:`check_family_options`)."""
+    from trainer.config import PART_OF_SLOT, Issue, PartsConfig
+    from trainer.families import info_for
+    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    if not variant:
+        return []
+    info = info_for(variant)
+    have = {p.slot for p in info.parts}
+    defaults = OmegaConf.structured(PartsConfig)
+    out = []
+    for slot, part in PART_OF_SLOT.items():
+        if slot in have:
+            continue
+        changed = [k for k in cfg.parts[part] if k not in ("train", "dtype") and cfg.parts[part][k] != defaults[part][k]]
+        if changed:
+            out.append(Issue(f"parts.{part}.{changed[0]}",
+                             f"parts.{part}: {', '.join(changed)} set, but {info.label} has no "
+                             f"{part.replace('_', ' ')}: ignored."))
+    return out

@@ -15,10 +15,9 @@ class FinetuneMethod(MethodBase):
         import torch
         self.model = model
         self.cfg = cfg
-        t = cfg.training
         self.modules: Dict[str, Any] = {}
         from trainer.methods.lora import chosen_parts
-        for slot, module in chosen_parts(model, t).items():
+        for slot, module in chosen_parts(model, cfg).items():
             module.requires_grad_(True)
             self.modules[slot] = module
         for m in self.modules.values():

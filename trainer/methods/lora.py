@@ -31,32 +31,31 @@ TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 LYCORIS_TYPES = ("loha", "lokr")
 
 
-def unet_targets(lcfg, model=None) -> Union[List[str], str]:
+def unet_targets(cfg, model=None) -> Union[List[str], str]:
     """peft ``target_modules`` for the denoiser: the family's list of name endings for the
-    ``lora.unet_targets`` preset (the SD UNet's without a model), or (custom) one regex."""
-    if lcfg.unet_targets == "custom":
+    ``parts.denoiser.lora_targets`` preset (the SD UNet's without a model), or (custom) one regex."""
+    choice = cfg.parts.denoiser.lora_targets
+    if choice == "custom":
         from trainer.methods.rules import custom_target_regex
-        return custom_target_regex(list(lcfg.custom_targets))
+        return custom_target_regex(list(cfg.lora.custom_targets))
     if model is not None:
-        return model.lora_targets("unet", lcfg.unet_targets)
-    return UNET_TARGETS[lcfg.unet_targets]
+        return model.lora_targets("unet", choice)
+    return UNET_TARGETS[choice]
 
 
-def chosen_parts(model, t) -> Dict[str, Any]:
-    """slot -> module for the parts ``training.train_*`` switches on; a switch for a part the model
-    does not have is refused, naming the family's parts."""
-    from trainer.config import ConfigError
-    wanted = {"unet": t.train_unet, "text_encoder": t.train_text_encoder,
-              "text_encoder_2": t.train_text_encoder_2}
+def chosen_parts(model, cfg) -> Dict[str, Any]:
+    """slot -> module for the parts whose ``parts.<part>.train`` is on; a part the model does not have
+    is refused, naming the family's parts."""
+    from trainer.config import PART_OF_SLOT, ConfigError, part_key
     chosen: Dict[str, Any] = {}
-    for slot, on in wanted.items():
-        if not on:
+    for slot in PART_OF_SLOT:
+        if not cfg.parts[PART_OF_SLOT[slot]].train:
             continue
         module = model.part(slot)
         if module is None:
-            have = ", ".join(f"{p.label} (training.train_{p.slot})" for p in model.info.parts)
-            raise ConfigError(f"training.train_{slot} is on, but this {model.family} model has no such part; "
-                              f"its parts are {have}.", key=f"training.train_{slot}")
+            have = ", ".join(f"{p.label} ({part_key(p.slot, 'train')})" for p in model.info.parts)
+            raise ConfigError(f"{part_key(slot, 'train')} is on, but this {model.family} model has no such part; "
+                              f"its parts are {have}.", key=part_key(slot, "train"))
         chosen[slot] = module
     return chosen
 
@@ -126,12 +125,13 @@ class LoraMethod(MethodBase):
     def __init__(self, model, cfg):
         self.model = model
         self.cfg = cfg
-        t, lcfg = cfg.training, cfg.lora
+        lcfg = cfg.lora
         self.modules: Dict[str, Any] = {}
-        for slot, module in chosen_parts(model, t).items():  # slot: unet (the denoiser), text_encoder(_2)
+        for slot, module in chosen_parts(model, cfg).items():  # slot: unet (the denoiser), text_encoder(_2)
             if slot == "unet":
-                key = "lora.custom_targets" if lcfg.unet_targets == "custom" else "lora.unet_targets"
-                targets = unet_targets(lcfg, model)
+                custom = cfg.parts.denoiser.lora_targets == "custom"
+                key = "lora.custom_targets" if custom else "parts.denoiser.lora_targets"
+                targets = unet_targets(cfg, model)
             else:
                 key, targets = "lora.type", model.lora_targets(slot, "default")
             _add_adapter(module, adapter_config(lcfg, targets, module), model.info.part(slot).label, key)

@@ -45,10 +45,10 @@ def validate_method(cfg: Any) -> None:
     from trainer.config import ConfigError
 
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
-    if t.method == "lora" and lora.unet_targets == "custom" and t.train_unet:
+    if t.method == "lora" and cfg.parts.denoiser.lora_targets == "custom" and cfg.parts.denoiser.train:
         entries = [str(e).strip() for e in lora.custom_targets if str(e).strip()]
         if not entries:
-            raise ConfigError("lora.unet_targets = custom, but lora.custom_targets is empty: list module names "
+            raise ConfigError("parts.denoiser.lora_targets = custom, but lora.custom_targets is empty: list module names "
                               "(to_q, attn2.to_k, conv1, …) or re:<regex> entries.", key="lora.custom_targets")
         for e in entries:
             if e.startswith("re:"):
@@ -92,9 +92,9 @@ def method_warnings(cfg: Any) -> list:
         if lora.type in ("lora", "dora") and (lora.rank_dropout > 0 or lora.module_dropout > 0):
             out.append(Issue("lora.rank_dropout", f"lora.rank_dropout/module_dropout apply to LoHa/LoKr only; "
                                                   f"{lora.type} uses lora.dropout."))
-        if (lora.conv_rank is not None or lora.conv_alpha is not None) and not _targets_convs(lora):
+        if (lora.conv_rank is not None or lora.conv_alpha is not None) and not _targets_convs(cfg):
             out.append(Issue("lora.conv_rank", "lora.conv_rank/conv_alpha are set but no conv layer is targeted: "
-                                               "use lora.unet_targets = all (LoCon) or custom targets with convs."))
+                                               "use parts.denoiser.lora_targets = all (LoCon) or custom targets with convs."))
     if uses_embedding(cfg):
         if t.method == "embedding" and emb.train_alongside:
             out.append(Issue("embedding.train_alongside", "embedding.train_alongside has no effect when "
@@ -116,9 +116,10 @@ def method_warnings(cfg: Any) -> list:
     return out
 
 
-def _targets_convs(lora: Any) -> bool:
-    if lora.unet_targets == "all":
+def _targets_convs(cfg: Any) -> bool:
+    choice = cfg.parts.denoiser.lora_targets
+    if choice == "all":
         return True
-    if lora.unet_targets == "custom":
-        return any("conv" in str(e) or str(e).startswith("re:") for e in lora.custom_targets)
+    if choice == "custom":
+        return any("conv" in str(e) or str(e).startswith("re:") for e in cfg.lora.custom_targets)
     return False

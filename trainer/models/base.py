@@ -344,7 +344,7 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
 
     # --- export (the writers in trainer/export.py, named for the SD lineage) ---------------------
     def lora_targets(self, slot: str, preset: str) -> List[str]:
-        """peft target name endings: the UNet's for ``lora.unet_targets`` presets; CLIP's for text encoders."""
+        """peft target name endings: the UNet's for ``parts.denoiser.lora_targets`` presets; CLIP's for text encoders."""
         from trainer.methods.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS
         return list(UNET_TARGETS[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
 
@@ -382,8 +382,12 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
 def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> ModelFamily:
     """Detect the family (``model.family: auto``) or take the given one, and load it with its class.
 
-    The one entry point the loop needs; each family still refuses weights of another family itself."""
+    The one entry point the loop needs; each family still refuses weights of another family itself.
+    ``mcfg``: the whole config (each part then gets its ``parts.*.dtype``) or its ``model`` section (fp32)."""
     from trainer.families import family_class, info_for
+    if hasattr(mcfg, "parts") and hasattr(mcfg, "model"):
+        from trainer.config import ModelSettings
+        mcfg = ModelSettings(mcfg)
     family = getattr(mcfg, "family", "auto")
     source = classify_source(mcfg.path, workspace)
     found = detect_source_family(source, mcfg)

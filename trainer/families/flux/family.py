@@ -26,7 +26,7 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, ModelLoadError
+from trainer.families.base import Family, ModelLoadError, part_dtype
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
@@ -77,8 +77,8 @@ class Flux(Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         variant = found or (chosen if chosen in OFFICIAL else "flux-dev")
-        dtypes = self._storage_dtypes(mcfg, transformer="unet_dtype", text_encoder="text_encoder_dtype",
-                                      text_encoder_2="text_encoder_2_dtype")
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder",
+                                      text_encoder_2="text_encoder_2")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes)
         else:
@@ -240,7 +240,7 @@ class Flux(Family):
         return {"max_sequence_length": self.max_sequence_length}
 
     def text_fingerprint(self, mcfg: Any) -> str:
-        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{self.max_sequence_length}"
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{part_dtype(mcfg, 'text_encoder_2')}:{self.max_sequence_length}"
 
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):
@@ -261,7 +261,7 @@ class Flux(Family):
         from trainer.families.common.peft_lora import clip_text_model, peft_layout_state_dict
         if "text_encoder_2" in modules:
             raise ValueError("Flux LoRA files hold the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux): "
-                             "turn training.train_text_encoder_2 off")
+                             "turn parts.text_encoder_2.train off")
         out = peft_layout_state_dict(modules, self._FILE_PREFIXES, adapter_name, {"text_encoder": clip_text_model})
         if not out:
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")

@@ -16,7 +16,7 @@ INFO = FamilyInfo(
     tiny={"tiny-flux": "trainer.families.flux.tiny:ensure_tiny",
           "tiny-flux-schnell": "trainer.families.flux.tiny:ensure_tiny"},
     caption_limit=512,
-    refuses=(("training.train_text_encoder_2", False,
+    refuses=(("parts.text_encoder_2.train", False,
               "Flux LoRA files carry the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux), and a "
               "fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),

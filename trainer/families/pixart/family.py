@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.families.base import Family, ModelLoadError
+from trainer.families.base import Family, ModelLoadError, part_dtype
 
 CONFIGS = Path(__file__).parent / "configs"
 OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",
@@ -66,7 +66,7 @@ class PixArt(Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         variant = found or (chosen if chosen in OFFICIAL else "pixart-sigma")
-        dtypes = self._storage_dtypes(mcfg, transformer="unet_dtype", text_encoder="text_encoder_dtype")
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         pipe_cls = PixArtAlphaPipeline if variant == "pixart-alpha" else PixArtSigmaPipeline
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, pipe_cls, dtypes)
@@ -199,7 +199,7 @@ class PixArt(Family):
         return {"max_sequence_length": self.max_sequence_length, "use_resolution_binning": False}
 
     def text_fingerprint(self, mcfg: Any) -> str:
-        return f"{mcfg.path}:{mcfg.text_encoder_dtype}:{self.max_sequence_length}"
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}"
 
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):

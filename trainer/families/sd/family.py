@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
+from trainer.families.base import part_dtype
 from trainer.models.base import (SAMPLERS, LatentDiffusionFamily, ModelLoadError, ModelSource, check_family,
                                  classify_source, detect_source_family, load_pipeline,
                                  torch_dtype)
@@ -49,8 +50,8 @@ class StableDiffusion(LatentDiffusionFamily):
         self.family = _family_of(self.source, found and found.removesuffix("-inpaint"), self.unet)
         self._setup_schedule(dict(pipe.scheduler.config), mcfg.prediction_type)
         self.device = torch.device(device)
-        self.unet.to(self.device, dtype=torch_dtype(mcfg.unet_dtype))
-        self.text_encoder.to(self.device, dtype=torch_dtype(mcfg.text_encoder_dtype))
+        self.unet.to(self.device, dtype=torch_dtype(part_dtype(mcfg, "unet")))
+        self.text_encoder.to(self.device, dtype=torch_dtype(part_dtype(mcfg, "text_encoder")))
         self.vae.to(self.device, dtype=torch_dtype(mcfg.vae_dtype))
         for m in (self.unet, self.text_encoder, self.vae):
             m.requires_grad_(False)

@@ -88,10 +88,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
         found = detect_source_family(self.source, mcfg)
         check_family(self.source, found, mcfg, ("sdxl",), "SDXL")
         inpaint = found == "sdxl-inpaint"
-        te_dtype = torch_dtype(mcfg.text_encoder_dtype)
-        dtypes = {"unet": torch_dtype(mcfg.unet_dtype), "text_encoder": te_dtype,
-                  "text_encoder_2": torch_dtype(getattr(mcfg, "text_encoder_2_dtype", "") or mcfg.text_encoder_dtype),
-                  "vae": torch_dtype(mcfg.vae_dtype), "default": torch.float32}
+        dtypes = self._storage_dtypes(mcfg, unet="unet", text_encoder="text_encoder", text_encoder_2="text_encoder_2")
         pipe = load_pipeline(StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline, self.source,
                              mcfg, workspace, family=found or "sdxl", dtype=dtypes, add_watermarker=False)
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
