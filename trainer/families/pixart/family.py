@@ -16,7 +16,8 @@ What differs from the SD lineage, and where it lives here:
   ``transformer.{diffusers key}``); diffusers has no PixArt ``load_lora_weights``, so it loads through peft
   on the transformer (:func:`load_lora_into_pipeline`). A T5 LoRA goes in the same file as kohya
   ``lora_te1_<module>`` keys (ComfyUI's T5 key map when no CLIP is present). Fine-tunes: the transformer
-  as the original single file (keys.py).
+  as the original single file (keys.py); single files in (``.pth``/``.safetensors``, original or diffusers
+  layout) with the config corrected by the weights (a 512 px α file has no micro-conditions).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class PixArtConditioning:
 
 class PixArt(Family):
     name = "pixart"
+    _original_extras: Dict[str, Any] = {}  # non-diffusers tensors of an original single file (keys.SKIPPED)
     fp8_skip = ("norm", "pos_embed", "adaln_single", "caption_projection", "proj_out")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
@@ -97,24 +99,35 @@ class PixArt(Family):
         self._empty: Optional[Dict[str, Any]] = None
 
     def _from_single_file(self, mcfg: Any, variant: str, pipe_cls: Any, dtypes: Dict[str, Any]):
-        """The original-layout transformer file; its config and the VAE/T5 from ``model.config_path`` (a
-        diffusers PixArt folder or hub id; default the official repo of the variant)."""
+        """The transformer alone, in the original layout (``.pth`` or ``.safetensors``; or a diffusers
+        ``transformer/diffusion_pytorch_model.safetensors``); its config and the VAE/T5 from
+        ``model.config_path`` (a diffusers PixArt folder or hub id; default the official repo of the variant).
+        What the weights show (depth, α micro-conditions, training size) overrides that config: a 512 px α
+        file has no size embedders although the default α config is the 1024 one."""
         from diffusers import PixArtTransformer2DModel
-        from safetensors.torch import load_file
 
-        from trainer.families.pixart.keys import SKIPPED, original_to_diffusers
+        from trainer.families.pixart.keys import (SKIPPED, config_from_state, is_diffusers_layout,
+                                                  original_to_diffusers, read_state)
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         local = Path(rest).is_dir()
         cfg_file = Path(rest) / "transformer" / "config.json" if local else None
         config = json.loads((cfg_file if cfg_file is not None and cfg_file.is_file() else
                              CONFIGS / variant / "transformer" / "config.json").read_text())
         try:
-            state = {k: v for k, v in load_file(self.source.location).items() if k.split("diffusion_model.")[-1]
-                     not in SKIPPED}
-            config["num_layers"] = 1 + max(int(k.split("diffusion_model.")[-1].split(".")[1]) for k in state
-                                           if k.split("diffusion_model.")[-1].startswith("blocks."))
+            state = {k.split("diffusion_model.", 1)[-1]: v for k, v in read_state(self.source.location).items()}
+            # kept to write back on save: the learned null caption (its length tells α from Σ) and the
+            # fixed position table (its size tells the training resolution), neither a diffusers weight
+            if is_diffusers_layout(state):  # older diffusers conversions kept the null caption here
+                null = state.pop("caption_projection.y_embedding", None)
+                state.pop("pos_embed.pos_embed", None)
+                self._original_extras = {} if null is None else {"y_embedder.y_embedding": null}
+                weights = state
+            else:
+                self._original_extras = {k: state[k] for k in SKIPPED if k in state}
+                weights = original_to_diffusers({k: v for k, v in state.items() if k not in SKIPPED})
+            config = config_from_state(state, config)
             transformer = PixArtTransformer2DModel.from_config(config)
-            transformer.load_state_dict(original_to_diffusers(state), strict=True)
+            transformer.load_state_dict(weights, strict=True)
         except Exception as exc:
             raise ModelLoadError(f"model.path '{self.source.display}': not a PixArt transformer of the size its "
                                  f"config describes ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}). Set "
@@ -246,8 +259,9 @@ class PixArt(Family):
         """The fine-tuned transformer in the original PixArt layout (VAE and T5 stay separate files)."""
         from trainer.export import _cast, _write_checkpoint
         from trainer.families.pixart.keys import diffusers_to_original
-        state = _cast({k: v.detach().cpu().contiguous() for k, v in
-                       diffusers_to_original(self.transformer.state_dict()).items()}, dtype)
+        state = diffusers_to_original(self.transformer.state_dict())
+        state.update(self._original_extras)  # y_embedding / pos_embed of the file it was loaded from
+        state = _cast({k: v.detach().cpu().contiguous() for k, v in state.items()}, dtype)
         _write_checkpoint(Path(path), state, metadata or {})
 
 
