@@ -147,7 +147,11 @@ class PixArt(Family):
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions, grads: bool = False):
         import torch
-        tokens = self.tokenizer(list(captions), padding="max_length", max_length=self.max_sequence_length,
+        # as the pipelines' _text_preprocessing (clean_caption=False) and the original PixArt T5 feature
+        # extraction (which lower-cases while cleaning): T5's vocabulary is case-sensitive, so "Sks" trained
+        # un-lowered would be another token than the "sks" the sampling pipeline feeds it
+        captions = [str(c).lower().strip() for c in captions]
+        tokens = self.tokenizer(captions, padding="max_length", max_length=self.max_sequence_length,
                                 truncation=True, add_special_tokens=True, return_tensors="pt")
         mask = tokens.attention_mask.to(self.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
@@ -209,10 +213,13 @@ class PixArt(Family):
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         # the sample size the user asked for, not the pipelines' aspect-ratio bins
-        return {"max_sequence_length": self.max_sequence_length, "use_resolution_binning": False}
+        # clean_caption=False: the pipelines' default (True) cleans prompts only where bs4 and ftfy happen to be
+        # installed; training sees the lower-cased caption (_encode), which is what clean_caption=False feeds
+        return {"max_sequence_length": self.max_sequence_length, "use_resolution_binning": False,
+                "clean_caption": False}
 
     def text_fingerprint(self, mcfg: Any) -> str:
-        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}"
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:lower"
 
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):
