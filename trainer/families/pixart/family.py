@@ -5,8 +5,11 @@ What differs from the SD lineage, and where it lives here:
 - Text: one T5 encoder with its attention mask (padding never attends), at the pipelines' caption length
   (α 120 tokens, Σ 300); caption dropout gives the empty caption's encoding (what the pipelines use
   as the unconditional input).
-- Learned variance: the transformer outputs 2× the latent channels (ε ‖ variance); as OneTrainer's
-  PixArt setup does, the loss uses the ε half and the variance half is not trained.
+- Learned variance: the transformer outputs 2× the latent channels (ε ‖ variance); ``predict`` returns the ε
+  half (OneTrainer's BasePixArtAlphaSetup.predict chunks the same way) and the loss is on it. OneTrainer also
+  trains the variance half with a variational-bound loss (its ``vb_loss_strength``, default 1); Atelier does
+  not yet, so the variance head keeps its base weights. diffusers' PixArt pipelines and ComfyUI (pixartms.py
+  returns ``out[:, :in_channels]``) discard that half at sampling, so samples do not depend on it.
 - Micro-conditions: α 1024 models (``use_additional_conditions``) are told each batch's pixel size and
   aspect ratio, as the α pipeline does; Σ has none.
 - DDPM ε objective from the model's own β schedule (``DDPMObjective``), so min-SNR, debiased, Huber-SNR
@@ -194,7 +197,7 @@ class PixArt(Family):
         out = self.transformer(model_input, encoder_hidden_states=conditioning.prompt_embeds.to(model_input.dtype),
                                encoder_attention_mask=conditioning.prompt_attention_mask.to(model_input.device),
                                timestep=timesteps, added_cond_kwargs=added, return_dict=False)[0]
-        if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the loss is on ε (as OneTrainer and the pipelines)
+        if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the loss is on ε (the pipelines sample with ε alone)
             out = out.chunk(2, dim=1)[0]
         return out
 

@@ -12,7 +12,13 @@ INFO = FamilyInfo(
     objective="ddpm",
     family_class="trainer.families.pixart.family:PixArt",
     detect="trainer.families.pixart.detect",
-    tiny={"tiny-pixart": "trainer.families.pixart.tiny:ensure_tiny"},
+    tiny={"tiny-pixart": "trainer.families.pixart.tiny:ensure_tiny",
+          "tiny-pixart-alpha": "trainer.families.pixart.tiny:ensure_tiny"},
     caption_limit=300,
     finetune_slots=("unet",),
+    # ComfyUI maps PixArt LoRA keys only as transformer.<diffusers module> (comfy/lora.py model_lora_keys_unet,
+    # PixArt branch) or lora_unet_<original key>; the LyCORIS writer names modules lycoris_<…> (mapped for Flux,
+    # not PixArt) and the peft-layout writer has no DoRA yet.
+    refuses=(("lora.type", "lora", "a PixArt LoRA file is written in the diffusers/peft layout that ComfyUI and "
+              "peft load, which holds plain LoRA only (DoRA, LoHa and LoKr files would not load in ComfyUI)"),),
 )
