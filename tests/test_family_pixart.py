@@ -151,8 +151,9 @@ def test_alpha_1024_is_told_its_size_and_aspect_ratio_in_training_and_in_its_pip
                                                       "aspect_ratio": torch.tensor([[1.0]])})[0][:, :4]
     assert square.shape == x.shape and not torch.allclose(square, plain)
     assert not torch.allclose(square, wide)  # (latents differ too; the size terms at least must not be ignored)
-    image = folder.pipeline("dpmpp_2m")("a red square", num_inference_steps=2, width=64, height=64, output_type="np",
-                                        generator=torch.Generator().manual_seed(0), **folder.sampling_kwargs()).images[0]
+    pipe = folder.pipeline("dpmpp_2m")
+    image = pipe("a red square", num_inference_steps=2, width=64, height=64, output_type="np",
+                 generator=torch.Generator().manual_seed(0), **folder.sampling_kwargs()).images[0]
     assert image.shape == (64, 64, 3) and image.std() > 0
 
 

@@ -18,7 +18,8 @@ _TOKENS = {120: "pixart-alpha", 300: "pixart-sigma"}
 def _single_file(ev: Evidence) -> Optional[str]:
     shapes = {k.split("diffusion_model.", 1)[-1]: s for k, s in ev.shapes.items()}
     if is_diffusers_layout(shapes):
-        null, sizes = shapes.get("caption_projection.y_embedding"), "adaln_single.emb.resolution_embedder.linear_1.weight"
+        null = shapes.get("caption_projection.y_embedding")
+        sizes = "adaln_single.emb.resolution_embedder.linear_1.weight"
     elif "blocks.0.attn.qkv.weight" in shapes and "blocks.0.cross_attn.kv_linear.weight" in shapes:
         null, sizes = shapes.get("y_embedder.y_embedding"), "csize_embedder.mlp.0.weight"
         compressed = sorted(k for k in shapes if k.startswith("blocks.") and ".attn.sr." in k)

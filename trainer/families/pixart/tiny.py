@@ -28,8 +28,8 @@ def build_tiny_pipeline(folder: Path, seed: int = 0, alpha: bool = False):
         transformer = PixArtTransformer2DModel(
             # α's size and aspect-ratio embedders are width // 3 each (1152 = 3 × 384): a width of 24, not 16
             num_attention_heads=2, attention_head_dim=12 if alpha else 8, in_channels=4, out_channels=8, num_layers=2,
-            cross_attention_dim=24 if alpha else 16, caption_channels=32, sample_size=128 if alpha else 32, patch_size=2,
-            attention_bias=True, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+            cross_attention_dim=24 if alpha else 16, caption_channels=32, sample_size=128 if alpha else 32,
+            patch_size=2, attention_bias=True, norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
             activation_fn="gelu-approximate", num_embeds_ada_norm=1000, use_additional_conditions=alpha,
             interpolation_scale=2 if alpha else 1)
         vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
