@@ -158,3 +158,45 @@ def test_fp8_storage_trains_a_flux_lora(flux, tmp_path):
     import re
     layers = re.search(r"fp8 storage: (\d+) denoiser layers", (run / "train.log").read_text())
     assert layers and int(layers.group(1)) > 0
+
+
+@pytest.mark.parametrize("settings, key, words", [
+    (["parts.text_encoder_1.enabled=false"], "parts.text_encoder_1.enabled", "cannot do without its CLIP-L"),
+    (["parts.text_encoder_2.enabled=false", "parts.text_encoder_2.train=true"], "parts.text_encoder_2.enabled",
+     "cannot train"),
+])
+def test_only_t5_can_be_switched_off(settings, key, words):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-flux", *settings])
+    assert err.value.key == key and words in str(err.value)
+    with pytest.raises(ConfigError, match="cannot do without its CLIP text encoder"):
+        load_config(None, ["model.path=builtin:tiny-sd", "parts.text_encoder_1.enabled=false"])
+
+
+def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would_cut(flux, tmp_path):
+    """parts.text_encoder_2.enabled = false: T5 sees only the empty caption (training and samples, through the
+    pipeline's prompt_2); a caption longer than CLIP's 77 tokens is refused, naming the file."""
+    from tests.conftest import DEMO_DATA, train_quiet
+    from trainer.__main__ import main as cli
+    from trainer.config import ModelSettings, load_config
+    from trainer.events import read_events
+    from trainer.models.base import load_model
+    ws, paths = flux
+    off = "parts.text_encoder_2.enabled=false"
+    m = load_model(load_config(None, [f"model.path={paths['diffusers']}", off]), str(ws))
+    assert m.sampling_kwargs()["prompt_2"] == "" and "prompt_2" not in _model(ws, paths["diffusers"]).sampling_kwargs()
+    assert ModelSettings(load_config(None, [off])).disabled == {"text_encoder_2"}
+    run = train_quiet(ws, "t5off", "demo-flux", off, "training.max_steps=2")
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "finished" and any(e["type"] == "sample" for e in events)
+    data = tmp_path / "long"
+    shutil.copytree(DEMO_DATA, data)
+    first = sorted(data.glob("*.txt"))[0]
+    first.write_text(" ".join(["a red square on a blue ground"] * 20), encoding="utf-8")
+    rc = cli(["train", "--preset", "demo-flux", "--no-progress", "--set", f"general.workspace={ws}",
+              "--set", "general.run_name=t5long", "--set", off, "--set", f"data.concepts.0.path={data}"])
+    assert rc == 1
+    failed = read_events(ws / "runs" / "t5long" / "events.jsonl")[-1]
+    assert failed["type"] == "failed" and "parts.text_encoder_2.enabled" in failed["message"]
+    assert first.with_suffix(".png").name in failed["message"] and "77 tokens" in failed["message"]

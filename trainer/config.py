@@ -506,6 +506,9 @@ class DenoiserPart:
 
 @dataclass
 class TextEncoderPart:
+    enabled: bool = f(True, "Condition on this encoder. Off: it sees only the empty caption, in training and in "
+                            "samples (Flux: T5 off, CLIP-L alone; captions must then fit CLIP's 77 tokens). Only "
+                            "for encoders a family can do without.")
     train: bool = f(False, "Train this text encoder.")
     learning_rate: Optional[float] = f(None, "Learning rate of this text encoder; blank = training.learning_rate.",
                                        min=0.0, max=10.0)
@@ -548,11 +551,13 @@ def part_key(slot: str, name: str) -> str:
 
 class ModelSettings:
     """What a family needs to load: the ``model`` section plus each part's storage dtype (``dtypes``:
-    slot -> dtype name, from ``parts.*.dtype``)."""
+    slot -> dtype name, from ``parts.*.dtype``) and the text encoders switched off (``disabled``: slots)."""
 
     def __init__(self, cfg: Any):
         object.__setattr__(self, "_model", cfg.model)
         object.__setattr__(self, "dtypes", {slot: str(cfg.parts[part].dtype) for slot, part in PART_OF_SLOT.items()})
+        object.__setattr__(self, "disabled", frozenset(slot for slot, part in PART_OF_SLOT.items()
+                                                       if not cfg.parts[part].get("enabled", True)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)

@@ -235,6 +235,9 @@ class Trainer:
         from trainer.methods.finetune import make_method
         self.method = make_method(self.model, cfg)
         self.method.prepare_data(self.data, self.warn)  # embedding placeholder: captions, tag dropout, warnings
+        check = getattr(self.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
+        if check is not None:
+            check([(it.path, c) for it in self.data.items + self.data.validation_items for c in it.captions])
         if t.gradient_checkpointing:
             for m in self.method.modules.values():
                 m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
@@ -370,10 +373,11 @@ class Trainer:
         train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "embedding"} & set(self.method.modules)
         drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
         parts = self.cfg.parts
-        for key, p in (("drop_te1", parts.text_encoder_1.caption_dropout),
-                       ("drop_te2", parts.text_encoder_2.caption_dropout)):
-            if p > 0:
-                drops[key] = (torch.rand(latents.shape[0], generator=gen) < p).tolist()
+        for key, part in (("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)):
+            if not part.enabled:  # switched off: the encoder only ever sees the empty caption
+                drops[key] = [True] * latents.shape[0]
+            elif part.caption_dropout > 0:
+                drops[key] = (torch.rand(latents.shape[0], generator=gen) < part.caption_dropout).tolist()
         if rows is not None:
             noisy, target, timesteps = (take_rows(x, rows) for x in (noisy, target, timesteps))
             drops = {k: v[rows[0]:rows[1]] for k, v in drops.items()}

@@ -37,6 +37,7 @@ class Part:
     attr: str
     role: str  # "denoiser" | "text_encoder"
     label: str  # what the UI calls it: "UNet", "Transformer", "CLIP-L", "T5-XXL"
+    optional: bool = False  # a text encoder the model can do without (parts.<part>.enabled may be off)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,19 @@ def check_family_options(cfg: Any) -> None:
                                   f"fine-tune is saved as the {info.part('unet').label.lower()} alone, so the trained "
                                   f"{part.label if part else slot} would be lost. Train it with LoRA, or turn it off.",
                                   key=part_key(slot, "train"))
+    for slot in PART_OF_SLOT:
+        if part_of(cfg, slot).get("enabled", True):
+            continue
+        part = info.part(slot)
+        key = part_key(slot, "enabled")
+        if part is not None and not part.optional:
+            optional = [p.label for p in info.parts if p.optional]
+            raise ConfigError(f"{key} = false: {info.label} cannot do without its {part.label}"
+                              + (f" (only {', '.join(optional)} can be switched off)" if optional else "")
+                              + ". Turn it back on.", key=key, value=False)
+        if part is not None and part_of(cfg, slot).train:
+            raise ConfigError(f"{key} = false with {part_key(slot, 'train')} on: an encoder that is switched off "
+                              "cannot train. Turn one of them around.", key=key, value=False)
     for key, off, why in info.refuses:
         value = OmegaConf.select(cfg, key)
         if value != off:

@@ -90,6 +90,7 @@ class Flux(Family):
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.disabled = frozenset(getattr(mcfg, "disabled", ()) or ())  # text encoders switched off
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or T5_MAX[self.family]),
                                        int(self.tokenizer_2.model_max_length))
         self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
@@ -237,7 +238,26 @@ class Flux(Family):
         return pipe
 
     def sampling_kwargs(self) -> Dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
+        out: Dict[str, Any] = {"max_sequence_length": self.max_sequence_length}
+        if "text_encoder_2" in self.disabled:  # T5 off: the pipeline's prompt_2 (T5's prompt) is the empty caption
+            out["prompt_2"] = ""
+        return out
+
+    def check_captions(self, captions) -> None:
+        """T5 off (parts.text_encoder_2.enabled = false): only CLIP-L reads the caption, and it cuts at 77
+        tokens; a longer caption would train on a silently truncated text."""
+        if "text_encoder_2" not in self.disabled:
+            return
+        limit = self.tokenizer.model_max_length  # 77, with the start and end tokens
+        long = [(path, n) for path, text in captions
+                if (n := len(self.tokenizer(text, truncation=False).input_ids)) > limit]
+        if long:
+            from trainer.config import ConfigError
+            shown = ", ".join(f"{getattr(p, 'name', p)} ({n} tokens)" for p, n in long[:5])
+            raise ConfigError(f"parts.text_encoder_2.enabled = false (T5 off): only CLIP-L reads the captions and it "
+                              f"stops at {limit} tokens, but {len(long)} caption(s) are longer: {shown}"
+                              f"{' …' if len(long) > 5 else ''}. Turn T5 back on, or shorten those captions.",
+                              key="parts.text_encoder_2.enabled", value=False)
 
     def text_fingerprint(self, mcfg: Any) -> str:
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{part_dtype(mcfg, 'text_encoder_2')}:{self.max_sequence_length}"

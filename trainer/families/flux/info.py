@@ -9,7 +9,7 @@ INFO = FamilyInfo(
     variants=("flux-dev", "flux-schnell"),
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
            Part("text_encoder", "text_encoder", "text_encoder", "CLIP-L"),
-           Part("text_encoder_2", "text_encoder_2", "text_encoder", "T5-XXL")),
+           Part("text_encoder_2", "text_encoder_2", "text_encoder", "T5-XXL", optional=True)),
     objective="flow",
     family_class="trainer.families.flux.family:Flux",
     detect="trainer.families.flux.detect",
