@@ -44,10 +44,11 @@ ROWS = [
     Row("sdxl", "tiny-sdxl", "demo-sdxl", settings=("training.train_text_encoder=false",
                                                      "training.train_text_encoder_2=false",
                                                      "training.learning_rate=0.01", "lora.unet_targets=all")),
-    Row("pixart", "tiny-pixart", "demo-pixart", settings=("training.learning_rate=0.03", "lora.unet_targets=attn_mlp"),
+    Row("pixart", "tiny-pixart", "demo-pixart", settings=("training.learning_rate=0.03", "lora.unet_targets=attn_mlp",
+                                                         "ema.enabled=true"),  # the result and the resume: EMA
         lora_loader="trainer.families.pixart.family:load_lora_into_pipeline",
         prompt_kwargs={"max_sequence_length": 64, "use_resolution_binning": False}),
-    Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp",),
+    Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
         prompt_kwargs={"max_sequence_length": 64}),
 ]
 

@@ -247,7 +247,7 @@ class Trainer:
         if fsdp_plugin is not None:  # shard the UNet before the optimizer is built on its weights
             from trainer.fsdp import FSDPShards
             self.fsdp = FSDPShards(self.method.modules["unet"], fsdp_plugin, self.device, self.world)
-            log.info("FSDP: the UNet is sharded over %d processes (%d units + root, %s)", self.world,
+            log.info("FSDP: the denoiser is sharded over %d processes (%d units + root, %s)", self.world,
                      self.fsdp.units, g.fsdp_sharding_strategy)
 
         from trainer.optim import build_optimizer, build_scheduler, param_groups
