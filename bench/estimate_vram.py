@@ -8,7 +8,7 @@
 
 Why: the memory presets (``presets/*-8gb.yaml`` …) promise to fit a card, and no GPU is available to
 check them. How: the real, full-size model is built from the shipped diffusers configs
-(``trainer/models/configs/<family>``) under ``torch._subclasses.fake_tensor.FakeTensorMode`` — tensors
+(``trainer/families/common/sd_kit/configs/<family>``) under ``torch._subclasses.fake_tensor.FakeTensorMode`` — tensors
 with shapes, dtypes and storages but no data, so an SDXL UNet costs no RAM — and the trainer's own code
 runs on it: ``trainer.models.base.load_model`` (only ``load_pipeline`` is swapped for a config-only
 builder), ``trainer.methods.finetune.make_method`` (peft LoRA exactly as the trainer adds it, adapters
@@ -192,7 +192,7 @@ class _Patches:
 def _config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
     """The diffusers folder whose configs describe the model: the model's own folder, or the shipped
     config of its family (a hub id or single file is only read for its family)."""
-    from trainer.models import sd_configs
+    from trainer.families.common.sd_kit import sd_configs
     if source.kind == "folder":
         return Path(source.location)
     if getattr(mcfg, "config_path", ""):

@@ -20,7 +20,7 @@ DEMO_DATA = ROOT / "presets" / "demo-data"
 @pytest.fixture(scope="session")
 def tiny_workspace(tmp_path_factory) -> Path:
     """A workspace whose models/ holds the tiny models (SD, SD2, SDXL) in both layouts."""
-    from trainer.models.tiny import ensure_tiny_model
+    from trainer.families.common.sd_kit.tiny import ensure_tiny_model
     ws = tmp_path_factory.mktemp("ws")
     for kind in ("tiny-sd", "tiny-sd2", "tiny-sdxl"):
         ensure_tiny_model(kind, ws / "models")

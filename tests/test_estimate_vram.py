@@ -45,7 +45,7 @@ def exact_bytes():
 @pytest.fixture(scope="module")
 def mini_sdxl(tmp_path_factory) -> Path:
     """A weightless SDXL pipeline folder: builtin:tiny-sdxl's configs with one layer per block."""
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
     folder = tmp_path_factory.mktemp("mini") / "mini-sdxl"
     pipe = build_tiny_pipeline("tiny-sdxl")
     pipe.save_config(folder)  # model_index.json

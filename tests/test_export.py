@@ -1,6 +1,6 @@
 """Export formats, tested by loading our files back with the real loaders (diffusers, peft).
 
-Tiny models with the real SD topologies stand in for SD1.5/SD2 (see trainer/models/tiny.py), so
+Tiny models with the real SD topologies stand in for SD1.5/SD2 (see trainer/families/common/sd_kit/tiny.py), so
 key names are the ones real files use, while a build costs about a second.
 """
 
@@ -23,7 +23,7 @@ from trainer.export import (
     save_lora_kohya, save_single_file_sd, single_file_state_dict, unet_key_to_original,
 )
 from trainer.io import atomic_dir, atomic_path, atomic_write_bytes, save_safetensors_atomic
-from trainer.models.tiny import build_tiny_pipeline
+from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
 
 FAMILY = {"tiny-sd": "sd15", "tiny-sd2": "sd2"}
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -448,7 +448,7 @@ def _tiny_sdxl():
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from trainer.models.tiny import write_tiny_tokenizer
+    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tiny_tokenizer(Path(tmp))

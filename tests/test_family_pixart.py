@@ -127,7 +127,7 @@ def test_validate_refuses_what_pixart_cannot_use(setting, key):
 
 def _claim(path):
     from trainer.families import Evidence, claim
-    from trainer.models.sd_configs import _read_key_shapes
+    from trainer.families.common.sd_kit.sd_configs import _read_key_shapes
     return claim(Evidence("single_file", str(path), shapes=_read_key_shapes(path)))
 
 
@@ -267,3 +267,18 @@ def test_captions_are_lower_cased_as_the_sampling_pipeline_does(pixart):
     embeds, mask, _, _ = pipe.encode_prompt("A Red SQUARE", do_classifier_free_guidance=False,
                                             max_sequence_length=m.max_sequence_length, clean_caption=False)
     torch.testing.assert_close(embeds, lower.prompt_embeds)
+
+
+def test_the_learned_variance_trains_with_the_variational_bound_as_onetrainer_does(tmp_path):
+    """PixArt predicts ε and its variance; loss.vb_strength (1, OneTrainer's default for such models) adds the
+    variational bound, so the variance half learns; 0 leaves it out (the step loss is then the ε loss alone)."""
+    from tests.conftest import train_quiet
+    from trainer.events import read_events
+    ws = tmp_path / "ws"
+    steps = {}
+    for strength in (1, 0):
+        run = train_quiet(ws, f"vb{strength}", "demo-pixart", f"loss.vb_strength={strength}", "training.max_steps=2",
+                          "sampling.prompts=[]", "general.seed=1")
+        steps[strength] = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
+    assert len(steps[1]) == len(steps[0]) == 2
+    assert steps[1][0] > steps[0][0]  # same batch and noise at step 1: the bound is added on top

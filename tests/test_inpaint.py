@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 @pytest.fixture(scope="module")
 def ws(tiny_workspace) -> Path:
-    from trainer.models.tiny import ensure_tiny_model
+    from trainer.families.common.sd_kit.tiny import ensure_tiny_model
     for kind in ("tiny-sd-inpaint", "tiny-sdxl-inpaint"):
         ensure_tiny_model(kind, tiny_workspace / "models")
     return tiny_workspace
@@ -56,7 +56,7 @@ def test_tiny_inpaint_models_are_detected_and_load_as_inpainting(ws):
     from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
     from trainer.models.base import load_model
-    from trainer.models.sd_configs import detect_family
+    from trainer.families.common.sd_kit.sd_configs import detect_family
     for kind, family, pipe_cls in (("tiny-sd-inpaint", "sd15", StableDiffusionInpaintPipeline),
                                    ("tiny-sdxl-inpaint", "sdxl", StableDiffusionXLInpaintPipeline)):
         assert detect_family(ws / "models" / kind) == f"{family}-inpaint"
@@ -77,10 +77,10 @@ def test_tiny_inpaint_models_are_detected_and_load_as_inpainting(ws):
 def tiny_shipped_configs(ws, monkeypatch, tmp_path) -> Path:
     """The shipped configs describe the real (GB-sized) models; for tiny checkpoints the same code runs
     on tiny stand-ins: sd15, sd2-base and sdxl folders holding the tiny models' configs (sd2-base made
-    epsilon like the real one), in place of trainer/models/configs."""
+    epsilon like the real one), in place of trainer/families/common/sd_kit/configs."""
     import json
 
-    from trainer.models import sd_configs
+    from trainer.families.common.sd_kit import sd_configs
     root = tmp_path / "shipped"
     for name, kind in (("sd15", "tiny-sd"), ("sd2-base", "tiny-sd2"), ("sdxl", "tiny-sdxl")):
         src = ws / "models" / kind
@@ -99,7 +99,7 @@ def _nine_channel_sd2_file(path: Path) -> tuple:
     from diffusers import UNet2DConditionModel
 
     from trainer.export import save_single_file_sd
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
     pipe = build_tiny_pipeline("tiny-sd2")
     torch.manual_seed(5)
     unet = UNet2DConditionModel.from_config({**pipe.unet.config, "in_channels": 9})
@@ -111,7 +111,7 @@ def test_single_file_inpainting_checkpoints_load_without_config_path(ws, tiny_sh
     from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
     from trainer.models.base import load_model
-    from trainer.models.sd_configs import detect_family
+    from trainer.families.common.sd_kit.sd_configs import detect_family
     sd2_file = tmp_path / "tiny-sd2-inpaint.safetensors"
     sd2_unet, _ = _nine_channel_sd2_file(sd2_file)
     cases = [  # (file, detected, family, config used, pipeline, prediction type, weights to compare)
@@ -260,7 +260,7 @@ def test_inpaint_input_splits_over_processes_like_one_process(inpaint_model, ws,
 
 
 def test_random_masks_are_deterministic_and_varied():
-    from trainer.models.inpaint import random_masks
+    from trainer.families.common.sd_kit.inpaint import random_masks
     a = random_masks(16, 64, 48, torch.Generator().manual_seed(3))
     b = random_masks(16, 64, 48, torch.Generator().manual_seed(3))
     assert a.shape == (16, 1, 64, 48) and torch.equal(a, b)

@@ -323,3 +323,31 @@ def test_config_rules(tmp_path):
     quiet = {i.key for i in cross_field_warnings(load_config(
         preset="demo", overrides=ws + ["loss.zero_terminal_snr=true", "model.prediction_type=v_prediction"]))}
     assert "loss.zero_terminal_snr" not in quiet
+
+
+# --- learned variance (PixArt): the variational bound -------------------------------------------------------
+
+def test_variational_bound_is_zero_for_the_true_posterior_and_trains_only_the_variance():
+    """With the true noise and the posterior's own variance (var_values = -1) the KL term is 0; a wrong variance
+    costs bits; only the variance values get a gradient (ε is detached: the mean learns from the ε loss)."""
+    from diffusers import DDPMScheduler
+
+    from trainer.loss import variational_bound
+    sched = DDPMScheduler(num_train_timesteps=1000, beta_schedule="linear", beta_start=0.0001, beta_end=0.02)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.rand(3, 4, 8, 8, generator=g) * 2 - 1
+    noise = torch.randn(3, 4, 8, 8, generator=g)
+    t = torch.tensor([10, 500, 999])
+    xt = sched.add_noise(x0, noise, t)
+    exact = variational_bound(sched.alphas_cumprod, x0, xt, t, noise, -torch.ones_like(x0))
+    assert exact.abs().max() < 1e-4, exact.abs().max()
+    var = torch.ones_like(x0, requires_grad=True)  # β_t instead of β̃_t: a worse variance
+    eps = noise.clone().requires_grad_(True)
+    worse = variational_bound(sched.alphas_cumprod, x0, xt, t, eps, var)
+    per_image = worse.mean(dim=(1, 2, 3))
+    assert per_image[0] > 1e-3 and (per_image >= 0).all()  # early t: β_t and β̃_t differ; late t they meet
+    worse.mean().backward()
+    assert var.grad is not None and var.grad.abs().sum() > 0 and eps.grad is None
+    t0 = variational_bound(sched.alphas_cumprod, x0, sched.add_noise(x0, noise, torch.zeros(3, dtype=torch.long)),
+                           torch.zeros(3, dtype=torch.long), noise, -torch.ones_like(x0))
+    assert torch.isfinite(t0).all() and (t0 >= 0).all()  # t = 0: the decoder's NLL in bits

@@ -222,7 +222,7 @@ def test_diffusers_drops_dora_scale(runs, tiny_workspace, caplog):
 
 def test_custom_targets_select_by_name_ending_and_regex():
     from trainer.methods.lora import adapter_config, unet_targets
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
     cfg = load_config(preset="demo", overrides=["lora.unet_targets=custom",
                                                 "lora.custom_targets=[attn2.to_k, 're:up_blocks\\.1\\..*conv1']"])
     unet = build_tiny_pipeline().unet

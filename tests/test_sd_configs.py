@@ -1,5 +1,5 @@
 """Shipped SD 1.5 / 2.x diffusers configs, the CLIP tokenizer built from the BPE file, and
-checkpoint family detection (trainer/models/sd_configs.py). Fast and offline."""
+checkpoint family detection (trainer/families/common/sd_kit/sd_configs.py). Fast and offline."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.models import sd_configs
-from trainer.models.sd_configs import (CONFIG_NAMES, CONFIGS_DIR, config_folder, default_config_for,
+from trainer.families.common.sd_kit import sd_configs
+from trainer.families.common.sd_kit.sd_configs import (CONFIG_NAMES, CONFIGS_DIR, config_folder, default_config_for,
                                        detect_family)
 
 U = "model.diffusion_model."
@@ -401,7 +401,7 @@ def _write_obj(path: Path, obj) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory) -> dict[str, Path]:
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
 
     root = tmp_path_factory.mktemp("tiny")
     out = {}
@@ -490,7 +490,7 @@ def _model_cfg(path: str, **model):
 
 @pytest.fixture(scope="module")
 def xl_inpaint_folder(tmp_path_factory) -> tuple:
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
     pipe = build_tiny_pipeline("tiny-sdxl-inpaint")
     folder = tmp_path_factory.mktemp("xlinp") / "tiny-sdxl-inpaint"
     pipe.save_pretrained(folder, safe_serialization=True)
@@ -574,7 +574,7 @@ def test_from_single_file_offline_round_trip(tiny_folders, tmp_path, kind, famil
     if save_single_file_sd is None:
         pytest.skip("trainer/export.py:save_single_file_sd does not exist yet")
     from diffusers import StableDiffusionPipeline
-    from trainer.models.tiny import build_tiny_pipeline
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
 
     pipe = build_tiny_pipeline(kind)
     path = tmp_path / f"{kind}.safetensors"
@@ -595,7 +595,7 @@ def test_config_folder_concurrent_builders(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from trainer.models.sd_configs import config_folder; "
+    code = ("import sys; from pathlib import Path; from trainer.families.common.sd_kit.sd_configs import config_folder; "
             "f = config_folder('sd2-base', Path(sys.argv[1])); "
             "assert (f / 'tokenizer' / 'vocab.json').stat().st_size > 900_000; print(f)")
     root = Path(__file__).resolve().parent.parent

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
-    from trainer.models.tiny import ensure_tiny_model
+    from trainer.families.common.sd_kit.tiny import ensure_tiny_model
     root = tmp_path_factory.mktemp("sdxl-ws")
     for kind in ("tiny-sdxl", "tiny-sd"):
         ensure_tiny_model(kind, root / "models")
@@ -71,7 +71,7 @@ def _image(pipe, **kw):
 def test_tiny_sdxl_single_file_round_trip(ws, model):
     from diffusers import StableDiffusionXLPipeline
 
-    from trainer.models.sd_configs import detect_family
+    from trainer.families.common.sd_kit.sd_configs import detect_family
 
     folder, single = ws / "models" / "tiny-sdxl", ws / "models" / "tiny-sdxl.safetensors"
     assert detect_family(single) == detect_family(folder) == "sdxl"
@@ -103,7 +103,7 @@ def test_shipped_sdxl_config_builds_real_sized_models_on_meta(tmp_path):
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-    from trainer.models.sd_configs import config_folder, default_config_for, detect_family
+    from trainer.families.common.sd_kit.sd_configs import config_folder, default_config_for, detect_family
 
     assert default_config_for("sdxl", "epsilon") == default_config_for("sdxl", "v_prediction") == "sdxl"
     folder = config_folder("sdxl", tmp_path)

@@ -171,7 +171,7 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
                 print(f"{r['key']}: {r['help']}{extra}")
         return 0
     if args.command == "make-tiny":
-        from trainer.models.tiny import TINY_NAMES, ensure_tiny_model
+        from trainer.families.common.sd_kit.tiny import TINY_NAMES, ensure_tiny_model
         for name in TINY_NAMES:
             paths = ensure_tiny_model(name, Path(args.workspace) / "models")
             print(name, paths["diffusers"], paths["single_file"])

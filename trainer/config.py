@@ -323,6 +323,9 @@ class TrainingConfig:
 
 @dataclass
 class LossConfig:
+    vb_strength: float = f(1.0, "Models with a learned variance (PixArt): weight of the variational-bound loss that "
+                                "trains the variance half of the output, as PixArt was trained and OneTrainer "
+                                "does (1); 0 leaves it as it is. No effect on other models.", min=0.0, max=100.0)
     type: str = f("mse", "Loss between prediction and target: MSE, MAE (L1), or kohya's pseudo-Huber forms "
                          "huber (≈MSE for small errors, linear for large) and smooth_l1.",
                   choices=["mse", "mae", "huber", "smooth_l1"])

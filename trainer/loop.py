@@ -388,6 +388,11 @@ class Trainer:
             model_pred = model.predict(noisy.to(self._unet_dtype), timesteps, cond)
         losses = per_sample_loss(model_pred, target, lc, timesteps, objective,
                                  mask=None if mask is None else mask.to(latents.device))
+        variance = getattr(model, "variance_loss", None)  # learned-variance models: their variational bound
+        if variance is not None and lc.vb_strength > 0:
+            vb = variance(take_rows(latents, rows) if rows is not None else latents, noisy, timesteps, model_pred)
+            if vb is not None:
+                losses = losses + lc.vb_strength * vb
         return weighted_mean(losses, batch["loss_weights"])
 
     def validate(self) -> Optional[float]:

@@ -244,3 +244,53 @@ def prepare_noise_schedule(model, cfg: Any, warn=None) -> None:
         warn("loss.zero_terminal_snr is on with an epsilon-prediction model: at the last timestep the "
              "input is pure noise and epsilon is unlearnable. Zero terminal SNR wants v-prediction "
              "(set model.prediction_type = v_prediction).")
+
+
+# --------------------------------------------------------------------------------------------
+# learned variance (PixArt): the variational-bound term that trains the variance half of the output
+# --------------------------------------------------------------------------------------------
+
+def _normal_cdf_approx(x):
+    import torch
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def variational_bound(alphas_cumprod, x0, xt, timesteps, eps, var_values):
+    """Per-element variational-bound term (in bits) of a model that predicts ε and, in [-1, 1], where its
+    log-variance lies between the posterior's (β̃_t, -1) and β_t (+1) — Improved DDPM (Nichol & Dhariwal
+    2021), as PixArt was trained and OneTrainer trains it. For t > 0 the KL between the true posterior
+    q(x_{t-1} | x_t, x_0) and the model's p(x_{t-1} | x_t); for t = 0 the discretised decoder NLL of x_0.
+
+    ε is detached: only the variance learns from this term; the mean keeps the plain ε loss."""
+    import torch
+    a = alphas_cumprod.to(device=xt.device, dtype=torch.float64)
+    t = timesteps.to(device=xt.device, dtype=torch.long)
+    prev = torch.cat([a.new_ones(1), a[:-1]])
+    betas = 1.0 - a / prev
+    post_var = betas * (1.0 - prev) / (1.0 - a)
+    post_log_var = torch.log(torch.cat([post_var[1:2], post_var[1:]]))  # clipped: β̃_0 = 0 would be -inf
+    coef_x0 = betas * prev.sqrt() / (1.0 - a)
+    coef_xt = (1.0 - prev) * (1.0 - betas).sqrt() / (1.0 - a)
+
+    def at(table):
+        return table[t].view(-1, *([1] * (xt.dim() - 1))).to(torch.float32)
+
+    x0, xt = x0.float(), xt.float()
+    eps, var_values = eps.detach().float(), var_values.float()
+    true_mean = at(coef_x0) * x0 + at(coef_xt) * xt
+    true_log_var = at(post_log_var)
+    x0_pred = at(1.0 / a.sqrt()) * xt - at((1.0 / a - 1.0).sqrt()) * eps
+    mean = at(coef_x0) * x0_pred + at(coef_xt) * xt
+    frac = (var_values + 1.0) / 2.0
+    log_var = frac * at(torch.log(betas)) + (1.0 - frac) * true_log_var
+    kl = 0.5 * (-1.0 + log_var - true_log_var + torch.exp(true_log_var - log_var)
+                + (true_mean - mean) ** 2 * torch.exp(-log_var)) / math.log(2.0)
+    # t = 0: -log p(x_0 | x_1), x_0 discretised to 256 levels in [-1, 1]
+    centred, inv_std = x0 - mean, torch.exp(-0.5 * log_var)
+    cdf_plus = _normal_cdf_approx(inv_std * (centred + 1.0 / 255.0))
+    cdf_min = _normal_cdf_approx(inv_std * (centred - 1.0 / 255.0))
+    log_probs = torch.where(x0 < -0.999, torch.log(cdf_plus.clamp(min=1e-12)),
+                            torch.where(x0 > 0.999, torch.log((1.0 - cdf_min).clamp(min=1e-12)),
+                                        torch.log((cdf_plus - cdf_min).clamp(min=1e-12))))
+    nll = -log_probs / math.log(2.0)
+    return torch.where(t.view(-1, *([1] * (xt.dim() - 1))) == 0, nll, kl)

@@ -13,7 +13,7 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
 
     Raises ValueError for a file that cannot be read as a checkpoint at all."""
     if source.kind == "single_file":
-        from trainer.models.sd_configs import _read_key_shapes
+        from trainer.families.common.sd_kit.sd_configs import _read_key_shapes
         return Evidence("single_file", f"model.path '{source.display}'", shapes=_read_key_shapes(Path(source.location)))
     if source.kind == "folder":
         folder = Path(source.location)
@@ -22,7 +22,7 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
             p = folder / rel
             if not p.is_file():
                 return MISSING
-            from trainer.models.sd_configs import _read_json
+            from trainer.families.common.sd_kit.sd_configs import _read_json
             try:
                 return _read_json(p)
             except ValueError:

@@ -104,7 +104,7 @@ def _read_hub_json(repo: str, filename: str, mcfg: Any):
     from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    from trainer.models import sd_configs
+    from trainer.families.common.sd_kit import sd_configs
     kw = _hub_kwargs(mcfg)
     offline = _hub_offline(mcfg)
     try:
@@ -127,7 +127,7 @@ def _read_hub_json(repo: str, filename: str, mcfg: Any):
 
 def _usable_index(folder: Path) -> bool:
     """A ``model_index.json`` that ``from_pretrained`` can use: a JSON object naming a pipeline class."""
-    from trainer.models import sd_configs
+    from trainer.families.common.sd_kit import sd_configs
     try:
         return bool(sd_configs._read_json(folder / "model_index.json").get("_class_name"))
     except ValueError:
@@ -143,7 +143,7 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
     import diffusers
     import transformers
 
-    from trainer.models import sd_configs
+    from trainer.families.common.sd_kit import sd_configs
     expected, optional = pipeline_cls._get_signature_keys(pipeline_cls)
     parts: Dict[str, Any] = {k: v for k, v in common.items() if k in expected}
     for name in sorted(set(expected) - set(parts)):
@@ -215,7 +215,7 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
                                  f"{pipeline_cls.__name__}: {type(exc).__name__}: {_first_line(exc)}",
                                  key="model.path", value=source.display) from None
     if source.kind == "single_file":
-        from trainer.models import sd_configs
+        from trainer.families.common.sd_kit import sd_configs
         if getattr(mcfg, "config_path", ""):
             config = mcfg.config_path
         else:
@@ -294,89 +294,6 @@ def source_fingerprint(source: ModelSource, extra: str) -> str:
             st = fp.stat()
             h.update(f"{fp.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
-
-
-from trainer.models.inpaint import InpaintingMixin  # noqa: E402  (torch-free at import)
-
-
-class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
-    """The parts of the objective every VAE-latent, DDPM-trained UNet family shares (and, for
-    9-channel inpainting UNets, the masked input: :class:`~trainer.models.inpaint.InpaintingMixin`).
-
-    Needs ``self.vae``, ``self.device``, ``self.noise_scheduler``, ``self.prediction_type`` and
-    ``self._sched_config`` (the sampling schedulers' config)."""
-
-    def _setup_schedule(self, scheduler_config: Dict[str, Any], prediction_type: str) -> None:
-        """Training schedule = the model's own betas in a DDPMScheduler; ``auto`` reads the prediction type."""
-        from diffusers import DDPMScheduler
-        self.noise_scheduler = DDPMScheduler.from_config(scheduler_config)
-        pred = prediction_type
-        if pred == "auto":
-            pred = self.noise_scheduler.config.get("prediction_type", "epsilon")
-        self.prediction_type = pred
-        self.noise_scheduler.register_to_config(prediction_type=pred)
-        self._sched_config = dict(scheduler_config)
-        self._sched_config["prediction_type"] = pred
-        self.num_train_timesteps = int(self.noise_scheduler.config.num_train_timesteps)
-        self._alphas = self.noise_scheduler.alphas_cumprod
-        from trainer.objectives import DDPMObjective
-        self.objective = DDPMObjective(self.noise_scheduler, pred)
-
-    def noisy_and_target(self, latents, noise, timesteps):
-        return self.objective.noisy_and_target(latents, noise, timesteps)
-
-    def model_input(self, noisy_latents, batch, generator=None, warn=None):
-        """9-channel inpainting UNets: noisy ‖ mask ‖ masked-image latents; others the noisy latents."""
-        return self.inpaint_input(noisy_latents, batch, generator, warn) if self.inpainting else noisy_latents
-
-    def _set_attention(self, backend: str) -> None:
-        """``model.attention``: PyTorch SDPA (diffusers' default) or xformers, refused clearly when absent."""
-        if backend == "xformers":
-            try:
-                self.unet.enable_xformers_memory_efficient_attention()
-            except Exception as exc:
-                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). "
-                                     "Use sdpa.", key="model.attention") from None
-
-    def sampling_kwargs(self) -> Dict[str, Any]:
-        """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
-        return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}
-
-    # --- export (the writers in trainer/export.py, named for the SD lineage) ---------------------
-    def lora_targets(self, slot: str, preset: str) -> List[str]:
-        """peft target name endings: the UNet's for ``parts.denoiser.lora_targets`` presets; CLIP's for text encoders."""
-        from trainer.methods.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS
-        return list(UNET_TARGETS[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
-
-    def lora_namer(self):
-        from trainer.export import sd_namer
-        return sd_namer(self.family, self.unet, self.text_encoder, getattr(self, "text_encoder_2", None))
-
-    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
-                      ) -> Dict[str, str]:
-        from trainer.export import lora_metadata
-        return lora_metadata(self.family, title=title, prediction_type=self.prediction_type, resolution=resolution,
-                             extra=extra)
-
-    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
-        """An original-layout SD1/SD2/SDXL checkpoint (A1111, ComfyUI, diffusers' from_single_file)."""
-        from trainer.export import save_single_file_sd
-        extra = {"text_encoder_2": self.text_encoder_2} if getattr(self, "text_encoder_2", None) is not None else {}
-        save_single_file_sd(path, self.unet, self.vae, self.text_encoder, family=self.family, dtype=dtype,
-                            metadata=metadata, **extra)
-
-    def fingerprint(self) -> str:
-        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
-        return source_fingerprint(self.source, self._vae_dtype_name)
-
-    def rescale_zero_terminal_snr(self) -> None:
-        """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
-        ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""
-        from diffusers import DDPMScheduler
-        self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
-        self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
-        self._alphas = self.noise_scheduler.alphas_cumprod
-        self.objective.noise_scheduler = self.noise_scheduler
 
 
 def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> ModelFamily:

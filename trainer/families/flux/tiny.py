@@ -24,7 +24,7 @@ def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = N
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
     from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
-    from trainer.models.tiny import write_tiny_tokenizer
+    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
     dev = kind == "tiny-flux"
     write_tiny_tokenizer(folder / "tokenizer")
     write_tiny_t5_tokenizer(folder / "tokenizer_2")

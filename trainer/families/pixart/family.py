@@ -6,10 +6,10 @@ What differs from the SD lineage, and where it lives here:
   (α 120 tokens, Σ 300); caption dropout gives the empty caption's encoding (what the pipelines use
   as the unconditional input).
 - Learned variance: the transformer outputs 2× the latent channels (ε ‖ variance); ``predict`` returns the ε
-  half (OneTrainer's BasePixArtAlphaSetup.predict chunks the same way) and the loss is on it. OneTrainer also
-  trains the variance half with a variational-bound loss (its ``vb_loss_strength``, default 1); Atelier does
-  not yet, so the variance head keeps its base weights. diffusers' PixArt pipelines and ComfyUI (pixartms.py
-  returns ``out[:, :in_channels]``) discard that half at sampling, so samples do not depend on it.
+  half (OneTrainer's BasePixArtAlphaSetup.predict chunks the same way) and the ε loss is on it; the variance
+  half trains with the variational bound of Improved DDPM (``variance_loss``, weight ``loss.vb_strength``,
+  default 1 like OneTrainer's ``vb_loss_strength``), as PixArt itself was trained. diffusers' PixArt pipelines
+  and ComfyUI (pixartms.py returns ``out[:, :in_channels]``) discard that half at sampling.
 - Micro-conditions: α 1024 models (``use_additional_conditions``) are told each batch's pixel size and
   aspect ratio, as the α pipeline does; Σ has none.
 - DDPM ε objective from the model's own β schedule (``DDPMObjective``), so min-SNR, debiased, Huber-SNR
@@ -184,6 +184,8 @@ class PixArt(Family):
         return PixArtConditioning(embeds, mask)
 
     # --- the denoiser -------------------------------------------------------------------------
+    _variance = None  # the variance half of the last predict (learned σ)
+
     def predict(self, model_input, timesteps, conditioning):
         import torch
         b, c, h, w = model_input.shape
@@ -197,9 +199,21 @@ class PixArt(Family):
         out = self.transformer(model_input, encoder_hidden_states=conditioning.prompt_embeds.to(model_input.dtype),
                                encoder_attention_mask=conditioning.prompt_attention_mask.to(model_input.device),
                                timestep=timesteps, added_cond_kwargs=added, return_dict=False)[0]
-        if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the loss is on ε (the pipelines sample with ε alone)
-            out = out.chunk(2, dim=1)[0]
+        self._variance = None
+        if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the ε loss is on the first half, the variance's
+            out, self._variance = out.chunk(2, dim=1)  # own loss (variance_loss) on the second
         return out
+
+    def variance_loss(self, latents, noisy, timesteps, eps_pred):
+        """The variational-bound loss of the variance half of the last :meth:`predict` (per image, in bits):
+        PixArt predicts its variance, and was trained with this term (Improved DDPM); None when the
+        transformer has no learned variance. ``eps_pred`` is detached inside: the mean learns from the ε loss."""
+        if self._variance is None or self.prediction_type != "epsilon":
+            return None
+        from trainer.loss import variational_bound
+        vb = variational_bound(self.noise_scheduler.alphas_cumprod, latents, noisy, timesteps, eps_pred,
+                               self._variance)
+        return vb.mean(dim=list(range(1, vb.dim())))
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):

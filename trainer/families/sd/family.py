@@ -6,7 +6,8 @@ import logging
 from typing import Any, Dict, List
 
 from trainer.families.base import part_dtype
-from trainer.models.base import (SAMPLERS, LatentDiffusionFamily, ModelLoadError, ModelSource, check_family,
+from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
+from trainer.models.base import (SAMPLERS, ModelLoadError, ModelSource, check_family,
                                  classify_source, detect_source_family, load_pipeline,
                                  torch_dtype)
 

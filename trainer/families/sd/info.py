@@ -12,6 +12,6 @@ INFO = FamilyInfo(
     objective="ddpm",
     family_class="trainer.families.sd.family:StableDiffusion",
     detect="trainer.families.sd.detect",
-    tiny={"tiny-sd": "trainer.models.tiny:ensure_tiny_model", "tiny-sd2": "trainer.models.tiny:ensure_tiny_model",
-          "tiny-sd-inpaint": "trainer.models.tiny:ensure_tiny_model"},
+    tiny={"tiny-sd": "trainer.families.common.sd_kit.tiny:ensure_tiny_model", "tiny-sd2": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
+          "tiny-sd-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
 )

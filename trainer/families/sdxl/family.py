@@ -15,7 +15,7 @@ What SDXL adds to the SD 1.x/2.x recipe, and where it lives here:
   zeros, so per-encoder caption dropout zeroes that encoder's output instead of encoding "".
 
 The loop talks to it through :meth:`condition` (captions + sizes → :class:`SDXLConditioning`) and
-:meth:`predict`; everything else matches the SD family (see ``base.LatentDiffusionFamily``).
+:meth:`predict`; everything else matches the SD family (see ``common.sd_kit.family_base.LatentDiffusionFamily``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from trainer.models.base import (SAMPLERS, LatentDiffusionFamily, ModelLoadError, check_family, classify_source,
+from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
+from trainer.models.base import (SAMPLERS, ModelLoadError, check_family, classify_source,
                                  detect_source_family, load_pipeline, torch_dtype)
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")

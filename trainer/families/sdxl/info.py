@@ -13,6 +13,6 @@ INFO = FamilyInfo(
     objective="ddpm",
     family_class="trainer.families.sdxl.family:StableDiffusionXL",
     detect="trainer.families.sdxl.detect",
-    tiny={"tiny-sdxl": "trainer.models.tiny:ensure_tiny_model",
-          "tiny-sdxl-inpaint": "trainer.models.tiny:ensure_tiny_model"},
+    tiny={"tiny-sdxl": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
+          "tiny-sdxl-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
 )

@@ -3,7 +3,7 @@
 Why: users load SD 1.5 / 2.x from one original-layout ``.safetensors``/``.ckpt`` file, and
 ``StableDiffusionPipeline.from_single_file(path, config=<local diffusers folder>, local_files_only=True)``
 only works offline when it is given a local folder with the diffusers configs and the tokenizer files.
-Nothing can be downloaded here, so we ship those configs (``trainer/models/configs/<name>/``, copied from
+Nothing can be downloaded here, so we ship those configs (``trainer/families/common/sd_kit/configs/<name>/``, copied from
 the hub repos) and build the tokenizer's ``vocab.json``/``merges.txt`` at run time from the real CLIP BPE
 file (``configs/clip_bpe_simple_vocab_16e6.txt.gz``, MIT, from OpenAI CLIP via open_clip_torch; see
 ``configs/LICENSE-clip-bpe.txt``).

@@ -1,0 +1,2 @@
+"""The kit the SD 1.x/2.x and SDXL families share: single-file detection and shipped configs (sd_configs,
+configs/), tiny offline models (tiny), inpainting input (inpaint) and their base class (family_base)."""

@@ -1,0 +1,92 @@
+"""The base class the SD 1.x/2.x and SDXL families share (one UNet lineage): DDPM schedule and objective,
+VAE latents, inpainting input, zero-terminal-SNR rescale. Part of the SD-lineage kit both family folders use."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+from trainer.families.base import Family as ModelFamily
+from trainer.families.base import ModelLoadError
+from trainer.families.common.sd_kit.inpaint import InpaintingMixin
+from trainer.models.base import source_fingerprint
+
+class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
+    """The parts of the objective every VAE-latent, DDPM-trained UNet family shares (and, for
+    9-channel inpainting UNets, the masked input: :class:`~trainer.families.common.sd_kit.inpaint.InpaintingMixin`).
+
+    Needs ``self.vae``, ``self.device``, ``self.noise_scheduler``, ``self.prediction_type`` and
+    ``self._sched_config`` (the sampling schedulers' config)."""
+
+    def _setup_schedule(self, scheduler_config: Dict[str, Any], prediction_type: str) -> None:
+        """Training schedule = the model's own betas in a DDPMScheduler; ``auto`` reads the prediction type."""
+        from diffusers import DDPMScheduler
+        self.noise_scheduler = DDPMScheduler.from_config(scheduler_config)
+        pred = prediction_type
+        if pred == "auto":
+            pred = self.noise_scheduler.config.get("prediction_type", "epsilon")
+        self.prediction_type = pred
+        self.noise_scheduler.register_to_config(prediction_type=pred)
+        self._sched_config = dict(scheduler_config)
+        self._sched_config["prediction_type"] = pred
+        self.num_train_timesteps = int(self.noise_scheduler.config.num_train_timesteps)
+        self._alphas = self.noise_scheduler.alphas_cumprod
+        from trainer.objectives import DDPMObjective
+        self.objective = DDPMObjective(self.noise_scheduler, pred)
+
+    def noisy_and_target(self, latents, noise, timesteps):
+        return self.objective.noisy_and_target(latents, noise, timesteps)
+
+    def model_input(self, noisy_latents, batch, generator=None, warn=None):
+        """9-channel inpainting UNets: noisy ‖ mask ‖ masked-image latents; others the noisy latents."""
+        return self.inpaint_input(noisy_latents, batch, generator, warn) if self.inpainting else noisy_latents
+
+    def _set_attention(self, backend: str) -> None:
+        """``model.attention``: PyTorch SDPA (diffusers' default) or xformers, refused clearly when absent."""
+        if backend == "xformers":
+            try:
+                self.unet.enable_xformers_memory_efficient_attention()
+            except Exception as exc:
+                raise ModelLoadError(f"model.attention = xformers, but xformers is not usable here ({exc}). "
+                                     "Use sdpa.", key="model.attention") from None
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
+        return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}
+
+    # --- export (the writers in trainer/export.py, named for the SD lineage) ---------------------
+    def lora_targets(self, slot: str, preset: str) -> List[str]:
+        """peft target name endings: the UNet's for ``parts.denoiser.lora_targets`` presets; CLIP's for text encoders."""
+        from trainer.methods.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS
+        return list(UNET_TARGETS[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
+
+    def lora_namer(self):
+        from trainer.export import sd_namer
+        return sd_namer(self.family, self.unet, self.text_encoder, getattr(self, "text_encoder_2", None))
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import lora_metadata
+        return lora_metadata(self.family, title=title, prediction_type=self.prediction_type, resolution=resolution,
+                             extra=extra)
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """An original-layout SD1/SD2/SDXL checkpoint (A1111, ComfyUI, diffusers' from_single_file)."""
+        from trainer.export import save_single_file_sd
+        extra = {"text_encoder_2": self.text_encoder_2} if getattr(self, "text_encoder_2", None) is not None else {}
+        save_single_file_sd(path, self.unet, self.vae, self.text_encoder, family=self.family, dtype=dtype,
+                            metadata=metadata, **extra)
+
+    def fingerprint(self) -> str:
+        """Identifies what changes cached latents: the weights' source and the VAE dtype."""
+        return source_fingerprint(self.source, self._vae_dtype_name)
+
+    def rescale_zero_terminal_snr(self) -> None:
+        """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
+        ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""
+        from diffusers import DDPMScheduler
+        self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
+        self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
+        self._alphas = self.noise_scheduler.alphas_cumprod
+        self.objective.noise_scheduler = self.noise_scheduler
+
+
