@@ -22,7 +22,7 @@ from webui.runner import RunManager
 FAKE_TRAINER = r'''
 """Fake ``python -m trainer train CONFIG --run-dir DIR [--resume X]`` for the UI's runner tests.
 Mode from general.run_name: crash (error+failed, exit 1), oom (SIGKILLs itself), badcfg (exit 2),
-slowstop (ignores SIGINT). Steps: training.max_steps; FAKE_STEP_SECONDS per step."""
+slowstop (ignores a stop request: control/stop and SIGINT). Steps: training.max_steps; FAKE_STEP_SECONDS per step."""
 import json, os, signal, sys, time
 from pathlib import Path
 import yaml
@@ -38,7 +38,7 @@ def main(argv):
     if "badcfg" in mode:
         print("error: 'training.epochs' = 0 is out of range", file=sys.stderr)
         return 2
-    (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0)}))
+    (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": getattr(os, "getpgid", lambda _: None)(0)}))
     events = open(run_dir / "events.jsonl", "a")
     log = open(run_dir / "train.log", "a")
 
@@ -92,6 +92,8 @@ def main(argv):
             backup(step); (ctrl / "backup").unlink()
         if step % 5 == 0:
             sample(step)
+        if (ctrl / "stop").exists() and "slowstop" not in mode:
+            (ctrl / "stop").unlink(); stop["flag"] = True
         if stop["flag"]:
             backup(step)
             emit("stopped", step=step, message="stopped by signal")
@@ -194,7 +196,7 @@ def test_second_stop_kills_and_is_explained(manager):
     wait_for(lambda: state_of(run_dir) == "running", 30, "running")
     runner.stop(run_dir)
     assert state_of(run_dir) == "stopping"
-    assert "Killed" in runner.stop(run_dir)  # second press: SIGKILL to the group
+    assert "Killed" in runner.stop(run_dir)  # second press: the process tree is killed
     wait_for(lambda: not runner.process_alive(run_dir), 10, "killed")
     view = RunMonitor().view(run_dir)
     assert view.state == "died" and "force-stopped" in view.message
@@ -286,7 +288,7 @@ def test_resume_continues_in_the_same_folder(manager, monkeypatch):
 
 
 def test_queue_runs_in_order_reorders_cancels_and_persists(manager):
-    first = start(manager, name="q1", steps=40)
+    first = start(manager, name="q1", steps=200)  # long enough to be running while three jobs queue on a busy box
     jobs = [Job(name=f"q{i}", config_yaml=fake_config(f"q{i}", 5)) for i in (2, 3, 4)]
     for job in jobs:
         assert manager.submit(job)[0] == "queued"

@@ -116,7 +116,8 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
         rest += ["--run-dir", str(run_dir)]
     cmd = launch_argv(cfg, rest, sys.executable)
     print(f"launching {cfg.general.num_processes} processes: {' '.join(cmd)}", file=sys.stderr)
-    handlers = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}  # ranks stop
+    from trainer.procs import stop_signals
+    handlers = {s: signal.signal(s, lambda *_: None) for s in stop_signals() if s != getattr(signal, "SIGHUP", None)}  # ranks stop
     try:
         rc = subprocess.call(cmd, env=dict(os.environ, ATELIER_LAUNCHED="1"))
     finally:
@@ -148,6 +149,8 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     if fresh_process and args.command == "train":
         from trainer.startup import pause_gc
         pause_gc()  # until set-up is done (see trainer/startup.py)
+    from trainer.devices import enable_mps_fallback
+    enable_mps_fallback()  # Apple Silicon: before torch loads, or operations MPS lacks fail instead of running on the CPU
     from trainer.config import ConfigError, cross_field_warnings
 
     if args.command == "presets":

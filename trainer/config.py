@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
@@ -65,7 +66,8 @@ class GeneralConfig:
     workspace: str = f("workspace", "Folder that holds runs/, caches and built-in models.", ui="path")
     run_name: str = f("", "Name of the run folder under <workspace>/runs/; empty = a timestamped name.")
     seed: int = f(42, "Random seed: same seed and data give the same run.", min=0, max=2**32 - 1)
-    device: str = f("auto", "Where to train: auto picks CUDA when present, else CPU.",
+    device: str = f("auto", "Where to train: auto picks a CUDA/ROCm GPU when present, else Apple's MPS "
+                            "(Apple Silicon), else the CPU.",
                     choices=["auto", "cuda", "cpu", "mps"])
     tensorboard: bool = f(True, "Write TensorBoard logs to <run>/tensorboard.")
     dataloader_workers: int = f(2, "Batches loaded ahead in background threads (0 = load in the main thread).",
@@ -707,7 +709,15 @@ def _read_yaml(path: Path, what: str) -> DictConfig:
     try:
         data = OmegaConf.load(path)
     except Exception as exc:  # yaml.YAMLError and friends
-        raise ConfigError(f"{what} '{path}' is not valid YAML: {exc}", value=str(path)) from None
+        hint = ""
+        try:
+            raw = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            raw = ""
+        if re.search(r'"[^"\n]*\\[^"\n]*"', raw):  # "C:\Users\…" in double quotes: \U starts an escape in YAML
+            hint = ("\nA Windows path in double quotes needs every backslash doubled (\"C:\\\\data\"); "
+                    "write it in single quotes ('C:\\data'), without quotes, or with forward slashes (C:/data).")
+        raise ConfigError(f"{what} '{path}' is not valid YAML: {exc}{hint}", value=str(path)) from None
     if data is None:
         data = OmegaConf.create({})
     if not isinstance(data, DictConfig):
@@ -1185,6 +1195,9 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += [Issue(key, message, level="error") for key, message in path_problems(cfg)]  # files train would reject
     from trainer.optim import optim_warnings
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
+    from trainer.devices import device_problems, is_apple_silicon
+    if cfg.general.device == "mps" or (cfg.general.device == "auto" and is_apple_silicon()):
+        out += [Issue(key, message, level=level) for key, message, level in device_problems(cfg, "mps")]
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
         out.append(Issue("parts.denoiser.dtype", "Training fp16 weights directly loses updates; keep the "
                                                  "trained denoiser in fp32 (or bf16) with fp16 autocast."))

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from trainer.procs import pid_alive
+
 Rows = Tuple[int, int, int]  # (first row, end row, global micro-batch size)
 
 
@@ -252,10 +254,9 @@ def dead_ranks(run_dir: Path, world: int) -> List[int]:
         if info.get("host") != host:
             continue
         try:
-            os.kill(int(info["pid"]), 0)
-        except ProcessLookupError:
-            dead.append(k)
-        except (PermissionError, OSError, ValueError):
+            if not pid_alive(int(info["pid"])):
+                dead.append(k)
+        except (TypeError, ValueError, KeyError):
             pass
     return dead
 

@@ -156,7 +156,19 @@ def looks_like_write_failure(exc: BaseException) -> bool:
     import errno
     text = str(exc)
     return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS) \
-        or "No space left" in text or "write failed" in text
+        or path_too_long(exc) or "No space left" in text or "write failed" in text
+
+
+WINDOWS_PATH_LIMIT = 260  # MAX_PATH: Windows refuses longer paths unless long paths are switched on
+
+
+def path_too_long(exc: BaseException) -> bool:
+    """ENAMETOOLONG, or Windows' ERROR_FILENAME_EXCED_RANGE (206) / a path past MAX_PATH that 'does not exist'."""
+    import errno
+    if getattr(exc, "errno", None) == errno.ENAMETOOLONG or getattr(exc, "winerror", None) == 206:
+        return True
+    name = getattr(exc, "filename", None)
+    return getattr(exc, "winerror", None) in (2, 3) and len(str(name or "")) >= WINDOWS_PATH_LIMIT
 
 
 def write_failure(exc: BaseException, folder: str | os.PathLike, what: str) -> str:
@@ -179,6 +191,12 @@ def write_failure(exc: BaseException, folder: str | os.PathLike, what: str) -> s
         left = f"{free / 2**20:.0f} MiB free" if free is not None else "no space left"
         return (f"Writing {what} to {folder} failed: the disk is full ({left}). Free some space (old runs, backups, "
                 "caches) and continue with --resume last; the last complete backup is intact.")
+    if path_too_long(exc):
+        name = str(getattr(exc, "filename", "") or folder)
+        return (f"Writing {what} to {folder} failed: the path is too long ({len(name)} characters: {name}). "
+                f"Windows stops at {WINDOWS_PATH_LIMIT} unless long paths are switched on (LongPathsEnabled; "
+                "`python launch.py --doctor` says whether they are). Switch them on, or choose a shorter "
+                "general.workspace / run name; the last complete backup is intact.")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"Writing {what} to {folder} failed: no permission to write there ({exc.strerror}). Make the folder "
                 "writable or choose another general.workspace; the last complete backup is intact.")

@@ -26,6 +26,8 @@ from trainer.config import ConfigError, ModelSettings, save_config, to_container
 from trainer.distributed import (PeerLost, env_rank_world, expand_rows, explain_failure,
                                  fault_injection, iter_shard, rank_file, take_rows, write_rank_error,
                                  write_rank_info)
+from trainer import procs
+from trainer.paths import is_absolute_path, path_name
 from trainer.events import EventWriter
 from trainer.optim import on_eval, on_train
 
@@ -34,6 +36,7 @@ log = logging.getLogger("atelier")
 
 # Resume: settings whose change makes a backup meaningless (refused), and bookkeeping never compared.
 # model.path may change (a moved or re-downloaded file): a warning, and the trainable weights must still fit.
+_PROCESS_START = time.time()
 RESUME_FIXED = ("model.family", "training.method", "parts.denoiser.train", "parts.text_encoder_1.train",
                 "parts.text_encoder_2.train", "parts.text_encoder_3.train", "lora.type", "lora.rank", "lora.alpha",
                 "parts.denoiser.lora_targets",
@@ -51,13 +54,15 @@ def portable_paths(node: Any, workspace: str) -> Any:
         return {k: portable_paths(v, workspace) for k, v in node.items()}
     if isinstance(node, list):
         return [portable_paths(v, workspace) for v in node]
-    if isinstance(node, str) and (os.path.isabs(node) or node.startswith("~")):
+    if isinstance(node, str) and is_absolute_path(node):  # also C:\… and \\server\share written on Windows
         p = Path(node).expanduser()
+        if not (os.path.isabs(node) or node.startswith("~")):  # another system's path: never this machine's
+            return f"…/{path_name(node)}"
         try:
             ws, real = Path(workspace).expanduser().resolve(), p.resolve()
             return Path(os.path.relpath(real, ws)).as_posix() if real == ws or ws in real.parents else f"…/{p.name}"
         except (OSError, ValueError):
-            return f"…/{p.name}"
+            return f"…/{path_name(node)}"
     return node
 
 
@@ -179,23 +184,32 @@ class Trainer:
 
     # --- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum, frame):  # noqa: ARG002
+        self.request_stop(f"signal {signum}", from_signal=True)
+
+    def request_stop(self, why: str, from_signal: bool = False) -> None:
+        """Finish the current step, write a backup, stop. A second request by signal (Ctrl+C twice)
+        stops at once without a backup; the stop file (the UI's Stop) asks only once — the UI's second
+        Stop kills the process tree instead."""
         if self.world > 1:  # the stop rides the next gradient sync, so every process stops at the same step
-            if self._stop_signal_at and time.time() - self._stop_signal_at > 10:
+            if from_signal and self._stop_signal_at and time.time() - self._stop_signal_at > 10:
                 log.warning("second stop request: stopping now without a backup")
                 raise KeyboardInterrupt
             if not self._stop_signal_at:  # the launcher forwards the group's signal again: one request
                 self._stop_signal_at = time.time()
-                log.info("stop requested (signal %s): finishing the current step, then a backup", signum)
+                log.info("stop requested (%s): finishing the current step, then a backup", why)
             return
         if self.stop_requested:
-            log.warning("second stop request: stopping now without a backup")
-            raise KeyboardInterrupt
+            if from_signal:
+                log.warning("second stop request: stopping now without a backup")
+                raise KeyboardInterrupt
+            return
         self.stop_requested = True
-        log.info("stop requested (signal %s): finishing the current step, then a backup", signum)
+        log.info("stop requested (%s): finishing the current step, then a backup", why)
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGBREAK", None)):  # SIGBREAK: Ctrl+Break on Windows
+            if sig is not None:
+                signal.signal(sig, self._on_signal)
 
     # --- set-up ----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -206,10 +220,18 @@ class Trainer:
         cfg = self.cfg
         g = cfg.general
         t = cfg.training
-        cpu = g.device == "cpu" or (g.device == "auto" and not torch.cuda.is_available())
-        if g.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("general.device = cuda, but no CUDA GPU is visible. Use auto or cpu.",
-                              key="general.device")
+        from trainer.devices import device_problems, resolve_device
+        mps_backend = getattr(torch.backends, "mps", None)
+        try:
+            device = resolve_device(g.device, torch.cuda.is_available(),
+                                    bool(mps_backend is not None and mps_backend.is_available()))
+        except ValueError as exc:
+            raise ConfigError(str(exc), key="general.device", value=g.device) from None
+        for key, message, level in device_problems(cfg, device):
+            if level == "error":
+                raise ConfigError(message, key=key)
+            self.warn(message)
+        cpu = device == "cpu"
         from accelerate.state import AcceleratorState
         AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
         from trainer.distributed import accelerator_kwargs
@@ -723,6 +745,7 @@ class Trainer:
                         "grad_scaler": None if self.accelerator.scaler is None else self.accelerator.scaler.state_dict(),
                         "generator": self.generator.get_state(), "torch_rng": torch.get_rng_state(),
                         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        "mps_rng": torch.mps.get_rng_state() if self.device.type == "mps" else None,
                         "python_rng": random.getstate()}, tmp / "training_state.pt")
             (tmp / "config.yaml").write_text(to_yaml(self.cfg), encoding="utf-8")  # what resume compares with
             (tmp / "state.json").write_text(json.dumps({**asdict(self.pos), "time": time.time(),
@@ -785,6 +808,8 @@ class Trainer:
         torch.set_rng_state(ts["torch_rng"])
         if ts.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ts["cuda_rng"])
+        if ts.get("mps_rng") is not None and self.device.type == "mps":
+            torch.mps.set_rng_state(ts["mps_rng"])
         random.setstate(ts["python_rng"])
         self.pos = Position(step=state["step"], epoch=state["epoch"], batch_in_epoch=state["batch_in_epoch"])
         self._apply_component_schedule()  # freeze what the uninterrupted run had frozen by this step
@@ -910,14 +935,19 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     setup_logging(run_dir, rank)
     if rank == 0:
         save_config(cfg, run_dir / "config.yaml")
-        (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0),
+        (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
                                                          "started": time.time()}))
     if world > 1:
         rank_file(run_dir, rank, "error").unlink(missing_ok=True)  # a failure of an earlier attempt
         write_rank_info(run_dir, rank)
     trainer = Trainer(cfg, run_dir, resume=resume, progress=progress)
-    previous_handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    stop_sigs = [sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGBREAK", None)) if sig is not None]
+    previous_handlers = {sig: signal.getsignal(sig) for sig in stop_sigs}
     trainer.install_signal_handlers()
+    watcher = None
+    if rank == 0:  # the UI's Stop (control/stop); with several processes rank 0 passes it on at the next sync
+        since = _launched_at()
+        watcher = procs.StopFileWatcher(run_dir, trainer.request_stop, since=since).start()
     ev = trainer.run.events
     for w in warnings or []:
         ev.emit("warning", message=w)
@@ -957,14 +987,24 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             print(f"error: {msg}\n(the run folder's events.jsonl could not record it: {again})", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, previous_handlers[0])
-        signal.signal(signal.SIGTERM, previous_handlers[1])
+        if watcher is not None:
+            watcher.close()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
         if getattr(trainer, "tb", None) is not None:
             trainer.tb.close()
         _end_process_group()
         for h in list(log.handlers):
             h.close()
             log.removeHandler(h)
+
+
+def _launched_at() -> float:
+    """When the UI launched this trainer (a stop file older than that is a leftover), else when it started."""
+    try:
+        return float(os.environ.get("ATELIER_LAUNCHED_AT", ""))
+    except ValueError:
+        return _PROCESS_START
 
 
 def _failed(trainer: Trainer, message: str, tb: str, peer_lost: bool) -> None:

@@ -67,8 +67,10 @@ _TRANSFORMERS_IMPORT_UTILS = "transformers.utils.import_utils"
 
 
 def _cache_dir() -> str:
-    """``$XDG_CACHE_HOME/atelier`` or ``~/.cache/atelier``; "" (no disk cache) without a usable home."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/atelier``, ``%LOCALAPPDATA%\\atelier`` on Windows, or ``~/.cache/atelier``; "" (no disk
+    cache) without a usable home."""
+    base = os.environ.get("XDG_CACHE_HOME") or (os.environ.get("LOCALAPPDATA") if os.name == "nt" else "") \
+        or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "atelier") if os.path.isabs(base) else ""
 
 

@@ -13,6 +13,7 @@ from typing import Any, List, Optional, Sequence
 from omegaconf import OmegaConf
 
 from trainer import config as tcfg
+from trainer.paths import path_name
 from webui import runner
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form
@@ -87,7 +88,7 @@ class AppContext:
     def run_name(self, cfg: Any) -> str:
         if cfg.general.run_name:
             return runner.slug(cfg.general.run_name)
-        model = str(cfg.model.path).rstrip("/").replace(":", "/").split("/")[-1] or "run"
+        model = path_name(str(cfg.model.path)).split(":")[-1] or "run"  # C:\models\x.safetensors, org/name, builtin:x
         model = model.rsplit(".", 1)[0] if model.endswith((".safetensors", ".ckpt")) else model
         return runner.slug(f"{model}-{cfg.training.method}-{time.strftime('%Y%m%d-%H%M%S')}")
 

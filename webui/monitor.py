@@ -254,11 +254,11 @@ def explain_death(run_dir: Path) -> tuple[str, str]:
     if rc is not None and rc < 0:
         sig = -rc
         name = _signal_name(sig)
-        if sig == signal.SIGKILL:
+        if sig == getattr(signal, "SIGKILL", 9):
             return (f"The trainer was killed by the operating system ({name}) without a chance to save. "
                     "This almost always means the machine ran out of memory (the Linux out-of-memory killer), "
                     "or someone ran `kill -9` on it.", OOM_ADVICE)
-        if sig == signal.SIGSEGV:
+        if sig == getattr(signal, "SIGSEGV", 11):
             return (f"The trainer crashed inside native code ({name}). This usually points at a driver or "
                     "library mismatch (CUDA, xformers, bitsandbytes) rather than at your settings.",
                     advice or "Try model.attention = sdpa and check the GPU driver.")

@@ -5,10 +5,11 @@ pid = the process group id), the trainer writes ``trainer.pid`` and ``events.jso
 ``webui.supervise`` writes ``exit.json`` when the trainer ends. Because nothing lives only in the
 UI's memory, a reloaded page, a second browser or a restarted UI reattaches to a running job.
 
-The trainer runs in its own session (``start_new_session=True``) so it survives a UI restart; Stop
-sends SIGINT to that process group (the trainer finishes the step, writes a backup and exits 0);
-a second Stop, or ``stop_timeout`` seconds without an exit, sends SIGKILL.
-This module imports neither Gradio nor torch.
+The trainer is started detached (a new session on POSIX, a new process group without a console on
+Windows: ``trainer.procs``) so it survives a UI restart. Stop writes ``control/stop`` in the run folder,
+the same on every platform (the trainer finishes the step, writes a backup and exits 0); a second Stop,
+or ``stop_timeout`` seconds without an exit, kills the process tree (SIGKILL to the group on POSIX,
+``taskkill /F /T`` on Windows). This module imports neither Gradio nor torch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from trainer import procs
 from trainer.events import TERMINAL
 from webui.jobqueue import Job, JobQueue
 
@@ -108,22 +109,8 @@ def _mtime(p: Path) -> float:
 # --------------------------------------------------------------------------------------------
 
 def pid_alive(pid: Optional[int]) -> bool:
-    """True when the process exists and is not a zombie."""
-    if not pid or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-            return False
-    except (OSError, IndexError):
-        pass
-    return True
+    """True when the process exists and is not a zombie (any platform: ``trainer.procs``)."""
+    return procs.pid_alive(pid)
 
 
 def _looks_like_ours(pid: int) -> bool:
@@ -169,17 +156,20 @@ def launch(run_dir: Path, resume: str = "", trainer_argv: Optional[List[str]] = 
     run_dir = Path(run_dir).resolve()
     for stale in (EXIT, STOP):
         (run_dir / stale).unlink(missing_ok=True)
+    procs.stop_file(run_dir).unlink(missing_ok=True)  # a request the previous trainer never read
     cmd = trainer_command(run_dir / "config.yaml", run_dir, resume, trainer_argv)
     full = [python, "-m", "webui.supervise", str(run_dir / EXIT), "--", *cmd]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    launched_at = time.time()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", ATELIER_LAUNCHED_AT=repr(launched_at))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     with open(run_dir / PROCESS_LOG, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
         proc = subprocess.Popen(full, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    write_json(run_dir / LAUNCH, {"pid": proc.pid, "pgid": proc.pid, "cmd": cmd, "resume": resume,
-                                  "started": time.time()})
+                                stderr=subprocess.STDOUT, env=env, **procs.detached_popen_kwargs())
+    pgid = None if procs.is_windows() else proc.pid  # POSIX: the new session's group is the supervisor's pid
+    write_json(run_dir / LAUNCH, {"pid": proc.pid, "pgid": pgid, "cmd": cmd, "resume": resume,
+                                  "started": launched_at})
     return proc
 
 
@@ -188,27 +178,28 @@ def stop_requested(run_dir: Path) -> Optional[dict]:
 
 
 def stop(run_dir: Path, force: bool = False) -> str:
-    """Ask a run to stop (SIGINT to its group); a second call, or ``force``, kills it (SIGKILL)."""
+    """Ask a run to stop (``control/stop``: the trainer finishes the step and writes a backup); a second
+    call, or ``force``, kills its whole process tree."""
     run_dir = Path(run_dir)
     if not process_alive(run_dir):
         return "This run is not running."
     pid, pgid = run_pids(run_dir)
     previous = stop_requested(run_dir)
     force = force or bool(previous)
-    sig = signal.SIGKILL if force else signal.SIGINT
     write_json(run_dir / STOP, {"time": (previous or {}).get("time", time.time()), "forced": force})
+    if not force:
+        try:
+            procs.request_stop(run_dir)
+        except OSError as exc:
+            return f"Could not ask the trainer to stop (writing {procs.stop_file(run_dir)} failed: {exc})."
+        return "Stopping: the trainer finishes the current step and writes a backup. Press Stop again to kill it."
     try:
-        if pgid:
-            os.killpg(pgid, sig)
-        elif pid:
-            os.kill(pid, sig)
+        procs.kill_tree(pid, pgid)
     except ProcessLookupError:
         return "The run had already ended."
     except PermissionError as exc:
-        return f"Not allowed to signal the trainer: {exc}"
-    if force:
-        return "Killed the trainer (forced stop, no backup written)."
-    return "Stopping: the trainer finishes the current step and writes a backup. Press Stop again to kill it."
+        return f"Not allowed to stop the trainer: {exc}"
+    return "Killed the trainer (forced stop, no backup written)."
 
 
 def last_event_type(run_dir: Path) -> str:

@@ -7,24 +7,23 @@ the same group. When the trainer exits — normally, with an error, or killed by
 ``{"returncode": ...}`` to EXIT_JSON. Without it the exit code of a detached trainer would be lost
 whenever the UI restarts, and a run killed by the out-of-memory killer could not be explained.
 
-Stop signals go to the whole group: this process ignores them (with a no-op handler, not SIG_IGN,
-so the trainer does not inherit "ignored") and keeps waiting for the trainer. Pure stdlib.
+A stop is asked of the trainer through ``control/stop`` (``trainer.procs``); stop signals that reach
+the whole group (Ctrl+C, a hang-up, a console closing) are ignored here (a no-op handler, not SIG_IGN,
+so the trainer does not inherit "ignored") and this keeps waiting for the trainer. Only the signals
+the platform has are touched (no SIGHUP on Windows). Pure stdlib.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import List
 
-
-def _noop(signum: int, frame: object) -> None:
-    pass
+from trainer.procs import ignore_stop_signals
 
 
 def main(argv: List[str]) -> int:
@@ -32,8 +31,7 @@ def main(argv: List[str]) -> int:
         print("usage: python -m webui.supervise EXIT_JSON -- COMMAND ...", file=sys.stderr)
         return 2
     exit_path, cmd = Path(argv[0]), argv[2:]
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _noop)
+    ignore_stop_signals()
     started = time.time()
     try:
         proc = subprocess.Popen(cmd)
