@@ -378,3 +378,16 @@ def test_the_mps_fallback_is_switched_on_only_on_apple_silicon(monkeypatch):
     monkeypatch.setattr(devices, "is_apple_silicon", lambda: True)
     devices.enable_mps_fallback()
     assert os.environ[devices.MPS_FALLBACK_ENV] == "1"
+
+
+def test_several_processes_without_nccl_talk_through_gloo_and_say_so(monkeypatch):
+    """Windows' and macOS' PyTorch builds have no NCCL: multi-GPU runs fall back to gloo with a note."""
+    import torch.distributed as dist
+
+    from trainer.distributed import choose_backend
+    notes = []
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    assert choose_backend(cpu=False, warn=notes.append) == "gloo"
+    assert notes and "NCCL is not available" in notes[0] and "gloo" in notes[0]
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    assert choose_backend(cpu=False, warn=notes.append) == "nccl" and len(notes) == 1
