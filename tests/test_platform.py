@@ -391,3 +391,32 @@ def test_several_processes_without_nccl_talk_through_gloo_and_say_so(monkeypatch
     assert notes and "NCCL is not available" in notes[0] and "gloo" in notes[0]
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     assert choose_backend(cpu=False, warn=notes.append) == "nccl" and len(notes) == 1
+
+
+def test_the_run_folder_lock_on_windows_leaves_the_holders_record_readable(monkeypatch, tmp_path):
+    """Windows' byte-range locks are mandatory: locking byte 0 would make trainer.lock unreadable to the
+    second trainer, which then could not say who holds the folder."""
+    import types
+
+    from trainer import runlock
+    locked = {}
+
+    def locking(fd, mode, nbytes):
+        at = os.lseek(fd, 0, os.SEEK_CUR)
+        if locked.get(at):
+            raise PermissionError(13, "Permission denied")  # what msvcrt raises for a held lock
+        locked[at] = True
+
+    monkeypatch.setitem(sys.modules, "msvcrt", types.SimpleNamespace(LK_NBLCK=2, locking=locking))
+    monkeypatch.setattr(runlock, "is_windows", lambda: True)
+    runlock.acquire(tmp_path)
+    try:
+        assert list(locked) == [runlock.WINDOWS_LOCK_OFFSET]
+        assert runlock.holder(tmp_path)["pid"] == os.getpid()  # the record at the start stays readable
+        fd = os.open(tmp_path / runlock.LOCK_NAME, os.O_RDWR)
+        try:
+            assert not runlock._try_lock(fd)  # a second trainer is refused
+        finally:
+            os.close(fd)
+    finally:
+        runlock.release(tmp_path)

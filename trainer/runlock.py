@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from trainer.procs import is_windows
+
 LOCK_NAME = "trainer.lock"
 _held: dict = {}  # run folder -> file descriptor, kept open for the life of the process
 
@@ -23,11 +25,18 @@ class RunFolderBusy(RuntimeError):
     """Another live trainer holds the run folder."""
 
 
+WINDOWS_LOCK_OFFSET = 1 << 30  # the locked byte: far past the JSON, which other processes must still read
+
+
 def _try_lock(fd: int) -> bool:
     try:
-        if os.name == "nt":
+        if is_windows():  # Windows byte-range locks are mandatory: lock a byte past the end, not the pid record
             import msvcrt
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            os.lseek(fd, WINDOWS_LOCK_OFFSET, os.SEEK_SET)
+            try:
+                msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+            finally:
+                os.lseek(fd, 0, os.SEEK_SET)
         else:
             import fcntl
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
