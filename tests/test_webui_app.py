@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_live_poll_follows_a_run_started_elsewhere(tmp_path, monkeypatch):
     out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
     status = out[0]
     assert 'data-state="running"' in status and 'data-run="bg"' in status
-    again = ctx.handlers["poll"]("(follow the current run)", "newest first", out[6])
+    again = ctx.handlers["poll"]("(follow the current run)", "newest first", out[7])  # 7: the seen-state
     assert isinstance(again[3], dict) and again[3].get("__type__") == "update"  # unchanged gallery is skipped
     runner.stop(run_dir)
     wait_for(lambda: state_of(run_dir) == "stopped", 30, "stopped")
@@ -185,3 +186,34 @@ def test_listen_without_auth_warns_loudly(tmp_path, capsys, monkeypatch):
     assert "--listen without --auth" in capsys.readouterr().err
     assert app.main(["--listen", "--auth", "a:b", "--workspace", str(tmp_path)]) == 0
     assert "--listen without --auth" not in capsys.readouterr().err
+
+
+def test_a_run_zip_leaves_backups_out_takes_results_saved_elsewhere_and_is_remade_only_after_a_change(tmp_path):
+    import zipfile
+
+    from webui.downloads import result_file, zip_run
+    ws, run_dir, elsewhere = tmp_path / "ws", tmp_path / "ws" / "runs" / "r", tmp_path / "exports"
+    for rel, text in {"config.yaml": "a: 1\n", "events.jsonl": "{}\n", "samples/s1.png": "png",
+                      "backups/backup-step000010/state.json": "{}", "control/stop": "{}", "trainer.lock": "x",
+                      ".hidden.tmp": "x"}.items():
+        (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / rel).write_text(text)
+    elsewhere.mkdir()
+    (elsewhere / "r.safetensors").write_bytes(b"lora")
+    (elsewhere / "ft").mkdir()
+    (elsewhere / "ft" / "model_index.json").write_text("{}")
+    outputs = [str(elsewhere / "r.safetensors"), str(elsewhere / "ft")]
+    first = zip_run(ws, run_dir, outputs)
+    with zipfile.ZipFile(first) as z:
+        assert sorted(z.namelist()) == ["config.yaml", "events.jsonl", "results/ft/model_index.json",
+                                        "results/r.safetensors", "samples/s1.png"]
+    stamp = first.stat().st_mtime_ns
+    assert zip_run(ws, run_dir, outputs).stat().st_mtime_ns == stamp  # nothing changed: the same zip
+    time.sleep(0.01)
+    (run_dir / "samples" / "s2.png").write_text("png")
+    with zipfile.ZipFile(zip_run(ws, run_dir, outputs)) as z:
+        assert "samples/s2.png" in z.namelist()
+    assert result_file(outputs) == elsewhere / "r.safetensors"  # the newest single file
+    assert result_file([str(elsewhere / "ft")]) is None  # a folder result goes home as the zip
+    with pytest.raises(FileNotFoundError):
+        zip_run(ws, tmp_path / "nope")

@@ -93,6 +93,14 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             page.wait_for_selector("#sample-gallery img", timeout=30000)
             assert "step 4 · prompt 0" in page.locator("#sample-gallery").inner_text()
             first = status.get_attribute("data-run")
+            result = page.locator("#download-result")  # the Run tab offers the finished LoRA for download
+            result.wait_for(state="visible", timeout=30000)
+            assert f"{first}.safetensors" in result.inner_text()
+            with page.expect_download(timeout=30000) as info:
+                result.click()
+            info.value.save_as(tmp_path / "result.safetensors")
+            assert (tmp_path / "result.safetensors").read_bytes() == \
+                (ctx.workspace / "runs" / first / f"{first}.safetensors").read_bytes()
 
             # a second run, stopped halfway: it ends "stopped" with a backup
             page.get_by_role("tab", name="Training", exact=True).click()
@@ -121,3 +129,77 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             raise
     runs = sorted(p.name for p in (ctx.workspace / "runs").iterdir())
     assert len(runs) == 2
+
+
+def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
+    """A share-link user takes the result home: logged in, the Runs tab's download gives the trained LoRA
+    byte for byte (and it loads in diffusers and changes the image), the zip holds config, log and samples;
+    the same file without the login is refused."""
+    import zipfile
+
+    import httpx
+    import torch
+
+    from conftest import train_quiet
+    ws = tmp_path / "ws"
+    run_dir = train_quiet(ws, "home", "demo", "training.max_steps=3", "training.learning_rate=0.05",
+                          "sampling.at_end=true")
+    lora = next(run_dir.glob("*.safetensors"))
+    demo = build_app(ws, start_scheduler=False)
+    _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    from playwright.sync_api import sync_playwright
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+            try:
+                page.goto(url)
+                page.get_by_label("username").fill("ada")
+                page.get_by_label("password").fill("s3cret")
+                page.get_by_role("button", name="Login").click()
+                page.wait_for_selector("#start-btn", timeout=60000)
+                page.get_by_role("tab", name="Runs", exact=True).click()
+                page.locator("#runs-pick input").click()
+                page.get_by_role("option", name="home", exact=True).click()
+                button = page.locator("#runs-download-result")
+                button.wait_for(state="visible", timeout=30000)
+                assert lora.name in button.inner_text()
+                with page.expect_download(timeout=30000) as info:
+                    button.click()
+                got = tmp_path / "downloaded.safetensors"
+                info.value.save_as(got)
+                assert got.read_bytes() == lora.read_bytes()
+
+                page.locator("#runs-zip-btn").click()
+                zip_button = page.locator("#runs-download-zip")
+                zip_button.wait_for(state="visible", timeout=30000)
+                with page.expect_download(timeout=30000) as info:
+                    zip_button.click()
+                info.value.save_as(tmp_path / "run.zip")
+            except Exception:
+                page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+                raise
+            finally:
+                browser.close()
+        with zipfile.ZipFile(tmp_path / "run.zip") as z:
+            names = set(z.namelist())
+            assert {"config.yaml", "events.jsonl", "train.log", lora.name} <= names
+            assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
+            assert not any(n.startswith("backups/") for n in names)
+            assert z.read(lora.name) == lora.read_bytes()
+        # the file route wants the login like every other route
+        served = f"{url.rstrip('/')}/gradio_api/file={lora}"
+        assert httpx.get(served, timeout=30).status_code in (401, 403)
+    finally:
+        demo.close()
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
+    pipe = build_tiny_pipeline("tiny-sd")
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        return pipe("a red square", num_inference_steps=2, guidance_scale=1.0, height=64, width=64,
+                    generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+
+    before = image()
+    pipe.load_lora_weights(str(got))
+    assert abs(image() - before).max() > 1e-3  # the downloaded LoRA has the trained effect

@@ -18,6 +18,7 @@ import gradio as gr
 
 from trainer import config as tcfg
 from webui import optimizer_memory, runner
+from webui.downloads import DOWNLOADS
 from webui.context import AppContext
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
@@ -54,6 +55,9 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     roots = Roots([workspace, *browse_roots, tcfg.PRESETS_DIR])
     browser = FileBrowser(roots)
     ctx = AppContext(workspace=workspace, manager=manager, roots=roots, browser=browser)
+    # results, samples and zips are streamed from where they lie, not copied into Gradio's cache (a fine-tune is
+    # GBs); both folders are inside the workspace, which is served (behind the login) anyway
+    gr.set_static_paths([str(runner.runs_root(workspace)), str(workspace / DOWNLOADS)])
     with gr.Blocks(title="Atelier") as demo:
         gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
         ctx.form = Form(browser)
@@ -79,7 +83,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         from webui import family_parts
         ctx.handlers["family_parts"] = family_parts.wire(ctx.form)  # the form follows the model's family
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
-        runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden")
+        runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden").then(
+            *ctx.components["runs_details"], show_progress="hidden")
 
         form = ctx.form
         outs = load_outputs(form) + [ctx["preset"]]

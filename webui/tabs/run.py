@@ -17,6 +17,7 @@ import pandas as pd
 
 from webui import runner
 from webui.context import AUTO, AppContext
+from webui.downloads import human_size, result_file, zip_run
 from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
 
 STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
@@ -47,12 +48,16 @@ def build(ctx: AppContext) -> None:
     order = gr.Radio(["newest first", "by prompt"], value="newest first", label="Samples",
                      elem_id="sample-order")
     gallery = gr.Gallery(label="Samples", columns=4, height=420, elem_id="sample-gallery", object_fit="contain")
+    with gr.Row(equal_height=True, elem_id="run-downloads"):
+        download = gr.DownloadButton("⬇ Download result", visible=False, elem_id="download-result", scale=2)
+        make_zip = gr.Button("Zip this run (config, logs, samples, result)", elem_id="zip-run-btn", scale=2)
+        zip_file = gr.DownloadButton("⬇ Download zip", visible=False, elem_id="download-zip", scale=2)
     problems = gr.Markdown(elem_id="run-problems")
     log = gr.HTML(elem_id="run-log")
     seen = gr.State({})
     timer = gr.Timer(1.0)
 
-    outputs = [status, loss_plot, lr_plot, gallery, problems, log, seen, ctx["run_select"]]
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, seen, ctx["run_select"]]
 
     def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
         run_dir = ctx.resolve_watched(selected)
@@ -89,6 +94,22 @@ def build(ctx: AppContext) -> None:
         run_dir = ctx.resolve_watched(selected)
         return runner.request_action(run_dir, action) if run_dir else "No run."
 
+    def do_zip(selected: str) -> List[Any]:
+        run_dir = ctx.resolve_watched(selected)
+        if run_dir is None:
+            return ["No run to zip.", gr.DownloadButton(visible=False)]
+        view = ctx.monitor.view(run_dir)
+        try:
+            path = zip_run(ctx.workspace, run_dir, view.outputs)
+        except OSError as exc:
+            return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
+        return [f"Zipped **{run_dir.name}** (backups left out).",
+                gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
+
+    make_zip.click(do_zip, [ctx["run_select"]], [action_msg, zip_file])
+    ctx["run_select"].change(lambda _: gr.DownloadButton(visible=False), [ctx["run_select"]], [zip_file],
+                             show_progress="hidden")
+    ctx.handlers["zip_run"] = do_zip
     stop.click(do_stop, [ctx["run_select"]], [action_msg])
     sample.click(lambda s: do_action(s, "sample"), [ctx["run_select"]], [action_msg])
     backup.click(lambda s: do_action(s, "backup"), [ctx["run_select"]], [action_msg])
@@ -99,7 +120,8 @@ def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], or
     """(name, value, signature) for each live output."""
     if view is None:
         return [("status", status_html(None), "none"), ("loss", None, "none"), ("lr", None, "none"),
-                ("gallery", [], "none"), ("problems", "", "none"), ("log", "", "none")]
+                ("gallery", [], "none"), ("problems", "", "none"), ("log", "", "none"),
+                ("download", gr.DownloadButton(visible=False), "none")]
     sig = (view.name, view.version, view.state)
     loss, lr = chart_frames(view)
     samples = gallery_items(view, order)
@@ -109,7 +131,18 @@ def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], or
             ("lr", lr, (view.name, len(view.lr_points))),
             ("gallery", samples, (view.name, order, tuple(p for p, _ in samples))),
             ("problems", problems_md(view), (sig, view.message, len(view.warnings))),
-            ("log", log_html(log), (view.name, hash(log)))]
+            ("log", log_html(log), (view.name, hash(log))),
+            ("download", download_button(view, ctx.roots.allowed), (view.name, tuple(view.outputs)))]
+
+
+def download_button(view: RunView, served=lambda p: True) -> Any:
+    """The Run tab's result download: the newest saved file. A folder result (diffusers fine-tune), or one
+    saved outside the folders this page serves (output.path elsewhere), is taken home as the zip."""
+    path = result_file(view.outputs)
+    if path is None or not served(path):
+        return gr.DownloadButton(visible=False)
+    return gr.DownloadButton(f"⬇ Download {path.name} ({human_size(path.stat().st_size)})", value=str(path),
+                             visible=True)
 
 
 def status_html(view: Optional[RunView]) -> str:

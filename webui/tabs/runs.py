@@ -12,11 +12,12 @@ import pandas as pd
 from trainer import config as tcfg
 from webui import runner
 from webui.context import AUTO, AppContext
+from webui.downloads import human_size, zip_run
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
 from webui.monitor import age
 from webui.tabs.config_bar import write_draft
-from webui.tabs.run import STATE_WORDS, chart_frames, gallery_items
+from webui.tabs.run import STATE_WORDS, chart_frames, download_button, gallery_items
 
 COLUMNS = ["run", "state", "steps", "last loss", "started", "backups", "outputs"]
 
@@ -42,6 +43,10 @@ def build(ctx: AppContext) -> None:
         resume = gr.Button("Resume", variant="primary", scale=1, elem_id="runs-resume")
     msg = gr.Markdown(elem_id="runs-msg")
     summary = gr.Markdown(elem_id="runs-summary")
+    with gr.Row(equal_height=True):
+        result_dl = gr.DownloadButton("⬇ Download result", visible=False, elem_id="runs-download-result", scale=2)
+        make_zip = gr.Button("Zip this run", elem_id="runs-zip-btn", scale=1)
+        zip_dl = gr.DownloadButton("⬇ Download zip", visible=False, elem_id="runs-download-zip", scale=2)
     with gr.Row():
         loss = gr.LinePlot(x="step", y="value", color="series", title="Loss", height=240, elem_id="runs-loss")
         cfg_view = gr.Code(language="yaml", label="config.yaml", elem_id="runs-config", max_lines=30)
@@ -50,13 +55,14 @@ def build(ctx: AppContext) -> None:
     def refresh_all() -> List[Any]:
         return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names())]
 
-    refresh.click(refresh_all, None, [table, pick])
+    refresh_event = refresh.click(refresh_all, None, [table, pick])
     ctx.components["runs_refresh"] = (refresh_all, [table, pick])
 
     def details(name: Optional[str]) -> List[Any]:
         run_dir = ctx.run_dir(name or "")
+        hidden = gr.DownloadButton(visible=False)
         if run_dir is None:
-            return ["", None, "", []]
+            return ["", None, "", [], hidden, hidden]
         v = ctx.monitor.view(run_dir)
         text = [f"**{v.name}** — {STATE_WORDS.get(v.state, v.state)}, step {v.step}/{v.total_steps or '?'}",
                 f"Folder: `{run_dir}`"]
@@ -70,9 +76,28 @@ def build(ctx: AppContext) -> None:
         except OSError:
             config_text = ""
         loss_df, _ = chart_frames(v)
-        return ["\n\n".join(text), loss_df, config_text, gallery_items(v, "newest first", 24)]
+        return ["\n\n".join(text), loss_df, config_text, gallery_items(v, "newest first", 24),
+                download_button(v, ctx.roots.allowed), hidden]
 
-    pick.change(details, [pick], [summary, loss, cfg_view, gallery])
+    detail_outputs = [summary, loss, cfg_view, gallery, result_dl, zip_dl]
+    pick.change(details, [pick], detail_outputs)
+    # the dropdown starts on the newest run (Gradio selects the first choice): show that run's details when the
+    # tab opens or the list is refreshed, not only after another run is picked
+    ctx.components["runs_details"] = (details, [pick], detail_outputs)
+
+    def zip_picked(name: Optional[str]) -> List[Any]:
+        run_dir = ctx.run_dir(name or "")
+        if run_dir is None:
+            return ["Pick a run first.", gr.DownloadButton(visible=False)]
+        try:
+            path = zip_run(ctx.workspace, run_dir, ctx.monitor.view(run_dir).outputs)
+        except OSError as exc:
+            return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
+        return [f"Zipped **{run_dir.name}** (backups left out).",
+                gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
+
+    make_zip.click(zip_picked, [pick], [msg, zip_dl])
+    refresh_event.then(details, [pick], detail_outputs, show_progress="hidden")
     def select_row(evt: gr.SelectData) -> Any:
         return gr.Dropdown(choices=ctx.run_names(), value=evt.row_value[0]) if evt.row_value else gr.skip()
 
@@ -123,4 +148,5 @@ def build(ctx: AppContext) -> None:
                 gr.Tabs(selected="queue")]
 
     resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
-    ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run)
+    ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run,
+                        zip_picked=zip_picked)
