@@ -69,3 +69,19 @@ def test_the_run_chooser_shows_only_runs_of_the_workspace(app, tmp_path):
     assert ctx.run_dir("r1") == Path(ws / "runs" / "r1")
     shown = " ".join(str(v) for v in ctx.handlers["poll"](str(other), "newest first", {}))
     assert "secret log line" not in shown and "my own run" in shown  # falls back to the workspace's newest run
+
+
+def test_the_browser_reaches_home_and_browse_roots_and_names_a_missing_concept_folder(tmp_path, monkeypatch):
+    home, extra, ws = tmp_path / "home", tmp_path / "data-disk", tmp_path / "ws"
+    for d in (home / "pictures" / "cats", extra):
+        d.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    ctx = build_app(ws, browse_roots=[extra], start_scheduler=False).atelier
+    assert [ctx.roots.allowed(p) for p in (ws, home / "pictures" / "cats", extra, tmp_path, "/etc")] == \
+        [True, True, True, False, False]
+    preview = ctx.handlers["concept_preview"]
+    assert "does not exist" in preview(str(home / "pictures" / "dogs"), False, "txt_file", ".txt", "")[0]
+    assert "outside the folders" in preview(str(tmp_path / "elsewhere"), False, "txt_file", ".txt", "")[0]
+    assert preview(str(home / "pictures" / "cats"), False, "txt_file", ".txt", "")[0].startswith("0 images")
+    monkeypatch.setenv("HOME", "/")  # a home that is the disk's root is not a root of the browser
+    assert not build_app(ws, start_scheduler=False).atelier.roots.allowed("/etc")

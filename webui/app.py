@@ -52,7 +52,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     """The whole page for one workspace. ``manager`` lets tests plug in a fake trainer."""
     workspace = Path(workspace or os.environ.get("ATELIER_WORKSPACE") or DEFAULT_WORKSPACE).expanduser().resolve()
     manager = manager or runner.RunManager(workspace)
-    roots = Roots([workspace, *browse_roots, tcfg.PRESETS_DIR])
+    home = [h for h in (Path.home().resolve(),) if h != Path(h.anchor)]  # a home that is "/" would open the whole disk
+    roots = Roots([workspace, *home, *browse_roots, tcfg.PRESETS_DIR])  # where images and models usually are
     browser = FileBrowser(roots)
     ctx = AppContext(workspace=workspace, manager=manager, roots=roots, browser=browser)
     # results, samples and zips are streamed from where they lie, not copied into Gradio's cache (a fine-tune is
@@ -197,7 +198,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--root-path", default=None, help="URL prefix when served behind a reverse proxy.")
     p.add_argument("--inbrowser", action="store_true", help="Open the page in the default browser.")
     p.add_argument("--browse-root", action="append", default=[], metavar="FOLDER",
-                   help="Another folder the file browser may show (repeatable; the workspace always is).")
+                   help="Another folder the file browser may show (repeatable; the workspace and your home "
+                        "folder always are).")
     return p.parse_args(argv)
 
 

@@ -134,6 +134,10 @@ def concepts(ctx: AppContext) -> None:
         if not ctx.roots.allowed(path):
             return [f"`{path}` is outside the folders this UI may show (start the UI with "
                     "`--browse-root FOLDER` to allow it).", []]
+        if not Path(path).exists():
+            return [f"`{path}` does not exist: check the spelling, or pick the folder with Browse.", []]
+        if not Path(path).is_dir():
+            return [f"`{path}` is a file; a concept is a folder of images.", []]
         images = concept_images(path, bool(recursive))
         lines: List[str] = []
         if source == "concept_file" and cap_file:
@@ -145,6 +149,7 @@ def concepts(ctx: AppContext) -> None:
         return [f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else ""),
                 thumbs]
 
+    ctx.handlers["concept_preview"] = preview
     inputs = [by[k] for k in needed]
     for k in ("path", "recursive", "caption_source", "caption_extension"):
         by[k].change(preview, inputs, [note, gallery], show_progress="hidden", trigger_mode="always_last")
