@@ -102,7 +102,7 @@ def test_live_poll_follows_a_run_started_elsewhere(tmp_path, monkeypatch):
     out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
     status = out[0]
     assert 'data-state="running"' in status and 'data-run="bg"' in status
-    again = ctx.handlers["poll"]("(follow the current run)", "newest first", out[7])  # 7: the seen-state
+    again = ctx.handlers["poll"]("(follow the current run)", "newest first", out[-2])  # the seen-state
     assert isinstance(again[3], dict) and again[3].get("__type__") == "update"  # unchanged gallery is skipped
     runner.stop(run_dir)
     wait_for(lambda: state_of(run_dir) == "stopped", 30, "stopped")
@@ -144,6 +144,10 @@ def test_runs_tab_resumes_a_stopped_run_and_reuses_its_config(tmp_path, monkeypa
     assert "Resuming" in out[0] and out[2].selected == "run"
     assert json_cmd(run_dir)[-2:] == ["--resume", "last"]
     wait_for(lambda: state_of(run_dir) == "finished", 30, "finished after resume")
+    wait_for(lambda: not runner.process_alive(run_dir), 30, "exit")
+    launched = json_cmd(run_dir)
+    assert "nothing left to resume" in ctx.handlers["resume_run"]("r")[0]  # a finished run is not trained again
+    assert json_cmd(run_dir) == launched and not manager.queue.list()
     (run_dir / "config.yaml").write_text("training:\n  epochs: 3\ngeneral:\n  run_name: old\n")
     values = ctx.handlers["reuse_config"]("r")
     keys = [s.key for s in ctx.form.specs]
@@ -217,3 +221,27 @@ def test_a_run_zip_leaves_backups_out_takes_results_saved_elsewhere_and_is_remad
     assert result_file([str(elsewhere / "ft")]) is None  # a folder result goes home as the zip
     with pytest.raises(FileNotFoundError):
         zip_run(ws, tmp_path / "nope")
+
+
+def test_warnings_emitted_before_started_show_with_their_launch(tmp_path):
+    from webui.monitor import build_view
+    run = tmp_path / "r"
+    run.mkdir()
+    events = [{"type": "warning", "message": "old launch's warning", "time": 1},
+              {"type": "started", "time": 2, "total_steps": 10}, {"type": "stopped", "step": 3, "time": 3},
+              {"type": "warning", "message": "2 images are too small and were dropped: a.png, b.png", "time": 4},
+              {"type": "started", "time": 5, "total_steps": 10, "resumed_from_step": 3},
+              {"type": "warning", "message": "late warning", "time": 6}]
+    view = build_view(run, events)
+    assert view.warnings == ["2 images are too small and were dropped: a.png, b.png", "late warning"]
+
+
+def test_cancelling_a_job_that_already_left_the_queue_says_so(tmp_path):
+    from webui.jobqueue import Job
+    ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
+    job = ctx.manager.queue.add(Job(name="later", config_yaml="{}"))
+    out = ctx.handlers["queue_drop"](job.id)
+    assert "Cancelled **later**" in out[-1] and not ctx.manager.queue.list()
+    assert "no longer waiting" in ctx.handlers["queue_drop"](job.id)[-1]  # the page was stale: no server error
+    assert "no longer waiting" in ctx.handlers["queue_move"](job.id, -1)[-1]
+    assert "Pick a job" in ctx.handlers["queue_drop"](None)[-1]

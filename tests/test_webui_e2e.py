@@ -113,6 +113,9 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             page.locator("#stop-btn").click()
             assert wait_state(page, ("stopped", "failed", "died"), 120) == "stopped"
             assert "Backup:" in page.locator("#run-status").inner_text()
+            page.wait_for_function("document.querySelector('#stop-btn').disabled", timeout=15000)  # nothing to stop
+            page.wait_for_function("!document.querySelector('#run-action-msg').innerText.includes('Stopping')",
+                                   timeout=15000)  # the message of the ended run is gone
             page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
 
             page.get_by_role("tab", name="Runs", exact=True).click()

@@ -139,6 +139,10 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
             view.backups.append(str(ev["path"]))
         elif kind == "saved" and ev.get("path"):
             view.outputs.append(str(ev["path"]))
+    # warnings the trainer emits before "started" (dataset problems found while planning) belong to this launch
+    start = len(events) - len(segment)
+    previous_end = max((i for i, ev in enumerate(events[:start]) if ev.get("type") in TERMINAL), default=-1)
+    view.warnings += [str(ev.get("message", "")) for ev in events[previous_end + 1:start] if ev.get("type") == "warning"]
     for ev in segment:
         kind = ev.get("type")
         if kind == "started":

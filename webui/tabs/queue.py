@@ -36,10 +36,13 @@ def build(ctx: AppContext) -> None:
     running = gr.Markdown(now_running(ctx), elem_id="queue-running")
     table = gr.Dataframe(queue_frame(ctx), interactive=False, elem_id="queue-table")
     with gr.Row(equal_height=True):
-        pick = gr.Dropdown(choices(ctx), label="Job", elem_id="queue-pick", scale=3)
+        # allow_custom_value: the chosen job may leave the queue (started, cancelled in another tab) between the
+        # page's last refresh and a click; Gradio would refuse such a value with a server error
+        pick = gr.Dropdown(choices(ctx), value=None, label="Job", elem_id="queue-pick", scale=3, allow_custom_value=True)
         up = gr.Button("Move up", elem_id="queue-up", scale=1)
         down = gr.Button("Move down", elem_id="queue-down", scale=1)
         cancel = gr.Button("Cancel job", variant="stop", elem_id="queue-cancel", scale=1)
+    msg = gr.Markdown(elem_id="queue-msg")
     timer = gr.Timer(2.0)
     seen = gr.State(None)
 
@@ -53,17 +56,27 @@ def build(ctx: AppContext) -> None:
 
     timer.tick(refresh, [pick, seen], [running, table, pick, seen], show_progress="hidden", queue=False)
 
+    def gone(job_id: Optional[str]) -> str:
+        if not job_id:
+            return "Pick a job first."
+        return "That job is no longer waiting: it has started (see the Run tab) or was cancelled."
+
     def move(job_id: Optional[str], delta: int) -> List[Any]:
-        if job_id:
+        queued = {j.id for j in ctx.manager.queue.list()}
+        note = ""
+        if job_id in queued:
             ctx.manager.queue.move(job_id, delta)
-        return refresh(job_id, None)
+        else:
+            note = gone(job_id)
+        return refresh(job_id, None) + [note]
 
     def drop(job_id: Optional[str]) -> List[Any]:
-        if job_id:
-            ctx.manager.queue.remove(job_id)
-        return refresh(None, None)
+        job = next((j for j in ctx.manager.queue.list() if j.id == job_id), None)
+        note = f"Cancelled **{job.name}**." if job is not None and ctx.manager.queue.remove(job.id) else gone(job_id)
+        return refresh(None, None) + [note]
 
-    outs = [running, table, pick, seen]
+    outs = [running, table, pick, seen, msg]
     up.click(lambda j: move(j, -1), [pick], outs)
     down.click(lambda j: move(j, +1), [pick], outs)
     cancel.click(drop, [pick], outs)
+    ctx.handlers.update(queue_move=move, queue_drop=drop)

@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 import gradio as gr
 import pandas as pd
 
+from trainer.events import TERMINAL
 from webui import runner
 from webui.context import AUTO, AppContext
 from webui.downloads import human_size, result_file, zip_run
@@ -57,7 +58,8 @@ def build(ctx: AppContext) -> None:
     seen = gr.State({})
     timer = gr.Timer(1.0)
 
-    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, seen, ctx["run_select"]]
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, seen,
+               ctx["run_select"]]
 
     def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
         run_dir = ctx.resolve_watched(selected)
@@ -121,7 +123,8 @@ def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], or
     if view is None:
         return [("status", status_html(None), "none"), ("loss", None, "none"), ("lr", None, "none"),
                 ("gallery", [], "none"), ("problems", "", "none"), ("log", "", "none"),
-                ("download", gr.DownloadButton(visible=False), "none")]
+                ("download", gr.DownloadButton(visible=False), "none"),
+                ("stop", gr.Button(variant="secondary", interactive=False), "none"), ("action", "", "none")]
     sig = (view.name, view.version, view.state)
     loss, lr = chart_frames(view)
     samples = gallery_items(view, order)
@@ -132,7 +135,13 @@ def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], or
             ("gallery", samples, (view.name, order, tuple(p for p, _ in samples))),
             ("problems", problems_md(view), (sig, view.message, len(view.warnings))),
             ("log", log_html(log), (view.name, hash(log))),
-            ("download", download_button(view, ctx.roots.allowed), (view.name, tuple(view.outputs)))]
+            ("download", download_button(view, ctx.roots.allowed), (view.name, tuple(view.outputs))),
+            # Stop is red and clickable only while there is something to stop
+            ("stop", gr.Button(variant="stop" if view.active else "secondary", interactive=view.active),
+             (view.name, view.active)),
+            # "Stopping… press Stop again" and the like belong to one run while it runs: cleared when it ends or
+            # another run is shown
+            ("action", "", (view.name, view.state in TERMINAL or view.state in ("died", "new")))]
 
 
 def download_button(view: RunView, served=lambda p: True) -> Any:

@@ -137,6 +137,10 @@ def build(ctx: AppContext) -> None:
         v = ctx.monitor.view(run_dir)
         if v.active:
             return ["This run is still running.", gr.skip(), gr.skip()]
+        if v.state == "finished":  # --resume last would train its last stretch again and overwrite the result
+            return [f"**{run_dir.name}** finished at step {v.step}: there is nothing left to resume. To train "
+                    "longer, use \"New run from this config\" with more epochs (and the result as the starting "
+                    "point if you like).", gr.skip(), gr.skip()]
         if not v.backups:
             return ["This run has no backup to resume from.", gr.skip(), gr.skip()]
         job = Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last")
