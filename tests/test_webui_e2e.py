@@ -206,3 +206,27 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
     before = image()
     pipe.load_lora_weights(str(got))
     assert abs(image() - before).max() > 1e-3  # the downloaded LoRA has the trained effect
+
+
+def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_unasked(page_url):
+    url, _ = page_url
+    with open_page(url) as page:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name="demo", exact=True).click()
+        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')", timeout=30000)
+        page.get_by_role("tab", name="Sampling", exact=True).click()
+        table = page.locator("#cfg-sampling-prompts")
+        assert "a red square on a white background" in table.inner_text()
+        page.get_by_text("Add or edit one prompt").click()
+        label = page.locator("#cfg-sampling-prompts-row")
+        assert "No prompt chosen" in label.inner_text()
+        page.locator("#cfg-sampling-prompts-item-prompt textarea").fill("a green triangle")
+        page.locator("#cfg-sampling-prompts-update").click()
+        page.wait_for_function("document.querySelector('#cfg-sampling-prompts-note').innerText.includes('Pick a row')",
+                               timeout=15000)
+        assert "a red square on a white background" in table.inner_text()  # row 0 untouched
+        assert "a green triangle" not in table.inner_text()
+        table.get_by_text("a red square on a white background").first.click()
+        page.wait_for_function("document.querySelector('#cfg-sampling-prompts-row').innerText.includes('Editing row')",
+                               timeout=15000)
+        assert "Editing row 0" in label.inner_text().replace("*", "")

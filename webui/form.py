@@ -89,8 +89,10 @@ class ListEditor:
         self.note = gr.Markdown(elem_id=f"{spec.elem_id}-note")
         with gr.Accordion(f"Add or edit one {spec.label.lower().rstrip('s')}", open=False,
                           elem_id=f"{spec.elem_id}-editor"):
-            self.row = gr.Number(value=None, precision=0, label="Row being edited (click a table row)",
-                                 elem_id=f"{spec.elem_id}-row", minimum=0)
+            # which row Update/Remove act on: none until a table row is clicked (a number field here showed
+            # "0" on a fresh page, and Update then silently replaced row 0)
+            self.row = gr.State(None)
+            self.row_label = gr.Markdown(self._row_text(None), elem_id=f"{spec.elem_id}-row")
             self.items: List[gr.components.Component] = []
             for chunk in _chunks(list(cols)):
                 with gr.Row():
@@ -101,11 +103,18 @@ class ListEditor:
                 self.add = gr.Button("Add as new row", variant="primary", elem_id=f"{spec.elem_id}-add")
                 self.update = gr.Button("Update row", elem_id=f"{spec.elem_id}-update")
                 self.remove = gr.Button("Remove row", variant="stop", elem_id=f"{spec.elem_id}-remove")
-        self.table.select(self._select, [self.table], [self.row, *self.items])
+        self.table.select(self._select, [self.table], [self.row, self.row_label, *self.items])
         self.edits = [  # events that change the table from code (the draft autosave follows them)
-            self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.note]),
+            self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note]),
             self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
-            self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.note])]
+            self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.row_label, self.note])]
+
+    def _row_text(self, index: Optional[int]) -> str:
+        what = self.spec.label.lower().rstrip("s")
+        if index is None:
+            return (f"No {what} chosen: fill in the fields and press **Add as new row**, or click a row of the "
+                    "table to edit it.")
+        return f"Editing row **{index}** of the table: **Update row** saves the fields into it."
 
     def _rows(self, table: Any) -> List[list]:
         items, _ = sw.table_from_widget(self.spec, table)
@@ -124,15 +133,15 @@ class ListEditor:
         rows = self._rows(table)
         r = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         if not isinstance(r, int) or r >= len(rows):
-            return [gr.skip()] * (1 + len(self.items))
-        return [r, *rows[r]]
+            return [gr.skip()] * (2 + len(self.items))
+        return [r, self._row_text(r), *rows[r]]
 
     def _add(self, table: Any, *values: Any) -> list:
         row, errors = self._item(values)
         if errors:
-            return [gr.skip(), gr.skip(), _error_md(errors)]
+            return [gr.skip(), gr.skip(), gr.skip(), _error_md(errors)]
         rows = self._rows(table) + [row]
-        return [rows, len(rows) - 1, f"Added row {len(rows) - 1}."]
+        return [rows, len(rows) - 1, self._row_text(len(rows) - 1), f"Added row {len(rows) - 1}."]
 
     def _update(self, table: Any, index: Optional[int], *values: Any) -> list:
         rows = self._rows(table)
@@ -147,9 +156,9 @@ class ListEditor:
     def _remove(self, table: Any, index: Optional[int]) -> list:
         rows = self._rows(table)
         if index is None or not 0 <= int(index) < len(rows):
-            return [gr.skip(), gr.skip(), "Pick a row first (click it in the table)."]
+            return [gr.skip(), gr.skip(), gr.skip(), "Pick a row first (click it in the table)."]
         del rows[int(index)]
-        return [rows, None, f"Removed row {int(index)}."]
+        return [rows, None, self._row_text(None), f"Removed row {int(index)}."]
 
 
 def _chunks(specs: List[FieldSpec]) -> List[List[FieldSpec]]:
