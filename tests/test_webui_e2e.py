@@ -230,3 +230,39 @@ def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_
         page.wait_for_function("document.querySelector('#cfg-sampling-prompts-row').innerText.includes('Editing row')",
                                timeout=15000)
         assert "Editing row 0" in label.inner_text().replace("*", "")
+
+
+CONTRAST_JS = """(sel) => {
+  const rgb = s => s.match(/[\\d.]+/g).map(Number);
+  const lum = c => { const [r, g, b] = c.slice(0, 3).map(v => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+                     return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+  const bg = e => { for (; e; e = e.parentElement) { const c = rgb(getComputedStyle(e).backgroundColor);
+                      if (c.length < 4 || c[3] > 0) return c; } return [255, 255, 255]; };
+  return [...document.querySelectorAll(sel)].filter(e => e.offsetParent !== null).slice(0, 40).map(e => {
+    const a = lum(rgb(getComputedStyle(e).color)), b = lum(bg(e));
+    return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); });
+}"""
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_at_1024_px_every_tab_shows_help_text_is_readable_and_only_the_chosen_optimizers_fields(page_url, theme):
+    url, _ = page_url
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1024, "height": 800})
+            page.goto(f"{url}?__theme={theme}")
+            page.wait_for_selector("#start-btn", timeout=60000)
+            tabs = page.locator("#main-tabs [role=tablist] button[role=tab]").all_inner_texts()
+            assert {"Run", "Runs", "Queue", "Tools", "Embedding"} <= set(tabs), tabs  # none behind a "…" menu
+            ratios = page.evaluate(CONTRAST_JS, ".info-text")
+            assert ratios and min(ratios) >= 4.5, ratios
+            page.get_by_role("tab", name="Training", exact=True).click()
+            page.wait_for_selector("#cfg-training-optimizer-beta1", state="visible", timeout=15000)
+            shown = page.evaluate("[...document.querySelectorAll('[id^=cfg-training-optimizer-]')]"
+                                  ".filter(e => e.offsetParent !== null).map(e => e.id)")
+            assert "cfg-training-optimizer-d-coef" not in shown  # Prodigy's, not AdamW's
+            assert not any(i.startswith("cfg-training-optimizer-relative-step") for i in shown)
+        finally:
+            browser.close()

@@ -44,6 +44,11 @@ CSS = """
 .atl-log { font-size: 12px; white-space: pre-wrap; margin: 0; }
 .atl-log-warn { color: #b45309; } .atl-log-err { color: #dc2626; font-weight: 600; }
 .atl-browse { align-self: center; }
+/* help text: Gradio's default grey (187,187,194) on white is 1.9:1; these are >= 7:1 in both themes */
+.info-text, [data-testid="block-info"] + .info-text { color: #52525b !important; }
+.dark .info-text { color: #a1a1aa !important; }
+/* all 17 tabs in one row at 1024 px: Gradio moves what does not fit behind a "…" menu (Run, Runs, Queue) */
+#main-tabs > .tab-wrapper button { padding-left: 7px; padding-right: 7px; font-size: 13.5px; }
 """
 
 

@@ -110,6 +110,9 @@ def wire(ctx: AppContext) -> None:
         keep = shown(name)
         return [gr.update(visible=s.key in keep) for s in specs]
 
+    first = shown(name_widget.value)  # a fresh page shows only the default optimizer's fields, not all of them
+    for spec, widget in zip(specs, widgets):
+        widget.visible = spec.key in first
     ctx.handlers["optimizer_store"] = store
     ctx.handlers["optimizer_switch"] = switch
     ctx.handlers["optimizer_visibility"] = visibility
