@@ -245,3 +245,12 @@ def test_cancelling_a_job_that_already_left_the_queue_says_so(tmp_path):
     assert "no longer waiting" in ctx.handlers["queue_drop"](job.id)[-1]  # the page was stale: no server error
     assert "no longer waiting" in ctx.handlers["queue_move"](job.id, -1)[-1]
     assert "Pick a job" in ctx.handlers["queue_drop"](None)[-1]
+
+
+def test_the_start_here_line_names_presets_that_exist():
+    import re
+
+    from trainer import config as tcfg
+    from webui.app import START_HERE
+    named = re.findall(r"`([a-z0-9-]+)`", START_HERE)
+    assert "demo" in named and set(named) <= set(tcfg.preset_names())

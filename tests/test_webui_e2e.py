@@ -77,6 +77,7 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
     url, ctx = page_url
     with open_page(url) as page:
         try:
+            assert "pick a Preset" in page.locator("#start-here").inner_text()  # where to begin, said on the page
             page.locator("#preset-select input").click()
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",

@@ -27,6 +27,11 @@ from webui.tabs import config_bar, extras, queue, run, runs, tools
 DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
 SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
 
+START_HERE = ("**Start here:** ① pick a **Preset** — `demo` trains a built-in tiny model offline in about a minute; "
+              "`sd15-lora`, `sdxl-lora-16gb`, `flux-lora-24gb`… start from a real model · ② **Model** tab: your model "
+              "file, folder or hub id · ③ **Concepts** tab: the folder of your images · ④ **Check settings**, then "
+              "**Start training**. Progress, samples and the result's download are on the **Run** tab.")
+
 CSS = """
 .atl-field-error { outline: 2px solid #dc2626; border-radius: 8px; }
 .atl-field-warning { outline: 2px solid #d97706; border-radius: 8px; }
@@ -66,6 +71,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     gr.set_static_paths([str(runner.runs_root(workspace)), str(workspace / DOWNLOADS)])
     with gr.Blocks(title="Atelier") as demo:
         gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
+        gr.Markdown(START_HERE, elem_id="start-here")
         ctx.form = Form(browser)
         config_bar.build(ctx)
         ctx.components["run_select"] = run.make_run_select(ctx)
