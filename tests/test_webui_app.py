@@ -254,3 +254,31 @@ def test_the_start_here_line_names_presets_that_exist():
     from webui.app import START_HERE
     named = re.findall(r"`([a-z0-9-]+)`", START_HERE)
     assert "demo" in named and set(named) <= set(tcfg.preset_names())
+
+
+def test_deleting_a_run_asks_first_refuses_a_running_one_and_removes_folder_and_zip(tmp_path, monkeypatch):
+    from test_webui_runner import fake_config, fake_trainer_argv, state_of, wait_for
+    from webui import runner
+    from webui.downloads import zip_run
+    from webui.jobqueue import Job
+    from webui.runner import RunManager
+    monkeypatch.setenv("FAKE_STEP_SECONDS", "0.05")
+    ws = tmp_path / "ws"
+    manager = RunManager(ws, trainer_argv=fake_trainer_argv(tmp_path))
+    ctx = build_app(ws, manager=manager, start_scheduler=False).atelier
+    delete = ctx.handlers["delete_run"]
+    _, done, _ = manager.submit(Job(name="done", config_yaml=fake_config("", 5)))
+    wait_for(lambda: state_of(done) == "finished" and not runner.process_alive(done), 30, "finished")
+    _, busy, _ = manager.submit(Job(name="busy", config_yaml=fake_config("", 100000)))
+    wait_for(lambda: state_of(busy) == "running", 30, "running")
+    try:
+        assert "still running" in delete("busy", "busy")[0] and busy.is_dir()
+        zipped = zip_run(ws, done)
+        first = delete("done", "")
+        assert "cannot be undone" in first[0] and first[1] == "done" and done.is_dir()  # asked, nothing deleted
+        assert "cannot be undone" in delete("done", "busy")[0] and done.is_dir()  # armed for another run
+        gone = delete("done", "done")
+        assert "Deleted **done**" in gone[0] and not done.exists() and not zipped.exists()
+        assert "done" not in ctx.run_names() and "busy" in ctx.run_names()
+    finally:
+        runner.stop(busy, force=True)

@@ -180,6 +180,17 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
                 with page.expect_download(timeout=30000) as info:
                     zip_button.click()
                 info.value.save_as(tmp_path / "run.zip")
+                shutil.copy(lora, tmp_path / "kept.safetensors")  # the LoRA, before the run is deleted below
+                lora = tmp_path / "kept.safetensors"
+
+                page.locator("#runs-delete").click()  # asks first
+                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
+                                       timeout=15000)
+                assert run_dir.is_dir()
+                page.locator("#runs-delete").click()  # "Delete now"
+                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
+                                       timeout=15000)
+                assert not run_dir.exists() and "home" not in page.locator("#runs-table").inner_text()
             except Exception:
                 page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
                 raise
@@ -187,12 +198,13 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
                 browser.close()
         with zipfile.ZipFile(tmp_path / "run.zip") as z:
             names = set(z.namelist())
-            assert {"config.yaml", "events.jsonl", "train.log", lora.name} <= names
+            assert {"config.yaml", "events.jsonl", "train.log", "home.safetensors"} <= names
             assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
             assert not any(n.startswith("backups/") for n in names)
-            assert z.read(lora.name) == lora.read_bytes()
+            assert z.read("home.safetensors") == lora.read_bytes()
         # the file route wants the login like every other route
-        served = f"{url.rstrip('/')}/gradio_api/file={lora}"
+        (ws / "runs" / "notes.txt").write_text("a file that exists, inside a served folder")
+        served = f"{url.rstrip('/')}/gradio_api/file={ws / 'runs' / 'notes.txt'}"
         assert httpx.get(served, timeout=30).status_code in (401, 403)
     finally:
         demo.close()

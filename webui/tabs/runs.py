@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -12,7 +13,7 @@ import pandas as pd
 from trainer import config as tcfg
 from webui import runner
 from webui.context import AUTO, AppContext
-from webui.downloads import human_size, zip_run
+from webui.downloads import DOWNLOADS, human_size, zip_run
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
 from webui.monitor import age
@@ -47,6 +48,8 @@ def build(ctx: AppContext) -> None:
         result_dl = gr.DownloadButton("⬇ Download result", visible=False, elem_id="runs-download-result", scale=2)
         make_zip = gr.Button("Zip this run", elem_id="runs-zip-btn", scale=1)
         zip_dl = gr.DownloadButton("⬇ Download zip", visible=False, elem_id="runs-download-zip", scale=2)
+        delete = gr.Button("Delete run…", variant="stop", elem_id="runs-delete", scale=1)
+    armed = gr.State("")  # the run a first press of Delete asked about; a second press deletes it
     with gr.Row():
         loss = gr.LinePlot(x="step", y="value", color="series", title="Loss", height=240, elem_id="runs-loss")
         cfg_view = gr.Code(language="yaml", label="config.yaml", elem_id="runs-config", max_lines=30)
@@ -97,6 +100,33 @@ def build(ctx: AppContext) -> None:
                 gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
 
     make_zip.click(zip_picked, [pick], [msg, zip_dl])
+
+    def delete_run(name: Optional[str], asked: str) -> List[Any]:
+        """First press: say what goes and ask again; second press on the same run: delete its folder (and zip)."""
+        run_dir = ctx.run_dir(name or "")
+        if run_dir is None:
+            return ["Pick a run first.", "", gr.skip(), gr.skip(), gr.Button("Delete run…")]
+        v = ctx.monitor.view(run_dir)
+        if v.active or runner.process_alive(run_dir):
+            return ["This run is still running: stop it first.", "", gr.skip(), gr.skip(), gr.Button("Delete run…")]
+        if any(j.run_dir and Path(j.run_dir) == run_dir for j in ctx.manager.queue.list()):
+            return ["A queued job resumes this run: cancel it on the Queue tab first.", "", gr.skip(), gr.skip(),
+                    gr.Button("Delete run…")]
+        if asked != run_dir.name:
+            size = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file())
+            what = f"{len(v.backups)} backup(s), {len(v.outputs)} result(s), {len(v.samples)} sample(s)"
+            return [f"Delete **{run_dir.name}** ({human_size(size)}: {what})? This cannot be undone. Press "
+                    "**Delete now** to delete it.", run_dir.name, gr.skip(), gr.skip(), gr.Button("Delete now")]
+        try:
+            shutil.rmtree(run_dir)
+        except OSError as exc:
+            return [f"Could not delete {run_dir}: {exc}", "", gr.skip(), gr.skip(), gr.Button("Delete run…")]
+        (ctx.workspace / DOWNLOADS / f"{runner.slug(run_dir.name)}.zip").unlink(missing_ok=True)
+        return [f"Deleted **{run_dir.name}**.", "", runs_table(ctx), gr.Dropdown(choices=ctx.run_names(), value=None),
+                gr.Button("Delete run…")]
+
+    delete.click(delete_run, [pick, armed], [msg, armed, table, pick, delete])
+    pick.change(lambda _: ("", gr.Button("Delete run…")), [pick], [armed, delete], show_progress="hidden")
     refresh_event.then(details, [pick], detail_outputs, show_progress="hidden")
     def select_row(evt: gr.SelectData) -> Any:
         return gr.Dropdown(choices=ctx.run_names(), value=evt.row_value[0]) if evt.row_value else gr.skip()
@@ -153,4 +183,4 @@ def build(ctx: AppContext) -> None:
 
     resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
     ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run,
-                        zip_picked=zip_picked)
+                        zip_picked=zip_picked, delete_run=delete_run)
