@@ -256,6 +256,7 @@ def test_the_start_here_line_names_presets_that_exist():
     assert "demo" in named and set(named) <= set(tcfg.preset_names())
 
 
+@pytest.mark.slow
 def test_deleting_a_run_asks_first_refuses_a_running_one_and_removes_folder_and_zip(tmp_path, monkeypatch):
     from test_webui_runner import fake_config, fake_trainer_argv, state_of, wait_for
     from webui import runner
@@ -282,3 +283,17 @@ def test_deleting_a_run_asks_first_refuses_a_running_one_and_removes_folder_and_
         assert "done" not in ctx.run_names() and "busy" in ctx.run_names()
     finally:
         runner.stop(busy, force=True)
+
+
+@pytest.mark.slow
+def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whether_it_fits(tmp_path):
+    from trainer import config as tcfg
+    ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
+    values = ctx.form.values_for(tcfg.load_config(preset="demo"))
+    fits = ctx.handlers["vram_estimate"](8, *values)
+    assert fits.startswith("✅") and "Estimated peak" in fits and "Fits a 8 GiB card" in fits
+    tight = ctx.handlers["vram_estimate"](0.5, *values)  # the CUDA context alone is 0.75 GiB
+    assert tight.startswith("⛔") and "Does **not** fit a 0.5 GiB" in tight and "gradient_checkpointing" in tight
+    bad = list(values)
+    bad[[s.key for s in ctx.form.specs].index("training.batch_size")] = 0
+    assert "Fix the settings first" in ctx.handlers["vram_estimate"](8, *bad)

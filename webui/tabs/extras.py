@@ -72,6 +72,34 @@ def general(ctx: AppContext) -> None:
             for k in keys:
                 w[k].change(summarise, [w[k2] for k2 in keys], [summary], show_progress="hidden")
     ctx.after_build.append(wire)
+    vram_estimate(ctx, gpus)
+
+
+def vram_estimate(ctx: AppContext, gpus: List[Any]) -> None:
+    """Before Start: will it fit? The trainer's estimator on the form's config (in a subprocess, 1-2 min)."""
+    from webui import vram
+    gr.Markdown("### Memory\nHow much GPU memory the run will need at its peak, from the trainer's own estimator "
+                "(the real model built without weights; takes up to a couple of minutes).")
+    with gr.Row(equal_height=True):
+        card = gr.Number(value=round(gpus[0].memory_mib / 1024) if gpus else 24, label="GPU memory (GiB)",
+                         minimum=1, maximum=1024, elem_id="vram-card", scale=1)
+        go = gr.Button("Estimate VRAM", elem_id="vram-estimate-btn", scale=1)
+    result = gr.Markdown(elem_id="vram-result")
+
+    def run_estimate(card_gib: Any, *values: Any) -> str:
+        checked = ctx.check(values)
+        if checked.cfg is None or checked.errors:
+            return "Fix the settings first (press **Check settings**): " + "; ".join(
+                f"`{e.key}`: {e.message}" for e in checked.errors[:3])
+        size = float(card_gib) if card_gib else None
+        return vram.describe(vram.estimate(ctx.run_config_yaml(checked.cfg), size), size)
+
+    ctx.handlers["vram_estimate"] = run_estimate
+
+    def wire() -> None:
+        assert ctx.form is not None
+        go.click(run_estimate, [card, *ctx.form.inputs], [result], concurrency_limit=1)
+    ctx.after_build.append(wire)
 
 
 def resolve_path(value: str) -> str:

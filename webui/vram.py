@@ -1,0 +1,77 @@
+"""The VRAM estimate shown before Start: the trainer's own estimator (``bench/estimate_vram.py``) run on the
+form's config in a subprocess, so the UI process never imports torch.
+
+The estimator builds the real, full-size model from its config under fake tensors (no weights, no GPU) and
+runs the trainer's code on it; an SDXL config takes 1-2 minutes on a CPU. It says how much the run needs at
+its peak and whether that fits the card asked about (the first GPU nvidia-smi lists, or a size the user
+types), and what to change when it does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from webui import runner
+
+ESTIMATOR = runner.REPO_ROOT / "bench" / "estimate_vram.py"
+TIMEOUT_S = 600
+
+SAVINGS = ("turn on training.gradient_checkpointing", "store the frozen denoiser in fp8 (parts.denoiser.fp8, LoRA)",
+           "lower training.batch_size or data.resolution", "use bf16 weights (parts.<part>.dtype) and bf16 mixed "
+           "precision", "an 8-bit optimizer (adamw8bit) or Adafactor", "cache the text encoders' outputs "
+           "(data.cache_text) so they leave the GPU")
+
+
+def estimate(config_yaml: str, card_gib: Optional[float], timeout: float = TIMEOUT_S,
+             python: str = sys.executable) -> dict:
+    """The estimator's JSON for this config (``fits``/``total_gib``/``phases``…), or ``{"error": message}``."""
+    with tempfile.TemporaryDirectory(prefix="atelier-vram-") as tmp:
+        cfg_path = Path(tmp) / "config.yaml"
+        cfg_path.write_text(config_yaml, encoding="utf-8")
+        cmd = [python, str(ESTIMATOR), "--config", str(cfg_path), "--json", "--workspace", tmp]
+        if card_gib:
+            cmd += ["--card-gib", str(float(card_gib))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(runner.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
+                   HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error")
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=runner.REPO_ROOT, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the estimate took longer than {timeout:.0f} s"}
+        except OSError as exc:
+            return {"error": f"could not start the estimator: {exc}"}
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                break
+    lines = [ln for ln in (out.stderr or out.stdout).strip().splitlines() if ln.strip()]
+    return {"error": lines[-1] if lines else f"the estimator exited with code {out.returncode}"}
+
+
+def describe(result: dict, card_gib: Optional[float]) -> str:
+    """Markdown for the page: the peak, its parts, fits or not, and what to change."""
+    if "error" in result:
+        return (f"⚠️ No estimate for this config: {result['error']}\n\nThe estimator builds the model from its "
+                "shipped configuration; families it cannot build yet get no estimate (the run itself is not affected).")
+    peak = result.get("phases", {}).get(result.get("peak_phase", ""), {})
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in peak.items() if k != "total" and v >= 0.005)
+    text = (f"**Estimated peak: {result['total_gib']:.2f} GiB** during *{result.get('peak_phase', '?')}* "
+            f"(tensors {result.get('tracked_peak_gib', 0):.2f} GiB: {parts or '—'}; plus "
+            f"{result.get('context_gib', 0):.2f} GiB CUDA context and {100 * result.get('fragmentation', 0):.0f} % "
+            "for the allocator).")
+    if not card_gib:
+        return text + "\n\nGive a card size to check whether it fits."
+    if result.get("fits"):
+        return f"✅ {text}\n\nFits a {card_gib:g} GiB card with {result.get('margin_gib', 0):.2f} GiB to spare."
+    return (f"⛔ {text}\n\nDoes **not** fit a {card_gib:g} GiB card (short by {-result.get('margin_gib', 0):.2f} GiB). "
+            "To need less: " + "; ".join(SAVINGS) + ".")
+
+
+__all__ = ["ESTIMATOR", "describe", "estimate"]
