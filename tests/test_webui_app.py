@@ -297,3 +297,25 @@ def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whet
     bad = list(values)
     bad[[s.key for s in ctx.form.specs].index("training.batch_size")] = 0
     assert "Fix the settings first" in ctx.handlers["vram_estimate"](8, *bad)
+
+
+def test_comparing_runs_overlays_their_losses_and_puts_samples_side_by_side_by_prompt(tmp_path):
+    import json
+    ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
+    for name, losses in (("a", [1.0, 0.8, 0.6]), ("b", [1.0, 0.9, 0.85])):
+        run = tmp_path / "ws" / "runs" / name
+        (run / "samples").mkdir(parents=True)
+        events = [{"type": "started", "time": 1, "total_steps": 3}]
+        events += [{"type": "step", "step": i + 1, "loss": v, "time": 2 + i} for i, v in enumerate(losses)]
+        events += [{"type": "sample", "step": 3, "prompts": ["a red square", "a blue circle"], "time": 6},
+                   {"type": "finished", "step": 3, "time": 7}]
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        for step in (2, 3):
+            for i in (0, 1):
+                (run / "samples" / f"step{step:06d}-p{i}.png").write_bytes(b"png")
+    frame, samples = ctx.handlers["compare_runs"](["a", "b"])
+    assert set(frame["series"]) == {"a", "b"} and len(frame) == 6
+    assert frame[frame.series == "a"].value.iloc[-1] < frame[frame.series == "b"].value.iloc[-1]  # a learned faster
+    assert [c for _, c in samples] == ["a · step 3 · a red square", "b · step 3 · a red square",
+                                       "a · step 3 · a blue circle", "b · step 3 · a blue circle"]
+    assert ctx.handlers["compare_runs"]([]) == [None, []]

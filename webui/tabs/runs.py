@@ -54,12 +54,26 @@ def build(ctx: AppContext) -> None:
         loss = gr.LinePlot(x="step", y="value", color="series", title="Loss", height=240, elem_id="runs-loss")
         cfg_view = gr.Code(language="yaml", label="config.yaml", elem_id="runs-config", max_lines=30)
     gallery = gr.Gallery(label="Samples", columns=6, height=300, elem_id="runs-gallery")
+    with gr.Accordion("Compare runs", open=False, elem_id="runs-compare"):
+        chosen = gr.Dropdown(ctx.run_names(), value=[], multiselect=True, label="Runs to compare",
+                             elem_id="compare-pick")
+        compare_loss = gr.LinePlot(x="step", y="value", color="series", title="Smoothed loss", height=260,
+                                   elem_id="compare-loss")
+        compare_gallery = gr.Gallery(label="Samples: each prompt's newest sample of each run, side by side",
+                                     columns=4, height=360, elem_id="compare-gallery", object_fit="contain")
+
+    def compare(names: Optional[List[str]]) -> List[Any]:
+        views = [ctx.monitor.view(d) for d in (ctx.run_dir(n) for n in names or []) if d is not None]
+        return [compare_frame(views), compare_samples(views)]
+
+    chosen.change(compare, [chosen], [compare_loss, compare_gallery], show_progress="hidden")
+    ctx.handlers["compare_runs"] = compare
 
     def refresh_all() -> List[Any]:
-        return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names())]
+        return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names()), gr.Dropdown(choices=ctx.run_names())]
 
-    refresh_event = refresh.click(refresh_all, None, [table, pick])
-    ctx.components["runs_refresh"] = (refresh_all, [table, pick])
+    refresh_event = refresh.click(refresh_all, None, [table, pick, chosen])
+    ctx.components["runs_refresh"] = (refresh_all, [table, pick, chosen])
 
     def details(name: Optional[str]) -> List[Any]:
         run_dir = ctx.run_dir(name or "")
@@ -184,3 +198,27 @@ def build(ctx: AppContext) -> None:
     resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
     ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run,
                         zip_picked=zip_picked, delete_run=delete_run)
+
+
+def compare_frame(views: List[Any]) -> Optional[pd.DataFrame]:
+    """Each run's smoothed loss on one chart (one colour per run); None while no run has a loss yet."""
+    from webui.monitor import downsample, smooth
+    rows = []
+    for v in views:
+        if v.loss_points:
+            steps = [s for s, _ in v.loss_points]
+            rows += downsample([(s, val, v.name) for s, val in zip(steps, smooth([x for _, x in v.loss_points]))], 500)
+    return pd.DataFrame(rows, columns=["step", "value", "series"]) if rows else None
+
+
+def compare_samples(views: List[Any]) -> List[tuple]:
+    """Prompt by prompt, the newest sample of every run next to each other, captioned run · step · prompt."""
+    newest: dict = {}
+    for v in views:
+        for smp in v.samples:
+            key = (smp.prompt_index, v.name)
+            if key not in newest or smp.step > newest[key].step:
+                newest[key] = smp
+    prompts = sorted({i for i, _ in newest})
+    return [(newest[(i, v.name)].path, f"{v.name} · step {newest[(i, v.name)].step} · {newest[(i, v.name)].prompt}")
+            for i in prompts for v in views if (i, v.name) in newest]
