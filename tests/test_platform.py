@@ -420,3 +420,30 @@ def test_the_run_folder_lock_on_windows_leaves_the_holders_record_readable(monke
             os.close(fd)
     finally:
         runlock.release(tmp_path)
+
+
+@pytest.mark.parametrize("value, expected", [(1, True), (0, False), (None, False)])
+def test_the_doctor_reads_windows_long_path_setting(monkeypatch, value, expected):
+    import types
+
+    from trainer import doctor
+
+    class Key:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    def query(key, name):
+        assert name == "LongPathsEnabled"
+        if value is None:
+            raise FileNotFoundError(2, "the value is not set")
+        return value, 4
+
+    fake = types.SimpleNamespace(HKEY_LOCAL_MACHINE=object(), OpenKey=lambda root, path: Key(), QueryValueEx=query)
+    monkeypatch.setitem(sys.modules, "winreg", fake)
+    monkeypatch.setattr(doctor, "os", types.SimpleNamespace(name="nt"))
+    assert doctor.windows_long_paths() is expected
+    monkeypatch.setattr(doctor, "os", os)
+    assert doctor.windows_long_paths() is None  # not Windows: not asked
