@@ -51,10 +51,10 @@ def _lora(path: Path) -> dict:
     return load_file(str(path))
 
 
-def _close(a: dict, b: dict, atol: float = 1e-5) -> None:
+def _close(a: dict, b: dict, atol: float = 1e-5, rtol: float = 0.0) -> None:
     assert set(a) == set(b)
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=atol)
+        torch.testing.assert_close(b[k], a[k], rtol=rtol, atol=atol)
 
 
 @pytest.fixture(scope="module")
