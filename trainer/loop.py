@@ -470,6 +470,7 @@ class Trainer:
         steps_at_start = self.pos.step
         bar = self._progress_bar()
         loss_acc = 0.0
+        loss_sum = None  # the current optimizer step's loss, summed on the device
         while self.pos.step < self.total_steps:
             usable = (len(self.data.epoch_batches(self.pos.epoch)) // accum) * accum
             if self.world == 1:
@@ -480,16 +481,20 @@ class Trainer:
                 if self.pos.step >= self.total_steps:
                     break
                 loss = self._forward_loss(batch)
-                if self.world == 1 and not torch.isfinite(loss):
-                    raise TrainingError(
-                        f"The loss became {loss.item()} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
-                        "Training stopped; the last backup is intact. Try a lower learning rate, "
-                        "model.vae_dtype = fp32, or bf16 instead of fp16.")
                 self.accelerator.backward(loss / accum)
-                loss_acc += loss.item() / accum
+                # the step's loss stays on the device until the step ends: one host-device sync per optimizer
+                # step (the step event carries the loss), not two per micro-batch
+                part = loss.detach().float() / accum
+                loss_sum = part if loss_sum is None else loss_sum + part
                 self.pos.batch_in_epoch += 1
                 if self.pos.batch_in_epoch % accum:
                     continue
+                loss_acc, loss_sum = float(loss_sum), None
+                if self.world == 1 and not math.isfinite(loss_acc):  # before the optimizer touches the weights
+                    raise TrainingError(
+                        f"The loss became {loss_acc} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
+                        "Training stopped; the last backup is intact. Try a lower learning rate, "
+                        "model.vae_dtype = fp32, or bf16 instead of fp16.")
                 if self.grad_sync is not None:  # average gradients (+ loss, stop flag) over the processes
                     loss_acc = self._sync_step(loss_acc)
                 # fp16 on a GPU: accelerate's backward scaled the loss, but the optimizer is ours (never
