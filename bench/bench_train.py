@@ -2,6 +2,8 @@
 """Measure a training run: time to first step, steps/s (loop only and whole process), peak memory.
 
     .venv/bin/python bench/bench_train.py                       # the demo preset
+    .venv/bin/python bench/bench_train.py --set training.compile=true   # regional torch.compile: its first
+                                                                 # step (compiles included) is compile_first_step_s
     .venv/bin/python bench/bench_train.py --preset sd15-lora --set model.path=/models/sd15.safetensors \
         --set data.concepts.0.path=/data/dog
     # the same run, side by side with diffusers' own example script (needs torchvision + datasets):
@@ -86,6 +88,8 @@ def measure(preset: str, overrides: list, workspace: Path, run_name: str, python
         "device": started.get("device"),
         "time_to_first_step_s": round(steps[0]["time"] - res.t0, 2),
         "time_to_started_s": round(started["time"] - res.t0, 2),
+        # training.compile: the first step's time, compiles included (the rest of the figures are after it)
+        "compile_first_step_s": steps[0].get("first_step_s"),
         "loop_steps_per_s": round((len(steps) - 1) / loop_s, 2) if loop_s > 0 else None,
         "steady_steps_per_s": steady_rate([(e["step"], e["time"]) for e in steps]),
         "process_steps_per_s": round(len(steps) / res.wall_s, 2),

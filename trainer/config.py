@@ -283,6 +283,10 @@ class TrainingConfig:
     mixed_precision: str = f("no", "Autocast precision for the forward pass.",
                              choices=["no", "fp16", "bf16"])
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
+    compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
+                             "type): faster steps on a GPU (OneTrainer reports 25-35 %) after a compile of "
+                             "tens of seconds at the first step. Needs Triton on NVIDIA GPUs (on Windows the "
+                             "triton-windows package) and a C++ compiler on the CPU.")
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)
