@@ -319,3 +319,25 @@ def test_comparing_runs_overlays_their_losses_and_puts_samples_side_by_side_by_p
     assert [c for _, c in samples] == ["a · step 3 · a red square", "b · step 3 · a red square",
                                        "a · step 3 · a blue circle", "b · step 3 · a blue circle"]
     assert ctx.handlers["compare_runs"]([]) == [None, []]
+
+
+def test_quick_start_picks_the_preset_for_model_method_and_card_and_checks_each_choice(tmp_path):
+    from webui.tabs.quickstart import fill, preset_for
+    assert preset_for("sdxl", "LoRA", 8) == "sdxl-lora-8gb" and preset_for("sdxl", "LoRA", 11) == "sdxl-lora-8gb"
+    assert preset_for("sdxl", "LoRA", 16) == "sdxl-lora-16gb" and preset_for("sdxl", "LoRA", None) == "sdxl-lora"
+    assert preset_for("sdxl", "LoRA", 80) == "sdxl-lora-16gb" and preset_for("sdxl", "Fine-tune", 8) == "sdxl-finetune"
+    assert preset_for("flux", "LoRA", 24) == "flux-lora-24gb"
+    model, images = tmp_path / "juggernaut.safetensors", tmp_path / "cats"
+    model.write_bytes(b"\0" * 16)
+    images.mkdir()
+    cfg, preset, note = fill("sdxl", "LoRA", str(model), str(images), 12)
+    assert preset == "sdxl-lora-12gb" and cfg.model.path == str(model)
+    assert cfg.data.concepts[0].path == str(images) and cfg.data.concepts[0].name == "cats"
+    assert "sdxl-lora-12gb" in note
+    assert "is not a folder" in fill("sdxl", "LoRA", str(model), str(tmp_path / "dogs"), 12)[2]
+    assert "does not exist" in fill("sd15", "LoRA", str(tmp_path / "nope.safetensors"), str(images), 12)[2]
+    assert "Give the model" in fill("sd15", "LoRA", "", str(images), 12)[2]
+    assert "no preset for Embedding" in fill("flux", "Embedding", str(model), str(images), 24)[2]
+    cfg, preset, _ = fill("sd15", "LoRA", "stable-diffusion-v1-5/stable-diffusion-v1-5", str(images), None)
+    assert preset == "sd15-lora" and cfg.model.path == "stable-diffusion-v1-5/stable-diffusion-v1-5"  # a hub id
+    assert fill("demo", "LoRA", "", "", None)[1] == "demo"  # the demo needs nothing

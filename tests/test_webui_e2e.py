@@ -77,7 +77,7 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
     url, ctx = page_url
     with open_page(url) as page:
         try:
-            assert "pick a Preset" in page.locator("#start-here").inner_text()  # where to begin, said on the page
+            assert "Quick start" in page.locator("#start-here").inner_text()  # where to begin, said on the page
             page.locator("#preset-select input").click()
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
@@ -279,3 +279,27 @@ def test_at_1024_px_every_tab_shows_help_text_is_readable_and_only_the_chosen_op
             assert not any(i.startswith("cfg-training-optimizer-relative-step") for i in shown)
         finally:
             browser.close()
+
+
+def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monkeypatch):
+    url, ctx = page_url
+    model, images = ctx.workspace / "models" / "my-sdxl.safetensors", ctx.workspace / "my-cats"
+    model.parent.mkdir(parents=True, exist_ok=True)
+    model.write_bytes(b"\0" * 16)
+    images.mkdir()
+    with open_page(url) as page:
+        page.locator("#qs-kind input").click()
+        page.get_by_role("option", name="SDXL (and Pony, Illustrious, … based on it)").click()
+        page.locator("#qs-model textarea, #qs-model input").first.fill(str(model))
+        page.locator("#qs-images textarea, #qs-images input").first.fill(str(ctx.workspace / "no-such-folder"))
+        page.locator("#qs-fill").click()
+        page.wait_for_function("document.querySelector('#qs-note').innerText.includes('is not a folder')", timeout=15000)
+        assert page.locator("#preset-select input").input_value() == ""  # nothing filled from a wrong choice
+        page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
+        page.locator("#qs-fill").click()
+        page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')", timeout=15000)
+        assert page.locator("#preset-select input").input_value() == "sdxl-lora-16gb"  # 24 GiB by default: the largest tier
+        page.get_by_role("tab", name="Model", exact=True).click()
+        assert page.locator("#cfg-model-path textarea, #cfg-model-path input").first.input_value() == str(model)
+        page.get_by_role("tab", name="Concepts", exact=True).click()
+        assert str(images) in page.locator("#cfg-data-concepts").inner_text()

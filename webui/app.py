@@ -22,14 +22,14 @@ from webui.downloads import DOWNLOADS
 from webui.context import AppContext
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
-from webui.tabs import config_bar, extras, queue, run, runs, tools
+from webui.tabs import config_bar, extras, queue, quickstart, run, runs, tools
 
 DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
 SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
 
-START_HERE = ("**Start here:** ① pick a **Preset** — `demo` trains a built-in tiny model offline in about a minute; "
-              "`sd15-lora`, `sdxl-lora-16gb`, `flux-lora-24gb`… start from a real model · ② **Model** tab: your model "
-              "file, folder or hub id · ③ **Concepts** tab: the folder of your images · ④ **Check settings**, then "
+START_HERE = ("**Start here:** make the three choices of **Quick start** below (or pick a **Preset** — `demo` trains a "
+              "built-in tiny model offline in about a minute; `sd15-lora`, `sdxl-lora-16gb`, `flux-lora-24gb`… start "
+              "from a real model — then set the **Model** and **Concepts** tabs), press **Check settings**, then "
               "**Start training**. Progress, samples and the result's download are on the **Run** tab.")
 
 CSS = """
@@ -73,6 +73,9 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
         gr.Markdown(START_HERE, elem_id="start-here")
         ctx.form = Form(browser)
+        from webui import devices
+        gpus, _ = devices.detect_gpus()
+        quickstart.build(ctx, round(gpus[0].memory_mib / 1024) if gpus else None)
         config_bar.build(ctx)
         ctx.components["run_select"] = run.make_run_select(ctx)
         with gr.Tabs(elem_id="main-tabs") as tabs:
