@@ -24,6 +24,7 @@ from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
 STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
                "finished": "Finished", "stopped": "Stopped", "failed": "Failed", "died": "Ended unexpectedly"}
 WARN_RE = re.compile(r"warn", re.I)
+IDLE_POLL_S = 5.0
 ERR_RE = re.compile(r"error|traceback|exception|killed|out of memory|\bfailed\b", re.I)
 
 
@@ -58,7 +59,7 @@ def build(ctx: AppContext) -> None:
     seen = gr.State({})
     timer = gr.Timer(1.0)
 
-    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, seen,
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, timer, seen,
                ctx["run_select"]]
 
     def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
@@ -67,6 +68,9 @@ def build(ctx: AppContext) -> None:
         new = dict(last or {})
         parts = render(ctx, view, run_dir, sample_order)
         out: List[Any] = []
+        # poll every second while a run is active, every 5 s when nothing runs (an idle page costs ~nothing)
+        interval = 1.0 if view is not None and view.active else IDLE_POLL_S
+        parts = parts + [("timer", gr.Timer(value=interval), interval)]
         for name, value, sig in parts:
             if new.get(name) == sig:
                 out.append(gr.skip())
