@@ -341,3 +341,16 @@ def test_quick_start_picks_the_preset_for_model_method_and_card_and_checks_each_
     cfg, preset, _ = fill("sd15", "LoRA", "stable-diffusion-v1-5/stable-diffusion-v1-5", str(images), None)
     assert preset == "sd15-lora" and cfg.model.path == "stable-diffusion-v1-5/stable-diffusion-v1-5"  # a hub id
     assert fill("demo", "LoRA", "", "", None)[1] == "demo"  # the demo needs nothing
+
+
+def test_an_idle_served_page_does_not_poll_every_millisecond(tmp_path):
+    demo = build_app(tmp_path / "ws", start_scheduler=False)
+    serve(demo, port=None, prevent_thread_lock=True, quiet=True)
+    try:
+        assert demo._queue.sleep_when_free >= 0.02 and demo._queue.progress_update_sleep_when_free >= 0.1
+    finally:
+        demo.close()
+    from webui.tabs.run import IDLE_POLL_S
+    ctx = build_app(tmp_path / "ws2", start_scheduler=False).atelier
+    out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
+    assert out[-3].value == IDLE_POLL_S  # the Run tab's timer slows down when nothing runs
