@@ -578,3 +578,24 @@ def test_save_diffusers_folder_fp16(tiny, tmp_path):
 
     save_diffusers_folder(folder, {"unet": pipe.unet}, "fp32")  # components: one sub-folder each
     assert sorted(p.name for p in folder.iterdir()) == ["unet"]
+
+
+def test_a_folder_cast_to_another_dtype_keeps_files_readable_for_other_users(tmp_path):
+    """output.dtype on a diffusers-folder result rewrites each weight file: as the umask says, not 0600."""
+    import os
+    import stat
+
+    from safetensors.torch import load_file, save_file
+
+    from trainer.export import _cast_saved_folder
+    (tmp_path / "unet").mkdir()
+    weights = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({"w": torch.ones(4, 4)}, str(weights))
+    os.chmod(weights, 0o644)
+    mask = os.umask(0o022)
+    try:
+        _cast_saved_folder(tmp_path, "fp16")
+    finally:
+        os.umask(mask)
+    assert load_file(str(weights))["w"].dtype == torch.float16
+    assert stat.S_IMODE(weights.stat().st_mode) == 0o644

@@ -384,8 +384,8 @@ def _cast_saved_folder(folder: Path, dtype: str) -> None:
     fp32 weights, and a cast copy of a big UNet doubles memory. Files are converted one at a time.
     """
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
+    from trainer.io import save_safetensors_atomic
     target = _torch_dtype(dtype)
     for file in sorted(folder.rglob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -393,7 +393,8 @@ def _cast_saved_folder(folder: Path, dtype: str) -> None:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         if all(t.dtype == target or not t.is_floating_point() for t in tensors.values()):
             continue
-        save_file(_cast(tensors, dtype), str(file), metadata=meta)
+        # atomically, and readable as the umask says (safetensors' save_file alone leaves 0600 files)
+        save_safetensors_atomic(_cast(tensors, dtype), file, metadata=meta)
     torch_name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[dtype]
     for config in folder.rglob("config.json"):  # transformers configs record the weights' dtype
         data = json.loads(config.read_text(encoding="utf-8"))
