@@ -1,4 +1,5 @@
-"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny …``.
+"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny …`` and the model
+tools ``convert|merge|resize|sample`` (trainer/tools/).
 
 Only the ``train`` path imports torch; ``--help``, ``validate`` and ``config-help`` stay fast.
 """
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--json", action="store_true")
     mt = sub.add_parser("make-tiny", help="Build the tiny offline models (diffusers folder + single file).")
     mt.add_argument("--workspace", default="workspace")
+    from trainer.tools.cli import add_parsers
+    add_parsers(sub)  # convert, merge, resize, sample
     return p
 
 
@@ -179,6 +182,10 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
             paths = ensure_tiny_model(name, Path(args.workspace) / "models")
             print(name, paths["diffusers"], paths["single_file"])
         return 0
+    from trainer.tools.cli import COMMANDS as TOOL_COMMANDS
+    if args.command in TOOL_COMMANDS:
+        from trainer.tools.cli import run as run_tool
+        return run_tool(args)
 
     try:
         if getattr(args, "num_processes", None):

@@ -1,9 +1,15 @@
-"""The Tools tab (small on purpose): the form as YAML, a dataset check, and how to open
-TensorBoard on the workspace."""
+"""The Tools tab (small on purpose): the form as YAML, a dataset check, how to open TensorBoard on
+the workspace, and the model tools (``python -m trainer convert|merge|resize|sample``), run in a
+subprocess so that the UI process never imports torch."""
 
 from __future__ import annotations
 
-from typing import Any, List
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
 
 import gradio as gr
 
@@ -63,3 +69,176 @@ def build(ctx: AppContext) -> None:
 
     show.click(as_yaml, form.inputs, [out_md, code])
     dataset_check(ctx, "tools")
+    model_tools(ctx)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model tools: the CLI in a subprocess
+# --------------------------------------------------------------------------------------------------
+
+MODEL_TOOLS = ("convert", "merge", "resize", "sample")
+TOOL_TIMEOUT_S = 3 * 3600
+TAIL_LINES = 12
+
+
+def tool_command(tool: str, model: str = "", loras: str = "", out: str = "", *, to: str = "single-file",
+                 dtype: str = "auto", rank: Optional[float] = None, prompt: str = "", steps: Optional[float] = None,
+                 seed: Optional[float] = None, count: Optional[float] = None, overwrite: bool = False,
+                 workspace: str = "") -> Tuple[List[str], str]:
+    """The arguments after ``python -m trainer`` for one tool, or ([], what is missing)."""
+    model, out, prompt = (model or "").strip(), (out or "").strip(), (prompt or "").strip()
+    lora_list = [ln.strip() for ln in (loras or "").splitlines() if ln.strip()]
+    if tool not in MODEL_TOOLS:
+        return [], f"pick a tool ({', '.join(MODEL_TOOLS)})"
+    if tool == "resize":
+        if len(lora_list) != 1:
+            return [], "resize takes one LoRA file (in the LoRA box)"
+        if not rank:
+            return [], "give the new rank"
+        argv = ["resize", lora_list[0], "--rank", str(int(rank))]
+    else:
+        if not model:
+            return [], "give the model (a diffusers folder, a .safetensors file, a hub id or builtin:tiny-sd)"
+        argv = [tool, model]
+        if tool == "convert":
+            argv += ["--to", to]
+        elif tool == "merge":
+            if not lora_list:
+                return [], "give at least one LoRA file to merge (one a line, FILE[:WEIGHT])"
+            if not out:
+                return [], "give the output path"
+            argv += lora_list
+        else:  # sample
+            if not prompt:
+                return [], "give a prompt"
+            argv += ["--prompt", prompt]
+            for lora in lora_list:
+                argv += ["--lora", lora]
+            for flag, value in (("--steps", steps), ("--seed", seed), ("--count", count)):
+                if value is not None and value != "":
+                    argv += [flag, str(int(value))]
+        if tool in ("convert", "merge") and dtype and dtype != "auto":
+            argv += ["--dtype", dtype]
+        if workspace:
+            argv += ["--workspace", workspace]
+    if out:
+        argv += ["--out", out]
+    if overwrite:
+        argv.append("--overwrite")
+    return argv, ""
+
+
+_WROTE = re.compile(r"^wrote (.+?)(?: \([^()]*\))?$")
+
+
+def run_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys.executable) -> Dict[str, Any]:
+    """Run ``python -m trainer <argv>``: ``{"rc", "tail" (last lines of its output), "outputs" (paths written)}``."""
+    from webui import runner
+    path = os.pathsep.join(p for p in (str(runner.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path,
+               TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    try:
+        done = subprocess.run([python, "-m", "trainer", *argv], capture_output=True, text=True, timeout=timeout,
+                              env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"rc": None, "tail": f"stopped after {timeout:.0f} s", "outputs": []}
+    except OSError as exc:
+        return {"rc": None, "tail": f"could not start the tool: {exc}", "outputs": []}
+    out_lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    outputs = []
+    for line in out_lines:
+        m = _WROTE.match(line.strip())
+        if m:
+            outputs.append(m.group(1))
+        elif argv and argv[0] == "sample" and line.strip().lower().endswith(".png"):
+            outputs.append(line.strip())
+    lines = out_lines + [ln for ln in done.stderr.splitlines() if ln.strip() and "it/s]" not in ln]
+    return {"rc": done.returncode, "tail": "\n".join(lines[-TAIL_LINES:]), "outputs": outputs}
+
+
+def describe_tool_result(argv: List[str], result: Dict[str, Any]) -> str:
+    """Markdown: success or failure, the output path(s)."""
+    cmd = "python -m trainer " + " ".join(_quote(a) for a in argv)
+    if result["rc"] == 0:
+        shown = result["outputs"][:8]
+        more = f" (and {len(result['outputs']) - 8} more)" if len(result["outputs"]) > 8 else ""
+        paths = ", ".join(f"`{p}`" for p in shown) + more
+        return f"✅ Done: `{cmd}`" + (f"\n\nWrote {paths}" if paths else "")
+    last = (result["tail"].splitlines() or ["(no output)"])[-1]
+    return f"⛔ `{cmd}` failed: {last}"
+
+
+def _quote(arg: str) -> str:
+    return f'"{arg}"' if (not arg or any(c.isspace() for c in arg)) else arg
+
+
+def model_tools(ctx: AppContext) -> None:
+    """The "Model tools" section: one small form for convert / merge / resize / sample."""
+    with gr.Accordion("Model tools", open=False, elem_id="tools-model"):
+        gr.Markdown("Convert a model between a diffusers folder and one `.safetensors` file, merge LoRAs into it, "
+                    "lower a LoRA's rank, or draw images. Runs `python -m trainer <tool>`; SD 1.x/2.x and SDXL.")
+        with gr.Row():
+            tool = gr.Radio(list(MODEL_TOOLS), value="convert", label="Tool", elem_id="tools-model-tool")
+            to = gr.Dropdown(["single-file", "diffusers"], value="single-file", label="Convert to",
+                             elem_id="tools-model-to")
+            dtype = gr.Dropdown(["auto", "fp32", "fp16", "bf16"], value="auto", label="dtype",
+                                elem_id="tools-model-dtype")
+        model = gr.Textbox(label="Model (folder, .safetensors, hub id or builtin:tiny-sd)", elem_id="tools-model-path")
+        loras = gr.Textbox(label="LoRA files, one a line, FILE[:WEIGHT] (resize: the one LoRA)", lines=2,
+                           elem_id="tools-model-loras")
+        with gr.Row():
+            rank = gr.Number(label="Resize: new rank", value=None, precision=0, elem_id="tools-model-rank")
+            prompt = gr.Textbox(label="Sample: prompt", elem_id="tools-model-prompt")
+            steps = gr.Number(label="Steps", value=20, precision=0, elem_id="tools-model-steps")
+            seed = gr.Number(label="Seed", value=42, precision=0, elem_id="tools-model-seed")
+            count = gr.Number(label="Images", value=1, precision=0, elem_id="tools-model-count")
+        with gr.Row():
+            out = gr.Textbox(label="Output (file or folder; empty = next to the input)", elem_id="tools-model-out")
+            overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-model-overwrite")
+        go = gr.Button("Run the tool", elem_id="tools-model-run")
+        msg = gr.Markdown(elem_id="tools-model-msg")
+        tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-model-tail")
+
+    def confine(text: str, what: str) -> Tuple[str, str]:
+        """(absolute path, "") inside the folders this page may use; hub ids and builtin: names pass as they are."""
+        from trainer.preflight import looks_like_hub_id
+        text = (text or "").strip()
+        if not text or text.startswith("builtin:") or looks_like_hub_id(text):
+            return text, ""
+        path = Path(text).expanduser()
+        path = (path if path.is_absolute() else ctx.workspace / path).resolve()
+        if not ctx.roots.allowed(path):
+            where = ", ".join(f"`{r}`" for r in ctx.roots.paths)
+            return "", (f"{what} `{text}` is outside the folders this page may use ({where}); start the UI with "
+                        "`--browse-root FOLDER` to allow another folder.")
+        return str(path), ""
+
+    def run(tool_v, to_v, dtype_v, model_v, loras_v, rank_v, prompt_v, steps_v, seed_v, count_v, out_v,
+            overwrite_v) -> List[Any]:
+        model_v, why = confine(model_v, "The model")
+        lines = []
+        for line in (loras_v or "").splitlines():
+            if line.strip():
+                file, weight = line.strip(), ""
+                head, sep, tail = file.rpartition(":")
+                if sep and head and tail.replace(".", "", 1).lstrip("-").isdigit():
+                    file, weight = head, f":{tail}"
+                file, why_lora = confine(file, "The LoRA")
+                why = why or why_lora
+                lines.append(file + weight)
+        loras_v = "\n".join(lines)
+        if (out_v or "").strip():
+            out_v, why_out = confine(out_v, "The output")
+            why = why or why_out
+        if why:
+            return [f"⛔ {why}", ""]
+        argv, missing = tool_command(tool_v, model_v, loras_v, out_v, to=to_v, dtype=dtype_v, rank=rank_v,
+                                     prompt=prompt_v, steps=steps_v, seed=seed_v, count=count_v,
+                                     overwrite=bool(overwrite_v), workspace=str(ctx.workspace))
+        if not argv:
+            return [f"⛔ {tool_v}: {missing}.", ""]
+        result = run_tool(argv)
+        return [describe_tool_result(argv, result), result["tail"]]
+
+    ctx.handlers["tools_model_run"] = run
+    go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])

@@ -1,0 +1,301 @@
+"""What the model tools share: loading a model the way training does, the weights' stored dtype,
+reading kohya LoRA files and finding the model layer each LoRA key belongs to."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from trainer.tools import ToolError, model_problem
+
+SD_LINEAGE = ("sd", "sdxl")
+_TORCH_TO_NAME = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+# --------------------------------------------------------------------------------------------------
+
+def tool_config(model_path: str, workspace: Optional[str] = None, config: Optional[str] = None,
+                dtype: str = "fp32", config_path: Optional[str] = None) -> Any:
+    """A run config for loading ``model_path`` (or the model of ``config``): every part stored in ``dtype``
+    (the VAE as the config says), the built-in tiny models under ``<workspace>/models``, ``config_path``
+    as ``model.config_path`` (the diffusers configs of a single file that is not the standard size)."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import PART_OF_SLOT, load_config
+    cfg = load_config(config) if config else load_config(None)
+    if model_path:
+        OmegaConf.update(cfg, "model.path", str(model_path))
+    if workspace:
+        OmegaConf.update(cfg, "general.workspace", str(workspace))
+    if config_path:
+        OmegaConf.update(cfg, "model.config_path", str(config_path))
+    for part in set(PART_OF_SLOT.values()):
+        if part in cfg.parts:
+            OmegaConf.update(cfg, f"parts.{part}.dtype", dtype)
+    return cfg
+
+
+def quiet_libraries() -> None:
+    """No per-component progress bars from diffusers/transformers: a tool prints what it wrote."""
+    try:
+        import diffusers.utils.logging as dlog
+        dlog.disable_progress_bar()
+        import transformers.utils.logging as tlog
+        tlog.disable_progress_bar()
+    except Exception:  # an older library without the switch: the bars stay
+        pass
+
+
+def load_family(model_path: str, workspace: Optional[str] = None, *, config: Optional[str] = None,
+                config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32", sd_only: bool = True,
+                tool: str = "this tool") -> Any:
+    """The loaded family object (``trainer.families.*``), or ToolError naming what is wrong with MODEL."""
+    from trainer.config import ConfigError
+    from trainer.models.base import load_model
+    cfg = tool_config(model_path, workspace, config, dtype, config_path)
+    path = str(cfg.model.path)
+    problem = model_problem(path)
+    if problem:
+        raise ToolError(problem if not config else problem.replace("MODEL", f"model.path of {config}", 1))
+    if config_path and not Path(config_path).expanduser().is_dir():
+        raise ToolError(f"--config-path '{config_path}' is not a folder; give a diffusers model folder whose "
+                        "configs describe the single file.")
+    quiet_libraries()
+    try:
+        model = load_model(cfg, str(cfg.general.workspace), device)
+    except ConfigError as exc:
+        text = str(exc)
+        if not config:  # the tools' own option names
+            text = text.replace("set model.config_path to", "give --config-path")
+        raise ToolError(text) from None
+    if sd_only and model.name not in SD_LINEAGE:
+        raise ToolError(f"MODEL '{path}' is a {model.info.label} model; {tool} handles Stable Diffusion 1.x/2.x "
+                        "and SDXL so far.")
+    return model
+
+
+def source_dtype(model: Any) -> str:
+    """The dtype the model's denoiser weights are stored in (fp32 when it cannot be told: .ckpt, hub)."""
+    from safetensors import safe_open
+    src = getattr(model, "source", None)
+    if src is None:
+        return "fp32"
+    loc = Path(src.location)
+    if src.kind == "single_file":
+        files, prefix = [loc], "model.diffusion_model."
+    elif src.kind == "folder":
+        sub = next((loc / s for s in ("unet", "transformer") if (loc / s).is_dir()), loc)
+        files, prefix = sorted(sub.glob("*.safetensors")), ""
+    else:
+        return "fp32"
+    for file in files:
+        if file.suffix.lower() != ".safetensors":
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                keys = [k for k in f.keys() if k.startswith(prefix)] or list(f.keys())
+                for key in keys[:50]:
+                    name = _TORCH_TO_NAME.get(f.get_slice(key).get_dtype())
+                    if name:
+                        return name
+        except Exception:  # an unreadable file: the loader would have said so
+            continue
+    return "fp32"
+
+
+# --------------------------------------------------------------------------------------------------
+# kohya LoRA files
+# --------------------------------------------------------------------------------------------------
+
+@dataclass
+class LoraFile:
+    """A kohya-layout LoRA/LoCon file: per layer name ``down``, ``up`` and ``alpha`` (alpha = rank when
+    the file has none); ``extra``: tensors that are no LoRA layer (bundled embeddings)."""
+
+    path: Path
+    layers: Dict[str, Dict[str, Any]]
+    metadata: Dict[str, str]
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def rank(self, name: str) -> int:
+        return int(self.layers[name]["down"].shape[0])
+
+    def alpha(self, name: str) -> float:
+        alpha = self.layers[name].get("alpha")
+        return float(alpha.item()) if alpha is not None else float(self.rank(name))
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.rank(n) for n in self.layers)
+
+    @property
+    def weight_dtype(self) -> Any:
+        return next(iter(self.layers.values()))["up"].dtype
+
+    def delta(self, name: str) -> Any:
+        """The layer's weight change (alpha/rank) · up @ down in float32, flattened to [out, in·k·k]."""
+        layer = self.layers[name]
+        up, down = layer["up"].float(), layer["down"].float()
+        return (up.flatten(1) @ down.flatten(1)) * (self.alpha(name) / self.rank(name))
+
+    def trained_for(self) -> str:
+        """What the header says the LoRA was trained on, for messages ('' when it does not say)."""
+        m = self.metadata
+        return str(m.get("ss_base_model_version") or m.get("modelspec.architecture") or "")
+
+
+def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
+    """Read a kohya-layout LoRA/LoCon ``.safetensors``; ToolError for anything else, saying what it is."""
+    from safetensors import safe_open
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ToolError(f"{what} file '{path}' does not exist.")
+    if p.is_dir():
+        raise ToolError(f"{what} '{path}' is a folder; give the LoRA's .safetensors file.")
+    if p.suffix.lower() != ".safetensors":
+        raise ToolError(f"{what} '{path}' is a {p.suffix or 'extension-less'} file; LoRA files are .safetensors "
+                        "(kohya layout, as Atelier writes them).")
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise ToolError(f"{what} '{path}' is not a readable .safetensors file ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}).") from None
+    layers: Dict[str, Dict[str, Any]] = {}
+    extra: Dict[str, Any] = {}
+    other: List[str] = []
+    parts = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha"}
+    for key, value in tensors.items():
+        for suffix, part in parts.items():
+            if key.endswith(suffix):
+                layers.setdefault(key[: -len(suffix)], {})[part] = value
+                break
+        else:
+            if key.startswith("bundle_emb."):
+                extra[key] = value
+            else:
+                other.append(key)
+    if any(k.endswith(".dora_scale") for k in other):
+        raise ToolError(f"{what} '{path}' is a DoRA file (dora_scale keys); merging and resizing DoRA is not "
+                        "supported yet. Use a plain LoRA.")
+    if any(".hada_" in k or ".lokr_" in k for k in other):
+        raise ToolError(f"{what} '{path}' is a LyCORIS LoHa/LoKr file; only kohya LoRA/LoCon files "
+                        "(lora_down/lora_up) are supported so far.")
+    if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in other):
+        raise ToolError(f"{what} '{path}' is in the diffusers/peft layout (lora_A/lora_B keys, as Flux and "
+                        "PixArt LoRAs are written); only kohya-layout SD/SDXL LoRAs (lora_down/lora_up) are "
+                        "supported so far.")
+    if not layers:
+        sample = ", ".join(sorted(tensors)[:3]) or "no tensors at all"
+        looks = " It looks like a full model checkpoint." if any(
+            k.startswith(("model.diffusion_model.", "first_stage_model.", "conditioner.", "cond_stage_model."))
+            for k in tensors) else ""
+        raise ToolError(f"{what} '{path}' is not a LoRA file: none of its {len(tensors)} tensors is a kohya "
+                        f"lora_down/lora_up pair (e.g. {sample}).{looks}")
+    broken = sorted(n for n, l in layers.items() if "down" not in l or "up" not in l)
+    if broken or other:
+        shown = (broken + other)[:3]
+        raise ToolError(f"{what} '{path}' is not a complete kohya LoRA: {len(broken) + len(other)} keys without "
+                        f"their lora_down/lora_up pair or of an unknown kind (e.g. {', '.join(shown)}).")
+    for name, layer in layers.items():
+        down, up = layer["down"], layer["up"]
+        if down.ndim not in (2, 4) or up.ndim != down.ndim or up.shape[1] != down.shape[0]:
+            raise ToolError(f"{what} '{path}': layer {name} has lora_up {tuple(up.shape)} and lora_down "
+                            f"{tuple(down.shape)}, which do not multiply; the file is damaged.")
+    return LoraFile(p, layers, metadata, extra)
+
+
+# --------------------------------------------------------------------------------------------------
+# kohya names of a loaded model's layers
+# --------------------------------------------------------------------------------------------------
+
+def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
+    """kohya name → (slot, module path, module) for every Linear/Conv2d layer of the model's parts, named
+    by the family's own LoRA namer (what its LoRA files use)."""
+    import torch
+    namer = model.lora_namer()
+    index: Dict[str, Tuple[str, str, Any]] = {}
+    for slot, module in model.parts().items():
+        if slot not in namer:
+            continue
+        prefix, rename = namer[slot]
+        for path, mod in module.named_modules():
+            if not isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+                continue
+            try:
+                name = f"{prefix}_{rename(path).replace('.', '_')}"
+            except (KeyError, ValueError):  # a module the original layout has no name for
+                continue
+            index[name] = (slot, path, mod)
+    return index
+
+
+def match_lora(lora: LoraFile, index: Mapping[str, Tuple[str, str, Any]], model_label: str) -> None:
+    """Refuse a LoRA whose layers are not all layers of the model (by name and size), saying how many match."""
+    matched, first_bad = 0, None
+    for name, layer in lora.layers.items():
+        target = index.get(name)
+        ok = target is not None
+        if ok:
+            weight = target[2].weight
+            out_dim = layer["up"].shape[0]
+            in_numel = math.prod(layer["down"].shape[1:])
+            ok = weight.shape[0] == out_dim and math.prod(weight.shape[1:]) == in_numel
+        if ok:
+            matched += 1
+        elif first_bad is None:
+            first_bad = name
+    if matched == len(lora.layers):
+        return
+    said = lora.trained_for()
+    hint = f" Its header says it was trained for {said}." if said else ""
+    raise ToolError(f"LoRA '{lora.path}': only {matched} of its {len(lora.layers)} layers match a layer of the model "
+                    f"({model_label}; e.g. {first_bad} does not). It was made for another model family or "
+                    f"architecture.{hint} Use a LoRA trained on this family.")
+
+
+def apply_loras(model: Any, loras: List[Tuple[LoraFile, float]]) -> int:
+    """W += weight · (alpha/rank) · up @ down for every layer of every LoRA, in place (checked first:
+    a LoRA that does not fit changes nothing). Returns the number of layers changed."""
+    import torch
+    index = layer_index(model)
+    label = f"{model.info.label}, {getattr(model.source, 'display', '')}"
+    for lora, _ in loras:
+        match_lora(lora, index, label)
+    n = 0
+    with torch.no_grad():
+        for lora, weight in loras:
+            for name in lora.layers:
+                param = index[name][2].weight
+                delta = (lora.delta(name) * float(weight)).reshape(param.shape)
+                param.add_(delta.to(device=param.device, dtype=param.dtype))
+                n += 1
+    return n
+
+
+def network_metadata(state: Mapping[str, Any], base: Mapping[str, str]) -> Dict[str, str]:
+    """``base`` with ``ss_network_dim``/``ss_network_alpha``/conv args recomputed from ``state`` (kohya tensors)
+    and the file hashes that no longer hold removed."""
+    from trainer.export import _network_shape_metadata
+    meta = {k: str(v) for k, v in base.items() if not k.startswith("sshs_")}
+    try:
+        args = json.loads(meta.get("ss_network_args", "") or "{}")
+    except ValueError:
+        args = {}
+    if isinstance(args, dict):
+        args = {k: v for k, v in args.items() if k not in ("conv_dim", "conv_alpha")}
+    shape = _network_shape_metadata(state)
+    if "ss_network_args" in shape:
+        args = {**(args if isinstance(args, dict) else {}), **json.loads(shape.pop("ss_network_args"))}
+    meta.update(shape)
+    if args:
+        meta["ss_network_args"] = json.dumps(args)
+    else:
+        meta.pop("ss_network_args", None)
+    return meta
