@@ -354,3 +354,28 @@ def test_an_idle_served_page_does_not_poll_every_millisecond(tmp_path):
     ctx = build_app(tmp_path / "ws2", start_scheduler=False).atelier
     out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
     assert out[-3].value == IDLE_POLL_S  # the Run tab's timer slows down when nothing runs
+
+
+@pytest.mark.slow
+def test_tensorboard_is_served_under_the_page_behind_its_login(tmp_path):
+    import httpx
+    demo = build_app(tmp_path / "ws", start_scheduler=False)
+    _, url, _ = serve(demo, port=None, auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    board = demo.atelier.components["tensorboard"]
+    base = url.rstrip("/")
+    try:
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{base}/login", data={"username": "ada", "password": "s3cret"}).status_code == 200
+            assert client.get(f"{base}/tensorboard/").status_code == 503  # logged in, not started yet
+        opened = demo.atelier.handlers["open_tensorboard"]()
+        assert 'href="tensorboard/"' in opened, opened
+        assert httpx.get(f"{base}/tensorboard/", timeout=30).status_code == 401  # no login, no TensorBoard
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{base}/login", data={"username": "ada", "password": "s3cret"}).status_code == 200
+            page = client.get(f"{base}/tensorboard/")
+            assert page.status_code == 200 and "tensorboard" in page.text.lower()
+            runs = client.get(f"{base}/tensorboard/data/runs")
+            assert runs.status_code == 200 and runs.json() == []  # TensorBoard's own API, through the page
+    finally:
+        board.stop()
+        demo.close()

@@ -172,12 +172,23 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
-    return demo.launch(
+    result = demo.launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
         root_path=root_path,
-        inbrowser=inbrowser, prevent_thread_lock=prevent_thread_lock, quiet=quiet, show_error=True,
+        inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
         auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
+    board = ctx.components.get("tensorboard")
+    if board is not None:  # <page>/tensorboard/, behind the same login
+        from webui.tensorboard import mount
+        mount(demo.server_app, board)
+    if not prevent_thread_lock:
+        try:
+            demo.block_thread()
+        finally:
+            if board is not None:
+                board.stop()
+    return result
 
 
 def calm_queue(demo: gr.Blocks, free_poll_s: float = 0.02, progress_poll_s: float = 0.1) -> None:

@@ -58,8 +58,7 @@ def build(ctx: AppContext) -> None:
     show = gr.Button("Show the form as YAML", elem_id="tools-yaml-btn")
     out_md = gr.Markdown(elem_id="tools-msg")
     code = gr.Code(language="yaml", label="Config", elem_id="tools-yaml", max_lines=60)
-    gr.Markdown(f"**TensorBoard:** `tensorboard --logdir {ctx.workspace / 'runs'}` shows every run's "
-                "curves (each run writes to `<run>/tensorboard`).")
+    tensorboard_section(ctx)
 
     def as_yaml(*values: Any) -> List[Any]:
         checked = ctx.check(values)
@@ -70,6 +69,27 @@ def build(ctx: AppContext) -> None:
     show.click(as_yaml, form.inputs, [out_md, code])
     dataset_check(ctx, "tools")
     model_tools(ctx)
+
+
+def tensorboard_section(ctx: AppContext) -> None:
+    """TensorBoard on every run of the workspace, at <page>/tensorboard/ (also through a share link)."""
+    from webui.runner import runs_root
+    from webui.tensorboard import TensorBoard
+    board = ctx.components.setdefault("tensorboard", TensorBoard(runs_root(ctx.workspace)))
+    with gr.Row(equal_height=True):
+        go = gr.Button("Open TensorBoard", elem_id="tensorboard-btn", scale=1)
+        link = gr.HTML("TensorBoard shows every run's curves (each run writes to <code>&lt;run&gt;/tensorboard</code>).",
+                       elem_id="tensorboard-link")
+
+    def open_board() -> str:
+        problem = board.start()
+        if problem:
+            return f"⛔ {problem}"
+        return ('<a href="tensorboard/" target="_blank" rel="noopener" id="tensorboard-open">Open TensorBoard ↗</a> '
+                "(every run of this workspace; served by this page, behind its login)")
+
+    ctx.handlers["open_tensorboard"] = open_board
+    go.click(open_board, None, [link], concurrency_limit=1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,108 @@
+"""TensorBoard inside the page's own address: ``<page>/tensorboard/``, behind the page's login.
+
+Users of a share link, a cloud pod or Colab cannot reach another port of the training machine, so
+TensorBoard is started on demand on a local port (``127.0.0.1`` only, ``--path_prefix /tensorboard``) and
+the UI server forwards ``/tensorboard/…`` to it. The forwarding route asks for the same login as every
+Gradio route (the session cookie Gradio sets at login), so it opens nothing the page does not.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+PREFIX = "/tensorboard"
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization",
+               "proxy-authenticate", "content-length", "content-encoding", "host"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorBoard:
+    """One TensorBoard process for a workspace's runs, started when first asked for."""
+
+    def __init__(self, logdir: Path, python: str = sys.executable):
+        self.logdir = Path(logdir)
+        self.python = python
+        self.port: Optional[int] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start (once) and wait until it answers; "" when ready, else why not."""
+        with self._lock:
+            if not self.running():
+                self.logdir.mkdir(parents=True, exist_ok=True)
+                self.port = _free_port()
+                cmd = [self.python, "-m", "tensorboard.main", "--logdir", str(self.logdir), "--host", "127.0.0.1",
+                       "--port", str(self.port), "--path_prefix", PREFIX, "--reload_interval", "15"]
+                try:
+                    self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.PIPE)
+                except OSError as exc:
+                    return f"could not start TensorBoard: {exc}"
+            import httpx
+            end = time.time() + timeout
+            while time.time() < end:
+                if not self.running():
+                    err = self.proc.stderr.read().decode(errors="replace").strip().splitlines() if self.proc else []
+                    return f"TensorBoard exited: {err[-1] if err else 'no message'}"
+                try:
+                    if httpx.get(f"http://127.0.0.1:{self.port}{PREFIX}/", timeout=2).status_code < 500:
+                        return ""
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.3)
+            return f"TensorBoard did not answer within {timeout:.0f} s"
+
+    def stop(self) -> None:
+        if self.running():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def mount(app: Any, board: TensorBoard) -> None:
+    """Add ``/tensorboard/{path}`` to the served FastAPI app, first in line, behind the page's login."""
+    import httpx
+    from fastapi import Request
+    from fastapi.responses import Response
+    from starlette.routing import Route
+
+    async def forward(request: Request) -> Response:
+        if getattr(app, "auth", None):  # the same check as Gradio's own routes (its login cookie)
+            cookie_id = getattr(app, "cookie_id", "")
+            token = request.cookies.get(f"access-token-{cookie_id}") or \
+                request.cookies.get(f"access-token-unsecure-{cookie_id}")
+            if not getattr(app, "tokens", {}).get(token):
+                return Response("Not logged in: open the page and sign in first.", status_code=401)
+        if not board.running() or board.port is None:
+            return Response("TensorBoard is not running: press 'Open TensorBoard' on the Tools tab.", status_code=503)
+        url = f"http://127.0.0.1:{board.port}{request.url.path[request.url.path.index(PREFIX):]}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != "cookie"}
+        async with httpx.AsyncClient(timeout=60) as client:
+            upstream = await client.request(request.method, url, params=request.query_params, headers=headers,
+                                            content=await request.body())
+        out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}
+        return Response(upstream.content, status_code=upstream.status_code, headers=out_headers)
+
+    routes = [Route(PREFIX, forward, methods=["GET", "POST", "HEAD"]),
+              Route(PREFIX + "/{path:path}", forward, methods=["GET", "POST", "HEAD"])]
+    app.router.routes[0:0] = routes  # before Gradio's catch-all page route
+
+
+__all__ = ["PREFIX", "TensorBoard", "mount"]
