@@ -303,3 +303,19 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
         assert page.locator("#cfg-model-path textarea, #cfg-model-path input").first.input_value() == str(model)
         page.get_by_role("tab", name="Concepts", exact=True).click()
         assert str(images) in page.locator("#cfg-data-concepts").inner_text()
+
+
+def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
+    url, _ = page_url
+    with open_page(url) as page:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name="demo-sdxl", exact=True).click()
+        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo-sdxl')",
+                               timeout=30000)
+        page.get_by_role("tab", name="Sampling", exact=True).click()
+        time.sleep(1.0)  # the tab choice is saved by its own small request
+        page.reload()
+        page.wait_for_selector("#start-btn", timeout=60000)
+        page.wait_for_function("document.querySelector('#preset-select input').value === 'demo-sdxl'", timeout=30000)
+        page.wait_for_function(
+            "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)

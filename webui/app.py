@@ -102,15 +102,30 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             *ctx.components["runs_details"], show_progress="hidden")
 
         form = ctx.form
-        outs = load_outputs(form) + [ctx["preset"]]
+        outs = load_outputs(form) + [ctx["preset"], tabs]
+
+        tab_of_label = {b.label: b.id for b in demo.blocks.values() if isinstance(b, gr.Tab) and b.id}
+
+        def remember_tab(evt: gr.SelectData) -> None:
+            """A reload lands on the tab the user was on (the page keeps no state of its own)."""
+            tab = tab_of_label.get(str(evt.value))
+            if tab:
+                config_bar.write_ui_state(ctx, tab=tab)
+
+        ctx.handlers["remember_tab"] = remember_tab
+        tabs.select(remember_tab, None, None, show_progress="hidden", queue=False)
 
         def on_load() -> List[Any]:
-            """A new page (or a reload) shows the autosaved draft and the current preset list."""
+            """A new page (or a reload) shows the autosaved draft, the preset it came from, and the tab the
+            user was on."""
             values = config_bar.load_draft(ctx)
-            presets = gr.Dropdown(choices=tcfg.preset_names())
+            state = config_bar.read_ui_state(ctx)
+            preset = state.get("preset") if state.get("preset") in tcfg.preset_names() else None
+            presets = gr.Dropdown(choices=tcfg.preset_names(), value=preset)
+            tab = gr.Tabs(selected=state["tab"]) if state.get("tab") else gr.skip()
             if values is None:
-                return [gr.skip()] * len(load_outputs(form)) + [presets]
-            return load_updates(form, values) + [presets]
+                return [gr.skip()] * len(load_outputs(form)) + [presets, tab]
+            return load_updates(form, values) + [presets, tab]
 
         ctx.handlers["on_load"] = on_load
         demo.load(on_load, None, outs, show_progress="hidden")

@@ -64,7 +64,9 @@ def wire(ctx: AppContext) -> None:
         if not name:
             return [gr.skip()] * len(outs)
         try:
-            return show(tcfg.load_config(preset=name), f"Loaded preset **{name}**.")
+            shown = show(tcfg.load_config(preset=name), f"Loaded preset **{name}**.")
+            write_ui_state(ctx, preset=name)
+            return shown
         except tcfg.ConfigError as exc:
             return refuse(_named(exc))
 
@@ -176,6 +178,31 @@ def write_draft(ctx: AppContext, raw: dict) -> None:
         tmp = ctx.draft_path.with_name(f"{ctx.draft_path.name}.{threading.get_ident()}.tmp")
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(ctx.draft_path)
+
+
+UI_STATE = "ui-state.json"
+
+
+def read_ui_state(ctx: AppContext) -> dict:
+    """What the page was showing (the preset the form came from, the tab), for a reload."""
+    import json
+    try:
+        data = json.loads((ctx.workspace / UI_STATE).read_text(encoding="utf-8"))
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_ui_state(ctx: AppContext, **changes: Any) -> None:
+    import json
+    with _draft_lock:
+        state = {**read_ui_state(ctx), **changes}
+        tmp = ctx.workspace / f"{UI_STATE}.{threading.get_ident()}.tmp"
+        try:
+            tmp.write_text(json.dumps(state), encoding="utf-8")
+            tmp.replace(ctx.workspace / UI_STATE)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
 
 def load_draft(ctx: AppContext) -> Optional[List[Any]]:

@@ -111,7 +111,7 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
     def wire() -> None:
         form = ctx.form
         assert form is not None
-        from webui.tabs.config_bar import write_draft
+        from webui.tabs.config_bar import write_draft, write_ui_state
         from webui.tabs.extras import resolve_path
 
         def do_fill(k: Optional[str], w: str, path: str, folder: str, gib: Any) -> List[Any]:
@@ -120,6 +120,7 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
                 return [gr.skip()] * len(load_outputs(form)) + [gr.skip(), message]
             values = form.values_for(cfg)
             write_draft(ctx, form.raw_dict(values))
+            write_ui_state(ctx, preset=preset)
             return load_updates(form, values) + [gr.Dropdown(value=preset), message]
 
         ctx.handlers["quickstart_fill"] = do_fill
