@@ -9,11 +9,12 @@ from typing import Any
 
 from trainer.tools import DTYPES
 
-COMMANDS = ("convert", "merge", "resize", "sample")
+COMMANDS = ("convert", "merge", "resize", "sample", "caption", "mask")
 
 
 def add_parsers(sub: Any) -> None:
-    """Add ``convert``, ``merge``, ``resize`` and ``sample`` to the trainer's subcommand parser."""
+    """Add ``convert``, ``merge``, ``resize``, ``sample``, ``caption`` and ``mask`` to the trainer's subcommand
+    parser."""
     def common(sp, out_help: str):
         sp.add_argument("--out", help=out_help)
         sp.add_argument("--overwrite", action="store_true", help="Replace --out when it exists.")
@@ -67,6 +68,71 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--device", default="auto", help="cuda, cpu, mps or auto (default).")
     common(s, "Folder for the images (default: <workspace>/samples/<date-time>).")
     workspace(s)
+    add_dataset_parsers(sub)
+
+
+def add_dataset_parsers(sub: Any) -> None:
+    """``caption`` and ``mask``: files next to a dataset's images, written by a model."""
+    from trainer.tools.caption import (DEFAULT_CAPTION_MODEL, DEFAULT_THRESHOLD, FLORENCE_TASKS, KNOWN_TAGGER)
+    from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, METHODS
+
+    def images(sp, what: str):
+        sp.add_argument("folder", help=f"The folder of images; {what} next to each image.")
+        sp.add_argument("--recursive", action="store_true", help="Also the images in its sub-folders.")
+
+    def run_on(sp):
+        sp.add_argument("--device", choices=("auto", "cpu", "cuda", "mps"), default="auto",
+                        help="Where the model runs (default auto: a CUDA GPU when there is one).")
+        sp.add_argument("--batch", type=int, default=4, metavar="N", help="Images per model call (default 4).")
+
+    c = sub.add_parser("caption", help="Write <image>.txt captions with a captioning or tagging model.",
+                       description="Write a caption file next to every image (the names training reads), with a "
+                                   "captioning model (BLIP, Florence-2) or a tagger (booru-style tags). Existing "
+                                   "captions are kept unless --overwrite.")
+    images(c, "writes <image name>.txt")
+    c.add_argument("--model", default=DEFAULT_CAPTION_MODEL,
+                   help=f"Hub id (downloaded on first use, then cached) or a local folder saved with save_pretrained "
+                        f"(default {DEFAULT_CAPTION_MODEL}: natural language). Also: Florence-2 in the transformers "
+                        "format (florence-community/Florence-2-base), and taggers exported to transformers image "
+                        f"classification (id2label = the tags). {KNOWN_TAGGER}, the tagger people know, is "
+                        "published as ONNX/timm weights only: it needs such an export. Offline: give a folder.")
+    c.add_argument("--prefix", default="", help="Text before every caption, e.g. the trigger word "
+                   "(joined with ', ').")
+    c.add_argument("--suffix", default="", help="Text after every caption (joined with ', ').")
+    keep = c.add_mutually_exclusive_group()
+    keep.add_argument("--overwrite", action="store_true", help="Replace existing caption files.")
+    keep.add_argument("--only-missing", dest="overwrite", action="store_false",
+                      help="Caption only the images without a caption file (the default).")
+    c.add_argument("--extension", default=".txt",
+                   help="Caption file extension, as the concept's caption_extension (default .txt).")
+    c.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="Longest caption in tokens (default 40 for BLIP, 256 for Florence-2).")
+    c.add_argument("--task", choices=tuple(FLORENCE_TASKS), default=None,
+                   help="Florence-2 only: how long a description (default detailed).")
+    c.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"Taggers: keep the tags scoring above this (default {DEFAULT_THRESHOLD}).")
+    c.add_argument("--tag-limit", type=int, default=0, metavar="N",
+                   help="Taggers: at most N tags, the best first (default 0: no limit).")
+    run_on(c)
+
+    m = sub.add_parser("mask", help="Write <image>-masklabel.png training masks from a text prompt (CLIPSeg).",
+                       description="Write a mask next to every image (<image name>-masklabel.png, what data.masks "
+                                   "reads): white where --prompt is (trained), black elsewhere. Existing masks are "
+                                   "kept unless --overwrite.")
+    images(m, "writes <image name>-masklabel.png")
+    m.add_argument("--method", choices=METHODS, default="clipseg",
+                   help="clipseg: a text-prompted segmentation model (the only method so far).")
+    m.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="What to cover, e.g. 'a person'; repeat it to cover several things.")
+    m.add_argument("--model", default=DEFAULT_MASK_MODEL,
+                   help=f"CLIPSeg hub id or local folder (default {DEFAULT_MASK_MODEL}). Offline: give a folder.")
+    m.add_argument("--threshold", type=float, default=DEFAULT_MASK_THRESHOLD,
+                   help=f"Probability above which a pixel is white (default {DEFAULT_MASK_THRESHOLD}).")
+    m.add_argument("--invert", action="store_true", help="White everywhere except the prompt's thing.")
+    m.add_argument("--expand", type=int, default=0, metavar="PIXELS",
+                   help="Grow the white area by PIXELS in every direction (negative: shrink; default 0).")
+    m.add_argument("--overwrite", action="store_true", help="Replace existing masks.")
+    run_on(m)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         from trainer.tools.merge import run as tool
     elif args.command == "resize":
         from trainer.tools.resize import run as tool
+    elif args.command == "caption":
+        from trainer.tools.caption import run as tool
+    elif args.command == "mask":
+        from trainer.tools.mask import run as tool
     else:
         from trainer.tools.sample import run as tool
     try:
