@@ -302,7 +302,12 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
         page.get_by_role("tab", name="Model", exact=True).click()
         assert page.locator("#cfg-model-path textarea, #cfg-model-path input").first.input_value() == str(model)
         page.get_by_role("tab", name="Concepts", exact=True).click()
-        assert str(images) in page.locator("#cfg-data-concepts").inner_text()
+        page.locator("#cfg-data-concepts-card-0").first.wait_for(timeout=15000)
+        card = page.locator("#cfg-data-concepts-card-0").first.inner_text()  # (Gradio puts a group's id on two nested divs)
+        assert "my-cats" in card and str(images) in card and "0 images" in card  # a card per concept
+        page.locator("#cfg-data-concepts-card-0-edit").click()  # its Edit opens the row editor on it
+        page.wait_for_function("(document.querySelector('#cfg-data-concepts-row') || {innerText: ''})"
+                               ".innerText.includes('Editing row')", timeout=15000)
 
 
 def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):

@@ -10,6 +10,7 @@ proper dropdowns). ``form.inputs`` is the ordered component list every handler r
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import gradio as gr
@@ -74,6 +75,20 @@ def make_widget(spec: FieldSpec, value: Any, elem_id: str, browser: Optional[Fil
     return gr.Textbox(value=value, **common)
 
 
+def _shown(value: Any) -> Any:
+    """A value as the trainer will see it: interpolations (``${atelier_root:}/…``) resolved."""
+    if isinstance(value, str) and "${" in value:
+        try:
+            return str(OmegaConf.create({"v": value}).v)
+        except Exception:  # an interpolation that does not resolve: show it as typed
+            return value
+    return value
+
+
+# list fields shown as cards (the fields people set; the rest stay in the folded table and the row editor)
+CARD_FIELDS: Dict[str, List[str]] = {"data.concepts": ["name", "path", "caption_source", "repeats"]}
+
+
 class ListEditor:
     """A list-of-dataclass field: an editable table, and a row editor generated from the item
     dataclass (dropdowns for choices, browse buttons for paths) with add / update / remove."""
@@ -83,12 +98,20 @@ class ListEditor:
         cols = spec.items
         datatype = ["bool" if c.kind == sw.BOOL else "number" if c.kind in (sw.INT, sw.FLOAT) else "str"
                     for c in cols]
+        self.card_keys = CARD_FIELDS.get(spec.key)
+        self.card_extra: Optional[Callable[[dict], None]] = None  # more per card (a concept's thumbnails)
         self.table = gr.Dataframe(value=[], headers=[c.key for c in cols], datatype=datatype, type="array",
                                   interactive=True, label=f"{spec.label} — {spec.help}", wrap=True,
-                                  elem_id=spec.elem_id, column_count=len(cols))
+                                  elem_id=spec.elem_id, column_count=len(cols), render=False)
+        if self.card_keys:  # one card per row, the few fields people set; every field in the table below
+            with gr.Column(elem_id=f"{spec.elem_id}-cards"):
+                self.render_cards()
+        with (gr.Accordion(f"Table: every field of every {spec.label.lower().rstrip('s')}", open=False,
+                           elem_id=f"{spec.elem_id}-table-fold") if self.card_keys else nullcontext()):
+            self.table.render()
         self.note = gr.Markdown(elem_id=f"{spec.elem_id}-note")
         with gr.Accordion(f"Add or edit one {spec.label.lower().rstrip('s')}", open=False,
-                          elem_id=f"{spec.elem_id}-editor"):
+                          elem_id=f"{spec.elem_id}-editor") as self.editor_fold:
             # which row Update/Remove act on: none until a table row is clicked (a number field here showed
             # "0" on a fresh page, and Update then silently replaced row 0)
             self.row = gr.State(None)
@@ -108,6 +131,39 @@ class ListEditor:
             self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note]),
             self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
             self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.row_label, self.note])]
+
+    def render_cards(self) -> None:
+        """The cards above the folded table (gr.render: they follow the table's rows)."""
+        keys = [c.key for c in self.spec.items]
+
+        if self.card_keys:
+            @gr.render(inputs=[self.table])
+            def cards(table: Any) -> None:
+                rows = self._rows(table)
+                if not rows:
+                    gr.Markdown(f"No {self.spec.label.lower()} yet: add one below.",
+                                elem_id=f"{self.spec.elem_id}-cards-empty")
+                for i, row in enumerate(rows):
+                    item = dict(zip(keys, row))
+                    with gr.Group(elem_classes=["atl-card"], elem_id=f"{self.spec.elem_id}-card-{i}",
+                                  key=f"{self.spec.elem_id}-card-{i}"):
+                        with gr.Row(equal_height=True):
+                            title = item.get("name") or item.get("prompt") or f"row {i}"
+                            gr.Markdown(f"**{i}. {title}**" + ("" if item.get("enabled", True) else " *(off)*"))
+                            edit = gr.Button("Edit", size="sm", scale=0, min_width=70,
+                                             elem_id=f"{self.spec.elem_id}-card-{i}-edit")
+                        gr.Markdown(" · ".join(f"{k.replace('_', ' ')}: `{_shown(item.get(k))}`" for k in self.card_keys
+                                               if k != "name" and item.get(k) not in (None, "")))
+                        if self.card_extra is not None:
+                            self.card_extra(item)
+                    edit.click(lambda t, i=i: self._select_index(t, i), [self.table],
+                               [self.row, self.row_label, *self.items, self.editor_fold])
+
+    def _select_index(self, table: Any, index: int) -> list:
+        rows = self._rows(table)
+        if index >= len(rows):
+            return [gr.skip()] * (3 + len(self.items))
+        return [index, self._row_text(index), *rows[index], gr.Accordion(open=True)]
 
     def _row_text(self, index: Optional[int]) -> str:
         what = self.spec.label.lower().rstrip("s")

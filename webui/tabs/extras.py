@@ -19,6 +19,7 @@ from webui.jobqueue import Job
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 THUMBS = 24
+CARD_THUMBS = 6
 
 
 def extras(ctx: AppContext) -> Dict[str, Callable[[], None]]:
@@ -140,6 +141,25 @@ def concepts(ctx: AppContext) -> None:
     editor = ctx.form.editors.get("data.concepts")
     if editor is None:
         return
+    def card_images(item: dict) -> None:
+        """A concept card's image count and first thumbnails (folders the page may show only)."""
+        path = str(item.get("path") or "")
+        if not path or path.startswith("builtin:"):
+            return
+        folder = resolve_path(path)
+        if not ctx.roots.allowed(folder):
+            gr.Markdown("*(outside the folders this page may show)*")
+            return
+        if not Path(folder).is_dir():
+            gr.Markdown(f"⛔ `{path}` does not exist")
+            return
+        images = concept_images(folder, bool(item.get("recursive")))
+        gr.Markdown(f"{len(images)} images", elem_classes=["atl-card-count"])
+        if images:
+            gr.Gallery([_thumb(p_, 96) for p_ in images[:CARD_THUMBS]], columns=CARD_THUMBS, height=110,
+                       show_label=False, object_fit="contain", allow_preview=False)
+
+    editor.card_extra = card_images
     from webui.tabs.tools import dataset_check
     gr.Markdown("### Dataset report\nWhat the trainer will do with every concept's images: buckets, images "
                 "that would never train, small images, duplicates, missing masks.")
