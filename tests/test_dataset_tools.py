@@ -370,3 +370,18 @@ def test_the_dataset_scan_reads_the_masks_and_captions_written(models, tmp_path,
     by_name = {it.path.name: it for it in items}
     assert by_name["a.png"].mask == data / "a-masklabel.png"
     assert by_name["a.png"].captions == ["red hair, blue sky, ^_^"] and by_name["c.png"].captions == ["keep me"]
+
+
+def test_the_tools_tab_captions_and_masks_a_folder_in_a_subprocess(models, tmp_path):
+    from webui.app import build_app
+    data = _dataset(tmp_path / "data")
+    ctx = build_app(tmp_path / "ws", browse_roots=[tmp_path, models["blip"].parent], start_scheduler=False).atelier
+    run = ctx.handlers["tools_dataset_run"]
+    msg, tail = run("caption", str(data), str(models["blip"]), "sks", "", "", None, False, False, False)
+    assert msg.startswith("✅"), (msg, tail)
+    assert (data / "a.txt").read_text().startswith("sks") and (data / "c.txt").read_text() == "keep me\n"
+    msg, tail = run("mask", str(data), str(models["clipseg"]), "", "", "dog", None, False, False, False)
+    assert msg.startswith("✅"), (msg, tail)
+    assert (data / "a-masklabel.png").is_file() and (data / "b-masklabel.png").is_file()
+    assert "give what to mask" in run("mask", str(data), "", "", "", "", None, False, False, False)[0]
+    assert "outside the folders" in run("caption", "/etc", "", "", "", "", None, False, False, False)[0]

@@ -69,6 +69,7 @@ def build(ctx: AppContext) -> None:
     show.click(as_yaml, form.inputs, [out_md, code])
     dataset_check(ctx, "tools")
     model_tools(ctx)
+    dataset_tools(ctx)
 
 
 def tensorboard_section(ctx: AppContext) -> None:
@@ -261,4 +262,77 @@ def model_tools(ctx: AppContext) -> None:
         return [describe_tool_result(argv, result), result["tail"]]
 
     ctx.handlers["tools_model_run"] = run
+    ctx.handlers["tools_confine"] = confine
     go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])
+
+
+def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = "", suffix: str = "",
+                    overwrite: bool = False, recursive: bool = False, prompt: str = "",
+                    threshold: Optional[float] = None, invert: bool = False) -> Tuple[List[str], str]:
+    """The arguments after ``python -m trainer`` for caption/mask, or ([], what is missing)."""
+    if tool not in ("caption", "mask"):
+        return [], "pick caption or mask"
+    if not folder:
+        return [], "give the folder of images"
+    argv = [tool, folder]
+    if model.strip():
+        argv += ["--model", model.strip()]
+    if tool == "caption":
+        argv += (["--prefix", prefix] if prefix.strip() else []) + (["--suffix", suffix] if suffix.strip() else [])
+    else:
+        prompts = [p.strip() for p in prompt.split(",") if p.strip()]
+        if not prompts:
+            return [], "give what to mask (a text prompt, e.g. 'dog'; several separated by commas)"
+        for text in prompts:
+            argv += ["--prompt", text]
+        if invert:
+            argv.append("--invert")
+    if threshold:
+        argv += ["--threshold", f"{float(threshold):g}"]
+    if recursive:
+        argv.append("--recursive")
+    if overwrite:
+        argv.append("--overwrite")
+    return argv, ""
+
+
+def dataset_tools(ctx: AppContext) -> None:
+    """Caption a folder of images, or make masks from a text prompt (python -m trainer caption|mask)."""
+    with gr.Accordion("Dataset tools: captions and masks", open=False, elem_id="tools-dataset"):
+        gr.Markdown("Write `<image>.txt` captions with a captioning model (BLIP, Florence-2) or a tagger, or "
+                    "`<image>-masklabel.png` masks (white = train) from a text prompt with CLIPSeg. Existing "
+                    "files are kept unless *Overwrite* is ticked. The model is downloaded on first use.")
+        with gr.Row():
+            tool = gr.Radio(["caption", "mask"], value="caption", label="Tool", elem_id="tools-data-tool")
+            recursive = gr.Checkbox(label="Sub-folders too", value=False, elem_id="tools-data-recursive")
+            overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-data-overwrite")
+        folder = gr.Textbox(label="Folder of images", elem_id="tools-data-folder")
+        model = gr.Textbox(label="Model (hub id or folder; empty = the tool's default)", elem_id="tools-data-model")
+        with gr.Row():
+            prefix = gr.Textbox(label="Caption: prefix (e.g. the trigger word)", elem_id="tools-data-prefix")
+            suffix = gr.Textbox(label="Caption: suffix", elem_id="tools-data-suffix")
+            prompt = gr.Textbox(label="Mask: what to keep (e.g. dog)", elem_id="tools-data-prompt")
+            threshold = gr.Number(label="Threshold (empty = default)", value=None, elem_id="tools-data-threshold")
+            invert = gr.Checkbox(label="Mask: invert", value=False, elem_id="tools-data-invert")
+        go = gr.Button("Run", elem_id="tools-data-run")
+        msg = gr.Markdown(elem_id="tools-data-msg")
+        tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-data-tail")
+
+    def run(tool_v, folder_v, model_v, prefix_v, suffix_v, prompt_v, threshold_v, invert_v, recursive_v,
+            overwrite_v) -> List[Any]:
+        confine = ctx.handlers["tools_confine"]
+        folder_v, why = confine(folder_v, "The folder")
+        model_v, why_model = confine(model_v, "The model")
+        if why or why_model:
+            return [f"⛔ {why or why_model}", ""]
+        argv, missing = dataset_command(tool_v, folder_v, model=model_v, prefix=prefix_v or "", suffix=suffix_v or "",
+                                        overwrite=bool(overwrite_v), recursive=bool(recursive_v),
+                                        prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v))
+        if not argv:
+            return [f"⛔ {tool_v}: {missing}.", ""]
+        result = run_tool(argv)
+        return [describe_tool_result(argv, result), result["tail"]]
+
+    ctx.handlers["tools_dataset_run"] = run
+    go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite], [msg, tail])
+
