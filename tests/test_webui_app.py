@@ -379,3 +379,28 @@ def test_tensorboard_is_served_under_the_page_behind_its_login(tmp_path):
     finally:
         board.stop()
         demo.close()
+
+
+def test_the_caption_editor_edits_in_place_replaces_across_the_folder_and_counts_tags(tmp_path):
+    from PIL import Image
+    ws = tmp_path / "ws"
+    data = ws / "cats"
+    data.mkdir(parents=True)
+    for name, caption in (("a", "cat, sofa, red"), ("b", "cat, window"), ("c", None)):
+        Image.new("RGB", (8, 8)).save(data / f"{name}.png")
+        if caption:
+            (data / f"{name}.txt").write_text(caption + "\n")
+    Image.new("L", (8, 8)).save(data / "a-masklabel.png")  # a mask is not an image to caption
+    ctx = build_app(ws, start_scheduler=False).atelier
+    note, items, _, _, tags = ctx.handlers["captions_show"](str(data))
+    assert note.startswith("3 images") and "1 without a caption" in note and len(items) == 3
+    assert tags[0] == ("cat", 2)
+    saved = ctx.handlers["captions_store"](str(data), "c.png", "dog, garden")
+    assert saved[0] == "Saved `c.txt`." and (data / "c.txt").read_text() == "dog, garden\n"
+    assert "not an image of this folder" in ctx.handlers["captions_store"](str(data), "../x.png", "y")[0]
+    out = ctx.handlers["captions_replace"](str(data), "cat", "kitten", False)
+    assert out[0] == "Replaced in 2 caption(s)." and (data / "a.txt").read_text() == "kitten, sofa, red\n"
+    out = ctx.handlers["captions_replace"](str(data), r"\bred\b", "crimson", True)
+    assert (data / "a.txt").read_text() == "kitten, sofa, crimson\n"
+    assert "not a valid regular expression" in ctx.handlers["captions_replace"](str(data), "(", "", True)[0]
+    assert "outside the folders" in ctx.handlers["captions_show"]("/etc")[0]

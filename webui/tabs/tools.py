@@ -70,6 +70,8 @@ def build(ctx: AppContext) -> None:
     dataset_check(ctx, "tools")
     model_tools(ctx)
     dataset_tools(ctx)
+    from webui import captions
+    captions.build(ctx)
 
 
 def tensorboard_section(ctx: AppContext) -> None:

@@ -1,0 +1,144 @@
+"""The caption editor of the Tools tab: a folder's images with their ``<image>.txt`` captions, edited in place;
+search and replace across the folder; how often each tag occurs. Torch-free; writes atomically.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import gradio as gr
+
+from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX
+from trainer.io import atomic_write_bytes
+from webui.context import AppContext
+
+EXTENSION = ".txt"
+
+
+def folder_images(folder: Path) -> List[Path]:
+    """The folder's training images (masks are not images to caption), sorted."""
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
+                  and not p.name.endswith(MASK_SUFFIX))
+
+
+def caption_file(image: Path) -> Path:
+    return image.with_suffix(EXTENSION)
+
+
+def read_caption(image: Path) -> str:
+    try:
+        return caption_file(image).read_text(encoding="utf-8").strip()
+    except OSError:
+        return ""
+
+
+def write_caption(image: Path, text: str) -> None:
+    atomic_write_bytes(caption_file(image), (text.strip() + "\n").encode("utf-8"))
+
+
+def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
+    """Each tag (caption split at the delimiter) with how many captions hold it, most common first."""
+    counts: Counter = Counter()
+    for image in images:
+        tags = {t.strip() for t in read_caption(image).split(delimiter) if t.strip()}
+        counts.update(tags)
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def replace_all(images: List[Path], find: str, replace: str, regex: bool = False) -> List[Path]:
+    """Replace ``find`` in every caption (plain text, or a regular expression); the captions changed."""
+    if not find:
+        return []
+    pattern = re.compile(find) if regex else None
+    changed = []
+    for image in images:
+        old = read_caption(image)
+        new = pattern.sub(replace, old) if pattern else old.replace(find, replace)
+        if new != old:
+            write_caption(image, new)
+            changed.append(image)
+    return changed
+
+
+def build(ctx: AppContext) -> None:
+    with gr.Accordion("Caption editor", open=False, elem_id="caption-editor"):
+        with gr.Row(equal_height=True):
+            folder = gr.Textbox(label="Folder of images", elem_id="cap-folder", scale=4)
+            load = gr.Button("Open", elem_id="cap-open", scale=1)
+        note = gr.Markdown(elem_id="cap-note")
+        with gr.Row():
+            gallery = gr.Gallery(columns=5, height=360, elem_id="cap-gallery", allow_preview=False,
+                                 label="Click an image to edit its caption", scale=3)
+            with gr.Column(scale=2):
+                current = gr.Textbox(label="Image", interactive=False, elem_id="cap-image")
+                caption = gr.Textbox(label="Caption", lines=4, elem_id="cap-text")
+                save = gr.Button("Save caption", variant="primary", elem_id="cap-save")
+        with gr.Row(equal_height=True):
+            find = gr.Textbox(label="Find", elem_id="cap-find")
+            repl = gr.Textbox(label="Replace with", elem_id="cap-replace")
+            regex = gr.Checkbox(label="Regular expression", value=False, elem_id="cap-regex")
+            go = gr.Button("Replace in every caption", elem_id="cap-replace-btn")
+        tags = gr.Dataframe(headers=["tag", "captions"], interactive=False, elem_id="cap-tags",
+                            label="Tags (split at commas), most common first")
+
+    def where(text: str) -> Tuple[Optional[Path], str]:
+        confine = ctx.handlers.get("tools_confine")
+        path, why = confine(text, "The folder") if confine else (text, "")
+        if why:
+            return None, f"⛔ {why}"
+        if not path or not Path(path).is_dir():
+            return None, f"⛔ `{text}` is not a folder: pick the folder of your images."
+        return Path(path), ""
+
+    def show(text: str) -> List[Any]:
+        root, why = where(text)
+        if root is None:
+            return [why, [], "", "", None]
+        images = folder_images(root)
+        missing = sum(1 for i in images if not caption_file(i).exists())
+        items = [(str(i), (read_caption(i)[:60] or "(no caption)")) for i in images[:200]]
+        head = f"{len(images)} images in `{root}`, {missing} without a caption" + \
+            (" (showing 200)" if len(images) > 200 else "")
+        return [head, items, "", "", tag_counts(images) or None]
+
+    def pick(text: str, evt: gr.SelectData) -> List[Any]:
+        root, _ = where(text)
+        images = folder_images(root) if root else []
+        i = evt.index if isinstance(evt.index, int) else (evt.index or [0])[0]
+        if not 0 <= i < len(images):
+            return ["", ""]
+        return [images[i].name, read_caption(images[i])]
+
+    def store(text: str, name: str, new: str) -> List[Any]:
+        root, why = where(text)
+        if root is None or not name:
+            return [why or "Click an image first.", gr.skip(), gr.skip()]
+        image = root / name
+        if image.parent != root or not image.is_file():
+            return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
+        write_caption(image, new)
+        out = show(text)
+        return [f"Saved `{caption_file(image).name}`.", out[1], out[4]]
+
+    def replace(text: str, f: str, r: str, rx: bool) -> List[Any]:
+        root, why = where(text)
+        if root is None:
+            return [why, gr.skip(), gr.skip()]
+        try:
+            changed = replace_all(folder_images(root), f, r, bool(rx))
+        except re.error as exc:
+            return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
+        out = show(text)
+        return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", out[1], out[4]]
+
+    ctx.handlers.update(captions_show=show, captions_store=store, captions_replace=replace)
+    load.click(show, [folder], [note, gallery, current, caption, tags])
+    gallery.select(pick, [folder], [current, caption])
+    save.click(store, [folder, current, caption], [note, gallery, tags])
+    go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
+
+
+__all__ = ["build", "folder_images", "read_caption", "replace_all", "tag_counts", "write_caption"]
