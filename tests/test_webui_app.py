@@ -404,3 +404,19 @@ def test_the_caption_editor_edits_in_place_replaces_across_the_folder_and_counts
     assert (data / "a.txt").read_text() == "kitten, sofa, crimson\n"
     assert "not a valid regular expression" in ctx.handlers["captions_replace"](str(data), "(", "", True)[0]
     assert "outside the folders" in ctx.handlers["captions_show"]("/etc")[0]
+
+
+def test_mask_painter_layers_become_a_black_and_white_mask_and_an_existing_mask_loads_back(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from webui.maskpaint import layer_from_mask, mask_file, save_mask
+    image = tmp_path / "a.jpg"
+    Image.new("RGB", (40, 20)).save(image)
+    layer = Image.new("RGBA", (80, 40), (255, 255, 255, 0))  # the editor's layer may be larger: scaled down
+    layer.paste((255, 255, 255, 191), (0, 0, 40, 40))  # painted: the left half
+    assert save_mask(image, [layer]) == mask_file(image) == tmp_path / "a-masklabel.png"
+    mask = np.asarray(Image.open(mask_file(image)))
+    assert mask.shape == (20, 40) and mask[:, :20].min() == 255 and mask[:, 20:].max() == 0
+    again = np.asarray(layer_from_mask(mask_file(image), (40, 20)))
+    assert (again[..., 3] > 0)[:, :20].all() and not (again[..., 3] > 0)[:, 20:].any()

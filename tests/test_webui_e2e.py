@@ -324,3 +324,32 @@ def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
         page.wait_for_function("document.querySelector('#preset-select input').value === 'demo-sdxl'", timeout=30000)
         page.wait_for_function(
             "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)
+
+
+def test_the_mask_painter_saves_what_was_painted(page_url):
+    import numpy as np
+    from PIL import Image
+    url, ctx = page_url
+    data = ctx.workspace / "cats"
+    data.mkdir(parents=True)
+    Image.new("RGB", (200, 150), (120, 60, 30)).save(data / "a.png")
+    with open_page(url, height=1400) as page:
+        page.get_by_role("tab", name="Tools", exact=True).click()
+        page.get_by_text("Mask painter").click()
+        page.locator("#mask-folder textarea, #mask-folder input").first.fill(str(data))
+        page.locator("#mask-open").click()
+        page.wait_for_function("document.querySelector('#mask-note').innerText.includes('Editing')", timeout=20000)
+        time.sleep(1.0)  # the editor draws the image
+        box = page.locator("#mask-editor canvas").first.bounding_box()
+        cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.move(cx - 40, cy)
+        page.mouse.down()
+        page.mouse.move(cx + 40, cy, steps=10)  # a stroke across the middle of the image
+        page.mouse.up()
+        time.sleep(0.5)
+        page.locator("#mask-save").click()
+        page.wait_for_function("document.querySelector('#mask-note').innerText.includes('Saved')", timeout=20000)
+    mask = np.asarray(Image.open(data / "a-masklabel.png"))
+    assert mask.shape == (150, 200) and set(np.unique(mask)) == {0, 255}  # the image's size, black and white
+    assert mask[75, 100] == 255 and mask[0, 0] == 0 and mask[149, 199] == 0  # painted the middle, not the corners
+    assert 0.01 < (mask == 255).mean() < 0.5

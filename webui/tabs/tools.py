@@ -70,8 +70,9 @@ def build(ctx: AppContext) -> None:
     dataset_check(ctx, "tools")
     model_tools(ctx)
     dataset_tools(ctx)
-    from webui import captions
+    from webui import captions, maskpaint
     captions.build(ctx)
+    maskpaint.build(ctx)
 
 
 def tensorboard_section(ctx: AppContext) -> None:
