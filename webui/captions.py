@@ -63,6 +63,17 @@ def replace_all(images: List[Path], find: str, replace: str, regex: bool = False
     return changed
 
 
+def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
+    """(folder, "") when ``text`` is a folder inside the page's folders, else (None, the message)."""
+    confine = ctx.handlers.get("tools_confine")
+    path, why = confine(text, "The folder") if confine else (text, "")
+    if why:
+        return None, f"⛔ {why}"
+    if not path or not Path(path).is_dir():
+        return None, f"⛔ `{text}` is not a folder: pick the folder of your images."
+    return Path(path), ""
+
+
 def build(ctx: AppContext) -> None:
     with gr.Accordion("Caption editor", open=False, elem_id="caption-editor"):
         with gr.Row(equal_height=True):
@@ -85,13 +96,7 @@ def build(ctx: AppContext) -> None:
                             label="Tags (split at commas), most common first")
 
     def where(text: str) -> Tuple[Optional[Path], str]:
-        confine = ctx.handlers.get("tools_confine")
-        path, why = confine(text, "The folder") if confine else (text, "")
-        if why:
-            return None, f"⛔ {why}"
-        if not path or not Path(path).is_dir():
-            return None, f"⛔ `{text}` is not a folder: pick the folder of your images."
-        return Path(path), ""
+        return image_folder(ctx, text)
 
     def show(text: str) -> List[Any]:
         root, why = where(text)
@@ -141,4 +146,4 @@ def build(ctx: AppContext) -> None:
     go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
 
 
-__all__ = ["build", "folder_images", "read_caption", "replace_all", "tag_counts", "write_caption"]
+__all__ = ["build", "folder_images", "image_folder", "read_caption", "replace_all", "tag_counts", "write_caption"]

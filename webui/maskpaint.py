@@ -16,7 +16,7 @@ import gradio as gr
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
-from webui.captions import folder_images
+from webui.captions import folder_images, image_folder
 from webui.context import AppContext
 
 PAINT = "rgba(255, 255, 255, 0.75)"
@@ -77,13 +77,7 @@ def build(ctx: AppContext) -> None:
         note = gr.Markdown(elem_id="mask-note")
 
     def where(text: str) -> Tuple[Optional[Path], str]:
-        confine = ctx.handlers.get("tools_confine")
-        path, why = confine(text, "The folder") if confine else (text, "")
-        if why:
-            return None, f"⛔ {why}"
-        if not path or not Path(path).is_dir():
-            return None, f"⛔ `{text}` is not a folder: pick the folder of your images."
-        return Path(path), ""
+        return image_folder(ctx, text)
 
     def listing(text: str) -> List[Any]:
         root, why = where(text)
