@@ -228,7 +228,8 @@ def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_
         page.get_by_role("option", name="demo", exact=True).click()
         page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')", timeout=30000)
         page.get_by_role("tab", name="Sampling", exact=True).click()
-        table = page.locator("#cfg-sampling-prompts")
+        table = page.locator("#cfg-sampling-prompts-cards")  # one card per prompt (the table is folded)
+        page.locator("#cfg-sampling-prompts-card-0").first.wait_for(timeout=15000)
         assert "a red square on a white background" in table.inner_text()
         page.get_by_text("Add or edit one prompt").click()
         label = page.locator("#cfg-sampling-prompts-row")
@@ -239,9 +240,11 @@ def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_
                                timeout=15000)
         assert "a red square on a white background" in table.inner_text()  # row 0 untouched
         assert "a green triangle" not in table.inner_text()
-        table.get_by_text("a red square on a white background").first.click()
+        page.locator("#cfg-sampling-prompts-card-0-edit").click()
         page.wait_for_function("document.querySelector('#cfg-sampling-prompts-row').innerText.includes('Editing row')",
                                timeout=15000)
+        assert page.locator("#cfg-sampling-prompts-item-prompt textarea").input_value() == \
+            "a red square on a white background"
         assert "Editing row 0" in label.inner_text().replace("*", "")
 
 

@@ -86,7 +86,8 @@ def _shown(value: Any) -> Any:
 
 
 # list fields shown as cards (the fields people set; the rest stay in the folded table and the row editor)
-CARD_FIELDS: Dict[str, List[str]] = {"data.concepts": ["name", "path", "caption_source", "repeats"]}
+CARD_FIELDS: Dict[str, List[str]] = {"data.concepts": ["name", "path", "caption_source", "repeats"],
+                                     "sampling.prompts": ["prompt", "seed", "steps", "cfg_scale", "width", "height"]}
 
 
 class ListEditor:
@@ -148,12 +149,13 @@ class ListEditor:
                     with gr.Group(elem_classes=["atl-card"], elem_id=f"{self.spec.elem_id}-card-{i}",
                                   key=f"{self.spec.elem_id}-card-{i}"):
                         with gr.Row(equal_height=True):
-                            title = item.get("name") or item.get("prompt") or f"row {i}"
+                            title_key = self.card_keys[0]  # name (concepts), prompt (sample prompts)
+                            title = item.get(title_key) or f"row {i}"
                             gr.Markdown(f"**{i}. {title}**" + ("" if item.get("enabled", True) else " *(off)*"))
                             edit = gr.Button("Edit", size="sm", scale=0, min_width=70,
                                              elem_id=f"{self.spec.elem_id}-card-{i}-edit")
                         gr.Markdown(" · ".join(f"{k.replace('_', ' ')}: `{_shown(item.get(k))}`" for k in self.card_keys
-                                               if k != "name" and item.get(k) not in (None, "")))
+                                               if k != title_key and item.get(k) not in (None, "")))
                         if self.card_extra is not None:
                             self.card_extra(item)
                     edit.click(lambda t, i=i: self._select_index(t, i), [self.table],
