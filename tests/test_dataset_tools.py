@@ -376,7 +376,8 @@ def test_the_tools_tab_captions_and_masks_a_folder_in_a_subprocess(models, tmp_p
     from webui.app import build_app
     data = _dataset(tmp_path / "data")
     ctx = build_app(tmp_path / "ws", browse_roots=[tmp_path, models["blip"].parent], start_scheduler=False).atelier
-    run = ctx.handlers["tools_dataset_run"]
+    def run(*args):  # the page's handler yields progress, then the result: the last update counts
+        return list(ctx.handlers["tools_dataset_run"](*args))[-1]
     msg, tail = run("caption", str(data), str(models["blip"]), "sks", "", "", None, False, False, False)
     assert msg.startswith("✅"), (msg, tail)
     assert (data / "a.txt").read_text().startswith("sks") and (data / "c.txt").read_text() == "keep me\n"

@@ -331,10 +331,39 @@ def test_tools_tab_runs_the_cli_and_names_the_output(made, tmp_path):
 def test_the_tools_section_uses_only_the_folders_the_page_may_use(tmp_path):
     from webui.app import build_app
     ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
-    run = ctx.handlers["tools_model_run"]
+    def run(*args):  # the page's handler yields progress, then the result: the last update counts
+        return list(ctx.handlers["tools_model_run"](*args))[-1]
     outside = tmp_path / "elsewhere" / "merged.safetensors"
     msg, _ = run("merge", "single-file", "auto", "builtin:tiny-sd", "/etc/passwd:0.5", None, "", 20, 42, 1,
                  str(ctx.workspace / "m.safetensors"), False)
     assert "The LoRA `/etc/passwd` is outside the folders" in msg
     msg, _ = run("convert", "single-file", "auto", "builtin:tiny-sd", "", None, "", 20, 42, 1, str(outside), False)
     assert "The output" in msg and "outside the folders" in msg and not outside.parent.exists()
+
+
+def test_a_tool_run_from_the_page_reports_progress_and_cancel_kills_it(tmp_path):
+    import sys
+    import time
+
+    from trainer import procs
+    from webui.tabs.tools import stream_tool
+    script = tmp_path / "slow.py"  # stands in for a long caption run: prints, then works for a minute
+    script.write_text("import sys, time\nprint('captioned 1/100', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
+    fake = tmp_path / "fakepython"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    fake.chmod(0o755)
+    gen = stream_tool(["caption", "x"], python=str(fake), poll_s=0.1)
+    start, update = time.time(), None
+    for update in gen:
+        if "captioned 1/100" in update.get("tail", "") or time.time() - start > 20:
+            break
+    assert update and update["rc"] is None and "captioned 1/100" in update["tail"]
+    def cmdline(proc_dir: Path) -> str:
+        try:
+            return (proc_dir / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # ended meanwhile
+            return ""
+    pid_file = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and str(script) in cmdline(p)]
+    assert pid_file, "the tool is running"
+    gen.close()  # what the page's Cancel does to the running handler
+    assert not any(procs.pid_alive(pid) for pid in pid_file)

@@ -8,8 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
 
@@ -155,20 +156,57 @@ def tool_command(tool: str, model: str = "", loras: str = "", out: str = "", *, 
 _WROTE = re.compile(r"^wrote (.+?)(?: \([^()]*\))?$")
 
 
-def run_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys.executable) -> Dict[str, Any]:
-    """Run ``python -m trainer <argv>``: ``{"rc", "tail" (last lines of its output), "outputs" (paths written)}``."""
+def stream_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys.executable,
+                poll_s: float = 1.0) -> Iterator[Dict[str, Any]]:
+    """Run ``python -m trainer <argv>`` and yield ``{"rc": None, "tail", "elapsed"}`` while it runs (its last
+    output lines), then the result ``{"rc", "tail", "outputs" (paths written)}``. Closing the generator (the
+    page's Cancel) kills the tool and what it started."""
+    import tempfile
+
+    from trainer import procs
     from webui import runner
     path = os.pathsep.join(p for p in (str(runner.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, PYTHONPATH=path,
                TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
-    try:
-        done = subprocess.run([python, "-m", "trainer", *argv], capture_output=True, text=True, timeout=timeout,
-                              env=env, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"rc": None, "tail": f"stopped after {timeout:.0f} s", "outputs": []}
-    except OSError as exc:
-        return {"rc": None, "tail": f"could not start the tool: {exc}", "outputs": []}
-    out_lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+    with tempfile.TemporaryDirectory(prefix="atelier-tool-") as tmp:
+        out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        try:
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = subprocess.Popen([python, "-m", "trainer", *argv], stdout=out, stderr=err, env=env,
+                                        stdin=subprocess.DEVNULL, **procs.detached_popen_kwargs())
+        except OSError as exc:
+            yield {"rc": None, "tail": f"could not start the tool: {exc}", "outputs": []}
+            return
+        started, finished = time.time(), False
+
+        def lines() -> Tuple[List[str], List[str]]:
+            def read(name: str) -> List[str]:
+                with open(name, "rb") as fh:
+                    text = fh.read().decode("utf-8", errors="replace").replace("\r", "\n")
+                return [ln for ln in text.splitlines() if ln.strip()]
+            return read(out_path), [ln for ln in read(err_path) if "it/s]" not in ln]
+
+        try:
+            while proc.poll() is None:
+                if time.time() - started > timeout:
+                    procs.kill_tree(proc.pid, None if procs.is_windows() else proc.pid)
+                    proc.wait()
+                    finished = True
+                    yield {"rc": None, "tail": f"stopped after {timeout:.0f} s", "outputs": []}
+                    return
+                out_lines, err_lines = lines()
+                yield {"rc": None, "tail": "\n".join((out_lines + err_lines)[-TAIL_LINES:]),
+                       "elapsed": time.time() - started}
+                time.sleep(poll_s)
+            finished = True
+            out_lines, err_lines = lines()
+        finally:
+            if not finished and proc.poll() is None:  # cancelled from the page
+                try:
+                    procs.kill_tree(proc.pid, None if procs.is_windows() else proc.pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
     outputs = []
     for line in out_lines:
         m = _WROTE.match(line.strip())
@@ -176,8 +214,25 @@ def run_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys
             outputs.append(m.group(1))
         elif argv and argv[0] == "sample" and line.strip().lower().endswith(".png"):
             outputs.append(line.strip())
-    lines = out_lines + [ln for ln in done.stderr.splitlines() if ln.strip() and "it/s]" not in ln]
-    return {"rc": done.returncode, "tail": "\n".join(lines[-TAIL_LINES:]), "outputs": outputs}
+    yield {"rc": proc.returncode, "tail": "\n".join((out_lines + err_lines)[-TAIL_LINES:]), "outputs": outputs}
+
+
+def run_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys.executable) -> Dict[str, Any]:
+    """Run ``python -m trainer <argv>`` to the end: ``{"rc", "tail" (last output lines), "outputs"}``."""
+    result: Dict[str, Any] = {}
+    for result in stream_tool(argv, timeout, python, poll_s=0.2):
+        pass
+    return result
+
+
+def progress_updates(argv: List[str]) -> Iterator[List[Any]]:
+    """[message, tail] for the page while a tool runs, then its result."""
+    cmd = "python -m trainer " + " ".join(_quote(a) for a in argv)
+    for result in stream_tool(argv):
+        if result.get("rc") is None and "elapsed" in result:
+            yield [f"⏳ Running `{cmd}` ({result['elapsed']:.0f} s) — **Cancel** stops it.", result["tail"]]
+        else:
+            yield [describe_tool_result(argv, result), result["tail"]]
 
 
 def describe_tool_result(argv: List[str], result: Dict[str, Any]) -> str:
@@ -219,7 +274,9 @@ def model_tools(ctx: AppContext) -> None:
         with gr.Row():
             out = gr.Textbox(label="Output (file or folder; empty = next to the input)", elem_id="tools-model-out")
             overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-model-overwrite")
-        go = gr.Button("Run the tool", elem_id="tools-model-run")
+        with gr.Row():
+            go = gr.Button("Run the tool", elem_id="tools-model-run", scale=3)
+            cancel = gr.Button("Cancel", variant="stop", elem_id="tools-model-cancel", scale=1)
         msg = gr.Markdown(elem_id="tools-model-msg")
         tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-model-tail")
 
@@ -255,18 +312,21 @@ def model_tools(ctx: AppContext) -> None:
             out_v, why_out = confine(out_v, "The output")
             why = why or why_out
         if why:
-            return [f"⛔ {why}", ""]
+            yield [f"⛔ {why}", ""]
+            return
         argv, missing = tool_command(tool_v, model_v, loras_v, out_v, to=to_v, dtype=dtype_v, rank=rank_v,
                                      prompt=prompt_v, steps=steps_v, seed=seed_v, count=count_v,
                                      overwrite=bool(overwrite_v), workspace=str(ctx.workspace))
         if not argv:
-            return [f"⛔ {tool_v}: {missing}.", ""]
-        result = run_tool(argv)
-        return [describe_tool_result(argv, result), result["tail"]]
+            yield [f"⛔ {tool_v}: {missing}.", ""]
+            return
+        yield from progress_updates(argv)
 
     ctx.handlers["tools_model_run"] = run
     ctx.handlers["tools_confine"] = confine
-    go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])
+    job = go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])
+    cancel.click(lambda: "Cancelled: the tool was stopped; nothing half-written is left (outputs are renamed "
+                 "into place only when complete).", None, [msg], cancels=[job])
 
 
 def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = "", suffix: str = "",
@@ -317,7 +377,9 @@ def dataset_tools(ctx: AppContext) -> None:
             prompt = gr.Textbox(label="Mask: what to keep (e.g. dog)", elem_id="tools-data-prompt")
             threshold = gr.Number(label="Threshold (empty = default)", value=None, elem_id="tools-data-threshold")
             invert = gr.Checkbox(label="Mask: invert", value=False, elem_id="tools-data-invert")
-        go = gr.Button("Run", elem_id="tools-data-run")
+        with gr.Row():
+            go = gr.Button("Run", elem_id="tools-data-run", scale=3)
+            cancel = gr.Button("Cancel", variant="stop", elem_id="tools-data-cancel", scale=1)
         msg = gr.Markdown(elem_id="tools-data-msg")
         tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-data-tail")
 
@@ -327,15 +389,18 @@ def dataset_tools(ctx: AppContext) -> None:
         folder_v, why = confine(folder_v, "The folder")
         model_v, why_model = confine(model_v, "The model")
         if why or why_model:
-            return [f"⛔ {why or why_model}", ""]
+            yield [f"⛔ {why or why_model}", ""]
+            return
         argv, missing = dataset_command(tool_v, folder_v, model=model_v, prefix=prefix_v or "", suffix=suffix_v or "",
                                         overwrite=bool(overwrite_v), recursive=bool(recursive_v),
                                         prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v))
         if not argv:
-            return [f"⛔ {tool_v}: {missing}.", ""]
-        result = run_tool(argv)
-        return [describe_tool_result(argv, result), result["tail"]]
+            yield [f"⛔ {tool_v}: {missing}.", ""]
+            return
+        yield from progress_updates(argv)
 
     ctx.handlers["tools_dataset_run"] = run
-    go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite], [msg, tail])
+    job = go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite],
+                   [msg, tail])
+    cancel.click(lambda: "Cancelled: the tool was stopped (files it finished are kept).", None, [msg], cancels=[job])
 
