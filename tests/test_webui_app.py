@@ -392,8 +392,10 @@ def test_the_caption_editor_edits_in_place_replaces_across_the_folder_and_counts
             (data / f"{name}.txt").write_text(caption + "\n")
     Image.new("L", (8, 8)).save(data / "a-masklabel.png")  # a mask is not an image to caption
     ctx = build_app(ws, start_scheduler=False).atelier
+    Image.new("L", (8, 8)).save(data / "b-masklabel.png")  # all black: b is masked out entirely
     note, items, _, _, tags = ctx.handlers["captions_show"](str(data))
     assert note.startswith("3 images") and "1 without a caption" in note and len(items) == 3
+    assert "2 with a mask" in note and items[1][1].endswith("· mask") and not items[2][1].endswith("· mask")
     assert tags[0] == ("cat", 2)
     saved = ctx.handlers["captions_store"](str(data), "c.png", "dog, garden")
     assert saved[0] == "Saved `c.txt`." and (data / "c.txt").read_text() == "dog, garden\n"
@@ -420,3 +422,15 @@ def test_mask_painter_layers_become_a_black_and_white_mask_and_an_existing_mask_
     assert mask.shape == (20, 40) and mask[:, :20].min() == 255 and mask[:, 20:].max() == 0
     again = np.asarray(layer_from_mask(mask_file(image), (40, 20)))
     assert (again[..., 3] > 0)[:, :20].all() and not (again[..., 3] > 0)[:, 20:].any()
+
+
+def test_grid_thumbnails_darken_what_the_mask_leaves_out(tmp_path):
+    from PIL import Image
+
+    from webui.captions import thumbnail
+    Image.new("RGB", (40, 20), (250, 250, 250)).save(tmp_path / "a.png")
+    mask = Image.new("L", (40, 20), 0)
+    mask.paste(255, (0, 0, 20, 20))  # train on the left half only
+    mask.save(tmp_path / "a-masklabel.png")
+    thumb = thumbnail(tmp_path / "a.png")
+    assert thumb.getpixel((5, 10))[0] == 250 and thumb.getpixel((35, 10))[0] == 75

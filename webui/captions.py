@@ -39,6 +39,28 @@ def write_caption(image: Path, text: str) -> None:
     atomic_write_bytes(caption_file(image), (text.strip() + "\n").encode("utf-8"))
 
 
+def mask_of(image: Path) -> Path:
+    return image.with_name(image.stem + MASK_SUFFIX)
+
+
+def thumbnail(image: Path, size: int = 192) -> Any:
+    """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid."""
+    from PIL import Image
+    with Image.open(image) as img:
+        thumb = img.convert("RGB")
+        thumb.thumbnail((size, size))
+    mask = mask_of(image)
+    if mask.exists():
+        try:
+            with Image.open(mask) as m:
+                keep = m.convert("L").resize(thumb.size)
+        except OSError:
+            return thumb
+        dark = thumb.point(lambda v: int(v * 0.3))
+        thumb = Image.composite(thumb, dark, keep.point(lambda v: 255 if v >= 128 else 0))
+    return thumb
+
+
 def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
     """Each tag (caption split at the delimiter) with how many captions hold it, most common first."""
     counts: Counter = Counter()
@@ -104,9 +126,11 @@ def build(ctx: AppContext) -> None:
             return [why, [], "", "", None]
         images = folder_images(root)
         missing = sum(1 for i in images if not caption_file(i).exists())
-        items = [(str(i), (read_caption(i)[:60] or "(no caption)")) for i in images[:200]]
-        head = f"{len(images)} images in `{root}`, {missing} without a caption" + \
-            (" (showing 200)" if len(images) > 200 else "")
+        items = [(thumbnail(i), (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else ""))
+                 for i in images[:200]]
+        masked = sum(1 for i in images if mask_of(i).exists())
+        head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
+            "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
         return [head, items, "", "", tag_counts(images) or None]
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:

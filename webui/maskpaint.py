@@ -16,14 +16,14 @@ import gradio as gr
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
-from webui.captions import folder_images, image_folder
+from webui.captions import folder_images, image_folder, mask_of
 from webui.context import AppContext
 
 PAINT = "rgba(255, 255, 255, 0.75)"
 
 
 def mask_file(image: Path) -> Path:
-    return image.with_name(image.stem + MASK_SUFFIX)
+    return mask_of(image)
 
 
 def layer_from_mask(mask_path: Path, size: Tuple[int, int]) -> Any:
