@@ -327,6 +327,7 @@ def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
         page.wait_for_function("document.querySelector('#preset-select input').value === 'demo-sdxl'", timeout=30000)
         page.wait_for_function(
             "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)
+        assert not page.locator("#qs-fill").is_visible()  # a returning user's quick start is folded
 
 
 def test_the_mask_painter_saves_what_was_painted(page_url):

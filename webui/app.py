@@ -103,7 +103,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             *ctx.components["runs_details"], show_progress="hidden")
 
         form = ctx.form
-        outs = load_outputs(form) + [ctx["preset"], tabs]
+        outs = load_outputs(form) + [ctx["preset"], tabs, ctx["quickstart"]]
 
         tab_of_label = {b.label: b.id for b in demo.blocks.values() if isinstance(b, gr.Tab) and b.id}
 
@@ -125,8 +125,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             presets = gr.Dropdown(choices=tcfg.preset_names(), value=preset)
             tab = gr.Tabs(selected=state["tab"]) if state.get("tab") else gr.skip()
             if values is None:
-                return [gr.skip()] * len(load_outputs(form)) + [presets, tab]
-            return load_updates(form, values) + [presets, tab]
+                return [gr.skip()] * len(load_outputs(form)) + [presets, tab, gr.skip()]
+            return load_updates(form, values) + [presets, tab, gr.Accordion(open=False)]
 
         ctx.handlers["on_load"] = on_load
         demo.load(on_load, None, outs, show_progress="hidden")

@@ -85,7 +85,8 @@ def fill(kind: str, what: str, model_path: str, images: str, card_gib: Optional[
 
 
 def build(ctx: AppContext, card_gib: Optional[float]) -> None:
-    with gr.Accordion("Quick start: three choices fill the form", open=True, elem_id="quickstart"):
+    with gr.Accordion("Quick start: three choices fill the form", open=True, elem_id="quickstart") as fold:
+        ctx.components["quickstart"] = fold  # folded on a reload that restores a draft (a returning user)
         with gr.Row(equal_height=True):
             kind = gr.Dropdown([(label, key) for key, (label, _) in KINDS.items()], value=None,
                                label="① Model you train on", elem_id="qs-kind", scale=2)
