@@ -251,6 +251,16 @@ def _quote(arg: str) -> str:
     return f'"{arg}"' if (not arg or any(c.isspace() for c in arg)) else arg
 
 
+def run_controls(prefix: str, label: str) -> Tuple[Any, Any, Any, Any]:
+    """Run and Cancel buttons, the message and the tool's last output lines (``<prefix>-run`` …)."""
+    with gr.Row():
+        go = gr.Button(label, elem_id=f"{prefix}-run", scale=3)
+        cancel = gr.Button("Cancel", variant="stop", elem_id=f"{prefix}-cancel", scale=1)
+    msg = gr.Markdown(elem_id=f"{prefix}-msg")
+    tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id=f"{prefix}-tail")
+    return go, cancel, msg, tail
+
+
 def model_tools(ctx: AppContext) -> None:
     """The "Model tools" section: one small form for convert / merge / resize / sample."""
     with gr.Accordion("Model tools", open=False, elem_id="tools-model"):
@@ -274,11 +284,7 @@ def model_tools(ctx: AppContext) -> None:
         with gr.Row():
             out = gr.Textbox(label="Output (file or folder; empty = next to the input)", elem_id="tools-model-out")
             overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-model-overwrite")
-        with gr.Row():
-            go = gr.Button("Run the tool", elem_id="tools-model-run", scale=3)
-            cancel = gr.Button("Cancel", variant="stop", elem_id="tools-model-cancel", scale=1)
-        msg = gr.Markdown(elem_id="tools-model-msg")
-        tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-model-tail")
+        go, cancel, msg, tail = run_controls("tools-model", "Run the tool")
 
     def confine(text: str, what: str) -> Tuple[str, str]:
         """(absolute path, "") inside the folders this page may use; hub ids and builtin: names pass as they are."""
@@ -377,11 +383,7 @@ def dataset_tools(ctx: AppContext) -> None:
             prompt = gr.Textbox(label="Mask: what to keep (e.g. dog)", elem_id="tools-data-prompt")
             threshold = gr.Number(label="Threshold (empty = default)", value=None, elem_id="tools-data-threshold")
             invert = gr.Checkbox(label="Mask: invert", value=False, elem_id="tools-data-invert")
-        with gr.Row():
-            go = gr.Button("Run", elem_id="tools-data-run", scale=3)
-            cancel = gr.Button("Cancel", variant="stop", elem_id="tools-data-cancel", scale=1)
-        msg = gr.Markdown(elem_id="tools-data-msg")
-        tail = gr.Code(label="Last output lines", language=None, interactive=False, elem_id="tools-data-tail")
+        go, cancel, msg, tail = run_controls("tools-data", "Run")
 
     def run(tool_v, folder_v, model_v, prefix_v, suffix_v, prompt_v, threshold_v, invert_v, recursive_v,
             overwrite_v) -> List[Any]:
