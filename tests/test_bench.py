@@ -120,3 +120,15 @@ def test_bar_watcher_and_child_timing(tmp_path):
     # one stall after the first step moves the first-to-last rate, not the median step
     marks = [(1, 0.0), (2, 1.0), (3, 1.1), (4, 1.2), (5, 1.3)]
     assert loop_rate(marks) == 3.08 and steady_rate(marks) == 10.0 and steady_rate([(1, 0.0)]) is None
+
+
+def test_flops_of_a_step_are_counted_from_the_real_size_model_on_the_meta_device():
+    import flops
+    one = flops.step_flops("sd15", 256, 1, "lora")
+    two = flops.step_flops("sd15", 256, 2, "lora")
+    assert two["forward_tflops"] == pytest.approx(2 * one["forward_tflops"], rel=1e-6)  # linear in the batch
+    big = flops.step_flops("sd15", 512, 1, "finetune")
+    assert big["forward_tflops"] > 4 * one["forward_tflops"]  # 4× the pixels, and attention grows faster
+    assert big["step_tflops"] == pytest.approx(3 * big["forward_tflops"])
+    assert one["step_tflops"] == pytest.approx(2 * one["forward_tflops"])  # frozen weights: no weight gradients
+    assert flops.mfu(2.0, 10.0, 100.0) == pytest.approx(0.2)

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""FLOPs of one training step of a denoiser at real size, and model FLOPs utilisation (MFU) from a speed.
+
+    .venv/bin/python bench/flops.py --family sd15 --resolution 512 --batch 1 --method lora
+    .venv/bin/python bench/flops.py --family sdxl --resolution 1024 --batch 1 --steps-per-s 1.2 --peak-tflops 165
+    .venv/bin/python bench/flops.py --family sd15 --resolution 512 --json
+
+The UNet is built from the shipped diffusers config (``trainer/families/common/sd_kit/configs/<family>/unet``)
+on the meta device (no weights, no memory) and one forward pass is counted with
+``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convolutions, attention; an elementwise op counts 0,
+as in the usual MFU convention). A training step is counted as 3× the forward for a fine-tune (forward,
+gradients of the activations, gradients of the weights) and 2× for LoRA or an embedding (the frozen
+weights get no gradient matmuls; the adapters' own FLOPs are negligible). With a measured speed
+(``--steps-per-s``, e.g. bench_train's ``steady_steps_per_s``) and the device's dense peak
+(``--peak-tflops``: e.g. an H100 SXM's bf16 989, an RTX 4090's bf16 165 — with dense, not sparse, figures),
+it prints MFU = FLOPs per step × steps/s ÷ peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = ROOT / "trainer" / "families" / "common" / "sd_kit" / "configs"
+TEXT_WIDTH = {"sd15": 768, "sd2": 1024, "sd2-base": 1024, "sdxl": 2048}
+STEP_FACTOR = {"finetune": 3.0, "lora": 2.0, "embedding": 2.0}
+
+
+def unet_forward_flops(unet_config: Dict, resolution: int, batch: int, text_width: int, sdxl: bool) -> int:
+    """FLOPs of one UNet forward at ``resolution`` (pixels) and ``batch``, counted on the meta device."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from torch.utils.flop_counter import FlopCounterMode
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(unet_config)
+        side = resolution // 8
+        latents = torch.empty(batch, unet.config.in_channels, side, side)
+        t = torch.zeros(batch)
+        text = torch.empty(batch, 77, text_width)
+        added = None
+        if sdxl:
+            added = {"text_embeds": torch.empty(batch, 1280), "time_ids": torch.empty(batch, 6)}
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        unet(latents, t, encoder_hidden_states=text, added_cond_kwargs=added)
+    return int(counter.get_total_flops())
+
+
+def step_flops(family: str, resolution: int, batch: int, method: str) -> Dict[str, float]:
+    config = json.loads((CONFIGS / family / "unet" / "config.json").read_text(encoding="utf-8"))
+    forward = unet_forward_flops(config, resolution, batch, TEXT_WIDTH[family], family == "sdxl")
+    return {"family": family, "resolution": resolution, "batch": batch, "method": method,
+            "forward_tflops": forward / 1e12, "step_tflops": STEP_FACTOR[method] * forward / 1e12}
+
+
+def mfu(step_tflops: float, steps_per_s: float, peak_tflops: float) -> float:
+    return step_tflops * steps_per_s / peak_tflops
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=sorted(TEXT_WIDTH), default="sd15")
+    ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--method", choices=sorted(STEP_FACTOR), default="lora")
+    ap.add_argument("--steps-per-s", type=float, help="measured training speed (for MFU)")
+    ap.add_argument("--peak-tflops", type=float, help="the device's dense peak in the training precision (for MFU)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    out = step_flops(a.family, a.resolution, a.batch, a.method)
+    if a.steps_per_s and a.peak_tflops:
+        out["mfu"] = mfu(out["step_tflops"], a.steps_per_s, a.peak_tflops)
+    if a.json:
+        print(json.dumps(out))
+    else:
+        text = (f"{a.family} {a.method} at {a.resolution} px, batch {a.batch}: forward {out['forward_tflops']:.3f} "
+                f"TFLOPs, training step {out['step_tflops']:.3f} TFLOPs")
+        if "mfu" in out:
+            text += f"; at {a.steps_per_s:g} steps/s on a {a.peak_tflops:g} TFLOPS device: MFU {100 * out['mfu']:.1f} %"
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
