@@ -204,6 +204,26 @@ def compare(args, ws: Path) -> int:
     return 0
 
 
+def model_flops(preset: str, overrides: list, result: Dict[str, Any], peak_tflops: float) -> Dict[str, Any]:
+    """The step's FLOPs (real-size model of the preset's family) and MFU at the measured steady speed."""
+    import flops
+    from trainer.config import load_config
+    cfg = load_config(preset=preset, overrides=overrides)
+    family = str(cfg.model.family)
+    if family == "auto":  # detected from the weights at load time; the preset's name says it for the bench
+        family = next((f for f in ("sdxl", "sd2", "sd15") if preset.startswith(f)), "")
+    family = family if family in ("sd15", "sd2", "sdxl") else ""
+    if not family:
+        return {"mfu_note": f"FLOPs are counted for SD 1.x/2.x/SDXL; model.family = {cfg.model.family}"}
+    side = int(str(cfg.data.resolution).split(",")[0].split("x")[0])
+    count = flops.step_flops(family, side, int(cfg.training.batch_size), str(cfg.training.method))
+    speed = result.get("steady_steps_per_s") or result.get("loop_steps_per_s")
+    out: Dict[str, Any] = {"step_tflops": round(count["step_tflops"], 4), "peak_tflops": peak_tflops}
+    if speed:
+        out["mfu"] = round(flops.mfu(count["step_tflops"], float(speed), peak_tflops), 4)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="demo")
@@ -226,6 +246,9 @@ def main() -> int:
                          "own choice. On a shared, busy CPU 1 thread gives steadier figures.")
     ap.add_argument("--repeat", type=int, default=1, help="Measured runs per trainer (alternating); "
                                                           "figures are medians.")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="The device's dense peak in the training precision: adds the step's FLOPs (counted from "
+                         "the real-size model, bench/flops.py) and MFU for SD 1.x/2.x/SDXL presets.")
     args = ap.parse_args()
     ws = Path(args.workspace) if args.workspace else Path(tempfile.mkdtemp(prefix="atelier-bench-"))
     ws.mkdir(parents=True, exist_ok=True)
@@ -243,6 +266,8 @@ def main() -> int:
     result = median_of(runs)
     result.update(machine, threads=args.threads)
     result.update(_torch_probe(sys.executable, env))
+    if args.peak_tflops:
+        result.update(model_flops(args.preset, args.overrides, result, args.peak_tflops))
     print(json.dumps(result))
     print(f"| {result['preset']} | {result['device']} | {result['time_to_first_step_s']} s | "
           f"{result['loop_steps_per_s']} | {result['process_steps_per_s']} | {result['peak_ram_mib']} MiB |")

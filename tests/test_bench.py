@@ -132,3 +132,13 @@ def test_flops_of_a_step_are_counted_from_the_real_size_model_on_the_meta_device
     assert big["step_tflops"] == pytest.approx(3 * big["forward_tflops"])
     assert one["step_tflops"] == pytest.approx(2 * one["forward_tflops"])  # frozen weights: no weight gradients
     assert flops.mfu(2.0, 10.0, 100.0) == pytest.approx(0.2)
+
+
+def test_bench_train_reports_the_presets_step_flops_and_mfu():
+    import bench_train
+    import flops
+    out = bench_train.model_flops("sdxl-lora-8gb", [], {"steady_steps_per_s": 0.5}, 100.0)
+    expected = flops.step_flops("sdxl", 1024, 1, "lora")["step_tflops"]
+    assert out["step_tflops"] == pytest.approx(expected, abs=1e-4)
+    assert out["mfu"] == pytest.approx(expected * 0.5 / 100.0, abs=1e-4)
+    assert "mfu_note" in bench_train.model_flops("demo-flux", [], {}, 100.0)  # no real-size count for it
