@@ -296,14 +296,14 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.generator = torch.Generator().manual_seed(g.seed)
         self._setup_loss_ema_precision()
-        self.compiled_at = None  # training.compile: set when compiled (the first step pays for the compiles)
+        self.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
         if t.get("compile", False):
             from trainer.compile import compile_blocks, describe
             try:
                 done = compile_blocks(self.model.denoiser)
             except ValueError as exc:
                 raise ConfigError(str(exc), key="training.compile", value=True) from None
-            self.compiled_at = time.time()
+            self.compiled = True
             log.info("training.compile: %s compiled at their first call", describe(done))
 
         # cached text outputs stay valid only while no text-side module trains
@@ -598,7 +598,7 @@ class Trainer:
         lrs = {g.get("name", str(i)): g["lr"] * g["d"] if isinstance(g.get("d"), float) else g["lr"]
                for i, g in enumerate(self.optimizer.param_groups)}
         extra = {}
-        if self.compiled_at is not None and done == 1:  # the first step of this process compiled the blocks
+        if self.compiled and done == 1:  # the first step of this process compiled the blocks
             extra["first_step_s"] = round(elapsed, 2)
             log.info("training.compile: the first step, compiles included, took %.1f s", extra["first_step_s"])
         self.run.events.emit("step", step=step, total_steps=self.total_steps, epoch=self.pos.epoch + 1,

@@ -87,8 +87,7 @@ def replace_all(images: List[Path], find: str, replace: str, regex: bool = False
 
 def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     """(folder, "") when ``text`` is a folder inside the page's folders, else (None, the message)."""
-    confine = ctx.handlers.get("tools_confine")
-    path, why = confine(text, "The folder") if confine else (text, "")
+    path, why = ctx.allowed_path(text, "The folder")
     if why:
         return None, f"⛔ {why}"
     if not path or not Path(path).is_dir():

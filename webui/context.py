@@ -75,6 +75,21 @@ class AppContext:
         result.issues += [FieldError(i.key, i.message, i.level) for i in tcfg.cross_field_warnings(cfg)]
         return result
 
+    def allowed_path(self, text: str, what: str) -> tuple[str, str]:
+        """(absolute path, "") for a path the tools may use: inside the page's folders (relative = the workspace);
+        hub ids and ``builtin:`` names pass as they are; else ("", the message naming ``what``)."""
+        from trainer.preflight import looks_like_hub_id
+        text = (text or "").strip()
+        if not text or text.startswith("builtin:") or looks_like_hub_id(text):
+            return text, ""
+        path = Path(text).expanduser()
+        path = (path if path.is_absolute() else self.workspace / path).resolve()
+        if not self.roots.allowed(path):
+            where = ", ".join(f"`{r}`" for r in self.roots.paths)
+            return "", (f"{what} `{text}` is outside the folders this page may use ({where}); start the UI with "
+                        "`--browse-root FOLDER` to allow another folder.")
+        return str(path), ""
+
     def run_config_yaml(self, cfg: Any) -> str:
         """The YAML a run starts with: the form's config, with the UI's workspace filled in when the
         form still has the default (relative) one, so caches land next to the runs."""

@@ -150,6 +150,15 @@ def trainer_command(config_path: Path, run_dir: Path, resume: str = "",
     return cmd
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a process the UI starts (trainer, tools, estimator): this project importable, output
+    unbuffered, the libraries' chatter down to errors."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
 def launch(run_dir: Path, resume: str = "", trainer_argv: Optional[List[str]] = None,
            python: str = sys.executable) -> subprocess.Popen:
     """Start the trainer (under the supervisor) for ``run_dir/config.yaml`` in a new session."""
@@ -160,8 +169,7 @@ def launch(run_dir: Path, resume: str = "", trainer_argv: Optional[List[str]] = 
     cmd = trainer_command(run_dir / "config.yaml", run_dir, resume, trainer_argv)
     full = [python, "-m", "webui.supervise", str(run_dir / EXIT), "--", *cmd]
     launched_at = time.time()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", ATELIER_LAUNCHED_AT=repr(launched_at))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env = child_env(ATELIER_LAUNCHED_AT=repr(launched_at))
     with open(run_dir / PROCESS_LOG, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()

@@ -10,7 +10,6 @@ types), and what to change when it does not.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -37,8 +36,7 @@ def estimate(config_yaml: str, card_gib: Optional[float], timeout: float = TIMEO
         cmd = [python, str(ESTIMATOR), "--config", str(cfg_path), "--json", "--workspace", tmp]
         if card_gib:
             cmd += ["--card-gib", str(float(card_gib))]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(runner.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p),
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error")
+        env = runner.child_env(HF_HUB_OFFLINE="1")
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=runner.REPO_ROOT, env=env)
         except subprocess.TimeoutExpired:

@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
@@ -165,9 +164,7 @@ def stream_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = 
 
     from trainer import procs
     from webui import runner
-    path = os.pathsep.join(p for p in (str(runner.REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, PYTHONPATH=path,
-               TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    env = runner.child_env()
     with tempfile.TemporaryDirectory(prefix="atelier-tool-") as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         try:
@@ -286,19 +283,7 @@ def model_tools(ctx: AppContext) -> None:
             overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-model-overwrite")
         go, cancel, msg, tail = run_controls("tools-model", "Run the tool")
 
-    def confine(text: str, what: str) -> Tuple[str, str]:
-        """(absolute path, "") inside the folders this page may use; hub ids and builtin: names pass as they are."""
-        from trainer.preflight import looks_like_hub_id
-        text = (text or "").strip()
-        if not text or text.startswith("builtin:") or looks_like_hub_id(text):
-            return text, ""
-        path = Path(text).expanduser()
-        path = (path if path.is_absolute() else ctx.workspace / path).resolve()
-        if not ctx.roots.allowed(path):
-            where = ", ".join(f"`{r}`" for r in ctx.roots.paths)
-            return "", (f"{what} `{text}` is outside the folders this page may use ({where}); start the UI with "
-                        "`--browse-root FOLDER` to allow another folder.")
-        return str(path), ""
+    confine = ctx.allowed_path
 
     def run(tool_v, to_v, dtype_v, model_v, loras_v, rank_v, prompt_v, steps_v, seed_v, count_v, out_v,
             overwrite_v) -> List[Any]:
@@ -329,7 +314,6 @@ def model_tools(ctx: AppContext) -> None:
         yield from progress_updates(argv)
 
     ctx.handlers["tools_model_run"] = run
-    ctx.handlers["tools_confine"] = confine
     job = go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])
     cancel.click(lambda: "Cancelled: the tool was stopped; nothing half-written is left (outputs are renamed "
                  "into place only when complete).", None, [msg], cancels=[job])
@@ -387,7 +371,7 @@ def dataset_tools(ctx: AppContext) -> None:
 
     def run(tool_v, folder_v, model_v, prefix_v, suffix_v, prompt_v, threshold_v, invert_v, recursive_v,
             overwrite_v) -> List[Any]:
-        confine = ctx.handlers["tools_confine"]
+        confine = ctx.allowed_path
         folder_v, why = confine(folder_v, "The folder")
         model_v, why_model = confine(model_v, "The model")
         if why or why_model:
