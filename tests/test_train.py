@@ -234,6 +234,8 @@ def test_backup_and_sample_on_demand_accumulation_and_diffusers_output(tiny_work
     (run / "control").mkdir(parents=True)
     (run / "control" / "backup").touch()
     (run / "control" / "sample").touch()
+    (run / "samples").mkdir()
+    (run / "samples" / "step000001-p0.png").write_bytes(b"a sample already drawn at step 1")
     rc = cli(["train", "--preset", "demo-finetune", "--run-dir", str(run), *overrides(
         ws, "ondemand", "training.epochs=1", "training.batch_size=1", "training.gradient_accumulation_steps=2",
         "output.format=diffusers", "sampling.at_end=false", "sampling.every_n_epochs=0")])
@@ -243,6 +245,11 @@ def test_backup_and_sample_on_demand_accumulation_and_diffusers_output(tiny_work
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and steps[-1]["total_steps"] == 4
     assert [e["step"] for e in events if e["type"] == "backup"] == [1]
     assert [e["step"] for e in events if e["type"] == "sample"] == [1]
+    # a second sample at a step that already has one is added beside it, and the Run tab lists both
+    assert (run / "samples" / "step000001-p0.png").read_bytes() == b"a sample already drawn at step 1"
+    from webui.monitor import scan_samples
+    assert [Path(s.path).name for s in scan_samples(run, {}) if s.prompt_index == 0] == \
+        ["step000001-p0-2.png", "step000001-p0.png"]
     assert not list((run / "control").iterdir())
     from diffusers import StableDiffusionPipeline
     pipe = StableDiffusionPipeline.from_pretrained(run / "ondemand", local_files_only=True)

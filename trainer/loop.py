@@ -692,7 +692,7 @@ class Trainer:
                                          width=sp.width, height=sp.height, generator=gen,
                                          **self.model.sampling_kwargs(),
                                          **self.model.prompt_kwargs(sp)).images[0]  # inpainting: image, mask
-                        path = self.run.path / "samples" / f"step{self.pos.step:06d}-p{i}{suffix}.png"
+                        path = self._sample_path(i, suffix)
                         if not self.is_main:
                             continue
                         tmp = path.with_name(path.stem + ".tmp.png")
@@ -713,6 +713,16 @@ class Trainer:
         self.run.events.emit("sample", step=self.pos.step, epoch=self.pos.epoch, paths=paths,
                              prompts=path_prompts, weights=weights)
         return paths
+
+    def _sample_path(self, index: int, suffix: str) -> Path:
+        """``samples/step<STEP>-p<INDEX><suffix>.png``; a second sample of the same prompt at the same step (Sample
+        now on a scheduled sample's step, or the reverse) gets ``-2``, ``-3`` … instead of replacing the first."""
+        stem = f"step{self.pos.step:06d}-p{index}{suffix}"
+        path, n = self.run.path / "samples" / f"{stem}.png", 1
+        while path.exists():
+            n += 1
+            path = path.with_name(f"{stem}-{n}.png")
+        return path
 
     # --- backups ---------------------------------------------------------------------------
     def _trainable_state(self) -> Dict[str, Any]:

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 from trainer.events import TERMINAL, EventTail
 from webui import runner
 
-SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)\.(png|jpg|jpeg|webp)$", re.I)
+# step<STEP>-p<PROMPT>[-ema][-<N>].png: -ema for the EMA weights' sample, -N for a second one at the same step
+SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)(-ema)?(?:-(\d+))?\.(png|jpg|jpeg|webp)$", re.I)
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
                "memoryerror", "oom-kill", "killed process")
 OOM_ADVICE = ("To use less memory: lower the batch size (training.batch_size), turn on gradient "
@@ -193,7 +194,7 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
 
 
 def scan_samples(run_dir: Path, prompts: Dict[int, str]) -> List[Sample]:
-    """Sample images in ``samples/`` (``step{STEP:06d}-p{INDEX}.png``), oldest step first."""
+    """Sample images in ``samples/`` (``step{STEP:06d}-p{INDEX}[-ema][-N].png``), oldest step first."""
     out = []
     folder = run_dir / "samples"
     if not folder.is_dir():
@@ -202,8 +203,9 @@ def scan_samples(run_dir: Path, prompts: Dict[int, str]) -> List[Sample]:
         m = SAMPLE_RE.search(p.name)
         if m:
             idx = int(m.group(2))
-            out.append(Sample(str(p), int(m.group(1)), idx, prompts.get(idx, "")))
-    return sorted(out, key=lambda s: (s.step, s.prompt_index))
+            caption = prompts.get(idx, "") + (" (EMA weights)" if m.group(3) else "")
+            out.append(Sample(str(p), int(m.group(1)), idx, caption))
+    return sorted(out, key=lambda s: (s.step, s.prompt_index, s.path))
 
 
 def tail_text(path: Path, max_bytes: int = 24000, max_lines: int = 120) -> str:
