@@ -17,8 +17,12 @@ from trainer.__main__ import main as cli
 from trainer.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent
+# SGD: the runs compare 1 process with 2 at 1e-5; AdamW divides each gradient by its own running scale, so a
+# near-zero gradient whose sign flips with the all-reduce's summation order moves its weight by ~lr either way
+# (seen on another CPU and library build: 2e-5 on one LoRA element), which says nothing about the distribution
 COMMON = ["training.epochs=2", "sampling.prompts=[]", "general.tensorboard=false", "output.dtype=fp32",
-          "general.device=cpu", "general.dataloader_workers=0"]
+          "general.device=cpu", "general.dataloader_workers=0", "training.optimizer.name=sgd",
+          "training.learning_rate=0.05"]
 
 
 def _sets(ws: Path, run: str, *extra: str) -> list:

@@ -14,6 +14,7 @@ from trainer.events import read_events
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 FUSED = ["training.fused_backward=true", "training.max_grad_norm=0", "training.optimizer.name=adamw",
+         "training.learning_rate=0.001",  # the demo's (test_distributed's COMMON trains with SGD at 0.05)
          "training.lr_scheduler=cosine", "backup.every_n_epochs=0"]
 
 
