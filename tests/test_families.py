@@ -50,6 +50,11 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 64, "use_resolution_binning": False}),
     Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
         prompt_kwargs={"max_sequence_length": 64}),
+    Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
+        lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
+    Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
+        settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
+        lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),
 ]
 
 
@@ -111,7 +116,7 @@ def test_family_contract(row: Row, tmp_path):
     straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=8")
     vals = [e["loss"] for e in _events(straight) if e["type"] == "validation"]
     assert len(vals) == 4 and all(torch.isfinite(torch.tensor(vals))), vals
-    assert vals[-1] < 0.9 * vals[0], vals  # 16 steps on two images: the fixed-noise loss falls by >10 %
+    assert vals[-1] < 0.9 * vals[0], (vals, vals[-1] / vals[0])  # 16 steps on two images: the fixed-noise loss falls by >10 %
 
     # 3. resumed from the step-8 backup, the run ends where the uninterrupted one did
     resumed = ws / "runs" / f"{row.family}-resumed"
@@ -169,12 +174,12 @@ def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
     sd3 = tmp_path / "sd3.safetensors"
     save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(6, 2)}, str(sd3))
     assert "Stable Diffusion 3/3.5" in _load_error(tmp_path, sd3)
-    cascade = tmp_path / "cascade"
-    (cascade / "prior").mkdir(parents=True)
-    (cascade / "model_index.json").write_text(json.dumps({"_class_name": "StableCascadePriorPipeline"}))
-    (cascade / "prior" / "config.json").write_text(json.dumps({"_class_name": "StableCascadeUNet"}))
-    msg = _load_error(tmp_path, cascade)
-    assert "Stable Cascade" in msg and "does not train yet" in msg
+    qwen = tmp_path / "qwen"
+    (qwen / "transformer").mkdir(parents=True)
+    (qwen / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    (qwen / "transformer" / "config.json").write_text(json.dumps({"_class_name": "QwenImageTransformer2DModel"}))
+    msg = _load_error(tmp_path, qwen)
+    assert "Qwen-Image" in msg and "does not train yet" in msg
     lora = tmp_path / "lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora))
     assert "LoRA" in _load_error(tmp_path, lora)

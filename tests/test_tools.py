@@ -293,6 +293,14 @@ def test_sample_writes_seeded_images_and_lora_changes_them(made, tiny_workspace,
     assert not (tmp_path / "d").exists()
 
 
+def test_sample_runs_the_two_stage_families_through_their_decoder(tiny_workspace, tmp_path, capsys):
+    out = tmp_path / "w"
+    assert cli("sample", "builtin:tiny-wuerstchen", "--workspace", tiny_workspace, "--prompt", PROMPT, "--steps", "2",
+               "--width", "128", "--height", "128", "--device", "cpu", "--out", out) == 0
+    image = _pixels(out / "000-42.png")
+    assert image.shape == (128, 128, 3) and image.std() > 0  # the prior's output decoded into a picture
+
+
 def test_sample_from_a_run_config(tiny_workspace, tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(

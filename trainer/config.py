@@ -122,6 +122,16 @@ class ModelConfig:
                              choices=["auto", "epsilon", "v_prediction"])
     config_path: str = f("", "For single-file models: a diffusers folder whose configs describe the model; "
                              "empty = the built-in config of the detected family.", ui="path")
+    effnet_path: str = f("", "Stable Cascade / Würstchen 2: the EfficientNet image encoder the prior was trained "
+                             "against (Cascade: effnet_encoder.safetensors of stabilityai/stable-cascade; Würstchen 2: "
+                             "model_v2_stage_b.pt of dome272/wuerstchen). Empty = effnet_encoder.safetensors in the "
+                             "model folder, else (Cascade) the official file from the hub.", ui="path")
+    decoder_path: str = f("", "Stable Cascade / Würstchen 2: the decoder stages that turn the prior's output into "
+                              "sample images (a diffusers decoder pipeline folder or hub id). Empty = the model "
+                              "folder itself when it holds the decoder, else the official decoder.", ui="path")
+    cascade_variant: str = f("full", "Stable Cascade from a hub id or diffusers folder: the full 3.6B prior "
+                                     "(prior/) or the 1B lite one (prior_lite/); samples use the matching "
+                                     "decoder (decoder/ or decoder_lite/).", choices=["full", "lite"])
     hub_offline: bool = f(False, "Never touch the network: a hub id must already be in the cache.")
     cache_dir: str = f("", "Hub cache folder; empty = the Hugging Face default.", ui="path")
     revision: str = f("", "Hub revision (branch, tag or commit); empty = main.")

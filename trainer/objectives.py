@@ -9,6 +9,10 @@ and the loop calls only these methods, as diffusers' training examples do::
 - :class:`DDPMObjective`: integer timesteps of the model's own β schedule, ε- or v-prediction;
   min-SNR-γ, debiased estimation, the Huber δ schedules and zero terminal SNR (see trainer/loss.py
   for the formulas and sources).
+- :class:`CosineObjective` (Würstchen 2, Stable Cascade stage C): continuous t ∈ [0, 1] on their cosine
+  schedule (diffusers' ``DDPMWuerstchenScheduler``: ᾱ(t) = cos²((t + s)/(1 + s)·π/2) / cos²(s/(1 + s)·π/2),
+  s = 0.008, clamped to [1e-4, 0.9999]), ε-prediction, the P2 loss weight (1 + SNR)^-1 = 1 − ᾱ(t) that the
+  Würstchen training code (``p2_weight``) and kohya's Stable Cascade trainer (``P2LossWeight``) use.
 - :class:`FlowMatchingObjective` (rectified flow, SD3/Flux): σ ∈ (0, 1) from a uniform, logit-normal
   or mode density (diffusers' ``compute_density_for_timestep_sampling``), shifted by a fixed shift or,
   for models trained that way (Flux.1 dev), by the resolution-dependent shift μ(image tokens)
@@ -40,20 +44,24 @@ FLOW_ONLY = (
 )
 
 
+OBJECTIVE_NAMES = {"ddpm": "the DDPM objective", "flow": "flow matching",
+                   "cosine": "the continuous cosine schedule of Würstchen"}
+
+
 def refused_options(objective: str, lc: Any, family_label: str) -> list:
-    """(key, message) for every ``loss.*`` option that makes no sense with ``objective`` ("ddpm"/"flow")."""
+    """(key, message) for every ``loss.*`` option that makes no sense with ``objective``
+    ("ddpm"/"flow"/"cosine")."""
     problems = []
-    rules = DDPM_ONLY if objective == "flow" else FLOW_ONLY
+    rules = {"flow": DDPM_ONLY, "ddpm": FLOW_ONLY, "cosine": DDPM_ONLY + FLOW_ONLY}[objective]
     for name, off, why in rules:
         value = _get(lc, name, off)
         if value != off and not (isinstance(off, float) and float(value) == off):
             problems.append((f"loss.{name}", f"loss.{name} = {value}: {why}, and {family_label} trains with "
-                             f"{'flow matching' if objective == 'flow' else 'the DDPM objective'}. "
-                             f"Set it back to {off}."))
-    if objective == "flow" and _get(lc, "type", "mse") in ("huber", "smooth_l1") \
+                             f"{OBJECTIVE_NAMES[objective]}. Set it back to {off}."))
+    if objective != "ddpm" and _get(lc, "type", "mse") in ("huber", "smooth_l1") \
             and _get(lc, "huber_schedule", "constant") == "snr":
         problems.append(("loss.huber_schedule", f"loss.huber_schedule = snr reads the DDPM noise schedule; "
-                         f"{family_label} trains with flow matching. Use constant or exponential."))
+                         f"{family_label} trains with {OBJECTIVE_NAMES[objective]}. Use constant or exponential."))
     return problems
 
 
@@ -168,3 +176,50 @@ class FlowMatchingObjective:
         if schedule == "constant":
             return torch.full_like(timesteps.float(), c)
         raise ValueError(f"loss.huber_schedule = {schedule} is not defined for flow matching")
+
+
+class CosineObjective:
+    """Würstchen 2 / Stable Cascade priors: t ∈ [0, 1] (float, what the prior takes as its ratio ``r``),
+    x_t = √ᾱ(t)·x + √(1 − ᾱ(t))·ε from diffusers' ``DDPMWuerstchenScheduler`` (the schedule their pipelines
+    sample with), target ε, every sample weighted by P2 (k = 1, γ = 1): (1 + SNR(t))^-1 = 1 − ᾱ(t)."""
+
+    kind = "cosine"
+    prediction_type = "epsilon"
+    num_train_timesteps = 1000  # loss.timestep_min/max are read in thousandths of t
+
+    def __init__(self):
+        from diffusers import DDPMWuerstchenScheduler
+        self.scheduler = DDPMWuerstchenScheduler()
+
+    def alpha_cumprod(self, timesteps):
+        return self.scheduler._alpha_cumprod(timesteps.float(), timesteps.device)
+
+    def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
+        """t uniform in [timestep_min, timestep_max)/1000, as the reference trainers draw it."""
+        import torch
+        lo = int(_get(lc, "timestep_min", 0)) / self.num_train_timesteps
+        hi = min(int(_get(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
+            / self.num_train_timesteps
+        if not 0 <= lo < hi:
+            from trainer.config import ConfigError
+            raise ConfigError(f"loss.timestep_min ({_get(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
+                              key="loss.timestep_min")
+        t = lo + torch.rand((batch_size,), generator=generator) * (hi - lo)
+        return t.to(latents.device if latents is not None else "cpu")
+
+    def noisy_and_target(self, latents, noise, timesteps):
+        return self.scheduler.add_noise(latents, noise, timesteps.to(latents.device)), noise
+
+    def timestep_weights(self, lc: Any, timesteps):
+        return 1.0 - self.alpha_cumprod(timesteps)
+
+    def huber_delta(self, lc: Any, timesteps):
+        """δ per sample: constant, or exponential in t (1 at t = 0 → δ at t = 1)."""
+        import torch
+        c = float(_get(lc, "huber_delta", 0.1))
+        schedule = _get(lc, "huber_schedule", "constant")
+        if schedule == "exponential":
+            return torch.exp(math.log(c) * timesteps.float())
+        if schedule == "constant":
+            return torch.full_like(timesteps.float(), c)
+        raise ValueError(f"loss.huber_schedule = {schedule} is not defined for the cosine schedule")

@@ -22,6 +22,8 @@ REGISTERED: Tuple[str, ...] = (
     "sdxl",
     "pixart",
     "flux",
+    "cascade",
+    "wuerstchen",
 )
 
 
@@ -49,7 +51,7 @@ class FamilyInfo:
     choices: Tuple[str, ...]  # model.family values it owns: ("sd15", "sd2")
     variants: Tuple[str, ...]  # what detection may return (choices + e.g. "sd15-inpaint", "flux-dev")
     parts: Tuple[Part, ...]
-    objective: str  # "ddpm" | "flow"
+    objective: str  # "ddpm" | "flow" | "cosine" (trainer.objectives)
     family_class: str  # "trainer.families.pixart.family:PixArt"
     detect: str  # module with claim(evidence) -> variant | None (raises ValueError to refuse)
     tiny: Dict[str, str] = field(default_factory=dict)  # builtin name -> "module:function(root) -> paths"
@@ -58,6 +60,11 @@ class FamilyInfo:
     refuses: Tuple[Tuple[str, Any, str], ...] = ()
     # parts a fine-tune can save (the single file holds the denoiser alone in some families); () = all
     finetune_slots: Tuple[str, ...] = ()
+    # image sides must be multiples of this (0 = whatever the buckets give): a latent size the encoder fixes
+    pixel_multiple: int = 0
+    # textual-inversion embeddings train for it (its text encoders are CLIPs whose token table the
+    # embedding method extends)
+    embeddings: bool = False
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)
@@ -72,6 +79,11 @@ def _load_info(name: str) -> FamilyInfo:
 
 
 _INFOS: Optional[Dict[str, FamilyInfo]] = None
+
+
+def embedding_families() -> str:
+    """The labels of the families that train textual-inversion embeddings, for messages."""
+    return ", ".join(info.label for info in infos().values() if info.embeddings)
 
 
 def infos() -> Dict[str, FamilyInfo]:
@@ -151,8 +163,6 @@ class Evidence:
 NOT_YET = (
     ("joint_blocks.", "SD3Transformer2DModel", "Stable Diffusion 3/3.5 (MMDiT)"),
     ("distilled_guidance_layer.", "ChromaTransformer2DModel", "Chroma"),
-    ("", "StableCascade", "Stable Cascade (Würstchen 3)"),
-    ("", "Wuerstchen", "Würstchen 2"),
     ("", "QwenImage", "Qwen-Image"),
     ("", "ZImage", "Z-Image"),
     ("", "Flux2", "Flux.2"),

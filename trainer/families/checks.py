@@ -74,6 +74,9 @@ def check_family_options(cfg: Any) -> None:
     info = info_for(variant)
     for key, message in refused_options(info.objective, cfg.loss, info.label):
         raise ConfigError(message, key=key)
+    if info.objective == "cosine" and cfg.model.prediction_type not in ("auto", "epsilon"):
+        raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} predicts the noise "
+                          "(epsilon). Set it to auto.", key="model.prediction_type", value=cfg.model.prediction_type)
     if info.objective == "flow" and cfg.model.prediction_type != "auto":
         raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} is a flow-matching "
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
@@ -86,11 +89,12 @@ def check_family_options(cfg: Any) -> None:
             have = ", ".join(f"{p.label} ({part_key(p.slot, 'train')})" for p in info.parts)
             key = part_key(slot, "train")
             raise ConfigError(f"{key} is on, but {info.label} has no such part; its parts are {have}.", key=key)
+    if not info.embeddings and (t.method == "embedding" or cfg.embedding.train_alongside):
+        from trainer.families import embedding_families
+        key = "training.method" if t.method == "embedding" else "embedding.train_alongside"
+        raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is "
+                          f"a {info.label} model. Train a LoRA or a fine-tune instead.", key=key)
     if info.name not in ("sd", "sdxl"):
-        if t.method == "embedding" or cfg.embedding.train_alongside:
-            key = "training.method" if t.method == "embedding" else "embedding.train_alongside"
-            raise ConfigError(f"{key}: textual-inversion embeddings are trained for SD 1.x/2.x and SDXL; this is "
-                              f"a {info.label} model. Train a LoRA or a fine-tune instead.", key=key)
         if int(cfg.model.clip_skip or 0):
             raise ConfigError(f"model.clip_skip = {cfg.model.clip_skip}: {info.label} does not condition on a CLIP "
                               "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",
@@ -116,10 +120,31 @@ def check_family_options(cfg: Any) -> None:
         if part is not None and part_of(cfg, slot).train:
             raise ConfigError(f"{key} = false with {part_key(slot, 'train')} on: an encoder that is switched off "
                               "cannot train. Turn one of them around.", key=key, value=False)
+    if info.pixel_multiple:
+        check_pixel_multiple(cfg, info)
     for key, off, why in info.refuses:
         value = OmegaConf.select(cfg, key)
         if value != off:
             raise ConfigError(f"{key} = {value}: {why}. Set it to {off}.", key=key, value=value)
+
+
+def check_pixel_multiple(cfg: Any, info: Any) -> None:
+    """Training sizes a family's latent encoder can take: every resolution and the bucket step."""
+    from trainer.data.buckets import parse_resolution
+    if not any(c.enabled for c in cfg.data.concepts):
+        return  # nothing to train on (a config that only loads or samples the model): sizes do not matter
+    m = info.pixel_multiple
+    why = (f"{info.label} trains on image sides that are multiples of {m} pixels (its latents come from an encoder "
+           f"that fixes the size, e.g. 1024 px → 24×24)")
+    if cfg.data.aspect_buckets and int(cfg.data.bucket_step) % m:
+        raise ConfigError(f"data.bucket_step = {cfg.data.bucket_step}: {why}. Set it to {m}.", key="data.bucket_step",
+                          value=cfg.data.bucket_step)
+    places = [("data.resolution", cfg.data.resolution)] + [
+        (f"data.concepts.{i}.resolution", c.resolution) for i, c in enumerate(cfg.data.concepts) if c.get("resolution")]
+    for key, value in places:
+        for w, h in parse_resolution(value):
+            if w % m or h % m:
+                raise ConfigError(f"{key} = {value}: {why}. Use e.g. {max(m, round(w / m) * m)}.", key=key, value=value)
 
 
 def part_warnings(cfg: Any) -> list:

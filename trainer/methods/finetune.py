@@ -43,10 +43,11 @@ class FinetuneMethod(MethodBase):
 
 
 def make_method(model, cfg):
-    if (cfg.training.method == "embedding" or cfg.embedding.train_alongside) and model.name not in ("sd", "sdxl"):
+    if (cfg.training.method == "embedding" or cfg.embedding.train_alongside) and not model.info.embeddings:
         from trainer.config import ConfigError
+        from trainer.families import embedding_families
         key = "training.method" if cfg.training.method == "embedding" else "embedding.train_alongside"
-        raise ConfigError(f"{key}: textual-inversion embeddings are trained for SD 1.x/2.x and SDXL; this is a "
+        raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is a "
                           f"{model.info.label} model. Train a LoRA or a fine-tune instead.", key=key)
     if cfg.training.method == "lora":
         from trainer.methods.lora import LoraMethod

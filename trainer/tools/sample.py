@@ -73,9 +73,9 @@ def run(args: Any) -> int:
                         device=device, sd_only=bool(loras), tool="sample with --lora")
     if loras:
         apply_loras(model, loras)
-    vae = model.vae
+    vae = getattr(model, "vae", None)  # the Würstchen-lineage priors have an image encoder and a decoder instead
     default_size = int(model.denoiser.config.sample_size) * 2 ** (len(vae.config.block_out_channels) - 1) \
-        if hasattr(model.denoiser.config, "sample_size") else 512
+        if vae is not None and hasattr(model.denoiser.config, "sample_size") else 1024 if vae is None else 512
     jobs = _jobs(args, cfg or SimpleNamespace(sampling=SimpleNamespace(prompts=[])), default_size)
     paths = [folder / f"{i:03d}-{job.seed}.png" for i, job in enumerate(jobs)]
     for p in paths:  # all refused before the first image is drawn

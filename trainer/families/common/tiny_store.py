@@ -10,9 +10,12 @@ from typing import Any, Callable, Dict
 
 
 def store_tiny(kind: str, root: str | os.PathLike, version: int, build: Callable[[Path], Any],
-               original_layout: Callable[[Dict[str, Any]], Dict[str, Any]]) -> Dict[str, Path]:
+               original_layout: Callable[[Dict[str, Any]], Dict[str, Any]],
+               denoiser: Callable[[Any], Any] = lambda pipe: pipe.transformer,
+               extras: Callable[[Path], None] = lambda folder: None) -> Dict[str, Path]:
     """``build(tokenizer_folder) -> pipeline`` (run once, then reused while ``version`` matches);
-    ``original_layout(transformer_state) -> single-file tensors``. Returns ``{"diffusers", "single_file"}``."""
+    ``original_layout(denoiser(pipeline).state_dict()) -> single-file tensors``; ``extras(folder)`` writes
+    files beside the pipeline's (an image encoder). Returns ``{"diffusers", "single_file"}``."""
     from safetensors.torch import save_file
     root = Path(root)
     folder, single = root / kind, root / f"{kind}.safetensors"
@@ -26,7 +29,8 @@ def store_tiny(kind: str, root: str | os.PathLike, version: int, build: Callable
     pipe = build(tmp / ".tokenizers")
     pipe.save_pretrained(tmp, safe_serialization=True)
     shutil.rmtree(tmp / ".tokenizers")
-    state = {k: v.contiguous() for k, v in original_layout(pipe.transformer.state_dict()).items()}
+    extras(tmp)
+    state = {k: v.contiguous() for k, v in original_layout(denoiser(pipe).state_dict()).items()}
     save_file(state, str(root / f".{kind}.safetensors.tmp"))
     (tmp / ".atelier-tiny").write_text(str(version))
     if folder.exists():

@@ -14,4 +14,5 @@ INFO = FamilyInfo(
     detect="trainer.families.sd.detect",
     tiny={"tiny-sd": "trainer.families.common.sd_kit.tiny:ensure_tiny_model", "tiny-sd2": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sd-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
+    embeddings=True,
 )

@@ -15,4 +15,5 @@ INFO = FamilyInfo(
     detect="trainer.families.sdxl.detect",
     tiny={"tiny-sdxl": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sdxl-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
+    embeddings=True,
 )

@@ -1,0 +1,1 @@
+"""Stable Cascade (Würstchen 3): stage C prior training."""

@@ -1,0 +1,21 @@
+"""Registry entry of Stable Cascade (torch-free)."""
+
+from trainer.families import FamilyInfo, Part
+
+INFO = FamilyInfo(
+    name="cascade",
+    label="Stable Cascade",
+    choices=("stable-cascade",),
+    variants=("stable-cascade", "stable-cascade-lite"),
+    parts=(Part("unet", "prior", "denoiser", "Prior (stage C)"),
+           Part("text_encoder", "text_encoder", "text_encoder", "CLIP-G")),
+    objective="cosine",
+    family_class="trainer.families.cascade.family:StableCascade",
+    detect="trainer.families.cascade.detect",
+    tiny={"tiny-cascade": "trainer.families.cascade.tiny:ensure_tiny"},
+    finetune_slots=("unet",),
+    pixel_multiple=128,  # EfficientNet sees ¾ of the image and downsamples 32×: 1024 px → 24×24
+    # ComfyUI maps Cascade LoRA keys as lora_prior_unet_<module> / lora_prior_te_<module> (comfy/lora.py), which the
+    # kohya writer produces for LoRA, DoRA, LoHa and LoKr alike: nothing refused there.
+    embeddings=True,
+)

@@ -1,0 +1,1 @@
+"""Würstchen 2: prior training."""
