@@ -56,3 +56,12 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         te2.wait_for(state="hidden", timeout=20000)
         assert "CLIP text encoder" in page.locator("#cfg-parts-text-encoder-1-train").inner_text()
         assert not page.locator("#cfg-parts-text-encoder-3-train").is_visible()  # no third encoder in SD
+        effnet = page.locator("#cfg-model-effnet-path")
+        page.get_by_role("tab", name="Model", exact=True).click()
+        assert not effnet.is_visible()  # a Stable Cascade setting: not shown for SD
+        choose(page, "demo-cascade")
+        page.wait_for_function("document.querySelector('#family-parts').innerText.includes('Stable Cascade')",
+                               timeout=20000)
+        effnet.wait_for(state="visible", timeout=20000)
+        assert "Prior (stage C)" in page.locator("#family-parts").inner_text()
+        assert "cosine" in page.locator("#family-parts").inner_text()

@@ -1,6 +1,7 @@
 """The form follows the model's family: which family ``model.path`` holds (told without loading it, from
-the torch-free registry), its parts, and per-part fields labelled by the part (Transformer, T5 …) or
-hidden when the family has no such part. Presentation only: hidden fields keep their values."""
+the torch-free registry), its parts, per-part fields labelled by the part (Transformer, T5 …) or hidden when
+the family has no such part, and fields only some families read (``FamilyInfo.own_fields``: Stable Cascade's
+``model.effnet_path`` …) shown for those alone. Presentation only: hidden fields keep their values."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
                 "to choose it now)."), {}, {}
     info = info_for(variant)
     parts = {p.slot: p for p in info.parts}
-    lines = [f"**Model family:** {info.label} (`{variant}`) — objective: "
-             f"{'flow matching' if info.objective == 'flow' else 'DDPM'}; parts: "
+    from trainer.families import family_only_fields
+    from trainer.objectives import OBJECTIVE_NAMES
+    lines = [f"**Model family:** {info.label} (`{variant}`) — objective: {OBJECTIVE_NAMES[info.objective]}; parts: "
              + ", ".join(f"{p.label} (`{part_key(p.slot, 'train')}`)" for p in info.parts)]
     shown = {key: slot in parts for slot, keys in SLOT_FIELDS.items() for key in keys}
+    shown.update({key: key in info.own_fields for key in family_only_fields()})  # e.g. Cascade's model.effnet_path
     labels = {key: parts[slot].label for slot, keys in SLOT_FIELDS.items() for key in keys if slot in parts}
     return "\n".join(lines), shown, labels
 
@@ -47,7 +50,9 @@ def wire(form: Any) -> Any:
     note = getattr(form, "family_note", None)
     if note is None or "model.path" not in form.widgets:
         return None
+    from trainer.families import family_only_fields
     keys: List[str] = [k for keys in SLOT_FIELDS.values() for k in keys if k in form.widgets]
+    keys += [k for k in family_only_fields() if k in form.widgets]
     base_labels = {s.key: s.label for s in form.specs}
 
     def update(path: Any, family: Any = "auto") -> list:

@@ -65,6 +65,8 @@ class FamilyInfo:
     # textual-inversion embeddings train for it (its text encoders are CLIPs whose token table the
     # embedding method extends)
     embeddings: bool = False
+    # config fields only this family (and others that list them) reads: the UI shows them for it alone
+    own_fields: Tuple[str, ...] = ()
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)
@@ -79,6 +81,11 @@ def _load_info(name: str) -> FamilyInfo:
 
 
 _INFOS: Optional[Dict[str, FamilyInfo]] = None
+
+
+def family_only_fields() -> Tuple[str, ...]:
+    """Every config field some family lists as its own (the UI hides those its model's family does not read)."""
+    return tuple(sorted({k for info in infos().values() for k in info.own_fields}))
 
 
 def embedding_families() -> str:

@@ -18,4 +18,5 @@ INFO = FamilyInfo(
     # ComfyUI maps Cascade LoRA keys as lora_prior_unet_<module> / lora_prior_te_<module> (comfy/lora.py), which the
     # kohya writer produces for LoRA, DoRA, LoHa and LoKr alike: nothing refused there.
     embeddings=True,
+    own_fields=("model.effnet_path", "model.decoder_path", "model.cascade_variant"),
 )
