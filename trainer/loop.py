@@ -404,7 +404,10 @@ class Trainer:
         train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "embedding"} & set(self.method.modules)
         drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
         parts = self.cfg.parts
-        for key, part in (("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)):
+        encoders = [("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)]
+        if model.info.part("text_encoder_3") is not None:  # SD3's T5 (asked only of families that have a third)
+            encoders.append(("drop_te3", parts.text_encoder_3))
+        for key, part in encoders:
             if not part.enabled:  # switched off: the encoder only ever sees the empty caption
                 drops[key] = [True] * latents.shape[0]
             elif part.caption_dropout > 0:

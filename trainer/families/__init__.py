@@ -24,6 +24,7 @@ REGISTERED: Tuple[str, ...] = (
     "flux",
     "cascade",
     "wuerstchen",
+    "sd3",
 )
 
 
@@ -168,7 +169,6 @@ class Evidence:
 # Weights Atelier does not train yet, recognised so the message can name them (first match wins).
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
-    ("joint_blocks.", "SD3Transformer2DModel", "Stable Diffusion 3/3.5 (MMDiT)"),
     ("distilled_guidance_layer.", "ChromaTransformer2DModel", "Chroma"),
     ("", "QwenImage", "Qwen-Image"),
     ("", "ZImage", "Z-Image"),

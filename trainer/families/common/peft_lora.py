@@ -61,3 +61,10 @@ def load_peft_layout(state: Mapping[str, Any], modules: Mapping[str, Any], prefi
 def clip_text_model(path: str) -> str:
     """transformers 5's CLIPTextModel is flat; files name its modules ``text_model.…``."""
     return path if path.startswith("text_model.") else "text_model." + path
+
+
+def target_regex(endings) -> str:
+    """peft ``target_modules`` regex for module-name endings ('*' matches one path part)."""
+    import re
+    parts = [re.escape(e).replace(r"\*", r"[^.]+") for e in endings]
+    return r"^(.*\.)?(" + "|".join(parts) + r")$"

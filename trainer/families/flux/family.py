@@ -46,13 +46,6 @@ CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 
 
-def _regex(endings: List[str]) -> str:
-    """peft target regex for name endings ('*' matches one path part)."""
-    import re
-    parts = [re.escape(e).replace(r"\*", r"[^.]+") for e in endings]
-    return r"^(.*\.)?(" + "|".join(parts) + r")$"
-
-
 class FluxConditioning:
     """T5 ``prompt_embeds`` [B, L, D] and CLIP-L ``pooled_prompt_embeds`` [B, P]; ``.to()`` like a tensor."""
 
@@ -265,7 +258,8 @@ class Flux(Family):
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):
         if slot == "unet":
-            return _regex(TARGETS[preset])
+            from trainer.families.common.peft_lora import target_regex
+            return target_regex(TARGETS[preset])
         return list(CLIP_TARGETS if slot == "text_encoder" else T5_TARGETS)
 
     def lora_namer(self):

@@ -1,0 +1,101 @@
+"""Stable Diffusion 3/3.5 beyond the family contract: the three encoders as the pipeline assembles them, T5 off,
+per-encoder caption dropout, the single file diffusers reads back, and what validate refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("sd3-ws")
+    return ws, build_tiny("tiny-sd3", ws / "models")
+
+
+def _load(ws, path, *settings):
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
+
+
+def test_conditioning_is_the_pipelines_and_each_encoder_drops_alone(sd3):
+    ws, paths = sd3
+    model = _load(ws, paths["diffusers"])
+    assert model.family == "sd3.5-medium"
+    caption = "a red square on a white background"
+    pipe = model.pipeline(None)
+    embeds, _, pooled, _ = pipe.encode_prompt(caption, caption, caption, device="cpu", num_images_per_prompt=1,
+                                              do_classifier_free_guidance=False,
+                                              max_sequence_length=model.max_sequence_length)
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds, embeds)
+    torch.testing.assert_close(cond.pooled_prompt_embeds, pooled)
+    # CLIP-G dropped alone: its columns become the empty caption's, CLIP-L's and T5's stay
+    empty = model.batch_condition({"captions": [""]}, lambda c: c, set())
+    dropped = model.batch_condition({"captions": [caption]}, lambda c: c, set(), drop_te2=[True])
+    wl = model.text_encoder.config.hidden_size
+    wg = model.text_encoder_2.config.hidden_size
+    clip_tokens = model.tokenizer.model_max_length
+    torch.testing.assert_close(dropped.prompt_embeds[:, :clip_tokens, wl:wl + wg],
+                               empty.prompt_embeds[:, :clip_tokens, wl:wl + wg])
+    torch.testing.assert_close(dropped.prompt_embeds[:, :clip_tokens, :wl], cond.prompt_embeds[:, :clip_tokens, :wl])
+    torch.testing.assert_close(dropped.prompt_embeds[:, clip_tokens:], cond.prompt_embeds[:, clip_tokens:])
+
+
+def test_t5_off_is_not_loaded_and_trains_and_samples_with_zeros(sd3):
+    ws, paths = sd3
+    model = _load(ws, paths["diffusers"], "parts.text_encoder_3.enabled=false")
+    assert model.text_encoder_3 is None
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    assert not cond.prompt_embeds[:, model.tokenizer.model_max_length:].any()
+    pipe = model.pipeline(None)
+    assert pipe.text_encoder_3 is None
+    embeds, _, _, _ = pipe.encode_prompt("a red square", "a red square", "a red square", device="cpu",
+                                         num_images_per_prompt=1, do_classifier_free_guidance=False,
+                                         max_sequence_length=model.max_sequence_length)
+    torch.testing.assert_close(cond.prompt_embeds, embeds)
+
+
+def test_fine_tune_single_file_is_stabilitys_layout_that_diffusers_reads(sd3, tmp_path):
+    from diffusers import SD3Transformer2DModel
+    from safetensors.torch import load_file
+    ws, paths = sd3
+    model = _load(ws, paths["diffusers"])
+    with torch.no_grad():
+        model.transformer.transformer_blocks[-1].norm1_context.linear.bias.add_(torch.arange(
+            model.transformer.transformer_blocks[-1].norm1_context.linear.bias.numel()) * 0.01)  # shows a half swap
+    out = tmp_path / "sd35.safetensors"
+    model.save_single_file(out, "fp32", {})
+    keys = set(load_file(str(out)))
+    assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in keys
+    assert "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight" in keys  # 3.5 medium's second attention
+    again = SD3Transformer2DModel.from_single_file(str(out), config=str(paths["diffusers"]), subfolder="transformer")
+    mine = model.transformer.state_dict()
+    for k, v in again.state_dict().items():
+        torch.testing.assert_close(v, mine[k], msg=k)
+
+
+@pytest.mark.parametrize("setting, key", [("parts.text_encoder_3.train=true", "parts.text_encoder_3.train"),
+                                          ("loss.min_snr_gamma=5", "loss.min_snr_gamma"),
+                                          ("model.prediction_type=epsilon", "model.prediction_type")])
+def test_validate_refuses_what_sd3_cannot_use(setting, key):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-sd3", setting])
+    assert err.value.key == key, str(err.value)
+
+
+def test_single_files_tell_the_variant():
+    from trainer.families import Evidence, claim
+    base = {"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": torch.zeros(6, 2)}
+    cases = {"sd3-medium": {}, "sd3.5-large": {"model.diffusion_model.joint_blocks.0.x_block.attn.ln_q.weight":
+                                               torch.zeros(2)},
+             "sd3.5-medium": {"model.diffusion_model.joint_blocks.0.x_block.attn.ln_q.weight": torch.zeros(2),
+                              "model.diffusion_model.joint_blocks.0.x_block.attn2.qkv.weight": torch.zeros(6, 2)}}
+    for variant, extra in cases.items():
+        shapes = {k: tuple(v.shape) for k, v in {**base, **extra}.items()}
+        assert claim(Evidence("single_file", "x", shapes=shapes)) == variant

@@ -1,0 +1,23 @@
+"""Registry entry of Stable Diffusion 3 / 3.5 (torch-free)."""
+
+from trainer.families import FamilyInfo, Part
+
+INFO = FamilyInfo(
+    name="sd3",
+    label="Stable Diffusion 3/3.5",
+    choices=("sd3.5-large", "sd3.5-medium", "sd3-medium"),
+    variants=("sd3.5-large", "sd3.5-medium", "sd3-medium"),
+    parts=(Part("unet", "transformer", "denoiser", "Transformer (MMDiT)"),
+           Part("text_encoder", "text_encoder", "text_encoder", "CLIP-L"),
+           Part("text_encoder_2", "text_encoder_2", "text_encoder", "CLIP-G"),
+           Part("text_encoder_3", "text_encoder_3", "text_encoder", "T5-XXL", optional=True)),
+    objective="flow",
+    family_class="trainer.families.sd3.family:SD3",
+    detect="trainer.families.sd3.detect",
+    tiny={"tiny-sd3": "trainer.families.sd3.tiny:ensure_tiny"},
+    caption_limit=256,
+    refuses=(("parts.text_encoder_3.train", False,
+              "SD3 LoRA files carry the transformer and the two CLIPs (diffusers' StableDiffusion3Pipeline and ComfyUI "
+              "load no T5 LoRA for SD3), and a fine-tune is saved as the transformer alone"),),
+    finetune_slots=("unet",),
+)
