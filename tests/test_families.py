@@ -211,3 +211,19 @@ def test_building_a_builtin_model_leaves_the_global_rng_alone(name, tmp_path):
     torch.manual_seed(1234)
     build_tiny(name, tmp_path / "models")
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_quantised_inference_files_are_refused_naming_what_to_use(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer.preflight import model_path_problem
+    gguf = tmp_path / "flux1-dev-Q4_K_S.gguf"
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert "GGUF" in model_path_problem(str(gguf)) and ".safetensors release" in model_path_problem(str(gguf))
+    nf4 = tmp_path / "flux1-dev-bnb-nf4.safetensors"
+    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(8, 1, dtype=torch.uint8),
+               "model.diffusion_model.double_blocks.0.img_attn.qkv.weight.absmax": torch.zeros(2),
+               "model.diffusion_model.double_blocks.0.img_attn.qkv.weight.quant_state.bitsandbytes__nf4":
+                   torch.zeros(4, dtype=torch.uint8)}, str(nf4))
+    msg = _load_error(tmp_path, nf4)
+    assert "pre-quantised" in msg and "full-precision" in msg

@@ -51,6 +51,11 @@ def model_path_problem(path: str, base: Optional[Path] = None) -> Optional[str]:
                     "at the model's top folder, or at a .safetensors file.")
         return None
     if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return (f"model.path '{path}' is a GGUF file: weights quantised for inference (ComfyUI-GGUF, "
+                    "stable-diffusion.cpp), which cannot be trained from. Use the model's .safetensors release (bf16 or "
+                    "fp16) or its diffusers folder; to save memory while training, store the base in fp8 "
+                    "(parts.denoiser.fp8) instead.")
         if p.suffix.lower() not in CHECKPOINT_SUFFIXES:
             return (f"model.path '{path}' is a {p.suffix or 'extension-less'} file; expected a .safetensors or "
                     ".ckpt checkpoint.")

@@ -222,9 +222,27 @@ def unclaimed_message(ev: Evidence) -> str:
             "model.path to it.")
 
 
+# key endings of weights stored pre-quantised for inference: bitsandbytes NF4/FP4/int8, torchao/quanto, GGUF-in-
+# safetensors conversions; such a file cannot be trained from (its weights are not floats)
+PREQUANTISED = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4",
+                ".nested_absmax", ".SCB", "._data", ".scale_weight", ".weight_scale")
+
+
+def _refuse_prequantised(ev: Evidence) -> None:
+    marked = [k for k in ev.shapes if k.endswith(PREQUANTISED)]
+    if marked:
+        raise ValueError(f"the weights are stored pre-quantised for inference ({marked[0]} …: an NF4/int8/fp8 "
+                         "checkpoint), which cannot be trained from. Use the model's full-precision release (bf16/fp16 "
+                         ".safetensors or the diffusers folder); to save memory, let Atelier store the frozen base in "
+                         "fp8 (parts.denoiser.fp8)")
+
+
 def claim(ev: Evidence) -> Optional[str]:
     """The variant of the first family that claims ``ev``; None when none does. A family that
-    recognises the weights but refuses them (an SDXL refiner, a Flux fill model) raises ValueError."""
+    recognises the weights but refuses them (an SDXL refiner, a Flux fill model) raises ValueError, and so
+    does a file of pre-quantised weights."""
+    if ev.kind == "single_file":
+        _refuse_prequantised(ev)
     for info in infos().values():
         variant = _resolve(info.detect).claim(ev)
         if variant:
