@@ -1,4 +1,4 @@
-"""Precision options that need more than a dtype: fp8 weight storage and bf16 stochastic rounding.
+"""Precision options that need more than a dtype: fp8 and NF4 weight storage and bf16 stochastic rounding.
 
 - fp8 storage: the frozen Linear/Conv2d weights of the UNet are kept in float8_e4m3fn and upcast for
   each layer's op (a storage format, not fp8 matmuls; works on CPU and GPU with torch ≥ 2.1). Applied
@@ -160,6 +160,52 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP) -> int:
     return count
 
 
+def _nf4_forward(module, state, compute_dtype):
+    """Forward of an NF4-stored Linear: dequantize the packed weight for the op (bitsandbytes), recomputed in
+    backward instead of kept alive until then."""
+    import torch
+    import torch.nn.functional as F
+    from bitsandbytes.functional import dequantize_4bit
+    from torch.utils.checkpoint import checkpoint
+
+    def run(x):
+        w = dequantize_4bit(module.weight.data, state).to(compute_dtype)
+        b = None if module.bias is None else module.bias.to(compute_dtype)
+        return F.linear(x.to(compute_dtype), w, b)
+
+    def forward(x):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
+        return run(x)
+
+    return forward
+
+
+def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP) -> int:
+    """Store the frozen Linear weights of ``denoiser`` as 4-bit NF4 (bitsandbytes ``quantize_4bit``, blocks of 64
+    with double-quantised statistics, as QLoRA does); returns how many layers. Like fp8 storage, a storage format:
+    each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
+    ``compute_dtype``; peft's LoRA layers around it see an ordinary Linear. Convolutions keep their dtype."""
+    import torch
+    try:
+        from bitsandbytes.functional import quantize_4bit
+    except Exception as exc:  # bitsandbytes missing or without a backend for this device
+        raise ConfigError(f"parts.denoiser.nf4 needs bitsandbytes, which could not be loaded here "
+                          f"({type(exc).__name__}: {exc}). Install it (pip install bitsandbytes) or turn "
+                          "parts.denoiser.nf4 off.", key="parts.denoiser.nf4") from None
+    count = 0
+    for name, module in denoiser.named_modules():
+        if type(module) is not torch.nn.Linear or any(s in name for s in skip) or module.weight.requires_grad:
+            continue
+        if module.weight.dtype == torch.uint8:
+            continue  # already packed
+        packed, state = quantize_4bit(module.weight.data, blocksize=64, compress_statistics=True, quant_type="nf4")
+        module.weight.data = packed
+        module.forward = _nf4_forward(module, state, compute_dtype)
+        count += 1
+    return count
+
+
 def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], int],
                     warn: Optional[Callable[[str], None]] = None) -> Optional[StochasticRounding]:
     """Set up fp8 storage and stochastic rounding for a run; returns the rounding hooks (or None)."""
@@ -174,6 +220,10 @@ def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], i
         denoiser = model.denoiser
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
+    if cfg.parts.denoiser.get("nf4", False):
+        denoiser = model.denoiser
+        count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
+        logging.getLogger("atelier").info("NF4 storage: %d denoiser layers", count)
     if not pc.stochastic_rounding:
         return None
     if not any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):

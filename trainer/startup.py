@@ -32,7 +32,8 @@ def unneeded_packages(cfg) -> List[str]:
     o = cfg.training.optimizer
     spec = OPTIMIZERS.get(str(o.name))
     uses_bnb = (spec is None or spec.eight_bit or spec.module.split(".")[0] == "bitsandbytes"
-                or "bitsandbytes" in str(cfg.training.get("lr_scheduler_class", "") or ""))
+                or "bitsandbytes" in str(cfg.training.get("lr_scheduler_class", "") or "")
+                or bool(cfg.parts.denoiser.get("nf4", False)))  # NF4 storage quantizes with bitsandbytes
     if not uses_bnb:
         names.append("bitsandbytes")
     return names
