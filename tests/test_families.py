@@ -52,6 +52,8 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 64}),
     Row("sd3", "tiny-sd3", "demo-sd3", settings=("lora.unet_targets=attn_mlp", "training.train_text_encoder=true"),
         prompt_kwargs={"max_sequence_length": 64}),
+    Row("chroma", "tiny-chroma", "demo-chroma", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
+        prompt_kwargs={"max_sequence_length": 64}),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
@@ -173,9 +175,11 @@ def _load_error(tmp_path, path, *settings):
 
 def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
     from safetensors.torch import save_file
-    chroma = tmp_path / "chroma.safetensors"
-    save_file({"distilled_guidance_layer.in_proj.weight": torch.zeros(6, 2)}, str(chroma))
-    assert "Chroma" in _load_error(tmp_path, chroma)
+    zimage = tmp_path / "zimage"
+    (zimage / "transformer").mkdir(parents=True)
+    (zimage / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    (zimage / "transformer" / "config.json").write_text(json.dumps({"_class_name": "ZImageTransformer2DModel"}))
+    assert "Z-Image" in _load_error(tmp_path, zimage)
     qwen = tmp_path / "qwen"
     (qwen / "transformer").mkdir(parents=True)
     (qwen / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))

@@ -107,6 +107,21 @@ def flux_shift_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int 
     return image_seq_len * m + (base_shift - m * base_seq_len)
 
 
+def flow_objective_for(scheduler_config: dict, patch: int = 2) -> "FlowMatchingObjective":
+    """The flow objective a ``FlowMatchEulerDiscreteScheduler`` config describes: its fixed shift, or (with
+    ``use_dynamic_shifting``, Flux.1 dev and Chroma) the resolution-dependent shift μ of the image-token count
+    (latents packed ``patch``×``patch``) that their pipelines sample with."""
+    cfg = scheduler_config
+    if not cfg.get("use_dynamic_shifting", False):
+        return FlowMatchingObjective(shift=float(cfg.get("shift", 1.0)))
+
+    def mu(latents) -> float:
+        return flux_shift_mu(latents.shape[-2] * latents.shape[-1] // patch ** 2, int(cfg.get("base_image_seq_len", 256)),
+                             int(cfg.get("max_image_seq_len", 4096)), float(cfg.get("base_shift", 0.5)),
+                             float(cfg.get("max_shift", 1.15)))
+    return FlowMatchingObjective(dynamic_shift=mu)
+
+
 class FlowMatchingObjective:
     """Rectified flow: x_σ = (1 − σ)·x + σ·ε, target ε − x; ``timesteps`` are σ ∈ (0, 1) (float).
 

@@ -25,6 +25,7 @@ REGISTERED: Tuple[str, ...] = (
     "cascade",
     "wuerstchen",
     "sd3",
+    "chroma",
 )
 
 
@@ -169,7 +170,6 @@ class Evidence:
 # Weights Atelier does not train yet, recognised so the message can name them (first match wins).
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
-    ("distilled_guidance_layer.", "ChromaTransformer2DModel", "Chroma"),
     ("", "QwenImage", "Qwen-Image"),
     ("", "ZImage", "Z-Image"),
     ("", "Flux2", "Flux.2"),

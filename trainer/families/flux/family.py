@@ -142,16 +142,8 @@ class Flux(Family):
                 key="model.config_path", value=rest) from None
 
     def _objective(self):
-        from trainer.objectives import FlowMatchingObjective, flux_shift_mu
-        cfg = self._sched_config
-        if not cfg.get("use_dynamic_shifting", False):
-            return FlowMatchingObjective(shift=float(cfg.get("shift", 1.0)))
-
-        def mu(latents) -> float:  # packed 2×2 tokens of the latent
-            return flux_shift_mu(latents.shape[-2] * latents.shape[-1] // 4, int(cfg.get("base_image_seq_len", 256)),
-                                 int(cfg.get("max_image_seq_len", 4096)), float(cfg.get("base_shift", 0.5)),
-                                 float(cfg.get("max_shift", 1.15)))
-        return FlowMatchingObjective(dynamic_shift=mu)
+        from trainer.objectives import flow_objective_for
+        return flow_objective_for(self._sched_config)
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: frozenset = frozenset()):

@@ -1,0 +1,66 @@
+"""Chroma beyond the family contract: T5 with the mask the pipeline builds, the single file back and forth, what
+validate refuses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def chroma(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("chroma-ws")
+    return ws, build_tiny("tiny-chroma", ws / "models")
+
+
+def _load(ws, path, *settings):
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
+
+
+def test_text_and_mask_are_the_pipelines(chroma):
+    ws, paths = chroma
+    model = _load(ws, paths["diffusers"])
+    caption = "a red square on a white background"
+    embeds, mask = model.pipeline(None)._get_t5_prompt_embeds(caption, max_sequence_length=model.max_sequence_length,
+                                                              device="cpu")
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds, embeds)
+    torch.testing.assert_close(cond.text_mask, mask)
+    real = int(model.tokenizer(caption, return_tensors="pt").attention_mask.sum())
+    assert int(mask.sum()) == real + 1  # the real tokens and the first padding token
+
+
+def test_single_file_loads_and_fine_tunes_save_back_to_it(chroma, tmp_path):
+    from safetensors.torch import load_file
+    ws, paths = chroma
+    single = _load(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    folder = _load(ws, paths["diffusers"])
+    assert single.family == folder.family == "chroma"
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(single.transformer.state_dict()[k], v, msg=k)
+    with torch.no_grad():
+        folder.transformer.distilled_guidance_layer.in_proj.weight.add_(0.5)
+    out = tmp_path / "chroma-ft.safetensors"
+    folder.save_single_file(out, "fp32", {})
+    keys = set(load_file(str(out)))
+    assert {"distilled_guidance_layer.layers.0.in_layer.weight", "distilled_guidance_layer.norms.0.scale",
+            "double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"} <= keys
+    assert not any(".img_mod." in k or "final_layer.adaLN" in k for k in keys)  # Chroma has no modulation layers
+    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
+
+
+@pytest.mark.parametrize("setting, key", [("training.train_text_encoder=true", "parts.text_encoder_1.train"),
+                                          ("loss.min_snr_gamma=5", "loss.min_snr_gamma"),
+                                          ("training.method=embedding", "training.method")])
+def test_validate_refuses_what_chroma_cannot_use(setting, key):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-chroma", setting])
+    assert err.value.key == key, str(err.value)

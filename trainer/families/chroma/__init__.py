@@ -1,0 +1,1 @@
+"""Chroma (Flux-architecture, T5 only, true CFG)."""

@@ -1,0 +1,231 @@
+"""Chroma on diffusers' ``ChromaPipeline`` classes: Flux's architecture with its modulation pruned into one
+approximator MLP (``distilled_guidance_layer``), T5 alone as text encoder, and real classifier-free guidance.
+
+What differs from Flux.1, and where it lives here:
+
+- Text: T5's hidden states encoded with the attention mask, and the transformer told which text tokens to attend
+  to: every real token and the first padding token (``ChromaPipeline._get_t5_prompt_embeds``), then every image
+  token (``_prepare_attention_mask``). Caption dropout gives the empty caption's encoding and mask.
+- No guidance embedding and no pooled vector: samples use true CFG with a negative prompt (the pipeline's
+  ``guidance_scale``).
+- Flow matching with the scheduler config's shift (``trainer.objectives.flow_objective_for``: the resolution-
+  dependent μ when it says ``use_dynamic_shifting``); packed 2×2 latents as Flux.
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>``), which ``ChromaPipeline.load_lora_weights``
+  (diffusers' Flux LoRA loader) reads; fine-tunes as the original single file (families/common/bfl_keys.py, shared
+  with Flux). Single files in: the transformer, with the VAE and T5 from ``model.config_path`` (a diffusers Chroma
+  folder or hub id; default lodestones/Chroma1-HD).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.families.base import Family, ModelLoadError, part_dtype
+
+OFFICIAL = "lodestones/Chroma1-HD"
+T5_MAX = 512
+ATTN = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+TARGETS = {
+    "attn": ATTN,
+    "attn_mlp": ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                        "single_transformer_blocks.*.proj_out"],
+    "all": ATTN + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp",
+                   "single_transformer_blocks.*.proj_out", "x_embedder", "context_embedder"],
+}
+
+
+class ChromaConditioning:
+    """T5 ``prompt_embeds`` [B, L, D] and the text part of the attention mask [B, L]; ``.to()`` like a tensor."""
+
+    def __init__(self, prompt_embeds, text_mask):
+        self.prompt_embeds, self.text_mask = prompt_embeds, text_mask
+
+    def to(self, *args: Any, **kwargs: Any) -> "ChromaConditioning":
+        return ChromaConditioning(self.prompt_embeds.to(*args, **kwargs), self.text_mask.to(*args, **kwargs))
+
+
+class Chroma(Family):
+    name = "chroma"
+    family = "chroma"
+    prediction_type = "flow"
+    fp8_skip = ("norm", "x_embedder", "context_embedder", "distilled_guidance_layer", "proj_out")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        import torch
+        from diffusers import ChromaPipeline
+
+        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.objectives import flow_objective_for
+        self.source = classify_source(mcfg.path, workspace)
+        detect_source_family(self.source, mcfg)
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        if self.source.kind == "single_file":
+            pipe = self._from_single_file(mcfg, dtypes)
+        else:
+            pipe = load_pipeline(ChromaPipeline, self.source, mcfg, workspace, family="chroma", dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        self.objective = flow_objective_for(self._sched_config)
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or T5_MAX),
+                                       int(self.tokenizer.model_max_length))
+        self.device = torch.device(device)
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            raise ModelLoadError("model.attention = xformers: Chroma runs on PyTorch SDPA. Use sdpa.",
+                                 key="model.attention")
+        self._vae_dtype_name = mcfg.vae_dtype
+        self._empty: Optional[Dict[str, Any]] = None
+
+    def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
+        """The original transformer file, with the VAE and T5 from ``model.config_path``."""
+        from diffusers import ChromaPipeline, ChromaTransformer2DModel
+        from safetensors.torch import load_file
+
+        from trainer.families.chroma.keys import config_from_original
+        from trainer.families.common.bfl_keys import bfl_to_diffusers, strip_prefix
+        from trainer.models.base import _hub_offline
+        rest = getattr(mcfg, "config_path", "") or OFFICIAL
+        try:
+            state = strip_prefix(load_file(self.source.location))
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
+                                 key="model.path", value=self.source.display) from None
+        local = Path(rest) / "transformer" / "config.json"
+        base = json.loads(local.read_text()) if local.is_file() else {}
+        try:
+            transformer = ChromaTransformer2DModel.from_config(config_from_original(state, base))
+            transformer.load_state_dict(bfl_to_diffusers(state), strict=True)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Chroma transformer in the original "
+                                 f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
+                                 key="model.path", value=self.source.display) from None
+        transformer.to(dtypes["transformer"])
+        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
+        if not Path(rest).is_dir():
+            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
+        try:
+            return ChromaPipeline.from_pretrained(rest, transformer=transformer,
+                                                  local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model.path '{self.source.display}' is the Chroma transformer alone; its VAE and T5 come from "
+                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set model.config_path "
+                f"to a diffusers Chroma folder (or the hub id {OFFICIAL}, downloaded once with network access).",
+                key="model.config_path", value=rest) from None
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions: List[str], grads: bool = False):
+        """As ``ChromaPipeline._get_t5_prompt_embeds``: T5 with its mask; the transformer attends to every real token
+        and the first padding token."""
+        import torch
+        tokens = self.tokenizer(captions, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                                return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            embeds = self.text_encoder(tokens.input_ids.to(self.device), output_hidden_states=False,
+                                       attention_mask=mask)[0]
+        positions = torch.arange(mask.shape[1], device=self.device).unsqueeze(0)
+        text_mask = (positions <= mask.sum(dim=1, keepdim=True)).to(embeds.dtype)
+        return embeds, text_mask
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            embeds, mask = self._encode(list(captions))
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        import torch
+        if batch.get("prompt_embeds") is not None:
+            embeds = batch["prompt_embeds"].to(self.device)
+            mask = batch["prompt_attention_mask"].to(self.device)
+        else:
+            embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
+        if drop_te1 is not None and any(drop_te1):  # the empty caption's encoding and mask
+            if self._empty is None:
+                self._empty = self.encode_captions([""])
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
+            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+            mask = torch.where(flags[:, None], self._empty["prompt_attention_mask"].to(mask), mask)
+        return ChromaConditioning(embeds, mask)
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        import torch
+        from diffusers import ChromaPipeline
+        b, c, h, w = model_input.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"Chroma packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a multiple "
+                             f"of {2 * self.vae_scale_factor})")
+        dtype, device = model_input.dtype, model_input.device
+        packed = ChromaPipeline._pack_latents(model_input, b, c, h, w)
+        img_ids = ChromaPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        embeds = conditioning.prompt_embeds.to(device, dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
+        mask = torch.cat([conditioning.text_mask.to(device, torch.bool),
+                          torch.ones(b, packed.shape[1], device=device, dtype=torch.bool)], dim=1)
+        out = self.transformer(hidden_states=packed, encoder_hidden_states=embeds,
+                               timestep=timesteps.to(device, dtype), img_ids=img_ids, txt_ids=txt_ids,
+                               attention_mask=mask, return_dict=False)[0]
+        return ChromaPipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
+                                              self.vae_scale_factor)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        """ChromaPipeline over the live modules with the model's own flow-matching Euler sampler."""
+        from diffusers import ChromaPipeline
+        pipe = ChromaPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                              text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:chroma-mask"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_targets(self, slot: str, preset: str):
+        from trainer.families.common.peft_lora import target_regex
+        return target_regex(TARGETS[preset])
+
+    def lora_namer(self):
+        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``, as for Flux."""
+        return {"unet": ("lycoris", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        from trainer.families.common.peft_lora import peft_layout_state_dict
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        from trainer.families.common.peft_lora import load_peft_layout
+        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": "chroma/lora", "modelspec.prediction_type": "flow",
+                     "modelspec.implementation": "https://github.com/lodestone-rock/flow", "ss_base_model_version": "chroma"})
+        meta.update(extra or {})
+        return meta
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
+        from trainer.export import _cast, _write_checkpoint
+        from trainer.families.common.bfl_keys import diffusers_to_bfl
+        state = diffusers_to_bfl({k: v.detach().cpu() for k, v in self.transformer.state_dict().items()})
+        _write_checkpoint(Path(path), _cast({k: v.contiguous() for k, v in state.items()}, dtype), metadata or {})

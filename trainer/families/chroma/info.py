@@ -1,0 +1,21 @@
+"""Registry entry of Chroma (torch-free)."""
+
+from trainer.families import FamilyInfo, Part
+
+INFO = FamilyInfo(
+    name="chroma",
+    label="Chroma",
+    choices=("chroma",),
+    variants=("chroma",),
+    parts=(Part("unet", "transformer", "denoiser", "Transformer"),
+           Part("text_encoder", "text_encoder", "text_encoder", "T5-XXL")),
+    objective="flow",
+    family_class="trainer.families.chroma.family:Chroma",
+    detect="trainer.families.chroma.detect",
+    tiny={"tiny-chroma": "trainer.families.chroma.tiny:ensure_tiny"},
+    caption_limit=512,
+    refuses=(("parts.text_encoder_1.train", False,
+              "Chroma LoRA files carry the transformer (ComfyUI and diffusers load no T5 LoRA for it), and a fine-tune "
+              "is saved as the transformer alone"),),
+    finetune_slots=("unet",),
+)
