@@ -54,6 +54,8 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 64}),
     Row("chroma", "tiny-chroma", "demo-chroma", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
         prompt_kwargs={"max_sequence_length": 64}),
+    Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
@@ -175,11 +177,11 @@ def _load_error(tmp_path, path, *settings):
 
 def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
     from safetensors.torch import save_file
-    zimage = tmp_path / "zimage"
-    (zimage / "transformer").mkdir(parents=True)
-    (zimage / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
-    (zimage / "transformer" / "config.json").write_text(json.dumps({"_class_name": "ZImageTransformer2DModel"}))
-    assert "Z-Image" in _load_error(tmp_path, zimage)
+    flux2 = tmp_path / "flux2"
+    (flux2 / "transformer").mkdir(parents=True)
+    (flux2 / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    (flux2 / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel"}))
+    assert "Flux.2" in _load_error(tmp_path, flux2)
     qwen = tmp_path / "qwen"
     (qwen / "transformer").mkdir(parents=True)
     (qwen / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))

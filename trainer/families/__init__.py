@@ -26,6 +26,7 @@ REGISTERED: Tuple[str, ...] = (
     "wuerstchen",
     "sd3",
     "chroma",
+    "zimage",
 )
 
 
@@ -171,7 +172,6 @@ class Evidence:
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
     ("", "QwenImage", "Qwen-Image"),
-    ("", "ZImage", "Z-Image"),
     ("", "Flux2", "Flux.2"),
     ("", "HunyuanDiT", "Hunyuan-DiT"),
     ("", "Kandinsky", "Kandinsky"),

@@ -1,0 +1,72 @@
+"""Z-Image beyond the family contract: Qwen3 features through the chat template as the pipeline makes them, the
+transformer's reversed clock, the single file back and forth, Lumina-2 files not taken for Z-Image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def zimage(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("zimage-ws")
+    return ws, build_tiny("tiny-zimage", ws / "models")
+
+
+def _load(ws, path, *settings):
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
+
+
+def test_text_features_and_the_velocity_are_the_pipelines(zimage):
+    ws, paths = zimage
+    model = _load(ws, paths["diffusers"])
+    caption = "a red square on a white background"
+    pipe = model.pipeline(None)
+    features, _ = pipe.encode_prompt(caption, device="cpu", do_classifier_free_guidance=False,
+                                     max_sequence_length=model.max_sequence_length)
+    cond = model.batch_condition({"captions": [caption, "x"]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds[0][cond.prompt_mask[0]], features[0])
+    # the pipeline's velocity at σ: −transformer(latents, 1 − σ); the loop's target is ε − x at σ
+    latents, sigma = torch.randn(1, 16, 8, 8), torch.tensor([0.7])
+    out = model.transformer([latents[0].unsqueeze(1)], 1.0 - sigma, [features[0]], return_dict=False)[0]
+    from trainer.families.zimage.family import ZImageConditioning
+    first = ZImageConditioning(cond.prompt_embeds[:1], cond.prompt_mask[:1])
+    torch.testing.assert_close(model.predict(latents, sigma, first), -out[0].unsqueeze(0).squeeze(2))
+
+
+def test_single_file_loads_and_fine_tunes_save_back_to_it(zimage, tmp_path):
+    from safetensors.torch import load_file
+    ws, paths = zimage
+    folder = _load(ws, paths["diffusers"])
+    with torch.no_grad():
+        folder.transformer.layers[0].attention.to_k.weight.add_(0.5)
+    out = tmp_path / "zimage-ft.safetensors"
+    folder.save_single_file(out, "fp32", {})
+    keys = set(load_file(str(out)))
+    assert {"layers.0.attention.qkv.weight", "layers.0.attention.out.weight", "x_embedder.weight",
+            "final_layer.linear.weight", "noise_refiner.0.attention.q_norm.weight"} <= keys
+    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
+
+
+def test_lumina2_files_are_not_taken_for_z_image():
+    from trainer.families import Evidence
+    from trainer.families.zimage.detect import claim
+    shapes = {"layers.0.attention.qkv.weight": (96, 32), "noise_refiner.0.attention.qkv.weight": (96, 32)}
+    assert claim(Evidence("single_file", "x", shapes={**shapes, "cap_embedder.1.weight": (32, 2560)})) == "z-image"
+    assert claim(Evidence("single_file", "x", shapes={**shapes, "cap_embedder.1.weight": (32, 2304)})) is None
+
+
+@pytest.mark.parametrize("setting, key", [("training.train_text_encoder=true", "parts.text_encoder_1.train"),
+                                          ("loss.debiased_estimation=true", "loss.debiased_estimation")])
+def test_validate_refuses_what_z_image_cannot_use(setting, key):
+    from trainer.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-zimage", setting])
+    assert err.value.key == key, str(err.value)

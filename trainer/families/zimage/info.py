@@ -1,0 +1,21 @@
+"""Registry entry of Z-Image (torch-free)."""
+
+from trainer.families import FamilyInfo, Part
+
+INFO = FamilyInfo(
+    name="zimage",
+    label="Z-Image",
+    choices=("z-image",),
+    variants=("z-image",),
+    parts=(Part("unet", "transformer", "denoiser", "Transformer"),
+           Part("text_encoder", "text_encoder", "text_encoder", "Qwen3")),
+    objective="flow",
+    family_class="trainer.families.zimage.family:ZImage",
+    detect="trainer.families.zimage.detect",
+    tiny={"tiny-zimage": "trainer.families.zimage.tiny:ensure_tiny"},
+    caption_limit=512,
+    refuses=(("parts.text_encoder_1.train", False,
+              "Z-Image LoRA files carry the transformer (diffusers' ZImagePipeline loads no Qwen3 LoRA), and a "
+              "fine-tune is saved as the transformer alone"),),
+    finetune_slots=("unet",),
+)
