@@ -56,6 +56,7 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 64}),
     Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
+    Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
@@ -182,12 +183,12 @@ def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
     (flux2 / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
     (flux2 / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel"}))
     assert "Flux.2" in _load_error(tmp_path, flux2)
-    qwen = tmp_path / "qwen"
-    (qwen / "transformer").mkdir(parents=True)
-    (qwen / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
-    (qwen / "transformer" / "config.json").write_text(json.dumps({"_class_name": "QwenImageTransformer2DModel"}))
-    msg = _load_error(tmp_path, qwen)
-    assert "Qwen-Image" in msg and "does not train yet" in msg
+    hunyuan = tmp_path / "hunyuan"
+    (hunyuan / "transformer").mkdir(parents=True)
+    (hunyuan / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanDiTPipeline"}))
+    (hunyuan / "transformer" / "config.json").write_text(json.dumps({"_class_name": "HunyuanDiT2DModel"}))
+    msg = _load_error(tmp_path, hunyuan)
+    assert "Hunyuan-DiT" in msg and "does not train yet" in msg
     lora = tmp_path / "lora.safetensors"
     save_file({"lora_unet_x.lora_down.weight": torch.zeros(2, 2)}, str(lora))
     assert "LoRA" in _load_error(tmp_path, lora)

@@ -27,6 +27,7 @@ REGISTERED: Tuple[str, ...] = (
     "sd3",
     "chroma",
     "zimage",
+    "qwenimage",
 )
 
 
@@ -171,7 +172,6 @@ class Evidence:
 # Weights Atelier does not train yet, recognised so the message can name them (first match wins).
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
-    ("", "QwenImage", "Qwen-Image"),
     ("", "Flux2", "Flux.2"),
     ("", "HunyuanDiT", "Hunyuan-DiT"),
     ("", "Kandinsky", "Kandinsky"),

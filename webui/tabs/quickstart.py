@@ -31,6 +31,7 @@ KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
     "sd3": ("Stable Diffusion 3.5 (large / medium)", {"LoRA": "sd35-large-lora"}),
     "chroma": ("Chroma", {"LoRA": "chroma-lora"}),
     "zimage": ("Z-Image (Turbo)", {"LoRA": "zimage-lora"}),
+    "qwenimage": ("Qwen-Image", {"LoRA": "qwen-image-lora"}),
     "cascade": ("Stable Cascade (stage C prior; lite under 16 GB)",
                 {"LoRA": "cascade-lora-16gb", "Fine-tune": "cascade-finetune"}),
     "wuerstchen": ("Würstchen 2 (prior)", {"LoRA": "wuerstchen-2-lora"}),

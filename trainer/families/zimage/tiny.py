@@ -6,36 +6,12 @@ Qwen-style tokenizer built offline. Built without touching torch's global RNG.""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Dict
 
 TINY_VERSION = 1
-# Qwen3's chat template cut to what Z-Image uses: one user turn, the generation prompt, thinking on (no empty
-# think block)
-CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                 "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                 "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-                 "{%- endif %}{%- endif %}")
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}  # Z-Image-Turbo's
-
-
-def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128) -> None:
-    """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from trainer.families.common.sd_kit.tiny import _bytes_to_unicode
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {ch: i for i, ch in enumerate(sorted(set(_bytes_to_unicode().values())))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "model_max_length": max_length, "pad_token": "<|endoftext|>",
-        "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}), encoding="utf-8")
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
@@ -43,6 +19,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
 
+    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
     write_tiny_qwen_tokenizer(folder / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):

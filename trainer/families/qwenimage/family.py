@@ -1,0 +1,260 @@
+"""Qwen-Image on diffusers' ``QwenImagePipeline`` classes: an MMDiT over the features of a Qwen2.5-VL text model
+and the latents of a Wan-style VAE.
+
+What differs, and where it lives here:
+
+- Text: the caption in the pipeline's system/user template, the last hidden layer, the template's first tokens
+  dropped and only the real tokens kept (``QwenImagePipeline._get_qwen_prompt_embeds``); cached padded to
+  ``max_sequence_length`` with their mask, which the transformer uses for its joint attention (padding at the end
+  changes no position: text RoPE positions start after the image's). Caption dropout gives the empty caption's.
+- Latents: the VAE works on video ([B, C, T, H, W]); images are one frame, normalised per channel with the VAE's
+  ``latents_mean``/``latents_std`` as the pipeline inverts them; packed 2×2 into tokens for the transformer.
+- Flow matching with the scheduler config's shift (the resolution-dependent μ of its config); the transformer takes σ.
+- Samples: true classifier-free guidance (the pipeline's ``true_cfg_scale``, with a negative prompt: " " when none
+  is set, as the model card does) is what ``sampling.prompts.*.cfg_scale`` drives.
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>``) that ``QwenImagePipeline.load_lora_weights``
+  reads; fine-tunes as the transformer's weights in one file under diffusers' names (the layout of ComfyUI's
+  qwen_image files). Single files in: the transformer, with VAE, Qwen2.5-VL and tokenizer from
+  ``model.config_path`` (default Qwen/Qwen-Image).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.families.base import Family, ModelLoadError, part_dtype
+
+OFFICIAL = "Qwen/Qwen-Image"
+MAX_TOKENS = 512  # the pipeline reads up to 1024; the cache keeps this many (real captions are far shorter)
+ATTN = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+TARGETS = {"attn": ATTN,
+           "attn_mlp": ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
+           "all": ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2", "img_mod.1",
+                          "txt_mod.1"]}
+
+
+class QwenImageConditioning:
+    """Qwen2.5-VL features [B, L, D] padded, with the mask of the real tokens [B, L]; ``.to()`` like a tensor."""
+
+    def __init__(self, prompt_embeds, prompt_mask):
+        self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
+
+    def to(self, *args: Any, **kwargs: Any) -> "QwenImageConditioning":
+        import torch
+        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
+        return QwenImageConditioning(self.prompt_embeds.to(*args, **kwargs),
+                                     self.prompt_mask if device is None else self.prompt_mask.to(device))
+
+
+class TrueCFGSampler:
+    """QwenImagePipeline behind the arguments every family's pipeline takes: ``guidance_scale`` is its
+    ``true_cfg_scale`` (with " " as the negative prompt when none is given); anything else reaches the pipeline."""
+
+    def __init__(self, pipe: Any):
+        self.pipe = pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pipe, name)
+
+    def __call__(self, prompt, guidance_scale: float = 4.0, negative_prompt: Optional[str] = None, **kwargs: Any):
+        return self.pipe(prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
+
+
+class QwenImage(Family):
+    name = "qwenimage"
+    family = "qwen-image"
+    prediction_type = "flow"
+    fp8_skip = ("norm", "img_in", "txt_in", "time_text_embed", "proj_out")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        import torch
+        from diffusers import QwenImagePipeline
+
+        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.objectives import flow_objective_for
+        self.source = classify_source(mcfg.path, workspace)
+        detect_source_family(self.source, mcfg)
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        if self.source.kind == "single_file":
+            pipe = self._from_single_file(mcfg, dtypes)
+        else:
+            pipe = load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image", dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self._template, self._drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        self.objective = flow_objective_for(self._sched_config)
+        self.vae_scale_factor = pipe.vae_scale_factor
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS), pipe.tokenizer_max_length)
+        self.device = torch.device(device)
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            raise ModelLoadError("model.attention = xformers: Qwen-Image runs on PyTorch SDPA. Use sdpa.",
+                                 key="model.attention")
+        self._vae_dtype_name = mcfg.vae_dtype
+        self._empty: Optional[Dict[str, Any]] = None
+
+    def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
+        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+        from safetensors.torch import load_file
+
+        from trainer.families.qwenimage.keys import config_from_state
+        from trainer.models.base import _hub_offline
+        rest = getattr(mcfg, "config_path", "") or OFFICIAL
+        try:
+            state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(self.source.location).items()}
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
+                                 key="model.path", value=self.source.display) from None
+        local = Path(rest) / "transformer" / "config.json"
+        base = json.loads(local.read_text()) if local.is_file() else {}
+        try:
+            transformer = QwenImageTransformer2DModel.from_config(config_from_state(state, base))
+            transformer.load_state_dict(state, strict=True)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Qwen-Image transformer "
+                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
+                                 key="model.path", value=self.source.display) from None
+        transformer.to(dtypes["transformer"])
+        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
+        if not Path(rest).is_dir():
+            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
+        try:
+            return QwenImagePipeline.from_pretrained(rest, transformer=transformer,
+                                                     local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model.path '{self.source.display}' is the Qwen-Image transformer alone; its VAE and text model come "
+                f"from model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set "
+                f"model.config_path to a diffusers Qwen-Image folder (or the hub id {OFFICIAL}, downloaded once with "
+                "network access).", key="model.config_path", value=rest) from None
+
+    # --- latents ----------------------------------------------------------------------------
+    def encode_pixels(self, pixels) -> Dict[str, Any]:
+        """One-frame video through the VAE: the posterior's mean and std [B, C, h, w] on the CPU in fp32."""
+        import torch
+        with torch.no_grad():
+            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
+        return {"mean": dist.mean.squeeze(2).float().cpu(), "std": dist.std.squeeze(2).float().cpu()}
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
+        import torch
+        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        c = self.vae.config
+        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
+        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
+        return (mean + std * eps - shift) / scale
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions: List[str], grads: bool = False):
+        """As ``QwenImagePipeline._get_qwen_prompt_embeds``, padded to ``max_sequence_length``."""
+        import torch
+        texts = [self._template.format(c) for c in captions]
+        tokens = self.tokenizer(texts, max_length=self.max_sequence_length + self._drop, padding="max_length",
+                                truncation=True, return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            hidden = self.text_encoder(input_ids=tokens.input_ids.to(self.device), attention_mask=mask,
+                                       output_hidden_states=True).hidden_states[-1]
+        embeds = torch.zeros(len(texts), self.max_sequence_length, hidden.shape[-1], dtype=hidden.dtype,
+                             device=hidden.device)
+        keep = torch.zeros(len(texts), self.max_sequence_length, dtype=torch.bool, device=hidden.device)
+        for i in range(len(texts)):  # the real tokens after the template's first ones, moved to the front
+            real = hidden[i][mask[i].bool()][self._drop:]
+            embeds[i, :real.shape[0]] = real
+            keep[i, :real.shape[0]] = True
+        return embeds, keep
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            embeds, mask = self._encode(list(captions))
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        import torch
+        if batch.get("prompt_embeds") is not None:
+            embeds = batch["prompt_embeds"].to(self.device)
+            mask = batch["prompt_mask"].to(self.device).bool()
+        else:
+            embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
+        if drop_te1 is not None and any(drop_te1):
+            if self._empty is None:
+                self._empty = self.encode_captions([""])
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
+            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+            mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
+        return QwenImageConditioning(embeds, mask)
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        from diffusers import QwenImagePipeline
+        b, c, h, w = model_input.shape
+        if h % 2 or w % 2:
+            raise ValueError(f"Qwen-Image packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a "
+                             f"multiple of {2 * self.vae_scale_factor})")
+        dtype, device = model_input.dtype, model_input.device
+        packed = QwenImagePipeline._pack_latents(model_input, b, c, h, w)
+        out = self.transformer(hidden_states=packed, timestep=timesteps.to(device, dtype),
+                               encoder_hidden_states=conditioning.prompt_embeds.to(device, dtype),
+                               encoder_hidden_states_mask=conditioning.prompt_mask.to(device),
+                               img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        return QwenImagePipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
+                                                 self.vae_scale_factor).squeeze(2)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        from diffusers import QwenImagePipeline
+        pipe = QwenImagePipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+        pipe.set_progress_bar_config(disable=True)
+        return TrueCFGSampler(pipe)
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:qwen-template"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_targets(self, slot: str, preset: str):
+        return list(TARGETS[preset])
+
+    def lora_namer(self):
+        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
+        return {"unet": ("lycoris", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        from trainer.families.common.peft_lora import peft_layout_state_dict
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        from trainer.families.common.peft_lora import load_peft_layout
+        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": "qwen-image/lora", "modelspec.prediction_type": "flow",
+                     "modelspec.implementation": "https://github.com/QwenLM/Qwen-Image",
+                     "ss_base_model_version": "qwen_image"})
+        meta.update(extra or {})
+        return meta
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        from trainer.export import _cast, _write_checkpoint
+        state = {k: v.detach().cpu().contiguous() for k, v in self.transformer.state_dict().items()}
+        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
