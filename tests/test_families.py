@@ -57,6 +57,8 @@ ROWS = [
     Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
+    Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=("lora.unet_targets=all", "lora.alpha=32"),
+        prompt_kwargs={"max_sequence_length": 512, "text_encoder_out_layers": (1, 2, 3)}),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",

@@ -28,6 +28,7 @@ REGISTERED: Tuple[str, ...] = (
     "chroma",
     "zimage",
     "qwenimage",
+    "flux2",
 )
 
 
@@ -172,7 +173,6 @@ class Evidence:
 # Weights Atelier does not train yet, recognised so the message can name them (first match wins).
 # (single-file key marker, diffusers class name marker, what to say)
 NOT_YET = (
-    ("", "Flux2", "Flux.2"),
     ("", "HunyuanDiT", "Hunyuan-DiT"),
     ("", "Kandinsky", "Kandinsky"),
     ("", "AuraFlow", "AuraFlow"),

@@ -32,6 +32,7 @@ KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
     "chroma": ("Chroma", {"LoRA": "chroma-lora"}),
     "zimage": ("Z-Image (Turbo)", {"LoRA": "zimage-lora"}),
     "qwenimage": ("Qwen-Image", {"LoRA": "qwen-image-lora"}),
+    "flux2": ("Flux.2 [klein]", {"LoRA": "flux2-klein-lora"}),
     "cascade": ("Stable Cascade (stage C prior; lite under 16 GB)",
                 {"LoRA": "cascade-lora-16gb", "Fine-tune": "cascade-finetune"}),
     "wuerstchen": ("Würstchen 2 (prior)", {"LoRA": "wuerstchen-2-lora"}),

@@ -1,0 +1,72 @@
+"""Flux.2 [klein] beyond the family contract: Qwen3 layers and latents as the pipeline makes them, Flux.2 [dev]
+named and refused, the transformer as one file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def klein(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("flux2-ws")
+    return ws, build_tiny("tiny-flux2-klein", ws / "models")
+
+
+def _load(ws, path, *settings):
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
+
+
+def test_text_and_latents_are_the_pipelines(klein):
+    ws, paths = klein
+    model = _load(ws, paths["diffusers"])
+    caption = "a red square on a white background"
+    sampler = model.pipeline(None)
+    embeds, _ = sampler.encode_prompt(caption, device="cpu", max_sequence_length=model.max_sequence_length,
+                                      text_encoder_out_layers=model.text_layers)
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds, embeds)
+    # the training latent is what the pipeline's decode turns back: unpatchify(latent · bn_std + bn_mean)
+    from diffusers import Flux2KleinPipeline
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    dist = model.encode_pixels(pixels)
+    latent = model.sample_latents(dist, torch.Generator().manual_seed(0))
+    bn, eps = model.vae.bn, model.vae.config.batch_norm_eps
+    z = latent * torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps) + bn.running_mean.view(1, -1, 1, 1)
+    noise = torch.randn(dist["mean"].shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(z, dist["mean"] + dist["std"] * noise, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        direct = model.vae.encode(pixels).latent_dist.mean
+    torch.testing.assert_close(Flux2KleinPipeline._unpatchify_latents(dist["mean"]), direct, atol=1e-5, rtol=1e-5)
+
+
+def test_flux2_dev_is_named_and_refused(tmp_path):
+    from trainer.families.base import ModelLoadError
+    folder = tmp_path / "dev"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    (folder / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel",
+                                                                     "guidance_embeds": True}))
+    with pytest.raises(ModelLoadError, match=r"Flux.2 \[dev\].*Mistral") as err:
+        _load(tmp_path, folder)
+    assert err.value.key == "model.path"
+
+
+def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(klein, tmp_path):
+    ws, paths = klein
+    folder = _load(ws, paths["diffusers"])
+    with torch.no_grad():
+        folder.transformer.transformer_blocks[0].attn.to_k.weight.add_(0.5)
+    out = tmp_path / "klein-ft.safetensors"
+    folder.save_single_file(out, "fp32", {})
+    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    assert again.family == "flux2-klein"
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)

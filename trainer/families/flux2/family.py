@@ -1,0 +1,259 @@
+"""Flux.2 [klein] on diffusers' ``Flux2KleinPipeline``: Flux.2's transformer (shared modulation, fused single-block
+projections, 4-axis RoPE) over Qwen3 features and the 32-channel Flux.2 VAE.
+
+What differs, and where it lives here:
+
+- Latents: the VAE's 32 channels patchified 2×2 into 128 (``_patchify_latents``) and normalised by the VAE's own
+  BatchNorm statistics (``vae.bn``), as the pipeline inverts them before decoding; the cache keeps the patchified
+  posterior, so loss masks meet latents of the transformer's size. Tokens are the patchified latents in row order,
+  with 4-axis position ids (``_prepare_latent_ids``).
+- Text: the caption in Qwen3's chat template (thinking off), three hidden layers stacked side by side
+  (``_get_qwen3_prompt_embeds``; (9, 18, 27) for the released 4B/9B, spread over the depth of smaller models), with
+  4-axis text ids. Caption dropout gives the empty caption's features.
+- Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
+  it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
+  real CFG, the distilled one without).
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>``) that ``Flux2KleinPipeline.load_lora_weights``
+  reads; fine-tunes as the transformer's weights in one file under diffusers' names. Single files in: the
+  transformer, with the VAE, Qwen3 and tokenizer from ``model.config_path`` (default black-forest-labs/FLUX.2-klein-4B).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.families.base import Family, ModelLoadError, part_dtype
+
+OFFICIAL = "black-forest-labs/FLUX.2-klein-4B"
+MAX_TOKENS = 512
+ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
+        "single_transformer_blocks.*.attn.to_out"]  # (a double block's to_out is a ModuleList around to_out.0)
+TARGETS = {"attn": ATTN,
+           "attn_mlp": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"],
+           "all": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
+                          "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
+                          "single_stream_modulation.linear"]}
+
+
+class Flux2Conditioning:
+    """Qwen3 features [B, L, 3·D]; ``.to()`` like a tensor."""
+
+    def __init__(self, prompt_embeds):
+        self.prompt_embeds = prompt_embeds
+
+    def to(self, *args: Any, **kwargs: Any) -> "Flux2Conditioning":
+        return Flux2Conditioning(self.prompt_embeds.to(*args, **kwargs))
+
+
+class PromptSampler:
+    """Flux2KleinPipeline takes reference images first and the prompt second; every family's pipeline is called with
+    the prompt first. Anything else (``load_lora_weights`` …) reaches the pipeline."""
+
+    def __init__(self, pipe: Any):
+        self.pipe = pipe
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pipe, name)
+
+    def __call__(self, prompt, **kwargs: Any):
+        return self.pipe(prompt=prompt, **kwargs)
+
+
+class Flux2(Family):
+    name = "flux2"
+    family = "flux2-klein"
+    prediction_type = "flow"
+    fp8_skip = ("norm", "x_embedder", "context_embedder", "time_guidance_embed", "modulation", "proj_out")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        import torch
+        from diffusers import Flux2KleinPipeline
+
+        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        self.source = classify_source(mcfg.path, workspace)
+        detect_source_family(self.source, mcfg)
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        if self.source.kind == "single_file":
+            pipe = self._from_single_file(mcfg, dtypes)
+        else:
+            pipe = load_pipeline(Flux2KleinPipeline, self.source, mcfg, workspace, family="flux2-klein", dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self._is_distilled = bool(pipe.config.get("is_distilled", False))
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        self.objective = self._objective()
+        depth = int(self.text_encoder.config.num_hidden_layers)
+        self.text_layers = (9, 18, 27) if depth >= 27 else tuple(max(1, round(depth * k / 3)) for k in (1, 2, 3))
+        self.max_sequence_length = MAX_TOKENS
+        self.device = torch.device(device)
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            raise ModelLoadError("model.attention = xformers: Flux.2 runs on PyTorch SDPA. Use sdpa.",
+                                 key="model.attention")
+        self._vae_dtype_name = mcfg.vae_dtype
+        self._empty: Optional[Dict[str, Any]] = None
+
+    def _objective(self):
+        """The scheduler's fixed shift, or (``use_dynamic_shifting``, the released models) the pipeline's empirical
+        μ of the image-token count (``compute_empirical_mu``) at 50 steps, a usual sampling length: μ depends on
+        the step count there, and training has none."""
+        from trainer.objectives import FlowMatchingObjective
+        if not self._sched_config.get("use_dynamic_shifting", False):
+            return FlowMatchingObjective(shift=float(self._sched_config.get("shift", 1.0)))
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+        return FlowMatchingObjective(dynamic_shift=lambda latents: compute_empirical_mu(
+            latents.shape[-2] * latents.shape[-1], 50))
+
+    def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
+        from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+        from safetensors.torch import load_file
+
+        from trainer.families.flux2.keys import config_from_state
+        from trainer.models.base import _hub_offline
+        rest = getattr(mcfg, "config_path", "") or OFFICIAL
+        try:
+            state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(self.source.location).items()}
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
+                                 key="model.path", value=self.source.display) from None
+        local = Path(rest) / "transformer" / "config.json"
+        base = json.loads(local.read_text()) if local.is_file() else {}
+        try:
+            transformer = Flux2Transformer2DModel.from_config(config_from_state(state, base))
+            transformer.load_state_dict(state, strict=True)
+        except Exception as exc:
+            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Flux.2 transformer in diffusers' "
+                                 f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
+                                 key="model.path", value=self.source.display) from None
+        transformer.to(dtypes["transformer"])
+        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
+        if not Path(rest).is_dir():
+            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
+        try:
+            return Flux2KleinPipeline.from_pretrained(rest, transformer=transformer,
+                                                      local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model.path '{self.source.display}' is the Flux.2 transformer alone; its VAE and Qwen3 come from "
+                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set model.config_path "
+                f"to a diffusers Flux.2 [klein] folder (or the hub id {OFFICIAL}).", key="model.config_path",
+                value=rest) from None
+
+    # --- latents ----------------------------------------------------------------------------
+    def encode_pixels(self, pixels) -> Dict[str, Any]:
+        """The posterior's mean and std, patchified 2×2 (the transformer's latent space, before normalising)."""
+        import torch
+        from diffusers import Flux2KleinPipeline
+        with torch.no_grad():
+            dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
+        patch = Flux2KleinPipeline._patchify_latents
+        return {"mean": patch(dist.mean).float().cpu(), "std": patch(dist.std).float().cpu()}
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        """A latent drawn from the cached posterior, normalised by the VAE's BatchNorm statistics."""
+        import torch
+        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        bn = self.vae.bn
+        shift = bn.running_mean.view(1, -1, 1, 1).to(mean)
+        scale = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(mean)
+        return (mean + std * eps - shift) / scale
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions: List[str], grads: bool = False):
+        import torch
+        from diffusers import Flux2KleinPipeline
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            return Flux2KleinPipeline._get_qwen3_prompt_embeds(
+                self.text_encoder, self.tokenizer, [str(c) for c in captions], device=self.device,
+                max_sequence_length=self.max_sequence_length, hidden_states_layers=self.text_layers)
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            return {"prompt_embeds": self._encode(list(captions)).float().cpu()}
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        import torch
+        if batch.get("prompt_embeds") is not None:
+            embeds = batch["prompt_embeds"].to(self.device)
+        else:
+            embeds = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
+        if drop_te1 is not None and any(drop_te1):
+            if self._empty is None:
+                self._empty = self.encode_captions([""])
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
+            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+        return Flux2Conditioning(embeds)
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        from diffusers import Flux2KleinPipeline
+        b, c, h, w = model_input.shape
+        dtype, device = model_input.dtype, model_input.device
+        tokens = Flux2KleinPipeline._pack_latents(model_input)
+        embeds = conditioning.prompt_embeds.to(device, dtype)
+        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=None,
+                               encoder_hidden_states=embeds,
+                               txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
+                               img_ids=Flux2KleinPipeline._prepare_latent_ids(model_input).to(device),
+                               return_dict=False)[0][:, :h * w]
+        return out.permute(0, 2, 1).reshape(b, c, h, w)  # tokens are in row order: the inverse of _pack_latents
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        from diffusers import Flux2KleinPipeline
+        pipe = Flux2KleinPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                                  text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer,
+                                  is_distilled=self._is_distilled)
+        pipe.set_progress_bar_config(disable=True)
+        return PromptSampler(pipe)
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length, "text_encoder_out_layers": self.text_layers}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:{self.text_layers}"
+
+    # --- export -----------------------------------------------------------------------------
+    def lora_targets(self, slot: str, preset: str):
+        from trainer.families.common.peft_lora import target_regex
+        return target_regex(TARGETS[preset])
+
+    def lora_namer(self):
+        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
+        return {"unet": ("lycoris", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        from trainer.families.common.peft_lora import peft_layout_state_dict
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        from trainer.families.common.peft_lora import load_peft_layout
+        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": "flux-2-klein/lora", "modelspec.prediction_type": "flow",
+                     "modelspec.implementation": "https://github.com/black-forest-labs/flux2",
+                     "ss_base_model_version": "flux2_klein"})
+        meta.update(extra or {})
+        return meta
+
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        from trainer.export import _cast, _write_checkpoint
+        state = {k: v.detach().cpu().contiguous() for k, v in self.transformer.state_dict().items()}
+        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})

@@ -1,0 +1,50 @@
+"""Tiny Flux.2 [klein] (``builtin:tiny-flux2-klein``) with seeded random weights, in the layouts people download: a
+diffusers ``Flux2KleinPipeline`` folder and the transformer as one file. The real topology (double and single
+blocks with shared modulation and fused single-block projections, 4-axis RoPE, a Qwen3 text model read at three
+layers through its chat template, the 32-channel Flux.2 VAE with its BatchNorm statistics) at widths of 16–96,
+and a byte-level Qwen-style tokenizer built offline. Built without touching torch's global RNG."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict
+
+TINY_VERSION = 1
+# black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json: shift by resolution (the pipeline's μ)
+SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"}
+
+
+def build_tiny_pipeline(folder: Path, seed: int = 0):
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
+    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=512)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
+                                              timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                              guidance_embeds=False)
+        vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                                 block_out_channels=(16, 32), layers_per_block=1, latent_channels=32, norm_num_groups=8,
+                                 sample_size=64)
+        with torch.no_grad():  # a trained VAE: a narrow posterior and latent statistics of its own
+            vae.quant_conv.weight[32:].zero_()
+            vae.quant_conv.bias[32:].fill_(-9.0)
+            vae.bn.running_mean.normal_(0.0, 0.1)
+            vae.bn.running_var.uniform_(0.5, 2.0)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False))
+    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(dict(SCHEDULER)), vae=vae,
+                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
+    """Build (once) ``{"diffusers": <Flux2KleinPipeline folder>, "single_file": <transformer .safetensors>}``."""
+    from trainer.families.common.tiny_store import store_tiny
+    return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, dict)
