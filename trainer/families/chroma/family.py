@@ -18,11 +18,10 @@ What differs from Flux.1, and where it lives here:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "lodestones/Chroma1-HD"
 T5_MAX = 512
@@ -46,11 +45,13 @@ class ChromaConditioning:
         return ChromaConditioning(self.prompt_embeds.to(*args, **kwargs), self.text_mask.to(*args, **kwargs))
 
 
-class Chroma(Family):
+class Chroma(PeftLayoutLora, Family):
     name = "chroma"
     family = "chroma"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "context_embedder", "distilled_guidance_layer", "proj_out")
+    targets = TARGETS
+    modelspec = ("chroma", "https://github.com/lodestone-rock/flow", "chroma")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
@@ -82,41 +83,15 @@ class Chroma(Family):
         self._empty: Optional[Dict[str, Any]] = None
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        """The original transformer file, with the VAE and T5 from ``model.config_path``."""
         from diffusers import ChromaPipeline, ChromaTransformer2DModel
-        from safetensors.torch import load_file
 
+        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
         from trainer.families.chroma.keys import config_from_original
-        from trainer.families.common.bfl_keys import bfl_to_diffusers, strip_prefix
-        from trainer.models.base import _hub_offline
-        rest = getattr(mcfg, "config_path", "") or OFFICIAL
-        try:
-            state = strip_prefix(load_file(self.source.location))
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
-                                 key="model.path", value=self.source.display) from None
-        local = Path(rest) / "transformer" / "config.json"
-        base = json.loads(local.read_text()) if local.is_file() else {}
-        try:
-            transformer = ChromaTransformer2DModel.from_config(config_from_original(state, base))
-            transformer.load_state_dict(bfl_to_diffusers(state), strict=True)
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Chroma transformer in the original "
-                                 f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
-                                 key="model.path", value=self.source.display) from None
-        transformer.to(dtypes["transformer"])
-        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
-        if not Path(rest).is_dir():
-            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
-        try:
-            return ChromaPipeline.from_pretrained(rest, transformer=transformer,
-                                                  local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model.path '{self.source.display}' is the Chroma transformer alone; its VAE and T5 come from "
-                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set model.config_path "
-                f"to a diffusers Chroma folder (or the hub id {OFFICIAL}, downloaded once with network access).",
-                key="model.config_path", value=rest) from None
+        from trainer.families.common.bfl_keys import bfl_to_diffusers
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=ChromaPipeline,
+                                              transformer_cls=ChromaTransformer2DModel, config=config_from_original,
+                                              to_diffusers=bfl_to_diffusers, official=OFFICIAL,
+                                              layout="the original layout")
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
@@ -191,41 +166,8 @@ class Chroma(Family):
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:chroma-mask"
 
     # --- export -----------------------------------------------------------------------------
-    def lora_targets(self, slot: str, preset: str):
-        from trainer.families.common.peft_lora import target_regex
-        return target_regex(TARGETS[preset])
-
-    def lora_namer(self):
-        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``, as for Flux."""
-        return {"unet": ("lycoris", lambda p: p)}
-
-    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
-        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
-        if not out:
-            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return out
-
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
-        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
-        extra = sorted(set(state) - used)
-        if extra:
-            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
-        return len(used) // 2
-
-    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
-                      ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
-        meta = modelspec_common(title=title, resolution=resolution)
-        meta.update({"modelspec.architecture": "chroma/lora", "modelspec.prediction_type": "flow",
-                     "modelspec.implementation": "https://github.com/lodestone-rock/flow", "ss_base_model_version": "chroma"})
-        meta.update(extra or {})
-        return meta
-
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
-        from trainer.export import _cast, _write_checkpoint
         from trainer.families.common.bfl_keys import diffusers_to_bfl
-        state = diffusers_to_bfl({k: v.detach().cpu() for k, v in self.transformer.state_dict().items()})
-        _write_checkpoint(Path(path), _cast({k: v.contiguous() for k, v in state.items()}, dtype), metadata or {})
+        from trainer.families.common.transformer_kit import save_transformer_file
+        save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)

@@ -20,11 +20,10 @@ What differs, and where it lives here:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "black-forest-labs/FLUX.2-klein-4B"
 MAX_TOKENS = 512
@@ -62,11 +61,13 @@ class PromptSampler:
         return self.pipe(prompt=prompt, **kwargs)
 
 
-class Flux2(Family):
+class Flux2(PeftLayoutLora, Family):
     name = "flux2"
     family = "flux2-klein"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "context_embedder", "time_guidance_embed", "modulation", "proj_out")
+    targets = TARGETS
+    modelspec = ("flux-2-klein", "https://github.com/black-forest-labs/flux2", "flux2_klein")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
@@ -110,38 +111,13 @@ class Flux2(Family):
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
         from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
-        from safetensors.torch import load_file
 
+        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
         from trainer.families.flux2.keys import config_from_state
-        from trainer.models.base import _hub_offline
-        rest = getattr(mcfg, "config_path", "") or OFFICIAL
-        try:
-            state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(self.source.location).items()}
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
-                                 key="model.path", value=self.source.display) from None
-        local = Path(rest) / "transformer" / "config.json"
-        base = json.loads(local.read_text()) if local.is_file() else {}
-        try:
-            transformer = Flux2Transformer2DModel.from_config(config_from_state(state, base))
-            transformer.load_state_dict(state, strict=True)
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Flux.2 transformer in diffusers' "
-                                 f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
-                                 key="model.path", value=self.source.display) from None
-        transformer.to(dtypes["transformer"])
-        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
-        if not Path(rest).is_dir():
-            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
-        try:
-            return Flux2KleinPipeline.from_pretrained(rest, transformer=transformer,
-                                                      local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model.path '{self.source.display}' is the Flux.2 transformer alone; its VAE and Qwen3 come from "
-                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set model.config_path "
-                f"to a diffusers Flux.2 [klein] folder (or the hub id {OFFICIAL}).", key="model.config_path",
-                value=rest) from None
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=Flux2KleinPipeline,
+                                              transformer_cls=Flux2Transformer2DModel, config=config_from_state,
+                                              to_diffusers=dict, official=OFFICIAL,
+                                              layout="diffusers' layout")
 
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
@@ -220,40 +196,7 @@ class Flux2(Family):
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:{self.text_layers}"
 
     # --- export -----------------------------------------------------------------------------
-    def lora_targets(self, slot: str, preset: str):
-        from trainer.families.common.peft_lora import target_regex
-        return target_regex(TARGETS[preset])
-
-    def lora_namer(self):
-        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
-        return {"unet": ("lycoris", lambda p: p)}
-
-    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
-        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
-        if not out:
-            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return out
-
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
-        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
-        extra = sorted(set(state) - used)
-        if extra:
-            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
-        return len(used) // 2
-
-    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
-                      ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
-        meta = modelspec_common(title=title, resolution=resolution)
-        meta.update({"modelspec.architecture": "flux-2-klein/lora", "modelspec.prediction_type": "flow",
-                     "modelspec.implementation": "https://github.com/black-forest-labs/flux2",
-                     "ss_base_model_version": "flux2_klein"})
-        meta.update(extra or {})
-        return meta
-
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
-        from trainer.export import _cast, _write_checkpoint
-        state = {k: v.detach().cpu().contiguous() for k, v in self.transformer.state_dict().items()}
-        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
+        """The fine-tuned transformer's weights in one file under diffusers' names."""
+        from trainer.families.common.transformer_kit import save_transformer_file
+        save_transformer_file(path, self.transformer.state_dict(), dtype, metadata)

@@ -20,11 +20,10 @@ What differs, and where it lives here:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "Qwen/Qwen-Image"
 MAX_TOKENS = 512  # the pipeline reads up to 1024; the cache keeps this many (real captions are far shorter)
@@ -62,11 +61,13 @@ class TrueCFGSampler:
         return self.pipe(prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
 
 
-class QwenImage(Family):
+class QwenImage(PeftLayoutLora, Family):
     name = "qwenimage"
     family = "qwen-image"
     prediction_type = "flow"
     fp8_skip = ("norm", "img_in", "txt_in", "time_text_embed", "proj_out")
+    targets = TARGETS
+    modelspec = ("qwen-image", "https://github.com/QwenLM/Qwen-Image", "qwen_image")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
@@ -99,38 +100,13 @@ class QwenImage(Family):
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
         from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-        from safetensors.torch import load_file
 
+        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
         from trainer.families.qwenimage.keys import config_from_state
-        from trainer.models.base import _hub_offline
-        rest = getattr(mcfg, "config_path", "") or OFFICIAL
-        try:
-            state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(self.source.location).items()}
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
-                                 key="model.path", value=self.source.display) from None
-        local = Path(rest) / "transformer" / "config.json"
-        base = json.loads(local.read_text()) if local.is_file() else {}
-        try:
-            transformer = QwenImageTransformer2DModel.from_config(config_from_state(state, base))
-            transformer.load_state_dict(state, strict=True)
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Qwen-Image transformer "
-                                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
-                                 key="model.path", value=self.source.display) from None
-        transformer.to(dtypes["transformer"])
-        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
-        if not Path(rest).is_dir():
-            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
-        try:
-            return QwenImagePipeline.from_pretrained(rest, transformer=transformer,
-                                                     local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model.path '{self.source.display}' is the Qwen-Image transformer alone; its VAE and text model come "
-                f"from model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set "
-                f"model.config_path to a diffusers Qwen-Image folder (or the hub id {OFFICIAL}, downloaded once with "
-                "network access).", key="model.config_path", value=rest) from None
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=QwenImagePipeline,
+                                              transformer_cls=QwenImageTransformer2DModel, config=config_from_state,
+                                              to_diffusers=dict, official=OFFICIAL,
+                                              layout="diffusers' layout")
 
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
@@ -222,39 +198,7 @@ class QwenImage(Family):
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:qwen-template"
 
     # --- export -----------------------------------------------------------------------------
-    def lora_targets(self, slot: str, preset: str):
-        return list(TARGETS[preset])
-
-    def lora_namer(self):
-        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
-        return {"unet": ("lycoris", lambda p: p)}
-
-    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
-        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
-        if not out:
-            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return out
-
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
-        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
-        extra = sorted(set(state) - used)
-        if extra:
-            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
-        return len(used) // 2
-
-    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
-                      ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
-        meta = modelspec_common(title=title, resolution=resolution)
-        meta.update({"modelspec.architecture": "qwen-image/lora", "modelspec.prediction_type": "flow",
-                     "modelspec.implementation": "https://github.com/QwenLM/Qwen-Image",
-                     "ss_base_model_version": "qwen_image"})
-        meta.update(extra or {})
-        return meta
-
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
-        from trainer.export import _cast, _write_checkpoint
-        state = {k: v.detach().cpu().contiguous() for k, v in self.transformer.state_dict().items()}
-        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
+        """The fine-tuned transformer's weights in one file under diffusers' names."""
+        from trainer.families.common.transformer_kit import save_transformer_file
+        save_transformer_file(path, self.transformer.state_dict(), dtype, metadata)

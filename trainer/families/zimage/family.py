@@ -18,11 +18,10 @@ What differs, and where it lives here:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "Tongyi-MAI/Z-Image-Turbo"
 MAX_TOKENS = 512
@@ -44,11 +43,13 @@ class ZImageConditioning:
                                   self.prompt_mask if device is None else self.prompt_mask.to(device))
 
 
-class ZImage(Family):
+class ZImage(PeftLayoutLora, Family):
     name = "zimage"
     family = "z-image"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "cap_embedder", "t_embedder", "final_layer", "adaLN")
+    targets = TARGETS
+    modelspec = ("z-image", "https://github.com/Tongyi-MAI/Z-Image", "z_image")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
@@ -80,41 +81,13 @@ class ZImage(Family):
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
         from diffusers import ZImagePipeline, ZImageTransformer2DModel
-        from safetensors.torch import load_file
 
+        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
         from trainer.families.zimage.keys import config_from_original, original_to_diffusers
-        from trainer.models.base import _hub_offline
-        rest = getattr(mcfg, "config_path", "") or OFFICIAL
-        try:
-            state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(self.source.location).items()}
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: {exc}",
-                                 key="model.path", value=self.source.display) from None
-        local = Path(rest) / "transformer" / "config.json"
-        base = json.loads(local.read_text()) if local.is_file() else {}
-        try:
-            transformer = ZImageTransformer2DModel.from_config(config_from_original(state, base))
-            weights = original_to_diffusers(state)
-            for pad in ("x_pad_token", "cap_pad_token"):  # learned pads some files leave out: keep the model's
-                weights.setdefault(pad, transformer.state_dict()[pad])
-            transformer.load_state_dict(weights, strict=True)
-        except Exception as exc:
-            raise ModelLoadError(f"model.path '{self.source.display}': not a complete Z-Image transformer in the original "
-                                 f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
-                                 key="model.path", value=self.source.display) from None
-        transformer.to(dtypes["transformer"])
-        kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
-        if not Path(rest).is_dir():
-            kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
-        try:
-            return ZImagePipeline.from_pretrained(rest, transformer=transformer,
-                                                  local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model.path '{self.source.display}' is the Z-Image transformer alone; its VAE and Qwen3 come from "
-                f"model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set model.config_path "
-                f"to a diffusers Z-Image folder (or the hub id {OFFICIAL}, downloaded once with network access).",
-                key="model.config_path", value=rest) from None
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=ZImagePipeline,
+                                              transformer_cls=ZImageTransformer2DModel, config=config_from_original,
+                                              to_diffusers=original_to_diffusers, official=OFFICIAL,
+                                              layout="the original layout")
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
@@ -177,39 +150,8 @@ class ZImage(Family):
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:qwen3-chat"
 
     # --- export -----------------------------------------------------------------------------
-    def lora_targets(self, slot: str, preset: str):
-        return list(TARGETS[preset])
-
-    def lora_namer(self):
-        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
-        return {"unet": ("lycoris", lambda p: p)}
-
-    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
-        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
-        if not out:
-            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return out
-
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
-        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
-        extra = sorted(set(state) - used)
-        if extra:
-            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
-        return len(used) // 2
-
-    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
-                      ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
-        meta = modelspec_common(title=title, resolution=resolution)
-        meta.update({"modelspec.architecture": "z-image/lora", "modelspec.prediction_type": "flow",
-                     "modelspec.implementation": "https://github.com/Tongyi-MAI/Z-Image", "ss_base_model_version": "z_image"})
-        meta.update(extra or {})
-        return meta
-
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
-        from trainer.export import _cast, _write_checkpoint
+        """The fine-tuned transformer as the original single file (keys.py)."""
+        from trainer.families.common.transformer_kit import save_transformer_file
         from trainer.families.zimage.keys import diffusers_to_original
-        state = diffusers_to_original({k: v.detach().cpu() for k, v in self.transformer.state_dict().items()})
-        _write_checkpoint(Path(path), _cast({k: v.contiguous() for k, v in state.items()}, dtype), metadata or {})
+        save_transformer_file(path, diffusers_to_original(self.transformer.state_dict()), dtype, metadata)

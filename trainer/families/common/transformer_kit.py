@@ -1,0 +1,108 @@
+"""What the transformer families whose text encoders stay frozen share (Chroma, Z-Image, Qwen-Image, Flux.2):
+LoRA files in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``, α/r baked into lora_B; LoHa/LoKr
+as ``lycoris_<module>``), their metadata, loading the transformer from one file with the rest of the pipeline from
+``model.config_path``, and writing a fine-tuned transformer back as one file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+from trainer.families.base import ModelLoadError
+
+
+class PeftLayoutLora:
+    """LoRA methods of a family whose LoRA adapts the transformer alone. Class attributes: ``targets``
+    (``parts.denoiser.lora_targets`` preset -> module-name endings, '*' for one path part) and ``modelspec``
+    (architecture, implementation URL, ``ss_base_model_version``)."""
+
+    targets: Dict[str, List[str]] = {}
+    modelspec = ("", "", "")
+
+    def lora_targets(self, slot: str, preset: str):
+        from trainer.families.common.peft_lora import target_regex
+        return target_regex(self.targets[preset])
+
+    def lora_namer(self):
+        """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
+        return {"unet": ("lycoris", lambda p: p)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        from trainer.families.common.peft_lora import peft_layout_state_dict
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        from trainer.families.common.peft_lora import load_peft_layout
+        used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        from trainer.export import modelspec_common
+        architecture, implementation, version = self.modelspec
+        meta = modelspec_common(title=title, resolution=resolution)
+        meta.update({"modelspec.architecture": f"{architecture}/lora", "modelspec.prediction_type": "flow",
+                     "modelspec.implementation": implementation, "ss_base_model_version": version})
+        meta.update(extra or {})
+        return meta
+
+
+def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any], *, pipeline_cls: Any,
+                                   transformer_cls: Any, config: Callable[[Dict[str, Any], dict], dict],
+                                   to_diffusers: Callable[[Dict[str, Any]], Dict[str, Any]] = dict,
+                                   official: str, layout: str) -> Any:
+    """``model.path`` is the transformer alone (``layout`` names its key layout in messages): build it from the
+    file (``config(state, base)`` with ``base`` the ``transformer/config.json`` of a local ``model.config_path``),
+    load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
+    ``model.config_path`` (default ``official``)."""
+    from safetensors.torch import load_file
+
+    from trainer.models.base import _hub_offline
+    source = family.source
+    rest = getattr(mcfg, "config_path", "") or official
+    try:
+        state = {k.split("model.diffusion_model.", 1)[-1]: v for k, v in load_file(source.location).items()}
+    except Exception as exc:
+        raise ModelLoadError(f"model.path '{source.display}' could not be read as a .safetensors file: {exc}",
+                             key="model.path", value=source.display) from None
+    local = Path(rest) / "transformer" / "config.json"
+    base = json.loads(local.read_text()) if local.is_file() else {}
+    try:
+        transformer = transformer_cls.from_config(config(state, base))
+        weights = to_diffusers(state)
+        for name, tensor in transformer.state_dict().items():  # learned pads some files leave out: the model's own
+            if name.endswith("pad_token"):
+                weights.setdefault(name, tensor)
+        transformer.load_state_dict(weights, strict=True)
+    except Exception as exc:
+        raise ModelLoadError(f"model.path '{source.display}': not a complete {family.info.label} transformer in "
+                             f"{layout} ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
+                             key="model.path", value=source.display) from None
+    if transformer.dtype != dtypes["transformer"]:
+        transformer.to(dtypes["transformer"])
+    kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
+    if not Path(rest).is_dir():
+        kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
+    try:
+        return pipeline_cls.from_pretrained(rest, transformer=transformer,
+                                            local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"model.path '{source.display}' is the {family.info.label} transformer alone; the rest of the model comes "
+            f"from model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set "
+            f"model.config_path to a diffusers {family.info.label} folder (or the hub id {official}, downloaded once "
+            "with network access).", key="model.config_path", value=rest) from None
+
+
+def save_transformer_file(path: Any, state: Dict[str, Any], dtype: str, metadata: Optional[Dict[str, str]]) -> None:
+    """A fine-tuned transformer's tensors (in the layout the caller chose) as one file, in ``dtype``."""
+    from trainer.export import _cast, _write_checkpoint
+    state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
