@@ -34,8 +34,8 @@ def test_text_features_and_the_velocity_are_the_pipelines(zimage):
     # the pipeline's velocity at σ: −transformer(latents, 1 − σ); the loop's target is ε − x at σ
     latents, sigma = torch.randn(1, 16, 8, 8), torch.tensor([0.7])
     out = model.transformer([latents[0].unsqueeze(1)], 1.0 - sigma, [features[0]], return_dict=False)[0]
-    from trainer.families.zimage.family import ZImageConditioning
-    first = ZImageConditioning(cond.prompt_embeds[:1], cond.prompt_mask[:1])
+    from trainer.families.common.transformer_kit import MaskedText
+    first = MaskedText(cond.prompt_embeds[:1], cond.prompt_mask[:1])
     torch.testing.assert_close(model.predict(latents, sigma, first), -out[0].unsqueeze(0).squeeze(2))
 
 

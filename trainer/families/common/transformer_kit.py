@@ -12,6 +12,48 @@ from typing import Any, Callable, Dict, List, Optional
 from trainer.families.base import ModelLoadError
 
 
+class MaskedText:
+    """A text model's features [B, L, D] padded, with the mask of its real tokens [B, L] (bool); ``.to()`` like a
+    tensor (the mask keeps its dtype)."""
+
+    def __init__(self, prompt_embeds, prompt_mask):
+        self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
+
+    def to(self, *args: Any, **kwargs: Any) -> "MaskedText":
+        import torch
+        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
+        return MaskedText(self.prompt_embeds.to(*args, **kwargs),
+                          self.prompt_mask if device is None else self.prompt_mask.to(device))
+
+
+class MaskedTextConditioning:
+    """Caption caching and conditioning of a family whose ``_encode(captions, grads)`` returns padded features and
+    the bool mask of the real tokens (Z-Image, Qwen-Image); caption dropout gives the empty caption's."""
+
+    _empty: Optional[Dict[str, Any]] = None
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        import torch
+        with torch.no_grad():
+            embeds, mask = self._encode(list(captions))
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
+
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        import torch
+        if batch.get("prompt_embeds") is not None:
+            embeds = batch["prompt_embeds"].to(self.device)
+            mask = batch["prompt_mask"].to(self.device).bool()
+        else:
+            embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
+        if drop_te1 is not None and any(drop_te1):
+            if self._empty is None:
+                self._empty = self.encode_captions([""])
+            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
+            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+            mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
+        return MaskedText(embeds, mask)
+
+
 class PeftLayoutLora:
     """LoRA methods of a family whose LoRA adapts the transformer alone. Class attributes: ``targets``
     (``parts.denoiser.lora_targets`` preset -> module-name endings, '*' for one path part) and ``modelspec``

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
-from trainer.families.common.transformer_kit import PeftLayoutLora
+from trainer.families.common.transformer_kit import MaskedTextConditioning, PeftLayoutLora
 
 OFFICIAL = "Qwen/Qwen-Image"
 MAX_TOKENS = 512  # the pipeline reads up to 1024; the cache keeps this many (real captions are far shorter)
@@ -32,19 +32,6 @@ TARGETS = {"attn": ATTN,
            "attn_mlp": ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
            "all": ATTN + ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2", "img_mod.1",
                           "txt_mod.1"]}
-
-
-class QwenImageConditioning:
-    """Qwen2.5-VL features [B, L, D] padded, with the mask of the real tokens [B, L]; ``.to()`` like a tensor."""
-
-    def __init__(self, prompt_embeds, prompt_mask):
-        self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
-
-    def to(self, *args: Any, **kwargs: Any) -> "QwenImageConditioning":
-        import torch
-        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
-        return QwenImageConditioning(self.prompt_embeds.to(*args, **kwargs),
-                                     self.prompt_mask if device is None else self.prompt_mask.to(device))
 
 
 class TrueCFGSampler:
@@ -61,7 +48,7 @@ class TrueCFGSampler:
         return self.pipe(prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
 
 
-class QwenImage(PeftLayoutLora, Family):
+class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     name = "qwenimage"
     family = "qwen-image"
     prediction_type = "flow"
@@ -96,7 +83,6 @@ class QwenImage(PeftLayoutLora, Family):
             raise ModelLoadError("model.attention = xformers: Qwen-Image runs on PyTorch SDPA. Use sdpa.",
                                  key="model.attention")
         self._vae_dtype_name = mcfg.vae_dtype
-        self._empty: Optional[Dict[str, Any]] = None
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
         from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
@@ -145,27 +131,6 @@ class QwenImage(PeftLayoutLora, Family):
             embeds[i, :real.shape[0]] = real
             keep[i, :real.shape[0]] = True
         return embeds, keep
-
-    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
-        with torch.no_grad():
-            embeds, mask = self._encode(list(captions))
-        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
-
-    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
-        if batch.get("prompt_embeds") is not None:
-            embeds = batch["prompt_embeds"].to(self.device)
-            mask = batch["prompt_mask"].to(self.device).bool()
-        else:
-            embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
-        if drop_te1 is not None and any(drop_te1):
-            if self._empty is None:
-                self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
-            mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
-        return QwenImageConditioning(embeds, mask)
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):

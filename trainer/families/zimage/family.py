@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, ModelLoadError, part_dtype
-from trainer.families.common.transformer_kit import PeftLayoutLora
+from trainer.families.common.transformer_kit import MaskedTextConditioning, PeftLayoutLora
 
 OFFICIAL = "Tongyi-MAI/Z-Image-Turbo"
 MAX_TOKENS = 512
@@ -30,20 +30,7 @@ TARGETS = {"attn": ATTN, "attn_mlp": ATTN + ["feed_forward.w1", "feed_forward.w2
            "all": ATTN + ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0"]}
 
 
-class ZImageConditioning:
-    """Qwen3 features [B, L, D] padded, with the mask of the real tokens [B, L]; ``.to()`` like a tensor."""
-
-    def __init__(self, prompt_embeds, prompt_mask):
-        self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
-
-    def to(self, *args: Any, **kwargs: Any) -> "ZImageConditioning":
-        import torch
-        device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
-        return ZImageConditioning(self.prompt_embeds.to(*args, **kwargs),
-                                  self.prompt_mask if device is None else self.prompt_mask.to(device))
-
-
-class ZImage(PeftLayoutLora, Family):
+class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
     name = "zimage"
     family = "z-image"
     prediction_type = "flow"
@@ -77,7 +64,6 @@ class ZImage(PeftLayoutLora, Family):
             raise ModelLoadError("model.attention = xformers: Z-Image runs on PyTorch SDPA. Use sdpa.",
                                  key="model.attention")
         self._vae_dtype_name = mcfg.vae_dtype
-        self._empty: Optional[Dict[str, Any]] = None
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
         from diffusers import ZImagePipeline, ZImageTransformer2DModel
@@ -102,27 +88,6 @@ class ZImage(PeftLayoutLora, Family):
             hidden = self.text_encoder(input_ids=tokens.input_ids.to(self.device), attention_mask=mask,
                                        output_hidden_states=True).hidden_states[-2]
         return hidden, mask
-
-    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
-        with torch.no_grad():
-            embeds, mask = self._encode(list(captions))
-        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
-
-    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
-        if batch.get("prompt_embeds") is not None:
-            embeds = batch["prompt_embeds"].to(self.device)
-            mask = batch["prompt_mask"].to(self.device).bool()
-        else:
-            embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
-        if drop_te1 is not None and any(drop_te1):
-            if self._empty is None:
-                self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
-            mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
-        return ZImageConditioning(embeds, mask)
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
