@@ -752,8 +752,12 @@ def resolve_preset(name: str, relative_to: Optional[Path] = None) -> Path:
         return cand
     p = PRESETS_DIR / f"{name}.yaml"
     if not p.exists():
-        raise ConfigError(f"Unknown preset '{name}'. Built-in presets: {', '.join(preset_names())}.",
-                          key="base", value=name)
+        import difflib
+        names = preset_names()
+        close = difflib.get_close_matches(name, names, n=4, cutoff=0.5)
+        hint = f"Did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError(f"Unknown preset '{name}'. {hint}`python -m trainer presets` lists the {len(names)} built-in "
+                          "presets (the UI's preset menu too).", key="base", value=name)
     return p
 
 
