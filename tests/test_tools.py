@@ -375,3 +375,52 @@ def test_a_tool_run_from_the_page_reports_progress_and_cancel_kills_it(tmp_path)
     assert pid_file, "the tool is running"
     gen.close()  # what the page's Cancel does to the running handler
     assert not any(procs.pid_alive(pid) for pid in pid_file)
+
+
+def test_merge_resize_and_sample_take_diffusers_layout_loras_of_the_transformer_families(tiny_workspace, tmp_path,
+                                                                                          capsys):
+    """A Flux LoRA (transformer + CLIP-L, diffusers/peft layout, α/r in lora_B): merge adds B·A to each layer,
+    resize keeps the layout (at full rank the same change), sample --lora changes the image."""
+    from trainer.config import load_config
+    from trainer.families import build_tiny
+    from trainer.methods.lora import LoraMethod
+    from trainer.models.base import load_model
+    paths = build_tiny("tiny-flux", tiny_workspace / "models")
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", "training.method=lora", "lora.rank=4",
+                             "lora.alpha=2", "lora.unet_targets=attn", "training.train_text_encoder=true"])
+    model = load_model(cfg, str(tiny_workspace))
+    method = LoraMethod(model, cfg)
+    gen = torch.Generator().manual_seed(0)
+    for name, p in list(model.transformer.named_parameters()) + list(model.text_encoder.named_parameters()):
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=gen) * 0.05
+    from safetensors.torch import save_file
+    lora = tmp_path / "flux-lora.safetensors"
+    state = method.adapter_state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(lora))
+    assert any(k.startswith("transformer.") and k.endswith("lora_A.weight") for k in state)
+    # merge: every layer of the transformer is W + B·A (the file's B carries α/r)
+    out = tmp_path / "merged.safetensors"
+    assert cli("merge", str(paths["single_file"]), str(lora), "--out", out, "--workspace", tiny_workspace,
+               "--config-path", str(paths["diffusers"])) == 0
+    base = load_model(load_config(None, [f"model.path={paths['diffusers']}"]), str(tiny_workspace))
+    merged = load_model(load_config(None, [f"model.path={out}", f"model.config_path={paths['diffusers']}"]),
+                        str(tiny_workspace))
+    key = "transformer_blocks.0.attn.to_q"
+    expected = base.transformer.state_dict()[f"{key}.weight"] + \
+        state[f"transformer.{key}.lora_B.weight"] @ state[f"transformer.{key}.lora_A.weight"]
+    torch.testing.assert_close(merged.transformer.state_dict()[f"{key}.weight"], expected, atol=1e-5, rtol=1e-5)
+    # resize to the full rank: the same change, still in the diffusers layout
+    small = tmp_path / "flux-r4.safetensors"
+    assert cli("resize", str(lora), "--rank", "4", "--out", small) == 0
+    resized = load_file(str(small))
+    assert set(resized) == set(state)
+    for k in (f"transformer.{key}",):
+        torch.testing.assert_close(resized[f"{k}.lora_B.weight"] @ resized[f"{k}.lora_A.weight"],
+                                   state[f"{k}.lora_B.weight"] @ state[f"{k}.lora_A.weight"], atol=1e-5, rtol=1e-5)
+    # sample --lora on a Flux model
+    common = ("--workspace", tiny_workspace, "--prompt", PROMPT, "--steps", "2", "--width", "64", "--height", "64",
+              "--device", "cpu")
+    assert cli("sample", "builtin:tiny-flux", *common, "--out", tmp_path / "plain") == 0
+    assert cli("sample", "builtin:tiny-flux", *common, "--lora", f"{lora}:1.0", "--out", tmp_path / "with") == 0
+    assert np.abs(_pixels(tmp_path / "with" / "000-42.png") - _pixels(tmp_path / "plain" / "000-42.png")).max() > 0

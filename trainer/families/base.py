@@ -173,6 +173,12 @@ class Family:
         """slot -> (kohya key prefix, module-path rename) for LoRA/LyCORIS files."""
         raise NotImplementedError
 
+    def peft_file_names(self) -> Dict[str, Tuple[str, Callable[[str], str]]]:
+        """slot -> (key prefix, module-path rename) of the parts whose LoRA files are in the diffusers/peft layout
+        (``{prefix}.{rename(path)}.lora_A/lora_B.weight``, α/r baked into lora_B); {} for kohya-layout families.
+        The model tools (merge, sample --lora) read such files through it."""
+        return {}
+
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
         """Header keys model sites and loaders read (``modelspec.*``, ``ss_*``)."""

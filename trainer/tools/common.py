@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from trainer.tools import ToolError, model_problem
 
-SD_LINEAGE = ("sd", "sdxl")
 _TORCH_TO_NAME = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 
 
@@ -52,8 +51,7 @@ def quiet_libraries() -> None:
 
 
 def load_family(model_path: str, workspace: Optional[str] = None, *, config: Optional[str] = None,
-                config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32", sd_only: bool = True,
-                tool: str = "this tool") -> Any:
+                config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32") -> Any:
     """The loaded family object (``trainer.families.*``), or ToolError naming what is wrong with MODEL."""
     from trainer.config import ConfigError
     from trainer.models.base import load_model
@@ -73,9 +71,6 @@ def load_family(model_path: str, workspace: Optional[str] = None, *, config: Opt
         if not config:  # the tools' own option names
             text = text.replace("set model.config_path to", "give --config-path")
         raise ToolError(text) from None
-    if sd_only and model.name not in SD_LINEAGE:
-        raise ToolError(f"MODEL '{path}' is a {model.info.label} model; {tool} handles Stable Diffusion 1.x/2.x "
-                        "and SDXL so far.")
     return model
 
 
@@ -170,11 +165,14 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
     layers: Dict[str, Dict[str, Any]] = {}
     extra: Dict[str, Any] = {}
     other: List[str] = []
-    parts = {".lora_down.weight": "down", ".lora_up.weight": "up", ".alpha": "alpha"}
+    # kohya: <name>.lora_down/lora_up/alpha; diffusers/peft: <prefix>.<module>.lora_A/lora_B (α/r in lora_B, so no
+    # alpha: the scale is 1), named "peft:<prefix>.<module>" (layer_index names a model's layers the same way)
+    parts = {".lora_down.weight": ("", "down"), ".lora_up.weight": ("", "up"), ".alpha": ("", "alpha"),
+             ".lora_A.weight": ("peft:", "down"), ".lora_B.weight": ("peft:", "up")}
     for key, value in tensors.items():
-        for suffix, part in parts.items():
+        for suffix, (kind, part) in parts.items():
             if key.endswith(suffix):
-                layers.setdefault(key[: -len(suffix)], {})[part] = value
+                layers.setdefault(kind + key[: -len(suffix)], {})[part] = value
                 break
         else:
             if key.startswith("bundle_emb."):
@@ -187,17 +185,13 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
     if any(".hada_" in k or ".lokr_" in k for k in other):
         raise ToolError(f"{what} '{path}' is a LyCORIS LoHa/LoKr file; only kohya LoRA/LoCon files "
                         "(lora_down/lora_up) are supported so far.")
-    if any(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in other):
-        raise ToolError(f"{what} '{path}' is in the diffusers/peft layout (lora_A/lora_B keys, as Flux and "
-                        "PixArt LoRAs are written); only kohya-layout SD/SDXL LoRAs (lora_down/lora_up) are "
-                        "supported so far.")
     if not layers:
         sample = ", ".join(sorted(tensors)[:3]) or "no tensors at all"
         looks = " It looks like a full model checkpoint." if any(
             k.startswith(("model.diffusion_model.", "first_stage_model.", "conditioner.", "cond_stage_model."))
             for k in tensors) else ""
         raise ToolError(f"{what} '{path}' is not a LoRA file: none of its {len(tensors)} tensors is a kohya "
-                        f"lora_down/lora_up pair (e.g. {sample}).{looks}")
+                        f"lora_down/lora_up or a diffusers lora_A/lora_B pair (e.g. {sample}).{looks}")
     broken = sorted(n for n, l in layers.items() if "down" not in l or "up" not in l)
     if broken or other:
         shown = (broken + other)[:3]
@@ -216,8 +210,9 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
 # --------------------------------------------------------------------------------------------------
 
 def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
-    """kohya name → (slot, module path, module) for every Linear/Conv2d layer of the model's parts, named
-    by the family's own LoRA namer (what its LoRA files use)."""
+    """Layer name → (slot, module path, module) for every Linear/Conv2d layer of the model's parts, named by the
+    family's own LoRA namer (kohya files) and, for families whose files are in the diffusers/peft layout, as
+    ``peft:<prefix>.<module>``."""
     import torch
     namer = model.lora_namer()
     index: Dict[str, Tuple[str, str, Any]] = {}
@@ -233,6 +228,13 @@ def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
             except (KeyError, ValueError):  # a module the original layout has no name for
                 continue
             index[name] = (slot, path, mod)
+    for slot, (prefix, rename) in model.peft_file_names().items():  # diffusers/peft-layout files' names
+        module = model.part(slot)
+        if module is None:
+            continue
+        for path, mod in module.named_modules():
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+                index[f"peft:{prefix}.{rename(path)}"] = (slot, path, mod)
     return index
 
 

@@ -52,7 +52,7 @@ def run(args: Any) -> int:
     fmt = format_of(out, args.to)
     inputs = [Path(args.model)] if Path(args.model).expanduser().exists() else []
     check_out(out, args.overwrite, folder=fmt == "diffusers", inputs=inputs)
-    model = load_family(args.model, args.workspace, config_path=args.config_path, tool="convert")
+    model = load_family(args.model, args.workspace, config_path=args.config_path)
     dtype = args.dtype or source_dtype(model)
     meta = {"modelspec.title": out.stem, "atelier_converted_from": Path(str(args.model)).name}
     save_model(model, out, fmt, dtype, meta)

@@ -29,7 +29,7 @@ def run(args: Any) -> int:
     fmt = format_of(out, args.format)
     inputs = [Path(p) for p, _ in specs] + ([Path(args.base)] if Path(args.base).expanduser().exists() else [])
     check_out(out, args.overwrite, folder=fmt == "diffusers", inputs=inputs)
-    model = load_family(args.base, args.workspace, config_path=args.config_path, tool="merge")
+    model = load_family(args.base, args.workspace, config_path=args.config_path)
     layers = apply_loras(model, loras)
     dtype = args.dtype or source_dtype(model)
     merged = [{"file": lora.path.name, "weight": weight} for lora, weight in loras]

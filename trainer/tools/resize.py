@@ -68,6 +68,10 @@ def run(args: Any) -> int:
             changed += 1
             lost += float(dropped.pow(2).sum())
             total += float(lora.delta(name).double().pow(2).sum())
+        if name.startswith("peft:"):  # diffusers/peft layout: α/r stays baked into lora_B (the new alpha is the rank)
+            state[f"{name[5:]}.lora_A.weight"] = new["down"]
+            state[f"{name[5:]}.lora_B.weight"] = new["up"]
+            continue
         state[f"{name}.lora_down.weight"] = new["down"]
         state[f"{name}.lora_up.weight"] = new["up"]
         state[f"{name}.alpha"] = new["alpha"].to(torch.float32).reshape(())

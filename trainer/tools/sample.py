@@ -70,7 +70,7 @@ def run(args: Any) -> int:
         raise ToolError(f"--out {folder} is a file; give a folder for the images.")
     device = pick_device(args.device)
     model = load_family(args.model or "", args.workspace, config=args.config, config_path=args.config_path,
-                        device=device, sd_only=bool(loras), tool="sample with --lora")
+                        device=device)
     if loras:
         apply_loras(model, loras)
     vae = getattr(model, "vae", None)  # the Würstchen-lineage priors have an image encoder and a decoder instead

@@ -70,6 +70,9 @@ class PeftLayoutLora:
         """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``."""
         return {"unet": ("lycoris", lambda p: p)}
 
+    def peft_file_names(self):
+        return {"unet": ("transformer", lambda p: p)}
+
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
         from trainer.families.common.peft_lora import peft_layout_state_dict
         out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)

@@ -260,6 +260,10 @@ class Flux(Family):
                 "text_encoder": ("lora_te1", _clip_text_model),
                 "text_encoder_2": ("lora_te2", lambda p: p)}
 
+    def peft_file_names(self):
+        from trainer.families.common.peft_lora import clip_text_model
+        return {"unet": ("transformer", lambda p: p), "text_encoder": ("text_encoder", clip_text_model)}
+
     _FILE_PREFIXES = {"unet": "transformer", "text_encoder": "text_encoder"}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:

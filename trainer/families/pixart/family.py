@@ -246,6 +246,9 @@ class PixArt(Family):
         """kohya/LyCORIS names: ``lycoris_<diffusers module path>`` for the transformer, ``lora_te1_`` for T5."""
         return {"unet": ("lycoris", lambda p: p), "text_encoder": ("lora_te1", lambda p: p)}
 
+    def peft_file_names(self):
+        return {"unet": ("transformer", lambda p: p)}  # (a T5 LoRA is kohya-named: lora_te1_…)
+
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
         from trainer.export import kohya_lora_state_dict
         from trainer.families.common.peft_lora import peft_layout_state_dict

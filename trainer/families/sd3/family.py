@@ -252,6 +252,11 @@ class SD3(Family):
         return {"unet": ("lycoris", lambda p: p), "text_encoder": ("lora_te1", clip_text_model),
                 "text_encoder_2": ("lora_te2", clip_text_model)}
 
+    def peft_file_names(self):
+        from trainer.families.common.peft_lora import clip_text_model
+        return {"unet": ("transformer", lambda p: p), "text_encoder": ("text_encoder", clip_text_model),
+                "text_encoder_2": ("text_encoder_2", clip_text_model)}
+
     _FILE_PREFIXES = {"unet": "transformer", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2"}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:

@@ -86,6 +86,9 @@ class Wuerstchen(CascadePrior):
         """kohya names (used only for the text encoder inside the peft-layout file's writer/reader)."""
         return {"unet": ("lora_unet", lambda p: p), "text_encoder": ("lora_te", lambda p: p)}
 
+    def peft_file_names(self):
+        return {"unet": ("prior", lambda p: p), "text_encoder": ("text_encoder", lambda p: p)}
+
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
         from trainer.families.common.peft_lora import peft_layout_state_dict
         return peft_layout_state_dict(modules, {"unet": "prior", "text_encoder": "text_encoder"}, adapter_name)
