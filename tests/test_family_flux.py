@@ -241,3 +241,25 @@ def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would
     failed = read_events(ws / "runs" / "t5long" / "events.jsonl")[-1]
     assert failed["type"] == "failed" and "parts.text_encoder_2.enabled" in failed["message"]
     assert first.with_suffix(".png").name in failed["message"] and "77 tokens" in failed["message"]
+
+
+def test_lora_blocks_put_adapters_only_in_the_chosen_blocks(flux):
+    from trainer.config import ConfigError, load_config
+    from trainer.methods.lora import LoraMethod
+    from trainer.models.base import load_model
+    ws, _ = flux
+
+    def adapted(spec):
+        cfg = load_config(None, ["model.path=builtin:tiny-flux", "lora.unet_targets=attn_mlp",
+                                 f"parts.denoiser.lora_blocks={spec}"])
+        return {k.split(".lora_", 1)[0] for k in LoraMethod(load_model(cfg, str(ws)), cfg).adapter_state_dict()}
+
+    single = adapted("single_transformer_blocks:0")
+    assert single and all(k.startswith("transformer.single_transformer_blocks.0.") for k in single)
+    both = adapted("0")
+    assert {k.split(".")[1] for k in both} == {"transformer_blocks", "single_transformer_blocks"}
+    with pytest.raises(ConfigError, match=r"block lists: transformer_blocks \(0-0\)") as err:
+        adapted("5-9")
+    assert err.value.key == "parts.denoiser.lora_blocks"
+    with pytest.raises(ConfigError, match="ends before it starts"):
+        load_config(None, ["model.path=builtin:tiny-flux", "parts.denoiser.lora_blocks=3-1"])

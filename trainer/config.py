@@ -521,6 +521,10 @@ class DenoiserPart:
     nf4: bool = f(False, "Store the frozen denoiser's Linear weights in 4-bit NF4 (bitsandbytes, as QLoRA) and "
                          "dequantize each layer as it runs: about a quarter of the memory of bf16 for a transformer. "
                          "LoRA (lora.type = lora) only; not with fp8.")
+    lora_blocks: str = f("", "Only these blocks of the denoiser get adapters: block numbers and ranges (0-7,12) of "
+                             "each of its block lists, or of one list (single_transformer_blocks:10-37); the lists "
+                             "are transformer_blocks, single_transformer_blocks, down_blocks, layers … as the model "
+                             "names them. Empty = every block.")
     lora_targets: str = f("attn", "Denoiser layers a LoRA adapts: attention, attention+MLP, all (adds conv layers: "
                                   "LoCon), or custom (lora.custom_targets).",
                           choices=["attn", "attn_mlp", "all", "custom"])

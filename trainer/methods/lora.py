@@ -43,6 +43,36 @@ def unet_targets(cfg, model=None) -> Union[List[str], str]:
     return UNET_TARGETS[choice]
 
 
+def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
+    """The full paths of the modules ``targets`` (name endings, or one full-match regex) picks in ``module`` that lie
+    in the blocks ``spec`` (``parts.denoiser.lora_blocks``) names; ConfigError naming the block lists when none do."""
+    import re
+
+    from trainer.config import ConfigError
+    from trainer.methods.rules import block_of, parse_blocks
+    ranges = parse_blocks(spec)
+
+    def picked(path: str) -> bool:
+        if isinstance(targets, str):
+            return re.fullmatch(targets, path) is not None
+        return any(path == t or path.endswith("." + t) for t in targets)
+
+    lists: Dict[str, int] = {}
+    out = []
+    for path, _ in module.named_modules():
+        name, index = block_of(path)
+        if index < 0:
+            continue
+        lists[name] = max(lists.get(name, 0), index + 1)
+        if picked(path) and any((not n or n == name) and a <= index <= b for n, a, b in ranges):
+            out.append(path)
+    if not out:
+        have = ", ".join(f"{n} (0-{k - 1})" for n, k in lists.items()) or "none"
+        raise ConfigError(f"parts.denoiser.lora_blocks = {spec}: no layer the LoRA targets lies in those blocks. This "
+                          f"denoiser's block lists: {have}.", key="parts.denoiser.lora_blocks", value=spec)
+    return out
+
+
 def chosen_parts(model, cfg) -> Dict[str, Any]:
     """slot -> module for the parts whose ``parts.<part>.train`` is on; a part the model does not have
     is refused, naming the family's parts."""
@@ -132,6 +162,9 @@ class LoraMethod(MethodBase):
                 custom = cfg.parts.denoiser.lora_targets == "custom"
                 key = "lora.custom_targets" if custom else "parts.denoiser.lora_targets"
                 targets = unet_targets(cfg, model)
+                if cfg.parts.denoiser.get("lora_blocks", ""):
+                    key, targets = "parts.denoiser.lora_blocks", in_blocks(module, targets,
+                                                                           cfg.parts.denoiser.lora_blocks)
             else:
                 key, targets = "lora.type", model.lora_targets(slot, "default")
             _add_adapter(module, adapter_config(lcfg, targets, module), model.info.part(slot).label, key)

@@ -6,7 +6,7 @@ Torch-free: ``trainer.config`` calls these before any model loads (CLI ``validat
 from __future__ import annotations
 
 import re
-from typing import Any, List, Pattern
+from typing import Any, List, Pattern, Tuple
 
 
 def placeholder_pattern(placeholder: str) -> Pattern[str]:
@@ -40,11 +40,45 @@ def custom_target_regex(entries: List[str]) -> str:
     return "|".join(parts)
 
 
+def parse_blocks(spec: str) -> List[Tuple[str, int, int]]:
+    """``parts.denoiser.lora_blocks`` → (block list or "" for every list, first, last) ranges; ValueError with what
+    is wrong."""
+    out = []
+    for item in str(spec or "").replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, numbers = item.rpartition(":")
+        first, _, last = numbers.partition("-")
+        if not first.strip().isdigit() or (last and not last.strip().isdigit()):
+            raise ValueError(f"'{item}' is not a block number, a range like 0-7, or list:range")
+        a, b = int(first), int(last) if last else int(first)
+        if b < a:
+            raise ValueError(f"'{item}': the range ends before it starts")
+        out.append((name.strip(), a, b))
+    return out
+
+
+def block_of(path: str) -> Tuple[str, int]:
+    """(block list, index) of a module path (the first ``<…blocks|layers>.<N>``), or ("", -1) outside any."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1):
+        if (parts[i].endswith("blocks") or parts[i] == "layers") and parts[i + 1].isdigit():
+            return parts[i], int(parts[i + 1])
+    return "", -1
+
+
 def validate_method(cfg: Any) -> None:
     """Hard errors (ConfigError) of the lora/embedding sections."""
     from trainer.config import ConfigError
 
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
+    try:
+        parse_blocks(cfg.parts.denoiser.get("lora_blocks", ""))
+    except ValueError as exc:
+        raise ConfigError(f"parts.denoiser.lora_blocks: {exc}. Write block numbers and ranges (0-7,12), optionally "
+                          "for one block list (single_transformer_blocks:10-37).", key="parts.denoiser.lora_blocks",
+                          value=cfg.parts.denoiser.lora_blocks) from None
     if t.method == "lora" and cfg.parts.denoiser.lora_targets == "custom" and cfg.parts.denoiser.train:
         entries = [str(e).strip() for e in lora.custom_targets if str(e).strip()]
         if not entries:
