@@ -424,3 +424,34 @@ def test_merge_resize_and_sample_take_diffusers_layout_loras_of_the_transformer_
     assert cli("sample", "builtin:tiny-flux", *common, "--out", tmp_path / "plain") == 0
     assert cli("sample", "builtin:tiny-flux", *common, "--lora", f"{lora}:1.0", "--out", tmp_path / "with") == 0
     assert np.abs(_pixels(tmp_path / "with" / "000-42.png") - _pixels(tmp_path / "plain" / "000-42.png")).max() > 0
+
+
+@pytest.mark.parametrize("kind", ["loha", "lokr"])
+def test_merge_bakes_loha_and_lokr_files_as_peft_computes_them(kind, tiny_workspace, tmp_path):
+    """A LyCORIS LoHa/LoKr file as Atelier writes it (ComfyUI's and LyCORIS' formulas read it): merging adds to each
+    layer exactly the change peft's adapter layer applies; resize refuses it with what to do instead."""
+    from safetensors.torch import save_file
+
+    from trainer.config import load_config
+    from trainer.methods.lora import LoraMethod
+    from trainer.models.base import load_model
+    sd = tiny_workspace / "models" / "tiny-sd"
+    cfg = load_config(None, [f"model.path={sd}", "training.method=lora", f"lora.type={kind}", "lora.rank=4",
+                             "lora.alpha=2"])
+    model = load_model(cfg, str(tiny_workspace))
+    method = LoraMethod(model, cfg)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.unet.named_parameters():
+            if ".hada_" in name or ".lokr_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    layer = model.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
+    expected = layer.get_base_layer().weight.detach().clone() + layer.get_delta_weight("default").detach()
+    lora = tmp_path / f"{kind}.safetensors"
+    save_file({k: v.contiguous() for k, v in method.adapter_state_dict().items()}, str(lora))
+    out = tmp_path / "merged.safetensors"
+    assert cli("merge", str(sd), str(lora), "--out", out, "--workspace", tiny_workspace) == 0
+    merged = load_model(load_config(None, [f"model.path={out}", f"model.config_path={sd}"]), str(tiny_workspace))
+    got = merged.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert cli("resize", str(lora), "--rank", "2", "--out", tmp_path / "r2.safetensors") == 2

@@ -109,34 +109,64 @@ def source_dtype(model: Any) -> str:
 
 @dataclass
 class LoraFile:
-    """A kohya-layout LoRA/LoCon file: per layer name ``down``, ``up`` and ``alpha`` (alpha = rank when
-    the file has none); ``extra``: tensors that are no LoRA layer (bundled embeddings)."""
+    """A LoRA file's layers by name: kohya LoRA/LoCon (``down``, ``up``, ``alpha``), diffusers/peft (``down`` = lora_A,
+    ``up`` = lora_B, no alpha: α/r is in lora_B), LyCORIS LoHa (``hada_w1_a`` …) or LoKr (``lokr_w1`` or ``lokr_w1_a``
+    /``_b``, ``lokr_w2`` …); ``extra``: tensors that are no LoRA layer (bundled embeddings)."""
 
     path: Path
     layers: Dict[str, Dict[str, Any]]
     metadata: Dict[str, str]
     extra: Dict[str, Any] = field(default_factory=dict)
 
-    def rank(self, name: str) -> int:
-        return int(self.layers[name]["down"].shape[0])
+    def kind(self, name: str) -> str:
+        layer = self.layers[name]
+        return "loha" if "hada_w1_a" in layer else "lokr" if any(k.startswith("lokr_") for k in layer) else "lora"
+
+    def rank(self, name: str) -> Optional[int]:
+        """The rank alpha is divided by; None for a LoKr layer of two full factors (its scale is 1)."""
+        layer, kind = self.layers[name], self.kind(name)
+        if kind == "lora":
+            return int(layer["down"].shape[0])
+        if kind == "loha":
+            return int(layer["hada_w1_b"].shape[0])
+        for key in ("lokr_w2_b", "lokr_w1_b"):  # as ComfyUI/LyCORIS: the factored side's rank
+            if key in layer:
+                return int(layer[key].shape[0])
+        return None
 
     def alpha(self, name: str) -> float:
-        alpha = self.layers[name].get("alpha")
-        return float(alpha.item()) if alpha is not None else float(self.rank(name))
+        alpha, rank = self.layers[name].get("alpha"), self.rank(name)
+        return float(alpha.item()) if alpha is not None else float(rank or 1)
+
+    def scale(self, name: str) -> float:
+        rank = self.rank(name)
+        return 1.0 if rank is None else self.alpha(name) / rank
 
     @property
     def max_rank(self) -> int:
-        return max(self.rank(n) for n in self.layers)
+        return max(self.rank(n) or 0 for n in self.layers)
 
     @property
     def weight_dtype(self) -> Any:
-        return next(iter(self.layers.values()))["up"].dtype
+        return next(t for t in next(iter(self.layers.values())).values() if t.ndim > 0).dtype
 
     def delta(self, name: str) -> Any:
-        """The layer's weight change (alpha/rank) · up @ down in float32, flattened to [out, in·k·k]."""
-        layer = self.layers[name]
-        up, down = layer["up"].float(), layer["down"].float()
-        return (up.flatten(1) @ down.flatten(1)) * (self.alpha(name) / self.rank(name))
+        """The layer's weight change in float32, flattened to [out, in·k·k]: (alpha/rank) · up @ down (LoRA),
+        · (w1a @ w1b) ⊙ (w2a @ w2b) (LoHa), · w1 ⊗ w2 (LoKr), as ComfyUI's and LyCORIS' loaders compute them."""
+        import torch
+        layer, kind = self.layers[name], self.kind(name)
+
+        def mat(key: str):
+            if key in layer:
+                return layer[key].float().flatten(1)
+            return layer[f"{key}_a"].float().flatten(1) @ layer[f"{key}_b"].float().flatten(1)
+        if kind == "lora":
+            d = layer["up"].float().flatten(1) @ layer["down"].float().flatten(1)
+        elif kind == "loha":
+            d = mat("hada_w1") * mat("hada_w2")
+        else:
+            d = torch.kron(mat("lokr_w1"), mat("lokr_w2"))
+        return d * self.scale(name)
 
     def trained_for(self) -> str:
         """What the header says the LoRA was trained on, for messages ('' when it does not say)."""
@@ -169,6 +199,8 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
     # alpha: the scale is 1), named "peft:<prefix>.<module>" (layer_index names a model's layers the same way)
     parts = {".lora_down.weight": ("", "down"), ".lora_up.weight": ("", "up"), ".alpha": ("", "alpha"),
              ".lora_A.weight": ("peft:", "down"), ".lora_B.weight": ("peft:", "up")}
+    parts.update({f".{k}": ("", k) for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1",
+                                             "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")})
     for key, value in tensors.items():
         for suffix, (kind, part) in parts.items():
             if key.endswith(suffix):
@@ -182,9 +214,9 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
     if any(k.endswith(".dora_scale") for k in other):
         raise ToolError(f"{what} '{path}' is a DoRA file (dora_scale keys); merging and resizing DoRA is not "
                         "supported yet. Use a plain LoRA.")
-    if any(".hada_" in k or ".lokr_" in k for k in other):
-        raise ToolError(f"{what} '{path}' is a LyCORIS LoHa/LoKr file; only kohya LoRA/LoCon files "
-                        "(lora_down/lora_up) are supported so far.")
+    if any(k.endswith((".hada_t1", ".hada_t2", ".lokr_t2")) for k in other):
+        raise ToolError(f"{what} '{path}' is a LyCORIS file with Tucker-decomposed conv layers (hada_t1/lokr_t2), "
+                        "which the model tools do not read yet. Use LoHa/LoKr without use_tucker, or a LoRA.")
     if not layers:
         sample = ", ".join(sorted(tensors)[:3]) or "no tensors at all"
         looks = " It looks like a full model checkpoint." if any(
@@ -192,12 +224,20 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
             for k in tensors) else ""
         raise ToolError(f"{what} '{path}' is not a LoRA file: none of its {len(tensors)} tensors is a kohya "
                         f"lora_down/lora_up or a diffusers lora_A/lora_B pair (e.g. {sample}).{looks}")
-    broken = sorted(n for n, l in layers.items() if "down" not in l or "up" not in l)
+    def complete(layer: Dict[str, Any]) -> bool:
+        if "hada_w1_a" in layer or "hada_w2_a" in layer:
+            return all(k in layer for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"))
+        if any(k.startswith("lokr_") for k in layer):
+            return all(k in layer or (f"{k}_a" in layer and f"{k}_b" in layer) for k in ("lokr_w1", "lokr_w2"))
+        return "down" in layer and "up" in layer
+    broken = sorted(n for n, l in layers.items() if not complete(l))
     if broken or other:
         shown = (broken + other)[:3]
         raise ToolError(f"{what} '{path}' is not a complete kohya LoRA: {len(broken) + len(other)} keys without "
                         f"their lora_down/lora_up pair or of an unknown kind (e.g. {', '.join(shown)}).")
     for name, layer in layers.items():
+        if "down" not in layer:
+            continue  # LoHa/LoKr: their factors are checked against the model's layer when merged
         down, up = layer["down"], layer["up"]
         if down.ndim not in (2, 4) or up.ndim != down.ndim or up.shape[1] != down.shape[0]:
             raise ToolError(f"{what} '{path}': layer {name} has lora_up {tuple(up.shape)} and lora_down "
@@ -246,8 +286,10 @@ def match_lora(lora: LoraFile, index: Mapping[str, Tuple[str, str, Any]], model_
         ok = target is not None
         if ok:
             weight = target[2].weight
-            out_dim = layer["up"].shape[0]
-            in_numel = math.prod(layer["down"].shape[1:])
+            try:
+                out_dim, in_numel = lora.delta(name).shape
+            except RuntimeError:  # factors that do not multiply
+                out_dim, in_numel = -1, -1
             ok = weight.shape[0] == out_dim and math.prod(weight.shape[1:]) == in_numel
         if ok:
             matched += 1

@@ -45,6 +45,11 @@ def run(args: Any) -> int:
     from trainer.io import save_safetensors_atomic
     from trainer.tools.common import network_metadata, read_lora
     lora = read_lora(args.lora, "LORA")
+    kinds = {lora.kind(n) for n in lora.layers} - {"lora"}
+    if kinds:
+        raise ToolError(f"LORA '{args.lora}' is a LyCORIS {'/'.join(sorted(kinds)).replace('loha', 'LoHa').replace('lokr', 'LoKr')} "
+                        "file: resize lowers the rank of up·down products (LoRA/LoCon). Merge it into the model "
+                        "(python -m trainer merge) or train it at the rank you want.")
     rank, top = int(args.rank), lora.max_rank
     if rank <= 0:
         raise ToolError(f"--rank {rank}: the new rank must be at least 1.")
