@@ -179,14 +179,22 @@ class _Patches:
     def __init__(self) -> None:
         self._undo: List[Tuple[Any, str, Any]] = []
 
-    def set(self, obj: Any, name: str, value: Any) -> None:
+    def set(self, obj: Any, name: Any, value: Any) -> None:
+        """``obj.name = value`` (``obj[name]`` for a dict)."""
+        if isinstance(obj, dict):
+            self._undo.append((obj, name, obj[name]))
+            obj[name] = value
+            return
         self._undo.append((obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
     def undo(self) -> None:
         while self._undo:
             obj, name, value = self._undo.pop()
-            setattr(obj, name, value)
+            if isinstance(obj, dict):
+                obj[name] = value
+            else:
+                setattr(obj, name, value)
 
 
 def _config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
@@ -197,6 +205,10 @@ def _config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
         return Path(source.location)
     if getattr(mcfg, "config_path", ""):
         return Path(mcfg.config_path)
+    from trainer.families import info_for
+    if family and info_for(family).name not in ("sd", "sdxl"):  # the family's own full-size configs
+        from trainer.families.common import full_size
+        return full_size.config_folder(family, Path(workspace) / "cache")
     pred = getattr(mcfg, "prediction_type", "auto")
     name = sd_configs.default_config_for(family or "sd15", None if pred == "auto" else pred)
     return sd_configs.config_folder(name, Path(workspace) / "cache")
@@ -232,8 +244,16 @@ def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, fam
         if dt is not None:
             module.to(dtype=dt)
         return module.eval()
-    return load_components(pipeline_cls, _config_folder(source, mcfg, workspace, family), dtype,
-                           build_model=build, **common)
+    import diffusers
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # may build the family's tiny model first: real tensors
+        folder = _config_folder(source, mcfg, workspace, family)
+    sched = folder / "scheduler" / "scheduler_config.json"
+    if "scheduler" not in common and sched.is_file():  # schedulers compute their tables on real tensors
+        with unset_fake_temporarily():
+            cls = getattr(diffusers, json.loads(sched.read_text(encoding="utf-8"))["_class_name"])
+            common["scheduler"] = cls.from_pretrained(str(folder), subfolder="scheduler")
+    return load_components(pipeline_cls, folder, dtype, build_model=build, **common)
 
 
 @contextlib.contextmanager
@@ -256,7 +276,9 @@ def session(fake: bool = True) -> Iterator[Any]:
     patches = _Patches()
     mode = None
     try:
-        for info in infos().values():  # every registered family that loads through load_pipeline
+        import trainer.models.base as models_base
+        patches.set(models_base, "load_pipeline", config_only_pipeline)  # families that import it when loading
+        for info in infos().values():  # and those that bound it at import
             family_module = importlib.import_module(info.family_class.split(":")[0])
             if hasattr(family_module, "load_pipeline"):
                 patches.set(family_module, "load_pipeline", config_only_pipeline)
@@ -272,6 +294,15 @@ def session(fake: bool = True) -> Iterator[Any]:
                 return original_swap(t1, t2)
 
             patches.set(torch.utils, "swap_tensors", swap_tensors)
+            from torch._subclasses import fake_impls
+
+            def nonzero_all(fake_mode, func, arg):  # noqa: ARG001
+                """Boolean masks (text tokens kept) have no values here: count every element as kept, the
+                most a mask can keep (the padded caption length), so memory is never under-estimated."""
+                n = arg.numel()
+                return arg.new_empty_strided((n, arg.dim()), (1, n), dtype=torch.int64)
+
+            patches.set(fake_impls.op_implementations_dict, torch.ops.aten.nonzero.default, nonzero_all)
             try:
                 import bitsandbytes.functional as bnb_functional
             except Exception:  # not installed: 8-bit optimizers fail later with the trainer's own message
@@ -548,23 +579,35 @@ def train_size(cfg, resolution: Optional[str] = None) -> Tuple[int, int]:
     return max(sizes, key=lambda s: (s[0] * s[1], s))
 
 
-def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool) -> Dict[str, Any]:
+def latent_shape(model, size: Tuple[int, int]) -> Tuple[int, ...]:
+    """The cached posterior's shape for one image of ``size`` (w, h), as the family's ``encode_pixels``
+    makes it (packed, patchified or per-frame in some families): one encode, free on fake tensors."""
+    import torch
+    w, h = size
+    if model.name in ("sd", "sdxl"):
+        factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+        return (int(model.vae.config.latent_channels), h // factor, w // factor)
+    with torch.no_grad():
+        return tuple(model.encode_pixels(torch.zeros(1, 3, h, w))["mean"].shape[1:])
+
+
+def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, rows: Optional[int] = None,
+               caption: str = "a photo of sks") -> Dict[str, Any]:
     """One data batch as ``trainer.data.pipeline`` hands it to the loop (cached latents' posterior;
     cached text outputs when the text cache serves this run)."""
     import torch
 
     from trainer.data.cache import as_text_dict
-    b = int(cfg.training.batch_size)
+    b = int(cfg.training.batch_size) if rows is None else rows
     w, h = size
-    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
-    lat = (b, int(model.vae.config.latent_channels), h // factor, w // factor)
-    captions = ["a photo of sks"] * b
+    lat = (b,) + latent_shape(model, size)
+    captions = [caption] * b
     batch: Dict[str, Any] = {"latent_dist": {"mean": torch.zeros(lat), "std": torch.ones(lat)},
                              "loss_weights": torch.ones(b), "captions": captions, "sizes": [size] * b,
                              "original_sizes": [(h, w)] * b, "crop_top_lefts": [(0, 0)] * b,
                              "target_sizes": [(h, w)] * b}
     if cfg.data.masks:
-        batch["mask"] = torch.ones(b, 1, lat[2], lat[3])
+        batch["mask"] = torch.ones(b, 1, lat[-2], lat[-1])
     if text_cached:
         with torch.no_grad():
             out = as_text_dict(model.encode_captions(method.expand_text(captions)))
@@ -575,12 +618,13 @@ def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool) -> 
 
 
 def _components(model) -> List[Any]:
-    return [getattr(model, n, None) for n in ("unet", "text_encoder", "text_encoder_2", "vae")]
+    """The model's parts (denoiser, text encoders) and its VAE."""
+    return list(model.parts().values()) + [getattr(model, "vae", None)]
 
 
 def _tracker(model, method, optimizer, extra=()):
     modules = [m for m in _components(model) if m is not None] + \
-        [m for n, m in method.modules.items() if n not in ("unet", "text_encoder", "text_encoder_2")]
+        [m for n, m in method.modules.items() if n not in model.parts()]
     trained = [p for g in optimizer.param_groups for p in g["params"]]
     return live_tensor_tracker(modules, trained, optimizer, extra)
 
@@ -703,6 +747,8 @@ def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, aroun
     the trained modules in eval mode, batch 2 with classifier-free guidance)."""
     import torch
     sp = max(prompts, key=lambda p: p.width * p.height)
+    if model.name not in ("sd", "sdxl"):
+        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around)
     for m in method.modules.values():
         m.eval()
     factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
@@ -724,6 +770,42 @@ def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, aroun
         del pred
         image_latents = latents[:1].to(model.vae.dtype) / model.vae.config.scaling_factor
         model.vae.decode(image_latents, return_dict=False)
+    for m in method.modules.values():
+        m.train()
+    return mt.breakdown(), mt.peak_where, mt.start
+
+
+def _vae_latent(model, size: Tuple[int, int]):
+    """A latent in the VAE's own layout (before the family packs or normalises it) for ``size``."""
+    import torch
+    w, h = size
+    pixels = torch.zeros(1, 3, h, w, dtype=model.vae.dtype)
+    if "QwenImage" in type(model.vae).__name__:  # a video VAE: one frame
+        pixels = pixels.unsqueeze(2)
+    with torch.no_grad():
+        return model.vae.encode(pixels).latent_dist.mean
+
+
+def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around) -> Tuple[Breakdown, str, int]:
+    """The sample phase of a family through the family interface the training step uses: the prompt through
+    the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode."""
+    import torch
+    n = 2 if sp.cfg_scale > 1 and model.info.name not in ("flux", "flux2") else 1  # guidance-distilled: one pass
+    size = (int(sp.width), int(sp.height))
+    batch = make_batch(model, method, cfg, size, text_cached=False, rows=n, caption=sp.prompt)
+    vae_latent = _vae_latent(model, size)
+    dtype = model.denoiser.dtype
+    for m in method.modules.values():
+        m.eval()
+    mt = _tracker(model, method, optimizer, extra)
+    with mt, torch.no_grad(), autocast(), around("sample"):
+        cond = model.batch_condition(batch, method.expand_text, set())
+        latents = model.sample_latents(batch["latent_dist"])
+        t = model.objective.sample_timesteps(n, cfg.loss, None, latents)
+        pred = model.predict(model.model_input(latents, batch).to(dtype if dtype.is_floating_point and dtype.itemsize > 1
+                                                                    else torch.bfloat16), t, cond)
+        del pred, cond, latents
+        model.vae.decode(vae_latent, return_dict=False)
     for m in method.modules.values():
         m.train()
     return mt.breakdown(), mt.peak_where, mt.start

@@ -167,3 +167,65 @@ def test_memory_presets_and_verdicts():
     assert est.phase_gib("train") == pytest.approx(6.7)  # 6 tracked + 10 % of 2 GiB + 0.5
     assert est.peak_phase == "train" and est.fits and est.margin_gib == pytest.approx(1.3)
     assert "x-8gb" in ev.format_table([est]) and "fits" in ev.format_report(est)
+
+
+# --- the families past the SD lineage: full-size configs, and the family-generic phases -------------------
+
+#: Parameters (billions) of the published models, as their model cards and config files give them: the
+#: shipped full-size configs must build exactly these models (a wrong width or depth changes the count).
+PUBLISHED = {
+    "flux-dev": {"transformer": 11.90, "text_encoder_2": 4.76, "text_encoder": 0.123},   # FLUX.1 dev: 12B, T5-XXL
+    "sd3.5-large": {"transformer": 8.06, "text_encoder_2": 0.695, "text_encoder_3": 4.76},  # 8.1B
+    "sd3.5-medium": {"transformer": 2.24},  # MMDiT-X
+    "chroma": {"transformer": 8.90},
+    "z-image": {"transformer": 6.15, "text_encoder": 4.02},  # 6B, Qwen3-4B
+    "qwen-image": {"transformer": 20.43, "text_encoder": 8.29},  # 20B MMDiT, Qwen2.5-VL-7B
+    "flux2-klein": {"transformer": 3.88, "text_encoder": 4.02},  # [klein] 4B, Qwen3-4B
+}
+
+
+@pytest.mark.parametrize("variant", sorted(PUBLISHED))
+def test_full_size_configs_build_the_published_models(variant, tmp_path):
+    import json
+
+    import diffusers
+    import torch
+    import transformers
+
+    from trainer.families.common import full_size
+    folder = full_size.config_folder(variant, tmp_path)
+    assert not list(folder.rglob("*.safetensors"))  # configs only
+    for component, billions in PUBLISHED[variant].items():
+        sub = folder / component
+        cfg = json.loads((sub / "config.json").read_text())
+        with torch.device("meta"):  # no memory: only the shapes
+            if cfg.get("_class_name"):
+                cls = getattr(diffusers, cfg["_class_name"])
+                module = cls.from_config(cls.load_config(str(sub)))
+            else:
+                cls = getattr(transformers, cfg["architectures"][0])
+                module = cls(cls.config_class.from_pretrained(str(sub)))
+        count = sum(p.numel() for p in module.parameters()) / 1e9
+        assert count == pytest.approx(billions, rel=0.005), (component, count)
+
+
+def test_full_size_configs_name_what_to_do_for_a_family_without_them(tmp_path):
+    from trainer.families.common import full_size
+    with pytest.raises(ValueError, match="point model.path at a local diffusers folder"):
+        full_size.config_folder("stable-cascade", tmp_path)
+
+
+def test_transformer_family_fake_estimate_equals_real_tensors(tmp_path):
+    """The family-generic phases (latent shape from the family's own encode, the sample through its text
+    encoders, denoiser and VAE): on fake tensors the same bytes as on real ones, for a Flux-shaped model."""
+    from trainer.config import load_config
+    cfg = load_config(None, ["data.cache_text=true", "training.batch_size=2", "training.gradient_checkpointing=true"],
+                      preset="demo-flux")
+    phases = ("load", "encode", "train", "sample")
+    real = ev.run_estimate(cfg, "flux", fake=False, steps=1, phases=phases, workspace=str(tmp_path))
+    fake = ev.run_estimate(cfg, "flux", fake=True, steps=1, phases=phases, workspace=str(tmp_path))
+    for phase in phases:
+        r, f = real.phases[phase], fake.phases[phase]
+        assert r.total > 0 and f.total == pytest.approx(r.total, rel=0.01), (phase, f, r)
+    assert fake.phases["sample"].activations > 0 and fake.phases["train"].grads >= 0
+    assert fake.details["sample_peak_at"]
