@@ -23,10 +23,13 @@ preset takes 1-2 minutes and ~0.6 GB of RAM.
 
 Phases, each with its own peak (the run's peak is the largest):
 
-- ``load``: every component on the device in its storage dtype, before fp8 conversion (the trainer moves
-  the whole pipeline to the GPU first, then converts the UNet layer by layer);
+- ``load``: every component on the device in its storage dtype, before fp8 conversion (the SD/SDXL trainer
+  moves the whole pipeline to the GPU first, then converts the UNet layer by layer; the transformer families
+  quantise their denoiser layer by layer on its way to the GPU, so theirs counts it quantised);
 - ``encode``: one VAE encode of a training batch (no grad) — the latent cache, or every step with
   ``data.cache_latents`` off — and the text-cache encode when captions are cached;
+- with ``data.offload_text_encoders`` the text encoders leave the device after ``encode``: ``train`` counts
+  them out, ``sample`` measures the prompt encoding (encoders in) and the denoising (encoders out) apart;
 - ``train``: ``--steps`` optimizer steps (default 2, so the second runs with the optimizer state already
   there): forward with the preset's autocast, backward, gradient clipping, ``optimizer.step``,
   ``zero_grad``;
@@ -617,13 +620,14 @@ def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, row
     return batch
 
 
-def _components(model) -> List[Any]:
-    """The model's parts (denoiser, text encoders) and its VAE."""
-    return list(model.parts().values()) + [getattr(model, "vae", None)]
+def _components(model, offloaded: Sequence[str] = ()) -> List[Any]:
+    """The model's parts (denoiser, text encoders) and its VAE, less the parts in CPU RAM (``offloaded``
+    slots: data.offload_text_encoders)."""
+    return [m for slot, m in model.parts().items() if slot not in offloaded] + [getattr(model, "vae", None)]
 
 
-def _tracker(model, method, optimizer, extra=()):
-    modules = [m for m in _components(model) if m is not None] + \
+def _tracker(model, method, optimizer, extra=(), offloaded: Sequence[str] = ()):
+    modules = [m for m in _components(model, offloaded) if m is not None] + \
         [m for n, m in method.modules.items() if n not in model.parts()]
     trained = [p for g in optimizer.param_groups for p in g["params"]]
     return live_tensor_tracker(modules, trained, optimizer, extra)
@@ -670,7 +674,18 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         components = [m for m in _components(model) if m is not None]
         est.phases["load"] = Breakdown(weights=storage_bytes(module_tensors(components)))
 
+        deferred = bool(getattr(model, "deferred", ()))  # quantised on the way to the device (never whole)
         method = make_method(model, cfg)
+        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(method.modules)
+        text_cached = frozen_text and bool(cfg.data.cache_text)
+        from trainer.offload import TEXT_SLOTS, plan_offload
+        offloaded: Tuple[str, ...] = ()
+        if plan_offload(cfg, True, frozen_text, est.notes.append):  # the estimate's captions are cacheable
+            offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
+            est.details["text_encoders_offloaded"] = True
+        if deferred:
+            from trainer.precision import apply_storage
+            apply_storage(model, method, cfg)  # where trainer.loop calls it
         if t.gradient_checkpointing:  # as trainer.loop.Trainer.setup
             for m in method.modules.values():
                 m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
@@ -682,7 +697,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         trained = [p for g in groups for p in g["params"]]
         trainable = storage_bytes(trained)
         est.details["trainable_params"] = sum(p.numel() for p in trained)
-        before_fp8 = storage_bytes(module_tensors(components + list(method.modules.values())))
+        before_fp8 = storage_bytes(module_tensors([m for m in _components(model, offloaded) if m is not None]
+                                                  + list(method.modules.values())))
         est.phases["load"] = Breakdown(weights=before_fp8 - trainable, trainable=trainable)
         prepare_noise_schedule(model, cfg.loss, None)
         extra = []
@@ -696,15 +712,19 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         est.details["weights_after_setup_gib"] = round(
             storage_bytes(module_tensors(components + list(method.modules.values()))) / GiB, 3)
 
-        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(method.modules)
-        text_cached = frozen_text and bool(cfg.data.cache_text)
         if "encode" in phases:
             w, h = size
-            mt = _tracker(model, method, optimizer, extra)
+            mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, torch.no_grad(), around("encode"):
                 model.encode_pixels(torch.zeros(int(t.batch_size), 3, h, w))
-                if text_cached:
+                if text_cached and not offloaded:
                     model.encode_captions(["a photo of sks"] * 16)
+            if text_cached and offloaded:  # the encoders in, the denoiser out (trainer.offload)
+                text = _tracker(model, method, optimizer, extra, ("unet",))
+                with text, torch.no_grad(), around("encode"):
+                    model.encode_captions(["a photo of sks"] * 16)
+                if text.breakdown().total > mt.breakdown().total:
+                    mt = text
             est.phases["encode"] = mt.breakdown()
             est.details.update(encode_peak_at=mt.peak_where, encode_start=mt.start)
 
@@ -716,7 +736,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         if "train" in phases:
             loop = step_trainer(model, method, cfg, autocast, workspace)
             accum = int(t.gradient_accumulation_steps)
-            mt = _tracker(model, method, optimizer, extra)
+            mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, policy(), around("train"):
                 for _ in range(steps):
                     for _ in range(accum):
@@ -736,19 +756,20 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         if "sample" in phases and sampling_on:
             with policy():
                 est.phases["sample"], est.details["sample_peak_at"], est.details["sample_start"] = _sample_phase(
-                    model, method, optimizer, cfg, prompts, autocast, extra, around)
+                    model, method, optimizer, cfg, prompts, autocast, extra, around, offloaded)
             sp = max(prompts, key=lambda p: p.width * p.height)
             est.details["sample_size"] = f"{sp.width}x{sp.height}"
     return est
 
 
-def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, around) -> Tuple[Breakdown, str, int]:
+def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, around,
+                  offloaded: Sequence[str] = ()) -> Tuple[Breakdown, str, int]:
     """One denoising step and one VAE decode of the largest sample, as the pipeline runs them (no grad,
     the trained modules in eval mode, batch 2 with classifier-free guidance)."""
     import torch
     sp = max(prompts, key=lambda p: p.width * p.height)
     if model.name not in ("sd", "sdxl"):
-        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around)
+        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around, offloaded)
     for m in method.modules.values():
         m.eval()
     factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
@@ -786,9 +807,12 @@ def _vae_latent(model, size: Tuple[int, int]):
         return model.vae.encode(pixels).latent_dist.mean
 
 
-def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around) -> Tuple[Breakdown, str, int]:
+def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around,
+                          offloaded: Sequence[str] = ()) -> Tuple[Breakdown, str, int]:
     """The sample phase of a family through the family interface the training step uses: the prompt through
-    the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode."""
+    the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode.
+    With the text encoders offloaded (``offloaded`` slots) they are on the device only for the prompt: the two
+    parts are measured apart (the encoders out of VRAM for the second) and the larger peak is the phase's."""
     import torch
     n = 2 if sp.cfg_scale > 1 and model.info.name not in ("flux", "flux2") else 1  # guidance-distilled: one pass
     size = (int(sp.width), int(sp.height))
@@ -797,9 +821,16 @@ def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, ar
     dtype = model.denoiser.dtype
     for m in method.modules.values():
         m.eval()
-    mt = _tracker(model, method, optimizer, extra)
+    if offloaded:
+        encode = _tracker(model, method, optimizer, extra, ("unet",))  # the denoiser out while they encode
+        with encode, torch.no_grad(), autocast(), around("sample"):
+            cond = model.batch_condition(batch, method.expand_text, set())
+        held = [v for v in vars(cond).values() if hasattr(v, "untyped_storage")] if hasattr(cond, "__dict__") \
+            else ([cond] if hasattr(cond, "untyped_storage") else [])
+    mt = _tracker(model, method, optimizer, list(extra) + (held if offloaded else []), offloaded)
     with mt, torch.no_grad(), autocast(), around("sample"):
-        cond = model.batch_condition(batch, method.expand_text, set())
+        if not offloaded:
+            cond = model.batch_condition(batch, method.expand_text, set())
         latents = model.sample_latents(batch["latent_dist"])
         t = model.objective.sample_timesteps(n, cfg.loss, None, latents)
         pred = model.predict(model.model_input(latents, batch).to(dtype if dtype.is_floating_point and dtype.itemsize > 1
@@ -808,6 +839,8 @@ def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, ar
         model.vae.decode(vae_latent, return_dict=False)
     for m in method.modules.values():
         m.train()
+    if offloaded and encode.breakdown().total > mt.breakdown().total:
+        return encode.breakdown(), encode.peak_where, encode.start
     return mt.breakdown(), mt.peak_where, mt.start
 
 

@@ -260,6 +260,15 @@ class Trainer:
         check = getattr(self.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
         if check is not None:
             check([(it.path, c) for it in self.data.items + self.data.validation_items for c in it.captions])
+        # cached text outputs stay valid only while no text-side module trains
+        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
+        from trainer.offload import TextEncoderOffload, plan_offload
+        self.text_offload = None
+        if plan_offload(cfg, self.data.captions_cacheable(), frozen_text, self.warn):
+            self.text_offload = TextEncoderOffload(self.model, self.device)  # before the denoiser reaches the device
+            log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(self.text_offload.slots))
+        from trainer.precision import apply_storage
+        apply_storage(self.model, self.method, cfg)  # fp8/NF4: quantised on the way to the device
         if t.gradient_checkpointing:
             for m in self.method.modules.values():
                 m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
@@ -306,8 +315,6 @@ class Trainer:
             self.compiled = True
             log.info("training.compile: %s compiled at their first call", describe(done))
 
-        # cached text outputs stay valid only while no text-side module trains
-        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
         with self.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
             self.cache_summary = self.data.prepare(
                 self.model.encode_pixels, self.model.fingerprint(), cfg.model.vae_dtype,
@@ -316,6 +323,8 @@ class Trainer:
                 text_fingerprint=self.model.text_fingerprint(ModelSettings(cfg)),
                 # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
                 inpaint_fn=self.model.encode_masked_images if getattr(self.model, "inpainting", False) else None)
+        if self.text_offload is not None:
+            self.text_offload.encoders_out()  # the denoiser back on the device for training
         self.tb = None
         if g.tensorboard and self.is_main:
             try:

@@ -134,7 +134,7 @@ def _fp8_forward(module, compute_dtype):
     return forward
 
 
-def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP) -> int:
+def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
@@ -154,7 +154,8 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP) -> int:
             continue
         if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
             continue
-        module.weight.data = module.weight.data.to(torch.float8_e4m3fn)
+        weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
+        module.weight.data = weight.to(torch.float8_e4m3fn)
         module.forward = _fp8_forward(module, compute_dtype)
         count += 1
     return count
@@ -181,7 +182,7 @@ def _nf4_forward(module, state, compute_dtype):
     return forward
 
 
-def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP) -> int:
+def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None) -> int:
     """Store the frozen Linear weights of ``denoiser`` as 4-bit NF4 (bitsandbytes ``quantize_4bit``, blocks of 64
     with double-quantised statistics, as QLoRA does); returns how many layers. Like fp8 storage, a storage format:
     each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
@@ -199,31 +200,48 @@ def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP) -> int:
             continue
         if module.weight.dtype == torch.uint8:
             continue  # already packed
-        packed, state = quantize_4bit(module.weight.data, blocksize=64, compress_statistics=True, quant_type="nf4")
+        weight = module.weight.data if device is None else module.weight.data.to(device)  # quantised where it runs
+        packed, state = quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
         module.weight.data = packed
         module.forward = _nf4_forward(module, state, compute_dtype)
         count += 1
     return count
 
 
-def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], int],
-                    warn: Optional[Callable[[str], None]] = None) -> Optional[StochasticRounding]:
-    """Set up fp8 storage and stochastic rounding for a run; returns the rounding hooks (or None)."""
+def apply_storage(model, method, cfg) -> None:
+    """fp8 / NF4 storage of the denoiser's frozen weights (once; call it as soon as the method has added its
+    adapters). A denoiser the family left in CPU RAM (``model.deferred``) is quantised layer by layer on its way
+    to the device, then moved there whole: its full-precision weights never sit on the GPU together (Flux.1 in
+    bf16 is 22 GiB: it could not be loaded on a 24 GB card to be converted there)."""
     import logging
-    import torch
-    pc = cfg.precision
+    if getattr(model, "_storage_applied", False):
+        return
+    model._storage_applied = True
+    denoiser = model.denoiser
+    attr = model.info.part("unet").attr if hasattr(model, "info") else None
+    device = model.device if attr in getattr(model, "deferred", ()) else None
     if cfg.parts.denoiser.fp8:
         if "unet" in method.modules and cfg.training.method == "finetune":
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
-        denoiser = model.denoiser
-        count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
+        count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
     if cfg.parts.denoiser.get("nf4", False):
-        denoiser = model.denoiser
-        count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP)
+        count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device)
         logging.getLogger("atelier").info("NF4 storage: %d denoiser layers", count)
+    if device is not None:
+        denoiser.to(device)  # the rest: skipped layers, biases, norms, the adapters
+        model.deferred = tuple(n for n in model.deferred if n != attr)
+
+
+def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], int],
+                    warn: Optional[Callable[[str], None]] = None) -> Optional[StochasticRounding]:
+    """Set up fp8/NF4 storage (when :func:`apply_storage` has not yet) and stochastic rounding for a run;
+    returns the rounding hooks (or None)."""
+    import torch
+    pc = cfg.precision
+    apply_storage(model, method, cfg)
     if not pc.stochastic_rounding:
         return None
     if not any(p.dtype == torch.bfloat16 for g in optimizer.param_groups for p in g["params"]):

@@ -49,6 +49,11 @@ class ModelLoadError(ConfigError):
 Namer = Dict[str, Tuple[str, Callable[[str], str]]]
 
 
+class StorageDtypes(dict):
+    """Module name -> storage dtype, with ``deferred``: the modules loaded to CPU RAM first (quantised parts)."""
+    deferred: Tuple[str, ...] = ()
+
+
 class Family:
     """Base class of every family. Subclasses set the class attributes and implement the methods
     that raise NotImplementedError; the rest has defaults that fit most families."""
@@ -88,12 +93,21 @@ class Family:
     def trainable_modules(self) -> Dict[str, Any]:
         return self.parts()
 
+    #: modules left in CPU RAM by :meth:`_place_frozen` (stored quantised: ``trainer.precision.apply_storage``
+    #: moves them to ``device`` layer by layer once quantised)
+    deferred: Tuple[str, ...] = ()
+
     def _place_frozen(self, dtypes: Dict[str, Any], names: Tuple[str, ...]) -> None:
         """Move each named module to ``self.device`` in its storage dtype (a single file with mixed dtypes
-        loads in fp32), frozen and in eval mode: the methods unfreeze what trains."""
+        loads in fp32), frozen and in eval mode: the methods unfreeze what trains. Modules whose part is
+        stored quantised (``dtypes.deferred``) stay in CPU RAM for now."""
+        later = getattr(dtypes, "deferred", ())
         for name in names:
             module = getattr(self, name)
-            module.to(self.device)
+            if name in later:
+                self.deferred = tuple(self.deferred) + (name,)
+            else:
+                module.to(self.device)
             if module.dtype != dtypes[name]:
                 module.to(dtype=dtypes[name])
             module.requires_grad_(False)
@@ -102,10 +116,12 @@ class Family:
     @staticmethod
     def _storage_dtypes(mcfg: Any, **parts: str) -> Dict[str, Any]:
         """``{module name: torch dtype}``: each module named in ``parts`` (module name -> part slot) gets its
-        part's ``parts.*.dtype``; plus the VAE's."""
+        part's ``parts.*.dtype``; plus the VAE's. ``.deferred``: the modules whose part is stored quantised."""
         import torch
-        out = {name: torch_dtype(part_dtype(mcfg, slot)) for name, slot in parts.items()}
+        out = StorageDtypes({name: torch_dtype(part_dtype(mcfg, slot)) for name, slot in parts.items()})
         out.update(vae=torch_dtype(mcfg.vae_dtype), default=torch.float32)
+        quantised = getattr(mcfg, "deferred", frozenset())
+        out.deferred = tuple(name for name, slot in parts.items() if slot in quantised)
         return out
 
     # --- latents ----------------------------------------------------------------------------

@@ -122,7 +122,8 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         mask = tokens.attention_mask.to(self.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
             hidden = self.text_encoder(input_ids=tokens.input_ids.to(self.device), attention_mask=mask,
-                                       output_hidden_states=True).hidden_states[-1]
+                                       output_hidden_states=True,  # the logits are not used: only the last
+                                       logits_to_keep=1).hidden_states[-1]  # token's (not [B, L, 152064])
         embeds = torch.zeros(len(texts), self.max_sequence_length, hidden.shape[-1], dtype=hidden.dtype,
                              device=hidden.device)
         keep = torch.zeros(len(texts), self.max_sequence_length, dtype=torch.bool, device=hidden.device)

@@ -1,0 +1,64 @@
+"""data.offload_text_encoders and quantised storage on the way to the device: a run whose text encoders live in
+CPU RAM (accelerate's offload hooks, trainer.offload) trains and samples exactly as one whose encoders stay put;
+the option refuses to act, with a warning naming why, where the encoders run every step."""
+
+from types import SimpleNamespace
+
+import pytest
+from conftest import train_quiet
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_offloaded_text_encoders_train_and_sample_as_resident_ones(tmp_path):
+    from safetensors.torch import load_file
+    common = ("training.max_steps=2", "parts.denoiser.fp8=true", "sampling.at_end=true", "data.cache_text=true")
+    plain = train_quiet(tmp_path, "resident", "demo-flux", *common)
+    off = train_quiet(tmp_path, "offloaded", "demo-flux", "data.offload_text_encoders=true", *common)
+    log = (off / "train.log").read_text()
+    assert "text encoders in CPU RAM except while they encode: text_encoder, text_encoder_2" in log
+    assert "text encoders in CPU RAM" not in (plain / "train.log").read_text()
+    a, b = load_file(str(plain / "resident.safetensors")), load_file(str(off / "offloaded.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    samples = sorted((plain / "samples").glob("*.png"))
+    assert samples  # the sample's prompt went through the hooked encoders
+    for s in samples:
+        assert s.read_bytes() == (off / "samples" / s.name).read_bytes()
+
+
+def test_offload_names_why_it_cannot_act():
+    from trainer.offload import plan_offload
+    warned = []
+    cfg = SimpleNamespace(data={"offload_text_encoders": True, "cache_text": True})
+    cfg.data = SimpleNamespace(cache_text=True, get=lambda k, d=None: True)
+    assert plan_offload(cfg, cacheable=True, frozen_text=True, warn=warned.append)
+    assert not plan_offload(cfg, cacheable=False, frozen_text=True, warn=warned.append)
+    assert not plan_offload(cfg, cacheable=True, frozen_text=False, warn=warned.append)
+    cfg.data.cache_text = False
+    assert not plan_offload(cfg, cacheable=True, frozen_text=True, warn=warned.append)
+    assert len(warned) == 3 and all("data.offload_text_encoders is on but has no effect" in w for w in warned)
+    assert "tag shuffling" in warned[0] and "trains" in warned[1] and "data.cache_text is off" in warned[2]
+    cfg.data = SimpleNamespace(cache_text=True, get=lambda k, d=None: False)
+    assert not plan_offload(cfg, cacheable=True, frozen_text=True, warn=warned.append) and len(warned) == 3
+
+
+def test_quantised_denoiser_waits_in_ram_until_it_is_quantised(tmp_path):
+    """parts.denoiser.fp8: the family leaves the transformer in CPU RAM at load (``model.deferred``), and
+    apply_storage quantises it layer by layer on its way to the device, then moves it whole."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.methods.finetune import make_method
+    from trainer.models.base import load_model
+    from trainer.precision import apply_storage
+    cfg = load_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8=true"], preset="demo-flux")
+    model = load_model(cfg, str(tmp_path), "cpu")
+    assert model.deferred == ("transformer",)
+    method = make_method(model, cfg)
+    apply_storage(model, method, cfg)
+    assert model.deferred == ()
+    dtypes = {m.weight.dtype for n, m in model.transformer.named_modules()
+              if type(m) is torch.nn.Linear and "lora" not in n and not any(s in n for s in model.fp8_skip)}
+    assert dtypes == {torch.float8_e4m3fn}
+    plain = load_model(load_config(None, [f"general.workspace={tmp_path}"], preset="demo-flux"), str(tmp_path), "cpu")
+    assert plain.deferred == ()
