@@ -171,6 +171,11 @@ def memory_presets() -> List[str]:
 # the fake session: fake tensors, and the few patches the trainer's code needs under them
 # ----------------------------------------------------------------------------------------------
 
+#: families with their own UNet-shaped paths here (shipped SD configs, their sample phase); the others go through
+#: the family interface and their ``full_size.py``
+SD_LINEAGE = ("sd", "sdxl")
+
+
 def _rounded(nbytes: int) -> int:
     """``nbytes`` in the allocator's blocks (``BLOCK``; the tests set 1 to compare with exact counts)."""
     return int(math.ceil(nbytes / BLOCK) * BLOCK) if nbytes else 0
@@ -209,7 +214,7 @@ def _config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
     if getattr(mcfg, "config_path", ""):
         return Path(mcfg.config_path)
     from trainer.families import info_for
-    if family and info_for(family).name not in ("sd", "sdxl"):  # the family's own full-size configs
+    if family and info_for(family).name not in SD_LINEAGE:  # the family's own full-size configs
         from trainer.families.common import full_size
         return full_size.config_folder(family, Path(workspace) / "cache")
     pred = getattr(mcfg, "prediction_type", "auto")
@@ -587,7 +592,7 @@ def latent_shape(model, size: Tuple[int, int]) -> Tuple[int, ...]:
     makes it (packed, patchified or per-frame in some families): one encode, free on fake tensors."""
     import torch
     w, h = size
-    if model.name in ("sd", "sdxl"):
+    if model.name in SD_LINEAGE:
         factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
         return (int(model.vae.config.latent_channels), h // factor, w // factor)
     with torch.no_grad():
@@ -676,9 +681,9 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
 
         deferred = bool(getattr(model, "deferred", ()))  # quantised on the way to the device (never whole)
         method = make_method(model, cfg)
-        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(method.modules)
+        from trainer.offload import TEXT_SLOTS, plan_offload, text_frozen
+        frozen_text = text_frozen(method)
         text_cached = frozen_text and bool(cfg.data.cache_text)
-        from trainer.offload import TEXT_SLOTS, plan_offload
         offloaded: Tuple[str, ...] = ()
         if plan_offload(cfg, True, frozen_text, est.notes.append):  # the estimate's captions are cacheable
             offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
@@ -768,7 +773,7 @@ def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, aroun
     the trained modules in eval mode, batch 2 with classifier-free guidance)."""
     import torch
     sp = max(prompts, key=lambda p: p.width * p.height)
-    if model.name not in ("sd", "sdxl"):
+    if model.name not in SD_LINEAGE:
         return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around, offloaded)
     for m in method.modules.values():
         m.eval()
@@ -825,8 +830,7 @@ def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, ar
         encode = _tracker(model, method, optimizer, extra, ("unet",))  # the denoiser out while they encode
         with encode, torch.no_grad(), autocast(), around("sample"):
             cond = model.batch_condition(batch, method.expand_text, set())
-        held = [v for v in vars(cond).values() if hasattr(v, "untyped_storage")] if hasattr(cond, "__dict__") \
-            else ([cond] if hasattr(cond, "untyped_storage") else [])
+        held = [v for v in vars(cond).values() if isinstance(v, torch.Tensor)]  # the prompt's embeddings, kept
     mt = _tracker(model, method, optimizer, list(extra) + (held if offloaded else []), offloaded)
     with mt, torch.no_grad(), autocast(), around("sample"):
         if not offloaded:

@@ -260,9 +260,8 @@ class Trainer:
         check = getattr(self.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
         if check is not None:
             check([(it.path, c) for it in self.data.items + self.data.validation_items for c in it.captions])
-        # cached text outputs stay valid only while no text-side module trains
-        frozen_text = not {"text_encoder", "text_encoder_2", "embedding"} & set(self.method.modules)
-        from trainer.offload import TextEncoderOffload, plan_offload
+        from trainer.offload import TextEncoderOffload, plan_offload, text_frozen
+        frozen_text = text_frozen(self.method)  # cached text outputs stay valid only while no text-side module trains
         self.text_offload = None
         if plan_offload(cfg, self.data.captions_cacheable(), frozen_text, self.warn):
             self.text_offload = TextEncoderOffload(self.model, self.device)  # before the denoiser reaches the device

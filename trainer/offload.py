@@ -20,6 +20,11 @@ log = logging.getLogger("atelier")
 TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
+def text_frozen(method: Any) -> bool:
+    """True when no text-side module (a text encoder, an embedding) trains: cached text outputs stay valid."""
+    return not {"text_encoder", "text_encoder_2", "embedding"} & set(method.modules)
+
+
 class TextEncoderOffload:
     """The hooks of one run; ``slots``: the text encoders moved to CPU RAM."""
 
@@ -89,4 +94,4 @@ def plan_offload(cfg: Any, cacheable: bool, frozen_text: bool,
     return True
 
 
-__all__ = ["TEXT_SLOTS", "TextEncoderOffload", "plan_offload"]
+__all__ = ["TEXT_SLOTS", "TextEncoderOffload", "plan_offload", "text_frozen"]
