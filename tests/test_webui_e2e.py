@@ -343,16 +343,25 @@ def test_the_mask_painter_saves_what_was_painted(page_url):
         page.locator("#mask-folder textarea, #mask-folder input").first.fill(str(data))
         page.locator("#mask-open").click()
         page.wait_for_function("document.querySelector('#mask-note').innerText.includes('Editing')", timeout=20000)
-        time.sleep(1.0)  # the editor draws the image
-        box = page.locator("#mask-editor canvas").first.bounding_box()
-        cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
-        page.mouse.move(cx - 40, cy)
-        page.mouse.down()
-        page.mouse.move(cx + 40, cy, steps=10)  # a stroke across the middle of the image
-        page.mouse.up()
-        time.sleep(0.5)
-        page.locator("#mask-save").click()
-        page.wait_for_function("document.querySelector('#mask-note').innerText.includes('Saved')", timeout=20000)
+        for _attempt in range(3):  # on a busy machine the editor may still be drawing the image at the first
+            time.sleep(1.0)        # stroke, which then paints nothing (an all-black mask is saved): draw again
+            box = page.locator("#mask-editor canvas").first.bounding_box()
+            cx, cy = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+            page.mouse.move(cx - 40, cy)
+            page.mouse.down()
+            page.mouse.move(cx + 40, cy, steps=10)  # a stroke across the middle of the image
+            page.mouse.up()
+            time.sleep(0.5)
+            saved = data / "a-masklabel.png"
+            saved.unlink(missing_ok=True)
+            page.locator("#mask-save").click()
+            page.wait_for_function("document.querySelector('#mask-note').innerText.includes('Saved')", timeout=20000)
+            for _ in range(200):  # the note may still say Saved from the try before: wait for the file itself
+                if saved.exists():
+                    break
+                time.sleep(0.1)
+            if (np.asarray(Image.open(saved)) == 255).any():
+                break
     mask = np.asarray(Image.open(data / "a-masklabel.png"))
     assert mask.shape == (150, 200) and set(np.unique(mask)) == {0, 255}  # the image's size, black and white
     assert mask[75, 100] == 255 and mask[0, 0] == 0 and mask[149, 199] == 0  # painted the middle, not the corners
