@@ -46,7 +46,7 @@ COMPARE_OVERRIDES = ["sampling.prompts=[]", "backup.every_n_epochs=0", "backup.e
                      "output.save_every_n_epochs=0"]
 FIGURES = ("time_to_first_step_s", "time_to_started_s", "loop_steps_per_s", "steady_steps_per_s",
            "process_steps_per_s", "wall_s", "exit_s_after_last_step",
-           "end_s_after_last_step", "peak_ram_mib", "peak_vram_mib", "caching_images_per_s")
+           "end_s_after_last_step", "peak_ram_mib", "peak_vram_mib", "peak_vram_reserved_mib", "caching_images_per_s")
 
 
 def thread_env(threads: Optional[int]) -> Optional[dict]:
@@ -66,9 +66,10 @@ def warmup_env(env: Optional[dict]) -> dict:
 
 
 def measure(preset: str, overrides: list, workspace: Path, run_name: str, python: str = sys.executable,
-            env: Optional[dict] = None) -> dict:
+            env: Optional[dict] = None, random_weights: bool = False) -> dict:
     from trainer.events import read_events
-    cmd = [python, "-m", "trainer", "train", "--preset", preset, "--no-progress",
+    entry = [str(ROOT / "bench" / "random_weights.py")] if random_weights else ["-m", "trainer"]
+    cmd = [python, *entry, "train", "--preset", preset, "--no-progress",
            "--set", f"general.workspace={workspace}", "--set", f"general.run_name={run_name}",
            *[x for o in overrides for x in ("--set", o)]]
     res = run_child(cmd, cwd=ROOT, env=env, log_path=workspace / f"{run_name}.log")
@@ -98,6 +99,7 @@ def measure(preset: str, overrides: list, workspace: Path, run_name: str, python
         "exit_s_after_last_step": round(res.t0 + res.wall_s - steps[-1]["time"], 2),  # to the process's exit
         "peak_ram_mib": res.max_rss_mib,
         "peak_vram_mib": end.get("peak_vram_mib"),
+        "peak_vram_reserved_mib": end.get("peak_vram_reserved_mib"),
         "cache": started.get("cache"),
         "caching_images_per_s": _caching_rate(started.get("cache")),
     }
@@ -241,6 +243,10 @@ def main() -> int:
     ap.add_argument("--diffusers-arg", action="append", default=[], metavar="ARG",
                     help="Extra argument for the diffusers script (repeatable), e.g. "
                          "--diffusers-arg=--dataloader_num_workers=2.")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="Build every model from its configs with random weights (bench/random_weights.py): "
+                         "real-size speed and memory with nothing downloaded; point model.path at a diffusers "
+                         "folder of configs, or keep the preset's hub id (the family's shipped full-size configs).")
     ap.add_argument("--threads", type=int, default=None,
                     help="Cap torch's CPU threads in every measured child (OMP_NUM_THREADS); default: torch's "
                          "own choice. On a shared, busy CPU 1 thread gives steadier figures.")
@@ -253,6 +259,8 @@ def main() -> int:
     ws = Path(args.workspace) if args.workspace else Path(tempfile.mkdtemp(prefix="atelier-bench-"))
     ws.mkdir(parents=True, exist_ok=True)
     if args.diffusers_script or args.diffusers_python:
+        if args.random_weights:
+            raise SystemExit("bench: --random-weights runs Atelier alone (the diffusers script loads real weights).")
         if not args.diffusers_script:
             raise SystemExit("bench: --diffusers-python needs --diffusers-script PATH.")
         return compare(args, ws)
@@ -260,9 +268,9 @@ def main() -> int:
     env = thread_env(args.threads)
     if not args.no_warmup:
         measure(args.preset, args.overrides + ["sampling.prompts=[]", "training.max_steps=1"], ws,
-                f"warmup-{int(time.time())}", env=warmup_env(env))
-    runs = [measure(args.preset, args.overrides, ws, f"bench-{int(time.time())}-{i}", env=env)
-            for i in range(args.repeat)]
+                f"warmup-{int(time.time())}", env=warmup_env(env), random_weights=args.random_weights)
+    runs = [measure(args.preset, args.overrides, ws, f"bench-{int(time.time())}-{i}", env=env,
+                    random_weights=args.random_weights) for i in range(args.repeat)]
     result = median_of(runs)
     result.update(machine, threads=args.threads)
     result.update(_torch_probe(sys.executable, env))

@@ -236,6 +236,12 @@ def _default_dtype(dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+#: where :func:`config_only_pipeline` runs the random initialisation on real tensors (None: where torch puts
+#: it, the CPU). ``bench/random_weights.py`` sets "cuda" on a GPU: torch's CPU RNG is serial, ~1 min for 12B
+#: parameters, the GPU's a second.
+INIT_DEVICE: Optional[str] = None
+
+
 def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, family: str, dtype: Any = None,
                          **common: Any):
     """Stands in for ``trainer.models.base.load_pipeline``: the same pipeline class and components,
@@ -243,14 +249,22 @@ def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, fam
     ``load_pipeline`` would load them in — the trainer's own component loader with the weights left out."""
     from trainer.models.base import load_components
 
+    import torch
+
     def build(cls: Any, sub: Path, dt: Any) -> Any:
-        with _default_dtype(dt):  # built in its dtype: real tensors (tests, --real) never need fp32 RAM
+        init_device = torch.device(INIT_DEVICE) if INIT_DEVICE else contextlib.nullcontext()
+        with _default_dtype(dt), init_device:  # built in its dtype: real tensors never need fp32 RAM
             if hasattr(cls, "load_config"):  # diffusers model
                 module = cls.from_config(cls.load_config(str(sub)))
             else:  # transformers model
                 module = cls(cls.config_class.from_pretrained(str(sub)))
         if dt is not None:
             module.to(dtype=dt)
+        if INIT_DEVICE:  # initialised there (fast), handed to the trainer in CPU RAM as from a file
+            module.to("cpu")
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()  # the build is not the trainer's memory
         return module.eval()
     import diffusers
     from torch._subclasses.fake_tensor import unset_fake_temporarily

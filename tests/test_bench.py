@@ -142,3 +142,29 @@ def test_bench_train_reports_the_presets_step_flops_and_mfu():
     assert out["step_tflops"] == pytest.approx(expected, abs=1e-4)
     assert out["mfu"] == pytest.approx(expected * 0.5 / 100.0, abs=1e-4)
     assert "mfu_note" in bench_train.model_flops("demo-flux", [], {}, 100.0)  # no real-size count for it
+
+
+@pytest.mark.slow
+def test_random_weights_trains_from_a_folder_of_configs_alone(tmp_path):
+    """bench/random_weights.py (real-size GPU benches with nothing downloaded): a diffusers folder with configs and
+    tokenizers but no weight file trains and saves a LoRA; the plain trainer refuses the same folder."""
+    import shutil
+    import subprocess
+
+    from trainer.families.flux.tiny import ensure_tiny
+    tiny = Path(ensure_tiny("tiny-flux", tmp_path / "models")["diffusers"])
+    configs = tmp_path / "configs"
+    shutil.copytree(tiny, configs, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    assert not list(configs.rglob("*.safetensors"))
+    args = ["train", "--preset", "demo-flux", "--no-progress", "--set", f"model.path={configs}",
+            "--set", f"general.workspace={tmp_path / 'ws'}", "--set", "training.max_steps=2",
+            "--set", "sampling.prompts=[]"]
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    plain = subprocess.run([sys.executable, "-m", "trainer", *args, "--set", "general.run_name=plain"], cwd=ROOT,
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert plain.returncode != 0
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "random_weights.py"), *args,
+                          "--set", "general.run_name=rw"], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "ws" / "runs" / "rw" / "rw.safetensors").stat().st_size > 0

@@ -242,6 +242,11 @@ class Trainer:
                                        kwargs_handlers=accelerator_kwargs(cfg, cpu, self.world, self.warn,
                                                                           sharded=fsdp_plugin is not None))
         self.device = self.accelerator.device
+        if self.device.type == "cuda":
+            # cuDNN's SDPA kernel (chosen first for bf16 on Hopper since torch 2.5) fails in Flux.1's 1024 px
+            # backward (torch 2.11, cu130, H200: "mha_graph.execute(...).is_good()", an illegal memory access
+            # without CUDA_LAUNCH_BLOCKING); flash/memory-efficient attention train it
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         set_seed(g.seed)
         self.global_micro_batch = self._plan_global_batch()
@@ -553,9 +558,12 @@ class Trainer:
         if cfg.sampling.at_end and cfg.sampling.prompts:
             self.sample()
         path = self.save_result()
-        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        cuda = torch.cuda.is_available()
+        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+        reserved = torch.cuda.max_memory_reserved() / 2**20 if cuda else None  # what the card must have (less the context)
         ev.emit("finished", step=self.pos.step, path=str(path), message="training finished",
-                peak_vram_mib=None if peak is None else round(peak, 1))
+                peak_vram_mib=None if peak is None else round(peak, 1),
+                peak_vram_reserved_mib=None if reserved is None else round(reserved, 1))
         log.info("finished: %s", path)
         return "finished"
 

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Real-size LoRA steps on one GPU with random weights (nothing downloaded): the memory presets of the big
+# families and the SD lineage, each measured by bench/bench_train.py --random-weights (steps/s, time to
+# first step, peak VRAM allocated and reserved). One JSON line per case goes to $RESULTS (default
+# bench-gpu.jsonl), each run's log to the workspace.
+#
+#   bash bench/gpu_families.sh                     # every case below
+#   bash bench/gpu_families.sh flux-fp8 sd15       # some of them
+#   PYTHON=.venv/bin/python STEPS=20 bash bench/gpu_families.sh
+#   SETS="data.offload_text_encoders=false training.batch_size=2" bash bench/gpu_families.sh flux-fp8  # overrides
+#
+# Cases: flux-fp8 (flux-lora-24gb as shipped), flux-nf4 (the same with an NF4 transformer), qwen-nf4
+# (qwen-image-lora-24gb), sd15 (sd15-lora, 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb).
+# Four noise images of the preset's size with one caption; each case samples once at the end (4 steps) so the
+# sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+STEPS=${STEPS:-12}
+RESULTS=${RESULTS:-bench-gpu.jsonl}
+WS=${WORKSPACE:-$(mktemp -d -t atelier-gpu-XXXX)}
+CASE_TIMEOUT=${CASE_TIMEOUT:-240}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$WS"
+
+images() {  # images <side>: a folder of 4 noise images with captions, made once
+  local dir="$WS/images-$1"
+  [ -d "$dir" ] || "$PY" - "$dir" "$1" <<'EOF'
+import sys
+from pathlib import Path
+import numpy as np
+from PIL import Image
+d, side = Path(sys.argv[1]), int(sys.argv[2])
+d.mkdir(parents=True)
+for i in range(4):
+    Image.fromarray(np.random.RandomState(i).randint(0, 255, (side, side, 3), dtype=np.uint8)).save(d / f"{i}.png")
+    (d / f"{i}.txt").write_text("a photo of sks, a noisy picture", encoding="utf-8")
+EOF
+  echo "$dir"
+}
+
+configs() {  # configs <variant>: a diffusers folder with the variant's full-size configs (no weights)
+  "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
+from trainer.families.common import full_size; print(full_size.config_folder('$1', Path('$WS') / 'cache'))"
+}
+
+bench() {  # bench <case> <preset> <side> [--set …]: one measured run
+  local name=$1 preset=$2 side=$3; shift 3
+  local imgs; imgs=$(images "$side")
+  echo "=== $name: $preset $*" >&2
+  local line
+  line=$(timeout "$CASE_TIMEOUT" "$PY" bench/bench_train.py --random-weights --no-warmup --workspace "$WS/$name" \
+      --preset "$preset" --peak-tflops "$PEAK_TFLOPS" \
+      --set "data.concepts=[{path: $imgs}]" --set training.max_steps="$STEPS" --set training.epochs=1000 \
+      --set backup.every_n_epochs=0 --set sampling.every_n_epochs=0 --set sampling.at_end=true \
+      --set sampling.prompts.0.steps=4 "$@" ${SETS:+$(printf -- '--set %s ' $SETS)} | head -1)
+  local rc=$?
+  if [ -n "$line" ] && [ "${line:0:1}" = "{" ]; then
+    echo "{\"case\": \"$name\", \"result\": $line}" >> "$RESULTS"
+  else
+    echo "{\"case\": \"$name\", \"failed\": true}" >> "$RESULTS"
+    tail -40 "$WS/$name"/*.log >&2 2>/dev/null
+  fi
+  echo "=== $name done (rc $rc): ${line:0:400}" >&2
+}
+
+run_case() {
+  case $1 in
+    flux-fp8) bench flux-fp8 flux-lora-24gb 1024 --set "model.path=$(configs flux-dev)" ;;
+    flux-nf4) bench flux-nf4 flux-lora-24gb 1024 --set "model.path=$(configs flux-dev)" \
+                --set parts.denoiser.fp8=false --set parts.denoiser.nf4=true ;;
+    qwen-nf4) bench qwen-nf4 qwen-image-lora-24gb 1024 --set "model.path=$(configs qwen-image)" ;;
+    sd15) bench sd15 sd15-lora 512 --set training.mixed_precision=bf16 ;;
+    sdxl-8gb) bench sdxl-8gb sdxl-lora-8gb 1024 ;;
+    demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
+    *) echo "unknown case $1" >&2; return 1 ;;
+  esac
+}
+
+cases=("$@")
+[ ${#cases[@]} -eq 0 ] && cases=(flux-fp8 flux-nf4 sd15 sdxl-8gb qwen-nf4)
+for c in "${cases[@]}"; do run_case "$c"; done
+echo "results: $RESULTS; logs under $WS" >&2
