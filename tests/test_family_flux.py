@@ -189,6 +189,10 @@ def test_nf4_base_trains_nearly_the_lora_of_the_full_precision_base(flux):
     assert len(packed) == count >= 10
     for m in packed:  # two 4-bit weights a byte: an eighth of the fp32 bytes (the block statistics aside)
         assert m.weight.numel() * 2 == m.in_features * m.out_features
+    t = model.transformer  # the blocks' modulation Linears are packed (6 GiB in bf16 at full size); the final one not
+    assert t.transformer_blocks[0].norm1.linear.weight.dtype == torch.uint8
+    assert t.single_transformer_blocks[0].norm.linear.weight.dtype == torch.uint8
+    assert t.norm_out.linear.weight.dtype != torch.uint8
 
 
 @pytest.mark.parametrize("setting, words", [("training.method=finetune", "fine-tune"),

@@ -59,7 +59,10 @@ class FluxConditioning:
 class Flux(Family):
     name = "flux"
     prediction_type = "flow"
-    fp8_skip = ("norm", "x_embedder", "context_embedder", "time_text_embed", "proj_out")
+    # the blocks' AdaLN modulation Linears (norm1.linear, norm1_context.linear, norm.linear: ~3.2B parameters, 6 GiB
+    # in bf16) are stored in fp8/NF4 with the rest, as kohya/musubi (img_mod.lin) and the NF4 Flux checkpoints do;
+    # the final norm_out's and the embedders stay in full precision
+    fp8_skip = ("norm_out", "x_embedder", "context_embedder", "time_text_embed", "proj_out")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
