@@ -702,6 +702,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         if plan_offload(cfg, True, frozen_text, est.notes.append):  # the estimate's captions are cacheable
             offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
             est.details["text_encoders_offloaded"] = True
+        from trainer.block_swap import plan_block_swap
+        swap = plan_block_swap(model, cfg, "cpu")  # blocks_to_swap, where trainer.loop plans it
         if deferred:
             from trainer.precision import apply_storage
             apply_storage(model, method, cfg)  # where trainer.loop calls it
@@ -744,6 +746,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                     model.encode_captions(["a photo of sks"] * 16)
                 if text.breakdown().total > mt.breakdown().total:
                     mt = text
+                    est.details["encode_without_denoiser"] = True
             est.phases["encode"] = mt.breakdown()
             est.details.update(encode_peak_at=mt.peak_where, encode_start=mt.start)
 
@@ -778,6 +781,12 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                     model, method, optimizer, cfg, prompts, autocast, extra, around, offloaded)
             sp = max(prompts, key=lambda p: p.width * p.height)
             est.details["sample_size"] = f"{sp.width}x{sp.height}"
+        if swap is not None:  # the swapped blocks' frozen weights are in CPU RAM, but for one block at a time
+            saved = swap.bytes_swapped()
+            est.details["blocks_swapped_gib"] = round(saved / GiB, 3)
+            for phase, b in est.phases.items():
+                if not (phase == "encode" and est.details.get("encode_without_denoiser")):
+                    b.weights = max(0, b.weights - saved)
     return est
 
 

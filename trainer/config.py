@@ -525,6 +525,10 @@ class DenoiserPart:
     nf4: bool = f(False, "Store the frozen denoiser's Linear weights in 4-bit NF4 (bitsandbytes, as QLoRA) and "
                          "dequantize each layer as it runs: about a quarter of the memory of bf16 for a transformer. "
                          "LoRA (lora.type = lora) only; not with fp8.")
+    blocks_to_swap: int = f(0, "Keep the frozen weights of the denoiser's first N transformer blocks in CPU RAM and "
+                               "bring them to the GPU one block at a time as they run (as kohya/musubi's "
+                               "blocks_to_swap): less VRAM, slower steps. Transformer families only; needs "
+                               "training.gradient_checkpointing. 0 = off.", min=0, max=1000)
     lora_blocks: str = f("", "Only these blocks of the denoiser get adapters: block numbers and ranges (0-7,12) of "
                              "each of its block lists, or of one list (single_transformer_blocks:10-37); the lists "
                              "are transformer_blocks, single_transformer_blocks, down_blocks, layers … as the model "
@@ -592,7 +596,7 @@ class ModelSettings:
         # layer, already quantised (trainer.precision.apply_storage), never whole in their load dtype
         den = cfg.parts.denoiser
         object.__setattr__(self, "deferred", frozenset({"unet"} if den.get("fp8", False) or den.get("nf4", False)
-                                                       else ()))
+                                                       or den.get("blocks_to_swap", 0) else ()))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -1118,6 +1122,16 @@ def _check_loss_ema_precision(cfg: DictConfig) -> None:
             raise ConfigError(f"parts.denoiser.nf4 with lora.type = {cfg.lora.type}: DoRA, LoHa and LoKr read the base "
                               "weights, which are 4-bit packed here. Use lora.type = lora, or turn parts.denoiser.nf4 "
                               "off.", key="parts.denoiser.nf4", value=True)
+    swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
+    if swap and not cfg.training.gradient_checkpointing:
+        raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "
+                          "block leaves the GPU right after its forward, and backward recomputes that forward to bring "
+                          "it back. Turn gradient checkpointing on, or set blocks_to_swap to 0.",
+                          key="parts.denoiser.blocks_to_swap", value=swap)
+    if swap and cfg.training.method != "lora" and cfg.parts.denoiser.train:
+        raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} swaps the denoiser's frozen weights, but a fine-tune "
+                          "trains all of them. Use training.method = lora, or set blocks_to_swap to 0.",
+                          key="parts.denoiser.blocks_to_swap", value=swap)
     if cfg.parts.denoiser.fp8 and cfg.training.method != "lora" and cfg.parts.denoiser.train:
         raise ConfigError("parts.denoiser.fp8 stores the frozen denoiser in fp8, but a fine-tune trains its own "
                           "weights. Use training.method = lora, or turn parts.denoiser.fp8 off.",

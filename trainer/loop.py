@@ -271,6 +271,8 @@ class Trainer:
         if plan_offload(cfg, self.data.captions_cacheable(), frozen_text, self.warn):
             self.text_offload = TextEncoderOffload(self.model, self.device)  # before the denoiser reaches the device
             log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(self.text_offload.slots))
+        from trainer.block_swap import plan_block_swap
+        plan_block_swap(self.model, cfg, self.device, self.warn)  # blocks_to_swap: placed by apply_storage
         from trainer.precision import apply_storage
         apply_storage(self.model, self.method, cfg)  # fp8/NF4: quantised on the way to the device
         if t.gradient_checkpointing:

@@ -56,7 +56,7 @@ class TextEncoderOffload:
         """Before a text encoder runs: the denoiser to CPU RAM (when it is on the device)."""
         den = self.model.denoiser
         if self.swaps and next(den.parameters()).device.type != "cpu":
-            den.to("cpu")
+            self._move(den, "cpu")
             self._empty_cache()
 
     def encoders_out(self) -> None:
@@ -70,7 +70,14 @@ class TextEncoderOffload:
         if self.swaps and next(den.parameters()).device != self.device:
             if moved:
                 self._empty_cache()
-            den.to(self.device)
+            self._move(den, self.device)
+
+    def _move(self, den: Any, device: Any) -> None:
+        swap = getattr(self.model, "block_swap", None)  # swapped blocks' weights stay in RAM (trainer.block_swap)
+        if swap is not None:
+            swap.place(den, device)
+        else:
+            den.to(device)
 
 
 def plan_offload(cfg: Any, cacheable: bool, frozen_text: bool,

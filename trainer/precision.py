@@ -134,7 +134,7 @@ def _fp8_forward(module, compute_dtype):
     return forward
 
 
-def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None) -> int:
+def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset()) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
@@ -155,10 +155,15 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None) -> int:
         if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
             continue
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
-        module.weight.data = weight.to(torch.float8_e4m3fn)
+        module.weight.data = _home(weight.to(torch.float8_e4m3fn), module, in_ram)
         module.forward = _fp8_forward(module, compute_dtype)
         count += 1
     return count
+
+
+def _home(tensor, module, in_ram):
+    """``tensor`` back in CPU RAM when ``module`` is one of the swapped blocks' (``in_ram``: their module ids)."""
+    return tensor.to("cpu") if id(module) in in_ram and tensor.device.type != "cpu" else tensor
 
 
 def _nf4_forward(module, state, compute_dtype):
@@ -182,7 +187,7 @@ def _nf4_forward(module, state, compute_dtype):
     return forward
 
 
-def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None) -> int:
+def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset()) -> int:
     """Store the frozen Linear weights of ``denoiser`` as 4-bit NF4 (bitsandbytes ``quantize_4bit``, blocks of 64
     with double-quantised statistics, as QLoRA does); returns how many layers. Like fp8 storage, a storage format:
     each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
@@ -202,7 +207,7 @@ def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None) -> i
             continue  # already packed
         weight = module.weight.data if device is None else module.weight.data.to(device)  # quantised where it runs
         packed, state = quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
-        module.weight.data = packed
+        module.weight.data = _home(packed, module, in_ram)  # the quant state (small) stays where it was made
         module.forward = _nf4_forward(module, state, compute_dtype)
         count += 1
     return count
@@ -220,19 +225,28 @@ def apply_storage(model, method, cfg) -> None:
     denoiser = model.denoiser
     attr = model.info.part("unet").attr if hasattr(model, "info") else None
     device = model.device if attr in getattr(model, "deferred", ()) else None
+    swap = getattr(model, "block_swap", None)  # parts.denoiser.blocks_to_swap: those blocks' weights stay in RAM
+    in_ram = swap.members if swap is not None else frozenset()
     if cfg.parts.denoiser.fp8:
         if "unet" in method.modules and cfg.training.method == "finetune":
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
-        count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device)
+        count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
+                                   in_ram)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
     if cfg.parts.denoiser.get("nf4", False):
-        count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device)
+        count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
+                                   in_ram)
         logging.getLogger("atelier").info("NF4 storage: %d denoiser layers", count)
     if device is not None:
-        denoiser.to(device)  # the rest: skipped layers, biases, norms, the adapters
+        if swap is not None:  # all but the swapped blocks' frozen tensors, which get their pinned CPU copies
+            swap.place(denoiser, device)
+        else:
+            denoiser.to(device)  # the rest: skipped layers, biases, norms, the adapters
         model.deferred = tuple(n for n in model.deferred if n != attr)
+    if swap is not None:
+        swap.capture()
 
 
 def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], int],

@@ -63,6 +63,8 @@ class Family:
     prediction_type: str = "epsilon"  # "epsilon" | "v_prediction" | "flow"
     inpainting: bool = False
     fp8_skip: Tuple[str, ...] = ()  # module-name parts whose frozen weights stay out of fp8 storage
+    swap_blocks: Tuple[str, ...] = ()  # the denoiser's block lists in running order (parts.denoiser.blocks_to_swap)
+    block_swap: Any = None  # the run's trainer.block_swap.BlockSwap, when blocks are swapped
     objective: Any = None  # trainer.objectives.DDPMObjective | FlowMatchingObjective
     device: Any = None
     source: Any = None

@@ -50,6 +50,7 @@ class Chroma(PeftLayoutLora, Family):
     family = "chroma"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "context_embedder", "distilled_guidance_layer", "proj_out")
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")
     targets = TARGETS
     modelspec = ("chroma", "https://github.com/lodestone-rock/flow", "chroma")
 

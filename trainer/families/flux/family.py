@@ -63,6 +63,7 @@ class Flux(Family):
     # in bf16) are stored in fp8/NF4 with the rest, as kohya/musubi (img_mod.lin) and the NF4 Flux checkpoints do;
     # the final norm_out's and the embedders stay in full precision
     fp8_skip = ("norm_out", "x_embedder", "context_embedder", "time_text_embed", "proj_out")
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch

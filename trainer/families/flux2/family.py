@@ -66,6 +66,7 @@ class Flux2(PeftLayoutLora, Family):
     family = "flux2-klein"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "context_embedder", "time_guidance_embed", "modulation", "proj_out")
+    swap_blocks = ("transformer_blocks", "single_transformer_blocks")
     targets = TARGETS
     modelspec = ("flux-2-klein", "https://github.com/black-forest-labs/flux2", "flux2_klein")
 

@@ -60,6 +60,7 @@ class PixArt(Family):
     name = "pixart"
     _original_extras: Dict[str, Any] = {}  # non-diffusers tensors of an original single file (keys.SKIPPED)
     fp8_skip = ("norm", "pos_embed", "adaln_single", "caption_projection", "proj_out")
+    swap_blocks = ("transformer_blocks",)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch

@@ -53,6 +53,7 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     family = "qwen-image"
     prediction_type = "flow"
     fp8_skip = ("norm", "img_in", "txt_in", "time_text_embed", "proj_out")
+    swap_blocks = ("transformer_blocks",)
     targets = TARGETS
     modelspec = ("qwen-image", "https://github.com/QwenLM/Qwen-Image", "qwen_image")
 

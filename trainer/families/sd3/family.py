@@ -56,6 +56,7 @@ class SD3(Family):
     name = "sd3"
     prediction_type = "flow"
     fp8_skip = ("norm", "pos_embed", "time_text_embed", "context_embedder", "proj_out")
+    swap_blocks = ("transformer_blocks",)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch

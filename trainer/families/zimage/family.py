@@ -35,6 +35,7 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
     family = "z-image"
     prediction_type = "flow"
     fp8_skip = ("norm", "x_embedder", "cap_embedder", "t_embedder", "final_layer", "adaLN")
+    swap_blocks = ("layers",)
     targets = TARGETS
     modelspec = ("z-image", "https://github.com/Tongyi-MAI/Z-Image", "z_image")
 
