@@ -32,9 +32,9 @@ ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj
         "single_transformer_blocks.*.attn.to_out"]  # (a double block's to_out is a ModuleList around to_out.0)
 TARGETS = {"attn": ATTN,
            "attn_mlp": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"],
-           "all": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out",
-                          "double_stream_modulation_img.linear", "double_stream_modulation_txt.linear",
-                          "single_stream_modulation.linear"]}
+           # not the shared modulation Linears (double_stream_modulation_img/txt, single_stream_modulation): ComfyUI's
+           # Flux.2 LoRA key map (comfy/utils.py flux_to_diffusers) has no entry for them, so it would drop them
+           "all": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]}
 
 
 class Flux2Conditioning:

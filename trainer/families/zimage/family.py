@@ -27,7 +27,9 @@ OFFICIAL = "Tongyi-MAI/Z-Image-Turbo"
 MAX_TOKENS = 512
 ATTN = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"],
-           "all": ATTN + ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaLN_modulation.0"]}
+           # the blocks' modulation Linear (the final layer's adaLN_modulation.0 is its SiLU)
+           "all": ATTN + ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "layers.*.adaLN_modulation.0",
+                          "noise_refiner.*.adaLN_modulation.0"]}
 
 
 class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
