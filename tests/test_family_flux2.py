@@ -70,3 +70,27 @@ def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(klein, tmp_p
     assert again.family == "flux2-klein"
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
+
+
+def test_caption_encoding_skips_the_vocabulary_logits(tmp_path):
+    """Only Qwen3's hidden states are used: its lm_head runs on one position, not on every token, and the features are
+    the ones the pipeline's own encode gives."""
+    import torch
+    from diffusers import Flux2KleinPipeline
+
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    cfg = load_config(None, ["model.path=builtin:tiny-flux2-klein", f"general.workspace={tmp_path}"])
+    model = load_model(cfg, str(tmp_path), "cpu")
+    seen = []
+    handle = model.text_encoder.lm_head.register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape)))
+    ours = model.encode_captions(["a photo of sks", "a red square"])["prompt_embeds"]
+    assert seen and all(shape[1] == 1 for shape in seen), seen
+    handle.remove()
+    for h in list(model.text_encoder._forward_pre_hooks):  # the pipeline's own call, every logit computed
+        model.text_encoder._forward_pre_hooks.pop(h)
+    with torch.no_grad():
+        ref = Flux2KleinPipeline._get_qwen3_prompt_embeds(model.text_encoder, model.tokenizer, ["a photo of sks", "a red square"],
+                                                          max_sequence_length=model.max_sequence_length,
+                                                          hidden_states_layers=model.text_layers)
+    torch.testing.assert_close(ours, ref.float())
