@@ -702,6 +702,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         if plan_offload(cfg, True, frozen_text, est.notes.append):  # the estimate's captions are cacheable
             offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
             est.details["text_encoders_offloaded"] = True
+        from trainer.precision import place_text_encoders
+        place_text_encoders(model, cfg, bool(offloaded))  # fp8 text encoders, where trainer.loop places them
         from trainer.block_swap import plan_block_swap
         swap = plan_block_swap(model, cfg, "cpu")  # blocks_to_swap, where trainer.loop plans it
         if deferred:

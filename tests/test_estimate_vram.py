@@ -182,6 +182,7 @@ PUBLISHED = {
     "z-image": {"transformer": 6.15, "text_encoder": 4.02},  # 6B, Qwen3-4B
     "qwen-image": {"transformer": 20.43, "text_encoder": 8.29},  # 20B MMDiT, Qwen2.5-VL-7B
     "flux2-klein": {"transformer": 3.88, "text_encoder": 4.02},  # [klein] 4B, Qwen3-4B
+    "flux2-dev": {"transformer": 32.22, "text_encoder": 24.01},  # [dev] 32B, Mistral Small 3.1 24B (with its vision tower)
 }
 
 

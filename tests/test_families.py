@@ -39,6 +39,11 @@ class Row:
     prompt_kwargs: dict = field(default_factory=dict)
 
 
+FLUX2_MEMORISING = ("lora.unet_targets=custom", "lora.custom_targets=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,"
+                    "add_v_proj,to_add_out,to_qkv_mlp_proj,single_transformer_blocks.*.attn.to_out,linear_in,linear_out,"
+                    "double_stream_modulation_img.linear,double_stream_modulation_txt.linear,"
+                    "single_stream_modulation.linear]")
+
 ROWS = [
     Row("sd", "tiny-sd", "demo"),
     Row("sdxl", "tiny-sdxl", "demo-sdxl", settings=("training.train_text_encoder=false",
@@ -57,7 +62,11 @@ ROWS = [
     Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
-    Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=("lora.unet_targets=all", "lora.alpha=32"),
+    # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
+    # tiny model's loss fall well clear of the 10 % bar
+    Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
+        prompt_kwargs={"max_sequence_length": 512, "text_encoder_out_layers": (1, 2, 3)}),
+    Row("flux2", "tiny-flux2-dev", "demo-flux2-dev", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
         prompt_kwargs={"max_sequence_length": 512, "text_encoder_out_layers": (1, 2, 3)}),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
@@ -68,8 +77,9 @@ ROWS = [
 
 
 def test_every_registered_family_has_a_contract_row():
+    """One row per family, and one per variant that loads differently (Flux.2 [dev]'s Mistral text path)."""
     from trainer.families import REGISTERED
-    assert sorted(r.family for r in ROWS) == sorted(REGISTERED)
+    assert sorted({r.family for r in ROWS}) == sorted(REGISTERED)
 
 
 def _events(run: Path):
@@ -180,11 +190,12 @@ def _load_error(tmp_path, path, *settings):
 
 def test_weights_no_family_trains_are_named_not_loaded_as_sd15(tmp_path):
     from safetensors.torch import save_file
-    flux2 = tmp_path / "flux2"
+    flux2 = tmp_path / "flux2"  # Flux.2 [dev], recognised, but the folder is incomplete: what is missing is named
     (flux2 / "transformer").mkdir(parents=True)
     (flux2 / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
     (flux2 / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel"}))
-    assert "Flux.2" in _load_error(tmp_path, flux2)
+    msg = _load_error(tmp_path, flux2)
+    assert "Flux2Pipeline" in msg and "no scheduler/ subfolder" in msg
     hunyuan = tmp_path / "hunyuan"
     (hunyuan / "transformer").mkdir(parents=True)
     (hunyuan / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanDiTPipeline"}))

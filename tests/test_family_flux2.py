@@ -1,5 +1,5 @@
-"""Flux.2 [klein] beyond the family contract: Qwen3 layers and latents as the pipeline makes them, Flux.2 [dev]
-named and refused, the transformer as one file."""
+"""Flux.2 beyond the family contract: Qwen3 layers and latents as the pipeline makes them, Flux.2 [dev]'s processor
+folder read as its tokenizer and its embedded guidance, the transformer as one file."""
 
 from __future__ import annotations
 
@@ -47,16 +47,38 @@ def test_text_and_latents_are_the_pipelines(klein):
     torch.testing.assert_close(Flux2KleinPipeline._unpatchify_latents(dist["mean"]), direct, atol=1e-5, rtol=1e-5)
 
 
-def test_flux2_dev_is_named_and_refused(tmp_path):
-    from trainer.families.base import ModelLoadError
-    folder = tmp_path / "dev"
-    (folder / "transformer").mkdir(parents=True)
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
-    (folder / "transformer" / "config.json").write_text(json.dumps({"_class_name": "Flux2Transformer2DModel",
-                                                                     "guidance_embeds": True}))
-    with pytest.raises(ModelLoadError, match=r"Flux.2 \[dev\].*Mistral") as err:
-        _load(tmp_path, folder)
-    assert err.value.key == "model.path"
+def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
+    """[dev]'s tokenizer/ is a PixtralProcessor folder (model_index names it; the processor needs torchvision): read as
+    a tokenizer, with the processor's chat template when the tokenizer has none, it gives the features the same
+    tokenizer with the template built in gives; the transformer gets the guidance embedding (1.0, as Flux.1 dev
+    trains), which changes its output."""
+    import shutil
+
+    from trainer.families import build_tiny
+    paths = build_tiny("tiny-flux2-dev", tmp_path / "models")
+    model = _load(tmp_path, paths["diffusers"])
+    assert model.family == "flux2-dev" and model.dev and model.text_layers == (1, 2, 3)
+    captions = ["a photo of sks", "a red square"]
+    ours = model.encode_captions(captions)["prompt_embeds"]
+    bare = tmp_path / "processor-only"
+    shutil.copytree(paths["diffusers"], bare)
+    config = json.loads((bare / "tokenizer" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "tokenizer" / "chat_template.jinja").unlink(missing_ok=True)
+    again = _load(tmp_path, bare)
+    assert again.tokenizer.chat_template  # from chat_template.json, the processor's
+    torch.testing.assert_close(again.encode_captions(captions)["prompt_embeds"], ours)
+
+    from trainer.families.flux2.family import Flux2Conditioning
+    x = torch.randn(1, 128, 4, 4, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.5])
+    cond = Flux2Conditioning(ours[:1])
+    with torch.no_grad():
+        pred = model.predict(x, t, cond)
+        model.guidance = 4.0
+        other = model.predict(x, t, cond)
+    assert pred.shape == x.shape and (pred - other).abs().max() > 1e-4
 
 
 def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(klein, tmp_path):

@@ -62,3 +62,33 @@ def test_quantised_denoiser_waits_in_ram_until_it_is_quantised(tmp_path):
     assert dtypes == {torch.float8_e4m3fn}
     plain = load_model(load_config(None, [f"general.workspace={tmp_path}"], preset="demo-flux"), str(tmp_path), "cpu")
     assert plain.deferred == ()
+
+
+def test_fp8_text_encoders_and_offloaded_ones_wait_in_ram_until_placed(tmp_path):
+    """parts.text_encoder_N.fp8: the frozen encoder's Linear weights in fp8 (not T5's wo, which T5 keeps in fp32 and
+    casts its input to; not a head tied to the embedding), its outputs close to the full-precision ones; offloaded or
+    fp8 encoders load into RAM (model.deferred) and are placed after, so they never pass through the GPU whole."""
+    import torch
+
+    from trainer.config import ConfigError, ModelSettings, load_config
+    from trainer.models.base import load_model
+    from trainer.precision import place_text_encoders
+    cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}", "parts.text_encoder_2.fp8=true"])
+    assert ModelSettings(cfg).deferred == {"text_encoder_2"}
+    offload = load_config(None, ["model.path=builtin:tiny-flux", "data.offload_text_encoders=true"])
+    assert ModelSettings(offload).deferred == {"text_encoder", "text_encoder_2", "text_encoder_3"}
+    plain = load_model(load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}"]), str(tmp_path))
+    model = load_model(cfg, str(tmp_path))
+    assert model.deferred == ("text_encoder_2",)
+    place_text_encoders(model, cfg, offloading=False)
+    assert model.deferred == ()
+    t5 = model.text_encoder_2
+    layers = {n: m.weight.dtype for n, m in t5.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert layers and all((d == torch.float8_e4m3fn) != n.endswith(".wo") for n, d in layers.items()), layers
+    assert t5.dtype == torch.float32 and model.text_encoder.dtype == torch.float32  # CLIP untouched
+    ours = model.encode_captions(["a photo of sks"])["prompt_embeds"]
+    ref = plain.encode_captions(["a photo of sks"])["prompt_embeds"]
+    assert 0 < float((ours - ref).norm() / ref.norm()) < 0.2
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-flux", "parts.text_encoder_1.fp8=true", "parts.text_encoder_1.train=true"])
+    assert err.value.key == "parts.text_encoder_1.fp8"

@@ -268,7 +268,10 @@ class Trainer:
         from trainer.offload import TextEncoderOffload, plan_offload, text_frozen
         frozen_text = text_frozen(self.method)  # cached text outputs stay valid only while no text-side module trains
         self.text_offload = None
-        if plan_offload(cfg, self.data.captions_cacheable(), frozen_text, self.warn):
+        offloading = plan_offload(cfg, self.data.captions_cacheable(), frozen_text, self.warn)
+        from trainer.precision import place_text_encoders
+        place_text_encoders(self.model, cfg, offloading)  # fp8 text encoders; the device unless offloaded
+        if offloading:
             self.text_offload = TextEncoderOffload(self.model, self.device)  # before the denoiser reaches the device
             log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(self.text_offload.slots))
         from trainer.block_swap import plan_block_swap

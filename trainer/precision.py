@@ -213,6 +213,46 @@ def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None, in_r
     return count
 
 
+TEXT_FP8_SKIP = ("vision", "visual", "multi_modal_projector", "patch", "lora_")  # image towers: never run on text
+
+
+def place_text_encoders(model, cfg, offloading: bool) -> None:
+    """The text encoders the family left in CPU RAM (``model.deferred``: offloaded or fp8): stored in fp8 where
+    ``parts.text_encoder_N.fp8`` asks (layer by layer on the device, back to RAM when they are offloaded), then moved
+    to the device unless ``offloading`` (trainer.offload moves them in only while they encode)."""
+    import logging
+
+    import torch
+
+    from trainer.config import PART_OF_SLOT
+    info = getattr(model, "info", None)
+    if info is None:
+        return
+    for slot, part_name in PART_OF_SLOT.items():
+        part = info.part(slot)
+        if slot == "unet" or part is None or getattr(model, part.attr, None) is None:
+            continue
+        module, attr = getattr(model, part.attr), part.attr
+        deferred = attr in getattr(model, "deferred", ())
+        if cfg.parts[part_name].get("fp8", False) and any(p.dtype != torch.float8_e4m3fn for p in module.parameters()):
+            device = model.device if deferred and torch.device(model.device).type != "cpu" else None
+            in_ram = frozenset(id(m) for m in module.modules()) if offloading or device is None else frozenset()
+            dtype = module.dtype
+            # a Linear sharing its weight with an embedding (tied lm_head) stays: the embedding must keep its dtype
+            shared = {id(p) for m in module.modules() if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+                      for p in m.parameters(recurse=False)}
+            tied = tuple(n for n, m in module.named_modules()
+                         if isinstance(m, torch.nn.Linear) and id(m.weight) in shared)
+            # what the model keeps in full precision itself (T5's wo: it casts its input to wo's dtype)
+            keep = tuple(f".{n}" for n in (getattr(module, "_keep_in_fp32_modules", None) or ()))
+            count = enable_fp8_storage(module, dtype, TEXT_FP8_SKIP + tied + keep, device, in_ram)
+            logging.getLogger("atelier").info("fp8 storage: %d layers of %s", count, attr)
+        if deferred:
+            if not offloading:
+                module.to(model.device)
+            model.deferred = tuple(n for n in model.deferred if n != attr)
+
+
 def apply_storage(model, method, cfg) -> None:
     """fp8 / NF4 storage of the denoiser's frozen weights (once; call it as soon as the method has added its
     adapters). A denoiser the family left in CPU RAM (``model.deferred``) is quantised layer by layer on its way

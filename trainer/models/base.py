@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.families.base import DTYPE_NAMES, Family, ModelLoadError, torch_dtype  # noqa: F401 (re-exported)
 
@@ -152,7 +152,8 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
             if name in pipeline_cls._optional_components:
                 parts[name] = None
                 continue
-            raise ValueError(f"no model_index.json and no {name}/ subfolder")
+            raise ValueError(f"it has no {name}/ subfolder" + ("" if (folder / "model_index.json").is_file()
+                                                                   else " (and no model_index.json)"))
         dt = dtype.get(name, dtype.get("default")) if isinstance(dtype, dict) else dtype
         dkw = {} if dt is None else {"dtype": dt}
         if (sub / "scheduler_config.json").is_file():
@@ -162,7 +163,9 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
             tok_cfg = sub / "tokenizer_config.json"
             cls_name = (sd_configs._read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None)
             cls_name = str(cls_name or "CLIPTokenizer").removesuffix("Fast")
-            cls = getattr(transformers, cls_name, transformers.CLIPTokenizer)
+            # a class this transformers lacks (a processor folder's tokenizer, a newer name): AutoTokenizer reads it
+            cls = getattr(transformers, cls_name, None) or (transformers.AutoTokenizer if tok_cfg.is_file() else
+                                                            transformers.CLIPTokenizer)
             parts[name] = cls.from_pretrained(str(folder), subfolder=name)
         else:
             cfg = sd_configs._read_json(sub / "config.json")
@@ -193,8 +196,29 @@ def check_family(source: ModelSource, found: Optional[str], mcfg: Any, accepted:
                              value=family)
 
 
+def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = None,
+                      skip: Tuple[str, ...] = (), **common: Any):
+    """``pipeline_cls`` from a local diffusers folder or a hub repo, component by component (:func:`load_components`),
+    not through ``from_pretrained``: each component's class comes from its own config, not from
+    ``model_index.json`` (Flux.2 [dev]'s tokenizer/ is a PixtralProcessor folder there, read here as its tokenizer).
+    ``skip``: component folders not to download (given in ``common``)."""
+    folder = Path(location)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+        names = [n for n in pipeline_cls._get_signature_keys(pipeline_cls)[0] if n not in skip]
+        try:
+            folder = Path(snapshot_download(location, local_files_only=_hub_offline(mcfg),
+                                            allow_patterns=["model_index.json", *[f"{n}/*" for n in names]],
+                                            **_hub_kwargs(mcfg)))
+        except Exception as exc:
+            raise ModelLoadError(f"Could not download or find '{location}' in the hub cache: {type(exc).__name__}: "
+                                 f"{_first_line(exc)}. Check the id, your network (or model.hub_offline) and, for gated "
+                                 "models, your HF token.", key="model.path", value=location) from None
+    return load_components(pipeline_cls, folder, dtype, **common)
+
+
 def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: str, *, family: str,
-                  dtype: Any = None, **common: Any):
+                  dtype: Any = None, by_component: bool = False, **common: Any):
     """Load ``pipeline_cls`` from a folder, a single file (with a shipped or given config) or a hub id.
 
     ``family`` picks the shipped config for single files (:func:`sd_configs.default_config_for`; an
@@ -203,6 +227,15 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
     ``dtype`` (a dtype or diffusers' ``{component: dtype, "default": dtype}``) loads weights
     straight into their storage dtype: an SDXL UNet in fp32 alone is 10 GB of RAM."""
     kw: Dict[str, Any] = dict(common)
+    if by_component and source.kind in ("folder", "hub"):
+        try:
+            return load_by_component(pipeline_cls, source.location, mcfg, dtype, **common)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"Could not load '{source.display}' as {pipeline_cls.__name__}: "
+                                 f"{type(exc).__name__}: {_first_line(exc)}", key="model.path",
+                                 value=source.display) from None
     if dtype is not None:
         kw["dtype"] = dtype
     if source.kind == "folder":

@@ -55,3 +55,46 @@ def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "model_max_length": max_length, "pad_token": "<|endoftext|>",
         "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}), encoding="utf-8")
+
+
+# Mistral Small 3.1's chat template cut to the text turns Flux.2 [dev] sends (a system prompt and one user turn, each
+# a string or a list of {"type": "text"} parts)
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages %}{%- if message['content'] is string %}"
+    "{%- set text = message['content'] %}{%- else %}{%- set text = message['content'] | selectattr('type', 'equalto', "
+    "'text') | map(attribute='text') | join('') %}{%- endif %}{%- if message['role'] == 'system' %}"
+    "{{ '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}{%- elif message['role'] == 'user' %}{{ '[INST]' + text + "
+    "'[/INST]' }}{%- else %}{{ text + eos_token }}{%- endif %}{%- endfor %}")
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                   "[IMG_BREAK]", "[IMG_END]"]
+
+
+def write_tiny_mistral_tokenizer(folder: Path, max_length: int = 512) -> None:
+    """A byte-level BPE tokenizer with Mistral's special tokens (``[IMG]`` = id 8) and a text-only version of its chat
+    template, where Flux.2 [dev] keeps its processor (the Pixtral image processor's config beside it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from trainer.families.common.sd_kit.tiny import _bytes_to_unicode
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL)}
+    for ch in sorted(set(_bytes_to_unicode().values())):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(MISTRAL_SPECIAL)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length, "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>", "chat_template": MISTRAL_CHAT_TEMPLATE}),
+        encoding="utf-8")
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": MISTRAL_CHAT_TEMPLATE}), encoding="utf-8")
+    (folder / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 2, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}), encoding="utf-8")
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "patch_size": {"height": 8, "width": 8}, "size": {"longest_edge": 64}, "do_resize": True,
+        "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}),
+        encoding="utf-8")

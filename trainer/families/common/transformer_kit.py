@@ -102,11 +102,12 @@ class PeftLayoutLora:
 def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any], *, pipeline_cls: Any,
                                    transformer_cls: Any, config: Callable[[Dict[str, Any], dict], dict],
                                    to_diffusers: Callable[[Dict[str, Any]], Dict[str, Any]] = dict,
-                                   official: str, layout: str) -> Any:
+                                   official: str, layout: str, by_component: bool = False) -> Any:
     """``model.path`` is the transformer alone (``layout`` names its key layout in messages): build it from the
     file (``config(state, base)`` with ``base`` the ``transformer/config.json`` of a local ``model.config_path``),
     load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
-    ``model.config_path`` (default ``official``)."""
+    ``model.config_path`` (default ``official``; ``by_component``: one component at a time, not through
+    ``from_pretrained``: see :func:`trainer.models.base.load_by_component`)."""
     from safetensors.torch import load_file
 
     from trainer.models.base import _hub_offline
@@ -136,6 +137,10 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
     if not Path(rest).is_dir():
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
     try:
+        if by_component:
+            from trainer.models.base import load_by_component
+            return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer",),
+                                     transformer=transformer)
         return pipeline_cls.from_pretrained(rest, transformer=transformer,
                                             local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
     except Exception as exc:

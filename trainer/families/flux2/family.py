@@ -1,5 +1,6 @@
-"""Flux.2 [klein] on diffusers' ``Flux2KleinPipeline``: Flux.2's transformer (shared modulation, fused single-block
-projections, 4-axis RoPE) over Qwen3 features and the 32-channel Flux.2 VAE.
+"""Flux.2 [klein] on diffusers' ``Flux2KleinPipeline`` and Flux.2 [dev] on ``Flux2Pipeline``: Flux.2's transformer
+(shared modulation, fused single-block projections, 4-axis RoPE) over Qwen3 ([klein]) or Mistral Small 3.1 ([dev])
+features and the 32-channel Flux.2 VAE.
 
 What differs, and where it lives here:
 
@@ -10,6 +11,9 @@ What differs, and where it lives here:
 - Text: the caption in Qwen3's chat template (thinking off), three hidden layers stacked side by side
   (``_get_qwen3_prompt_embeds``; (9, 18, 27) for the released 4B/9B, spread over the depth of smaller models), with
   4-axis text ids. Caption dropout gives the empty caption's features.
+- [dev]: the caption after BFL's system prompt in Mistral's chat template, layers (10, 20, 30) stacked
+  (``_get_mistral_3_small_prompt_embeds``); the processor folder is read as its tokenizer (the text path needs no
+  image processor, which would need torchvision); a guidance embedding (``model.guidance_scale``, as Flux.1 dev).
 - Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
   it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
   real CFG, the distilled one without).
@@ -26,6 +30,7 @@ from trainer.families.base import Family, ModelLoadError, part_dtype
 from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "black-forest-labs/FLUX.2-klein-4B"
+OFFICIAL_DEV = "black-forest-labs/FLUX.2-dev"
 MAX_TOKENS = 512
 ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
         "attn.add_v_proj", "attn.to_add_out", "attn.to_qkv_mlp_proj",
@@ -35,6 +40,31 @@ TARGETS = {"attn": ATTN,
            # not the shared modulation Linears (double_stream_modulation_img/txt, single_stream_modulation): ComfyUI's
            # Flux.2 LoRA key map (comfy/utils.py flux_to_diffusers) has no entry for them, so it would drop them
            "all": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]}
+
+
+def _processor_chat_template(location: str, mcfg: Any) -> str:
+    """The chat template of Flux.2 [dev]'s processor (``tokenizer/chat_template.jinja`` or ``.json``), for a tokenizer
+    that carries none; ModelLoadError naming the folder when there is neither."""
+    import json
+    from pathlib import Path
+
+    from trainer.models.base import _hub_kwargs, _hub_offline
+    for name in ("chat_template.jinja", "chat_template.json"):
+        try:
+            if Path(location).is_dir():
+                path = Path(location) / "tokenizer" / name
+            else:
+                from huggingface_hub import hf_hub_download
+                path = Path(hf_hub_download(location, f"tokenizer/{name}", local_files_only=_hub_offline(mcfg),
+                                            **_hub_kwargs(mcfg)))
+            text = path.read_text(encoding="utf-8")
+        except Exception:
+            continue
+        return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    raise ModelLoadError(f"'{location}': Flux.2 [dev]'s tokenizer/ has no chat template (tokenizer_config.json, "
+                         "chat_template.jinja or chat_template.json); its captions are encoded in Mistral's chat format. "
+                         "Use the complete tokenizer/ folder of black-forest-labs/FLUX.2-dev.", key="model.path",
+                         value=location)
 
 
 def _one_logit(_module, args, kwargs):
@@ -80,27 +110,45 @@ class Flux2(PeftLayoutLora, Family):
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
-        from diffusers import Flux2KleinPipeline
+        from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
         from trainer.models.base import classify_source, detect_source_family, load_pipeline
         self.source = classify_source(mcfg.path, workspace)
-        detect_source_family(self.source, mcfg)
+        found = detect_source_family(self.source, mcfg)
+        chosen = getattr(mcfg, "family", "auto")
+        variant = found or (chosen if chosen in ("flux2-klein", "flux2-dev") else "flux2-klein")
+        self.dev = variant == "flux2-dev"
+        self.family = variant
+        pipeline_cls = Flux2Pipeline if self.dev else Flux2KleinPipeline
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        # [dev]: component by component, so tokenizer/ (a PixtralProcessor folder, whose processor would need
+        # torchvision) is read as the plain tokenizer the text path needs
         if self.source.kind == "single_file":
-            pipe = self._from_single_file(mcfg, dtypes)
+            pipe = self._from_single_file(mcfg, dtypes, pipeline_cls)
         else:
-            pipe = load_pipeline(Flux2KleinPipeline, self.source, mcfg, workspace, family="flux2-klein", dtype=dtypes)
+            pipe = load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes,
+                                 by_component=self.dev)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
-        if hasattr(self.text_encoder, "lm_head"):  # Qwen3ForCausalLM: only hidden states are read (below)
+        if self.dev and not getattr(self.tokenizer, "chat_template", None):
+            rest = self.source.location if self.source.kind != "single_file" else \
+                (getattr(mcfg, "config_path", "") or OFFICIAL_DEV)
+            self.tokenizer.chat_template = _processor_chat_template(rest, mcfg)
+        if hasattr(self.text_encoder, "lm_head"):  # Qwen3 / Mistral3: only hidden states are read (below)
             self.text_encoder.register_forward_pre_hook(_one_logit, with_kwargs=True)
         self._is_distilled = bool(pipe.config.get("is_distilled", False))
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.objective = self._objective()
-        depth = int(self.text_encoder.config.num_hidden_layers)
-        self.text_layers = (9, 18, 27) if depth >= 27 else tuple(max(1, round(depth * k / 3)) for k in (1, 2, 3))
+        text_config = getattr(self.text_encoder.config, "text_config", self.text_encoder.config)
+        depth = int(text_config.num_hidden_layers)
+        released = (10, 20, 30) if self.dev else (9, 18, 27)
+        self.text_layers = released if depth >= released[-1] else \
+            tuple(max(1, round(depth * k / 3)) for k in (1, 2, 3))
         self.max_sequence_length = MAX_TOKENS
+        self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
+        if self.dev:
+            self.modelspec = ("flux-2-dev", "https://github.com/black-forest-labs/flux2", "flux2_dev")
         self.device = torch.device(device)
         self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
         if getattr(mcfg, "attention", "sdpa") == "xformers":
@@ -120,15 +168,15 @@ class Flux2(PeftLayoutLora, Family):
         return FlowMatchingObjective(dynamic_shift=lambda latents: compute_empirical_mu(
             latents.shape[-2] * latents.shape[-1], 50))
 
-    def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+    def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any], pipeline_cls: Any):
+        from diffusers import Flux2Transformer2DModel
 
         from trainer.families.common.transformer_kit import pipeline_with_transformer_file
         from trainer.families.flux2.keys import config_from_state
-        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=Flux2KleinPipeline,
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
                                               transformer_cls=Flux2Transformer2DModel, config=config_from_state,
-                                              to_diffusers=dict, official=OFFICIAL,
-                                              layout="diffusers' layout")
+                                              to_diffusers=dict, official=OFFICIAL_DEV if self.dev else OFFICIAL,
+                                              layout="diffusers' layout", by_component=self.dev)
 
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
@@ -155,14 +203,23 @@ class Flux2(PeftLayoutLora, Family):
         import torch
         from diffusers import Flux2KleinPipeline
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            if self.dev:
+                from diffusers import Flux2Pipeline
+                return Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+                    self.text_encoder, self.tokenizer, [str(c) for c in captions], device=self.device,
+                    max_sequence_length=self.max_sequence_length, hidden_states_layers=self.text_layers)
             return Flux2KleinPipeline._get_qwen3_prompt_embeds(
                 self.text_encoder, self.tokenizer, [str(c) for c in captions], device=self.device,
                 max_sequence_length=self.max_sequence_length, hidden_states_layers=self.text_layers)
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
         import torch
+        captions = list(captions)
+        # [dev]: Mistral's 41 hidden states of a caption are 21 MiB each at 512 tokens: 4 captions at a time
+        step = 4 if self.dev else max(1, len(captions))
         with torch.no_grad():
-            return {"prompt_embeds": self._encode(list(captions)).float().cpu()}
+            return {"prompt_embeds": torch.cat([self._encode(captions[i:i + step]).float().cpu()
+                                                for i in range(0, len(captions), step)])}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
         import torch
@@ -184,7 +241,11 @@ class Flux2(PeftLayoutLora, Family):
         dtype, device = model_input.dtype, model_input.device
         tokens = Flux2KleinPipeline._pack_latents(model_input)
         embeds = conditioning.prompt_embeds.to(device, dtype)
-        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=None,
+        guidance = None
+        if self.transformer.config.guidance_embeds:  # [dev]: the embedded guidance (the transformer scales it by 1000)
+            import torch
+            guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
+        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=guidance,
                                encoder_hidden_states=embeds,
                                txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
                                img_ids=Flux2KleinPipeline._prepare_latent_ids(model_input).to(device),
@@ -193,7 +254,12 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        from diffusers import Flux2KleinPipeline
+        from diffusers import Flux2KleinPipeline, Flux2Pipeline
+        if self.dev:
+            pipe = Flux2Pipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+            pipe.set_progress_bar_config(disable=True)
+            return PromptSampler(pipe)
         pipe = Flux2KleinPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                                   text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer,
                                   is_distilled=self._is_distilled)

@@ -4,15 +4,16 @@ from trainer.families import FamilyInfo, Part
 
 INFO = FamilyInfo(
     name="flux2",
-    label="Flux.2 [klein]",
-    choices=("flux2-klein",),
-    variants=("flux2-klein",),
+    label="Flux.2",
+    choices=("flux2-klein", "flux2-dev"),
+    variants=("flux2-klein", "flux2-dev"),
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
-           Part("text_encoder", "text_encoder", "text_encoder", "Qwen3")),
+           Part("text_encoder", "text_encoder", "text_encoder", "Qwen3 / Mistral")),
     objective="flow",
     family_class="trainer.families.flux2.family:Flux2",
     detect="trainer.families.flux2.detect",
-    tiny={"tiny-flux2-klein": "trainer.families.flux2.tiny:ensure_tiny"},
+    tiny={"tiny-flux2-klein": "trainer.families.flux2.tiny:ensure_tiny",
+          "tiny-flux2-dev": "trainer.families.flux2.tiny:ensure_tiny"},
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Flux.2 LoRA files carry the transformer (diffusers' Flux.2 pipelines load no text-encoder LoRA), and a "
