@@ -188,9 +188,33 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
     if not launch and not (run_dir / runner.PIDFILE).exists() and not events:
         view.state = "new"
         return view
+    req = runner.stop_requested(run_dir) or {}
+    if runner.read_json(run_dir / runner.EXIT) is None and not req.get("forced") and \
+            _active_within(run_dir, EXIT_GRACE_S):
+        # the trainer has just ended and its supervisor is still writing down how (or a busy machine has not yet
+        # let it): not "gone without an exit code" yet; the next refresh tells (a forced stop writes none)
+        view.state = "stopping" if req else \
+            ("running" if any(ev.get("type") == "started" for ev in segment) else "starting")
+        return view
     view.state = "died"
     view.message, view.advice = explain_death(run_dir)
     return view
+
+
+#: how long after a run's last sign of life a missing exit code still counts as "being written"
+EXIT_GRACE_S = 5.0
+
+
+def _active_within(run_dir: Path, seconds: float) -> bool:
+    """Did the run's process log, pid files or events change in the last ``seconds``?"""
+    now = time.time()
+    for name in (runner.PROCESS_LOG, runner.PIDFILE, runner.LAUNCH, "events.jsonl"):
+        try:
+            if now - (run_dir / name).stat().st_mtime < seconds:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def scan_samples(run_dir: Path, prompts: Dict[int, str]) -> List[Sample]:
