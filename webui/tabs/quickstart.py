@@ -33,11 +33,12 @@ KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
     "zimage": ("Z-Image (Turbo)", {"LoRA": "zimage-lora"}),
     "qwenimage": ("Qwen-Image", {"LoRA": "qwen-image-lora"}),
     "flux2": ("Flux.2 [klein]", {"LoRA": "flux2-klein-lora"}),
+    "flux2-dev": ("Flux.2 [dev] (32B; 32 GB and up)", {"LoRA": "flux2-dev-lora"}),
     "cascade": ("Stable Cascade (stage C prior; lite under 16 GB)",
                 {"LoRA": "cascade-lora-16gb", "Fine-tune": "cascade-finetune"}),
     "wuerstchen": ("Würstchen 2 (prior)", {"LoRA": "wuerstchen-2-lora"}),
 }
-TIERS = (8, 12, 16, 24)
+TIERS = (8, 12, 16, 24, 32)
 
 
 def preset_for(kind: str, what: str, card_gib: Optional[float]) -> str:
