@@ -9,8 +9,10 @@
 #   PYTHON=.venv/bin/python STEPS=20 bash bench/gpu_families.sh
 #   SETS="data.offload_text_encoders=false training.batch_size=2" bash bench/gpu_families.sh flux-fp8  # overrides
 #
-# Cases: flux-fp8 (flux-lora-24gb as shipped), flux-nf4 (the same with an NF4 transformer), qwen-nf4
-# (qwen-image-lora-24gb), sd15 (sd15-lora, 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb).
+# Cases: flux-fp8 (flux-lora-24gb as shipped), flux-nf4 (the same with an NF4 transformer), flux-16gb, flux-12gb
+# (block swapping), qwen-nf4 (qwen-image-lora-24gb), qwen-16gb (fp8 Qwen2.5-VL, block swapping), klein-12gb,
+# flux2-dev-32gb (Flux.2 [dev], fp8 Mistral; needs ~90 GB of CPU RAM for the random bf16 weights), sd15 (sd15-lora,
+# 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb). Default: the cases measured so far and the new tiers.
 # Four noise images of the preset's size with one caption; each case samples once at the end (4 steps) so the
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
 set -u
@@ -71,6 +73,11 @@ run_case() {
     flux-nf4) bench flux-nf4 flux-lora-24gb 1024 --set "model.path=$(configs flux-dev)" \
                 --set parts.denoiser.fp8=false --set parts.denoiser.nf4=true ;;
     qwen-nf4) bench qwen-nf4 qwen-image-lora-24gb 1024 --set "model.path=$(configs qwen-image)" ;;
+    qwen-16gb) bench qwen-16gb qwen-image-lora-16gb 1024 --set "model.path=$(configs qwen-image)" ;;
+    flux-12gb) bench flux-12gb flux-lora-12gb 1024 --set "model.path=$(configs flux-dev)" ;;
+    flux-16gb) bench flux-16gb flux-lora-16gb 1024 --set "model.path=$(configs flux-dev)" ;;
+    klein-12gb) bench klein-12gb flux2-klein-lora-12gb 1024 --set "model.path=$(configs flux2-klein)" ;;
+    flux2-dev-32gb) bench flux2-dev-32gb flux2-dev-lora-32gb 1024 --set "model.path=$(configs flux2-dev)" ;;
     sd15) bench sd15 sd15-lora 512 --set training.mixed_precision=bf16 ;;
     sdxl-8gb) bench sdxl-8gb sdxl-lora-8gb 1024 ;;
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
@@ -79,6 +86,6 @@ run_case() {
 }
 
 cases=("$@")
-[ ${#cases[@]} -eq 0 ] && cases=(flux-fp8 flux-nf4 sd15 sdxl-8gb qwen-nf4)
+[ ${#cases[@]} -eq 0 ] && cases=(flux-fp8 flux-16gb flux-12gb sd15 sdxl-8gb qwen-16gb klein-12gb)
 for c in "${cases[@]}"; do run_case "$c"; done
 echo "results: $RESULTS; logs under $WS" >&2
