@@ -455,3 +455,39 @@ def test_merge_bakes_loha_and_lokr_files_as_peft_computes_them(kind, tiny_worksp
     got = merged.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert cli("resize", str(lora), "--rank", "2", "--out", tmp_path / "r2.safetensors") == 2
+
+
+@pytest.mark.parametrize("fmt", ["comfyui", "a1111", "lycoris"])
+def test_merge_bakes_a_dora_file_into_the_weight_it_trained(fmt, tiny_workspace, tmp_path):
+    """A DoRA file in each dora_scale convention (output.dora_format, named in its header): merged at weight 1 each
+    layer becomes the weight peft's DoRA layer computes, m · V / ‖V‖; at 0.5 half-way there. Resize still refuses it."""
+    from trainer.config import load_config
+    from trainer.methods.lora import LoraMethod
+    from trainer.models.base import load_model
+    sd = tiny_workspace / "models" / "tiny-sd"
+    cfg = load_config(None, [f"model.path={sd}", "training.method=lora", "lora.type=dora", "lora.rank=4",
+                             "lora.alpha=2", f"output.dora_format={fmt}"])
+    model = load_model(cfg, str(tiny_workspace))
+    method = LoraMethod(model, cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.unet.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "lora_magnitude_vector" in name:
+                p.mul_(1 + 0.2 * torch.rand(p.shape, generator=gen))
+    layer = model.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q
+    base = layer.get_base_layer().weight.detach().clone()
+    layer.merge()  # peft's own DoRA merge: the weight the trained layer computes with
+    expected = layer.get_base_layer().weight.detach().clone()
+    layer.unmerge()
+    assert (expected - base).abs().max() > 1e-3
+    lora = tmp_path / f"dora-{fmt}.safetensors"
+    method.save(lora, "fp32", {})
+    for weight, want in ((1.0, expected), (0.5, base + 0.5 * (expected - base))):
+        out = tmp_path / f"merged-{weight}.safetensors"
+        assert cli("merge", str(sd), f"{lora}:{weight}", "--out", out, "--workspace", tiny_workspace) == 0
+        merged = load_model(load_config(None, [f"model.path={out}", f"model.config_path={sd}"]), str(tiny_workspace))
+        got = merged.unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert cli("resize", str(lora), "--rank", "2", "--out", tmp_path / "r2.safetensors") == 2

@@ -168,14 +168,37 @@ class LoraFile:
             d = torch.kron(mat("lokr_w1"), mat("lokr_w2"))
         return d * self.scale(name)
 
+    def is_dora(self, name: str) -> bool:
+        return "dora_scale" in self.layers[name]
+
+    def dora(self, name: str, base: Any) -> Any:
+        """The layer's trained weight, m · V / ‖V‖ per output row with V = W + delta (peft's and LyCORIS' DoRA), for
+        the base weight ``base``; the magnitude m read from ``dora_scale`` as the file's ``atelier_dora_format`` header
+        says it was written (:func:`trainer.export.dora_scale_for`; LyCORIS/kohya files without it: lycoris)."""
+        from trainer.export import _COMFY_EPS
+        w = base.detach().float().cpu()
+        v = w + self.delta(name).reshape(w.shape)
+        rows_v = v.flatten(1).norm(dim=1)
+        s = self.layers[name]["dora_scale"].float().cpu()
+        fmt = str(self.metadata.get("atelier_dora_format", "lycoris"))
+        if s.numel() != s.shape[0]:  # one value per (out, in) pair: the a1111 form, whatever the header says
+            cols_v = v.transpose(0, 1).reshape(v.shape[1], -1).norm(dim=1)
+            m = (s.reshape(v.shape[0], v.shape[1], -1)[:, :, 0] / cols_v[None, :]).mean(dim=1) * rows_v
+        elif fmt == "comfyui":
+            m = s.reshape(-1) * rows_v / (w.flatten(1).norm(dim=1) + _COMFY_EPS)
+        else:
+            m = s.reshape(-1)
+        return v * (m / rows_v).reshape(-1, *([1] * (v.ndim - 1)))
+
     def trained_for(self) -> str:
         """What the header says the LoRA was trained on, for messages ('' when it does not say)."""
         m = self.metadata
         return str(m.get("ss_base_model_version") or m.get("modelspec.architecture") or "")
 
 
-def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
-    """Read a kohya-layout LoRA/LoCon ``.safetensors``; ToolError for anything else, saying what it is."""
+def read_lora(path: str | Path, what: str = "LoRA", allow_dora: bool = False) -> LoraFile:
+    """Read a kohya-layout LoRA/LoCon ``.safetensors``; ToolError for anything else, saying what it is. ``allow_dora``:
+    DoRA files (``dora_scale`` keys, read as their ``atelier_dora_format`` header says: see :meth:`LoraFile.dora`)."""
     from safetensors import safe_open
     p = Path(path).expanduser()
     if not p.exists():
@@ -201,6 +224,8 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
              ".lora_A.weight": ("peft:", "down"), ".lora_B.weight": ("peft:", "up")}
     parts.update({f".{k}": ("", k) for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1",
                                              "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")})
+    if allow_dora:
+        parts[".dora_scale"] = ("", "dora_scale")
     for key, value in tensors.items():
         for suffix, (kind, part) in parts.items():
             if key.endswith(suffix):
@@ -212,8 +237,9 @@ def read_lora(path: str | Path, what: str = "LoRA") -> LoraFile:
             else:
                 other.append(key)
     if any(k.endswith(".dora_scale") for k in other):
-        raise ToolError(f"{what} '{path}' is a DoRA file (dora_scale keys); merging and resizing DoRA is not "
-                        "supported yet. Use a plain LoRA.")
+        raise ToolError(f"{what} '{path}' is a DoRA file (dora_scale keys); resizing DoRA is not supported (its "
+                        "magnitude is tied to the full-rank direction). Merge it into the model instead, or use a plain "
+                        "LoRA.")
     if any(k.endswith((".hada_t1", ".hada_t2", ".lokr_t2")) for k in other):
         raise ToolError(f"{what} '{path}' is a LyCORIS file with Tucker-decomposed conv layers (hada_t1/lokr_t2), "
                         "which the model tools do not read yet. Use LoHa/LoKr without use_tucker, or a LoRA.")
@@ -305,8 +331,8 @@ def match_lora(lora: LoraFile, index: Mapping[str, Tuple[str, str, Any]], model_
 
 
 def apply_loras(model: Any, loras: List[Tuple[LoraFile, float]]) -> int:
-    """W += weight · (alpha/rank) · up @ down for every layer of every LoRA, in place (checked first:
-    a LoRA that does not fit changes nothing). Returns the number of layers changed."""
+    """W += weight · (alpha/rank) · up @ down for every layer of every LoRA (DoRA layers: W += weight · (DoRA(W) − W)),
+    in place (checked first: a LoRA that does not fit changes nothing). Returns the number of layers changed."""
     import torch
     index = layer_index(model)
     label = f"{model.info.label}, {getattr(model.source, 'display', '')}"
@@ -317,7 +343,10 @@ def apply_loras(model: Any, loras: List[Tuple[LoraFile, float]]) -> int:
         for lora, weight in loras:
             for name in lora.layers:
                 param = index[name][2].weight
-                delta = (lora.delta(name) * float(weight)).reshape(param.shape)
+                if lora.is_dora(name):  # W + weight · (DoRA(W) − W), as ComfyUI applies a strength to DoRA
+                    delta = (lora.dora(name, param) - param.detach().float().cpu()) * float(weight)
+                else:
+                    delta = (lora.delta(name) * float(weight)).reshape(param.shape)
                 param.add_(delta.to(device=param.device, dtype=param.dtype))
                 n += 1
     return n

@@ -1,7 +1,8 @@
 """``merge``: bake one or several kohya LoRA/LoCon files into a model's weights.
 
 Per layer W' = W + weight · (alpha/rank) · up @ down (conv LoCon layers: the product reshaped to the
-kernel), computed in fp32 on the loaded model, then written like a fine-tune (single file or diffusers
+kernel; LoHa/LoKr as their loaders compute them; DoRA: W + weight · (m · V/‖V‖ − W), the trained weight at weight 1),
+computed in fp32 on the loaded model, then written like a fine-tune (single file or diffusers
 folder). Every LoRA is checked against the model before anything changes: a LoRA of another family
 is refused, naming how many of its layers match."""
 
@@ -24,7 +25,8 @@ def run(args: Any) -> int:
     if not args.loras:
         raise ToolError("give at least one LoRA file to merge: merge BASE LORA[:WEIGHT] … --out PATH")
     specs = parse_loras(args.loras)
-    loras = [(read_lora(path, "LORA"), weight) for path, weight in specs]  # bad files fail before the model loads
+    loras = [(read_lora(path, "LORA", allow_dora=True), weight)  # bad files fail before the model loads
+             for path, weight in specs]
     out = Path(args.out).expanduser()
     fmt = format_of(out, args.format)
     inputs = [Path(p) for p, _ in specs] + ([Path(args.base)] if Path(args.base).expanduser().exists() else [])
