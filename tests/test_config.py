@@ -179,3 +179,27 @@ def test_settings_of_a_part_the_family_lacks_are_named_as_ignored():
     sdxl = {i.key for i in cross_field_warnings(load_config(None, ["training.caption_dropout_te2=0.2"],
                                                             preset="demo-sdxl"))}
     assert "parts.text_encoder_2.caption_dropout" not in sdxl
+
+
+def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
+    """general.sized_for (set by every *-<N>gb preset): each memory setting changed to need more than the tier preset's
+    is a warning at its field naming the card; unchanged or cheaper settings are not; an unknown preset is named."""
+    from trainer.config import cross_field_warnings
+
+    def tier(preset, *overrides):
+        return {i.key: i.message for i in cross_field_warnings(load_config(preset=preset, overrides=list(overrides)))
+                if i.key == "general.sized_for" or "sized for" in i.message}
+    for name in preset_names():
+        if name.endswith("gb"):
+            assert load_config(preset=name).general.sized_for == name and not tier(name), name
+    got = tier("flux-lora-16gb", "parts.denoiser.nf4=false", "training.batch_size=4", "data.resolution=1536",
+               "data.offload_text_encoders=false", "training.optimizer.name=adamw", "lora.rank=8")
+    assert set(got) == {"parts.denoiser.nf4", "training.batch_size", "data.resolution", "data.offload_text_encoders",
+                        "training.optimizer.name"}
+    assert "16 GB card" in got["parts.denoiser.nf4"] and "--card-gib 16" in got["training.batch_size"]
+    assert set(tier("sdxl-lora-8gb", "training.gradient_checkpointing=false", "training.optimizer.name=adamw8bit")) == \
+        {"training.gradient_checkpointing", "training.optimizer.name"}  # Adafactor → 8-bit states: more
+    assert set(tier("qwen-image-lora-16gb", "parts.denoiser.blocks_to_swap=40", "parts.text_encoder_1.fp8=false")) == \
+        {"parts.text_encoder_1.fp8"}  # more swapped blocks need less
+    assert not tier("sd15-lora", "training.batch_size=8")  # no tier: no check
+    assert "no such preset" in tier("sd15-lora", "general.sized_for=sd15-lora-4gb")["general.sized_for"]

@@ -70,6 +70,8 @@ class GeneralConfig:
                             "(Apple Silicon), else the CPU.",
                     choices=["auto", "cuda", "cpu", "mps"])
     tensorboard: bool = f(True, "Write TensorBoard logs to <run>/tensorboard.")
+    sized_for: str = f("", "The memory-tier preset this config was sized with (the *-<N>gb presets set it): validate "
+                           "warns at each memory setting changed to need more than that preset's. Empty = no check.")
     dataloader_workers: int = f(2, "Batches loaded ahead in background threads (0 = load in the main thread).",
                                 min=0, max=64)
     num_processes: int = f(1, "Training processes, one per GPU (DDP through accelerate); more than 1 launches "
@@ -1267,6 +1269,8 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += [Issue(key, message, level="error") for key, message in path_problems(cfg)]  # files train would reject
     from trainer.optim import optim_warnings
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
+    from trainer.memory_tier import tier_warnings
+    out += [Issue(key, message) for key, message in tier_warnings(cfg)]  # a memory tier's settings undone
     from trainer.devices import device_problems, is_apple_silicon
     if cfg.general.device == "mps" or (cfg.general.device == "auto" and is_apple_silicon()):
         out += [Issue(key, message, level=level) for key, message, level in device_problems(cfg, "mps")]
