@@ -17,9 +17,28 @@ TINY_VERSION = 1
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"}
 
 
+def _transformer_and_vae(guidance: bool):
+    """The tiny transformer and the Flux.2 VAE (seeded by the caller): [dev]'s transformer embeds guidance."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                          guidance_embeds=guidance)
+    vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             block_out_channels=(16, 32), layers_per_block=1, latent_channels=32, norm_num_groups=8,
+                             sample_size=64)
+    with torch.no_grad():  # a trained VAE: a narrow posterior and latent statistics of its own
+        vae.quant_conv.weight[32:].zero_()
+        vae.quant_conv.bias[32:].fill_(-9.0)
+        vae.bn.running_mean.normal_(0.0, 0.1)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    return transformer, vae
+
+
 def build_tiny_pipeline(folder: Path, seed: int = 0):
     import torch
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
@@ -27,18 +46,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
-                                              timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
-                                              guidance_embeds=False)
-        vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                                 block_out_channels=(16, 32), layers_per_block=1, latent_channels=32, norm_num_groups=8,
-                                 sample_size=64)
-        with torch.no_grad():  # a trained VAE: a narrow posterior and latent statistics of its own
-            vae.quant_conv.weight[32:].zero_()
-            vae.quant_conv.bias[32:].fill_(-9.0)
-            vae.bn.running_mean.normal_(0.0, 0.1)
-            vae.bn.running_var.uniform_(0.5, 2.0)
+        transformer, vae = _transformer_and_vae(guidance=False)
         text_encoder = Qwen3ForCausalLM(Qwen3Config(
             vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, tie_word_embeddings=False))
@@ -48,7 +56,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def build_tiny_dev_pipeline(folder: Path, seed: int = 0):
     import torch
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
     from transformers import (AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
                               PixtralVisionConfig)
 
@@ -57,18 +65,7 @@ def build_tiny_dev_pipeline(folder: Path, seed: int = 0):
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
-                                              timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
-                                              guidance_embeds=True)
-        vae = AutoencoderKLFlux2(down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                                 block_out_channels=(16, 32), layers_per_block=1, latent_channels=32, norm_num_groups=8,
-                                 sample_size=64)
-        with torch.no_grad():
-            vae.quant_conv.weight[32:].zero_()
-            vae.quant_conv.bias[32:].fill_(-9.0)
-            vae.bn.running_mean.normal_(0.0, 0.1)
-            vae.bn.running_var.uniform_(0.5, 2.0)
+        transformer, vae = _transformer_and_vae(guidance=True)
         text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
             text_config=MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
