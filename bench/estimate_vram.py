@@ -746,7 +746,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                 text = _tracker(model, method, optimizer, extra, ("unet",))
                 with text, torch.no_grad(), around("encode"):
                     model.encode_captions(["a photo of sks"] * 16)
-                if text.breakdown().total > mt.breakdown().total:
+                saving = swap.bytes_swapped() if swap is not None else 0  # taken off the denoiser's phases below
+                if text.breakdown().total > mt.breakdown().total - saving:
                     mt = text
                     est.details["encode_without_denoiser"] = True
             est.phases["encode"] = mt.breakdown()
@@ -780,26 +781,28 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         if "sample" in phases and sampling_on:
             with policy():
                 est.phases["sample"], est.details["sample_peak_at"], est.details["sample_start"] = _sample_phase(
-                    model, method, optimizer, cfg, prompts, autocast, extra, around, offloaded)
+                    model, method, optimizer, cfg, prompts, autocast, extra, around, offloaded,
+                    swap.bytes_swapped() if swap is not None else 0)
             sp = max(prompts, key=lambda p: p.width * p.height)
             est.details["sample_size"] = f"{sp.width}x{sp.height}"
         if swap is not None:  # the swapped blocks' frozen weights are in CPU RAM, but for one block at a time
             saved = swap.bytes_swapped()
             est.details["blocks_swapped_gib"] = round(saved / GiB, 3)
             for phase, b in est.phases.items():
-                if not (phase == "encode" and est.details.get("encode_without_denoiser")):
+                if not (phase == "encode" and est.details.get("encode_without_denoiser")) and \
+                        not getattr(b, "without_denoiser", False):
                     b.weights = max(0, b.weights - saved)
     return est
 
 
 def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, around,
-                  offloaded: Sequence[str] = ()) -> Tuple[Breakdown, str, int]:
+                  offloaded: Sequence[str] = (), saving: int = 0) -> Tuple[Breakdown, str, int]:
     """One denoising step and one VAE decode of the largest sample, as the pipeline runs them (no grad,
     the trained modules in eval mode, batch 2 with classifier-free guidance)."""
     import torch
     sp = max(prompts, key=lambda p: p.width * p.height)
     if model.name not in SD_LINEAGE:
-        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around, offloaded)
+        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around, offloaded, saving)
     for m in method.modules.values():
         m.eval()
     factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
@@ -838,7 +841,7 @@ def _vae_latent(model, size: Tuple[int, int]):
 
 
 def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around,
-                          offloaded: Sequence[str] = ()) -> Tuple[Breakdown, str, int]:
+                          offloaded: Sequence[str] = (), saving: int = 0) -> Tuple[Breakdown, str, int]:
     """The sample phase of a family through the family interface the training step uses: the prompt through
     the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode.
     With the text encoders offloaded (``offloaded`` slots) they are on the device only for the prompt: the two
@@ -868,8 +871,10 @@ def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, ar
         model.vae.decode(vae_latent, return_dict=False)
     for m in method.modules.values():
         m.train()
-    if offloaded and encode.breakdown().total > mt.breakdown().total:
-        return encode.breakdown(), encode.peak_where, encode.start
+    if offloaded and encode.breakdown().total > mt.breakdown().total - saving:  # saving: swapped blocks (below)
+        out = encode.breakdown()
+        out.without_denoiser = True  # the swapped blocks' saving is not taken off it
+        return out, encode.peak_where, encode.start
     return mt.breakdown(), mt.peak_where, mt.start
 
 

@@ -92,3 +92,29 @@ def test_fp8_text_encoders_and_offloaded_ones_wait_in_ram_until_placed(tmp_path)
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-flux", "parts.text_encoder_1.fp8=true", "parts.text_encoder_1.train=true"])
     assert err.value.key == "parts.text_encoder_1.fp8"
+
+
+def test_nf4_text_encoders_are_packed_and_refused_where_they_cannot_work(tmp_path):
+    """parts.text_encoder_N.nf4: the frozen encoder's Linear weights packed 4-bit (bitsandbytes), the embedding and
+    a tied head left as they are, the features still close to the full-precision ones; not with train or fp8."""
+    import torch
+
+    from trainer.config import ConfigError, load_config
+    from trainer.models.base import load_model
+    from trainer.precision import place_text_encoders
+    common = ["model.path=builtin:tiny-flux2-dev", f"general.workspace={tmp_path}"]
+    plain = load_model(load_config(None, common), str(tmp_path))
+    cfg = load_config(None, [*common, "parts.text_encoder_1.nf4=true", "data.offload_text_encoders=true"])
+    model = load_model(cfg, str(tmp_path))
+    place_text_encoders(model, cfg, offloading=True)
+    te = model.text_encoder
+    packed = [n for n, m in te.named_modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.uint8]
+    assert packed and all("vision" not in n for n in packed) and te.dtype == torch.float32
+    assert te.model.language_model.embed_tokens.weight.dtype == torch.float32
+    ours = model.encode_captions(["a photo of sks"])["prompt_embeds"]
+    ref = plain.encode_captions(["a photo of sks"])["prompt_embeds"]
+    assert 0 < float((ours - ref).norm() / ref.norm()) < 0.3
+    for extra in (["parts.text_encoder_1.train=true"], ["parts.text_encoder_1.fp8=true"]):
+        with pytest.raises(ConfigError) as err:  # an SD model: its CLIP may train
+            load_config(None, ["model.path=builtin:tiny-sd", "parts.text_encoder_1.nf4=true", *extra])
+        assert err.value.key == "parts.text_encoder_1.nf4"

@@ -556,6 +556,9 @@ class TextEncoderPart:
     fp8: bool = f(False, "Store this frozen text encoder's Linear weights in fp8 (e4m3) and upcast each layer as it "
                          "runs: half the memory of bf16 (Mistral Small 3.1 of Flux.2 [dev]: 22 instead of 45 GiB). Its "
                          "outputs shift a little (the text cache keeps them). Not with train.")
+    nf4: bool = f(False, "Store this frozen text encoder's Linear weights in 4-bit NF4 (bitsandbytes) and dequantize "
+                         "each layer as it runs: a quarter of bf16 (Mistral Small 3.1: ~12 GiB). Its outputs shift more "
+                         "than with fp8. Not with train or fp8.")
     caption_dropout: float = f(0.0, "Per-encoder caption dropout: probability that this encoder's output for an "
                                     "image is dropped (zeroed, its unconditional input; SD 1.x/2.x: the empty "
                                     "caption). SDXL's second encoder drops its pooled embedding too.",
@@ -605,7 +608,8 @@ class ModelSettings:
         # placed by trainer.precision.place_text_encoders (never whole on the device in their load dtype)
         offload = bool(cfg.get("data", {}).get("offload_text_encoders", False)) if hasattr(cfg, "get") else False
         deferred |= {slot for slot, part in PART_OF_SLOT.items()
-                     if slot != "unet" and (offload or cfg.parts[part].get("fp8", False))}
+                     if slot != "unet" and (offload or cfg.parts[part].get("fp8", False)
+                                            or cfg.parts[part].get("nf4", False))}
         object.__setattr__(self, "deferred", frozenset(deferred))
 
     def __getattr__(self, name: str) -> Any:
@@ -1133,9 +1137,13 @@ def _check_loss_ema_precision(cfg: DictConfig) -> None:
                               "weights, which are 4-bit packed here. Use lora.type = lora, or turn parts.denoiser.nf4 "
                               "off.", key="parts.denoiser.nf4", value=True)
     for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3"):
-        if cfg.parts[part].get("fp8", False) and cfg.parts[part].train:
-            raise ConfigError(f"parts.{part}.fp8 stores this text encoder's frozen weights in fp8, but parts.{part}.train "
-                              "is on. Turn one of them off.", key=f"parts.{part}.fp8", value=True)
+        for kind in ("fp8", "nf4"):
+            if cfg.parts[part].get(kind, False) and cfg.parts[part].train:
+                raise ConfigError(f"parts.{part}.{kind} stores this text encoder's frozen weights in {kind}, but "
+                                  f"parts.{part}.train is on. Turn one of them off.", key=f"parts.{part}.{kind}", value=True)
+        if cfg.parts[part].get("fp8", False) and cfg.parts[part].get("nf4", False):
+            raise ConfigError(f"parts.{part}.nf4 and parts.{part}.fp8 are both on: the frozen weights are stored one way. "
+                              "Turn one of them off.", key=f"parts.{part}.nf4", value=True)
     swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
     if swap and not cfg.training.gradient_checkpointing:
         raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "

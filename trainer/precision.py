@@ -217,9 +217,10 @@ TEXT_FP8_SKIP = ("vision", "visual", "multi_modal_projector", "patch", "lora_") 
 
 
 def place_text_encoders(model, cfg, offloading: bool) -> None:
-    """The text encoders the family left in CPU RAM (``model.deferred``: offloaded or fp8): stored in fp8 where
-    ``parts.text_encoder_N.fp8`` asks (layer by layer on the device, back to RAM when they are offloaded), then moved
-    to the device unless ``offloading`` (trainer.offload moves them in only while they encode)."""
+    """The text encoders the family left in CPU RAM (``model.deferred``: offloaded, fp8 or NF4): stored in fp8 / NF4
+    where ``parts.text_encoder_N.fp8`` / ``.nf4`` asks (layer by layer on the device, back to RAM when they are
+    offloaded; NF4's small quant state stays where it was made), then moved to the device unless ``offloading``
+    (trainer.offload moves them in only while they encode)."""
     import logging
 
     import torch
@@ -234,7 +235,9 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
             continue
         module, attr = getattr(model, part.attr), part.attr
         deferred = attr in getattr(model, "deferred", ())
-        if cfg.parts[part_name].get("fp8", False) and any(p.dtype != torch.float8_e4m3fn for p in module.parameters()):
+        kind = "nf4" if cfg.parts[part_name].get("nf4", False) else "fp8" if cfg.parts[part_name].get("fp8", False) else ""
+        stored = any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in module.parameters())
+        if kind and not stored:
             device = model.device if deferred and torch.device(model.device).type != "cpu" else None
             in_ram = frozenset(id(m) for m in module.modules()) if offloading or device is None else frozenset()
             dtype = module.dtype
@@ -245,8 +248,9 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
                          if isinstance(m, torch.nn.Linear) and id(m.weight) in shared)
             # what the model keeps in full precision itself (T5's wo: it casts its input to wo's dtype)
             keep = tuple(f".{n}" for n in (getattr(module, "_keep_in_fp32_modules", None) or ()))
-            count = enable_fp8_storage(module, dtype, TEXT_FP8_SKIP + tied + keep, device, in_ram)
-            logging.getLogger("atelier").info("fp8 storage: %d layers of %s", count, attr)
+            store = enable_nf4_storage if kind == "nf4" else enable_fp8_storage
+            count = store(module, dtype, TEXT_FP8_SKIP + tied + keep, device, in_ram)
+            logging.getLogger("atelier").info("%s storage: %d layers of %s", "NF4" if kind == "nf4" else "fp8", count, attr)
         if deferred:
             if not offloading:
                 module.to(model.device)

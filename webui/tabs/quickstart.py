@@ -33,7 +33,7 @@ KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
     "zimage": ("Z-Image (Turbo)", {"LoRA": "zimage-lora"}),
     "qwenimage": ("Qwen-Image", {"LoRA": "qwen-image-lora"}),
     "flux2": ("Flux.2 [klein]", {"LoRA": "flux2-klein-lora"}),
-    "flux2-dev": ("Flux.2 [dev] (32B; 32 GB and up)", {"LoRA": "flux2-dev-lora"}),
+    "flux2-dev": ("Flux.2 [dev] (32B; 24 GB and up)", {"LoRA": "flux2-dev-lora"}),
     "cascade": ("Stable Cascade (stage C prior; lite under 16 GB)",
                 {"LoRA": "cascade-lora-16gb", "Fine-tune": "cascade-finetune"}),
     "wuerstchen": ("Würstchen 2 (prior)", {"LoRA": "wuerstchen-2-lora"}),
