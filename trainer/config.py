@@ -1026,7 +1026,7 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
             raise ConfigError(f"--set: unknown setting '{key}'.{_suggest(key)}", key=key)
         try:
             OmegaConf.update(cfg, key, value, merge=False)
-        except ValidationError as exc:
+        except ValidationError:
             raise ConfigError(f"--set: '{key}' = {value!r} is not allowed: {_allowed(key)}",
                               key=key, value=value) from None
         except OmegaConfBaseException as exc:
