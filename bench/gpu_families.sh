@@ -11,7 +11,7 @@
 #
 # Cases: flux-fp8 (flux-lora-24gb as shipped), flux-nf4 (the same with an NF4 transformer), flux-16gb, flux-12gb
 # (block swapping), qwen-nf4 (qwen-image-lora-24gb), qwen-16gb (fp8 Qwen2.5-VL, block swapping), klein-12gb,
-# flux2-dev-32gb (Flux.2 [dev], fp8 Mistral; needs ~90 GB of CPU RAM for the random bf16 weights), sd15 (sd15-lora,
+# flux2-dev-32gb / flux2-dev-24gb (Flux.2 [dev], fp8 / NF4 Mistral; ~90 GB of CPU RAM for the random bf16 weights), sd15 (sd15-lora,
 # 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb). Default: the cases measured so far and the new tiers.
 # Four noise images of the preset's size with one caption; each case samples once at the end (4 steps) so the
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
@@ -78,6 +78,7 @@ run_case() {
     flux-16gb) bench flux-16gb flux-lora-16gb 1024 --set "model.path=$(configs flux-dev)" ;;
     klein-12gb) bench klein-12gb flux2-klein-lora-12gb 1024 --set "model.path=$(configs flux2-klein)" ;;
     flux2-dev-32gb) bench flux2-dev-32gb flux2-dev-lora-32gb 1024 --set "model.path=$(configs flux2-dev)" ;;
+    flux2-dev-24gb) bench flux2-dev-24gb flux2-dev-lora-24gb 1024 --set "model.path=$(configs flux2-dev)" ;;
     sd15) bench sd15 sd15-lora 512 --set training.mixed_precision=bf16 ;;
     sdxl-8gb) bench sdxl-8gb sdxl-lora-8gb 1024 ;;
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
