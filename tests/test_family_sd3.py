@@ -99,3 +99,25 @@ def test_single_files_tell_the_variant():
     for variant, extra in cases.items():
         shapes = {k: tuple(v.shape) for k, v in {**base, **extra}.items()}
         assert claim(Evidence("single_file", "x", shapes=shapes)) == variant
+
+
+def test_fp8_storage_takes_the_blocks_modulation_but_not_the_final_one(tmp_path):
+    """SD 3.5's AdaLN modulation Linears (norm1.linear, norm1_context.linear: ~2.7B of large's 8.1B) are stored in fp8
+    with the attention and MLP (as sd-scripts' fp8_base does); the final norm_out and the embedders stay; a step runs."""
+    import torch
+
+    from trainer.config import load_config
+    from trainer.models.base import load_model
+    from trainer.precision import enable_fp8_storage
+    cfg = load_config(None, ["model.path=builtin:tiny-sd3", f"general.workspace={tmp_path}"])
+    model = load_model(cfg, str(tmp_path))
+    assert enable_fp8_storage(model.transformer, torch.float32, model.fp8_skip) > 0
+    t, fp8 = model.transformer, torch.float8_e4m3fn
+    assert t.transformer_blocks[0].norm1.linear.weight.dtype == fp8
+    assert t.transformer_blocks[0].norm1_context.linear.weight.dtype == fp8
+    assert t.norm_out.linear.weight.dtype != fp8 and t.context_embedder.weight.dtype != fp8
+    x = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cond = model.batch_condition({"captions": ["a photo of sks"]}, lambda captions: captions, set())
+        out = model.predict(x, torch.tensor([0.5]), cond)
+    assert out.shape == x.shape and torch.isfinite(out).all()
