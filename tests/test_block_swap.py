@@ -167,3 +167,36 @@ def _blocks_of(folder):
     from diffusers import FluxTransformer2DModel
     t = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(str(folder / "transformer")))
     return list(t.transformer_blocks) + list(t.single_transformer_blocks)
+
+
+def test_with_swapped_blocks_an_offloaded_encode_larger_than_the_swapped_denoiser_is_the_peak(tmp_path):
+    """The estimate's encode phase with the text encoders offloaded is the larger of the caption encode (encoders in,
+    denoiser out) and the denoiser's VAE encode; with swapped blocks the denoiser's side is measured whole and its
+    saving taken off after, so the comparison must use the saving too: here the denoiser (4 blocks of width 512) is the
+    peak without swapping, the T5 encode (a wide feed-forward) with 3 of 4 blocks swapped."""
+    import json
+    import shutil
+
+    import estimate_vram as ev
+
+    from trainer.config import load_config
+    from trainer.families.flux.tiny import ensure_tiny
+    folder = tmp_path / "flux4"
+    shutil.copytree(ensure_tiny("tiny-flux", tmp_path / "models")["diffusers"], folder,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    config.update(num_layers=2, num_single_layers=2, num_attention_heads=8, attention_head_dim=64,
+                  axes_dims_rope=[16, 24, 24], joint_attention_dim=256)
+    (folder / "transformer" / "config.json").write_text(json.dumps(config))
+    t5 = json.loads((folder / "text_encoder_2" / "config.json").read_text())
+    t5.update(d_model=256, d_ff=5120, num_layers=4, d_kv=32, num_heads=8)
+    (folder / "text_encoder_2" / "config.json").write_text(json.dumps(t5))
+    base = [f"model.path={folder}", "model.family=flux-dev", "training.gradient_checkpointing=true",
+            "sampling.prompts=[]", "data.offload_text_encoders=true"]
+    plain = ev.run_estimate(load_config(None, base), workspace=str(tmp_path), phases=("encode",))
+    swapped = ev.run_estimate(load_config(None, base + ["parts.denoiser.blocks_to_swap=3"]), workspace=str(tmp_path),
+                              phases=("encode",))
+    assert not plain.details.get("encode_without_denoiser")  # the denoiser's side is the peak
+    assert swapped.details.get("encode_without_denoiser")  # less the swapped blocks, the caption encode is
+    saving = swapped.details["blocks_swapped_gib"] * ev.GiB
+    assert plain.phases["encode"].total - saving < swapped.phases["encode"].total < plain.phases["encode"].total
