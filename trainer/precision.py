@@ -239,7 +239,9 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
         stored = any(p.dtype in (torch.float8_e4m3fn, torch.uint8) for p in module.parameters())
         if kind and not stored:
             device = model.device if deferred and torch.device(model.device).type != "cpu" else None
-            in_ram = frozenset(id(m) for m in module.modules()) if offloading or device is None else frozenset()
+            # offloaded: the stored weights go back to RAM (the offload hooks move them in to encode); else they stay
+            # where they were made (a family that placed its encoders on the device at load keeps them there)
+            in_ram = frozenset(id(m) for m in module.modules()) if offloading else frozenset()
             dtype = module.dtype
             # a Linear sharing its weight with an embedding (tied lm_head) stays: the embedding must keep its dtype
             shared = {id(p) for m in module.modules() if not isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
