@@ -116,9 +116,21 @@ def build(ctx: AppContext) -> None:
     ctx["run_select"].change(lambda _: gr.DownloadButton(visible=False), [ctx["run_select"]], [zip_file],
                              show_progress="hidden")
     ctx.handlers["zip_run"] = do_zip
-    stop.click(do_stop, [ctx["run_select"]], [action_msg])
-    sample.click(lambda s: do_action(s, "sample"), [ctx["run_select"]], [action_msg])
-    backup.click(lambda s: do_action(s, "backup"), [ctx["run_select"]], [action_msg])
+    def with_fresh_action(selected: str, message: str, last: dict) -> List[Any]:
+        """An action's message, and the poll told that the action line now shows a running run's message: a queued
+        click answered after the poll saw the run end would otherwise leave "Stopping…" under a stopped run (the
+        poll sends the line again only when its signature changes)."""
+        run_dir = ctx.resolve_watched(selected)
+        new = dict(last or {})
+        if run_dir is not None:
+            new["action"] = (run_dir.name, False)
+        return [message, new]
+
+    stop.click(lambda s, last: with_fresh_action(s, do_stop(s), last), [ctx["run_select"], seen], [action_msg, seen])
+    sample.click(lambda s, last: with_fresh_action(s, do_action(s, "sample"), last), [ctx["run_select"], seen],
+                 [action_msg, seen])
+    backup.click(lambda s, last: with_fresh_action(s, do_action(s, "backup"), last), [ctx["run_select"], seen],
+                 [action_msg, seen])
     ctx.components["run_action_msg"] = action_msg
 
 
