@@ -19,7 +19,7 @@ from webui.form import load_outputs, load_updates
 
 # model kind -> (label, {what to train: preset}); memory tiers: preset name + "-<N>gb" when it exists
 KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
-    "demo": ("Demo: the built-in tiny model (offline, a minute on a CPU)", {"LoRA": "demo", "Fine-tune": "demo-finetune"}),
+    "demo": ("Demo: the built-in tiny model (offline, a minute on a CPU)", {"LoRA": "demo", "Fine-tune": "demo-learns"}),
     "sd15": ("Stable Diffusion 1.5 (and models based on it)", {"LoRA": "sd15-lora", "Fine-tune": "sd15-finetune"}),
     "sd2": ("Stable Diffusion 2.x (768 px, v-prediction)", {"LoRA": "sd2-lora"}),
     "sdxl": ("SDXL (and Pony, Illustrious, … based on it)",

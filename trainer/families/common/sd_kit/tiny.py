@@ -3,7 +3,9 @@
 Why: no machine here can download weights, yet tests and the offline demo must run the *real*
 loading code. So we build tiny UNet/VAE/CLIP models with the real SD topologies (so LoRA key names
 match real files, see LIBRARY-NOTES) but narrow widths, and write them to disk in the real layouts:
-a diffusers folder and a single original-layout ``.safetensors`` file.
+a diffusers folder and a single original-layout ``.safetensors`` file. The VAEs are set by hand to a near
+identity (:mod:`trainer.families.common.tiny_vae`: 8× average pool / nearest upscale), so samples show
+what the tiny UNet learned.
 
 ``builtin:tiny-sd``  — SD 1.5-shaped (CLIPTextModel, epsilon prediction)
 ``builtin:tiny-sd2`` — SD 2.x-shaped (linear projections, v-prediction)
@@ -20,7 +22,7 @@ import shutil
 from pathlib import Path
 
 TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl", "tiny-sd-inpaint", "tiny-sdxl-inpaint")
-TINY_VERSION = 1  # bump when the builder changes, so stale built copies are rebuilt
+TINY_VERSION = 2  # bump when the builder changes, so stale built copies are rebuilt
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -82,6 +84,8 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
     import tempfile
 
+    from trainer.families.common.tiny_vae import make_identity_vae
+
     if kind not in TINY_NAMES:
         raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_NAMES}")
     inpaint = kind.endswith("-inpaint")
@@ -112,10 +116,11 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
     )
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=64,
-        block_out_channels=(8, 16, 16, 16), norm_num_groups=8,
+        block_out_channels=(8, 16, 16, 16), norm_num_groups=4,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         scaling_factor=0.18215,
     )
+    make_identity_vae(vae)  # latents are 8×-pooled pictures: samples show what the denoiser learned
     scheduler = DDPMScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
         clip_sample=False, steps_offset=1,
@@ -147,6 +152,7 @@ def _build_tiny_sdxl(seed: int = 0, inpaint: bool = False):
     import tempfile
 
     import torch
+    from trainer.families.common.tiny_vae import make_identity_vae
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
@@ -178,10 +184,11 @@ def _build_tiny_sdxl(seed: int = 0, inpaint: bool = False):
     )
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, sample_size=64,
-        block_out_channels=(8, 16, 16, 16), norm_num_groups=8,
+        block_out_channels=(8, 16, 16, 16), norm_num_groups=4,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         scaling_factor=0.13025, force_upcast=True,
     )
+    make_identity_vae(vae)
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
         steps_offset=1, timestep_spacing="leading", interpolation_type="linear", prediction_type="epsilon",
