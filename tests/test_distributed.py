@@ -112,6 +112,41 @@ def test_a_two_process_backup_resumes_on_one_process(runs, capsys):
     _close(_lora(ws / "runs" / "dist-one" / "dist-one.safetensors"), _lora(run / "dist-resumed.safetensors"))
 
 
+def test_ddp_averages_the_unet_and_text_encoder_with_accumulation(tiny_workspace):
+    """torch's DDP carries the gradients (the log names the wrapped modules), its no_sync keeps the first
+    micro-batch of each step local, and 2 processes x batch 1 x accumulation 2 with a trained text encoder
+    equal 1 process with batch 2 and the same accumulation."""
+    ws = tiny_workspace
+    extra = ("training.gradient_accumulation_steps=2", "training.train_text_encoder=true",
+             "backup.every_n_epochs=0")
+    assert cli(["train", "--preset", "demo", *_sets(ws, "ddp-acc-one", *extra)]) == 0
+    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-acc-two", *extra, "training.batch_size=1")])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    one, two = ws / "runs" / "ddp-acc-one", ws / "runs" / "ddp-acc-two"
+    a, b = _lora(one / "ddp-acc-one.safetensors"), _lora(two / "ddp-acc-two.safetensors")
+    assert any(k.startswith("lora_te_") for k in a) and any(k.startswith("lora_unet_") for k in a)
+    _close(a, b)
+    log_text = (two / "train.log").read_text()
+    assert "DDP:" in log_text and "unet, text_encoder" in log_text
+    steps = [e for e in read_events(two / "events.jsonl") if e["type"] == "step"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+
+
+def test_ddp_with_an_embedding_alongside_equals_one_process(tiny_workspace):
+    """The embedding's token vectors are read inside the text encoder, not by a forward of their own: DDP
+    cannot see them, the small all-reduce averages them, and the LoRA and the vectors equal one process's."""
+    ws = tiny_workspace
+    extra = ("embedding.train_alongside=true", "embedding.placeholder=<sks>", "embedding.bundle=true",
+             "training.embedding_learning_rate=0.05", "training.max_steps=3", "backup.every_n_epochs=0")
+    assert cli(["train", "--preset", "demo", *_sets(ws, "ddp-emb-one", *extra)]) == 0
+    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-emb-two", *extra, "training.batch_size=1")])
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    a = _lora(ws / "runs" / "ddp-emb-one" / "ddp-emb-one.safetensors")
+    b = _lora(ws / "runs" / "ddp-emb-two" / "ddp-emb-two.safetensors")
+    assert any("emb" in k for k in a), sorted(a)[:5]
+    _close(a, b)
+
+
 def test_resume_refuses_another_accumulation(runs):
     ws, _ = runs
     backup = ws / "runs" / "dist-two" / "backups" / "backup-step000004"
@@ -402,3 +437,15 @@ def test_gradient_sync_without_params_still_carries_loss_and_stop():
         assert GradientSync([], 1, torch.device("cpu")).step(0.25, True) == (0.25, True)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failed_collective_is_told_from_the_process_own_error():
+    """Under DDP the gradient all-reduce runs inside backward: a peer's death shows there as a gloo/NCCL
+    error (rank 0 then names the peer), while this process's own errors stay its own."""
+    from trainer.distributed import collective_failure
+    gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45278. "
+                        "This is typically caused by a remote worker crashing.")
+    assert collective_failure(gone)
+    assert collective_failure(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, remote process exited"))
+    assert not collective_failure(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not collective_failure(ValueError("The loss became nan at step 3"))

@@ -9,16 +9,17 @@ Why it is shaped like this:
   timesteps, perturbation) is made for the whole global micro-batch from the shared generator on
   every process, and each process keeps its rows (:func:`expand_rows` / :func:`take_rows`). The
   generators never diverge, and an N-process run equals a 1-process run with N× the batch.
-- **Gradients are averaged once per optimizer step** (:class:`GradientSync`): one flat all-reduce of
-  the trainable parameters' gradients after the last micro-batch of an accumulation — what DDP does
-  with ``no_sync`` on the other micro-batches — plus the step's loss and a stop flag in the same
-  buffer. No module is wrapped, so peft LoRA, text encoders and embeddings need no special case,
-  and the optimizer state is that of the plain modules (a backup resumes on any number of processes).
+- **Gradients are averaged by torch's DDP** (:class:`DDPGradients`): every trained module gets a
+  ``DistributedDataParallel`` wrapper (bucketed all-reduce overlapped with backward; ``no_sync`` on the
+  micro-batches of an accumulation but the last), without being replaced: its ``forward`` goes through
+  the wrapper while gradients are on, so peft LoRA, text encoders, sampling and the optimizer state (a
+  backup resumes on any number of processes) see the plain modules. :class:`GradientSync` carries the
+  step's loss, the stop flag and the few weights no module's forward owns (an embedding's token vectors)
+  in one small all-reduce; with ``training.fused_backward`` it is the per-weight average in the hooks.
 - **Rank 0 writes**, everybody else computes; a failing process writes ``rank-K-error.json`` into
   the run folder so rank 0 (or the launcher) can name it in the ``failed`` event.
 - **FSDP for full fine-tunes** (``general.distributed = fsdp``): the UNet is sharded instead, see
-  :mod:`trainer.fsdp`; :class:`GradientSync` then averages only the other trainable weights (text
-  encoders, embeddings) and still carries the loss and the stop flag.
+  :mod:`trainer.fsdp`; the other trained modules are still DDP-wrapped.
 
 Only :func:`env_rank_world` and the launcher helpers run without torch.
 """
@@ -195,8 +196,129 @@ class GradientSync:
         return float(flat[-2]), bool(flat[-1] > 0)
 
 
+def _entry_module(module):
+    """An ``nn.Module`` whose forward is ``module``'s own (class) forward: what DDP wraps, while callers keep
+    calling ``module`` itself (its hooks run once, outside)."""
+    import torch.nn as nn
+
+    class DDPEntry(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return type(self.inner).forward(self.inner, *args, **kwargs)
+
+    return DDPEntry(module)
+
+
+class DDPGradients:
+    """torch's ``DistributedDataParallel`` for the trained modules: their gradients are averaged in buckets
+    *during* backward (overlapping the all-reduce with the rest of backward), and not at all on the
+    micro-batches of an accumulation but the last (:meth:`accumulating`, DDP's ``no_sync``).
+
+    The modules are not replaced: each trained module (the denoiser, a trained text encoder) gets a DDP
+    wrapper around an entry module that runs the module's own forward, and the module's ``forward`` is
+    pointed at that wrapper while gradients are on. So the families' code, peft, the optimizer (and its
+    state in backups, loadable on any number of processes) and sampling see the plain modules. Only trained
+    weights are registered with DDP (frozen, fp8 and NF4 base weights are ignored: never broadcast, no
+    buckets). ``skip`` holds parameters someone else averages (FSDP's shards).
+
+    Not covered, left to :class:`GradientSync`: weights that no module's forward reads as a parameter of
+    that module (an embedding's new token vectors, read inside the text encoder's embedding layer)."""
+
+    def __init__(self, modules, skip_ids: set, device: Any):
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.wrapped: List[Tuple[Any, Any]] = []  # (module, DDP)
+        self.names: List[str] = []
+        self.params: List[Any] = []
+        claimed = set(skip_ids)
+        self.calls: Dict[str, int] = {}
+        for name, module in modules.items():
+            if not isinstance(module, torch.nn.Module) or \
+                    type(module).forward is torch.nn.Module.forward:  # never called (an embedding's vectors)
+                continue
+            own = [(n, p) for n, p in module.named_parameters() if p.requires_grad and id(p) not in claimed]
+            if not own:
+                continue
+            entry = _entry_module(module)
+            keep = {f"inner.{n}" for n, _ in own}
+            ignore = [n for n, _ in entry.named_parameters(remove_duplicate=False) if n not in keep]
+            ignore += [n for n, _ in entry.named_buffers(remove_duplicate=False)]
+            DDP._set_params_and_buffers_to_ignore_for_model(entry, ignore)
+            # find_unused_parameters: a trained weight may get no gradient in a step (CLIP-L's last layer
+            # under SDXL, a component frozen by its stop_after_* window); broadcast_buffers off: no buffer
+            # is trained, and every process loaded the same ones
+            ddp = DDP(entry, device_ids=None, broadcast_buffers=False, find_unused_parameters=True,
+                      init_sync=True)
+            self._redirect(name, module, ddp)
+            self.wrapped.append((module, ddp))
+            self.names.append(name)
+            for _, p in own:
+                claimed.add(id(p))
+                self.params.append(p)
+        self.ids = {id(p) for p in self.params}
+
+    def _redirect(self, name: str, module, ddp) -> None:
+        import torch
+        plain = type(module).forward
+        calls = self.calls
+
+        def forward(*args, **kwargs):
+            if torch.is_grad_enabled():  # training: through DDP (gradient hooks, bucketed all-reduce)
+                calls[name] = calls.get(name, 0) + 1
+                return ddp(*args, **kwargs)
+            return plain(module, *args, **kwargs)  # sampling / validation on one process: no collectives
+
+        module.forward = forward
+
+    def unwrap(self) -> None:
+        for module, _ in self.wrapped:
+            module.__dict__.pop("forward", None)
+        self.wrapped = []
+
+    def check_step(self) -> None:
+        """After an optimizer step's backward: a wrapped module whose weights got gradients without its
+        forward being called this step was not averaged (DDP only hooks a backward its forward prepared).
+        Raise rather than let the processes' weights drift apart."""
+        for name, (module, _) in zip(self.names, self.wrapped):
+            if not self.calls.get(name) and any(p.grad is not None for p in module.parameters() if p.requires_grad):
+                raise RuntimeError(f"DDP: the trained module '{name}' got gradients without its forward being "
+                                   "called, so they were not averaged over the processes (a bug: please report it)")
+        self.calls.clear()
+
+    def accumulating(self, on: bool):
+        """DDP's ``no_sync`` on every wrapper while ``on`` (a micro-batch that is not the last of its step)."""
+        import contextlib
+        stack = contextlib.ExitStack()
+        if on:
+            for _, ddp in self.wrapped:
+                stack.enter_context(ddp.no_sync())
+        return stack
+
+
 class PeerLost(RuntimeError):
     """A collective failed: another process died, hung or lost its connection."""
+
+
+_COLLECTIVE_SIGNS = ("connection closed by peer", "connection reset by peer", "gloo", "nccl", "processgroup",
+                     "broken pipe", "socket timeout", "collective operation timeout", "watchdog")
+
+
+def collective_failure(exc: BaseException) -> bool:
+    """Whether an exception raised inside a DDP backward (where the gradient all-reduce runs) is a failed
+    collective (a peer died, hung or lost its connection) rather than this process's own error (an OOM, a
+    NaN check …), so rank 0 names the peer instead of itself."""
+    try:
+        import torch.distributed as dist
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except Exception:  # a torch without torch.distributed
+        pass
+    text = str(exc).lower()
+    return "out of memory" not in text and any(sign in text for sign in _COLLECTIVE_SIGNS)
 
 
 def barrier() -> None:

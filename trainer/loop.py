@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.config import ConfigError, ModelSettings, save_config, to_container, to_yaml
-from trainer.distributed import (PeerLost, env_rank_world, expand_rows, explain_failure,
+from trainer.distributed import (PeerLost, collective_failure, env_rank_world, expand_rows, explain_failure,
                                  fault_injection, iter_shard, rank_file, take_rows, write_rank_error,
                                  write_rank_info)
 from trainer import procs
@@ -294,15 +294,30 @@ class Trainer:
         self.groups = param_groups(self.method, cfg)
         self.optimizer = build_optimizer(self.groups, cfg)
         self.grad_sync = self.weights_sync = None  # weights_sync: broadcasts, when grad_sync carries scalars only
-        if self.world > 1:  # FSDP averages the sharded UNet's gradients itself: the rest (and loss, stop) here
-            from trainer.distributed import GradientSync
-            self.grad_sync = GradientSync([p for grp in self.groups for p in grp["params"]
-                                           if self.fsdp is None or not self.fsdp.owns(p)], self.world, self.device)
-            self.grad_sync.broadcast_from_main()
+        self.ddp = None  # DDPGradients: torch DDP on the trained modules (several processes)
+        if self.world > 1:  # FSDP averages the sharded UNet's gradients itself
+            from trainer.distributed import DDPGradients, GradientSync
+            trained = [p for grp in self.groups for p in grp["params"]]
+            sharded = {id(p) for p in trained if self.fsdp is not None and self.fsdp.owns(p)}
             if getattr(self.optimizer, "fused_backward", False):  # each weight steps inside backward: its
                 from trainer.distributed import weight_grad_average  # gradient is averaged right before
-                self.optimizer.grad_reduce = weight_grad_average(self.world)
-                self.weights_sync, self.grad_sync = self.grad_sync, GradientSync([], self.world, self.device)
+                self.optimizer.grad_reduce = weight_grad_average(self.world)  # (DDP's would come too late)
+                self.weights_sync = GradientSync([p for p in trained if id(p) not in sharded], self.world,
+                                                 self.device)
+                self.weights_sync.broadcast_from_main()
+                self.grad_sync = GradientSync([], self.world, self.device)  # the loss and the stop flag
+            else:  # DDP for the modules' weights (it broadcasts rank 0's at wrap time); the few weights no
+                # module's forward owns (an embedding's token vectors), the loss and the stop flag: grad_sync
+                self.ddp = DDPGradients(self.method.modules, sharded, self.device)
+                self.grad_sync = GradientSync([p for p in trained if id(p) not in sharded and id(p) not in self.ddp.ids],
+                                              self.world, self.device)
+                self.grad_sync.broadcast_from_main()
+                self.weights_sync = GradientSync([p for p in trained if id(p) not in sharded], self.world,
+                                                 self.device)  # re-broadcasts after rank 0 swapped weights
+                log.info("DDP: %d trained weights of %s averaged in backward (%d more in one all-reduce a step)",
+                         len(self.ddp.params), ", ".join(n for n, m in self.method.modules.items()
+                                                         if any(m is w for w, _ in self.ddp.wrapped)) or "nothing",
+                         len(self.grad_sync.params))
         self.micro_batches_per_epoch = len(self.data.epoch_batches(0))
         self.steps_per_epoch = max(1, self.micro_batches_per_epoch // t.gradient_accumulation_steps)
         if self.micro_batches_per_epoch < t.gradient_accumulation_steps:
@@ -510,8 +525,14 @@ class Trainer:
             for bi, batch in batches:
                 if self.pos.step >= self.total_steps:
                     break
-                loss = self._forward_loss(batch)
-                self.accelerator.backward(loss / accum)
+                try:
+                    with self._accumulating((self.pos.batch_in_epoch + 1) % accum != 0):
+                        loss = self._forward_loss(batch)
+                        self.accelerator.backward(loss / accum)  # DDP: the gradient all-reduce runs in here
+                except Exception as exc:
+                    if self.ddp is not None and collective_failure(exc):
+                        raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
+                    raise
                 # the step's loss stays on the device until the step ends: one host-device sync per optimizer
                 # step (the step event carries the loss), not two per micro-batch
                 part = loss.detach().float() / accum
@@ -525,6 +546,8 @@ class Trainer:
                         f"The loss became {loss_acc} at step {self.pos.step + 1} (epoch {self.pos.epoch + 1}). "
                         "Training stopped; the last backup is intact. Try a lower learning rate, "
                         "model.vae_dtype = fp32, or bf16 instead of fp16.")
+                if self.ddp is not None:
+                    self.ddp.check_step()
                 if self.grad_sync is not None:  # average gradients (+ loss, stop flag) over the processes
                     loss_acc = self._sync_step(loss_acc)
                 # fp16 on a GPU: accelerate's backward scaled the loss, but the optimizer is ours (never
@@ -571,6 +594,11 @@ class Trainer:
                 peak_vram_reserved_mib=None if reserved is None else round(reserved, 1))
         log.info("finished: %s", path)
         return "finished"
+
+    def _accumulating(self, on: bool):
+        """DDP: no gradient all-reduce on a micro-batch that is not the last of its optimizer step."""
+        import contextlib
+        return self.ddp.accumulating(on) if self.ddp is not None else contextlib.nullcontext()
 
     def _sync_step(self, loss_acc: float) -> float:
         if self._weights_touched:  # rank 0 swapped weights to sample/save: start again from identical ones
