@@ -437,3 +437,17 @@ def test_grid_thumbnails_darken_what_the_mask_leaves_out(tmp_path):
     mask.save(tmp_path / "a-masklabel.png")
     thumb = thumbnail(tmp_path / "a.png")
     assert thumb.getpixel((5, 10))[0] == 250 and thumb.getpixel((35, 10))[0] == 75
+
+
+def test_a_fresh_click_keeps_the_action_line_cleared_until_it_settles():
+    """A queued Stop answer may reach the page after the poll that saw the run end: while the click is fresh
+    and the run has ended, each tick clears the line again; while the run still runs, the message stays."""
+    import time as _time
+
+    from webui.tabs.run import ACTION_SETTLE_S, _click_settling
+    now = _time.time()
+    assert _click_settling(("run-a", False, now), ("run-a", True))
+    assert _click_settling(("run-a", False, now), "none")
+    assert not _click_settling(("run-a", False, now), ("run-a", False))  # still running: "Stopping…" stays
+    assert not _click_settling(("run-a", False, now - ACTION_SETTLE_S - 1), ("run-a", True))  # old click
+    assert not _click_settling(("run-a", True), ("run-a", True))  # no click: compared as usual

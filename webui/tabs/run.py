@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import re
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -72,6 +73,14 @@ def build(ctx: AppContext) -> None:
         interval = 1.0 if view is not None and view.active else IDLE_POLL_S
         parts = parts + [("timer", gr.Timer(value=interval), interval)]
         for name, value, sig in parts:
+            if name == "action":
+                clicked = new.get("action")
+                if _click_settling(clicked, sig):
+                    out.append(value)  # see with_fresh_action: cleared on every tick until the click is old
+                    continue
+                if isinstance(clicked, tuple) and len(clicked) == 3 and clicked[:2] == sig:
+                    out.append(gr.skip())  # the run the click was for still runs: its message stays
+                    continue
             if new.get(name) == sig:
                 out.append(gr.skip())
             else:
@@ -123,7 +132,7 @@ def build(ctx: AppContext) -> None:
         run_dir = ctx.resolve_watched(selected)
         new = dict(last or {})
         if run_dir is not None:
-            new["action"] = (run_dir.name, False)
+            new["action"] = (run_dir.name, False, time.time())
         return [message, new]
 
     stop.click(lambda s, last: with_fresh_action(s, do_stop(s), last), [ctx["run_select"], seen], [action_msg, seen])
@@ -132,6 +141,18 @@ def build(ctx: AppContext) -> None:
     backup.click(lambda s, last: with_fresh_action(s, do_action(s, "backup"), last), [ctx["run_select"], seen],
                  [action_msg, seen])
     ctx.components["run_action_msg"] = action_msg
+
+
+ACTION_SETTLE_S = 10.0
+
+
+def _click_settling(seen_action: Any, sig: Any) -> bool:
+    """A Stop/Sample/Backup click less than ACTION_SETTLE_S ago, and the run has ended: the click's answer
+    (queued) and a poll's (not queued) can reach the page in either order, so a "Stopping…" could land after
+    the poll that cleared it; the poll clears the line on every tick until the click is old."""
+    ended = sig == "none" or (isinstance(sig, tuple) and bool(sig[-1]))
+    return (ended and isinstance(seen_action, tuple) and len(seen_action) == 3
+            and time.time() - float(seen_action[2]) < ACTION_SETTLE_S)
 
 
 def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], order: str) -> List[tuple]:
