@@ -12,10 +12,10 @@ check them. How: the real, full-size model is built from the shipped diffusers c
 with shapes, dtypes and storages but no data, so an SDXL UNet costs no RAM — and the trainer's own code
 runs on it: ``trainer.models.base.load_model`` (only ``load_pipeline`` is swapped for a config-only
 builder), ``trainer.methods.finetune.make_method`` (peft LoRA exactly as the trainer adds it, adapters
-cast to fp32), gradient checkpointing as ``trainer.loop`` turns it on, ``trainer.optim.param_groups`` /
+cast to fp32), gradient checkpointing as ``trainer.train.setup`` turns it on, ``trainer.optim.param_groups`` /
 ``build_optimizer`` (the real optimizer class, stepped: bitsandbytes' 8-bit ops have fake kernels,
 Adafactor and AdamW run as is), ``trainer.precision.apply_precision`` (fp8 storage of the frozen UNet),
-and ``trainer.loop.Trainer._forward_loss`` for the step itself. :func:`live_tensor_tracker` (a
+and ``trainer.train.step.forward_loss`` for the step itself. :func:`live_tensor_tracker` (a
 ``TorchDispatchMode`` with the accounting model of torch's ``MemTracker``, without its per-module
 statistics, which dominate its cost) counts the live tensor storages, rounded to the CUDA
 caching allocator's 512-byte blocks, and records the peak, its breakdown and where it happened. An SDXL
@@ -565,16 +565,16 @@ def live_tensor_tracker(modules: Sequence[Any], trainable: Sequence[Any], optimi
 
 
 # ----------------------------------------------------------------------------------------------
-# the run, as trainer.loop.Trainer sets it up and steps it
+# the run, as trainer.train sets it up and steps it
 # ----------------------------------------------------------------------------------------------
 
 def step_trainer(model, method, cfg, autocast, workspace: str):
-    """A ``trainer.loop.Trainer`` (its ``__init__``: a run folder under ``workspace``, its defaults) with
-    what its ``setup`` would have made that ``_forward_loss`` reads: so the step is the trainer's own."""
+    """A ``trainer.train.state.RunState`` (a run folder under ``workspace``, its defaults) with what
+    ``trainer.train.setup.setup`` would have made that ``forward_loss`` reads: so the step is the trainer's own."""
     import torch
 
-    from trainer.loop import Trainer
-    loop = Trainer(cfg, Path(workspace) / "runs" / "estimate-vram", progress=False)
+    from trainer.train.state import RunState
+    loop = RunState(cfg, Path(workspace) / "runs" / "estimate-vram", progress=False)
     loop.model, loop.method = model, method
     loop.generator = torch.Generator().manual_seed(int(cfg.general.seed))
     loop.accelerator = type("Accelerator", (), {"autocast": staticmethod(autocast)})()
@@ -656,7 +656,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                  phases: Sequence[str] = PHASES, workspace: Optional[str] = None, resolution: Optional[str] = None,
                  card_gib: Optional[float] = None, context_gib: float = CONTEXT_GIB,
                  fragmentation: float = FRAGMENTATION, around_phase=None) -> Estimate:
-    """Set up ``cfg``'s run as ``trainer.loop.Trainer.setup`` does (on fake tensors unless ``fake`` is
+    """Set up ``cfg``'s run as ``trainer.train.setup.setup`` does (on fake tensors unless ``fake`` is
     False) and measure each phase's peak; see the module docstring. ``around_phase(name)``, when given,
     is a context manager entered around each measured phase, inside the tracker (the tests put the
     profiler there); ``details[<phase>_start]`` is the tracked bytes at the phase's start."""
@@ -703,13 +703,13 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
             est.details["text_encoders_offloaded"] = True
         from trainer.precision import place_text_encoders
-        place_text_encoders(model, cfg, bool(offloaded))  # fp8 text encoders, where trainer.loop places them
+        place_text_encoders(model, cfg, bool(offloaded))  # fp8 text encoders, where trainer.train.setup places them
         from trainer.block_swap import plan_block_swap
-        swap = plan_block_swap(model, cfg, "cpu")  # blocks_to_swap, where trainer.loop plans it
+        swap = plan_block_swap(model, cfg, "cpu")  # blocks_to_swap, where trainer.train.setup plans it
         if deferred:
             from trainer.precision import apply_storage
-            apply_storage(model, method, cfg)  # where trainer.loop calls it
-        if t.gradient_checkpointing:  # as trainer.loop.Trainer.setup
+            apply_storage(model, method, cfg)  # where trainer.train.setup calls it
+        if t.gradient_checkpointing:  # as trainer.train.setup.setup
             for m in method.modules.values():
                 m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
                     m.enable_gradient_checkpointing()
@@ -759,13 +759,14 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         # the autocast state torch.utils.checkpoint restores, and must cast as the forward did
         policy = lambda: cuda_autocast_fp32(emulate_cuda_autocast)
         if "train" in phases:
+            from trainer.train.step import forward_loss
             loop = step_trainer(model, method, cfg, autocast, workspace)
             accum = int(t.gradient_accumulation_steps)
             mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, policy(), around("train"):
                 for _ in range(steps):
                     for _ in range(accum):
-                        loss = loop._forward_loss(batch)
+                        loss = forward_loss(loop, batch)
                         (loss / accum).backward()
                     if t.max_grad_norm > 0:
                         torch.nn.utils.clip_grad_norm_(trained, t.max_grad_norm)

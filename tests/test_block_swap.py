@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
     """The tiny Flux with a 4-block transformer (2 double, 2 single), its LoRA, storage and checkpointing set up as
-    trainer.loop does; the swap (when asked) parks evicted blocks as NaNs."""
+    the training loop does; the swap (when asked) parks evicted blocks as NaNs."""
     from diffusers import FluxTransformer2DModel
 
     from trainer.block_swap import plan_block_swap
@@ -54,7 +54,8 @@ def _grads(cfg, model, method, ws):
     batch = ev.make_batch(model, method, cfg, (64, 64), text_cached=True)
     torch.manual_seed(2)
     loop.generator = torch.Generator().manual_seed(3)
-    loop._forward_loss(batch).backward()
+    from trainer.train.step import forward_loss
+    forward_loss(loop, batch).backward()
     return {n: p.grad.clone() for n, p in model.transformer.named_parameters() if p.grad is not None}
 
 
@@ -120,7 +121,7 @@ def test_block_swap_names_the_blocks_a_model_has(tmp_path):
 
 
 def test_a_run_with_swapped_blocks_trains_the_same_lora(tmp_path):
-    """Through trainer.loop, with fp8 storage and the text encoders offloaded: the same LoRA file as without."""
+    """Through the training loop, with fp8 storage and the text encoders offloaded: the same LoRA file as without."""
     from safetensors.torch import load_file
 
     from tests.conftest import train_quiet

@@ -320,14 +320,16 @@ def test_masked_inpaint_training_reaches_the_prediction_only_inside_the_mask(ws,
     """``loss`` masked (unmasked_weight 0, never unmasked) with data masks: the gradient of the loss
     w.r.t. the model's prediction is zero wherever the mask is zero, and not inside it — so an
     optimizer step moves the prediction only through the masked region's error."""
-    from trainer.loop import Trainer
+    from trainer.train.setup import setup
+    from trainer.train.state import RunState
+    from trainer.train.step import forward_loss
     cfg = load_config(preset="demo", overrides=[
         f"general.workspace={ws}", "general.tensorboard=false", "model.path=builtin:tiny-sd-inpaint",
         f"data.concepts.0.path={masked_data}", "data.masks=true", "data.cache_latents=false",
         "model.inpainting_mask=data", "loss.unmasked_weight=0", "loss.unmasked_probability=0",
         "training.max_steps=1", "sampling.prompts=[]"])
-    trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    trainer.setup()
+    trainer = RunState(cfg, tmp_path / "run", progress=False)
+    setup(trainer)
     _, batch = next(iter(trainer.data.iter_batches(0, 0, 1)))
     model = trainer.model
     seen = {}
@@ -342,7 +344,7 @@ def test_masked_inpaint_training_reaches_the_prediction_only_inside_the_mask(ws,
 
     model.predict = predict
     try:
-        trainer._forward_loss(batch).backward()
+        forward_loss(trainer, batch).backward()
     finally:
         model.predict = original_predict
     grad = seen["pred"].grad.abs().sum(dim=1, keepdim=True)  # [B, 1, h, w]

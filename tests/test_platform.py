@@ -281,7 +281,7 @@ WINDOWS_PATHS = [r"C:\Users\alice\datasets\cats", "D:/models/juggernaut_xl.safet
 
 @pytest.mark.parametrize("text", WINDOWS_PATHS)
 def test_windows_paths_never_leave_the_machine_in_a_files_metadata(text, tmp_path):
-    from trainer.loop import portable_paths
+    from trainer.train.run_folder import portable_paths
     from trainer.paths import path_name
     shared = portable_paths({"data": {"concepts": [{"path": text}]}, "model": {"path": text}}, str(tmp_path))
     name = text.replace("\\", "/").rsplit("/", 1)[-1]

@@ -384,7 +384,7 @@ def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and
 
 
 def test_portable_config_paths():
-    from trainer.loop import portable_paths
+    from trainer.train.run_folder import portable_paths
     ws = str(ROOT / "ws")
     out = portable_paths({"a": ws, "b": [str(ROOT / "ws" / "runs" / "r")], "c": "/data/private/dogs", "d": "text",
                           "e": 3, "f": "~/secret/cats"}, ws)

@@ -301,7 +301,7 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
         from trainer.startup import skip_unused_imports, speed_up_imports
         skip_unused_imports(cfg)
         speed_up_imports()
-    from trainer.loop import run_training
+    from trainer.train.loop import run_training
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])
 

@@ -100,7 +100,7 @@ def shard_plan(plan, rank: int, world: int):
 
 def iter_shard(data, epoch: int, start: int, stop: int, rank: int, world: int) -> Iterator[Tuple[int, Dict]]:
     """Like ``DataPipeline.iter_batches`` but yields this process's slice of each global batch,
-    marked with ``batch["global_rows"] = (lo, hi, global_size)`` for :meth:`Trainer._forward_loss`."""
+    marked with ``batch["global_rows"] = (lo, hi, global_size)`` for :func:`trainer.train.step.forward_loss`."""
     from trainer.data.cache import _map_ahead
     batches = data.epoch_batches(epoch)
     selected = list(range(start, min(stop, len(batches))))

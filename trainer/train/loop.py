@@ -1,0 +1,310 @@
+"""The training loop, top to bottom: a run's state is set up, then each optimizer step takes its
+micro-batches (forward, backward), ends them together over the processes, steps the optimizer, and reports;
+samples, backups and validation come on their schedules; the end saves the result.
+
+How the processes share the work (one, DDP, FSDP) is the strategy's (``state.par``, :mod:`trainer.parallel`);
+the step's parts are in :mod:`trainer.train.step`, backups and the result in :mod:`trainer.train.checkpoint`,
+samples in :mod:`trainer.train.sampling`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import List, Optional
+
+from trainer import procs
+from trainer.config import ConfigError, save_config
+from trainer.distributed import (PeerLost, env_rank_world, explain_failure, fault_injection, rank_file,
+                                 write_rank_error, write_rank_info)
+from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
+from trainer.train.run_folder import list_backups, setup_logging
+from trainer.train.sampling import sample
+from trainer.train.setup import setup
+from trainer.train.state import RunState, TrainingError
+from trainer.train.step import apply_component_schedule, forward_loss, optimizer_step, validate
+
+log = logging.getLogger("atelier")
+_PROCESS_START = time.time()
+
+
+def train(state: RunState) -> str:
+    """From the first (or resumed) step to the result; returns "finished" or "stopped"."""
+    import torch
+
+    from trainer.startup import resume_gc
+    cfg = state.cfg
+    t = cfg.training
+    ev = state.run.events
+    par = state.par
+    if state.resume:
+        load_backup(state, resolve_resume(state.run, state.resume))
+    ev.emit("started", total_steps=state.total_steps, epochs=t.epochs if not t.max_steps else
+            math.ceil(state.total_steps / state.steps_per_epoch), steps_per_epoch=state.steps_per_epoch,
+            batch_size=t.batch_size, gradient_accumulation_steps=t.gradient_accumulation_steps,
+            resumed_from_step=state.pos.step, dataset=state.report.to_dict(),
+            device=str(state.device), world_size=state.world, global_micro_batch=state.global_micro_batch,
+            distributed=par.name, global_batch=state.global_micro_batch * t.gradient_accumulation_steps,
+            cache=getattr(state, "cache_summary", None))
+    log.info("training %d steps (%d per epoch) on %s", state.total_steps, state.steps_per_epoch, state.device)
+    if cfg.sampling.at_start and state.pos.step == 0:
+        sample(state)
+    accum = t.gradient_accumulation_steps
+    t_start = time.time()
+    steps_at_start = state.pos.step
+    bar = _progress_bar(state)
+    loss_sum = None  # the current optimizer step's loss, summed on the device
+    while state.pos.step < state.total_steps:
+        usable = (len(state.data.epoch_batches(state.pos.epoch)) // accum) * accum
+        for _, batch in par.batches(state.data, state.pos.epoch, state.pos.batch_in_epoch, usable):
+            if state.pos.step >= state.total_steps:
+                break
+            last_of_step = (state.pos.batch_in_epoch + 1) % accum == 0
+            with par.micro_batch(last_of_step):  # DDP: no_sync unless last; its all-reduce runs in backward
+                loss = forward_loss(state, batch)
+                state.accelerator.backward(loss / accum)
+            # the step's loss stays on the device until the step ends: one host-device sync per optimizer
+            # step (the step event carries the loss), not two per micro-batch
+            part = loss.detach().float() / accum
+            loss_sum = part if loss_sum is None else loss_sum + part
+            state.pos.batch_in_epoch += 1
+            if not last_of_step:
+                continue
+            # every process: the step's mean loss and whether any was asked to stop
+            loss_acc, stop = par.end_step(float(loss_sum), state.stop_wanted)
+            loss_sum = None
+            state.stop_requested = state.stop_requested or stop
+            if not math.isfinite(loss_acc):  # before the optimizer touches the weights
+                raise TrainingError(
+                    f"The loss became {loss_acc} at step {state.pos.step + 1} (epoch {state.pos.epoch + 1}). "
+                    "Training stopped; the last backup is intact. Try a lower learning rate, "
+                    "model.vae_dtype = fp32, or bf16 instead of fp16.")
+            optimizer_step(state)
+            state.pos.step += 1
+            if state.ema is not None:
+                state.ema.after_optimizer_step(state.pos.step)
+            _after_step(state, loss_acc, t_start, steps_at_start, bar)
+            resume_gc()  # paused during a fresh process's start-up (trainer/startup.py); no-op after
+            fault_injection(state.rank, state.pos.step)
+            if state.stop_requested:
+                return _stop(state, bar)
+        if state.pos.batch_in_epoch >= usable:
+            state.pos.epoch += 1
+            state.pos.batch_in_epoch = 0
+            _after_epoch(state)
+            if state.stop_requested:
+                return _stop(state, bar)
+    if bar is not None:
+        bar.close()
+    if cfg.sampling.at_end and cfg.sampling.prompts:
+        sample(state)
+    path = save_result(state)
+    cuda = torch.cuda.is_available()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    reserved = torch.cuda.max_memory_reserved() / 2**20 if cuda else None  # what the card must have (less the context)
+    ev.emit("finished", step=state.pos.step, path=str(path), message="training finished",
+            peak_vram_mib=None if peak is None else round(peak, 1),
+            peak_vram_reserved_mib=None if reserved is None else round(reserved, 1))
+    log.info("finished: %s", path)
+    return "finished"
+
+
+def _progress_bar(state: RunState):
+    if not state.show_progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=state.total_steps, initial=state.pos.step, unit="step", dynamic_ncols=True,
+                file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+def _after_step(state: RunState, loss: float, t_start: float, steps_at_start: int, bar) -> None:
+    """The step event, TensorBoard, the log line; then validation, samples and backups due at this step."""
+    apply_component_schedule(state)
+    step = state.pos.step
+    elapsed = time.time() - t_start
+    done = step - steps_at_start
+    it_s = done / elapsed if elapsed > 0 else 0.0
+    eta = (state.total_steps - step) / it_s if it_s > 0 else None
+    # Prodigy / D-Adaptation keep lr at ~1 and learn a step size d: log the LR they actually use
+    lrs = {g.get("name", str(i)): g["lr"] * g["d"] if isinstance(g.get("d"), float) else g["lr"]
+           for i, g in enumerate(state.optimizer.param_groups)}
+    extra = {}
+    if state.compiled and done == 1:  # the first step of this process compiled the blocks
+        extra["first_step_s"] = round(elapsed, 2)
+        log.info("training.compile: the first step, compiles included, took %.1f s", extra["first_step_s"])
+    state.run.events.emit("step", step=step, total_steps=state.total_steps, epoch=state.pos.epoch + 1,
+                          loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1),
+                          **extra)
+    if state.tb is not None:
+        state.tb.add_scalar("loss", loss, step)
+        for name, lr in lrs.items():
+            state.tb.add_scalar(f"lr/{name}", lr, step)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4f}", epoch=state.pos.epoch + 1)
+    if step % 10 == 0 or step == state.total_steps:
+        log.info("step %d/%d epoch %d loss %.5f lr %s", step, state.total_steps, state.pos.epoch + 1, loss,
+                 {k: f"{v:.3g}" for k, v in lrs.items()})
+    s, b = state.cfg.sampling, state.cfg.backup
+    v = state.cfg.training.validation_every_n_steps
+    if v and step % v == 0:
+        validate(state)
+    if (s.every_n_steps and step % s.every_n_steps == 0 and step < state.total_steps) \
+            or _requested(state, "sample"):
+        sample(state)
+    if (b.every_n_steps and step % b.every_n_steps == 0) or _requested(state, "backup"):
+        backup(state)
+
+
+def _requested(state: RunState, what: str) -> bool:
+    """The UI asked for a sample or backup now (rank 0 sees the request; with FSDP every process takes part
+    in either, so the strategy passes rank 0's answer on)."""
+    return state.par.agree(state.run.control_requested(what))
+
+
+def _after_epoch(state: RunState) -> None:
+    e = state.pos.epoch
+    s, b, o = state.cfg.sampling, state.cfg.backup, state.cfg.output
+    last = state.pos.step >= state.total_steps
+    if not state.cfg.training.validation_every_n_steps:
+        validate(state)
+    if s.every_n_epochs and e % s.every_n_epochs == 0 and not (last and s.at_end):
+        sample(state)
+    if b.every_n_epochs and e % b.every_n_epochs == 0 and state.last_backup_step != state.pos.step:
+        backup(state)
+    if o.save_every_n_epochs and e % o.save_every_n_epochs == 0 and not last:
+        save_result(state, suffix=f"-epoch{e:04d}")
+
+
+def _stop(state: RunState, bar) -> str:
+    if bar is not None:
+        bar.close()
+    path = None
+    if state.cfg.backup.on_stop and state.pos.step > 0:
+        path = backup(state) if state.last_backup_step != state.pos.step else \
+            (list_backups(state.run.path) or [None])[-1]
+    state.run.events.emit("stopped", step=state.pos.step, backup=str(path) if path else None,
+                          message="stopped by request")
+    log.info("stopped at step %d", state.pos.step)
+    return "stopped"
+
+
+def install_signal_handlers(state: RunState) -> None:
+    """SIGINT/SIGTERM (and Ctrl+Break on Windows) ask the run to stop after the current step."""
+    for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGBREAK", None)):
+        if sig is not None:
+            signal.signal(sig, lambda signum, frame: state.request_stop(f"signal {signum}", from_signal=True))
+
+
+def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True,
+                 warnings: Optional[List[str]] = None) -> int:
+    """Run a whole training; returns the process exit code (0 finished/stopped, 1 failed)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rank, world = env_rank_world()
+    setup_logging(run_dir, rank)
+    if rank == 0:
+        save_config(cfg, run_dir / "config.yaml")
+        (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
+                                                         "started": time.time()}))
+    if world > 1:
+        rank_file(run_dir, rank, "error").unlink(missing_ok=True)  # a failure of an earlier attempt
+        write_rank_info(run_dir, rank)
+    trainer = RunState(cfg, run_dir, resume=resume, progress=progress)
+    stop_sigs = [sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGBREAK", None)) if sig is not None]
+    previous_handlers = {sig: signal.getsignal(sig) for sig in stop_sigs}
+    install_signal_handlers(trainer)
+    watcher = None
+    if rank == 0:  # the UI's Stop (control/stop); with several processes rank 0 passes it on at the next sync
+        since = _launched_at()
+        watcher = procs.StopFileWatcher(run_dir, trainer.request_stop, since=since).start()
+    ev = trainer.run.events
+    for w in warnings or []:
+        ev.emit("warning", message=w)
+    try:
+        setup(trainer)
+        if cfg.data.only_cache:
+            ev.emit("finished", step=0, message="caches are ready (data.only_cache); nothing trained")
+            log.info("caches are ready; data.only_cache is on, so no training")
+            return 0
+        if trainer.stop_requested:
+            ev.emit("stopped", step=0, message="stopped before training started")
+            return 0
+        train(trainer)
+        return 0
+    except KeyboardInterrupt:
+        ev.emit("stopped", step=trainer.pos.step, message="stopped immediately (second stop request)")
+        return 0
+    except (ConfigError, TrainingError) as exc:
+        log.error("%s", exc)
+        ev.emit("error", message=str(exc), key=getattr(exc, "key", ""), traceback="")
+        _failed(trainer, str(exc), "", peer_lost=False)
+        return 1
+    except Exception as exc:  # unexpected: keep the traceback for the UI and the log
+        tb = traceback.format_exc()
+        msg = f"{type(exc).__name__}: {exc}"
+        from trainer.io import looks_like_write_failure, write_failure
+        if looks_like_write_failure(exc):  # caches, samples …: a full disk or a read-only folder, said plainly
+            msg = write_failure(exc, cfg.general.workspace, "the run's files (caches, samples, results)")
+        elif "out of memory" in str(exc).lower():
+            msg = ("The GPU ran out of memory. Lower training.batch_size or data.resolution, turn on "
+                   "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
+        log.error("%s\n%s", msg, tb)
+        try:
+            ev.emit("error", message=msg, traceback=tb)
+            _failed(trainer, msg, tb, peer_lost=isinstance(exc, PeerLost))
+        except OSError as again:  # not even the reserve left room: say it where the user looks
+            print(f"error: {msg}\n(the run folder's events.jsonl could not record it: {again})", file=sys.stderr)
+        return 1
+    finally:
+        if watcher is not None:
+            watcher.close()
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
+        if getattr(trainer, "tb", None) is not None:
+            trainer.tb.close()
+        _end_process_group()
+        for h in list(log.handlers):
+            h.close()
+            log.removeHandler(h)
+
+
+def _launched_at() -> float:
+    """When the UI launched this trainer (a stop file older than that is a leftover), else when it started."""
+    try:
+        return float(os.environ.get("ATELIER_LAUNCHED_AT", ""))
+    except ValueError:
+        return _PROCESS_START
+
+
+def _failed(trainer: RunState, message: str, tb: str, peer_lost: bool) -> None:
+    """The ``failed`` event. Several processes: every failing rank writes rank-K-error.json; rank 0 names
+    the rank that caused it (its own error, another rank's file, or a rank whose process is gone)."""
+    if trainer.world == 1:
+        trainer.run.events.emit("failed", step=trainer.pos.step, message=message)
+        return
+    write_rank_error(trainer.run.path, trainer.rank, message, tb)
+    if not trainer.is_main:
+        return
+    rank, why = explain_failure(trainer.run.path, trainer.rank, message, peer_lost, trainer.world)
+    trainer.run.events.emit("failed", step=trainer.pos.step, rank=rank, world_size=trainer.world,
+                            message=f"rank {rank} of {trainer.world}: {why}")
+
+
+def _end_process_group() -> None:
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # a peer already gone: nothing to tidy
+        pass

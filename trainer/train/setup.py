@@ -1,0 +1,178 @@
+"""Set-up of a run: from a config to a state ready for its first step."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from trainer.config import ConfigError, ModelSettings
+from trainer.parallel import make_strategy
+from trainer.train.checkpoint import resolve_resume
+from trainer.train.state import RunState
+
+log = logging.getLogger("atelier")
+
+
+def setup(state: RunState) -> None:
+    """Device, precision, the data plan, the model and what trains, memory placement, the optimizer and
+    schedule, the caches: everything before the first step (a resume then loads its backup)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    cfg = state.cfg
+    g = cfg.general
+    t = cfg.training
+    from trainer.devices import device_problems, resolve_device
+    mps_backend = getattr(torch.backends, "mps", None)
+    try:
+        device = resolve_device(g.device, torch.cuda.is_available(),
+                                bool(mps_backend is not None and mps_backend.is_available()))
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="general.device", value=g.device) from None
+    for key, message, level in device_problems(cfg, device):
+        if level == "error":
+            raise ConfigError(message, key=key)
+        state.warn(message)
+    cpu = device == "cpu"
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
+    from trainer.distributed import accelerator_kwargs
+    from trainer.fsdp import plan_fsdp
+    fsdp_plugin = plan_fsdp(cfg, state.world, cpu, state.warn, log.info)  # None: gradients averaged as DDP does
+    state.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu,
+                                   fsdp_plugin=None if cpu else fsdp_plugin,  # accelerate: FSDP on GPUs only
+                                   kwargs_handlers=accelerator_kwargs(cfg, cpu, state.world, state.warn,
+                                                                      sharded=fsdp_plugin is not None))
+    state.device = state.accelerator.device
+    if state.device.type == "cuda":
+        # cuDNN's SDPA kernel (chosen first for bf16 on Hopper since torch 2.5) fails in Flux.1's 1024 px
+        # backward (torch 2.11, cu130, H200: "mha_graph.execute(...).is_good()", an illegal memory access
+        # without CUDA_LAUNCH_BLOCKING); flash/memory-efficient attention train it
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    # one process, DDP or FSDP: the one object that answers what differs between them
+    state.par = make_strategy(state.accelerator.process_index, state.accelerator.num_processes, fsdp_plugin)
+    set_seed(g.seed)
+    state.global_micro_batch = plan_global_batch(state)
+
+    from trainer.data.pipeline import DataPipeline
+    data_cfg = state.par.data_config(cfg, state.global_micro_batch)  # every process plans the global batches
+    state.data = DataPipeline(data_cfg, warn=state.warn)
+    state.report = state.data.report
+
+    from trainer.models.base import load_model
+    log.info("loading model %s", cfg.model.path)
+    with state.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
+        state.model = load_model(cfg, g.workspace, state.device)
+    from trainer.methods.finetune import make_method
+    state.method = make_method(state.model, cfg)
+    state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
+    check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
+    if check is not None:
+        check([(it.path, c) for it in state.data.items + state.data.validation_items for c in it.captions])
+    from trainer.offload import TextEncoderOffload, plan_offload, text_frozen
+    frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
+    state.text_offload = None
+    offloading = plan_offload(cfg, state.data.captions_cacheable(), frozen_text, state.warn)
+    from trainer.precision import place_text_encoders
+    place_text_encoders(state.model, cfg, offloading)  # fp8 text encoders; the device unless offloaded
+    if offloading:
+        state.text_offload = TextEncoderOffload(state.model, state.device)  # before the denoiser reaches the device
+        log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(state.text_offload.slots))
+    from trainer.block_swap import plan_block_swap
+    plan_block_swap(state.model, cfg, state.device, state.warn)  # blocks_to_swap: placed by apply_storage
+    from trainer.precision import apply_storage
+    apply_storage(state.model, state.method, cfg)  # fp8/NF4: quantised on the way to the device
+    if t.gradient_checkpointing:
+        for m in state.method.modules.values():
+            m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
+                m.enable_gradient_checkpointing()
+    for name, m in state.method.modules.items():
+        m.train()
+    state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
+
+    from trainer.optim import build_optimizer, build_scheduler, param_groups
+    state.groups = param_groups(state.method, cfg)
+    state.optimizer = build_optimizer(state.groups, cfg)
+    state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …
+    state.micro_batches_per_epoch = len(state.data.epoch_batches(0))
+    state.steps_per_epoch = max(1, state.micro_batches_per_epoch // t.gradient_accumulation_steps)
+    if state.micro_batches_per_epoch < t.gradient_accumulation_steps:
+        raise ConfigError(f"An epoch has {state.micro_batches_per_epoch} batches, fewer than "
+                          f"training.gradient_accumulation_steps = {t.gradient_accumulation_steps}: "
+                          "no optimizer step would happen. Lower accumulation or batch size.",
+                          key="training.gradient_accumulation_steps")
+    state.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * state.steps_per_epoch
+    state.scheduler = build_scheduler(state.optimizer, cfg, state.total_steps)
+    state.generator = torch.Generator().manual_seed(g.seed)
+    setup_loss_ema_precision(state)
+    state.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
+    if t.get("compile", False):
+        from trainer.compile import compile_blocks, describe
+        try:
+            done = compile_blocks(state.model.denoiser)
+        except ValueError as exc:
+            raise ConfigError(str(exc), key="training.compile", value=True) from None
+        state.compiled = True
+        log.info("training.compile: %s compiled at their first call", describe(done))
+
+    with state.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
+        state.cache_summary = state.data.prepare(
+            state.model.encode_pixels, state.model.fingerprint(), cfg.model.vae_dtype,
+            encode_text_fn=(lambda captions: state.model.encode_captions(
+                state.method.expand_text(captions))) if frozen_text else None,
+            text_fingerprint=state.model.text_fingerprint(ModelSettings(cfg)),
+            # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
+            inpaint_fn=state.model.encode_masked_images if getattr(state.model, "inpainting", False) else None)
+    if state.text_offload is not None:
+        state.text_offload.encoders_out()  # the denoiser back on the device for training
+    state.tb = None
+    if g.tensorboard and state.is_main:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            state.tb = SummaryWriter(str(state.run.path / "tensorboard"))
+        except Exception as exc:  # tensorboard missing: not fatal
+            state.warn(f"TensorBoard logging is off: {exc}")
+
+
+def plan_global_batch(state: RunState) -> int:
+    """The global micro-batch: training.batch_size per process x processes. A backup fixes it (and
+    the accumulation), so resuming on another number of processes adjusts the per-process batch."""
+    from omegaconf import OmegaConf
+    t, g = state.cfg.training, state.cfg.general
+    if state.world > 1:
+        if int(g.get("num_processes", 1) or 1) != state.world:  # launched by hand: the launcher's count wins
+            OmegaConf.update(state.cfg, "general.num_processes", state.world)
+    if state.resume:
+        path = resolve_resume(state.run, state.resume)
+        backup = json.loads((path / "state.json").read_text())
+        saved, acc = backup.get("global_micro_batch"), backup.get("gradient_accumulation_steps")
+        if acc and int(acc) != int(t.gradient_accumulation_steps):
+            raise ConfigError(f"Backup {path.name} was made with training.gradient_accumulation_steps = {acc}; this "
+                              f"config has {t.gradient_accumulation_steps}. Resume with the same accumulation.",
+                              key="training.gradient_accumulation_steps")
+        if saved and int(saved) != int(t.batch_size) * state.world:
+            if int(saved) % state.world:
+                raise ConfigError(
+                    f"Backup {path.name} trained with a global batch of {saved} per micro-batch "
+                    f"({backup.get('world_size', 1)} process(es) x batch {int(saved) // backup.get('world_size', 1)}); "
+                    f"{state.world} processes cannot split it. Resume with a general.num_processes that divides "
+                    f"{saved} (training.batch_size is adjusted).", key="general.num_processes")
+            per = int(saved) // state.world
+            state.warn(f"Resuming a backup of {backup.get('world_size', 1)} process(es) on {state.world}: "
+                      f"training.batch_size is {per} per process (was {t.batch_size}) so the global batch "
+                      f"stays {saved} and the run continues exactly.")
+            OmegaConf.update(state.cfg, "training.batch_size", per)
+    return int(t.batch_size) * state.world
+
+
+def setup_loss_ema_precision(state: RunState) -> None:
+    """Zero-terminal-SNR schedule, the EMA copy, fp8 storage and stochastic-rounding hooks."""
+    from trainer.ema import make_ema
+    from trainer.loss import prepare_noise_schedule
+    from trainer.precision import apply_precision
+    cfg = state.cfg
+    prepare_noise_schedule(state.model, cfg.loss, state.warn)
+    state.ema = make_ema(state.method, cfg.ema, state.device)
+    state.rounding = apply_precision(state.model, state.method, state.optimizer, cfg,
+                                    lambda: cfg.general.seed * 1_000_003 + state.pos.step, state.warn)
