@@ -330,6 +330,31 @@ def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
         assert not page.locator("#qs-fill").is_visible()  # a returning user's quick start is folded
 
 
+def test_an_untouched_page_slows_animation_frame_loops_and_input_restores_them(page_url):
+    """Gradio's status trackers keep a requestAnimationFrame loop alive after their events (~70 frames a second on
+    an idle page). The page's first script slows any loop re-arming itself while nobody touches the page (one
+    frame per LOOP_FRAME_MS), and lets it run at the display's pace again on pointer or key input."""
+    from webui.app import INPUT_ACTIVE_MS, LOOP_FRAME_MS
+    url, _ = page_url
+    count_loop = """async (ms) => {
+        let n = 0, on = true;
+        const tick = () => { n++; if (on) requestAnimationFrame(tick); };
+        requestAnimationFrame(tick);
+        await new Promise(r => setTimeout(r, ms));
+        on = false;
+        return n;
+    }"""
+    with open_page(url) as page:
+        assert page.evaluate("window.atelierLoopFrameMs") == LOOP_FRAME_MS  # ran before Gradio's modules
+        page.wait_for_timeout(INPUT_ACTIVE_MS + 500)  # no input since the load
+        idle = page.evaluate(count_loop, 2000)
+        assert idle <= 2000 // LOOP_FRAME_MS + 2, idle
+        page.mouse.move(300, 300)
+        page.mouse.move(320, 310)
+        active = page.evaluate(count_loop, 1000)
+        assert active > 2 * (idle + 1), (idle, active)  # a painting hand gets the display's pace
+
+
 def test_the_mask_painter_saves_what_was_painted(page_url):
     import numpy as np
     from PIL import Image

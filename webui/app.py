@@ -58,6 +58,75 @@ CSS = """
 """
 
 
+# Gradio's status trackers keep an elapsed-time requestAnimationFrame loop running after their event has ended (a
+# tracker unmounted while "pending" never clears its timer flag; docs/performance.md "An idle page"): ~70 callbacks
+# a second on an idle page, in every browser tab that shows it. FRAME_LOOP_SCRIPT slows down only *loops* on a page
+# nobody touches: a frame requested from inside a frame callback, more than INPUT_ACTIVE_MS after the last pointer,
+# key or wheel input, waits LOOP_FRAME_MS first. One-off frames (layout, a plot's redraw) come as usual, and while
+# someone moves the pointer or types (painting a mask: the image editor's canvas runs its own loop) every loop runs
+# at full speed. It must run before Gradio's modules take their copy of requestAnimationFrame, so
+# :func:`install_early_script` puts it first in the served page's <head> (Gradio's own ``head=`` comes too late).
+LOOP_FRAME_MS = 500
+INPUT_ACTIVE_MS = 3000
+FRAME_LOOP_SCRIPT = """<script>
+(() => {
+  const raf = window.requestAnimationFrame.bind(window), caf = window.cancelAnimationFrame.bind(window);
+  const pending = new Map();
+  let seq = 0, inFrame = false, lastInput = 0;
+  for (const kind of ["pointerdown", "pointermove", "keydown", "wheel", "touchstart"]) {
+    window.addEventListener(kind, () => { lastInput = performance.now(); }, {capture: true, passive: true});
+  }
+  window.requestAnimationFrame = (callback) => {
+    const id = ++seq;
+    const run = () => pending.set(id, raf((ts) => {
+      pending.delete(id);
+      inFrame = true;
+      try { callback(ts); } finally { inFrame = false; }
+    }));
+    if (inFrame && performance.now() - lastInput > ACTIVE_MS) {
+      pending.set(id, -setTimeout(run, LOOP_MS));  /* a loop re-arming itself on an untouched page */
+    } else {
+      run();
+    }
+    return id;
+  };
+  window.cancelAnimationFrame = (id) => {
+    const handle = pending.get(id);
+    if (handle === undefined) return;
+    pending.delete(id);
+    if (handle < 0) clearTimeout(-handle); else caf(handle);
+  };
+  window.atelierLoopFrameMs = LOOP_MS;
+})();
+</script>""".replace("LOOP_MS", str(LOOP_FRAME_MS)).replace("ACTIVE_MS", str(INPUT_ACTIVE_MS))
+
+
+def install_early_script(script: str) -> bool:
+    """Put ``script`` first in the <head> of the page Gradio serves (its index and share templates), before its
+    module scripts run. Gradio renders the page from a Jinja template (``gradio.routes.templates``); this puts a
+    copy with the script in front of its loader. False when a Gradio version serves no such template."""
+    from gradio import routes
+    from jinja2 import ChoiceLoader, DictLoader, TemplateNotFound
+    env = getattr(getattr(routes, "templates", None), "env", None)
+    if env is None:
+        return False
+    original = getattr(env, "_atelier_original_loader", None) or env.loader
+    sources = {}
+    for name in ("frontend/index.html", "frontend/share.html"):
+        try:
+            text = original.get_source(env, name)[0]
+        except TemplateNotFound:
+            continue
+        if "<head>" in text:
+            sources[name] = text.replace("<head>", "<head>\n{% raw %}" + script + "{% endraw %}", 1)
+    if not sources:
+        return False
+    env._atelier_original_loader = original
+    env.loader = ChoiceLoader([DictLoader(sources), original])
+    env.cache.clear() if env.cache is not None else None
+    return True
+
+
 def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Sequence[str | os.PathLike] = (),
               manager: Optional[runner.RunManager] = None, start_scheduler: bool = True) -> gr.Blocks:
     """The whole page for one workspace. ``manager`` lets tests plug in a fake trainer."""
@@ -188,6 +257,7 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
+    install_early_script(FRAME_LOOP_SCRIPT)
     result = demo.launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
         root_path=root_path,
