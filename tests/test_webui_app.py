@@ -353,10 +353,36 @@ def test_an_idle_served_page_does_not_poll_every_millisecond(tmp_path):
         assert demo._queue.sleep_when_free >= 0.02 and demo._queue.progress_update_sleep_when_free >= 0.1
     finally:
         demo.close()
-    from webui.tabs.run import IDLE_POLL_S
-    ctx = build_app(tmp_path / "ws2", start_scheduler=False).atelier
-    out = ctx.handlers["poll"]("(follow the current run)", "newest first", {})
-    assert out[-3].value == IDLE_POLL_S  # the Run tab's timer slows down when nothing runs
+
+
+
+def test_the_run_and_queue_tabs_are_refreshed_when_what_they_show_changes(tmp_path):
+    """No timer: the page asks <page>/atelier/changes (a plain request, behind the login) for a signature of what
+    the tab would show, and refreshes only when it differs."""
+    import httpx
+    demo = build_app(tmp_path / "ws", start_scheduler=False)
+    _, url, _ = serve(demo, port=None, auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    base = url.rstrip("/")
+    try:
+        assert httpx.get(f"{base}/atelier/changes?view=run", timeout=30).status_code == 401  # no login
+        with httpx.Client(timeout=30) as client:
+            assert client.post(f"{base}/login", data={"username": "ada", "password": "s3cret"}).status_code == 200
+            ask = lambda **q: client.get(f"{base}/atelier/changes", params=q).json()  # noqa: E731
+            idle = ask(view="run")
+            assert idle["active"] is False and ask(view="run") == idle  # nothing changed: the same signature
+            queue_idle = ask(view="queue")
+            run = demo.atelier.workspace / "runs" / "manual"
+            (run / "samples").mkdir(parents=True)
+            from trainer.events import EventWriter
+            EventWriter(run / "events.jsonl").emit("started", total_steps=4)
+            assert ask(view="run")["sig"] != idle["sig"]  # a new run (the runs list and the followed run)
+            seen = ask(view="run", run="manual")
+            EventWriter(run / "events.jsonl").emit("step", step=1, total_steps=4, loss=0.5, lr={"unet": 1e-4})
+            assert ask(view="run", run="manual")["sig"] != seen["sig"]  # a step
+            assert ask(view="queue") == queue_idle
+            assert client.get(f"{base}/atelier/changes", params={"view": "nope"}).status_code == 400
+    finally:
+        demo.close()
 
 
 @pytest.mark.slow

@@ -355,6 +355,28 @@ def test_an_untouched_page_slows_animation_frame_loops_and_input_restores_them(p
         assert active > 2 * (idle + 1), (idle, active)  # a painting hand gets the display's pace
 
 
+def test_an_idle_run_tab_sends_no_gradio_events_only_small_change_checks(page_url):
+    """The Run tab has no timer: while nothing changes it asks /atelier/changes (a plain GET) and sends Gradio no
+    event (each costs the browser 50-250 ms of script on this page); a run that appears is shown."""
+    url, ctx = page_url
+    with open_page(url) as page:
+        page.get_by_role("tab", name="Run", exact=True).click()
+        page.wait_for_timeout(4000)  # the first check refreshes the tab once
+        seen = []
+        page.on("request", lambda r: seen.append((r.method, r.url)))
+        page.wait_for_timeout(7000)
+        asks = [u for m, u in seen if "/atelier/changes" in u]
+        events = [u for m, u in seen if m == "POST"]
+        assert len(asks) >= 2 and "view=run" in asks[0], seen
+        assert events == [], events
+        run = ctx.workspace / "runs" / "from-the-cli"  # a run another process started
+        (run / "samples").mkdir(parents=True)
+        from trainer.events import EventWriter
+        EventWriter(run / "events.jsonl").emit("started", total_steps=4)
+        page.wait_for_function("document.querySelector('#run-status').innerText.includes('from-the-cli')",
+                               timeout=15000)
+
+
 def test_the_mask_painter_saves_what_was_painted(page_url):
     import numpy as np
     from PIL import Image

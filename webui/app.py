@@ -257,13 +257,15 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
-    install_early_script(FRAME_LOOP_SCRIPT)
+    from webui import changes
+    install_early_script(FRAME_LOOP_SCRIPT + changes.WATCH_SCRIPT)
     result = demo.launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
         root_path=root_path,
         inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
         auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
+    changes.mount(demo.server_app, {"run": ctx.handlers["watch_run"], "queue": ctx.handlers["watch_queue"]})
     board = ctx.components.get("tensorboard")
     if board is not None:  # <page>/tensorboard/, behind the same login
         from webui.tensorboard import mount

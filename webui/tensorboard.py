@@ -83,13 +83,11 @@ def mount(app: Any, board: TensorBoard) -> None:
     from fastapi.responses import Response
     from starlette.routing import Route
 
+    from webui.changes import logged_in
+
     async def forward(request: Request) -> Response:
-        if getattr(app, "auth", None):  # the same check as Gradio's own routes (its login cookie)
-            cookie_id = getattr(app, "cookie_id", "")
-            token = request.cookies.get(f"access-token-{cookie_id}") or \
-                request.cookies.get(f"access-token-unsecure-{cookie_id}")
-            if not getattr(app, "tokens", {}).get(token):
-                return Response("Not logged in: open the page and sign in first.", status_code=401)
+        if not logged_in(app, request):  # the same check as Gradio's own routes (its login cookie)
+            return Response("Not logged in: open the page and sign in first.", status_code=401)
         if not board.running() or board.port is None:
             return Response("TensorBoard is not running: press 'Open TensorBoard' on the Tools tab.", status_code=503)
         url = f"http://127.0.0.1:{board.port}{request.url.path[request.url.path.index(PREFIX):]}"

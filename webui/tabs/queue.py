@@ -43,7 +43,7 @@ def build(ctx: AppContext) -> None:
         down = gr.Button("Move down", elem_id="queue-down", scale=1)
         cancel = gr.Button("Cancel job", variant="stop", elem_id="queue-cancel", scale=1)
     msg = gr.Markdown(elem_id="queue-msg")
-    timer = gr.Timer(2.0)
+    refresh_btn = gr.Button("Refresh", visible="hidden", elem_id="queue-refresh")  # clicked by webui.changes
     seen = gr.State(None)
 
     def refresh(selected: Optional[str], last: Any) -> List[Any]:
@@ -54,7 +54,9 @@ def build(ctx: AppContext) -> None:
         ids = [c[1] for c in choices(ctx)]
         return [sig[1], frame, gr.Dropdown(choices=choices(ctx), value=selected if selected in ids else None), sig]
 
-    timer.tick(refresh, [pick, seen], [running, table, pick, seen], show_progress="hidden", queue=False)
+    refresh_btn.click(refresh, [pick, seen], [running, table, pick, seen], show_progress="hidden", queue=False)
+    ctx.handlers["watch_queue"] = lambda params: ((queue_frame(ctx).to_json(), now_running(ctx)),
+                                                  bool(ctx.manager.active_runs()))
 
     def gone(job_id: Optional[str]) -> str:
         if not job_id:

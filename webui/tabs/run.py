@@ -1,8 +1,9 @@
 """The Run tab: live progress, loss/LR charts, samples, log tail, Stop / sample now / backup now.
 
-A ``gr.Timer`` polls the run folder (through the shared :class:`~webui.monitor.RunMonitor`), so
-the page holds no state of its own: a reload, a second browser or a restarted UI shows the same
-run. Each output is only re-sent when it changed (``gr.skip()``), which keeps the gallery still.
+The tab shows the run folder (through the shared :class:`~webui.monitor.RunMonitor`), so the page holds no
+state of its own: a reload, a second browser or a restarted UI shows the same run. It is refreshed when what it
+would show changed (:mod:`webui.changes` asks for :func:`signature` and clicks the hidden refresh button), and
+each output is only re-sent when it changed (``gr.skip()``), which keeps the gallery still.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
 STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
                "finished": "Finished", "stopped": "Stopped", "failed": "Failed", "died": "Ended unexpectedly"}
 WARN_RE = re.compile(r"warn", re.I)
-IDLE_POLL_S = 5.0
 ERR_RE = re.compile(r"error|traceback|exception|killed|out of memory|\bfailed\b", re.I)
 
 
@@ -58,9 +58,9 @@ def build(ctx: AppContext) -> None:
     problems = gr.Markdown(elem_id="run-problems")
     log = gr.HTML(elem_id="run-log")
     seen = gr.State({})
-    timer = gr.Timer(1.0)
+    refresh = gr.Button("Refresh", visible="hidden", elem_id="run-refresh")  # clicked by webui.changes' script
 
-    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, timer, seen,
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, seen,
                ctx["run_select"]]
 
     def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
@@ -69,9 +69,6 @@ def build(ctx: AppContext) -> None:
         new = dict(last or {})
         parts = render(ctx, view, run_dir, sample_order)
         out: List[Any] = []
-        # poll every second while a run is active, every 5 s when nothing runs (an idle page costs ~nothing)
-        interval = 1.0 if view is not None and view.active else IDLE_POLL_S
-        parts = parts + [("timer", gr.Timer(value=interval), interval)]
         for name, value, sig in parts:
             if name == "action":
                 clicked = new.get("action")
@@ -95,7 +92,18 @@ def build(ctx: AppContext) -> None:
         return out
 
     ctx.handlers["poll"] = poll
-    timer.tick(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
+    refresh.click(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
+
+    def watch(params: dict) -> tuple:
+        """What the tab would show for these inputs, as signatures (for webui.changes), and whether a run is
+        active (the page then asks every second)."""
+        selected = params.get("run") or AUTO
+        run_dir = ctx.resolve_watched(selected)
+        view = ctx.monitor.view(run_dir) if run_dir else None
+        sigs = [sig for _, _, sig in render(ctx, view, run_dir, params.get("order") or "newest first")]
+        return (sigs, ctx.run_names()), bool(view is not None and view.active)
+
+    ctx.handlers["watch_run"] = watch
     ctx["run_select"].change(lambda s, o: poll(s, o, {}), [ctx["run_select"], order], outputs,
                              show_progress="hidden")
     order.change(lambda s, o, last: poll(s, o, {k: v for k, v in (last or {}).items() if k != "gallery"}),

@@ -1,0 +1,111 @@
+"""The Run and Queue tabs update when something changed, not on a timer.
+
+Why: every Gradio event costs the browser ~50-250 ms of script on this page (Gradio's front end walks its whole
+component tree for each one; a CDP profile of the idle Queue tab spent most of its time in core's node lookup),
+so a ``gr.Timer`` ticking every 1-5 s kept an idle page at 5-10 % of a core. Instead, a few lines of the page's
+first script (:data:`WATCH_SCRIPT`) ask ``<page>/atelier/changes`` — a plain request, no Gradio event — what the
+shown tab would display now, as one short signature, and click the tab's hidden refresh button only when it
+differs from the last one. The signature is computed by the same code that renders the tab (``render`` of
+``webui.tabs.run``, the queue's table), so nothing that would change the page is missed: a new step, sample or
+log line, a run that ended or died, another run started from the CLI, a job queued in another browser.
+
+The request is answered behind the page's login (Gradio's session cookie), like the TensorBoard route.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Dict, Tuple
+
+PATH = "/atelier/changes"
+ACTIVE_POLL_MS = 1000  # a run is active: ask once a second
+IDLE_POLL_MS = 3000  # nothing runs: a request every 3 s costs the browser next to nothing (no Gradio event)
+AFTER_CLICK_MS = 11000  # after Stop / Sample now / Backup now: refresh on every ask (see webui.tabs.run)
+
+# view name -> function(query params) -> (signature parts, active?)
+Watcher = Callable[[Dict[str, str]], Tuple[Any, bool]]
+
+
+def signature(parts: Any) -> str:
+    return hashlib.sha1(repr(parts).encode("utf-8", "replace")).hexdigest()[:16]
+
+
+def logged_in(app: Any, request: Any) -> bool:
+    """The same check as Gradio's own routes: no login configured, or a valid session cookie."""
+    if not getattr(app, "auth", None):
+        return True
+    cookie_id = getattr(app, "cookie_id", "")
+    token = request.cookies.get(f"access-token-{cookie_id}") or \
+        request.cookies.get(f"access-token-unsecure-{cookie_id}")
+    return bool(getattr(app, "tokens", {}).get(token))
+
+
+def mount(app: Any, watchers: Dict[str, Watcher]) -> None:
+    """Add ``GET /atelier/changes?view=run|queue&…`` to the served app, first in line."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+    from starlette.concurrency import run_in_threadpool
+    from starlette.routing import Route
+
+    async def changes(request: Request) -> JSONResponse:
+        if not logged_in(app, request):
+            return JSONResponse({"error": "not logged in"}, status_code=401)
+        params = dict(request.query_params)
+        watch = watchers.get(params.get("view", ""))
+        if watch is None:
+            return JSONResponse({"error": f"unknown view; one of {sorted(watchers)}"}, status_code=400)
+        parts, active = await run_in_threadpool(watch, params)
+        return JSONResponse({"sig": signature(parts), "active": bool(active)},
+                            headers={"Cache-Control": "no-store"})
+
+    app.router.routes[0:0] = [Route(PATH, changes, methods=["GET"])]
+
+
+# The page side: for each watched tab shown, ask for its signature; on a change, click its hidden refresh button.
+# Selectors are the tabs' elem_ids; the query carries the tab's inputs (the chosen run, the sample order).
+WATCH_SCRIPT = """<script>
+(() => {
+  const views = [
+    {view: "run", shown: "#run-status", button: "#run-refresh",
+     query: () => ({run: document.querySelector("#run-select input")?.value ?? "",
+                    order: document.querySelector("#sample-order input:checked")?.value ?? ""}),
+     clicks: ["#stop-btn", "#sample-now-btn", "#backup-now-btn"]},
+    {view: "queue", shown: "#queue-table", button: "#queue-refresh", query: () => ({}), clicks: []},
+  ];
+  const last = {}, forceUntil = {};
+  let active = false;
+  document.addEventListener("click", (e) => {
+    for (const v of views) {
+      if (v.clicks.some((sel) => e.target.closest?.(sel))) forceUntil[v.view] = performance.now() + AFTER_CLICK;
+    }
+  }, true);
+  const visible = (sel) => { const el = document.querySelector(sel); return !!el && el.offsetParent !== null; };
+  async function ask() {
+    let anyActive = false;
+    for (const v of views) {
+      if (!visible(v.shown)) { continue; }
+      const params = new URLSearchParams({view: v.view, ...v.query()});
+      try {
+        const r = await fetch(new URL("atelier/changes?" + params, document.baseURI), {credentials: "same-origin",
+                                                                                     cache: "no-store"});
+        if (!r.ok) continue;
+        const {sig, active: on} = await r.json();
+        anyActive = anyActive || on;
+        const forced = performance.now() < (forceUntil[v.view] || 0);
+        if (sig !== last[v.view] || forced) {
+          const button = document.querySelector(v.button);
+          if (button) { last[v.view] = sig; button.click(); }
+        }
+      } catch (err) { /* the server restarts or the network hiccups: ask again next time */ }
+    }
+    active = anyActive;
+    setTimeout(ask, active ? ACTIVE_MS : IDLE_MS);
+  }
+  setTimeout(ask, 500);
+  window.atelierChangeWatch = {active: () => active, last};
+})();
+</script>""".replace("AFTER_CLICK", str(AFTER_CLICK_MS)).replace("ACTIVE_MS", str(ACTIVE_POLL_MS)) \
+    .replace("IDLE_MS", str(IDLE_POLL_MS))
+
+
+__all__ = ["PATH", "WATCH_SCRIPT", "logged_in", "mount", "signature"]
