@@ -293,7 +293,7 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
                     page.locator("#compare-pick input").click()
                     page.locator("#compare-pick").get_by_role("option", name=run, exact=True).click()
                 page.wait_for_function(
-                    f"document.querySelectorAll('#compare-gallery img').length >= 4", timeout=30000)
+                    "document.querySelectorAll('#compare-gallery img').length >= 4", timeout=30000)
                 captions = page.locator("#compare-gallery").inner_text()
                 assert "earlier · step 2" in captions and f"{name} · step 4" in captions
                 # and tidy up: delete the earlier run (asked first)
