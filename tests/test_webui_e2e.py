@@ -41,6 +41,45 @@ def open_page(url: str, height: int = 1000):
             browser.close()
 
 
+@contextlib.contextmanager
+def logged_in_page(url: str, shots: Path):
+    """A page on an app served with the login ada / s3cret, signed in (downloads accepted); a screenshot in
+    ``shots`` when the block fails."""
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        try:
+            page.goto(url)
+            page.get_by_label("username").fill("ada")
+            page.get_by_label("password").fill("s3cret")
+            page.get_by_role("button", name="Login").click()
+            page.wait_for_selector("#start-btn", timeout=60000)
+            yield page
+        except Exception:
+            page.screenshot(path=str(shots / "failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
+
+
+def assert_changes_the_tiny_model(lora: Path) -> None:
+    """The LoRA file loads in diffusers' tiny SD pipeline and changes its image."""
+    import torch
+
+    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
+    pipe = build_tiny_pipeline("tiny-sd")
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        return pipe("a red square", num_inference_steps=2, guidance_scale=1.0, height=64, width=64,
+                    generator=torch.Generator().manual_seed(0), output_type="np").images[0]
+
+    before = image()
+    pipe.load_lora_weights(str(lora))
+    assert abs(image() - before).max() > 1e-3
+
+
 @pytest.fixture
 def page_url(tmp_path):
     demo = build_app(tmp_path / "ws")
@@ -142,7 +181,6 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
     import zipfile
 
     import httpx
-    import torch
 
     from conftest import train_quiet
     ws = tmp_path / "ws"
@@ -151,51 +189,37 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
     lora = next(run_dir.glob("*.safetensors"))
     demo = build_app(ws, start_scheduler=False)
     _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
-    from playwright.sync_api import sync_playwright
     try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
-            try:
-                page.goto(url)
-                page.get_by_label("username").fill("ada")
-                page.get_by_label("password").fill("s3cret")
-                page.get_by_role("button", name="Login").click()
-                page.wait_for_selector("#start-btn", timeout=60000)
-                page.get_by_role("tab", name="Runs", exact=True).click()
-                page.locator("#runs-pick input").click()
-                page.get_by_role("option", name="home", exact=True).click()
-                button = page.locator("#runs-download-result")
-                button.wait_for(state="visible", timeout=30000)
-                assert lora.name in button.inner_text()
-                with page.expect_download(timeout=30000) as info:
-                    button.click()
-                got = tmp_path / "downloaded.safetensors"
-                info.value.save_as(got)
-                assert got.read_bytes() == lora.read_bytes()
+        with logged_in_page(url, tmp_path) as page:
+            page.get_by_role("tab", name="Runs", exact=True).click()
+            page.locator("#runs-pick input").click()
+            page.get_by_role("option", name="home", exact=True).click()
+            button = page.locator("#runs-download-result")
+            button.wait_for(state="visible", timeout=30000)
+            assert lora.name in button.inner_text()
+            with page.expect_download(timeout=30000) as info:
+                button.click()
+            got = tmp_path / "downloaded.safetensors"
+            info.value.save_as(got)
+            assert got.read_bytes() == lora.read_bytes()
 
-                page.locator("#runs-zip-btn").click()
-                zip_button = page.locator("#runs-download-zip")
-                zip_button.wait_for(state="visible", timeout=30000)
-                with page.expect_download(timeout=30000) as info:
-                    zip_button.click()
-                info.value.save_as(tmp_path / "run.zip")
-                shutil.copy(lora, tmp_path / "kept.safetensors")  # the LoRA, before the run is deleted below
-                lora = tmp_path / "kept.safetensors"
+            page.locator("#runs-zip-btn").click()
+            zip_button = page.locator("#runs-download-zip")
+            zip_button.wait_for(state="visible", timeout=30000)
+            with page.expect_download(timeout=30000) as info:
+                zip_button.click()
+            info.value.save_as(tmp_path / "run.zip")
+            shutil.copy(lora, tmp_path / "kept.safetensors")  # the LoRA, before the run is deleted below
+            lora = tmp_path / "kept.safetensors"
 
-                page.locator("#runs-delete").click()  # asks first
-                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
-                                       timeout=15000)
-                assert run_dir.is_dir()
-                page.locator("#runs-delete").click()  # "Delete now"
-                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
-                                       timeout=15000)
-                assert not run_dir.exists() and "home" not in page.locator("#runs-table").inner_text()
-            except Exception:
-                page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-                raise
-            finally:
-                browser.close()
+            page.locator("#runs-delete").click()  # asks first
+            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
+                                   timeout=15000)
+            assert run_dir.is_dir()
+            page.locator("#runs-delete").click()  # "Delete now"
+            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
+                                   timeout=15000)
+            assert not run_dir.exists() and "home" not in page.locator("#runs-table").inner_text()
         with zipfile.ZipFile(tmp_path / "run.zip") as z:
             names = set(z.namelist())
             assert {"config.yaml", "events.jsonl", "train.log", "home.safetensors"} <= names
@@ -208,24 +232,13 @@ def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
         assert httpx.get(served, timeout=30).status_code in (401, 403)
     finally:
         demo.close()
-    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
-    pipe = build_tiny_pipeline("tiny-sd")
-    pipe.set_progress_bar_config(disable=True)
-
-    def image():
-        return pipe("a red square", num_inference_steps=2, guidance_scale=1.0, height=64, width=64,
-                    generator=torch.Generator().manual_seed(0), output_type="np").images[0]
-
-    before = image()
-    pipe.load_lora_weights(str(got))
-    assert abs(image() - before).max() > 1e-3  # the downloaded LoRA has the trained effect
+    assert_changes_the_tiny_model(got)  # the downloaded LoRA has the trained effect
 
 
 def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp_path):
     """The newcomer path in one go, logged in as through a share link: an empty page; Quick start on a folder of
     images outside the workspace; Check settings names a wrong model path at its field; train; download the LoRA
     (it loads in diffusers and changes the image); compare with an earlier run; delete that run."""
-    import torch
 
     from conftest import DEMO_DATA, train_quiet
     ws = tmp_path / "ws"
@@ -236,97 +249,73 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
         shutil.copy(f, images / f.name)
     demo = build_app(ws, browse_roots=[tmp_path / "elsewhere"])
     _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
-    from playwright.sync_api import sync_playwright
     try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
-            try:
-                page.goto(url)
-                page.get_by_label("username").fill("ada")
-                page.get_by_label("password").fill("s3cret")
-                page.get_by_role("button", name="Login").click()
-                page.wait_for_selector("#start-btn", timeout=60000)
-                assert page.locator("#preset-select input").input_value() == ""  # an empty page
-                # ① ② ③: the demo model, a LoRA, the images outside the workspace
-                page.locator("#qs-kind input").click()
-                page.get_by_role("option", name="Demo: the built-in tiny model (offline, a minute on a CPU)").click()
-                page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
-                page.locator("#qs-fill").click()
-                page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')",
-                                       timeout=15000)
-                assert page.locator("#preset-select input").input_value() == "demo"
-                # a wrong model path is named at its field by Check settings, before anything starts
-                page.get_by_role("tab", name="Model", exact=True).click()
-                path_box = page.locator("#cfg-model-path textarea, #cfg-model-path input").first
-                path_box.fill(str(tmp_path / "missing.safetensors"))
-                path_box.press("Tab")
-                page.locator("#validate-btn").click()
-                page.wait_for_function("document.querySelector('#cfg-model-path').classList.contains('atl-field-error')"
-                                       " && document.querySelector('#cfg-model-path').innerText.includes('missing')",
-                                       timeout=30000)
-                path_box.fill("builtin:tiny-sd")
-                path_box.press("Tab")
-                page.locator("#validate-btn").click()
-                page.wait_for_function("!document.querySelector('#cfg-model-path').classList.contains('atl-field-error')",
-                                       timeout=30000)
-                page.get_by_role("tab", name="Training", exact=True).click()
-                set_number(page, "cfg-training-epochs", "1")  # 4 steps
-                page.locator("#start-btn").click()
-                assert wait_state(page, ("finished", "failed", "died"), 240) == "finished", \
-                    page.locator("#run-problems").inner_text()
-                status = page.locator("#run-status .atl-status")
-                name = status.get_attribute("data-run")
-                run_dir = ws / "runs" / name
-                assert str(images) in (run_dir / "config.yaml").read_text()  # it trained on the outside folder
-                result = page.locator("#download-result")
-                result.wait_for(state="visible", timeout=30000)
-                with page.expect_download(timeout=30000) as info:
-                    result.click()
-                got = tmp_path / "home.safetensors"
-                info.value.save_as(got)
-                assert got.read_bytes() == (run_dir / f"{name}.safetensors").read_bytes()
-                # compare with last week's run: both losses on one chart, samples side by side
-                page.get_by_role("tab", name="Runs", exact=True).click()
-                page.locator("#runs-compare").get_by_text("Compare runs").click()
-                for run in ("earlier", name):
-                    page.locator("#compare-pick input").click()
-                    page.locator("#compare-pick").get_by_role("option", name=run, exact=True).click()
-                page.wait_for_function(
-                    "document.querySelectorAll('#compare-gallery img').length >= 4", timeout=30000)
-                captions = page.locator("#compare-gallery").inner_text()
-                assert "earlier · step 2" in captions and f"{name} · step 4" in captions
-                # and tidy up: delete the earlier run (asked first)
-                page.mouse.click(5, 5)  # a click beside it closes the compare list
-                page.locator("#runs-pick input").click()
-                page.locator("#runs-pick").get_by_role("option", name="earlier", exact=True).click()
-                page.locator("#runs-delete").click()
-                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
-                                       timeout=15000)
-                page.locator("#runs-delete").click()
-                page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
-                                       timeout=15000)
-                assert not (ws / "runs" / "earlier").exists() and run_dir.is_dir()
-            except Exception:
-                page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-                raise
-            finally:
-                browser.close()
+        with logged_in_page(url, tmp_path) as page:
+            assert page.locator("#preset-select input").input_value() == ""  # an empty page
+            # ① ② ③: the demo model, a LoRA, the images outside the workspace
+            page.locator("#qs-kind input").click()
+            page.get_by_role("option", name="Demo: the built-in tiny model (offline, a minute on a CPU)").click()
+            page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
+            page.locator("#qs-fill").click()
+            page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')",
+                                   timeout=15000)
+            assert page.locator("#preset-select input").input_value() == "demo"
+            # a wrong model path is named at its field by Check settings, before anything starts
+            page.get_by_role("tab", name="Model", exact=True).click()
+            path_box = page.locator("#cfg-model-path textarea, #cfg-model-path input").first
+            path_box.fill(str(tmp_path / "missing.safetensors"))
+            path_box.press("Tab")
+            page.locator("#validate-btn").click()
+            page.wait_for_function("document.querySelector('#cfg-model-path').classList.contains('atl-field-error')"
+                                   " && document.querySelector('#cfg-model-path').innerText.includes('missing')",
+                                   timeout=30000)
+            path_box.fill("builtin:tiny-sd")
+            path_box.press("Tab")
+            page.locator("#validate-btn").click()
+            page.wait_for_function("!document.querySelector('#cfg-model-path').classList.contains('atl-field-error')",
+                                   timeout=30000)
+            page.get_by_role("tab", name="Training", exact=True).click()
+            set_number(page, "cfg-training-epochs", "1")  # 4 steps
+            page.locator("#start-btn").click()
+            assert wait_state(page, ("finished", "failed", "died"), 240) == "finished", \
+                page.locator("#run-problems").inner_text()
+            status = page.locator("#run-status .atl-status")
+            name = status.get_attribute("data-run")
+            run_dir = ws / "runs" / name
+            assert str(images) in (run_dir / "config.yaml").read_text()  # it trained on the outside folder
+            result = page.locator("#download-result")
+            result.wait_for(state="visible", timeout=30000)
+            with page.expect_download(timeout=30000) as info:
+                result.click()
+            got = tmp_path / "home.safetensors"
+            info.value.save_as(got)
+            assert got.read_bytes() == (run_dir / f"{name}.safetensors").read_bytes()
+            # compare with last week's run: both losses on one chart, samples side by side
+            page.get_by_role("tab", name="Runs", exact=True).click()
+            page.locator("#runs-compare").get_by_text("Compare runs").click()
+            for run in ("earlier", name):
+                page.locator("#compare-pick input").click()
+                page.locator("#compare-pick").get_by_role("option", name=run, exact=True).click()
+            page.wait_for_function(
+                "document.querySelectorAll('#compare-gallery img').length >= 4", timeout=30000)
+            captions = page.locator("#compare-gallery").inner_text()
+            assert "earlier · step 2" in captions and f"{name} · step 4" in captions
+            # and tidy up: delete the earlier run (asked first)
+            page.mouse.click(5, 5)  # a click beside it closes the compare list
+            page.locator("#runs-pick input").click()
+            page.locator("#runs-pick").get_by_role("option", name="earlier", exact=True).click()
+            page.locator("#runs-delete").click()
+            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
+                                   timeout=15000)
+            page.locator("#runs-delete").click()
+            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
+                                   timeout=15000)
+            assert not (ws / "runs" / "earlier").exists() and run_dir.is_dir()
     finally:
         demo.atelier.manager.wait_for_ending_runs(30)
         demo.atelier.manager.shutdown()
         demo.close()
-    from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
-    pipe = build_tiny_pipeline("tiny-sd")
-    pipe.set_progress_bar_config(disable=True)
-
-    def image():
-        return pipe("a red square", num_inference_steps=2, guidance_scale=1.0, height=64, width=64,
-                    generator=torch.Generator().manual_seed(0), output_type="np").images[0]
-
-    before = image()
-    pipe.load_lora_weights(str(got))
-    assert abs(image() - before).max() > 1e-3  # the LoRA taken home has the trained effect
+    assert_changes_the_tiny_model(got)  # the LoRA taken home has the trained effect
 
 
 def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_unasked(page_url):
