@@ -86,8 +86,11 @@ WATCH_SCRIPT = """<script>
       if (!visible(v.shown)) { continue; }
       const params = new URLSearchParams({view: v.view, ...v.query()});
       try {
-        const r = await fetch(new URL("atelier/changes?" + params, document.baseURI), {credentials: "same-origin",
-                                                                                     cache: "no-store"});
+        let root = (window.gradio_config && window.gradio_config.root) || "";  /* --root-path, proxies */
+        if (root && !root.endsWith("/")) root += "/";
+        const base = new URL(root || ".", document.baseURI);
+        const r = await fetch(new URL("atelier/changes?" + params, base), {credentials: "same-origin",
+                                                                         cache: "no-store"});
         if (!r.ok) continue;
         const {sig, active: on} = await r.json();
         anyActive = anyActive || on;
