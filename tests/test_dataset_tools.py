@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, ImageOps
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -103,12 +103,27 @@ def models(tmp_path_factory) -> dict:
     fip.image_seq_length = tokens
     Florence2Processor(image_processor=fip, tokenizer=btok).save_pretrained(root / "florence")
 
+    from transformers import (SamConfig, SamImageProcessor, SamMaskDecoderConfig, SamModel, SamProcessor,
+                              SamPromptEncoderConfig, SamVisionConfig)
+    torch.manual_seed(4)
+    sam = SamModel(SamConfig(
+        vision_config=SamVisionConfig(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=2,
+                                      image_size=64, patch_size=8, mlp_dim=64, global_attn_indexes=[1],
+                                      window_size=4, num_pos_feats=8).to_dict(),
+        prompt_encoder_config=SamPromptEncoderConfig(hidden_size=16, image_size=64, patch_size=8,
+                                                     mask_input_channels=4).to_dict(),
+        mask_decoder_config=SamMaskDecoderConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                 mlp_dim=32, iou_head_hidden_dim=16).to_dict()))
+    sam.save_pretrained(root / "sam")
+    SamProcessor(image_processor=SamImageProcessor(size={"longest_edge": 64}, pad_size={"height": 64, "width": 64})) \
+        .save_pretrained(root / "sam")
+
     timm = root / "wd-tagger-onnx"  # as the WD taggers are published: timm config + ONNX weights
     timm.mkdir()
     (timm / "config.json").write_text('{"architecture": "vit_base_patch16_224", "num_classes": 10861}')
     (timm / "model.onnx").write_bytes(b"onnx")
     return {"blip": root / "blip", "tagger": root / "tagger", "clipseg": root / "clipseg", "timm": timm,
-            "florence": root / "florence"}
+            "florence": root / "florence", "sam": root / "sam"}
 
 
 def _image(path: Path, size=(40, 30), color=(200, 30, 30), **save) -> Path:
@@ -342,6 +357,48 @@ def test_mask_refuses_bad_input(models, tmp_path, capsys):
     assert not (data / "a-masklabel.png").exists()
 
 
+def test_mask_subject_keeps_the_thing_at_the_centre_whole(models, tmp_path, capsys):
+    """Background removal (Segment Anything, a point at each image's centre): the written mask is SAM's largest
+    good candidate at the image's size (EXIF-rotated as training sees it); no prompt; a non-SAM model is refused."""
+    from transformers import SamModel, SamProcessor
+
+    from trainer.tools.mask import choose_candidate
+    data = tmp_path / "data"
+    _image(data / "a.png", (40, 30))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    _image(data / "turned.jpg", (44, 30), exif=exif)
+    # the tiny random SAM's logits are ~1e-6: at 0.5 the mask is their sign, a mask with both colours
+    assert cli("mask", data, "--method", "subject", "--model", models["sam"], "--device", "cpu", "--threshold", 0.5) == 0
+    assert "masked 2/2" in capsys.readouterr().err
+    sam, proc = SamModel.from_pretrained(models["sam"]).eval(), SamProcessor.from_pretrained(models["sam"])
+    for name, source in (("a", data / "a.png"), ("turned", data / "turned.jpg")):
+        image = ImageOps.exif_transpose(Image.open(source)).convert("RGB")
+        inputs = proc(images=image, input_points=[[[image.width / 2, image.height / 2]]], return_tensors="pt")
+        with torch.no_grad():
+            out = sam(pixel_values=inputs["pixel_values"], input_points=inputs["input_points"])
+        logits = proc.image_processor.post_process_masks(out.pred_masks, inputs["original_sizes"],
+                                                         inputs["reshaped_input_sizes"], binarize=False)[0][0]
+        want = (choose_candidate(logits, out.iou_scores[0, 0]) > 0.5).numpy().astype(np.uint8) * 255
+        got = _pixels(data / f"{name}-masklabel.png")
+        assert got.shape == (image.height, image.width) and (got == want).all()
+        assert (got == 0).any() and (got == 255).any()
+    for extra, said in [(("--prompt", "a dog"), "takes no --prompt"), (("--model", models["clipseg"]), "needs a Segment")]:
+        assert cli("mask", data, "--method", "subject", "--device", "cpu", "--overwrite", *extra) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_choose_candidate_prefers_the_whole_object_unless_it_is_much_worse():
+    from trainer.tools.mask import choose_candidate
+    logits = torch.full((3, 4, 4), -10.0)
+    logits[0, 1:2, 1:2] = 10  # a part
+    logits[1, 1:3, 1:3] = 10  # more of it
+    logits[2, :, :] = 10  # the whole picture
+    assert choose_candidate(logits, torch.tensor([0.9, 0.85, 0.5]))[1:3, 1:3].gt(0.5).all()  # whole is too poor
+    assert choose_candidate(logits, torch.tensor([0.9, 0.85, 0.5])).gt(0.5).sum() == 4
+    assert choose_candidate(logits, torch.tensor([0.8, 0.85, 0.82])).gt(0.5).all()  # whole, nearly as good
+
+
 def test_grow_and_shrink():
     from trainer.tools.mask import grow
     dot = torch.zeros(9, 9, dtype=torch.bool)
@@ -385,4 +442,9 @@ def test_the_tools_tab_captions_and_masks_a_folder_in_a_subprocess(models, tmp_p
     assert msg.startswith("✅"), (msg, tail)
     assert (data / "a-masklabel.png").is_file() and (data / "b-masklabel.png").is_file()
     assert "give what to mask" in run("mask", str(data), "", "", "", "", None, False, False, False)[0]
+    from webui.tabs.tools import MASK_METHODS
+    subject = next(k for k, v in MASK_METHODS.items() if v == "subject")  # background removal: no prompt
+    msg, tail = run("mask", str(data), str(models["sam"]), "", "", "", None, False, False, True, subject)
+    assert msg.startswith("✅"), (msg, tail)
+    assert (data / "a-masklabel.png").is_file()
     assert "outside the folders" in run("caption", "/etc", "", "", "", "", None, False, False, False)[0]

@@ -74,7 +74,7 @@ def add_parsers(sub: Any) -> None:
 def add_dataset_parsers(sub: Any) -> None:
     """``caption`` and ``mask``: files next to a dataset's images, written by a model."""
     from trainer.tools.caption import (DEFAULT_CAPTION_MODEL, DEFAULT_THRESHOLD, FLORENCE_TASKS, KNOWN_TAGGER)
-    from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, METHODS
+    from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, DEFAULT_SUBJECT_MODEL, METHODS
 
     def images(sp, what: str):
         sp.add_argument("folder", help=f"The folder of images; {what} next to each image.")
@@ -115,17 +115,20 @@ def add_dataset_parsers(sub: Any) -> None:
                    help="Taggers: at most N tags, the best first (default 0: no limit).")
     run_on(c)
 
-    m = sub.add_parser("mask", help="Write <image>-masklabel.png training masks from a text prompt (CLIPSeg).",
+    m = sub.add_parser("mask", help="Write <image>-masklabel.png training masks from a text prompt (CLIPSeg) or "
+                                    "around the subject (SAM, background removal).",
                        description="Write a mask next to every image (<image name>-masklabel.png, what data.masks "
-                                   "reads): white where --prompt is (trained), black elsewhere. Existing masks are "
-                                   "kept unless --overwrite.")
+                                   "reads): white where --prompt is (clipseg) or on the thing at the image's centre "
+                                   "(subject), trained; black elsewhere. Existing masks are kept unless --overwrite.")
     images(m, "writes <image name>-masklabel.png")
     m.add_argument("--method", choices=METHODS, default="clipseg",
-                   help="clipseg: a text-prompted segmentation model (the only method so far).")
+                   help="clipseg: what --prompt names (CLIPSeg); subject: background removal, the thing at the "
+                        "centre of each image, whole (Segment Anything), no --prompt.")
     m.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                    help="What to cover, e.g. 'a person'; repeat it to cover several things.")
-    m.add_argument("--model", default=DEFAULT_MASK_MODEL,
-                   help=f"CLIPSeg hub id or local folder (default {DEFAULT_MASK_MODEL}). Offline: give a folder.")
+    m.add_argument("--model", default="",
+                   help=f"Hub id or local folder (default {DEFAULT_MASK_MODEL} for clipseg, {DEFAULT_SUBJECT_MODEL} "
+                        "for subject). Offline: give a folder.")
     m.add_argument("--threshold", type=float, default=DEFAULT_MASK_THRESHOLD,
                    help=f"Probability above which a pixel is white (default {DEFAULT_MASK_THRESHOLD}).")
     m.add_argument("--invert", action="store_true", help="White everywhere except the prompt's thing.")

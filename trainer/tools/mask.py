@@ -1,4 +1,5 @@
-"""``mask``: a training mask next to every image of a folder, from a text prompt (CLIPSeg).
+"""``mask``: a training mask next to every image of a folder, from a text prompt (CLIPSeg) or around the subject
+(SAM: background removal).
 
 Each mask is ``<image stem>-masklabel.png`` (:data:`trainer.data.concepts.MASK_SUFFIX`, what training reads
 with ``data.masks`` on), 8-bit greyscale at the image's size (as training sees it: EXIF-rotated), white where
@@ -6,8 +7,13 @@ the prompt's thing is (trained), black elsewhere (ignored). Several ``--prompt``
 when any prompt scores above ``--threshold``. ``--invert`` swaps white and black (mask the thing out);
 ``--expand N`` then grows the white area by N pixels in every direction (a negative N shrinks it).
 
-Only ``--method clipseg`` so far: the background-removal models people use for this (RMBG, BiRefNet) run
-only through their repositories' own code (trust_remote_code), which Atelier does not run.
+``--method subject`` removes the background: Segment Anything (transformers' ``SamModel``) is asked for the thing
+at the centre of each image (one point prompt, the way a user clicks the subject), and of its three candidate
+masks (a part, a larger part, the whole object) the largest whose predicted quality is within
+:data:`SUBJECT_IOU_SLACK` of the best is kept, so a character or product comes out whole. No ``--prompt``; the
+threshold applies to the chosen mask's probability. The background-removal models people also use (rembg's u2net,
+RMBG, BiRefNet) run only through their own packages or repositories' code (trust_remote_code), which Atelier does
+not run.
 
 An existing mask is never replaced unless ``--overwrite``; an image that does not open is named and skipped.
 """
@@ -20,8 +26,11 @@ from typing import Any, List, Sequence, Tuple
 from trainer.tools import ToolError
 
 DEFAULT_MASK_MODEL = "CIDAS/clipseg-rd64-refined"
+DEFAULT_SUBJECT_MODEL = "facebook/sam-vit-base"
 DEFAULT_MASK_THRESHOLD = 0.4
-METHODS = ("clipseg",)
+METHODS = ("clipseg", "subject")
+DEFAULT_MODELS = {"clipseg": DEFAULT_MASK_MODEL, "subject": DEFAULT_SUBJECT_MODEL}
+SUBJECT_IOU_SLACK = 0.1  # a larger candidate wins while its predicted IoU is at most this far below the best
 
 
 class ClipSeg:
@@ -65,6 +74,48 @@ class ClipSeg:
         return out
 
 
+class SamSubject:
+    """A loaded Segment Anything model: :meth:`probabilities` of the thing at each image's centre."""
+
+    def __init__(self, spec: str, device: str):
+        from trainer.tools.caption import config_dict, load_pretrained, model_dtype, model_source, say
+        src = model_source(spec)
+        kind = str(config_dict(src).get("model_type") or "")
+        if kind != "sam":
+            raise ToolError(f"--model '{spec}' is a {kind or 'non-transformers'} model; --method subject needs a "
+                            f"Segment Anything model (e.g. {DEFAULT_SUBJECT_MODEL}).")
+        from transformers import SamModel, SamProcessor
+        say(f"loading {spec} on {device} …")
+        self.processor = load_pretrained(src, SamProcessor.from_pretrained, "a SAM processor")
+        self.model = load_pretrained(src, SamModel.from_pretrained, "a SAM model", dtype=model_dtype(device))
+        self.model.to(device).eval()
+        self.device = device
+
+    def probabilities(self, images: List[Any], prompts: Sequence[str] = ()) -> List[Any]:
+        """Per image a float [H, W] tensor at the image's size: the chosen candidate's probability per pixel."""
+        import torch
+        points = [[[im.width / 2, im.height / 2]] for im in images]  # one point each, at the centre
+        inputs = self.processor(images=images, input_points=points, return_tensors="pt")
+        dtype = next(self.model.parameters()).dtype
+        model_in = {k: (v.to(self.device, dtype) if v.is_floating_point() else v.to(self.device))
+                    for k, v in inputs.items() if k in ("pixel_values", "input_points")}
+        with torch.inference_mode():
+            out = self.model(**model_in, multimask_output=True)
+        logits = self.processor.image_processor.post_process_masks(
+            out.pred_masks.float().cpu(), inputs["original_sizes"], inputs["reshaped_input_sizes"], binarize=False)
+        scores = out.iou_scores.float().cpu()
+        return [choose_candidate(masks[0], iou[0]) for masks, iou in zip(logits, scores)]
+
+
+def choose_candidate(logits: Any, iou: Any) -> Any:
+    """Of SAM's candidates for one point ([3, H, W] logits, [3] predicted IoU), the probabilities of the largest
+    whose predicted IoU is within SUBJECT_IOU_SLACK of the best: the whole object rather than a part of it."""
+    probs = logits.sigmoid()
+    areas = (probs > 0.5).flatten(1).sum(1)
+    good = [i for i in range(len(iou)) if float(iou[i]) >= float(iou.max()) - SUBJECT_IOU_SLACK]
+    return probs[max(good, key=lambda i: (int(areas[i]), -i))]
+
+
 def grow(mask: Any, pixels: int) -> Any:
     """A bool [H, W] mask with its True area grown by ``pixels`` in every direction (shrunk when negative)."""
     import torch.nn.functional as F
@@ -92,11 +143,14 @@ def to_mask(prob: Any, threshold: float, invert: bool, expand: int) -> Any:
 def _check_args(args: Any) -> List[str]:
     prompts = [" ".join(str(p).split()) for p in (args.prompt or [])]
     prompts = [p for p in prompts if p]
-    if not prompts:
-        raise ToolError("give --prompt TEXT: what the masks should cover (e.g. --prompt person); repeat it for "
-                        "several things.")
     if args.method not in METHODS:
-        raise ToolError(f"--method {args.method}: only {', '.join(METHODS)} is available.")
+        raise ToolError(f"--method {args.method}: choose one of {', '.join(METHODS)}.")
+    if args.method == "subject" and prompts:
+        raise ToolError("--method subject takes no --prompt: it keeps the thing at the centre of each image. Use "
+                        "--method clipseg to mask what a prompt names.")
+    if args.method == "clipseg" and not prompts:
+        raise ToolError("give --prompt TEXT: what the masks should cover (e.g. --prompt person); repeat it for "
+                        "several things (or --method subject to keep whatever is at the centre).")
     if not 0.0 < args.threshold < 1.0:
         raise ToolError(f"--threshold {args.threshold:g}: give a probability between 0 and 1, e.g. 0.4.")
     if args.batch < 1:
@@ -120,7 +174,8 @@ def run(args: Any) -> int:
     if kept:
         say(f"{kept} of {len(pairs)} images already have masks and are left as they are (--overwrite replaces them).")
     device = pick_device(args.device)
-    seg = ClipSeg(args.model, device)
+    model = args.model or DEFAULT_MODELS[args.method]
+    seg = SamSubject(model, device) if args.method == "subject" else ClipSeg(model, device)
 
     progress, written = Progress("masked", len(todo)), Written()
     skipped: List[Tuple[Path, str]] = []
@@ -159,7 +214,8 @@ def run(args: Any) -> int:
     if black:
         say(f"note: {len(black)} masks are black everywhere (nothing scored above --threshold {args.threshold:g}"
             f"{', after --invert' if args.invert else ''}), e.g. {black[0].name}; those images would train only "
-            "at loss.unmasked_weight. Lower --threshold or change --prompt, and run again with --overwrite.")
+            "at loss.unmasked_weight. Lower --threshold or change --prompt (or --method), and run again with "
+            "--overwrite.")
     if written.count == 0 and skipped and len(skipped) == len(todo):
         raise ToolError(f"none of the {len(todo)} images to mask in '{folder}' would open "
                         f"(e.g. {skipped[0][0].name}: {skipped[0][1]}).")

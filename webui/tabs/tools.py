@@ -319,9 +319,13 @@ def model_tools(ctx: AppContext) -> None:
                  "into place only when complete).", None, [msg], cancels=[job])
 
 
+MASK_METHODS = {"what the prompt names (CLIPSeg)": "clipseg", "the subject: remove the background (SAM)": "subject"}
+
+
 def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = "", suffix: str = "",
                     overwrite: bool = False, recursive: bool = False, prompt: str = "",
-                    threshold: Optional[float] = None, invert: bool = False) -> Tuple[List[str], str]:
+                    threshold: Optional[float] = None, invert: bool = False,
+                    method: str = "clipseg") -> Tuple[List[str], str]:
     """The arguments after ``python -m trainer`` for caption/mask, or ([], what is missing)."""
     if tool not in ("caption", "mask"):
         return [], "pick caption or mask"
@@ -334,10 +338,13 @@ def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = ""
         argv += (["--prefix", prefix] if prefix.strip() else []) + (["--suffix", suffix] if suffix.strip() else [])
     else:
         prompts = [p.strip() for p in prompt.split(",") if p.strip()]
-        if not prompts:
+        if method == "subject":
+            argv += ["--method", "subject"]  # the thing at each image's centre: no prompt
+        elif not prompts:
             return [], "give what to mask (a text prompt, e.g. 'dog'; several separated by commas)"
-        for text in prompts:
-            argv += ["--prompt", text]
+        else:
+            for text in prompts:
+                argv += ["--prompt", text]
         if invert:
             argv.append("--invert")
     if threshold:
@@ -353,7 +360,8 @@ def dataset_tools(ctx: AppContext) -> None:
     """Caption a folder of images, or make masks from a text prompt (python -m trainer caption|mask)."""
     with gr.Accordion("Dataset tools: captions and masks", open=False, elem_id="tools-dataset"):
         gr.Markdown("Write `<image>.txt` captions with a captioning model (BLIP, Florence-2) or a tagger, or "
-                    "`<image>-masklabel.png` masks (white = train) from a text prompt with CLIPSeg. Existing "
+                    "`<image>-masklabel.png` masks (white = train) from a text prompt with CLIPSeg, or around "
+                    "each image's subject with Segment Anything (background removal). Existing "
                     "files are kept unless *Overwrite* is ticked. The model is downloaded on first use.")
         with gr.Row():
             tool = gr.Radio(["caption", "mask"], value="caption", label="Tool", elem_id="tools-data-tool")
@@ -364,13 +372,15 @@ def dataset_tools(ctx: AppContext) -> None:
         with gr.Row():
             prefix = gr.Textbox(label="Caption: prefix (e.g. the trigger word)", elem_id="tools-data-prefix")
             suffix = gr.Textbox(label="Caption: suffix", elem_id="tools-data-suffix")
+            method = gr.Radio(list(MASK_METHODS), value=next(iter(MASK_METHODS)), label="Mask: keep",
+                              elem_id="tools-data-method")
             prompt = gr.Textbox(label="Mask: what to keep (e.g. dog)", elem_id="tools-data-prompt")
             threshold = gr.Number(label="Threshold (empty = default)", value=None, elem_id="tools-data-threshold")
             invert = gr.Checkbox(label="Mask: invert", value=False, elem_id="tools-data-invert")
         go, cancel, msg, tail = run_controls("tools-data", "Run")
 
     def run(tool_v, folder_v, model_v, prefix_v, suffix_v, prompt_v, threshold_v, invert_v, recursive_v,
-            overwrite_v) -> List[Any]:
+            overwrite_v, method_v=next(iter(MASK_METHODS))) -> List[Any]:
         confine = ctx.allowed_path
         folder_v, why = confine(folder_v, "The folder")
         model_v, why_model = confine(model_v, "The model")
@@ -379,14 +389,15 @@ def dataset_tools(ctx: AppContext) -> None:
             return
         argv, missing = dataset_command(tool_v, folder_v, model=model_v, prefix=prefix_v or "", suffix=suffix_v or "",
                                         overwrite=bool(overwrite_v), recursive=bool(recursive_v),
-                                        prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v))
+                                        prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v),
+                                        method=MASK_METHODS.get(method_v, "clipseg"))
         if not argv:
             yield [f"⛔ {tool_v}: {missing}.", ""]
             return
         yield from progress_updates(argv)
 
     ctx.handlers["tools_dataset_run"] = run
-    job = go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite],
+    job = go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite, method],
                    [msg, tail])
     cancel.click(lambda: "Cancelled: the tool was stopped (files it finished are kept).", None, [msg], cancels=[job])
 
