@@ -179,19 +179,44 @@ def test_a_failing_rank_ends_the_job_with_a_failed_event_naming_it(tiny_workspac
     assert not (run / "dist-fault.safetensors").exists()
 
 
-def test_a_rank_that_dies_hard_is_named(tiny_workspace):
-    """Rank 1 calls os._exit (no Python error, like the OOM killer): rank 0 or the launcher names it."""
+def test_a_rank_gone_without_a_word_is_named_and_its_crash_report_read(tmp_path):
+    """Rank 0 lost its peer: a rank whose process is gone is named; "without a Python error" (killed, like
+    the OOM killer) unless it left faulthandler's report, which is summed up to the crash and its frame."""
+    from trainer.distributed import crash_report, explain_failure
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+    for k, pid in ((0, os.getpid()), (1, int(gone.stdout))):
+        (tmp_path / f"rank-{k}-process.json").write_text(json.dumps({"rank": k, "pid": pid,
+                                                                     "host": socket.gethostname()}))
+    rank, why = explain_failure(tmp_path, 0, "PeerLost: closed", peer_lost=True, world=2, wait_s=0.4)
+    assert rank == 1 and "ended without a Python error" in why and "PeerLost: closed" in why
+    (tmp_path / "rank-1-crash.log").write_text(
+        "Fatal Python error: Aborted\n\nThread 0x01 (most recent call first):\n  File \"/x/threading.py\", "
+        "line 3 in wait\n\nCurrent thread 0x02 (most recent call first):\n  File \"/a/torch/nn/functional.py\", "
+        "line 9 in conv2d\n  File \"/a/trainer/step.py\", line 5 in forward_loss\n")
+    assert crash_report(tmp_path, 1)[0] == "Aborted in conv2d (nn/functional.py, line 9)"
+    rank, why = explain_failure(tmp_path, 0, "PeerLost: closed", peer_lost=True, world=2, wait_s=0.4)
+    assert rank == 1 and "crashed: Aborted in conv2d (nn/functional.py, line 9)" in why
+    assert crash_report(tmp_path, 0) == ("", "")
+
+
+def test_a_rank_that_crashes_below_python_is_named_with_where_it_crashed(tiny_workspace):
+    """Rank 1 segfaults (as a native library can): the failure names rank 1, the crash and the Python
+    function it crashed in; the run folder keeps every thread's stack; a clean rank leaves no crash log."""
     ws = tiny_workspace
-    t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--preset", "demo", "--num-processes", "2",
-                           *_sets(ws, "dist-exit", "training.batch_size=1", "general.dist_timeout_s=60")],
-                          cwd=ROOT, env=_env(ATELIER_TEST_FAULT="1:2:exit"), capture_output=True, text=True,
+                           *_sets(ws, "dist-segv", "training.batch_size=1", "general.dist_timeout_s=60")],
+                          cwd=ROOT, env=_env(ATELIER_TEST_FAULT="1:2:segv"), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert time.time() - t0 < 150
-    events = read_events(ws / "runs" / "dist-exit" / "events.jsonl")
-    failed = [e for e in events if e["type"] == "failed"]
+    run = ws / "runs" / "dist-segv"
+    failed = [e for e in read_events(run / "events.jsonl") if e["type"] == "failed"]
     assert len(failed) == 1 and failed[0]["rank"] == 1, failed
+    assert "crashed: Segmentation fault in fault_injection (trainer/distributed.py" in failed[0]["message"], failed
+    crash = (run / "rank-1-crash.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in crash and "run_training" in crash
+    assert not (run / "rank-0-crash.log").exists()
+    assert "rank 1 crashed; the Python stacks of its threads" in (run / "train.log").read_text()
 
 
 def test_validate_shows_the_effective_batch_and_bad_device_counts(tiny_workspace, capsys):

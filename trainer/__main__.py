@@ -150,6 +150,10 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if fresh_process and args.command == "train":
+        import faulthandler
+        # a crash below Python (a segfault in a native library, an abort in a collective) prints every
+        # thread's Python stack to stderr, which the run's log and torchrun keep
+        faulthandler.enable(all_threads=True)
         from trainer.startup import pause_gc
         pause_gc()  # until set-up is done (see trainer/startup.py)
     from trainer.devices import enable_mps_fallback

@@ -350,8 +350,71 @@ def write_rank_error(run_dir: Path, rank: int, message: str, tb: str = "") -> No
 
 
 def clear_rank_files(run_dir: Path) -> None:
-    for p in Path(run_dir).glob("rank-*-*.json"):
-        p.unlink(missing_ok=True)
+    for pattern in ("rank-*-*.json", "rank-*-crash.log"):
+        for p in Path(run_dir).glob(pattern):
+            p.unlink(missing_ok=True)
+
+
+_CRASH_LOG = None  # the open file faulthandler writes to (it must stay open for the process's life)
+
+
+def record_crashes(run_dir: Path, rank: int) -> None:
+    """``rank-K-crash.log``: where Python's faulthandler writes every thread's stack if this process dies
+    below Python (a segfault in a native library, an abort in a collective), so rank 0 can say where
+    another rank crashed instead of only that its process is gone. Emptied at each start."""
+    import faulthandler
+    global _CRASH_LOG
+    path = Path(run_dir) / f"rank-{rank}-crash.log"
+    try:
+        f = open(path, "w", encoding="utf-8")
+    except OSError:
+        return  # the trainer still runs; a crash then only shows on stderr
+    faulthandler.enable(file=f, all_threads=True)
+    if _CRASH_LOG is not None:
+        _CRASH_LOG.close()
+    _CRASH_LOG = f
+
+
+def stop_recording_crashes(run_dir: Path, rank: int) -> None:
+    """A normal end: faulthandler back on stderr, the empty crash log removed."""
+    import faulthandler
+    global _CRASH_LOG
+    if _CRASH_LOG is None:
+        return
+    faulthandler.enable(all_threads=True)
+    _CRASH_LOG.close()
+    _CRASH_LOG = None
+    path = Path(run_dir) / f"rank-{rank}-crash.log"
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
+
+
+def crash_report(run_dir: Path, rank: int) -> Tuple[str, str]:
+    """(summary, whole text) of ``rank-K-crash.log``: e.g. "Segmentation fault in fault_injection
+    (trainer/distributed.py, line 12)" — the crash and the innermost Python frame of the thread that
+    crashed; ("", "") when the rank left no crash report."""
+    try:
+        text = (Path(run_dir) / f"rank-{rank}-crash.log").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "", ""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    fatal = next((ln for ln in lines if ln.startswith("Fatal Python error:")), "")
+    if not fatal:
+        return "", text
+    what = fatal.split(":", 1)[1].strip()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    frame = next((ln for ln in lines[start + 1:] if ln.startswith("File ")), "") if start is not None else ""
+    if frame:  # File "/path/trainer/x.py", line 12 in name
+        import re
+        m = re.match(r'File "(.+)", line (\d+) in (.+)', frame)
+        if m:
+            where = Path(m.group(1))
+            short = "/".join(where.parts[-2:])
+            return f"{what} in {m.group(3)} ({short}, line {m.group(2)})", text
+    return what, text
 
 
 def rank_errors(run_dir: Path) -> List[dict]:
@@ -397,6 +460,10 @@ def explain_failure(run_dir: Path, own_rank: int, own_message: str, peer_lost: b
             return int(e["rank"]), str(e.get("message", ""))
         gone = [k for k in dead_ranks(run_dir, world) if k != own_rank]
         if gone and time.time() > deadline - wait_s / 2:
+            crash, _ = crash_report(run_dir, gone[0])
+            if crash:
+                return gone[0], (f"process rank {gone[0]} crashed: {crash} (every thread's stack: "
+                                 f"rank-{gone[0]}-crash.log in the run folder). Rank {own_rank} saw: {own_message}")
             return gone[0], (f"process rank {gone[0]} ended without a Python error (killed, out of memory, "
                              f"or exited). Rank {own_rank} saw: {own_message}")
         if time.time() > deadline:
@@ -421,6 +488,9 @@ def fault_injection(rank: int, step: int) -> None:
     if int(r) == rank and int(s) == step:
         if how == "exit":
             os._exit(3)
+        if how == "segv":  # a crash below Python
+            import faulthandler
+            faulthandler._sigsegv()
         raise RuntimeError(f"test fault on rank {rank} at step {step}")
 
 

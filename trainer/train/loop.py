@@ -22,8 +22,9 @@ from typing import List, Optional
 
 from trainer import procs
 from trainer.config import ConfigError, save_config
-from trainer.distributed import (PeerLost, env_rank_world, explain_failure, fault_injection, rank_file,
-                                 write_rank_error, write_rank_info)
+from trainer.distributed import (PeerLost, crash_report, env_rank_world, explain_failure, fault_injection,
+                                 rank_file, record_crashes, stop_recording_crashes, write_rank_error,
+                                 write_rank_info)
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample
@@ -220,6 +221,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     if world > 1:
         rank_file(run_dir, rank, "error").unlink(missing_ok=True)  # a failure of an earlier attempt
         write_rank_info(run_dir, rank)
+        record_crashes(run_dir, rank)
     trainer = RunState(cfg, run_dir, resume=resume, progress=progress)
     stop_sigs = [sig for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGBREAK", None)) if sig is not None]
     previous_handlers = {sig: signal.getsignal(sig) for sig in stop_sigs}
@@ -274,6 +276,8 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
         if getattr(trainer, "tb", None) is not None:
             trainer.tb.close()
         _end_process_group()
+        if world > 1:
+            stop_recording_crashes(run_dir, rank)
         for h in list(log.handlers):
             h.close()
             log.removeHandler(h)
@@ -297,6 +301,9 @@ def _failed(trainer: RunState, message: str, tb: str, peer_lost: bool) -> None:
     if not trainer.is_main:
         return
     rank, why = explain_failure(trainer.run.path, trainer.rank, message, peer_lost, trainer.world)
+    crash, whole = crash_report(trainer.run.path, rank) if rank != trainer.rank else ("", "")
+    if crash:
+        log.error("rank %d crashed; the Python stacks of its threads:\n%s", rank, whole.rstrip())
     trainer.run.events.emit("failed", step=trainer.pos.step, rank=rank, world_size=trainer.world,
                             message=f"rank {rank} of {trainer.world}: {why}")
 
