@@ -43,6 +43,13 @@ def _torchrun(args: list, timeout: float = 240, **env) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+def _why(out: subprocess.CompletedProcess, run: Path) -> str:
+    """A failed launch's output, with the crash reports its ranks left (faulthandler's stacks)."""
+    crashes = "".join(f"\n--- {p.name}\n{p.read_text()}" for p in sorted(run.glob("rank-*-crash.log"))
+                      if p.stat().st_size)
+    return (out.stdout or "")[-3000:] + (out.stderr or "")[-3000:] + crashes
+
+
 def _port() -> int:
     import socket
     with socket.socket() as s:
@@ -69,7 +76,7 @@ def runs(tiny_workspace):
     t0 = time.time()
     out = _torchrun(["train", "--preset", "demo", *_sets(ws, "dist-two", "training.batch_size=1",
                                                           "backup.every_n_epochs=1", "backup.keep_last=2")])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, _why(out, ws / "runs" / "dist-two")
     return ws, time.time() - t0
 
 
@@ -121,7 +128,7 @@ def test_ddp_averages_the_unet_and_text_encoder_with_accumulation(tiny_workspace
              "backup.every_n_epochs=0")
     assert cli(["train", "--preset", "demo", *_sets(ws, "ddp-acc-one", *extra)]) == 0
     out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-acc-two", *extra, "training.batch_size=1")])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, _why(out, ws / "runs" / "ddp-acc-two")
     one, two = ws / "runs" / "ddp-acc-one", ws / "runs" / "ddp-acc-two"
     a, b = _lora(one / "ddp-acc-one.safetensors"), _lora(two / "ddp-acc-two.safetensors")
     assert any(k.startswith("lora_te_") for k in a) and any(k.startswith("lora_unet_") for k in a)
@@ -140,7 +147,7 @@ def test_ddp_with_an_embedding_alongside_equals_one_process(tiny_workspace):
              "training.embedding_learning_rate=0.05", "training.max_steps=3", "backup.every_n_epochs=0")
     assert cli(["train", "--preset", "demo", *_sets(ws, "ddp-emb-one", *extra)]) == 0
     out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-emb-two", *extra, "training.batch_size=1")])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, _why(out, ws / "runs" / "ddp-emb-two")
     a = _lora(ws / "runs" / "ddp-emb-one" / "ddp-emb-one.safetensors")
     b = _lora(ws / "runs" / "ddp-emb-two" / "ddp-emb-two.safetensors")
     assert any("emb" in k for k in a), sorted(a)[:5]
@@ -257,7 +264,7 @@ def fsdp_runs(tiny_workspace, one_thread):
     out = _torchrun(["train", "--preset", "demo-finetune", *_sets(ws, "fsdp-two", *FT, "training.batch_size=1",
                                                                    "general.distributed=fsdp",
                                                                    "backup.every_n_epochs=1")])
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, _why(out, ws / "runs" / "fsdp-two")
     return ws, time.time() - t0
 
 
@@ -349,7 +356,7 @@ def test_a_one_process_backup_resumes_under_fsdp_from_an_accelerate_config(fsdp_
                                        f"general.accelerate_config={conf}", "backup.every_n_epochs=0"),
                            "--run-dir", str(run), "--resume", str(backup)],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _why(proc, run)
     assert f"--config_file {conf}" in proc.stderr and "--multi_gpu" not in proc.stderr  # the launch line
     log = (run / "train.log").read_text()
     assert "general.fsdp_sharding_strategy = shard_grad_op" in log and "size_based_wrap" in log
