@@ -122,12 +122,15 @@ def test_a_two_process_backup_resumes_on_one_process(runs, capsys):
 def test_ddp_averages_the_unet_and_text_encoder_with_accumulation(tiny_workspace):
     """torch's DDP carries the gradients (the log names the wrapped modules), its no_sync keeps the first
     micro-batch of each step local, and 2 processes x batch 1 x accumulation 2 with a trained text encoder
-    equal 1 process with batch 2 and the same accumulation."""
+    equal 1 process with batch 2 and the same accumulation. A sample after each epoch (rank 0 alone) does
+    not leave the other process behind: rank 0's weights are broadcast at the next step with everyone."""
     ws = tiny_workspace
     extra = ("training.gradient_accumulation_steps=2", "training.train_text_encoder=true",
-             "backup.every_n_epochs=0")
+             "backup.every_n_epochs=0", "sampling.every_n_epochs=1",
+             "sampling.prompts=[{prompt: a red square, seed: 1, steps: 2, width: 64, height: 64}]")
     assert cli(["train", "--preset", "demo", *_sets(ws, "ddp-acc-one", *extra)]) == 0
-    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-acc-two", *extra, "training.batch_size=1")])
+    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "ddp-acc-two", *extra, "training.batch_size=1",
+                                                          "general.dist_timeout_s=60")])
     assert out.returncode == 0, _why(out, ws / "runs" / "ddp-acc-two")
     one, two = ws / "runs" / "ddp-acc-one", ws / "runs" / "ddp-acc-two"
     a, b = _lora(one / "ddp-acc-one.safetensors"), _lora(two / "ddp-acc-two.safetensors")
@@ -137,6 +140,7 @@ def test_ddp_averages_the_unet_and_text_encoder_with_accumulation(tiny_workspace
     assert "DDP:" in log_text and "unet, text_encoder" in log_text
     steps = [e for e in read_events(two / "events.jsonl") if e["type"] == "step"]
     assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (two / "samples").iterdir()) == ["step000002-p0.png", "step000004-p0.png"]
 
 
 def test_ddp_with_an_embedding_alongside_equals_one_process(tiny_workspace):
@@ -460,13 +464,15 @@ def test_fsdp_settings_come_from_the_accelerate_launcher(tiny_workspace, monkeyp
     assert plan_fsdp(cfg, 2, True, warnings.append) is None and cfg.general.distributed == "ddp"
 
 
-def test_gradient_sync_without_params_still_carries_loss_and_stop():
-    """With FSDP and only the UNet trained, nothing is left for GradientSync but the loss and the stop flag."""
+def test_gradient_sync_without_params_still_carries_loss_stop_and_touched():
+    """With FSDP and only the UNet trained, nothing is left for GradientSync but the loss, the stop flag and
+    whether rank 0 swapped its weights."""
     import torch.distributed as dist
     from trainer.distributed import GradientSync
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert GradientSync([], 1, torch.device("cpu")).step(0.25, True) == (0.25, True)
+        assert GradientSync([], 1, torch.device("cpu")).step(0.25, True) == (0.25, True, False)
+        assert GradientSync([], 1, torch.device("cpu")).step(0.5, False, True) == (0.5, False, True)
     finally:
         dist.destroy_process_group()
 

@@ -162,7 +162,9 @@ class GradientSync:
             for p in self.params:
                 dist.broadcast(p.data, src=0)
 
-    def step(self, loss: float, stop: bool) -> Tuple[float, bool]:
+    def step(self, loss: float, stop: bool, touched: bool = False) -> Tuple[float, bool, bool]:
+        """Average the gradients; (the mean loss, any process asked to stop, any process swapped its
+        weights): every process learns all three from the same all-reduce."""
         import torch
         import torch.distributed as dist
         ref = next((p.grad for p in self.params if p.grad is not None), None)
@@ -176,7 +178,8 @@ class GradientSync:
             else:
                 pieces.append(p.grad.detach().reshape(-1).to(device, dtype))
                 has.append(1.0)
-        extras = torch.tensor([*has, float(loss), 1.0 if stop else 0.0], device=device, dtype=dtype)
+        extras = torch.tensor([*has, float(loss), 1.0 if stop else 0.0, 1.0 if touched else 0.0],
+                              device=device, dtype=dtype)
         flat = torch.cat([*pieces, extras])
         try:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
@@ -186,14 +189,14 @@ class GradientSync:
         offset = 0
         for i, p in enumerate(self.params):
             n = p.numel()
-            if flat[-(len(self.params) + 2) + i] > 0:
+            if flat[-(len(self.params) + 3) + i] > 0:
                 g = flat[offset:offset + n].view_as(p).to(p.dtype)
                 if p.grad is None:
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
             offset += n
-        return float(flat[-2]), bool(flat[-1] > 0)
+        return float(flat[-3]), bool(flat[-2] > 0), bool(flat[-1] > 0)
 
 
 def _entry_module(module):

@@ -156,10 +156,13 @@ class DistributedData(SingleProcess):
     def end_step(self, loss: float, stop: bool) -> Tuple[float, bool]:
         if self.ddp is not None:
             self.ddp.check_step()
-        if self._touched:  # rank 0 swapped weights to sample/save: start again from identical ones
+        # rank 0 alone samples and saves (DDP): whether it swapped weights (schedule-free, EMA) travels in
+        # the step's all-reduce, so every process joins the broadcast of rank 0's weights that follows
+        loss, stop, touched = self.grad_sync.step(loss, stop, self._touched)
+        self._touched = False
+        if touched:  # start the optimizer step from identical weights (the gradients are averaged already)
             self.weights_sync.broadcast_from_main()
-            self._touched = False
-        return self.grad_sync.step(loss, stop)
+        return loss, stop
 
     def weights_touched(self) -> None:
         self._touched = True
