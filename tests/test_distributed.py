@@ -215,11 +215,13 @@ def test_a_rank_that_crashes_below_python_is_named_with_where_it_crashed(tiny_wo
     """Rank 1 segfaults (as a native library can): the failure names rank 1, the crash and the Python
     function it crashed in; the run folder keeps every thread's stack; a clean rank leaves no crash log."""
     ws = tiny_workspace
+    t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "trainer", "train", "--preset", "demo", "--num-processes", "2",
                            *_sets(ws, "dist-segv", "training.batch_size=1", "general.dist_timeout_s=60")],
                           cwd=ROOT, env=_env(ATELIER_TEST_FAULT="1:2:segv"), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 1, proc.stderr[-3000:]
+    assert time.time() - t0 < 150  # named when its process is gone, not after the collective timeout
     run = ws / "runs" / "dist-segv"
     failed = [e for e in read_events(run / "events.jsonl") if e["type"] == "failed"]
     assert len(failed) == 1 and failed[0]["rank"] == 1, failed

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -341,6 +342,10 @@ def rank_file(run_dir: Path, rank: int, what: str) -> Path:
     return Path(run_dir) / f"rank-{rank}-{what}.json"
 
 
+def crash_log(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank-{rank}-crash.log"
+
+
 def write_rank_info(run_dir: Path, rank: int) -> None:
     """``rank-K-process.json``: pid and host, so rank 0 can tell a rank that died without a word."""
     _write_json(rank_file(run_dir, rank, "process"), {"rank": rank, "pid": os.getpid(),
@@ -352,12 +357,6 @@ def write_rank_error(run_dir: Path, rank: int, message: str, tb: str = "") -> No
                                                     "host": socket.gethostname(), "time": time.time()})
 
 
-def clear_rank_files(run_dir: Path) -> None:
-    for pattern in ("rank-*-*.json", "rank-*-crash.log"):
-        for p in Path(run_dir).glob(pattern):
-            p.unlink(missing_ok=True)
-
-
 _CRASH_LOG = None  # the open file faulthandler writes to (it must stay open for the process's life)
 
 
@@ -367,9 +366,8 @@ def record_crashes(run_dir: Path, rank: int) -> None:
     another rank crashed instead of only that its process is gone. Emptied at each start."""
     import faulthandler
     global _CRASH_LOG
-    path = Path(run_dir) / f"rank-{rank}-crash.log"
     try:
-        f = open(path, "w", encoding="utf-8")
+        f = open(crash_log(run_dir, rank), "w", encoding="utf-8")
     except OSError:
         return  # the trainer still runs; a crash then only shows on stderr
     faulthandler.enable(file=f, all_threads=True)
@@ -387,7 +385,7 @@ def stop_recording_crashes(run_dir: Path, rank: int) -> None:
     faulthandler.enable(all_threads=True)
     _CRASH_LOG.close()
     _CRASH_LOG = None
-    path = Path(run_dir) / f"rank-{rank}-crash.log"
+    path = crash_log(run_dir, rank)
     try:
         if path.stat().st_size == 0:
             path.unlink()
@@ -400,7 +398,7 @@ def crash_report(run_dir: Path, rank: int) -> Tuple[str, str]:
     (trainer/distributed.py, line 12)" — the crash and the innermost Python frame of the thread that
     crashed; ("", "") when the rank left no crash report."""
     try:
-        text = (Path(run_dir) / f"rank-{rank}-crash.log").read_text(encoding="utf-8", errors="replace")
+        text = crash_log(run_dir, rank).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "", ""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -411,7 +409,6 @@ def crash_report(run_dir: Path, rank: int) -> Tuple[str, str]:
     start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
     frame = next((ln for ln in lines[start + 1:] if ln.startswith("File ")), "") if start is not None else ""
     if frame:  # File "/path/trainer/x.py", line 12 in name
-        import re
         m = re.match(r'File "(.+)", line (\d+) in (.+)', frame)
         if m:
             where = Path(m.group(1))
