@@ -112,14 +112,14 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     import signal
     import subprocess
 
-    from trainer.distributed import dead_ranks, launch_argv, rank_errors
+    from trainer.parallel.distributed import dead_ranks, launch_argv, rank_errors
     from trainer.events import EventWriter, read_events, run_state
     rest = [a for a in argv]
     if "--run-dir" not in rest:
         rest += ["--run-dir", str(run_dir)]
     cmd = launch_argv(cfg, rest, sys.executable)
     print(f"launching {cfg.general.num_processes} processes: {' '.join(cmd)}", file=sys.stderr)
-    from trainer.procs import stop_signals
+    from trainer.host.procs import stop_signals
     handlers = {s: signal.signal(s, lambda *_: None) for s in stop_signals() if s != getattr(signal, "SIGHUP", None)}  # ranks stop
     try:
         rc = subprocess.call(cmd, env=dict(os.environ, ATELIER_LAUNCHED="1"))
@@ -154,9 +154,9 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         # a crash below Python (a segfault in a native library, an abort in a collective) prints every
         # thread's Python stack to stderr, which the run's log and torchrun keep
         faulthandler.enable(all_threads=True)
-        from trainer.startup import pause_gc
-        pause_gc()  # until set-up is done (see trainer/startup.py)
-    from trainer.devices import enable_mps_fallback
+        from trainer.host.startup import pause_gc
+        pause_gc()  # until set-up is done (see trainer/host/startup.py)
+    from trainer.host.devices import enable_mps_fallback
     enable_mps_fallback()  # Apple Silicon: before torch loads, or operations MPS lacks fail instead of running on the CPU
     from trainer.config import ConfigError, cross_field_warnings
 
@@ -227,7 +227,7 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)
     if errors:
         return 2
-    from trainer.distributed import check_devices, env_rank_world, launched
+    from trainer.parallel.distributed import check_devices, env_rank_world, launched
     rank, world = env_rank_world()
     if world > 1 and not args.run_dir and not cfg.general.run_name:
         print("Config error: with several processes give --run-dir or general.run_name, so that every process "
@@ -246,7 +246,7 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         return 2
     trains_here = not (int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched())
     if rank == 0 and trains_here:  # one trainer per run folder, before anything in it is read or written
-        from trainer.runlock import RunFolderBusy, acquire, release
+        from trainer.train.runlock import RunFolderBusy, acquire, release
         try:
             acquire(run_dir)
         except RunFolderBusy as exc:
@@ -277,7 +277,7 @@ def _restartable(run_dir: Path) -> bool:
 
 def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_process: bool) -> int:
     """The rest of ``train``/``cache`` once this process holds the run folder (rank 0)."""
-    from trainer.distributed import launched
+    from trainer.parallel.distributed import launched
     if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
         if _restartable(run_dir):  # stopped or failed before its first backup: nothing to resume, nothing to lose
             print(f"note: {run_dir} holds a run that ended before its first backup; it starts again in place.",
@@ -302,7 +302,7 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
     if fresh_process:
-        from trainer.startup import skip_unused_imports, speed_up_imports
+        from trainer.host.startup import skip_unused_imports, speed_up_imports
         skip_unused_imports(cfg)
         speed_up_imports()
     from trainer.train.loop import run_training

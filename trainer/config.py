@@ -601,11 +601,11 @@ class ModelSettings:
         object.__setattr__(self, "disabled", frozenset(slot for slot, part in PART_OF_SLOT.items()
                                                        if not cfg.parts[part].get("enabled", True)))
         # parts stored quantised (fp8/NF4): they stay in CPU RAM when loaded and reach the device layer by
-        # layer, already quantised (trainer.precision.apply_storage), never whole in their load dtype
+        # layer, already quantised (trainer.memory.precision.apply_storage), never whole in their load dtype
         den = cfg.parts.denoiser
         deferred = {"unet"} if den.get("fp8", False) or den.get("nf4", False) or den.get("blocks_to_swap", 0) else set()
         # text encoders that may live in CPU RAM (data.offload_text_encoders) or are stored in fp8: loaded there, and
-        # placed by trainer.precision.place_text_encoders (never whole on the device in their load dtype)
+        # placed by trainer.memory.precision.place_text_encoders (never whole on the device in their load dtype)
         offload = bool(cfg.get("data", {}).get("offload_text_encoders", False)) if hasattr(cfg, "get") else False
         deferred |= {slot for slot, part in PART_OF_SLOT.items()
                      if slot != "unet" and (offload or cfg.parts[part].get("fp8", False)
@@ -1217,7 +1217,7 @@ def validate(cfg: DictConfig) -> None:
     validate_method(cfg)  # LoRA variants and embeddings
     from trainer.optim import validate_optim
     validate_optim(cfg)
-    from trainer.fsdp import validate_fsdp
+    from trainer.parallel.fsdp import validate_fsdp
     validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
 
 
@@ -1277,9 +1277,9 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += [Issue(key, message, level="error") for key, message in path_problems(cfg)]  # files train would reject
     from trainer.optim import optim_warnings
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
-    from trainer.memory_tier import tier_warnings
+    from trainer.memory.tiers import tier_warnings
     out += [Issue(key, message) for key, message in tier_warnings(cfg)]  # a memory tier's settings undone
-    from trainer.devices import device_problems, is_apple_silicon
+    from trainer.host.devices import device_problems, is_apple_silicon
     if cfg.general.device == "mps" or (cfg.general.device == "auto" and is_apple_silicon()):
         out += [Issue(key, message, level=level) for key, message, level in device_problems(cfg, "mps")]
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
@@ -1292,7 +1292,7 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += _loss_ema_precision_warnings(cfg)
     from trainer.families.checks import part_warnings
     out += part_warnings(cfg)  # settings of parts this family does not have
-    from trainer.fsdp import fsdp_warnings
+    from trainer.parallel.fsdp import fsdp_warnings
     out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
 

@@ -64,7 +64,7 @@ class Family:
     inpainting: bool = False
     fp8_skip: Tuple[str, ...] = ()  # module-name parts whose frozen weights stay out of fp8 storage
     swap_blocks: Tuple[str, ...] = ()  # the denoiser's block lists in running order (parts.denoiser.blocks_to_swap)
-    block_swap: Any = None  # the run's trainer.block_swap.BlockSwap, when blocks are swapped
+    block_swap: Any = None  # the run's trainer.memory.block_swap.BlockSwap, when blocks are swapped
     objective: Any = None  # trainer.objectives.DDPMObjective | FlowMatchingObjective
     device: Any = None
     source: Any = None
@@ -95,7 +95,7 @@ class Family:
     def trainable_modules(self) -> Dict[str, Any]:
         return self.parts()
 
-    #: modules left in CPU RAM by :meth:`_place_frozen` (stored quantised: ``trainer.precision.apply_storage``
+    #: modules left in CPU RAM by :meth:`_place_frozen` (stored quantised: ``trainer.memory.precision.apply_storage``
     #: moves them to ``device`` layer by layer once quantised)
     deferred: Tuple[str, ...] = ()
 

@@ -49,7 +49,7 @@ def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
 
 def trainable_state(state: RunState) -> Dict[str, Any]:
     """Whole trained weights on the CPU (FSDP: gathered by every process, kept by rank 0)."""
-    from trainer.fsdp import full_tensor
+    from trainer.parallel.fsdp import full_tensor
     trained = trained_params(state)  # not requires_grad: components past their window stay in backups
     out = {}
     for name, m in state.method.modules.items():
@@ -142,7 +142,7 @@ def load_backup(state: RunState, path: Path) -> None:
         raise ConfigError(f"Backup {path} does not match this config's trainable weights "
                           f"(e.g. {missing[0]} is missing): LoRA rank, targets or components changed.",
                           key="resume")
-    from trainer.fsdp import load_full_into
+    from trainer.parallel.fsdp import load_full_into
     with torch.no_grad():
         for k, p in params.items():
             load_full_into(p, weights[k])  # FSDP: each process takes its piece of the whole weight

@@ -20,9 +20,9 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from trainer import procs
+from trainer.host import procs
 from trainer.config import ConfigError, save_config
-from trainer.distributed import (PeerLost, crash_report, env_rank_world, explain_failure, fault_injection,
+from trainer.parallel.distributed import (PeerLost, crash_report, env_rank_world, explain_failure, fault_injection,
                                  rank_file, record_crashes, stop_recording_crashes, write_rank_error,
                                  write_rank_info)
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
@@ -40,7 +40,7 @@ def train(state: RunState) -> str:
     """From the first (or resumed) step to the result; returns "finished" or "stopped"."""
     import torch
 
-    from trainer.startup import resume_gc
+    from trainer.host.startup import resume_gc
     cfg = state.cfg
     t = cfg.training
     ev = state.run.events
@@ -92,7 +92,7 @@ def train(state: RunState) -> str:
             if state.ema is not None:
                 state.ema.after_optimizer_step(state.pos.step)
             _after_step(state, loss_acc, t_start, steps_at_start, bar)
-            resume_gc()  # paused during a fresh process's start-up (trainer/startup.py); no-op after
+            resume_gc()  # paused during a fresh process's start-up (trainer/host/startup.py); no-op after
             fault_injection(state.rank, state.pos.step)
             if state.stop_requested:
                 return _stop(state, bar)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, List
 
 from trainer.events import EventWriter
-from trainer.paths import is_absolute_path, path_name
+from trainer.host.paths import is_absolute_path, path_name
 
 log = logging.getLogger("atelier")
 

@@ -25,7 +25,7 @@ def sample(state: RunState) -> List[str]:
     on_eval(state.optimizer)  # schedule-free optimizers: sample the averaged weights
     pipe = state.model.pipeline(state.cfg.sampling.scheduler)
     paths, path_prompts, weights = [], [], []
-    from trainer.ema import sample_variants
+    from trainer.train.ema import sample_variants
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
             with state.ema.applied() if use_ema else nullcontext():

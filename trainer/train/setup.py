@@ -6,7 +6,7 @@ import json
 import logging
 
 from trainer.config import ConfigError, ModelSettings
-from trainer.parallel import make_strategy
+from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
 from trainer.train.state import RunState
 
@@ -23,7 +23,7 @@ def setup(state: RunState) -> None:
     cfg = state.cfg
     g = cfg.general
     t = cfg.training
-    from trainer.devices import device_problems, resolve_device
+    from trainer.host.devices import device_problems, resolve_device
     mps_backend = getattr(torch.backends, "mps", None)
     try:
         device = resolve_device(g.device, torch.cuda.is_available(),
@@ -37,8 +37,8 @@ def setup(state: RunState) -> None:
     cpu = device == "cpu"
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
-    from trainer.distributed import accelerator_kwargs
-    from trainer.fsdp import plan_fsdp
+    from trainer.parallel.distributed import accelerator_kwargs
+    from trainer.parallel.fsdp import plan_fsdp
     fsdp_plugin = plan_fsdp(cfg, state.world, cpu, state.warn, log.info)  # None: gradients averaged as DDP does
     state.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu,
                                    fsdp_plugin=None if cpu else fsdp_plugin,  # accelerate: FSDP on GPUs only
@@ -70,18 +70,18 @@ def setup(state: RunState) -> None:
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
     if check is not None:
         check([(it.path, c) for it in state.data.items + state.data.validation_items for c in it.captions])
-    from trainer.offload import TextEncoderOffload, plan_offload, text_frozen
+    from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
     frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
     state.text_offload = None
     offloading = plan_offload(cfg, state.data.captions_cacheable(), frozen_text, state.warn)
-    from trainer.precision import place_text_encoders
+    from trainer.memory.precision import place_text_encoders
     place_text_encoders(state.model, cfg, offloading)  # fp8 text encoders; the device unless offloaded
     if offloading:
         state.text_offload = TextEncoderOffload(state.model, state.device)  # before the denoiser reaches the device
         log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(state.text_offload.slots))
-    from trainer.block_swap import plan_block_swap
+    from trainer.memory.block_swap import plan_block_swap
     plan_block_swap(state.model, cfg, state.device, state.warn)  # blocks_to_swap: placed by apply_storage
-    from trainer.precision import apply_storage
+    from trainer.memory.precision import apply_storage
     apply_storage(state.model, state.method, cfg)  # fp8/NF4: quantised on the way to the device
     if t.gradient_checkpointing:
         for m in state.method.modules.values():
@@ -108,7 +108,7 @@ def setup(state: RunState) -> None:
     setup_loss_ema_precision(state)
     state.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
     if t.get("compile", False):
-        from trainer.compile import compile_blocks, describe
+        from trainer.train.compile import compile_blocks, describe
         try:
             done = compile_blocks(state.model.denoiser)
         except ValueError as exc:
@@ -168,9 +168,9 @@ def plan_global_batch(state: RunState) -> int:
 
 def setup_loss_ema_precision(state: RunState) -> None:
     """Zero-terminal-SNR schedule, the EMA copy, fp8 storage and stochastic-rounding hooks."""
-    from trainer.ema import make_ema
+    from trainer.train.ema import make_ema
     from trainer.loss import prepare_noise_schedule
-    from trainer.precision import apply_precision
+    from trainer.memory.precision import apply_precision
     cfg = state.cfg
     prepare_noise_schedule(state.model, cfg.loss, state.warn)
     state.ema = make_ema(state.method, cfg.ema, state.device)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.distributed import env_rank_world
-from trainer.parallel import SingleProcess, make_strategy
+from trainer.parallel.distributed import env_rank_world
+from trainer.parallel.strategy import SingleProcess, make_strategy
 from trainer.train.run_folder import RunFolder
 
 log = logging.getLogger("atelier")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from trainer.distributed import expand_rows, take_rows
+from trainer.parallel.distributed import expand_rows, take_rows
 from trainer.train.state import RunState
 
 log = logging.getLogger("atelier")

@@ -130,7 +130,7 @@ class InpaintingMixin:
         in its rows, see ``batch["global_rows"]``) and keeps its rows."""
         import torch
 
-        from trainer.distributed import expand_rows
+        from trainer.parallel.distributed import expand_rows
         mode = mode or self.inpainting_mask
         n = batch["latent_dist"]["mean"].shape[0] if n is None else n
         h, w = pixel_size
@@ -159,7 +159,7 @@ class InpaintingMixin:
         import torch
         import torch.nn.functional as F
 
-        from trainer.distributed import expand_rows, take_rows
+        from trainer.parallel.distributed import expand_rows, take_rows
         rows = batch.get("global_rows")
         pixels = self._pixels_for(batch, warn).float()
         masks = take_rows(self.inpaint_masks(batch, tuple(pixels.shape[-2:]), generator,

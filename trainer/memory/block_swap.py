@@ -148,7 +148,7 @@ class BlockSwap:
 
 def plan_block_swap(model: Any, cfg: Any, device: Any, warn: Optional[Callable[[str], None]] = None) -> Optional[BlockSwap]:
     """The run's :class:`BlockSwap` for ``parts.denoiser.blocks_to_swap`` (None when 0), set as ``model.block_swap``
-    before :func:`trainer.precision.apply_storage` places the denoiser. ConfigError naming the field when the family
+    before :func:`trainer.memory.precision.apply_storage` places the denoiser. ConfigError naming the field when the family
     has no block lists or fewer blocks."""
     from trainer.config import ConfigError
     n = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)

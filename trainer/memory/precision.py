@@ -220,7 +220,7 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
     """The text encoders the family left in CPU RAM (``model.deferred``: offloaded, fp8 or NF4): stored in fp8 / NF4
     where ``parts.text_encoder_N.fp8`` / ``.nf4`` asks (layer by layer on the device, back to RAM when they are
     offloaded; NF4's small quant state stays where it was made), then moved to the device unless ``offloading``
-    (trainer.offload moves them in only while they encode)."""
+    (trainer.memory.offload moves them in only while they encode)."""
     import logging
 
     import torch

@@ -1,4 +1,4 @@
-"""``python -m trainer.doctor``: what the installed torch can use here, and what of Atelier does not fit.
+"""``python -m trainer.host.doctor``: what the installed torch can use here, and what of Atelier does not fit.
 
 ``python launch.py --doctor`` runs this in the project's virtual environment after its own part (OS, GPUs the
 launcher found, the torch build it chooses). ``report()`` returns the lines, so tests can call it in-process;

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from trainer.procs import is_windows
+from trainer.host.procs import is_windows
 
 LOCK_NAME = "trainer.lock"
 _held: dict = {}  # run folder -> file descriptor, kept open for the life of the process

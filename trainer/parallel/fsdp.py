@@ -15,8 +15,8 @@ Why it is shaped like this:
   FSDP2 ``prepare`` takes one model whose parameters must be all of the optimizer's, while text encoders
   and embeddings train beside the UNet here. The optimizer is built afterwards, on the sharded weights.
 - **Gradients.** FSDP reduce-scatters the UNet's gradients in backward (averaged, like DDP);
-  the other trained modules (text encoders) are DDP-wrapped (``trainer.distributed.DDPGradients``), and
-  ``trainer.distributed.GradientSync`` carries the loss, the stop flag and any weight no module owns. Clipping goes through ``accelerator.clip_grad_norm_``, which is DTensor-aware.
+  the other trained modules (text encoders) are DDP-wrapped (``trainer.parallel.distributed.DDPGradients``), and
+  ``trainer.parallel.distributed.GradientSync`` carries the loss, the stop flag and any weight no module owns. Clipping goes through ``accelerator.clip_grad_norm_``, which is DTensor-aware.
 - **Same files as one process.** Backups gather whole weights and a whole optimizer state on rank 0 in
   the single-process layout (:func:`full_tensor`, :func:`full_optimizer_state`), and loading gives each
   process its piece (:func:`load_full_into`, :func:`shard_optimizer_state`): a backup resumes with or
@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from trainer.distributed import launched
+from trainer.parallel.distributed import launched
 
 FSDP_STRATEGIES = {  # accelerate's FSDP1 sharding strategies (names and 1-based numbers) and FSDP2 booleans
     "TRUE": "full_shard", "FULL_SHARD": "full_shard", "1": "full_shard",

@@ -19,7 +19,7 @@ Why it is shaped like this:
 - **Rank 0 writes**, everybody else computes; a failing process writes ``rank-K-error.json`` into
   the run folder so rank 0 (or the launcher) can name it in the ``failed`` event.
 - **FSDP for full fine-tunes** (``general.distributed = fsdp``): the UNet is sharded instead, see
-  :mod:`trainer.fsdp`; the other trained modules are still DDP-wrapped.
+  :mod:`trainer.parallel.fsdp`; the other trained modules are still DDP-wrapped.
 
 Only :func:`env_rank_world` and the launcher helpers run without torch.
 """
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from trainer.procs import pid_alive
+from trainer.host.procs import pid_alive
 
 Rows = Tuple[int, int, int]  # (first row, end row, global micro-batch size)
 
@@ -395,7 +395,7 @@ def stop_recording_crashes(run_dir: Path, rank: int) -> None:
 
 def crash_report(run_dir: Path, rank: int) -> Tuple[str, str]:
     """(summary, whole text) of ``rank-K-crash.log``: e.g. "Segmentation fault in fault_injection
-    (trainer/distributed.py, line 12)" — the crash and the innermost Python frame of the thread that
+    (trainer/parallel/distributed.py, line 12)" — the crash and the innermost Python frame of the thread that
     crashed; ("", "") when the rank left no crash report."""
     try:
         text = crash_log(run_dir, rank).read_text(encoding="utf-8", errors="replace")
@@ -505,13 +505,13 @@ def launch_argv(cfg, trainer_args: Sequence[str], python: str) -> List[str]:
     (gloo) on a machine without GPUs; ``--cpu`` would instead ask for mpirun. With
     ``general.accelerate_config`` the file comes first as ``--config_file``; when it is an FSDP config,
     ``--multi_gpu`` is left out (it would override the file's ``distributed_type``), so accelerate
-    hands its FSDP settings to the processes (see :func:`trainer.fsdp.fsdp_from_launcher`)."""
+    hands its FSDP settings to the processes (see :func:`trainer.parallel.fsdp.fsdp_from_launcher`)."""
     g = cfg.general
     n = int(g.num_processes)
     conf_path = str(g.get("accelerate_config", "") or "").strip()
     head: List[str] = ["--multi_gpu"]
     if conf_path:
-        from trainer.fsdp import accelerate_config_file
+        from trainer.parallel.fsdp import accelerate_config_file
         conf = accelerate_config_file(cfg) or {}
         head = ["--config_file", str(Path(conf_path).expanduser())]
         if str(conf.get("distributed_type", "")).upper() != "FSDP":

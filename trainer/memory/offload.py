@@ -73,7 +73,7 @@ class TextEncoderOffload:
             self._move(den, self.device)
 
     def _move(self, den: Any, device: Any) -> None:
-        swap = getattr(self.model, "block_swap", None)  # swapped blocks' weights stay in RAM (trainer.block_swap)
+        swap = getattr(self.model, "block_swap", None)  # swapped blocks' weights stay in RAM (trainer.memory.block_swap)
         if swap is not None:
             swap.place(den, device)
         else:
