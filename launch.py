@@ -437,8 +437,8 @@ def doctor() -> int:
     if not py.exists():
         print(f"\nNo virtual environment in {VENV} yet: `python launch.py` creates it and installs torch.")
         return 0
-    print(f"\nWhat torch in {VENV} sees ({py} -m trainer.doctor):", flush=True)
-    return subprocess.call([str(py), "-m", "trainer.doctor"], cwd=str(ROOT))
+    print(f"\nWhat torch in {VENV} sees ({py} -m trainer.host.doctor):", flush=True)
+    return subprocess.call([str(py), "-m", "trainer.host.doctor"], cwd=str(ROOT))
 
 
 def main(argv: list) -> int:

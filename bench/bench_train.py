@@ -152,7 +152,7 @@ def _torch_probe(python: str, env: Optional[dict] = None) -> Dict[str, Any]:
 def compare(args, ws: Path) -> int:
     """Atelier and diffusers' train_text_to_image_lora.py on the same model, data and settings."""
     import diffusers_compare as dc
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
 
     script, script_info = dc.check_script(args.diffusers_script)
     dpython = args.diffusers_python or sys.executable
@@ -209,7 +209,7 @@ def compare(args, ws: Path) -> int:
 def model_flops(preset: str, overrides: list, result: Dict[str, Any], peak_tflops: float) -> Dict[str, Any]:
     """The step's FLOPs (real-size model of the preset's family) and MFU at the measured steady speed."""
     import flops
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     cfg = load_config(preset=preset, overrides=overrides)
     family = str(cfg.model.family)
     if family == "auto":  # detected from the weights at load time; the preset's name says it for the bench

@@ -184,7 +184,8 @@ def prepare_inputs(cfg: Any, workdir: Path, base_dir: Path) -> Dict[str, Any]:
 def script_args(cfg: Any, inputs: Dict[str, Any], steps: int, output_dir: Path, cache_dir: Path,
                 script_info: Optional[Dict[str, Any]] = None) -> Tuple[List[str], List[str]]:
     """The script's arguments for the run ``cfg`` describes, and what could not be made the same."""
-    from trainer.config import resolved_learning_rates, training_side
+    from trainer.data.buckets import training_side
+    from trainer.optim.rules import resolved_learning_rates
     from trainer.data.buckets import parse_resolution
     t, opt, lora, loss, data = cfg.training, cfg.training.optimizer, cfg.lora, cfg.loss, cfg.data
     notes: List[str] = []

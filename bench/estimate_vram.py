@@ -12,9 +12,9 @@ check them. How: the real, full-size model is built from the shipped diffusers c
 with shapes, dtypes and storages but no data, so an SDXL UNet costs no RAM — and the trainer's own code
 runs on it: ``trainer.models.base.load_model`` (only ``load_pipeline`` is swapped for a config-only
 builder), ``trainer.methods.finetune.make_method`` (peft LoRA exactly as the trainer adds it, adapters
-cast to fp32), gradient checkpointing as ``trainer.train.setup`` turns it on, ``trainer.optim.param_groups`` /
+cast to fp32), gradient checkpointing as ``trainer.train.setup`` turns it on, ``trainer.optim.build.param_groups`` /
 ``build_optimizer`` (the real optimizer class, stepped: bitsandbytes' 8-bit ops have fake kernels,
-Adafactor and AdamW run as is), ``trainer.precision.apply_precision`` (fp8 storage of the frozen UNet),
+Adafactor and AdamW run as is), ``trainer.memory.precision.apply_precision`` (fp8 storage of the frozen UNet),
 and ``trainer.train.step.forward_loss`` for the step itself. :func:`live_tensor_tracker` (a
 ``TorchDispatchMode`` with the accounting model of torch's ``MemTracker``, without its per-module
 statistics, which dominate its cost) counts the live tensor storages, rounded to the CUDA
@@ -162,7 +162,7 @@ def card_gib_of(name: str) -> Optional[float]:
 
 
 def memory_presets() -> List[str]:
-    from trainer.config import preset_names
+    from trainer.config.load import preset_names
     return sorted((n for n in preset_names() if card_gib_of(n) is not None),
                   key=lambda n: (n.split("-")[0], card_gib_of(n) or 0, n))
 
@@ -667,8 +667,9 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
     from trainer.loss import prepare_noise_schedule
     from trainer.methods.finetune import make_method
     from trainer.models.base import classify_source, load_model
-    from trainer.optim import bitsandbytes_problem, build_optimizer, param_groups, optimizer_spec
-    from trainer.precision import apply_precision
+    from trainer.optim.build import bitsandbytes_problem, build_optimizer, param_groups
+    from trainer.optim.registry import optimizer_spec
+    from trainer.memory.precision import apply_precision
 
     cfg = copy.deepcopy(cfg)
     workspace = workspace or str(Path(tempfile.gettempdir()) / "atelier-estimate-vram")
@@ -695,19 +696,19 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
 
         deferred = bool(getattr(model, "deferred", ()))  # quantised on the way to the device (never whole)
         method = make_method(model, cfg)
-        from trainer.offload import TEXT_SLOTS, plan_offload, text_frozen
+        from trainer.memory.offload import TEXT_SLOTS, plan_offload, text_frozen
         frozen_text = text_frozen(method)
         text_cached = frozen_text and bool(cfg.data.cache_text)
         offloaded: Tuple[str, ...] = ()
         if plan_offload(cfg, True, frozen_text, est.notes.append):  # the estimate's captions are cacheable
-            offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.offload)
+            offloaded = TEXT_SLOTS  # in CPU RAM except while they encode (trainer.memory.offload)
             est.details["text_encoders_offloaded"] = True
-        from trainer.precision import place_text_encoders
+        from trainer.memory.precision import place_text_encoders
         place_text_encoders(model, cfg, bool(offloaded))  # fp8 text encoders, where trainer.train.setup places them
-        from trainer.block_swap import plan_block_swap
+        from trainer.memory.block_swap import plan_block_swap
         swap = plan_block_swap(model, cfg, "cpu")  # blocks_to_swap, where trainer.train.setup plans it
         if deferred:
-            from trainer.precision import apply_storage
+            from trainer.memory.precision import apply_storage
             apply_storage(model, method, cfg)  # where trainer.train.setup calls it
         if t.gradient_checkpointing:  # as trainer.train.setup.setup
             for m in method.modules.values():
@@ -726,7 +727,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         prepare_noise_schedule(model, cfg.loss, None)
         extra = []
         if cfg.ema.enabled and cfg.ema.device != "cpu":
-            from trainer.ema import make_ema
+            from trainer.train.ema import make_ema
             ema = make_ema(method, cfg.ema, "cpu")
             extra = list(ema.shadow_params)
         elif cfg.ema.enabled:
@@ -742,7 +743,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                 model.encode_pixels(torch.zeros(int(t.batch_size), 3, h, w))
                 if text_cached and not offloaded:
                     model.encode_captions(["a photo of sks"] * 16)
-            if text_cached and offloaded:  # the encoders in, the denoiser out (trainer.offload)
+            if text_cached and offloaded:  # the encoders in, the denoiser out (trainer.memory.offload)
                 text = _tracker(model, method, optimizer, extra, ("unet",))
                 with text, torch.no_grad(), around("encode"):
                     model.encode_captions(["a photo of sks"] * 16)
@@ -957,7 +958,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import warnings
     logging.getLogger("atelier").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
 
     jobs: List[Tuple[str, Any]] = []
     if args.config:

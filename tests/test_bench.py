@@ -62,7 +62,7 @@ def test_interpreter_without_modules_is_refused():
 
 
 def _demo_cfg(ws: Path):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     return load_config(None, [f"general.workspace={ws}", "sampling.prompts=[]"], preset="demo")
 
 

@@ -1,4 +1,4 @@
-"""parts.denoiser.blocks_to_swap (trainer/block_swap.py): the swapped blocks' frozen weights live in CPU RAM and visit
+"""parts.denoiser.blocks_to_swap (trainer/memory/block_swap.py): the swapped blocks' frozen weights live in CPU RAM and visit
 the device one block at a time, and a step gives the same gradients as with every block resident.
 
 On a CPU run the "device copy" of a block is its RAM copy, so here an evicted block is parked as NaNs instead: any
@@ -22,11 +22,11 @@ def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
     the training loop does; the swap (when asked) parks evicted blocks as NaNs."""
     from diffusers import FluxTransformer2DModel
 
-    from trainer.block_swap import plan_block_swap
-    from trainer.config import load_config
+    from trainer.memory.block_swap import plan_block_swap
+    from trainer.config.checks import load_config
     from trainer.methods.finetune import make_method
     from trainer.models.base import load_model
-    from trainer.precision import apply_storage
+    from trainer.memory.precision import apply_storage
     # the config asks for checkpointing with a swap (the no-checkpointing test turns it off on the model itself)
     cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={ws}",
                              f"parts.denoiser.blocks_to_swap={blocks_to_swap}", "training.gradient_checkpointing=true",
@@ -102,15 +102,17 @@ def test_fp8_storage_of_swapped_blocks_stays_in_ram(tmp_path):
      "fine-tune"),
 ])
 def test_block_swap_is_refused_where_it_cannot_work(settings, words):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError, match=words) as err:
         load_config(None, ["model.path=builtin:tiny-flux", *settings])
     assert err.value.key == "parts.denoiser.blocks_to_swap"
 
 
 def test_block_swap_names_the_blocks_a_model_has(tmp_path):
-    from trainer.block_swap import plan_block_swap
-    from trainer.config import ConfigError, load_config
+    from trainer.memory.block_swap import plan_block_swap
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     from trainer.models.base import load_model
     for path, n, words in (("builtin:tiny-flux", 2, "has 2 blocks"), ("builtin:tiny-sd", 1, "no transformer blocks")):
         cfg = load_config(None, [f"model.path={path}", f"general.workspace={tmp_path}", f"parts.denoiser.blocks_to_swap={n}",
@@ -144,7 +146,7 @@ def test_the_estimate_counts_one_swapped_block(tmp_path):
 
     import estimate_vram as ev
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families.flux.tiny import ensure_tiny
     folder = tmp_path / "flux4"
     shutil.copytree(ensure_tiny("tiny-flux", tmp_path / "models")["diffusers"], folder,
@@ -180,7 +182,7 @@ def test_with_swapped_blocks_an_offloaded_encode_larger_than_the_swapped_denoise
 
     import estimate_vram as ev
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families.flux.tiny import ensure_tiny
     folder = tmp_path / "flux4"
     shutil.copytree(ensure_tiny("tiny-flux", tmp_path / "models")["diffusers"], folder,

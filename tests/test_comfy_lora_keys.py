@@ -47,7 +47,7 @@ ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-chroma", FLUX), ("builtin:ti
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])
 def test_every_adapted_module_is_one_comfyui_maps(path, mapped, tmp_path):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     from trainer.models.base import load_model
     cfg = load_config(None, [f"model.path={path}", "lora.unet_targets=all", f"general.workspace={tmp_path}"])

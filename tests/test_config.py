@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import (CONFIG_VERSION, ConfigError, _apply_overrides, all_keys, config_from_dict, cross_field_warnings,
-                            iter_fields, load_config, preset_names, save_config, to_yaml)
+from trainer.config.load import _apply_overrides
+from trainer.config.checks import config_from_dict, cross_field_warnings, load_config
+from trainer.config.load import preset_names, save_config, to_yaml
+from trainer.config.fields import all_keys, iter_fields
+from trainer.config.schema import CONFIG_VERSION
+from trainer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,7 +140,7 @@ def test_every_shipped_preset_is_its_version_1_form_migrated(name):
     import yaml
     from omegaconf import OmegaConf
 
-    from trainer.config import RENAMED_V1
+    from trainer.config.load import RENAMED_V1
     old_file = V1_PRESETS / f"{name}.yaml"
     new = OmegaConf.to_container(load_config(preset=name), resolve=True)
     migrated = OmegaConf.to_container(load_config(old_file), resolve=True)
@@ -184,7 +188,7 @@ def test_settings_of_a_part_the_family_lacks_are_named_as_ignored():
 def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
     """general.sized_for (set by every *-<N>gb preset): each memory setting changed to need more than the tier preset's
     is a warning at its field naming the card; unchanged or cheaper settings are not; an unknown preset is named."""
-    from trainer.config import cross_field_warnings
+    from trainer.config.checks import cross_field_warnings
 
     def tier(preset, *overrides):
         return {i.key: i.message for i in cross_field_warnings(load_config(preset=preset, overrides=list(overrides)))

@@ -10,9 +10,12 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
-from trainer.config import ConfigError, DataConfig
-from trainer.data.concepts import (DataError, ImageItem, caption_from_filename, epoch_length,
-                                   epoch_order, item_repeats, pick_caption, sample_rng, scan_concepts)
+from trainer.config.schema import DataConfig
+from trainer.errors import ConfigError
+from trainer.data.concepts import (
+    ImageItem, caption_from_filename, epoch_length, epoch_order, item_repeats, pick_caption, sample_rng,
+    scan_concepts)
+from trainer.errors import DataError
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,12 +14,14 @@ import pytest
 from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
-from trainer.config import AtelierConfig, ConfigError, config_from_dict
+from trainer.config.checks import config_from_dict
+from trainer.config.schema import AtelierConfig
+from trainer.errors import ConfigError
 from trainer.data.augment import AugmentParams, AugmentSettings, draw_params
 from trainer.data.buckets import (assign_bucket, generate_buckets, nearest_bucket, parse_resolution,
                                   plan_epoch)
 from trainer.data.captions import CaptionOptions, CaptionProcessor
-from trainer.data.concepts import DataError
+from trainer.errors import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,7 +196,7 @@ def test_parse_resolution_forms_and_errors():
 
 
 def test_resolution_in_config_accepts_int_wxh_and_lists_and_names_bad_keys(tmp_path):
-    from trainer.config import cross_field_warnings, load_config
+    from trainer.config.checks import cross_field_warnings, load_config
     y = tmp_path / "c.yaml"
     y.write_text("base: demo\ndata:\n  resolution: 512\n", encoding="utf-8")
     assert load_config(y).data.resolution == "512"
@@ -651,7 +653,7 @@ def test_report_lists_duplicates_small_images_and_runs_without_torch(tmp_path):
     cfg = config_from_dict({"base": "demo", "general": {"workspace": str(tmp_path)},
                             "data": {"concepts": [{"path": str(d)}], "resolution": "64", "bucket_step": 8,
                                      "masks": True}})
-    from trainer.config import save_config
+    from trainer.config.load import save_config
     save_config(cfg, tmp_path / "run.yaml")
     code = ("import sys, json, io, contextlib; from trainer.__main__ import main; buf = io.StringIO()\n"
             "with contextlib.redirect_stdout(buf): rc = main(['data-report', sys.argv[1], '--json'])\n"

@@ -409,7 +409,7 @@ def test_grow_and_shrink():
 
 
 def test_the_dataset_scan_reads_the_masks_and_captions_written(models, tmp_path, capsys):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.data.report import build_report
     data = _dataset(tmp_path / "data")
     assert cli("mask", data, "--model", models["clipseg"], "--device", "cpu", "--prompt", "square",

@@ -193,7 +193,7 @@ def test_a_failing_rank_ends_the_job_with_a_failed_event_naming_it(tiny_workspac
 def test_a_rank_gone_without_a_word_is_named_and_its_crash_report_read(tmp_path):
     """Rank 0 lost its peer: a rank whose process is gone is named; "without a Python error" (killed, like
     the OOM killer) unless it left faulthandler's report, which is summed up to the crash and its frame."""
-    from trainer.distributed import crash_report, explain_failure
+    from trainer.parallel.distributed import crash_report, explain_failure
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     import socket
     for k, pid in ((0, os.getpid()), (1, int(gone.stdout))):
@@ -225,7 +225,7 @@ def test_a_rank_that_crashes_below_python_is_named_with_where_it_crashed(tiny_wo
     run = ws / "runs" / "dist-segv"
     failed = [e for e in read_events(run / "events.jsonl") if e["type"] == "failed"]
     assert len(failed) == 1 and failed[0]["rank"] == 1, failed
-    assert "crashed: Segmentation fault in fault_injection (trainer/distributed.py" in failed[0]["message"], failed
+    assert "crashed: Segmentation fault in fault_injection (trainer/parallel/distributed.py" in failed[0]["message"], failed
     crash = (run / "rank-1-crash.log").read_text()
     assert "Fatal Python error: Segmentation fault" in crash and "run_training" in crash
     assert not (run / "rank-0-crash.log").exists()
@@ -375,13 +375,14 @@ def test_a_one_process_backup_resumes_under_fsdp_from_an_accelerate_config(fsdp_
 
 
 def _fsdp_cfg(ws, *extra, preset="demo-finetune"):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     return load_config(preset=preset, overrides=[f"general.workspace={ws}", "general.num_processes=2",
                                                  "general.distributed=fsdp", *extra])
 
 
 def test_fsdp_refuses_what_cannot_work_on_sharded_weights(tiny_workspace, tmp_path):
-    from trainer.config import ConfigError, cross_field_warnings
+    from trainer.config.checks import cross_field_warnings
+    from trainer.errors import ConfigError
     ws = tiny_workspace
     for setting, key in (("ema.enabled=true", "ema.enabled"),
                          ("precision.stochastic_rounding=true", "precision.stochastic_rounding"),
@@ -409,8 +410,8 @@ def test_fsdp_refuses_what_cannot_work_on_sharded_weights(tiny_workspace, tmp_pa
 
 
 def test_fsdp_launch_line_and_plugin(tiny_workspace, tmp_path):
-    from trainer.distributed import launch_argv
-    from trainer.fsdp import fsdp_plugin
+    from trainer.parallel.distributed import launch_argv
+    from trainer.parallel.fsdp import fsdp_plugin
     ws = tiny_workspace
     cfg = _fsdp_cfg(ws)
     argv = launch_argv(cfg, ["train"], "python")
@@ -438,7 +439,7 @@ def test_fsdp_launch_line_and_plugin(tiny_workspace, tmp_path):
 
 def test_fsdp_settings_come_from_the_accelerate_launcher(tiny_workspace, monkeypatch):
     """`accelerate launch --config_file fsdp.yaml` passes FSDP_* variables; the launcher wins."""
-    from trainer.fsdp import plan_fsdp
+    from trainer.parallel.fsdp import plan_fsdp
     ws = tiny_workspace
     for k, v in {"WORLD_SIZE": "2", "RANK": "0", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1",
                  "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP", "FSDP_RESHARD_AFTER_FORWARD": "true",
@@ -446,7 +447,7 @@ def test_fsdp_settings_come_from_the_accelerate_launcher(tiny_workspace, monkeyp
                  "FSDP_TRANSFORMER_CLS_TO_WRAP": "BasicTransformerBlock", "FSDP_MIN_NUM_PARAMS": "100000000",
                  "FSDP_ACTIVATION_CHECKPOINTING": "true"}.items():
         monkeypatch.setenv(k, v)
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     cfg = load_config(preset="demo-finetune", overrides=[f"general.workspace={ws}"])
     warnings, logged = [], []
     plugin = plan_fsdp(cfg, 2, True, warnings.append, logged.append)
@@ -470,7 +471,7 @@ def test_gradient_sync_without_params_still_carries_loss_stop_and_touched():
     """With FSDP and only the UNet trained, nothing is left for GradientSync but the loss, the stop flag and
     whether rank 0 swapped its weights."""
     import torch.distributed as dist
-    from trainer.distributed import GradientSync
+    from trainer.parallel.distributed import GradientSync
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert GradientSync([], 1, torch.device("cpu")).step(0.25, True) == (0.25, True, False)
@@ -482,7 +483,7 @@ def test_gradient_sync_without_params_still_carries_loss_stop_and_touched():
 def test_a_failed_collective_is_told_from_the_process_own_error():
     """Under DDP the gradient all-reduce runs inside backward: a peer's death shows there as a gloo/NCCL
     error (rank 0 then names the peer), while this process's own errors stay its own."""
-    from trainer.distributed import collective_failure
+    from trainer.parallel.distributed import collective_failure
     gone = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:45278. "
                         "This is typically caused by a remote worker crashing.")
     assert collective_failure(gone)

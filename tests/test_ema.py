@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from trainer.__main__ import main as cli
-from trainer.config import ConfigError, cross_field_warnings, load_config
-from trainer.ema import TrainableEMA, sample_variants
+from trainer.config.checks import cross_field_warnings, load_config
+from trainer.errors import ConfigError
+from trainer.train.ema import TrainableEMA, sample_variants
 from trainer.events import read_events
-from trainer.precision import StochasticRounding, stochastic_round_to_bf16
+from trainer.memory.precision import StochasticRounding, stochastic_round_to_bf16
 
 
 def linear(dtype=torch.float32):
@@ -167,7 +168,7 @@ def test_fp8_storage_trains_lora_on_the_tiny_unet(tiny_workspace):
     import copy
     from trainer.methods.finetune import make_method
     from trainer.models.base import load_model
-    from trainer.precision import apply_precision
+    from trainer.memory.precision import apply_precision
     cfg = load_config(preset="demo", overrides=[f"general.workspace={tiny_workspace}", "precision.fp8_unet=true"])
     model = load_model(cfg.model, str(tiny_workspace))
     method = make_method(model, cfg)

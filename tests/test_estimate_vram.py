@@ -84,7 +84,7 @@ def real_run(mini_sdxl):
 
 
 def _config(folder: Path, *extra: str):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     return load_config(None, [f"model.path={folder}", *SETTINGS, *extra], preset="demo-sdxl")
 
 
@@ -220,7 +220,7 @@ def test_full_size_configs_name_what_to_do_for_a_family_without_them(tmp_path):
 @pytest.fixture(scope="module")
 def flux_estimates(tmp_path_factory):
     """Tiny Flux estimated on fake and real tensors, with the text encoders resident and offloaded (fp8)."""
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     ws = str(tmp_path_factory.mktemp("ws"))
     base = ["data.cache_text=true", "training.batch_size=2", "training.gradient_checkpointing=true"]
     out = {}
@@ -251,7 +251,7 @@ def test_offloaded_text_encoders_leave_the_training_step(flux_estimates):
     (the denoiser also quantised: fp8), from loading on (the encoders go to CPU RAM before the denoiser lands)."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     resident, off = flux_estimates["resident", True], flux_estimates["offloaded", True]
     assert off.details.get("text_encoders_offloaded") and not resident.details.get("text_encoders_offloaded")

@@ -103,7 +103,7 @@ def _sample(pipe, row: Row):
 @pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=[r.family for r in ROWS])
 def test_family_contract(row: Row, tmp_path):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families import build_tiny, info_for
     from trainer.models.base import load_model
 
@@ -179,8 +179,8 @@ def test_family_contract(row: Row, tmp_path):
 # --- detection asks every family; what nobody claims is named ----------------------------------------------
 
 def _load_error(tmp_path, path, *settings):
-    from trainer.config import load_config
-    from trainer.families.base import ModelLoadError
+    from trainer.config.checks import load_config
+    from trainer.errors import ModelLoadError
     from trainer.models.base import load_model
     cfg = load_config(None, [f"model.path={path}", *settings])
     with pytest.raises(ModelLoadError) as err:
@@ -213,7 +213,8 @@ def test_an_unreadable_hub_id_says_so_instead_of_loading_as_sd15(tmp_path):
 
 
 def test_validate_refuses_what_the_family_cannot_use(tmp_path):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError, match="loss.flow_weighting = cosmap: SD3-style") as err:
         load_config(None, ["model.path=builtin:tiny-sd", "loss.flow_weighting=cosmap"])
     assert err.value.key == "loss.flow_weighting"
@@ -236,7 +237,7 @@ def test_building_a_builtin_model_leaves_the_global_rng_alone(name, tmp_path):
 def test_quantised_inference_files_are_refused_naming_what_to_use(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer.preflight import model_path_problem
+    from trainer.config.preflight import model_path_problem
     gguf = tmp_path / "flux1-dev-Q4_K_S.gguf"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     assert "GGUF" in model_path_problem(str(gguf)) and ".safetensors release" in model_path_problem(str(gguf))

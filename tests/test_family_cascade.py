@@ -23,14 +23,14 @@ def tiny(tmp_path_factory):
 
 
 def _load(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     cfg = load_config(None, [f"model.path={path}", *settings])
     return load_model(cfg.model, str(ws))
 
 
 def _load_error(ws, path, *settings):
-    from trainer.families.base import ModelLoadError
+    from trainer.errors import ModelLoadError
     with pytest.raises(ModelLoadError) as err:
         _load(ws, path, *settings)
     return err.value
@@ -39,7 +39,7 @@ def _load_error(ws, path, *settings):
 def test_objective_is_the_wuerstchen_schedule_with_p2_weights():
     from diffusers import DDPMWuerstchenScheduler
 
-    from trainer.config import LossConfig
+    from trainer.config.schema import LossConfig
     from trainer.objectives import CosineObjective
     obj = CosineObjective()
     gen = torch.Generator().manual_seed(0)
@@ -155,7 +155,8 @@ def test_missing_or_wrong_encoder_is_named(tiny, tmp_path):
                                           ("loss.flow_weighting=cosmap", "loss.flow_weighting"),
                                           ("model.prediction_type=v_prediction", "model.prediction_type")])
 def test_validate_refuses_what_the_cascade_families_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     for model in ("builtin:tiny-cascade", "builtin:tiny-wuerstchen"):
         with pytest.raises(ConfigError) as err:
             load_config(None, [f"model.path={model}", "data.resolution=128", "data.bucket_step=128",
@@ -189,7 +190,7 @@ def test_a_cascade_lora_file_has_only_keys_comfyui_maps(tiny, tmp_path):
     ``model_lora_keys_clip`` for CLIP-G; re-implemented in tests/test_cascade_keys.py)."""
     from test_cascade_keys import _comfy_split, _comfy_unet_key_map
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families.common.cascade_keys import diffusers_to_original
     from trainer.methods.lora import LoraMethod
     ws, paths, _ = tiny

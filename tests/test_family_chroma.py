@@ -17,7 +17,7 @@ def chroma(tmp_path_factory):
 
 
 def _load(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
@@ -60,7 +60,8 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(chroma, tmp_path):
                                           ("loss.min_snr_gamma=5", "loss.min_snr_gamma"),
                                           ("training.method=embedding", "training.method")])
 def test_validate_refuses_what_chroma_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-chroma", setting])
     assert err.value.key == key, str(err.value)

@@ -21,7 +21,7 @@ def flux(tmp_path_factory):
 
 
 def _model(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
 
@@ -75,7 +75,7 @@ def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):
     ``k`` of the diffusers Flux transformer (comfy/utils.py flux_to_diffusers) and reads ``{x}.lora_A.weight``/
     ``{x}.lora_B.weight`` (load_lora, "diffusers2" naming); CLIP-L LoRA as ``text_encoder.text_model.…``
     (model_lora_keys_clip's diffusers keys). Without ``.alpha`` keys the scale is 1: α/r is in lora_B."""
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     ws, paths = flux
     cfg = load_config(None, [f"model.path={paths['diffusers']}", "lora.unet_targets=attn_mlp", "lora.rank=4",
@@ -107,8 +107,8 @@ def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):
 def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from trainer.config import load_config
-    from trainer.families.base import ModelLoadError
+    from trainer.config.checks import load_config
+    from trainer.errors import ModelLoadError
     from trainer.models.base import load_model
     ws, paths = flux
     bfl = load_file(str(paths["single_file"]))
@@ -140,7 +140,8 @@ def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, t
                                           ("training.method=embedding", "training.method"),
                                           ("model.prediction_type=epsilon", "model.prediction_type")])
 def test_validate_refuses_sd_settings_for_flux(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-flux", setting])
     assert err.value.key == key
@@ -180,9 +181,9 @@ def test_nf4_base_trains_nearly_the_lora_of_the_full_precision_base(flux):
     moved = sum(float((full[k] ** 2).sum()) for k in ups) ** 0.5
     apart = sum(float(((full[k] - nf4[k]) ** 2).sum()) for k in ups) ** 0.5
     assert moved > 0.05 and apart < 0.35 * moved, (moved, apart)
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
-    from trainer.precision import enable_nf4_storage
+    from trainer.memory.precision import enable_nf4_storage
     model = load_model(load_config(None, ["model.path=builtin:tiny-flux"]), str(ws))
     count = enable_nf4_storage(model.transformer, torch.float32, model.fp8_skip)
     packed = [m for m in model.transformer.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.uint8]
@@ -199,7 +200,8 @@ def test_nf4_base_trains_nearly_the_lora_of_the_full_precision_base(flux):
                                             ("parts.denoiser.fp8=true", "both on"),
                                             ("lora.type=dora", "DoRA")])
 def test_nf4_is_refused_where_it_cannot_work(setting, words):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError, match=words) as err:
         load_config(None, ["model.path=builtin:tiny-flux", "parts.denoiser.nf4=true", setting])
     assert err.value.key == "parts.denoiser.nf4"
@@ -211,7 +213,8 @@ def test_nf4_is_refused_where_it_cannot_work(setting, words):
      "cannot train"),
 ])
 def test_only_t5_can_be_switched_off(settings, key, words):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-flux", *settings])
     assert err.value.key == key and words in str(err.value)
@@ -224,7 +227,8 @@ def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would
     pipeline's prompt_2); a caption longer than CLIP's 77 tokens is refused, naming the file."""
     from tests.conftest import DEMO_DATA, train_quiet
     from trainer.__main__ import main as cli
-    from trainer.config import ModelSettings, load_config
+    from trainer.config.checks import load_config
+    from trainer.families.sources import ModelSettings
     from trainer.events import read_events
     from trainer.models.base import load_model
     ws, paths = flux
@@ -248,7 +252,8 @@ def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would
 
 
 def test_lora_blocks_put_adapters_only_in_the_chosen_blocks(flux):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     from trainer.methods.lora import LoraMethod
     from trainer.models.base import load_model
     ws, _ = flux

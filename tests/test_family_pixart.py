@@ -26,7 +26,7 @@ def pixart_alpha(pixart):
 
 
 def _model(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
 
@@ -82,7 +82,7 @@ def test_lora_keys_are_the_ones_comfyui_maps_for_pixart(pixart):
     diffusers PixArt transformer (comfy/utils.py pixart_to_diffusers) and load_lora reads
     ``{x}.lora_A.weight``/``{x}.lora_B.weight``; model_lora_keys_clip maps T5 as ``lora_te1_<module>`` when no
     CLIP is present."""
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     ws, paths = pixart
     model = _model(ws, paths["diffusers"])
@@ -119,7 +119,8 @@ def test_alpha_and_sigma_single_files_are_told_apart(tmp_path):
                                           ("loss.flow_shift=3", "loss.flow_shift"),
                                           ("lora.type=loha", "lora.type"), ("lora.type=dora", "lora.type")])
 def test_validate_refuses_what_pixart_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-pixart", setting])
     assert err.value.key == key
@@ -163,7 +164,7 @@ def test_alpha_lora_through_the_protocol_memorises_and_loads_into_the_pipeline(p
     from peft import LoraConfig, inject_adapter_in_model
     from safetensors.torch import save_file
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families.pixart.family import load_lora_into_pipeline
     ws, paths = pixart_alpha
     model = _model(ws, paths["diffusers"])
@@ -245,7 +246,7 @@ def test_single_files_as_people_have_them(pixart, pixart_alpha, tmp_path):
 def test_kv_compressed_sigma_is_refused_naming_what_it_is(pixart, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from trainer.families.base import ModelLoadError
+    from trainer.errors import ModelLoadError
     ws, paths = pixart
     state = load_file(str(paths["single_file"]))
     state["blocks.1.attn.sr.weight"] = torch.zeros(16, 16, 2, 2)

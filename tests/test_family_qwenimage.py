@@ -17,7 +17,7 @@ def qwen(tmp_path_factory):
 
 
 def _load(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
@@ -62,7 +62,7 @@ def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(qwen, tmp_pa
 def test_edit_pipelines_are_refused(tmp_path):
     import json
 
-    from trainer.families.base import ModelLoadError
+    from trainer.errors import ModelLoadError
     folder = tmp_path / "edit"
     folder.mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
@@ -74,7 +74,8 @@ def test_edit_pipelines_are_refused(tmp_path):
 @pytest.mark.parametrize("setting, key", [("training.train_text_encoder=true", "parts.text_encoder_1.train"),
                                           ("loss.min_snr_gamma=5", "loss.min_snr_gamma")])
 def test_validate_refuses_what_qwen_image_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-qwen-image", setting])
     assert err.value.key == key, str(err.value)

@@ -17,7 +17,7 @@ def sd3(tmp_path_factory):
 
 
 def _load(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
@@ -83,7 +83,8 @@ def test_fine_tune_single_file_is_stabilitys_layout_that_diffusers_reads(sd3, tm
                                           ("loss.min_snr_gamma=5", "loss.min_snr_gamma"),
                                           ("model.prediction_type=epsilon", "model.prediction_type")])
 def test_validate_refuses_what_sd3_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-sd3", setting])
     assert err.value.key == key, str(err.value)
@@ -106,9 +107,9 @@ def test_fp8_storage_takes_the_blocks_modulation_but_not_the_final_one(tmp_path)
     with the attention and MLP (as sd-scripts' fp8_base does); the final norm_out and the embedders stay; a step runs."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
-    from trainer.precision import enable_fp8_storage
+    from trainer.memory.precision import enable_fp8_storage
     cfg = load_config(None, ["model.path=builtin:tiny-sd3", f"general.workspace={tmp_path}"])
     model = load_model(cfg, str(tmp_path))
     assert enable_fp8_storage(model.transformer, torch.float32, model.fp8_skip) > 0

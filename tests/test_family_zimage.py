@@ -17,7 +17,7 @@ def zimage(tmp_path_factory):
 
 
 def _load(ws, path, *settings):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.models.base import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
@@ -66,7 +66,8 @@ def test_lumina2_files_are_not_taken_for_z_image():
 @pytest.mark.parametrize("setting, key", [("training.train_text_encoder=true", "parts.text_encoder_1.train"),
                                           ("loss.debiased_estimation=true", "loss.debiased_estimation")])
 def test_validate_refuses_what_z_image_cannot_use(setting, key):
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-zimage", setting])
     assert err.value.key == key, str(err.value)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from trainer.config import load_config
+from trainer.config.checks import load_config
 from trainer.events import read_events
 
 ROOT = Path(__file__).resolve().parent.parent

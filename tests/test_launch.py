@@ -275,7 +275,7 @@ def test_probe_this_venv():
 
 def test_trainer_doctor_report():
     import torch
-    from trainer.doctor import report
+    from trainer.host.doctor import report
     text = "\n".join(report())
     assert f"torch: {torch.__version__}" in text
     if not torch.cuda.is_available():
@@ -303,7 +303,7 @@ def test_launch_doctor_subprocess(tmp_path):
     import torch
     assert f"Python: {sys.version.split()[0]}" in r.stdout
     assert "NVIDIA GPU: none found" in r.stdout
-    assert f"torch: {torch.__version__}" in r.stdout  # from trainer.doctor in the venv
+    assert f"torch: {torch.__version__}" in r.stdout  # from trainer.host.doctor in the venv
     assert "torch build for this machine:" in r.stdout
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from trainer.config import ConfigError, cross_field_warnings, load_config
+from trainer.config.checks import cross_field_warnings, load_config
+from trainer.errors import ConfigError
 from trainer.loss import (choose_mask, make_noise, per_sample_loss, perturb_noise, prepare_noise_schedule,
                           sample_timesteps, weighted_mean)
 

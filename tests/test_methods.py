@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from trainer.__main__ import main as cli
-from trainer.config import ConfigError, cross_field_warnings, load_config
+from trainer.config.checks import cross_field_warnings, load_config
+from trainer.errors import ConfigError
 from trainer.events import read_events
 
 PROMPT = "a red square on a white background"

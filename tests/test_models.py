@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.config import load_config
+from trainer.config.checks import load_config
 from trainer.events import read_events
 from trainer.models.base import ModelLoadError
 from trainer.families.sd.family import StableDiffusion
@@ -19,7 +19,8 @@ from test_train import cli, image, overrides, tiny_pipe
 
 def model_cfg(**kw):
     """The model settings a family loads from (model.* plus the parts' dtypes; old names such as unet_dtype work)."""
-    from trainer.config import ModelSettings, renamed_key
+    from trainer.config.load import renamed_key
+    from trainer.families.sources import ModelSettings
     cfg = load_config(preset="demo")
     for k, v in kw.items():
         for key in renamed_key(f"model.{k}"):

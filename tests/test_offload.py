@@ -1,5 +1,5 @@
 """data.offload_text_encoders and quantised storage on the way to the device: a run whose text encoders live in
-CPU RAM (accelerate's offload hooks, trainer.offload) trains and samples exactly as one whose encoders stay put;
+CPU RAM (accelerate's offload hooks, trainer.memory.offload) trains and samples exactly as one whose encoders stay put;
 the option refuses to act, with a warning naming why, where the encoders run every step."""
 
 from types import SimpleNamespace
@@ -27,7 +27,7 @@ def test_offloaded_text_encoders_train_and_sample_as_resident_ones(tmp_path):
 
 
 def test_offload_names_why_it_cannot_act():
-    from trainer.offload import plan_offload
+    from trainer.memory.offload import plan_offload
     warned = []
     cfg = SimpleNamespace(data={"offload_text_encoders": True, "cache_text": True})
     cfg.data = SimpleNamespace(cache_text=True, get=lambda k, d=None: True)
@@ -47,10 +47,10 @@ def test_quantised_denoiser_waits_in_ram_until_it_is_quantised(tmp_path):
     apply_storage quantises it layer by layer on its way to the device, then moves it whole."""
     import torch
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.finetune import make_method
     from trainer.models.base import load_model
-    from trainer.precision import apply_storage
+    from trainer.memory.precision import apply_storage
     cfg = load_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8=true"], preset="demo-flux")
     model = load_model(cfg, str(tmp_path), "cpu")
     assert model.deferred == ("transformer",)
@@ -70,9 +70,11 @@ def test_fp8_text_encoders_and_offloaded_ones_wait_in_ram_until_placed(tmp_path)
     fp8 encoders load into RAM (model.deferred) and are placed after, so they never pass through the GPU whole."""
     import torch
 
-    from trainer.config import ConfigError, ModelSettings, load_config
+    from trainer.config.checks import load_config
+    from trainer.families.sources import ModelSettings
+    from trainer.errors import ConfigError
     from trainer.models.base import load_model
-    from trainer.precision import place_text_encoders
+    from trainer.memory.precision import place_text_encoders
     cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}", "parts.text_encoder_2.fp8=true"])
     assert ModelSettings(cfg).deferred == {"text_encoder_2"}
     offload = load_config(None, ["model.path=builtin:tiny-flux", "data.offload_text_encoders=true"])
@@ -99,9 +101,10 @@ def test_nf4_text_encoders_are_packed_and_refused_where_they_cannot_work(tmp_pat
     a tied head left as they are, the features still close to the full-precision ones; not with train or fp8."""
     import torch
 
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     from trainer.models.base import load_model
-    from trainer.precision import place_text_encoders
+    from trainer.memory.precision import place_text_encoders
     common = ["model.path=builtin:tiny-flux2-dev", f"general.workspace={tmp_path}"]
     plain = load_model(load_config(None, common), str(tmp_path))
     cfg = load_config(None, [*common, "parts.text_encoder_1.nf4=true", "data.offload_text_encoders=true"])

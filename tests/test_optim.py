@@ -12,11 +12,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer import optim
-from trainer.config import (AtelierConfig, ConfigError, OptimizerConfig, cross_field_warnings, field_info,
-                            load_config, resolved_learning_rates)
-from trainer.optim import (OPTIMIZERS, SCHEDULER_NAMES, build_optimizer, build_scheduler, on_eval, on_train,
-                           param_groups, rex_factor)
+from trainer.optim import build as optim_build
+from trainer.optim import registry as optim_registry
+from trainer.optim import rules as optim_rules
+from trainer.config.checks import cross_field_warnings, load_config
+from trainer.config.fields import field_info
+from trainer.config.schema import AtelierConfig, OptimizerConfig
+from trainer.optim.rules import resolved_learning_rates
+from trainer.errors import ConfigError
+from trainer.optim.schedule import build_scheduler, rex_factor
+from trainer.optim.build import build_optimizer, on_eval, on_train, param_groups
+from trainer.optim.registry import OPTIMIZERS, SCHEDULER_NAMES
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported")
 
@@ -101,7 +107,7 @@ def test_choices_come_from_the_registry_and_fields_exist():
     fields = set(OptimizerConfig.__dataclass_fields__)
     for name, spec in OPTIMIZERS.items():
         assert set(spec.args) <= fields, name
-        assert all(k.split(".")[-1] in fields for k in optim.optimizer_fields(name))
+        assert all(k.split(".")[-1] in fields for k in optim_registry.optimizer_fields(name))
     for name in ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lamb", "lars", "lion", "adamw8bit", "adam8bit",
                  "lion8bit", "sgd8bit", "rmsprop8bit", "adagrad8bit", "lamb8bit", "lars8bit", "ademamix8bit",
                  "paged_adamw8bit", "adafactor", "came", "prodigy", "dadapt_adam", "dadapt_adagrad",
@@ -121,7 +127,7 @@ def test_every_mapped_setting_is_a_real_constructor_argument(name):
     """pytorch-optimizer swallows unknown **kwargs: a typo in the table would silently do nothing."""
     need(name)
     spec = OPTIMIZERS[name]
-    cls = optim._import(spec.target, "k", name)
+    cls = optim_build._import(spec.target, "k", name)
     params = inspect.signature(cls).parameters
     for setting, kw in spec.args.items():
         assert kw.split(".")[0] in params, f"{name}: {setting} → {kw} not in {spec.target}{list(params)}"
@@ -379,7 +385,7 @@ def test_bad_settings_found_at_build_time():
 
 
 def test_eight_bit_when_bitsandbytes_cannot_run(monkeypatch):
-    monkeypatch.setitem(optim._BNB_PROBLEM, "cpu", "RuntimeError: no CPU kernel in this build")
+    monkeypatch.setitem(optim_build._BNB_PROBLEM, "cpu", "RuntimeError: no CPU kernel in this build")
     model = tiny_model()
     with pytest.raises(ConfigError) as err:
         build_optimizer([{"params": list(model.parameters()), "lr": 1e-3}],
@@ -389,8 +395,8 @@ def test_eight_bit_when_bitsandbytes_cannot_run(monkeypatch):
     for w in ("lion8bit", "bitsandbytes", "cannot run", "no CPU kernel", "Pick lion"):
         assert w in msg, msg
     # not installed at all: an error-level issue before launch
-    real = optim.importlib.util.find_spec
-    monkeypatch.setattr(optim.importlib.util, "find_spec",
+    real = optim_rules.importlib.util.find_spec
+    monkeypatch.setattr(optim_rules.importlib.util, "find_spec",
                         lambda n, *a: None if n == "bitsandbytes" else real(n, *a))
     issues = cross_field_warnings(load_config(preset="demo", overrides=["training.optimizer.name=adamw8bit"]))
     assert any(i.key == "training.optimizer.name" and i.level == "error" and "adamw (32-bit" in i.message
@@ -398,7 +404,7 @@ def test_eight_bit_when_bitsandbytes_cannot_run(monkeypatch):
 
 
 def test_bitsandbytes_runs_here():
-    assert optim.bitsandbytes_problem("cpu") is None
+    assert optim_build.bitsandbytes_problem("cpu") is None
 
 
 def warnings_for(*overrides):

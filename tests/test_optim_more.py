@@ -9,9 +9,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.config import AtelierConfig, ConfigError, cross_field_warnings
-from trainer.optim import (ComponentSchedule, build_optimizer, build_scheduler, lr_scale_factor, param_groups,
-                           stop_step, validate_optim)
+from trainer.config.checks import cross_field_warnings
+from trainer.config.schema import AtelierConfig
+from trainer.errors import ConfigError
+from trainer.optim.schedule import ComponentSchedule, build_scheduler, stop_step
+from trainer.optim.build import build_optimizer, param_groups
+from trainer.optim.rules import lr_scale_factor, validate_optim
 
 BASE = OmegaConf.structured(AtelierConfig)
 
@@ -20,7 +23,7 @@ def make_cfg(**training):
     """training.* settings; the per-part ones by their version-1 names (train_text_encoder, ...)."""
     from omegaconf import OmegaConf
 
-    from trainer.config import renamed_key
+    from trainer.config.load import renamed_key
     cfg = BASE.copy()
     for k, v in training.pop("optimizer", {}).items():
         cfg.training.optimizer[k] = v

@@ -2,7 +2,7 @@
 
 Windows has no SIGHUP/SIGKILL, no ``os.killpg``/``os.getpgid``, ignores ``start_new_session`` and turns
 ``os.kill(pid, 0)`` into a Ctrl+C (signal 0 is CTRL_C_EVENT there). These tests take those away from the
-running interpreter (``trainer.procs.is_windows`` answers True, the attributes are deleted) and put
+running interpreter (``trainer.host.procs.is_windows`` answers True, the attributes are deleted) and put
 fake ``taskkill``/``tasklist`` programs on PATH that do on Linux what the Windows ones do, so the code
 paths a Windows user runs are exercised here, down to a real trainer stopped with a backup.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer import procs
+from trainer.host import procs
 from webui import runner, supervise
 
 _KILL, _SIGKILL = os.kill, signal.SIGKILL  # the real ones, for cleaning up while Windows is simulated
@@ -239,13 +239,15 @@ def test_stop_file_watcher_honours_a_new_request_once_and_drops_a_leftover(tmp_p
 @pytest.mark.slow
 def test_a_stop_as_on_windows_ends_a_real_trainer_with_a_backup(tmp_path, monkeypatch):
     """The real CLI under the supervisor; Stop pressed through the Windows code path (the stop file)."""
-    from trainer import config as tcfg
+    from trainer.config.checks import cross_field_warnings, load_config
+    from trainer.config.load import save_config, to_yaml
+    from trainer.errors import ConfigError
     from webui.monitor import RunMonitor
     ws = tmp_path / "ws"
-    cfg = tcfg.load_config(preset="demo", overrides=[f"general.workspace={ws}", "training.max_steps=100000",
+    cfg = load_config(preset="demo", overrides=[f"general.workspace={ws}", "training.max_steps=100000",
                                                      "sampling.every_n_steps=0", "backup.every_n_steps=0"])
     run_dir = runner.make_run_dir(ws, "win-stop")
-    (run_dir / "config.yaml").write_text(tcfg.to_yaml(cfg), encoding="utf-8")
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     proc = runner.launch(run_dir)
     monitor = RunMonitor()
     try:
@@ -282,7 +284,7 @@ WINDOWS_PATHS = [r"C:\Users\alice\datasets\cats", "D:/models/juggernaut_xl.safet
 @pytest.mark.parametrize("text", WINDOWS_PATHS)
 def test_windows_paths_never_leave_the_machine_in_a_files_metadata(text, tmp_path):
     from trainer.train.run_folder import portable_paths
-    from trainer.paths import path_name
+    from trainer.host.paths import path_name
     shared = portable_paths({"data": {"concepts": [{"path": text}]}, "model": {"path": text}}, str(tmp_path))
     name = text.replace("\\", "/").rsplit("/", 1)[-1]
     assert shared == {"data": {"concepts": [{"path": f"…/{name}"}]}, "model": {"path": f"…/{name}"}}
@@ -301,25 +303,27 @@ def test_run_names_come_from_the_model_file_whatever_the_separator(tmp_path):
 
 
 def test_windows_paths_survive_a_config_round_trip_and_double_quotes_are_explained(tmp_path):
-    from trainer import config as tcfg
-    cfg = tcfg.load_config(preset="demo", overrides=[f"model.path={WINDOWS_PATHS[1]}"])
+    from trainer.config.checks import cross_field_warnings, load_config
+    from trainer.config.load import save_config, to_yaml
+    from trainer.errors import ConfigError
+    cfg = load_config(preset="demo", overrides=[f"model.path={WINDOWS_PATHS[1]}"])
     cfg.data.concepts[0].path = WINDOWS_PATHS[0]
     cfg.general.workspace = WINDOWS_PATHS[2]
     saved = tmp_path / "config.yaml"
-    tcfg.save_config(cfg, saved)
-    again = tcfg.load_config(saved)
+    save_config(cfg, saved)
+    again = load_config(saved)
     assert again.model.path == WINDOWS_PATHS[1]
     assert again.data.concepts[0].path == WINDOWS_PATHS[0]
     assert again.general.workspace == WINDOWS_PATHS[2]
     bad = tmp_path / "hand-written.yaml"
     bad.write_text('data:\n  concepts:\n    - path: "C:\\Users\\me\\cats"\n', encoding="utf-8")
-    with pytest.raises(tcfg.ConfigError) as err:
-        tcfg.load_config(bad)
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
     assert "hand-written.yaml" in str(err.value) and "single quotes" in str(err.value)
 
 
 def test_windows_paths_are_not_taken_for_hub_ids():
-    from trainer.preflight import looks_like_hub_id
+    from trainer.config.preflight import looks_like_hub_id
     assert looks_like_hub_id("black-forest-labs/FLUX.1-dev")
     assert not any(looks_like_hub_id(p) for p in WINDOWS_PATHS + ["C:/sd15", r"models\sd15"])
 
@@ -339,7 +343,7 @@ def test_a_path_past_windows_limit_is_named_with_what_to_do(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 def test_auto_picks_cuda_then_mps_then_cpu_and_a_missing_device_is_named():
-    from trainer.devices import resolve_device
+    from trainer.host.devices import resolve_device
     assert resolve_device("auto", cuda=True, mps=True) == "cuda"
     assert resolve_device("auto", cuda=False, mps=True) == "mps"
     assert resolve_device("auto", cuda=False, mps=False) == "cpu"
@@ -350,27 +354,29 @@ def test_auto_picks_cuda_then_mps_then_cpu_and_a_missing_device_is_named():
 
 
 def test_validate_refuses_what_mps_cannot_run_naming_each_field(monkeypatch):
-    from trainer import config as tcfg
-    cfg = tcfg.load_config(preset="demo", overrides=[
+    from trainer.config.checks import cross_field_warnings, load_config
+    from trainer.config.load import save_config, to_yaml
+    from trainer.errors import ConfigError
+    cfg = load_config(preset="demo", overrides=[
         "general.device=mps", "training.optimizer.name=adamw8bit", "model.attention=xformers",
         "parts.denoiser.fp8=true", "general.num_processes=2"])
-    issues = tcfg.cross_field_warnings(cfg)
+    issues = cross_field_warnings(cfg)
     errors = {i.key: i.message for i in issues if i.level == "error"}
     assert "MPS" in errors["parts.denoiser.fp8"] and "float8" in errors["parts.denoiser.fp8"]
     assert "adamw (the same optimizer with 32-bit state)" in errors["training.optimizer.name"]
     assert "sdpa" in errors["model.attention"]
     assert "one MPS device" in errors["general.num_processes"]
     assert any(i.key == "general.device" and "run on the CPU" in i.message for i in issues if i.level == "warning")
-    fine = tcfg.load_config(preset="demo", overrides=["general.device=mps"])
-    assert not [i for i in tcfg.cross_field_warnings(fine) if i.level == "error" and "MPS" in i.message]
+    fine = load_config(preset="demo", overrides=["general.device=mps"])
+    assert not [i for i in cross_field_warnings(fine) if i.level == "error" and "MPS" in i.message]
     # a Mac on `auto` gets the same checks; elsewhere `auto` is not MPS
-    monkeypatch.setattr("trainer.devices.is_apple_silicon", lambda: True)
-    mac_auto = tcfg.load_config(preset="demo", overrides=["training.optimizer.name=adamw8bit"])
-    assert any(i.key == "training.optimizer.name" and "MPS" in i.message for i in tcfg.cross_field_warnings(mac_auto))
+    monkeypatch.setattr("trainer.host.devices.is_apple_silicon", lambda: True)
+    mac_auto = load_config(preset="demo", overrides=["training.optimizer.name=adamw8bit"])
+    assert any(i.key == "training.optimizer.name" and "MPS" in i.message for i in cross_field_warnings(mac_auto))
 
 
 def test_the_mps_fallback_is_switched_on_only_on_apple_silicon(monkeypatch):
-    from trainer import devices
+    from trainer.host import devices
     monkeypatch.delenv(devices.MPS_FALLBACK_ENV, raising=False)
     monkeypatch.setattr(devices, "is_apple_silicon", lambda: False)
     devices.enable_mps_fallback()
@@ -384,7 +390,7 @@ def test_several_processes_without_nccl_talk_through_gloo_and_say_so(monkeypatch
     """Windows' and macOS' PyTorch builds have no NCCL: multi-GPU runs fall back to gloo with a note."""
     import torch.distributed as dist
 
-    from trainer.distributed import choose_backend
+    from trainer.parallel.distributed import choose_backend
     notes = []
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     assert choose_backend(cpu=False, warn=notes.append) == "gloo"
@@ -398,7 +404,7 @@ def test_the_run_folder_lock_on_windows_leaves_the_holders_record_readable(monke
     second trainer, which then could not say who holds the folder."""
     import types
 
-    from trainer import runlock
+    from trainer.train import runlock
     locked = {}
 
     def locking(fd, mode, nbytes):
@@ -426,7 +432,7 @@ def test_the_run_folder_lock_on_windows_leaves_the_holders_record_readable(monke
 def test_the_doctor_reads_windows_long_path_setting(monkeypatch, value, expected):
     import types
 
-    from trainer import doctor
+    from trainer.host import doctor
 
     class Key:
         def __enter__(self):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from trainer.config import config_from_dict, cross_field_warnings
+from trainer.config.checks import config_from_dict, cross_field_warnings
 from trainer.models.base import classify_source
-from trainer.families.base import ModelLoadError
+from trainer.errors import ModelLoadError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_validate_names_the_field_train_would_reject(good, key, value, words):
 ])
 def test_an_output_format_the_method_cannot_write_is_refused_before_training(good, settings, words):
     """Before, these trained to the end and failed when the result was saved."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     data = json.loads(json.dumps(good))
     for section, values in settings.items():
         data.setdefault(section, {}).update(values)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer.runlock import RunFolderBusy, acquire, holder, release
+from trainer.train.runlock import RunFolderBusy, acquire, holder, release
 
 ROOT = Path(__file__).resolve().parent.parent
-HOLD = ("import sys, time; from trainer.runlock import acquire; acquire(sys.argv[1]); print('locked', flush=True); "
+HOLD = ("import sys, time; from trainer.train.runlock import acquire; acquire(sys.argv[1]); print('locked', flush=True); "
         "time.sleep(120)")
 
 

@@ -480,7 +480,7 @@ def _snapshot(hub: Path, repo: str, folder: Path, drop=()) -> None:
 def _model_cfg(path: str, **model):
     from omegaconf import OmegaConf
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     cfg = load_config(preset="demo")
     OmegaConf.update(cfg, "model.path", path)
     for k, v in model.items():

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from trainer.config import load_config
+from trainer.config.checks import load_config
 from trainer.models.base import ModelLoadError, load_model
 from trainer.families.sdxl.family import SDXLConditioning, StableDiffusionXL
 

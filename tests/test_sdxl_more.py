@@ -135,7 +135,7 @@ def test_sdxl_embedding_alongside_lora_bundles_clip_l_and_clip_g(tiny_workspace,
 def test_sdxl_init_weights_must_be_an_sdxl_embedding(tmp_path):
     from safetensors.torch import save_file
 
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.methods.embedding import load_embedding_sdxl
     save_file({"emb_params": torch.zeros(1, 32)}, str(tmp_path / "sd.safetensors"))
     with pytest.raises(ConfigError, match="not an SDXL embedding"):
@@ -150,7 +150,7 @@ def test_sdxl_init_weights_must_be_an_sdxl_embedding(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 def test_per_encoder_caption_dropout_zeroes_each_encoder(tiny_workspace):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families.sdxl.family import StableDiffusionXL
     cfg = load_config(preset="demo-sdxl", overrides=[f"general.workspace={tiny_workspace}"])
     model = StableDiffusionXL(cfg.model, str(tiny_workspace))

@@ -1,4 +1,4 @@
-"""Start-up trims of a fresh `python -m trainer train` process (trainer/startup.py): bitsandbytes is
+"""Start-up trims of a fresh `python -m trainer train` process (trainer/host/startup.py): bitsandbytes is
 kept out when nothing in the config uses it (it drags in torch._inductor through diffusers' quantizer
 registry and peft), and stays importable when an 8-bit optimizer needs it."""
 
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_config
-from trainer.startup import unneeded_packages
+from trainer.config.checks import load_config
+from trainer.host.startup import unneeded_packages
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import sys
-from trainer.config import load_config
-from trainer.startup import skip_unused_imports
+from trainer.config.checks import load_config
+from trainer.host.startup import skip_unused_imports
 cfg = load_config(None, ["training.optimizer.name=%s"], preset="demo")
 print("skipped", skip_unused_imports(cfg))
 import diffusers, peft
@@ -59,7 +59,7 @@ def test_a_fresh_process_imports_diffusers_and_peft_without_bitsandbytes():
 def test_gc_is_paused_for_start_up_and_resumed_once():
     import gc
 
-    from trainer import startup
+    from trainer.host import startup
     assert gc.isenabled()
     try:
         startup.pause_gc()
@@ -76,7 +76,7 @@ def test_gc_is_paused_for_start_up_and_resumed_once():
 # --- import-time caches (speed_up_imports) -----------------------------------------------------------
 STRUCTURE_PROBE = """
 import os, sys
-from trainer.startup import speed_up_imports
+from trainer.host.startup import speed_up_imports
 print("patched", speed_up_imports())
 import transformers, transformers.models, peft
 from transformers import CLIPTextModel
@@ -132,7 +132,7 @@ def _fake_transformers(tmp_path: Path):
 
 
 def test_the_models_structure_cache_is_rebuilt_when_a_file_changes_and_survives_a_bad_cache(tmp_path, monkeypatch):
-    from trainer import startup
+    from trainer.host import startup
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     module, models, define, calls = _fake_transformers(tmp_path)
     want = {frozenset({"torch"}): {"clip.modeling_clip": {"CLIPTextModel"}}}
@@ -160,7 +160,7 @@ def test_the_models_structure_cache_is_rebuilt_when_a_file_changes_and_survives_
 
 
 def test_packages_distributions_is_cached_until_a_distribution_is_installed(tmp_path, monkeypatch):
-    from trainer import startup
+    from trainer.host import startup
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     site = tmp_path / "site"
     site.mkdir()

@@ -353,7 +353,7 @@ def test_a_tool_run_from_the_page_reports_progress_and_cancel_kills_it(tmp_path)
     import sys
     import time
 
-    from trainer import procs
+    from trainer.host import procs
     from webui.tabs.tools import stream_tool
     script = tmp_path / "slow.py"  # stands in for a long caption run: prints, then works for a minute
     script.write_text("import sys, time\nprint('captioned 1/100', file=sys.stderr, flush=True)\ntime.sleep(60)\n")
@@ -381,7 +381,7 @@ def test_merge_resize_and_sample_take_diffusers_layout_loras_of_the_transformer_
                                                                                           capsys):
     """A Flux LoRA (transformer + CLIP-L, diffusers/peft layout, α/r in lora_B): merge adds B·A to each layer,
     resize keeps the layout (at full rank the same change), sample --lora changes the image."""
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.families import build_tiny
     from trainer.methods.lora import LoraMethod
     from trainer.models.base import load_model
@@ -432,7 +432,7 @@ def test_merge_bakes_loha_and_lokr_files_as_peft_computes_them(kind, tiny_worksp
     layer exactly the change peft's adapter layer applies; resize refuses it with what to do instead."""
     from safetensors.torch import save_file
 
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     from trainer.models.base import load_model
     sd = tiny_workspace / "models" / "tiny-sd"
@@ -461,7 +461,7 @@ def test_merge_bakes_loha_and_lokr_files_as_peft_computes_them(kind, tiny_worksp
 def test_merge_bakes_a_dora_file_into_the_weight_it_trained(fmt, tiny_workspace, tmp_path):
     """A DoRA file in each dora_scale convention (output.dora_format, named in its header): merged at weight 1 each
     layer becomes the weight peft's DoRA layer computes, m · V / ‖V‖; at 0.5 half-way there. Resize still refuses it."""
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     from trainer.models.base import load_model
     sd = tiny_workspace / "models" / "tiny-sd"

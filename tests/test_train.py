@@ -169,7 +169,7 @@ def _fails_with(ws, run, *extra, words=()):
 
 
 def test_train_refuses_missing_files_before_the_run_starts(tiny_workspace, tmp_path, capsys):
-    """The check validate runs (trainer/preflight.py): a config error at the field, no run folder, no model loaded."""
+    """The check validate runs (trainer/config/preflight.py): a config error at the field, no run folder, no model loaded."""
     (tmp_path / "empty").mkdir()
     for run, setting, words in (("bad-model", "model.path=/nonexistent/model.safetensors",
                                  ("model.path", "/nonexistent/model.safetensors", "does not exist")),
@@ -421,7 +421,7 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
 def test_regional_compile_finds_each_familys_repeated_blocks():
     from diffusers import FluxTransformer2DModel, PixArtTransformer2DModel
 
-    from trainer.compile import compile_blocks, repeated_block_classes
+    from trainer.train.compile import compile_blocks, repeated_block_classes
     pixart = PixArtTransformer2DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8,
                                       num_layers=2, cross_attention_dim=16, caption_channels=16, sample_size=8,
                                       patch_size=2, norm_type="ada_norm_single")

@@ -250,10 +250,11 @@ def test_cancelling_a_job_that_already_left_the_queue_says_so(tmp_path):
 def test_the_start_here_line_names_presets_that_exist():
     import re
 
-    from trainer import config as tcfg
+    from trainer.config.checks import load_config
+    from trainer.config.load import preset_names
     from webui.app import START_HERE
     named = re.findall(r"`([a-z0-9-]+)`", START_HERE)
-    assert "demo" in named and set(named) <= set(tcfg.preset_names())
+    assert "demo" in named and set(named) <= set(preset_names())
 
 
 @pytest.mark.slow
@@ -287,9 +288,10 @@ def test_deleting_a_run_asks_first_refuses_a_running_one_and_removes_folder_and_
 
 @pytest.mark.slow
 def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whether_it_fits(tmp_path):
-    from trainer import config as tcfg
+    from trainer.config.checks import load_config
+    from trainer.config.load import preset_names
     ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
-    values = ctx.form.values_for(tcfg.load_config(preset="demo"))
+    values = ctx.form.values_for(load_config(preset="demo"))
     fits = ctx.handlers["vram_estimate"](8, *values)
     assert fits.startswith("✅") and "Estimated peak" in fits and "Fits a 8 GiB card" in fits
     tight = ctx.handlers["vram_estimate"](0.5, *values)  # the CUDA context alone is 0.75 GiB

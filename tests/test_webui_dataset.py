@@ -8,7 +8,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from trainer.config import load_config
+from trainer.config.checks import load_config
 
 from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a free port)
 
@@ -35,7 +35,7 @@ def test_dataset_report_names_images_that_would_never_train(tmp_path):
 
 
 def test_dataset_report_does_not_import_torch():
-    code = ("import sys; from trainer.config import load_config; from webui.tabs.tools import dataset_report;"
+    code = ("import sys; from trainer.config.checks import load_config; from webui.tabs.tools import dataset_report;"
             "dataset_report(load_config(preset='demo')); assert 'torch' not in sys.modules, 'torch imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -62,7 +62,7 @@ def test_selection_and_fields_map_both_ways():
 
 def test_one_gpu_id_narrows_a_single_process_and_bad_lists_are_refused(monkeypatch):
     from trainer.__main__ import _one_gpu
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cfg = load_config(None, ["general.gpu_ids=1"], preset="demo")
     assert _one_gpu(cfg, apply=True) is None and os.environ["CUDA_VISIBLE_DEVICES"] == "1"

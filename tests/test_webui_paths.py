@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import config as tcfg
+from trainer.config.checks import load_config
+from trainer.config.load import PRESETS_DIR
 from webui.app import build_app
 
 
@@ -21,7 +22,7 @@ def app(tmp_path_factory):
 
 
 def _values(ctx):
-    return ctx.form.values_for(tcfg.load_config(preset="demo"))
+    return ctx.form.values_for(load_config(preset="demo"))
 
 
 def test_load_file_reads_only_inside_the_allowed_folders(app, tmp_path):
@@ -41,7 +42,7 @@ def test_load_file_reads_only_inside_the_allowed_folders(app, tmp_path):
     mine = ws / "mine.yaml"
     mine.write_text("base: demo\ntraining:\n  epochs: 3\n")
     assert "Loaded" in ctx.handlers["load_file"]("mine.yaml")[-1]
-    assert "Loaded" in ctx.handlers["load_file"](str(tcfg.PRESETS_DIR / "demo.yaml"))[-1]  # presets: readable
+    assert "Loaded" in ctx.handlers["load_file"](str(PRESETS_DIR / "demo.yaml"))[-1]  # presets: readable
 
 
 def test_save_file_writes_only_inside_the_workspace_and_browse_roots(app, tmp_path):
@@ -50,7 +51,7 @@ def test_save_file_writes_only_inside_the_workspace_and_browse_roots(app, tmp_pa
     message = ctx.handlers["save_file"](str(outside), *_values(ctx))
     assert message.startswith("⛔ Not saved") and "outside the folders this page may write" in message
     assert not outside.exists()
-    preset = tcfg.PRESETS_DIR / "demo.yaml"
+    preset = PRESETS_DIR / "demo.yaml"
     before = preset.read_bytes()
     assert "outside the folders" in ctx.handlers["save_file"](str(preset), *_values(ctx))
     assert preset.read_bytes() == before  # Atelier's presets are never overwritten from the page

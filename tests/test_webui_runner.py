@@ -322,11 +322,12 @@ def test_scheduler_thread_moves_the_queue_without_a_browser(manager):
 
 def test_real_trainer_runs_the_demo_preset(tmp_path):
     """The contract with the real CLI: ``python -m trainer train config.yaml --run-dir``."""
-    from trainer import config as tcfg
+    from trainer.config.checks import load_config
+    from trainer.config.load import to_yaml
     ws = tmp_path / "ws"
-    cfg = tcfg.load_config(preset="demo", overrides=[f"general.workspace={ws}", "training.max_steps=4"])
+    cfg = load_config(preset="demo", overrides=[f"general.workspace={ws}", "training.max_steps=4"])
     m = RunManager(ws)
-    status, run_dir, _ = m.submit(Job(name="demo", config_yaml=tcfg.to_yaml(cfg)))
+    status, run_dir, _ = m.submit(Job(name="demo", config_yaml=to_yaml(cfg)))
     assert status == "started"
     monitor = RunMonitor()
     try:

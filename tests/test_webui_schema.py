@@ -15,7 +15,11 @@ import gradio as gr
 import pytest
 import yaml
 
-from trainer import config as tcfg
+from trainer.config.checks import config_from_dict, load_config
+from trainer.config.fields import field_info, iter_fields
+from trainer.config.load import PRESETS_DIR, preset_names, to_yaml
+from trainer.config.schema import GeneralConfig, TrainingConfig
+from trainer.config import schema
 from webui import schema_widgets as sw
 from webui.app import build_app
 from webui.form import Form, tab_layout
@@ -72,8 +76,8 @@ KIND_CLASS = {sw.BOOL: gr.Checkbox, sw.CHOICE: gr.Dropdown, sw.INT: gr.Number, s
 
 def test_every_visible_leaf_field_gets_a_widget_of_the_right_kind(app):
     form = app.form
-    keys = [k for k, _, _ in tcfg.iter_fields()]
-    hidden = [k for k, f, _ in tcfg.iter_fields() if f.metadata.get("ui") == "hidden"]
+    keys = [k for k, _, _ in iter_fields()]
+    hidden = [k for k, f, _ in iter_fields() if f.metadata.get("ui") == "hidden"]
     assert hidden and not any(k in form.widgets for k in hidden)
     assert sorted(form.widgets) == sorted(set(keys) - set(hidden))
     for spec in form.specs:
@@ -83,7 +87,7 @@ def test_every_visible_leaf_field_gets_a_widget_of_the_right_kind(app):
         if spec.kind == sw.TABLE:
             assert widget.headers == [c.key for c in spec.items]
             continue
-        fld, _ = tcfg.field_info(spec.key)
+        fld, _ = field_info(spec.key)
         meta = fld.metadata
         assert meta.get("help", "") in widget.info, spec.key
         if "choices" in meta:
@@ -106,27 +110,27 @@ def test_table_columns_get_row_editor_widgets_with_choices(app):
 
 @dataclass
 class NewItem:
-    label: str = tcfg.f("", "A label.")
-    weight: float = tcfg.f(1.0, "Weight.", min=0.0, max=5.0)
+    label: str = schema.f("", "A label.")
+    weight: float = schema.f(1.0, "Weight.", min=0.0, max=5.0)
 
 
 @dataclass
 class NewSection:
-    strength: float = tcfg.f(0.5, "How strong.", min=0.0, max=2.0)
-    steps: int = tcfg.f(3, "How many.", min=1, max=9)
-    mode: str = tcfg.f("a", "Mode.", choices=["a", "b"])
-    folder: str = tcfg.f("", "A folder.", ui="path")
-    notes: str = tcfg.f("", "Notes.", ui="textarea")
-    on: bool = tcfg.f(False, "On.")
-    maybe: Optional[float] = tcfg.f(None, "Blank = off.", min=0.0, max=1.0)
-    secret: int = tcfg.f(1, "Hidden.", ui="hidden")
-    items: List[NewItem] = tcfg.f(help="Items.", factory=list)
+    strength: float = schema.f(0.5, "How strong.", min=0.0, max=2.0)
+    steps: int = schema.f(3, "How many.", min=1, max=9)
+    mode: str = schema.f("a", "Mode.", choices=["a", "b"])
+    folder: str = schema.f("", "A folder.", ui="path")
+    notes: str = schema.f("", "Notes.", ui="textarea")
+    on: bool = schema.f(False, "On.")
+    maybe: Optional[float] = schema.f(None, "Blank = off.", min=0.0, max=1.0)
+    secret: int = schema.f(1, "Hidden.", ui="hidden")
+    items: List[NewItem] = schema.f(help="Items.", factory=list)
 
 
 @dataclass
 class NewRoot:
-    general: tcfg.GeneralConfig = tcfg.f(help="General.", factory=tcfg.GeneralConfig)
-    extra: NewSection = tcfg.f(help="A section the UI has never heard of.", factory=NewSection)
+    general: GeneralConfig = schema.f(help="General.", factory=GeneralConfig)
+    extra: NewSection = schema.f(help="A section the UI has never heard of.", factory=NewSection)
 
 
 def test_a_new_schema_field_appears_without_ui_code():
@@ -153,12 +157,12 @@ def test_a_new_schema_field_appears_without_ui_code():
 # config ↔ form round trip
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("preset", tcfg.preset_names())
+@pytest.mark.parametrize("preset", preset_names())
 def test_preset_to_form_to_config_is_exact(app, preset):
-    cfg = tcfg.load_config(preset=preset)
+    cfg = load_config(preset=preset)
     data, errors = app.form.collect(form_values(app, cfg))
     assert errors == []
-    assert tcfg.to_yaml(tcfg.config_from_dict(data)) == tcfg.to_yaml(cfg)
+    assert to_yaml(config_from_dict(data)) == to_yaml(cfg)
 
 
 def test_load_then_save_changes_nothing(app, tmp_path):
@@ -167,7 +171,7 @@ def test_load_then_save_changes_nothing(app, tmp_path):
     values = [through_browser(c, v) for c, v in zip(app.form.inputs, values)]
     first = app.workspace / "a.yaml"
     assert "Saved" in h["save_file"](str(first), *values)
-    assert first.read_text() == tcfg.to_yaml(tcfg.load_config(preset="demo"))
+    assert first.read_text() == to_yaml(load_config(preset="demo"))
     again = plain(h["load_file"](str(first)))[:len(app.form.inputs)]
     again = [through_browser(c, v) for c, v in zip(app.form.inputs, again)]
     second = app.workspace / "b.yaml"
@@ -185,7 +189,7 @@ def _skipped(outputs: List[Any], n: int) -> bool:
 
 
 def test_out_of_range_value_names_the_field_and_starts_nothing(app):
-    values = set_value(app, form_values(app, tcfg.load_config(preset="demo")), "training.batch_size", 0)
+    values = set_value(app, form_values(app, load_config(preset="demo")), "training.batch_size", 0)
     out = app.handlers["validate"](*values)
     message = out[-1]
     assert "training.batch_size" in message and "out of range" in message and "Training tab" in message
@@ -201,7 +205,7 @@ def test_out_of_range_value_names_the_field_and_starts_nothing(app):
 
 
 def test_bad_table_cell_names_row_and_column(app):
-    values = form_values(app, tcfg.load_config(preset="demo"))
+    values = form_values(app, load_config(preset="demo"))
     idx = [s.key for s in app.form.specs].index("data.concepts")
     table = [list(r) for r in values[idx]]
     table[0][[c.key for c in app.form.specs[idx].items].index("repeats")] = "lots"
@@ -237,20 +241,20 @@ def test_out_of_range_value_in_a_loaded_yaml_is_named(app, tmp_path):
 
 
 def test_warnings_are_shown_but_do_not_block_start(app):
-    values = form_values(app, tcfg.load_config(preset="demo", overrides=["lora.alpha=8", "general.run_name=warn"]))
+    values = form_values(app, load_config(preset="demo", overrides=["lora.alpha=8", "general.run_name=warn"]))
     message = app.handlers["validate"](*values)[-1]
     assert "lora.alpha" in message and "Warnings" in message
     out = app.handlers["submit"](tuple(values), False)
     assert "Started" in out[-3] and "lora.alpha" in out[-3]
     run_dir = app.workspace / "runs" / "warn"
-    written = tcfg.load_config(run_dir / "config.yaml")
+    written = load_config(run_dir / "config.yaml")
     assert written.lora.alpha == 8 and written.general.workspace == str(app.workspace)
     from test_webui_runner import state_of, wait_for
     wait_for(lambda: state_of(run_dir) == "finished", 60, "the fake run")
 
 
 def test_draft_autosave_survives_a_restart(app, tmp_path):
-    values = form_values(app, tcfg.load_config(preset="demo"))
+    values = form_values(app, load_config(preset="demo"))
     values = set_value(app, values, "general.run_name", "half-typed")
     values = set_value(app, values, "training.learning_rate", 50.0)  # invalid, kept anyway
     app.handlers["save_draft"](*values)
@@ -269,11 +273,11 @@ def test_lenient_values_fall_back_to_defaults():
     specs = [s for s in sw.all_specs() if not s.hidden]
     raw = {"training": {"epochs": "many", "batch_size": 4}, "bogus": {"x": 1}}
     values = dict(zip([s.key for s in specs], sw.lenient_values(raw, specs)))
-    assert values["training.epochs"] == tcfg.TrainingConfig.epochs and values["training.batch_size"] == 4
+    assert values["training.epochs"] == TrainingConfig.epochs and values["training.batch_size"] == 4
 
 
 def test_optional_number_blank_means_none(app):
-    values = form_values(app, tcfg.load_config(preset="demo"))
+    values = form_values(app, load_config(preset="demo"))
     key = "parts.denoiser.learning_rate"
     assert values[[s.key for s in app.form.specs].index(key)] is None
     data, errors = app.form.collect(values)
@@ -287,7 +291,7 @@ def test_path_of_the_file_browser_is_limited_to_allowed_roots(app, tmp_path):
     assert roots.allowed(app.workspace / "runs") and not roots.allowed("/etc")
     choices, _ = roots.listing(Path("/etc"))
     assert choices == []
-    choices, _ = roots.listing(tcfg.PRESETS_DIR)
+    choices, _ = roots.listing(PRESETS_DIR)
     assert any(Path(v).name == "demo.yaml" for _, v in choices)
     out = app.browser._use(0, "/etc/passwd")
     assert all(isinstance(o, dict) and "value" not in o for o in out[1:])

@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    from trainer.config import load_config
+    from trainer.config.checks import load_config
     if not args.config and not args.preset:
         raise SystemExit("error: give a config file or --preset NAME (see 'python -m trainer presets').")
     return load_config(args.config, args.overrides, preset=args.preset)
@@ -158,16 +158,17 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         pause_gc()  # until set-up is done (see trainer/host/startup.py)
     from trainer.host.devices import enable_mps_fallback
     enable_mps_fallback()  # Apple Silicon: before torch loads, or operations MPS lacks fail instead of running on the CPU
-    from trainer.config import ConfigError, cross_field_warnings
+    from trainer.config.checks import cross_field_warnings
+    from trainer.errors import ConfigError
 
     if args.command == "presets":
-        from trainer.config import preset_names, resolve_preset
+        from trainer.config.load import preset_names, resolve_preset
         for name in preset_names():
             first = resolve_preset(name).read_text(encoding="utf-8").splitlines()[:1]
             print(f"{name:24s} {first[0].lstrip('# ') if first else ''}")
         return 0
     if args.command == "config-help":
-        from trainer.config import all_keys, field_info
+        from trainer.config.fields import all_keys, field_info
         rows = []
         for key in all_keys():
             fld, tp = field_info(key)
@@ -290,8 +291,8 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
-    from trainer.config import ConfigError
-    from trainer.optim import check_optimizer_class
+    from trainer.errors import ConfigError
+    from trainer.optim.build import check_optimizer_class
     try:  # needs the optimizer's library (torch): checked here, before any model loads, not by validate
         check_optimizer_class(cfg)
     except ConfigError as exc:

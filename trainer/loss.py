@@ -30,7 +30,9 @@ Formulas and their sources:
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, List, Optional
+
+from trainer.errors import ConfigError, Issue
 
 LOSS_TYPES = ("mse", "mae", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("constant", "exponential", "snr")
@@ -38,7 +40,7 @@ TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal", "mode")
 SNR_CAP = 1000.0  # SNR at t≈0 is huge (inf with some schedules); kohya caps it at 1000 for debiasing
 
 
-def _get(cfg: Any, name: str, default: Any) -> Any:
+def cfg_value(cfg: Any, name: str, default: Any) -> Any:
     """Read a LossConfig field; tests may pass a SimpleNamespace with only some fields."""
     return getattr(cfg, name, default) if cfg is not None else default
 
@@ -66,10 +68,10 @@ def perturb_noise(noise, gamma: float, generator):
 
 def timestep_range(cfg: Any, num_train_timesteps: int) -> tuple[int, int]:
     """[lo, hi): the configured range clipped to the model's schedule."""
-    lo = int(_get(cfg, "timestep_min", 0))
-    hi = min(int(_get(cfg, "timestep_max", num_train_timesteps)), num_train_timesteps)
+    lo = int(cfg_value(cfg, "timestep_min", 0))
+    hi = min(int(cfg_value(cfg, "timestep_max", num_train_timesteps)), num_train_timesteps)
     if not 0 <= lo < hi:
-        from trainer.config import ConfigError
+        from trainer.errors import ConfigError
         raise ConfigError(f"loss.timestep_min ({lo}) must be below loss.timestep_max ({hi}; the model has "
                           f"{num_train_timesteps} timesteps).", key="loss.timestep_min", value=lo)
     return lo, hi
@@ -84,15 +86,15 @@ def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, genera
     """
     import torch
     lo, hi = timestep_range(cfg, num_train_timesteps)
-    dist = _get(cfg, "timestep_distribution", "uniform")
+    dist = cfg_value(cfg, "timestep_distribution", "uniform")
     if dist == "uniform":
         return torch.randint(lo, hi, (batch_size,), generator=generator)
     if dist not in TIMESTEP_DISTRIBUTIONS:
         raise ValueError(f"unknown timestep distribution {dist!r}; one of {TIMESTEP_DISTRIBUTIONS}")
     from diffusers.training_utils import compute_density_for_timestep_sampling
     u = compute_density_for_timestep_sampling(
-        weighting_scheme=dist, batch_size=batch_size, logit_mean=float(_get(cfg, "logit_mean", 0.0)),
-        logit_std=float(_get(cfg, "logit_std", 1.0)), mode_scale=float(_get(cfg, "mode_scale", 1.29)),
+        weighting_scheme=dist, batch_size=batch_size, logit_mean=float(cfg_value(cfg, "logit_mean", 0.0)),
+        logit_std=float(cfg_value(cfg, "logit_std", 1.0)), mode_scale=float(cfg_value(cfg, "mode_scale", 1.29)),
         device="cpu", generator=generator)
     t = lo + (u.clamp(0.0, 1.0) * (hi - lo)).long()
     return t.clamp(lo, hi - 1)
@@ -108,7 +110,7 @@ def choose_mask(mask, cfg: Any, generator):
     import torch
     if mask is None:
         return None
-    p = float(_get(cfg, "unmasked_probability", 0.0))
+    p = float(cfg_value(cfg, "unmasked_probability", 0.0))
     if p > 0 and torch.rand((1,), generator=generator).item() < p:
         return None
     return mask
@@ -127,8 +129,8 @@ def snr(noise_scheduler, timesteps):
 def huber_delta(cfg: Any, timesteps, noise_scheduler):
     """Per-sample δ for huber / smooth_l1 under ``huber_schedule`` (see the module docstring)."""
     import torch
-    c = float(_get(cfg, "huber_delta", 0.1))
-    schedule = _get(cfg, "huber_schedule", "constant")
+    c = float(cfg_value(cfg, "huber_delta", 0.1))
+    schedule = cfg_value(cfg, "huber_schedule", "constant")
     t = timesteps.float()
     if schedule == "constant":
         return torch.full_like(t, c)
@@ -162,8 +164,8 @@ def elementwise_loss(pred, target, loss_type: str = "mse", delta=None):
 def timestep_weights(cfg: Any, timesteps, noise_scheduler, prediction_type: Optional[str] = None):
     """Per-sample weights from min-SNR-γ and debiased estimation, or None when both are off."""
     import torch
-    gamma = float(_get(cfg, "min_snr_gamma", 0.0))
-    debiased = bool(_get(cfg, "debiased_estimation", False))
+    gamma = float(cfg_value(cfg, "min_snr_gamma", 0.0))
+    debiased = bool(cfg_value(cfg, "debiased_estimation", False))
     if gamma <= 0 and not debiased:
         return None
     pred = prediction_type or noise_scheduler.config.get("prediction_type", "epsilon")
@@ -203,22 +205,25 @@ def per_sample_loss(pred, target, cfg: Any, timesteps, objective, mask=None,
     (``trainer.objectives``), or a DDPM noise scheduler (its ``prediction_type`` defaults to the
     scheduler's config, which the model family keeps in step with the model).
     """
-    if not hasattr(objective, "timestep_weights"):
-        from trainer.objectives import DDPMObjective
-        objective = DDPMObjective(objective, prediction_type or objective.config.get("prediction_type", "epsilon"))
-    loss_type = _get(cfg, "type", "mse")
-    delta = objective.huber_delta(cfg, timesteps) if loss_type in ("huber", "smooth_l1") else None
+    if hasattr(objective, "timestep_weights"):
+        delta_of, weights_of = objective.huber_delta, objective.timestep_weights
+    else:  # a DDPM noise scheduler: what trainer.objectives.DDPMObjective computes from it
+        pred_type = prediction_type or objective.config.get("prediction_type", "epsilon")
+        delta_of = lambda lc, t: huber_delta(lc, t, objective)  # noqa: E731
+        weights_of = lambda lc, t: timestep_weights(lc, t, objective, pred_type)  # noqa: E731
+    loss_type = cfg_value(cfg, "type", "mse")
+    delta = delta_of(cfg, timesteps) if loss_type in ("huber", "smooth_l1") else None
     loss = elementwise_loss(pred, target, loss_type, delta)
     reduce_dims = tuple(range(1, loss.ndim))
     if mask is not None:
-        w = mask_weights(mask.to(loss.device), loss.shape, float(_get(cfg, "unmasked_weight", 0.0)))
+        w = mask_weights(mask.to(loss.device), loss.shape, float(cfg_value(cfg, "unmasked_weight", 0.0)))
         loss = loss * w
         per_sample = loss.mean(dim=reduce_dims)
-        if bool(_get(cfg, "normalize_masked_area_loss", False)):
+        if bool(cfg_value(cfg, "normalize_masked_area_loss", False)):
             per_sample = per_sample / w.mean(dim=tuple(range(1, w.ndim))).clamp(min=1e-8)
     else:
         per_sample = loss.mean(dim=reduce_dims)
-    tw = objective.timestep_weights(cfg, timesteps)
+    tw = weights_of(cfg, timesteps)
     if tw is not None:
         per_sample = per_sample * tw.to(per_sample.device)
     return per_sample
@@ -237,7 +242,7 @@ def weighted_mean(per_sample, weights=None):
 
 def prepare_noise_schedule(model, cfg: Any, warn=None) -> None:
     """Apply schedule-changing options to the model before training (zero-terminal-SNR rescale)."""
-    if not _get(cfg, "zero_terminal_snr", False):
+    if not cfg_value(cfg, "zero_terminal_snr", False):
         return
     model.rescale_zero_terminal_snr()
     if warn is not None and getattr(model, "prediction_type", "") != "v_prediction":
@@ -294,3 +299,38 @@ def variational_bound(alphas_cumprod, x0, xt, timesteps, eps, var_values):
                                         torch.log((cdf_plus - cdf_min).clamp(min=1e-12))))
     nll = -log_probs / math.log(2.0)
     return torch.where(t.view(-1, *([1] * (xt.dim() - 1))) == 0, nll, kl)
+
+
+# ------------------------------------------------------------------------------------------
+# rules (trainer.config.checks calls them; torch-free)
+# ------------------------------------------------------------------------------------------
+
+def check_loss(cfg: Any) -> None:
+    """Hard rules of the loss section (``validate``); raises ConfigError naming the field."""
+    lc = cfg.loss
+    if lc.timestep_min >= lc.timestep_max:
+        raise ConfigError(f"loss.timestep_min ({lc.timestep_min}) must be below loss.timestep_max "
+                          f"({lc.timestep_max}).", key="loss.timestep_min", value=lc.timestep_min)
+    if lc.type in ("huber", "smooth_l1") and lc.huber_schedule != "constant" and lc.huber_delta > 1:
+        raise ConfigError(f"loss.huber_delta = {lc.huber_delta:g} with huber_schedule = {lc.huber_schedule}: the "
+                          "schedule goes from 1 down to huber_delta, so it must be at most 1 (0.1 is typical). "
+                          "Use huber_schedule = constant for a larger δ.", key="loss.huber_delta",
+                          value=lc.huber_delta)
+
+
+def loss_warnings(cfg: Any) -> List[Issue]:
+    """Community rules on the loss settings, shown before launch."""
+    out: List[Issue] = []
+    lc = cfg.loss
+    if lc.zero_terminal_snr and cfg.model.prediction_type != "v_prediction":
+        out.append(Issue("loss.zero_terminal_snr",
+                         "Zero terminal SNR wants v-prediction: at the last timestep the input is pure noise, "
+                         "so epsilon cannot be learned there. Set model.prediction_type = v_prediction"
+                         + (" (fine as is if auto finds a v-prediction model)."
+                            if cfg.model.prediction_type == "auto" else ".")))
+    if lc.min_snr_gamma > 0 and lc.debiased_estimation:
+        out.append(Issue("loss.debiased_estimation", "Min-SNR-γ and debiased estimation both reweight "
+                                                     "timesteps and multiply; usually pick one."))
+    if lc.type == "mse" and lc.huber_delta != 0.1:
+        out.append(Issue("loss.huber_delta", "huber_delta only matters with loss.type = huber or smooth_l1."))
+    return out

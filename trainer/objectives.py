@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from trainer.loss import _get
+from trainer.loss import cfg_value
 
 FLOW_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -54,12 +54,12 @@ def refused_options(objective: str, lc: Any, family_label: str) -> list:
     problems = []
     rules = {"flow": DDPM_ONLY, "ddpm": FLOW_ONLY, "cosine": DDPM_ONLY + FLOW_ONLY}[objective]
     for name, off, why in rules:
-        value = _get(lc, name, off)
+        value = cfg_value(lc, name, off)
         if value != off and not (isinstance(off, float) and float(value) == off):
             problems.append((f"loss.{name}", f"loss.{name} = {value}: {why}, and {family_label} trains with "
                              f"{OBJECTIVE_NAMES[objective]}. Set it back to {off}."))
-    if objective != "ddpm" and _get(lc, "type", "mse") in ("huber", "smooth_l1") \
-            and _get(lc, "huber_schedule", "constant") == "snr":
+    if objective != "ddpm" and cfg_value(lc, "type", "mse") in ("huber", "smooth_l1") \
+            and cfg_value(lc, "huber_schedule", "constant") == "snr":
         problems.append(("loss.huber_schedule", f"loss.huber_schedule = snr reads the DDPM noise schedule; "
                          f"{family_label} trains with {OBJECTIVE_NAMES[objective]}. Use constant or exponential."))
     return problems
@@ -139,7 +139,7 @@ class FlowMatchingObjective:
 
     def _shifted(self, sigmas, lc: Any, latents):
         import torch
-        fixed = float(_get(lc, "flow_shift", 0.0) or 0.0)
+        fixed = float(cfg_value(lc, "flow_shift", 0.0) or 0.0)
         if fixed > 0 or self.dynamic_shift is None or latents is None:
             s = fixed if fixed > 0 else self.shift
             return sigmas if s == 1.0 else s * sigmas / (1 + (s - 1) * sigmas)
@@ -150,21 +150,21 @@ class FlowMatchingObjective:
         """σ for each sample: u from ``loss.timestep_distribution`` within [timestep_min, timestep_max)/1000,
         then shifted."""
         import torch
-        lo = int(_get(lc, "timestep_min", 0)) / self.num_train_timesteps
-        hi = min(int(_get(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
+        lo = int(cfg_value(lc, "timestep_min", 0)) / self.num_train_timesteps
+        hi = min(int(cfg_value(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
             / self.num_train_timesteps
         if not 0 <= lo < hi:
-            from trainer.config import ConfigError
-            raise ConfigError(f"loss.timestep_min ({_get(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
+            from trainer.errors import ConfigError
+            raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
-        dist = _get(lc, "timestep_distribution", "uniform")
+        dist = cfg_value(lc, "timestep_distribution", "uniform")
         if dist == "uniform":
             u = torch.rand((batch_size,), generator=generator)
         else:
             from diffusers.training_utils import compute_density_for_timestep_sampling
             u = compute_density_for_timestep_sampling(
-                weighting_scheme=dist, batch_size=batch_size, logit_mean=float(_get(lc, "logit_mean", 0.0)),
-                logit_std=float(_get(lc, "logit_std", 1.0)), mode_scale=float(_get(lc, "mode_scale", 1.29)),
+                weighting_scheme=dist, batch_size=batch_size, logit_mean=float(cfg_value(lc, "logit_mean", 0.0)),
+                logit_std=float(cfg_value(lc, "logit_std", 1.0)), mode_scale=float(cfg_value(lc, "mode_scale", 1.29)),
                 device="cpu", generator=generator)
         u = lo + u.clamp(0.0, 1.0) * (hi - lo)
         sigmas = self._shifted(u.float().clamp(1e-5, 1.0), lc, latents)
@@ -175,7 +175,7 @@ class FlowMatchingObjective:
         return (1.0 - s) * latents + s * noise, noise - latents
 
     def timestep_weights(self, lc: Any, timesteps):
-        scheme = _get(lc, "flow_weighting", "none")
+        scheme = cfg_value(lc, "flow_weighting", "none")
         if scheme in (None, "none"):
             return None
         from diffusers.training_utils import compute_loss_weighting_for_sd3
@@ -184,8 +184,8 @@ class FlowMatchingObjective:
     def huber_delta(self, lc: Any, timesteps):
         """δ per sample: constant, or exponential in σ (1 at σ = 0 → δ at σ = 1)."""
         import torch
-        c = float(_get(lc, "huber_delta", 0.1))
-        schedule = _get(lc, "huber_schedule", "constant")
+        c = float(cfg_value(lc, "huber_delta", 0.1))
+        schedule = cfg_value(lc, "huber_schedule", "constant")
         if schedule == "exponential":
             return torch.exp(math.log(c) * timesteps.float())
         if schedule == "constant":
@@ -212,12 +212,12 @@ class CosineObjective:
     def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
         """t uniform in [timestep_min, timestep_max)/1000, as the reference trainers draw it."""
         import torch
-        lo = int(_get(lc, "timestep_min", 0)) / self.num_train_timesteps
-        hi = min(int(_get(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
+        lo = int(cfg_value(lc, "timestep_min", 0)) / self.num_train_timesteps
+        hi = min(int(cfg_value(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
             / self.num_train_timesteps
         if not 0 <= lo < hi:
-            from trainer.config import ConfigError
-            raise ConfigError(f"loss.timestep_min ({_get(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
+            from trainer.errors import ConfigError
+            raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
         t = lo + torch.rand((batch_size,), generator=generator) * (hi - lo)
         return t.to(latents.device if latents is not None else "cpu")
@@ -231,8 +231,8 @@ class CosineObjective:
     def huber_delta(self, lc: Any, timesteps):
         """δ per sample: constant, or exponential in t (1 at t = 0 → δ at t = 1)."""
         import torch
-        c = float(_get(lc, "huber_delta", 0.1))
-        schedule = _get(lc, "huber_schedule", "constant")
+        c = float(cfg_value(lc, "huber_delta", 0.1))
+        schedule = cfg_value(lc, "huber_schedule", "constant")
         if schedule == "exponential":
             return torch.exp(math.log(c) * timesteps.float())
         if schedule == "constant":

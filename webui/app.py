@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence
 
 import gradio as gr
 
-from trainer import config as tcfg
+from trainer.config.load import PRESETS_DIR, preset_names
 from webui import optimizer_memory, runner
 from webui.downloads import DOWNLOADS
 from webui.context import AppContext
@@ -133,7 +133,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     workspace = Path(workspace or os.environ.get("ATELIER_WORKSPACE") or DEFAULT_WORKSPACE).expanduser().resolve()
     manager = manager or runner.RunManager(workspace)
     home = [h for h in (Path.home().resolve(),) if h != Path(h.anchor)]  # a home that is "/" would open the whole disk
-    roots = Roots([workspace, *home, *browse_roots, tcfg.PRESETS_DIR])  # where images and models usually are
+    roots = Roots([workspace, *home, *browse_roots, PRESETS_DIR])  # where images and models usually are
     browser = FileBrowser(roots)
     ctx = AppContext(workspace=workspace, manager=manager, roots=roots, browser=browser)
     # results, samples and zips are streamed from where they lie, not copied into Gradio's cache (a fine-tune is
@@ -190,8 +190,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             user was on."""
             values = config_bar.load_draft(ctx)
             state = config_bar.read_ui_state(ctx)
-            preset = state.get("preset") if state.get("preset") in tcfg.preset_names() else None
-            presets = gr.Dropdown(choices=tcfg.preset_names(), value=preset)
+            preset = state.get("preset") if state.get("preset") in preset_names() else None
+            presets = gr.Dropdown(choices=preset_names(), value=preset)
             tab = gr.Tabs(selected=state["tab"]) if state.get("tab") else gr.skip()
             if values is None:
                 return [gr.skip()] * len(load_outputs(form)) + [presets, tab, gr.skip()]

@@ -12,8 +12,11 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
-from trainer import config as tcfg
-from trainer.paths import path_name
+from trainer.config.checks import config_from_dict, cross_field_warnings
+from trainer.config.load import PRESETS_DIR, to_yaml
+from trainer.config.schema import GeneralConfig
+from trainer.errors import ConfigError
+from trainer.host.paths import path_name
 from webui import runner
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form
@@ -67,18 +70,18 @@ class AppContext:
         if errors:
             return result
         try:
-            cfg = tcfg.config_from_dict(data)
-        except tcfg.ConfigError as exc:
+            cfg = config_from_dict(data)
+        except ConfigError as exc:
             result.issues.append(FieldError(exc.key or "", str(exc)))
             return result
         result.cfg = cfg
-        result.issues += [FieldError(i.key, i.message, i.level) for i in tcfg.cross_field_warnings(cfg)]
+        result.issues += [FieldError(i.key, i.message, i.level) for i in cross_field_warnings(cfg)]
         return result
 
     def allowed_path(self, text: str, what: str) -> tuple[str, str]:
         """(absolute path, "") for a path the tools may use: inside the page's folders (relative = the workspace);
         hub ids and ``builtin:`` names pass as they are; else ("", the message naming ``what``)."""
-        from trainer.preflight import looks_like_hub_id
+        from trainer.config.preflight import looks_like_hub_id
         text = (text or "").strip()
         if not text or text.startswith("builtin:") or looks_like_hub_id(text):
             return text, ""
@@ -94,11 +97,11 @@ class AppContext:
         """The YAML a run starts with: the form's config, with the UI's workspace filled in when the
         form still has the default (relative) one, so caches land next to the runs."""
         cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-        cfg = tcfg.config_from_dict(cfg)
-        if cfg.general.workspace == tcfg.GeneralConfig.workspace and \
+        cfg = config_from_dict(cfg)
+        if cfg.general.workspace == GeneralConfig.workspace and \
                 self.workspace != (runner.REPO_ROOT / cfg.general.workspace).resolve():
             cfg.general.workspace = str(self.workspace)
-        return tcfg.to_yaml(cfg)
+        return to_yaml(cfg)
 
     def run_name(self, cfg: Any) -> str:
         if cfg.general.run_name:
@@ -132,7 +135,7 @@ class AppContext:
             real = p.resolve()
         except (OSError, RuntimeError):
             return None, f"`{text}` is not a usable path."
-        presets = tcfg.PRESETS_DIR.resolve()
+        presets = PRESETS_DIR.resolve()
         if not self.roots.allowed(real) or (write and (real == presets or presets in real.parents)):
             where = ", ".join(f"`{r}`" for r in self.roots.paths if not (write and r == presets))
             return None, (f"`{text}` is outside the folders this page may {'write' if write else 'read'} "

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Tuple
 
 def _slot_fields() -> Dict[str, Tuple[str, ...]]:
     """The per-part settings of each model slot: every ``parts.<part>.*`` key of the schema."""
-    from trainer.config import PART_OF_SLOT, all_keys
+    from trainer.config.fields import all_keys
+    from trainer.config.schema import PART_OF_SLOT
     keys = all_keys()
     return {slot: tuple(k for k in keys if k.startswith(f"parts.{part}.")) for slot, part in PART_OF_SLOT.items()}
 
@@ -20,7 +21,7 @@ SLOT_FIELDS: Dict[str, Tuple[str, ...]] = _slot_fields()
 
 def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, str]]:
     """(markdown summary, key -> shown, key -> part label) for a model path and ``model.family``."""
-    from trainer.config import part_key
+    from trainer.config.schema import part_key
     from trainer.families import info_for
     from trainer.families.checks import family_without_loading
     try:

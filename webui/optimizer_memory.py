@@ -12,7 +12,7 @@ Events (both on the name dropdown, so loading a config never triggers a restore)
 * ``input`` (the user picked another optimizer): that optimizer's stored fields come back (fields it
   never had stored keep their current value);
 * ``change`` (user or a loaded config): only the fields of the chosen optimizer are visible
-  (``trainer.optim.optimizer_fields``).
+  (``trainer.optim.registry.optimizer_fields``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import gradio as gr
 
-from trainer.optim import OPTIMIZERS, optimizer_fields
+from trainer.optim.registry import OPTIMIZERS, optimizer_fields
 from webui import schema_widgets as sw
 from webui.context import AppContext
 

@@ -6,7 +6,7 @@ pid = the process group id), the trainer writes ``trainer.pid`` and ``events.jso
 UI's memory, a reloaded page, a second browser or a restarted UI reattaches to a running job.
 
 The trainer is started detached (a new session on POSIX, a new process group without a console on
-Windows: ``trainer.procs``) so it survives a UI restart. Stop writes ``control/stop`` in the run folder,
+Windows: ``trainer.host.procs``) so it survives a UI restart. Stop writes ``control/stop`` in the run folder,
 the same on every platform (the trainer finishes the step, writes a backup and exits 0); a second Stop,
 or ``stop_timeout`` seconds without an exit, kills the process tree (SIGKILL to the group on POSIX,
 ``taskkill /F /T`` on Windows). This module imports neither Gradio nor torch.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from trainer import procs
+from trainer.host import procs
 from trainer.events import TERMINAL
 from webui.jobqueue import Job, JobQueue
 
@@ -109,7 +109,7 @@ def _mtime(p: Path) -> float:
 # --------------------------------------------------------------------------------------------
 
 def pid_alive(pid: Optional[int]) -> bool:
-    """True when the process exists and is not a zombie (any platform: ``trainer.procs``)."""
+    """True when the process exists and is not a zombie (any platform: ``trainer.host.procs``)."""
     return procs.pid_alive(pid)
 
 

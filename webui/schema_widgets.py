@@ -1,6 +1,6 @@
 """Schema → widgets, and widget values ↔ config values.
 
-The web UI never lists config fields by hand: every field of ``trainer.config.AtelierConfig`` is
+The web UI never lists config fields by hand: every field of ``trainer.config.schema.AtelierConfig`` is
 described here as a :class:`FieldSpec` (read from the dataclass metadata: help, choices, min/max,
 ui hint), and a spec decides its widget kind. A field added to the schema therefore shows up in
 the form without any UI code. The conversion functions are pure (no Gradio state), so the exact
@@ -15,7 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional
 
-from trainer import config as tcfg
+from trainer.config.fields import field_info, iter_fields
+from trainer.config.schema import AtelierConfig
 
 # widget kinds
 BOOL, INT, FLOAT, CHOICE, TEXT, TEXTAREA, PATH, TABLE, LIST, YAML = (
@@ -107,7 +108,7 @@ def spec_of(key: str, fld: dataclasses.Field, tp: Any) -> FieldSpec:
     if origin in (list, List):
         (item_tp,) = typing.get_args(tp) or (Any,)
         if dataclasses.is_dataclass(item_tp):
-            items = tuple(spec_of(k, f, t) for k, f, t in tcfg.iter_fields(item_tp))
+            items = tuple(spec_of(k, f, t) for k, f, t in iter_fields(item_tp))
             return FieldSpec(kind=TABLE, items=items, **common)
         return FieldSpec(kind=LIST, **common)
     if "choices" in meta:
@@ -124,15 +125,15 @@ def spec_of(key: str, fld: dataclasses.Field, tp: Any) -> FieldSpec:
     return FieldSpec(kind=YAML, **common)
 
 
-def all_specs(cls: type = tcfg.AtelierConfig) -> List[FieldSpec]:
+def all_specs(cls: type = AtelierConfig) -> List[FieldSpec]:
     """Every leaf and list field of the schema, hidden ones included, in schema order."""
-    return [spec_of(k, f, t) for k, f, t in tcfg.iter_fields(cls)]
+    return [spec_of(k, f, t) for k, f, t in iter_fields(cls)]
 
 
 def section_help(section_key: str) -> str:
     """Help text of a dataclass-valued field such as ``training`` or ``training.optimizer``."""
     try:
-        fld, _ = tcfg.field_info(section_key)
+        fld, _ = field_info(section_key)
     except KeyError:
         return ""
     return fld.metadata.get("help", "")

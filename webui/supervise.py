@@ -7,7 +7,7 @@ the same group. When the trainer exits — normally, with an error, or killed by
 ``{"returncode": ...}`` to EXIT_JSON. Without it the exit code of a detached trainer would be lost
 whenever the UI restarts, and a run killed by the out-of-memory killer could not be explained.
 
-A stop is asked of the trainer through ``control/stop`` (``trainer.procs``); stop signals that reach
+A stop is asked of the trainer through ``control/stop`` (``trainer.host.procs``); stop signals that reach
 the whole group (Ctrl+C, a hang-up, a console closing) are ignored here (a no-op handler, not SIG_IGN,
 so the trainer does not inherit "ignored") and this keeps waiting for the trainer. Only the signals
 the platform has are touched (no SIGHUP on Windows). Pure stdlib.
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from trainer.procs import ignore_stop_signals
+from trainer.host.procs import ignore_stop_signals
 
 
 def main(argv: List[str]) -> int:

@@ -27,7 +27,9 @@ import random
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from trainer.errors import ConfigError
 
 Size = Tuple[int, int]  # (width, height)
 
@@ -185,3 +187,21 @@ def plan_epoch(order: Sequence[int], item_buckets: Sequence[Sequence[Size]], bat
 
 __all__ = ["Size", "parse_resolution", "format_size", "snap", "generate_buckets", "nearest_bucket",
            "cover_scale", "assign_bucket", "PlannedBatch", "bucket_populations", "plan_epoch"]
+
+
+def check_resolutions(cfg: Any) -> None:
+    """data.resolution and each concept's resolution: ``512``, ``768x512`` or ``384,448,512``."""
+    fields = [("data.resolution", cfg.data.resolution)]
+    fields += [(f"data.concepts.{i}.resolution", c.resolution) for i, c in enumerate(cfg.data.concepts)
+               if str(c.resolution or "").strip()]
+    for key, value in fields:
+        try:
+            parse_resolution(value)
+        except ValueError as exc:
+            raise ConfigError(f"'{key}' = {value!r} is not allowed: {exc}.", key=key, value=value) from None
+
+
+def training_side(cfg: Any) -> int:
+    """The training resolution as one side length (the square root of the largest pixel budget
+    of data.resolution), for rules of thumb and metadata."""
+    return int(round(max(w * h for w, h in parse_resolution(cfg.data.resolution)) ** 0.5))

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from trainer.data.concepts import DataError, ImageItem
+from trainer.data.concepts import ImageItem
+from trainer.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

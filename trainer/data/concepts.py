@@ -23,7 +23,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,6 @@ MASK_SUFFIX = "-masklabel.png"  # OneTrainer's mask naming; masks are paired wit
 _LIST_LIMIT = 20  # how many file names a warning or report lists before "and N more"
 
 Warn = Callable[[str], None]
-
-
-class DataError(ConfigError):
-    """A dataset problem the user can fix (missing folder, no usable image, bad caption file).
-
-    It is a :class:`ConfigError`, so the CLI and the UI show it the same way as a bad setting:
-    ``key`` names the config field (``data.concepts.0.path``) the user should look at.
-    """
 
 
 @dataclass

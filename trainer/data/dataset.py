@@ -17,8 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from trainer.data.buckets import (PlannedBatch, Size, assign_bucket, bucket_populations, cover_scale,
                                   format_size, generate_buckets, nearest_bucket, parse_resolution, plan_epoch,
                                   snap)
-from trainer.data.concepts import (DataError, DataReport, ImageItem, _label, _list, _rel, concept_repeats,
-                                   epoch_order, item_repeats, scan_concepts)
+from trainer.data.concepts import (
+    DataReport, ImageItem, _label, _list, _rel, concept_repeats, epoch_order, item_repeats, scan_concepts)
+from trainer.errors import DataError
 
 Warn = Callable[[str], None]
 

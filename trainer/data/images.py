@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from PIL import Image, ImageOps
 
-from trainer.data.concepts import DataError
+from trainer.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

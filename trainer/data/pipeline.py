@@ -48,7 +48,8 @@ from trainer.data.buckets import PlannedBatch, Size
 from trainer.data.cache import (CacheJob, LatentCache, TextCache, _map_ahead, as_text_dict, file_sha256,
                                 make_settings_key)
 from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement
-from trainer.data.concepts import DataError, ImageItem, _seed_int, pick_caption, sample_rng
+from trainer.data.concepts import ImageItem, _seed_int, pick_caption, sample_rng
+from trainer.errors import DataError
 from trainer.data.dataset import build_dataset
 
 log = logging.getLogger("atelier")

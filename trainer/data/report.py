@@ -78,7 +78,7 @@ def format_report(rep: dict) -> str:
 
 
 def print_report(cfg: Any, as_json: bool = False) -> int:
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     try:
         rep = build_report(cfg)
     except ConfigError as exc:

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError, ModelLoadError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def part_dtype(mcfg: Any, slot: str) -> str:
-    """The storage dtype name of a part: ``parts.<part>.dtype`` as carried by :class:`trainer.config.ModelSettings`
+    """The storage dtype name of a part: ``parts.<part>.dtype`` as carried by :class:`trainer.families.sources.ModelSettings`
     (``load_model`` builds it from the whole config); fp32 for a bare ``model`` section."""
     dtypes = getattr(mcfg, "dtypes", None)
     if isinstance(dtypes, dict):
@@ -38,10 +38,6 @@ def part_dtype(mcfg: Any, slot: str) -> str:
 def torch_dtype(name: str):
     import torch
     return getattr(torch, DTYPE_NAMES[name])
-
-
-class ModelLoadError(ConfigError):
-    """The base model could not be loaded; the message says why and what to do."""
 
 
 # The kohya-style LoRA namer: slot -> (key prefix, module-path rename). A file key is

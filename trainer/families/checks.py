@@ -15,7 +15,11 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from trainer.config import ConfigError
+from trainer.config.schema import PART_OF_SLOT, PartsConfig, part_key, part_of
+from trainer.data.buckets import parse_resolution
+from trainer.errors import ConfigError, Issue
+from trainer.families import MISSING, Evidence, claim, embedding_families, info_for, tiny_models
+from trainer.objectives import refused_options
 
 
 def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
@@ -34,7 +38,6 @@ def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
 def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
     """The variant of ``model`` as far as it can be told cheaply; None when it cannot (hub ids, .ckpt,
     unreadable or unknown files: the loader reports those)."""
-    from trainer.families import MISSING, Evidence, claim, tiny_models
     family = getattr(mcfg, "family", "auto") or "auto"
     if family != "auto":
         return family
@@ -66,8 +69,6 @@ def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
 
 def check_family_options(cfg: Any) -> None:
     """Raise ConfigError for the first option the family of ``cfg.model`` cannot use."""
-    from trainer.families import info_for
-    from trainer.objectives import refused_options
     variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
     if not variant:
         return
@@ -81,7 +82,6 @@ def check_family_options(cfg: Any) -> None:
         raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} is a flow-matching "
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
                           value=cfg.model.prediction_type)
-    from trainer.config import PART_OF_SLOT, part_key, part_of
     t = cfg.training
     slots = {p.slot for p in info.parts}
     for slot in PART_OF_SLOT:
@@ -90,7 +90,6 @@ def check_family_options(cfg: Any) -> None:
             key = part_key(slot, "train")
             raise ConfigError(f"{key} is on, but {info.label} has no such part; its parts are {have}.", key=key)
     if not info.embeddings and (t.method == "embedding" or cfg.embedding.train_alongside):
-        from trainer.families import embedding_families
         key = "training.method" if t.method == "embedding" else "embedding.train_alongside"
         raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is "
                           f"a {info.label} model. Train a LoRA or a fine-tune instead.", key=key)
@@ -130,7 +129,6 @@ def check_family_options(cfg: Any) -> None:
 
 def check_pixel_multiple(cfg: Any, info: Any) -> None:
     """Training sizes a family's latent encoder can take: every resolution and the bucket step."""
-    from trainer.data.buckets import parse_resolution
     if not any(c.enabled for c in cfg.data.concepts):
         return  # nothing to train on (a config that only loads or samples the model): sizes do not matter
     m = info.pixel_multiple
@@ -150,8 +148,6 @@ def check_pixel_multiple(cfg: Any, info: Any) -> None:
 def part_warnings(cfg: Any) -> list:
     """Per-part settings of parts the model's family does not have (told without loading it): ignored, and
     said so (``train`` on such a part is an error, raised by :func:`check_family_options`)."""
-    from trainer.config import PART_OF_SLOT, Issue, PartsConfig
-    from trainer.families import info_for
     variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
     if not variant:
         return []

@@ -53,7 +53,7 @@ def device_problems(cfg: Any, device: str) -> List[Tuple[str, str, str]]:
         if bool(cfg.parts[slot].get("fp8", False)):
             out.append((f"parts.{slot}.fp8", f"parts.{slot}.fp8: MPS has no float8 types. Turn fp8 storage off, or "
                                              "use bf16 weights (parts.<part>.dtype) to save memory.", "error"))
-    from trainer.optim import OPTIMIZERS
+    from trainer.optim.registry import OPTIMIZERS
     name = str(cfg.training.optimizer.name)
     spec = OPTIMIZERS.get(name)
     if spec is not None and spec.eight_bit:

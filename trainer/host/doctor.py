@@ -37,7 +37,7 @@ def _quiet_import(name: str) -> Tuple[Optional[Any], str]:
 
 def _eight_bit_optimizers() -> str:
     try:
-        from trainer.optim import OPTIMIZERS
+        from trainer.optim.registry import OPTIMIZERS
         names = [n for n, spec in OPTIMIZERS.items() if spec.eight_bit]
     except Exception:
         names = []

@@ -27,7 +27,7 @@ from typing import List
 
 def unneeded_packages(cfg) -> List[str]:
     """Installed packages this run will not use and that are costly to import (torch-free)."""
-    from trainer.optim import OPTIMIZERS
+    from trainer.optim.registry import OPTIMIZERS
     names = []
     o = cfg.training.optimizer
     spec = OPTIMIZERS.get(str(o.name))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Optional
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 
 
 def stochastic_round_to_bf16(x, generator=None):
@@ -225,7 +225,7 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
 
     import torch
 
-    from trainer.config import PART_OF_SLOT
+    from trainer.config.schema import PART_OF_SLOT
     info = getattr(model, "info", None)
     if info is None:
         return

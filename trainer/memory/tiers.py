@@ -43,7 +43,7 @@ def _quantised(cfg: Any) -> int:
 
 def _optimizer_state(cfg: Any) -> int:
     """0: factored (Adafactor, a few vectors per matrix), 1: 8-bit states, 2: full-precision states."""
-    from trainer.optim import optimizer_spec
+    from trainer.optim.registry import optimizer_spec
     name = str(cfg.training.optimizer.name).lower()
     if "adafactor" in name:
         return 0
@@ -89,7 +89,8 @@ def tier_warnings(cfg: Any) -> List[Tuple[str, str]]:
     preset = str(cfg.general.get("sized_for", "") or "")
     if not preset:
         return []
-    from trainer.config import ConfigError, load_config
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
     try:
         tier = load_config(preset=preset)
     except ConfigError:

@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.methods.base import MethodBase
 from trainer.methods.rules import placeholder_pattern
 

@@ -44,7 +44,7 @@ class FinetuneMethod(MethodBase):
 
 def make_method(model, cfg):
     if (cfg.training.method == "embedding" or cfg.embedding.train_alongside) and not model.info.embeddings:
-        from trainer.config import ConfigError
+        from trainer.errors import ConfigError
         from trainer.families import embedding_families
         key = "training.method" if cfg.training.method == "embedding" else "embedding.train_alongside"
         raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is a "

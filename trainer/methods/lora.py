@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from trainer.config import ConfigError
+from trainer.errors import ConfigError
 from trainer.methods.base import MethodBase
 
 UNET_TARGETS: Dict[str, List[str]] = {
@@ -48,7 +48,7 @@ def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
     in the blocks ``spec`` (``parts.denoiser.lora_blocks``) names; ConfigError naming the block lists when none do."""
     import re
 
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.methods.rules import block_of, parse_blocks
     ranges = parse_blocks(spec)
 
@@ -76,7 +76,8 @@ def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
 def chosen_parts(model, cfg) -> Dict[str, Any]:
     """slot -> module for the parts whose ``parts.<part>.train`` is on; a part the model does not have
     is refused, naming the family's parts."""
-    from trainer.config import PART_OF_SLOT, ConfigError, part_key
+    from trainer.config.schema import PART_OF_SLOT, part_key
+    from trainer.errors import ConfigError
     chosen: Dict[str, Any] = {}
     for slot in PART_OF_SLOT:
         if not cfg.parts[PART_OF_SLOT[slot]].train:

@@ -1,12 +1,15 @@
 """Config rules of the training methods (LoRA variants, embeddings): hard checks and warnings.
 
-Torch-free: ``trainer.config`` calls these before any model loads (CLI ``validate``, the web UI).
+Torch-free: ``trainer.config.checks`` calls these before any model loads (CLI ``validate``, the web UI).
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any, List, Pattern, Tuple
+
+from trainer.errors import ConfigError, Issue
+from trainer.families.checks import family_without_loading
 
 
 def placeholder_pattern(placeholder: str) -> Pattern[str]:
@@ -70,7 +73,6 @@ def block_of(path: str) -> Tuple[str, int]:
 
 def validate_method(cfg: Any) -> None:
     """Hard errors (ConfigError) of the lora/embedding sections."""
-    from trainer.config import ConfigError
 
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
     try:
@@ -106,8 +108,7 @@ def validate_method(cfg: Any) -> None:
 
 
 def method_warnings(cfg: Any) -> list:
-    """Community rules for adapters and embeddings, as ``trainer.config.Issue`` warnings."""
-    from trainer.config import Issue
+    """Community rules for adapters and embeddings, as ``trainer.errors.Issue`` warnings."""
 
     out = []
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
@@ -148,6 +149,21 @@ def method_warnings(cfg: Any) -> list:
         out.append(Issue("embedding.bundle", "embedding.bundle is on but no embedding is trained "
                                              "(training.method embedding or embedding.train_alongside)."))
     return out
+
+
+def check_output_format(cfg: Any) -> None:
+    """output.format must be one the method can write (checked at save time, after training, before)."""
+    method, fmt = cfg.training.method, cfg.output.format
+    allowed = {"lora": ("auto", "safetensors"), "embedding": ("auto", "safetensors", "ckpt")}.get(method)
+    if allowed and fmt not in allowed:
+        what = {"lora": "a LoRA is saved as a kohya .safetensors file: use auto or safetensors",
+                "embedding": "an embedding is saved as .safetensors (or an A1111 .pt with ckpt)"}[method]
+        raise ConfigError(f"output.format = {fmt} does not fit training.method = {method}: {what}.",
+                          key="output.format", value=fmt)
+    if method == "embedding" and fmt == "ckpt":
+        if (family_without_loading(cfg.model) or "").startswith("sdxl"):
+            raise ConfigError("output.format = ckpt: SDXL embeddings (clip_l + clip_g) have no A1111 .pt form; use "
+                              "safetensors.", key="output.format", value=fmt)
 
 
 def _targets_convs(cfg: Any) -> bool:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from trainer.families.base import DTYPE_NAMES, Family, ModelLoadError, torch_dtype  # noqa: F401 (re-exported)
+from trainer.families.base import DTYPE_NAMES, Family, torch_dtype
+from trainer.errors import ModelLoadError  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class ModelSource:
 
 def classify_source(path: str, workspace: str | os.PathLike) -> ModelSource:
     """Turn ``model.path`` into a concrete source, building built-in tiny models on demand."""
-    from trainer.preflight import model_path_problem
+    from trainer.config.preflight import model_path_problem
     problem = model_path_problem(path)  # the same rules validate applies
     if problem:
         raise ModelLoadError(problem, key="model.path", value=path)
@@ -336,7 +337,7 @@ def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> ModelFamily:
     ``mcfg``: the whole config (each part then gets its ``parts.*.dtype``) or its ``model`` section (fp32)."""
     from trainer.families import family_class, info_for
     if hasattr(mcfg, "parts") and hasattr(mcfg, "model"):
-        from trainer.config import ModelSettings
+        from trainer.families.sources import ModelSettings
         mcfg = ModelSettings(mcfg)
     family = getattr(mcfg, "family", "auto")
     source = classify_source(mcfg.path, workspace)

@@ -49,7 +49,7 @@ def accelerate_config_file(cfg) -> Optional[dict]:
     path = str(cfg.general.get("accelerate_config", "") or "").strip()
     if not path:
         return None
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     try:
         import yaml
         data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8")) or {}
@@ -103,7 +103,7 @@ def shards_unet(cfg) -> bool:
 def validate_fsdp(cfg, world: Optional[int] = None) -> None:
     """Hard errors (ConfigError): features that cannot work on sharded UNet weights. Checked before
     launch with general.num_processes and again by every process with the real process count."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     accelerate_config_file(cfg)  # a bad general.accelerate_config fails before launch
     n = world if world is not None else int(cfg.general.get("num_processes", 1) or 1)
     if n <= 1 or not shards_unet(cfg):
@@ -131,7 +131,7 @@ def validate_fsdp(cfg, world: Optional[int] = None) -> None:
 
 def fsdp_warnings(cfg) -> list:
     """``general.distributed = fsdp`` where it does not apply, and optimizers not made for sharded weights."""
-    from trainer.config import Issue
+    from trainer.errors import Issue
     out = []
     if not wants_fsdp(cfg):
         return out
@@ -144,7 +144,7 @@ def fsdp_warnings(cfg) -> list:
     if not cfg.parts.denoiser.train:
         out.append(Issue(key, "FSDP shards the UNet, which this fine-tune does not train: it uses DDP."))
         return out
-    from trainer.optim import OPTIMIZERS
+    from trainer.optim.registry import OPTIMIZERS
     spec = OPTIMIZERS.get(t.optimizer.name)
     if spec is not None and spec.library != "torch":
         out.append(Issue("training.optimizer.name",

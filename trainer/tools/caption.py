@@ -193,7 +193,8 @@ def load_pretrained(src: ModelSource, loader: Callable[..., Any], what: str, **k
 
 def open_image(path: Path) -> Tuple[Optional[Any], Optional[str]]:
     """(RGB image the right way up, None) or (None, why it cannot be used): the trainer's checks and decoding."""
-    from trainer.data.concepts import DataError, probe_image
+    from trainer.data.concepts import probe_image
+    from trainer.errors import DataError
     from trainer.data.images import open_rgb
     _, problem = probe_image(path)
     if problem:

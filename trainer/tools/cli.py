@@ -140,7 +140,7 @@ def add_dataset_parsers(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one tool; bad input prints one line and returns 2."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.tools import ToolError
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")

@@ -25,7 +25,8 @@ def tool_config(model_path: str, workspace: Optional[str] = None, config: Option
     as ``model.config_path`` (the diffusers configs of a single file that is not the standard size)."""
     from omegaconf import OmegaConf
 
-    from trainer.config import PART_OF_SLOT, load_config
+    from trainer.config.checks import load_config
+    from trainer.config.schema import PART_OF_SLOT
     cfg = load_config(config) if config else load_config(None)
     if model_path:
         OmegaConf.update(cfg, "model.path", str(model_path))
@@ -53,7 +54,7 @@ def quiet_libraries() -> None:
 def load_family(model_path: str, workspace: Optional[str] = None, *, config: Optional[str] = None,
                 config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32") -> Any:
     """The loaded family object (``trainer.families.*``), or ToolError naming what is wrong with MODEL."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.models.base import load_model
     cfg = tool_config(model_path, workspace, config, dtype, config_path)
     path = str(cfg.model.path)

@@ -17,11 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
-from trainer.config import ConfigError, to_container, to_yaml
-from trainer.optim import on_eval, on_train
+from trainer.config.load import to_container, to_yaml
+from trainer.errors import ConfigError
+from trainer.optim.build import on_eval, on_train
 from trainer.train.run_folder import RunFolder, list_backups, portable_paths
 from trainer.train.step import apply_component_schedule, trained_params
-from trainer.train.state import Position, RunState, TrainingError
+from trainer.train.state import Position, RunState
+from trainer.errors import TrainingError
 
 log = logging.getLogger("atelier")
 
@@ -183,7 +185,7 @@ def compare_with_backup_config(state: RunState, path: Path) -> None:
         return  # a backup from before backups carried their config
     from omegaconf import OmegaConf
     try:
-        from trainer.config import migrate
+        from trainer.config.load import migrate
         old = _flat(to_container(migrate(OmegaConf.load(saved), str(saved))))  # a version-1 backup too
     except Exception:
         return

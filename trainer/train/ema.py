@@ -102,7 +102,7 @@ class TrainableEMA(EMAModel):
         shadow = load_file(str(folder / EMA_FILE))
         missing = [n for n in self.names if n not in shadow]
         if missing:
-            from trainer.config import ConfigError
+            from trainer.errors import ConfigError
             raise ConfigError(f"The EMA in backup {folder} does not match this run's trainable weights "
                               f"(e.g. {missing[0]} is missing).", key="ema.enabled")
         state = json.loads((folder / EMA_STATE).read_text()) if (folder / EMA_STATE).exists() else {}

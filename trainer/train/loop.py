@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from trainer.host import procs
-from trainer.config import ConfigError, save_config
+from trainer.config.load import save_config
+from trainer.errors import ConfigError
 from trainer.parallel.distributed import (PeerLost, crash_report, env_rank_world, explain_failure, fault_injection,
                                  rank_file, record_crashes, stop_recording_crashes, write_rank_error,
                                  write_rank_info)
@@ -29,7 +30,8 @@ from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_r
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample
 from trainer.train.setup import setup
-from trainer.train.state import RunState, TrainingError
+from trainer.train.state import RunState
+from trainer.errors import TrainingError
 from trainer.train.step import apply_component_schedule, forward_loss, optimizer_step, validate
 
 log = logging.getLogger("atelier")

@@ -8,7 +8,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import List
 
-from trainer.optim import on_eval, on_train
+from trainer.optim.build import on_eval, on_train
 from trainer.train.state import RunState
 
 

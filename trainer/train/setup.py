@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
-from trainer.config import ConfigError, ModelSettings
+from trainer.families.sources import ModelSettings
+from trainer.errors import ConfigError
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
 from trainer.train.state import RunState
@@ -91,7 +92,8 @@ def setup(state: RunState) -> None:
         m.train()
     state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
 
-    from trainer.optim import build_optimizer, build_scheduler, param_groups
+    from trainer.optim.schedule import build_scheduler
+    from trainer.optim.build import build_optimizer, param_groups
     state.groups = param_groups(state.method, cfg)
     state.optimizer = build_optimizer(state.groups, cfg)
     state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …

@@ -17,10 +17,6 @@ from trainer.train.run_folder import RunFolder
 log = logging.getLogger("atelier")
 
 
-class TrainingError(RuntimeError):
-    """A failure during training with a message a user can act on."""
-
-
 @dataclass
 class Position:
     """Where the run is: optimizer steps done, epoch, and the next micro-batch within the epoch."""

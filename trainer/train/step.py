@@ -94,7 +94,7 @@ def apply_component_schedule(state: RunState) -> None:
     every scheduler step, which writes their LR again, and after loading a backup)."""
     sched = state.component_schedule
     if sched is None:
-        from trainer.optim import ComponentSchedule
+        from trainer.optim.schedule import ComponentSchedule
         sched = state.component_schedule = ComponentSchedule(state.optimizer, state.cfg, state.steps_per_epoch)
     if sched:
         for name in sched.apply(state.pos.step):

@@ -1,6 +1,6 @@
 """The bar above the tabs: presets, load/save YAML, validate, start, queue; and the draft autosave.
 
-Every load goes through ``trainer.config.load_config`` (preset ``base:`` chains, unknown keys,
+Every load goes through ``trainer.config.checks.load_config`` (preset ``base:`` chains, unknown keys,
 ranges), so a bad file is refused with a message naming the field and the form keeps what the
 user typed. Saving writes exactly the validated config, so load → save changes nothing.
 """
@@ -15,7 +15,9 @@ from typing import Any, List, Optional
 import gradio as gr
 import yaml
 
-from trainer import config as tcfg
+from trainer.config.checks import load_config
+from trainer.config.load import preset_names, save_config, to_yaml
+from trainer.errors import ConfigError
 from webui.context import AUTO, AppContext, issues_md
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
@@ -24,7 +26,7 @@ from webui.jobqueue import Job
 def build(ctx: AppContext) -> None:
     """Create the bar's components (inside the Blocks, above the tabs)."""
     with gr.Row(equal_height=True, elem_id="config-bar"):
-        ctx.components["preset"] = gr.Dropdown(tcfg.preset_names(), value=None, label="Preset",
+        ctx.components["preset"] = gr.Dropdown(preset_names(), value=None, label="Preset",
                                                info="Load a built-in preset into the form.",
                                                elem_id="preset-select", scale=2)
         box = ctx.browser.path_field(lambda: gr.Textbox(label="Config file", scale=10, elem_id="config-path",
@@ -64,10 +66,10 @@ def wire(ctx: AppContext) -> None:
         if not name:
             return [gr.skip()] * len(outs)
         try:
-            shown = show(tcfg.load_config(preset=name), f"Loaded preset **{name}**.")
+            shown = show(load_config(preset=name), f"Loaded preset **{name}**.")
             write_ui_state(ctx, preset=name)
             return shown
-        except tcfg.ConfigError as exc:
+        except ConfigError as exc:
             return refuse(_named(exc))
 
     def load_file(path: str) -> List[Any]:
@@ -75,16 +77,16 @@ def wire(ctx: AppContext) -> None:
         if target is None:
             return refuse(why)
         try:
-            return show(tcfg.load_config(target), f"Loaded `{target}`.")
-        except tcfg.ConfigError as exc:
+            return show(load_config(target), f"Loaded `{target}`.")
+        except ConfigError as exc:
             return refuse(_named(exc))
 
     def upload(file: Any) -> List[Any]:
         if file is None:
             return [gr.skip()] * len(outs)
         try:
-            return show(tcfg.load_config(file), f"Loaded the uploaded file `{Path(file).name}`.")
-        except tcfg.ConfigError as exc:
+            return show(load_config(file), f"Loaded the uploaded file `{Path(file).name}`.")
+        except ConfigError as exc:
             return refuse(_named(exc))
 
     c["preset"].input(load_preset, [c["preset"]], outs)
@@ -98,7 +100,7 @@ def wire(ctx: AppContext) -> None:
         checked = ctx.check(values)
         if checked.cfg is None:
             return "⛔ Not saved — fix these first:\n" + issues_md(checked.issues, form)
-        tcfg.save_config(checked.cfg, target)
+        save_config(checked.cfg, target)
         return f"Saved `{target}`."
 
     def download(*values: Any) -> List[Any]:
@@ -106,7 +108,7 @@ def wire(ctx: AppContext) -> None:
         if checked.cfg is None:
             return [gr.File(visible=False), "⛔ Fix these first:\n" + issues_md(checked.issues, form)]
         out = Path(tempfile.mkdtemp(prefix="atelier-")) / "atelier-config.yaml"
-        out.write_text(tcfg.to_yaml(checked.cfg), encoding="utf-8")
+        out.write_text(to_yaml(checked.cfg), encoding="utf-8")
         return [gr.File(value=str(out), visible=True), "Your YAML is ready below."]
 
     ctx.handlers["load_file"], ctx.handlers["save_file"] = load_file, save_file
@@ -217,7 +219,7 @@ def load_draft(ctx: AppContext) -> Optional[List[Any]]:
     return ctx.form.lenient_values_for(raw)
 
 
-def _named(exc: tcfg.ConfigError) -> str:
+def _named(exc: ConfigError) -> str:
     key = getattr(exc, "key", "")
     return (f"`{key}` — " if key and key not in str(exc) else "") + str(exc)
 

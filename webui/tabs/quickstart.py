@@ -12,8 +12,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import gradio as gr
 
-from trainer import config as tcfg
-from trainer.preflight import looks_like_hub_id, model_path_problem
+from trainer.config.checks import config_from_dict, load_config
+from trainer.config.load import preset_names, to_container
+from trainer.errors import ConfigError
+from trainer.config.preflight import looks_like_hub_id, model_path_problem
 from webui.context import AppContext
 from webui.form import load_outputs, load_updates
 
@@ -43,7 +45,7 @@ TIERS = (8, 12, 16, 24, 32)
 
 def preset_for(kind: str, what: str, card_gib: Optional[float]) -> str:
     """The preset for a model kind and method; a memory-tier preset (``-8gb`` …) when one fits the card."""
-    presets = set(tcfg.preset_names())
+    presets = set(preset_names())
     base = KINDS[kind][1][what]
     if card_gib and what == "LoRA":
         stem = base.rsplit("-", 1)[0] if base.endswith("gb") else base
@@ -79,14 +81,14 @@ def fill(kind: str, what: str, model_path: str, images: str, card_gib: Optional[
             return None, "", f"③ `{images}` is not a folder on this machine: check it, or pick it with Browse."
     preset = preset_for(kind, what, card_gib)
     try:
-        cfg = tcfg.load_config(preset=preset, overrides=overrides)
+        cfg = load_config(preset=preset, overrides=overrides)
         if images:  # the first concept is the user's folder (the preset may have none, or the demo's)
-            data = tcfg.to_container(cfg)
+            data = to_container(cfg)
             concepts = data["data"]["concepts"] or [{}]
             concepts[0] = {**concepts[0], "path": images, "name": Path(images.rstrip("/\\")).name or "images"}
             data["data"]["concepts"] = concepts
-            cfg = tcfg.config_from_dict(data)
-    except tcfg.ConfigError as exc:
+            cfg = config_from_dict(data)
+    except ConfigError as exc:
         return None, "", f"⛔ {exc}"
     return cfg, preset, (f"Filled the form from preset **{preset}**" + (f", model `{model_path}`" if model_path else "")
                          + (f", images `{images}`" if images else "") + ". Check the tabs, then **Check settings** "

@@ -10,7 +10,8 @@ from typing import Any, List, Optional
 import gradio as gr
 import pandas as pd
 
-from trainer import config as tcfg
+from trainer.config.checks import load_config
+from trainer.errors import ConfigError
 from webui import runner
 from webui.context import AUTO, AppContext
 from webui.downloads import DOWNLOADS, human_size, zip_run
@@ -163,8 +164,8 @@ def build(ctx: AppContext) -> None:
         if run_dir is None:
             return [gr.skip()] * n + ["Pick a run first.", gr.skip()]
         try:
-            cfg = tcfg.load_config(run_dir / "config.yaml")
-        except tcfg.ConfigError as exc:
+            cfg = load_config(run_dir / "config.yaml")
+        except ConfigError as exc:
             return [gr.skip()] * n + [f"⛔ {exc}", gr.skip()]
         cfg.general.run_name = ""
         note = f"Loaded the config of **{name}** into the form (run name cleared)."

@@ -13,7 +13,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
 
-from trainer import config as tcfg
+from trainer.config.load import to_yaml
+from trainer.errors import ConfigError
 from webui.context import AppContext, issues_md
 
 
@@ -26,7 +27,7 @@ def dataset_report(cfg: Any) -> str:
         return "No concepts yet (Concepts tab)."
     try:
         text = format_report(build_report(cfg))
-    except tcfg.ConfigError as exc:
+    except ConfigError as exc:
         return f"⛔ {exc}"
     flagged = ("never trains" in text or "never trained" in text or "skipped:" in text
                or "warning:" in text)
@@ -64,7 +65,7 @@ def build(ctx: AppContext) -> None:
         checked = ctx.check(values)
         if checked.cfg is None:
             return ["⛔ The form has errors:\n" + issues_md(checked.issues, form), ""]
-        return [issues_md(checked.issues, form), tcfg.to_yaml(checked.cfg)]
+        return [issues_md(checked.issues, form), to_yaml(checked.cfg)]
 
     show.click(as_yaml, form.inputs, [out_md, code])
     dataset_check(ctx, "tools")
@@ -162,7 +163,7 @@ def stream_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = 
     page's Cancel) kills the tool and what it started."""
     import tempfile
 
-    from trainer import procs
+    from trainer.host import procs
     from webui import runner
     env = runner.child_env()
     with tempfile.TemporaryDirectory(prefix="atelier-tool-") as tmp:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.base import Family, part_dtype
+from trainer.errors import ModelLoadError
 from trainer.families.common.transformer_kit import PeftLayoutLora
 
 OFFICIAL = "lodestones/Chroma1-HD"

@@ -22,7 +22,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.base import Family, part_dtype
+from trainer.errors import ModelLoadError
 
 # the first folder name found wins: prior pipeline layout, combined pipeline layout
 PRIOR_DIRS = {"prior": ("prior", "prior_prior"), "text_encoder": ("text_encoder", "prior_text_encoder"),

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-from trainer.families.base import ModelLoadError
+from trainer.errors import ModelLoadError
 
 
 class MaskedText:

@@ -26,7 +26,8 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.base import Family, part_dtype
+from trainer.errors import ModelLoadError
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
@@ -241,7 +242,7 @@ class Flux(Family):
         long = [(path, n) for path, text in captions
                 if (n := len(self.tokenizer(text, truncation=False).input_ids)) > limit]
         if long:
-            from trainer.config import ConfigError
+            from trainer.errors import ConfigError
             shown = ", ".join(f"{getattr(p, 'name', p)} ({n} tokens)" for p, n in long[:5])
             raise ConfigError(f"parts.text_encoder_2.enabled = false (T5 off): only CLIP-L reads the captions and it "
                               f"stops at {limit} tokens, but {len(long)} caption(s) are longer: {shown}"

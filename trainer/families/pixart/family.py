@@ -29,7 +29,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.base import Family, part_dtype
+from trainer.errors import ModelLoadError
 
 CONFIGS = Path(__file__).parent / "configs"
 OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",

@@ -24,7 +24,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, ModelLoadError, part_dtype
+from trainer.families.base import Family, part_dtype
+from trainer.errors import ModelLoadError
 
 OFFICIAL = {"sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
             "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.families.base import ModelLoadError
+from trainer.errors import ModelLoadError
 from trainer.families.common.cascade_kit import CascadePrior, given_prior_config
 
 ATTN = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family as ModelFamily
-from trainer.families.base import ModelLoadError
+from trainer.errors import ModelLoadError
 from trainer.families.common.sd_kit.inpaint import InpaintingMixin
 from trainer.models.base import source_fingerprint
 

@@ -1,6 +1,6 @@
 """Everything ``train`` would reject about files and folders, checked before a model loads.
 
-``validate`` (and the UI's "Check settings") run these through :func:`trainer.config.cross_field_warnings`,
+``validate`` (and the UI's "Check settings") run these through :func:`trainer.config.checks.cross_field_warnings`,
 so a missing model file, concept folder, caption file, LoRA to continue from, sample image or an
 unwritable workspace is named at its field in a second, not after minutes of model loading.
 Torch-free: a directory listing and ``os.access``, no image decoding (the data check does that).
@@ -86,7 +86,8 @@ def _writable_problem(key: str, value: str, base: Path) -> Optional[str]:
 
 def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
     """(key, message) for every file or folder of ``cfg`` that ``train`` would reject."""
-    from trainer.data.concepts import DataError, concept_caption_file, concept_folder
+    from trainer.data.concepts import concept_caption_file, concept_folder
+    from trainer.errors import DataError
     base = base or Path.cwd()
     out: List[tuple] = []
 

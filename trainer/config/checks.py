@@ -1,0 +1,153 @@
+"""Checking a config: the field checks (choices, ranges) and each area's rules, called from here — the floor
+above the areas (data, families, methods, optimizers, memory, processes, devices, paths).
+
+- :func:`validate`: errors that stop a run before any model loads (a ConfigError naming the field);
+- :func:`cross_field_warnings`: the rules the community learned the hard way, shown before launch;
+- :func:`load_config` / :func:`config_from_dict`: compose a config (``trainer.config.load``) and validate it.
+
+Torch-free: the CLI's ``validate`` and the UI's Check run it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, Iterable, List, Optional
+
+from omegaconf import DictConfig
+
+from trainer.config import preflight
+from trainer.config.load import compose, compose_dict
+from trainer.config.schema import AtelierConfig
+from trainer.config.fields import inner_type
+from trainer.data.buckets import check_resolutions, training_side
+from trainer.errors import ConfigError, Issue
+from trainer.families.checks import check_family_options, part_warnings
+from trainer.host import devices
+from trainer.loss import check_loss, loss_warnings
+from trainer.memory.rules import check_storage, precision_warnings
+from trainer.memory.tiers import tier_warnings
+from trainer.methods.rules import check_output_format, method_warnings, validate_method
+from trainer.optim.rules import optim_warnings, validate_optim
+from trainer.parallel.fsdp import fsdp_warnings, validate_fsdp
+
+
+def _check_value(key: str, value: Any, meta: dict) -> None:
+    if value is None:
+        return
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"'{key}' = {value!r} is not allowed: one of {', '.join(map(str, meta['choices']))}.",
+                          key=key, value=value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        lo, hi = meta.get("min"), meta.get("max")
+        if value != value:  # NaN
+            raise ConfigError(f"'{key}' is NaN; give a number.", key=key, value=value)
+        if lo is not None and value < lo or hi is not None and value > hi:
+            raise ConfigError(f"'{key}' = {value!r} is out of range: allowed {lo} to {hi}.",
+                              key=key, value=value)
+
+
+def _walk(node: Any, cls: type, prefix: str) -> None:
+    hints = typing.get_type_hints(cls)
+    for fld in dataclasses.fields(cls):
+        key = f"{prefix}{fld.name}"
+        value = node[fld.name] if fld.name in node else None
+        tp = inner_type(hints[fld.name])
+        if dataclasses.is_dataclass(tp):
+            _walk(value, tp, key + ".")
+            continue
+        origin = getattr(tp, "__origin__", None)
+        if origin in (list, List):
+            item_tp = tp.__args__[0]
+            if dataclasses.is_dataclass(item_tp) and value is not None:
+                for i, item in enumerate(value):
+                    _walk(item, item_tp, f"{key}.{i}.")
+            continue
+        _check_value(key, value, fld.metadata)
+
+
+def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
+                preset: Optional[str] = None) -> DictConfig:
+    """Preset ⊕ user file ⊕ --set overrides, merged into the schema and validated."""
+    cfg = compose(path, overrides, preset)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict | DictConfig) -> DictConfig:
+    """Merge a plain mapping (e.g. from the web UI's form) into the schema and validate it."""
+    cfg = compose_dict(data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
+    _walk(cfg, AtelierConfig, "")
+    check_family_options(cfg)  # options the model's family or its objective cannot use
+    t = cfg.training
+    if t.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):
+        raise ConfigError("Nothing to train: turn on parts.denoiser.train and/or a text encoder's train "
+                          "(parts.text_encoder_1.train …).", key="parts.denoiser.train", value=False)
+    for i, c in enumerate(cfg.data.concepts):
+        if c.caption_source == "concept_file" and not c.caption_file:
+            raise ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "
+                              f"data.concepts.{i}.caption_file is empty.",
+                              key=f"data.concepts.{i}.caption_file")
+    check_resolutions(cfg)  # data.resolution and the concepts' own
+    check_output_format(cfg)  # what the method can write
+    for i, s in enumerate(cfg.sampling.prompts):
+        for dim in ("width", "height"):
+            if s[dim] % 8:
+                raise ConfigError(f"sampling.prompts.{i}.{dim} = {s[dim]} must be a multiple of 8.",
+                                  key=f"sampling.prompts.{i}.{dim}", value=s[dim])
+    check_loss(cfg)  # timestep range, Huber schedule
+    check_storage(cfg)  # fp8/NF4 storage and block swapping
+    validate_method(cfg)  # LoRA variants and embeddings
+    validate_optim(cfg)
+    validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
+
+
+def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
+    """The rules the community learned the hard way: shown before launch, never blocking."""
+    out: List[Issue] = []
+    t = cfg.training
+    out += method_warnings(cfg)  # alpha ≤ rank, adapter dropouts, embedding placeholder in prompts, ...
+    res = training_side(cfg)
+    for i, s in enumerate(cfg.sampling.prompts):
+        if max(s.width, s.height) < 0.6 * res or min(s.width, s.height) > 1.6 * res:
+            out.append(Issue(f"sampling.prompts.{i}.width",
+                             f"Sample size {s.width}x{s.height} is far from the training resolution {res}: "
+                             "samples may look like noise even when training works."))
+    enabled = [c for c in cfg.data.concepts if c.enabled]
+    if not enabled:
+        out.append(Issue("data.concepts", "No enabled concept: add a folder of images to train on.",
+                         level="error"))
+    out += [Issue(key, message, level="error") for key, message in preflight.path_problems(cfg)]  # files train would reject
+    out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
+    out += [Issue(key, message) for key, message in tier_warnings(cfg)]  # a memory tier's settings undone
+    if cfg.general.device == "mps" or (cfg.general.device == "auto" and devices.is_apple_silicon()):
+        out += [Issue(key, message, level=level) for key, message, level in devices.device_problems(cfg, "mps")]
+    te1 = cfg.parts.text_encoder_1
+    if te1.train and t.method == "lora" and te1.learning_rate is None and t.learning_rate > 5e-4:
+        out.append(Issue("parts.text_encoder_1.learning_rate",
+                         "The text encoder usually wants a lower LR than the denoiser (e.g. 5e-5)."))
+    out += loss_warnings(cfg)  # zero terminal SNR without v-prediction, min-SNR with debiasing, ...
+    out += _ema_warnings(cfg)
+    out += precision_warnings(cfg)  # stochastic rounding, fp16 weights trained directly
+    out += part_warnings(cfg)  # settings of parts this family does not have
+    out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
+    return out
+
+
+def _ema_warnings(cfg: DictConfig) -> List[Issue]:
+    e, t = cfg.ema, cfg.training
+    if e.enabled and not e.warmup and t.max_steps:
+        updates = t.max_steps // e.update_every_n_steps
+        span = 1.0 / max(1e-12, 1.0 - e.decay)
+        if updates < span:
+            return [Issue("ema.decay", f"EMA decay {e.decay:g} averages over about {span:.0f} updates, but the "
+                                       f"run makes only {updates}: the EMA result will lag far behind "
+                                       "training. Lower the decay (e.g. 0.99).")]
+    return []

@@ -1,0 +1,341 @@
+"""Building a config: ``preset (base:) ⊕ user YAML ⊕ --set key=value`` merged into the schema
+(:func:`compose`, :func:`compose_dict`), older files migrated (:func:`migrate`), and writing it back.
+
+Loading does not check values beyond their types: ``trainer.config.checks`` (``load_config``,
+``config_from_dict``) composes and then validates. Torch-free.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from trainer.config.fields import suggest, allowed
+from trainer.config.schema import CONFIG_VERSION, AtelierConfig
+from trainer.errors import ConfigError
+
+ATELIER_ROOT = Path(__file__).resolve().parent.parent.parent
+PRESETS_DIR = ATELIER_ROOT / "presets"
+
+# ``${atelier_root:}`` in a config or preset: the project's folder (the demo preset's images live there).
+if not OmegaConf.has_resolver("atelier_root"):
+    OmegaConf.register_resolver("atelier_root", lambda: str(ATELIER_ROOT))
+
+
+def preset_names() -> List[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def _read_yaml(path: Path, what: str) -> DictConfig:
+    if not path.exists():
+        raise ConfigError(f"{what} '{path}' does not exist.", key="", value=str(path))
+    try:
+        data = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends
+        hint = ""
+        try:
+            raw = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            raw = ""
+        if re.search(r'"[^"\n]*\\[^"\n]*"', raw):  # "C:\Users\…" in double quotes: \U starts an escape in YAML
+            hint = ("\nA Windows path in double quotes needs every backslash doubled (\"C:\\\\data\"); "
+                    "write it in single quotes ('C:\\data'), without quotes, or with forward slashes (C:/data).")
+        raise ConfigError(f"{what} '{path}' is not valid YAML: {exc}{hint}", value=str(path)) from None
+    if data is None:
+        data = OmegaConf.create({})
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"{what} '{path}' must hold a mapping of settings, not a {type(data).__name__}.",
+                          value=str(path))
+    return data
+
+
+def resolve_preset(name: str, relative_to: Optional[Path] = None) -> Path:
+    """A preset name (``sd15-lora``) or a path to a YAML file."""
+    cand = Path(name)
+    if cand.suffix in (".yaml", ".yml"):
+        if not cand.is_absolute() and relative_to is not None:
+            cand = relative_to / cand
+        return cand
+    p = PRESETS_DIR / f"{name}.yaml"
+    if not p.exists():
+        import difflib
+        names = preset_names()
+        close = difflib.get_close_matches(name, names, n=4, cutoff=0.5)
+        hint = f"Did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError(f"Unknown preset '{name}'. {hint}`python -m trainer presets` lists the {len(names)} built-in "
+                          "presets (the UI's preset menu too).", key="base", value=name)
+    return p
+
+
+def _load_layer(path: Path, what: str, depth: int = 0) -> DictConfig:
+    """Load a YAML file and, recursively, the preset named by its ``base:`` key."""
+    if depth > 8:
+        raise ConfigError(f"{what} '{path}': 'base:' presets nest too deeply (a loop?).", key="base")
+    data = _read_yaml(path, what)
+    base = data.pop("base", None) if "base" in data else None
+    data = migrate(data, str(path))
+    if base:
+        lower = _load_layer(resolve_preset(str(base), path.parent), "Preset", depth + 1)
+        return OmegaConf.merge(lower, data)  # type: ignore[return-value]
+    return data
+
+
+# Version 1 kept the UNet/text-encoder settings as fixed fields; version 2 has them per part (parts.*).
+# old key -> new keys (one old key may fill several parts: model.text_encoder_dtype was both encoders').
+RENAMED_V1 = {
+    "model.unet_dtype": ("parts.denoiser.dtype",),
+    "model.text_encoder_dtype": ("parts.text_encoder_1.dtype", "parts.text_encoder_2.dtype"),
+    "training.train_unet": ("parts.denoiser.train",),
+    "training.train_text_encoder": ("parts.text_encoder_1.train",),
+    "training.train_text_encoder_2": ("parts.text_encoder_2.train",),
+    "training.unet_learning_rate": ("parts.denoiser.learning_rate",),
+    "training.text_encoder_learning_rate": ("parts.text_encoder_1.learning_rate",),
+    "training.text_encoder_2_learning_rate": ("parts.text_encoder_2.learning_rate",),
+    "training.unet_stop_after_steps": ("parts.denoiser.stop_after_steps",),
+    "training.unet_stop_after_epochs": ("parts.denoiser.stop_after_epochs",),
+    "training.text_encoder_stop_after_steps": ("parts.text_encoder_1.stop_after_steps",),
+    "training.text_encoder_stop_after_epochs": ("parts.text_encoder_1.stop_after_epochs",),
+    "training.text_encoder_2_stop_after_steps": ("parts.text_encoder_2.stop_after_steps",),
+    "training.text_encoder_2_stop_after_epochs": ("parts.text_encoder_2.stop_after_epochs",),
+    "training.caption_dropout_te1": ("parts.text_encoder_1.caption_dropout",),
+    "training.caption_dropout_te2": ("parts.text_encoder_2.caption_dropout",),
+    "precision.fp8_unet": ("parts.denoiser.fp8",),
+    "lora.unet_targets": ("parts.denoiser.lora_targets",),
+}
+
+
+def renamed_key(key: str) -> tuple:
+    """The version-2 keys of a version-1 key (``--set`` accepts the old names); ``(key,)`` when unchanged."""
+    return RENAMED_V1.get(key, (key,))
+
+
+def migrate(data: DictConfig, source: str = "") -> DictConfig:
+    """Bring an older config file (or a form, a preset) up to CONFIG_VERSION without losing a setting.
+
+    Version 1 -> 2: the per-part fields move under ``parts`` (see RENAMED_V1). A file without
+    ``version`` that still uses old keys is read as version 1."""
+    version = data.get("version", None)
+    try:
+        version = int(version) if version is not None else None
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: 'version' must be a whole number, got {version!r}.", "version", version)
+    if version is not None and version > CONFIG_VERSION:
+        raise ConfigError(f"{source}: config version {version} is newer than this Atelier "
+                          f"(knows up to {CONFIG_VERSION}); update Atelier.", "version", version)
+    if version is None or version < 2:
+        _move_v1_keys(data)
+    data["version"] = CONFIG_VERSION
+    return data
+
+
+def _move_v1_keys(data: DictConfig) -> None:
+    for old, new_keys in RENAMED_V1.items():
+        section, leaf = old.split(".")
+        node = data.get(section) if isinstance(data, DictConfig) else None
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        value = node._get_node(leaf)
+        raw = value._value() if hasattr(value, "_value") else value
+        if isinstance(raw, str) and raw.startswith("${") and raw.endswith("}"):  # keep interpolations working
+            raw = "${" + renamed_key(raw[2:-1])[0] + "}" if raw[2:-1] in RENAMED_V1 else raw
+        for new in new_keys:
+            OmegaConf.update(data, new, raw, merge=False, force_add=True)
+        node.pop(leaf)
+
+
+def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
+    """(key, message) for the first place where ``layer`` has a value of the wrong shape for the schema:
+    a section (mapping) given as a list or a scalar, a list (concepts, prompts) given as a mapping."""
+    from omegaconf import ListConfig
+    if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
+        return None
+    for key in layer.keys():
+        if key not in schema:
+            continue  # unknown keys get their own message from the merge
+        full = f"{prefix}{key}"
+        value = layer._get_node(key)
+        if value is None or (hasattr(value, "_is_none") and value._is_none()):
+            continue
+        target = schema._get_node(key)
+        if isinstance(target, DictConfig) and not isinstance(value, DictConfig):
+            if hasattr(value, "_is_interpolation") and value._is_interpolation():
+                continue
+            return full, (f"'{full}' is a section of settings and must be a mapping ('{key}:' followed by indented "
+                          f"'<setting>: <value>' lines), not {_shape_name(value)}.")
+        if isinstance(target, ListConfig) and not isinstance(value, ListConfig):
+            if hasattr(value, "_is_interpolation") and value._is_interpolation():
+                continue
+            return full, (f"'{full}' must be a list (one '- ' item per entry), not {_shape_name(value)}.")
+        if isinstance(target, DictConfig):
+            found = _shape_problem(target, value, full + ".")
+            if found:
+                return found
+    return None
+
+
+def _shape_name(node: Any) -> str:
+    from omegaconf import ListConfig
+    if isinstance(node, ListConfig):
+        return "a list"
+    if isinstance(node, DictConfig):
+        return "a mapping"
+    value = getattr(node, "_value", lambda: node)()
+    return f"the value {value!r}"
+
+
+def _merge_into_schema(schema: DictConfig, layer: DictConfig, source: str) -> DictConfig:
+    problem = _shape_problem(schema, layer)
+    if problem:
+        raise ConfigError(f"{source}: {problem[1]}", key=problem[0])
+    try:
+        return OmegaConf.merge(schema, layer)  # type: ignore[return-value]
+    except ConfigKeyError as exc:
+        key = exc.full_key or str(exc.key)
+        raise ConfigError(f"{source}: unknown setting '{key}'.{suggest(key)}", key=key) from None
+    except ValidationError as exc:
+        key = exc.full_key or ""
+        raise ConfigError(f"{source}: '{key}' = {exc.value!r} is not allowed: {allowed(key)}",
+                          key=key, value=exc.value) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}", key=getattr(exc, "full_key", "") or "") from None
+    except (TypeError, ValueError) as exc:  # merge of incompatible shapes the check above did not foresee
+        raise ConfigError(f"{source}: a setting has the wrong shape ({exc}); compare the file with "
+                          "`python -m trainer config-help`.") from None
+
+
+def _check_interpolations(cfg: DictConfig) -> None:
+    """``${...}`` references that cannot be resolved, as one line naming the setting (resolved on a copy:
+    saved configs keep their interpolations)."""
+    try:
+        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", "") or ""
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"'{key}': its ${{...}} reference cannot be resolved ({first}). Write the value itself, "
+                          "or refer to an existing setting (${section.key}).", key=key) from None
+
+
+def parse_overrides(overrides: Iterable[str]) -> List[tuple[str, Any]]:
+    """``key=value`` strings → (key, parsed value); values are YAML (numbers, lists, mappings)."""
+    items = []
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"--set '{ov}' must look like key=value (e.g. training.epochs=20).", key=ov)
+        key, raw = ov.split("=", 1)
+        try:
+            value = OmegaConf.from_dotlist([f"v={raw}"])["v"]
+        except Exception as exc:
+            raise ConfigError(f"--set {ov}: the value is not valid YAML ({exc}).", key=key) from None
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value)
+        items.append((key.strip(), value))
+    return items
+
+
+def _merge_plain(into: dict, key: str, value: Any) -> None:
+    """Put ``value`` at dotted ``key`` of the plain dict ``into`` as a merge would: mappings merge,
+    anything else (lists included) replaces."""
+    *parents, leaf = key.split(".")
+    node = into
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for k, v in value.items():
+            _merge_plain(node[leaf], k, v)
+    else:
+        node[leaf] = value
+
+
+def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
+    """Apply --set overrides in order; list items are addressed by index (data.concepts.0.path).
+    Runs of plain keys are merged in one step (each merge copies the whole config)."""
+    pending: dict = {}
+
+    def flush(cfg: DictConfig) -> DictConfig:
+        if pending:
+            cfg = _merge_into_schema(cfg, OmegaConf.create(pending), "--set")
+            pending.clear()
+        return cfg
+
+    for old_key, value in parse_overrides(overrides):
+        keys = renamed_key(old_key)  # version-1 names keep working on the command line
+        if len(keys) > 1 or keys[0] != old_key:
+            for key in keys:
+                _merge_plain(pending, key, value)
+            continue
+        key = old_key
+        if not any(part.isdigit() for part in key.split(".")):
+            _merge_plain(pending, key, value)
+            continue
+        cfg = flush(cfg)
+        parent_key, _, leaf = key.rpartition(".")
+        try:
+            parent = OmegaConf.select(cfg, parent_key, throw_on_missing=True) if parent_key else cfg
+        except Exception:
+            parent = None
+        if parent is None:
+            raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
+        if isinstance(parent, ListConfig):
+            if not leaf.isdigit() or int(leaf) >= len(parent):
+                raise ConfigError(f"--set: '{key}': {parent_key} has {len(parent)} items; index {leaf} "
+                                  "does not exist.", key=key)
+        elif leaf not in parent:
+            raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
+        try:
+            OmegaConf.update(cfg, key, value, merge=False)
+        except ValidationError:
+            raise ConfigError(f"--set: '{key}' = {value!r} is not allowed: {allowed(key)}",
+                              key=key, value=value) from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"--set {key}: {exc}", key=key) from None
+    return flush(cfg)
+
+
+def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
+            preset: Optional[str] = None) -> DictConfig:
+    """Preset ⊕ user file ⊕ --set overrides, merged into the schema (types checked; values are
+    ``trainer.config.checks``' business: its ``load_config`` is this, validated)."""
+    schema = OmegaConf.structured(AtelierConfig)
+    cfg = schema
+    if preset:
+        cfg = _merge_into_schema(cfg, _load_layer(resolve_preset(preset), "Preset"), f"preset {preset}")
+    if path is not None:
+        cfg = _merge_into_schema(cfg, _load_layer(Path(path), "Config file"), str(path))
+    cfg = _apply_overrides(cfg, overrides)
+    _check_interpolations(cfg)
+    return cfg
+
+
+def compose_dict(data: dict | DictConfig) -> DictConfig:
+    """Merge a plain mapping (e.g. from the web UI's form) into the schema (``config_from_dict`` validates it)."""
+    layer = OmegaConf.create(data) if not isinstance(data, DictConfig) else data
+    base = layer.pop("base", None) if "base" in layer else None
+    cfg = OmegaConf.structured(AtelierConfig)
+    if base:
+        cfg = _merge_into_schema(cfg, _load_layer(resolve_preset(str(base)), "Preset"), f"preset {base}")
+    return _merge_into_schema(cfg, migrate(layer, "form"), "config")
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
+    """Write a config atomically (temp file, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_yaml(cfg), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,64 @@
+"""The rules of weight storage and precision settings: fp8/NF4 storage, block swapping, stochastic rounding
+(``trainer.config.checks`` calls them before any model loads; torch-free)."""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from trainer.errors import ConfigError, Issue
+
+
+def check_storage(cfg: Any) -> None:
+    """Hard rules of fp8/NF4 weight storage and block swapping (``validate``)."""
+    if cfg.parts.denoiser.nf4:
+        if cfg.training.method != "lora" and cfg.parts.denoiser.train:
+            raise ConfigError("parts.denoiser.nf4 stores the frozen denoiser in 4 bits, but a fine-tune trains its own "
+                              "weights (4-bit weights cannot take its updates). Use training.method = lora, or turn "
+                              "parts.denoiser.nf4 off.", key="parts.denoiser.nf4", value=True)
+        if cfg.parts.denoiser.fp8:
+            raise ConfigError("parts.denoiser.nf4 and parts.denoiser.fp8 are both on: the frozen weights are stored "
+                              "one way. Turn one of them off.", key="parts.denoiser.nf4", value=True)
+        if cfg.training.method == "lora" and cfg.lora.type != "lora":
+            raise ConfigError(f"parts.denoiser.nf4 with lora.type = {cfg.lora.type}: DoRA, LoHa and LoKr read the base "
+                              "weights, which are 4-bit packed here. Use lora.type = lora, or turn parts.denoiser.nf4 "
+                              "off.", key="parts.denoiser.nf4", value=True)
+    for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3"):
+        for kind in ("fp8", "nf4"):
+            if cfg.parts[part].get(kind, False) and cfg.parts[part].train:
+                raise ConfigError(f"parts.{part}.{kind} stores this text encoder's frozen weights in {kind}, but "
+                                  f"parts.{part}.train is on. Turn one of them off.", key=f"parts.{part}.{kind}", value=True)
+        if cfg.parts[part].get("fp8", False) and cfg.parts[part].get("nf4", False):
+            raise ConfigError(f"parts.{part}.nf4 and parts.{part}.fp8 are both on: the frozen weights are stored one way. "
+                              "Turn one of them off.", key=f"parts.{part}.nf4", value=True)
+    swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
+    if swap and not cfg.training.gradient_checkpointing:
+        raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "
+                          "block leaves the GPU right after its forward, and backward recomputes that forward to bring "
+                          "it back. Turn gradient checkpointing on, or set blocks_to_swap to 0.",
+                          key="parts.denoiser.blocks_to_swap", value=swap)
+    if swap and cfg.training.method != "lora" and cfg.parts.denoiser.train:
+        raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} swaps the denoiser's frozen weights, but a fine-tune "
+                          "trains all of them. Use training.method = lora, or set blocks_to_swap to 0.",
+                          key="parts.denoiser.blocks_to_swap", value=swap)
+    if cfg.parts.denoiser.fp8 and cfg.training.method != "lora" and cfg.parts.denoiser.train:
+        raise ConfigError("parts.denoiser.fp8 stores the frozen denoiser in fp8, but a fine-tune trains its own "
+                          "weights. Use training.method = lora, or turn parts.denoiser.fp8 off.",
+                          key="parts.denoiser.fp8", value=True)
+
+
+def precision_warnings(cfg: Any) -> List[Issue]:
+    """Rules on weight precision: fp16 weights trained directly, stochastic rounding where it does nothing or
+    is missing."""
+    out: List[Issue] = []
+    t = cfg.training
+    if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
+        out.append(Issue("parts.denoiser.dtype", "Training fp16 weights directly loses updates; keep the "
+                                                 "trained denoiser in fp32 (or bf16) with fp16 autocast."))
+    if cfg.precision.stochastic_rounding and t.method == "lora":
+        out.append(Issue("precision.stochastic_rounding", "LoRA adapters train in fp32: stochastic rounding "
+                                                          "only matters for bf16 fine-tunes."))
+    if t.method == "finetune" and cfg.parts.denoiser.dtype == "bf16" and cfg.parts.denoiser.train \
+            and not cfg.precision.stochastic_rounding:
+        out.append(Issue("precision.stochastic_rounding", "Training bf16 weights rounds small updates away; "
+                                                          "turn on precision.stochastic_rounding."))
+    return out

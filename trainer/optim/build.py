@@ -1,0 +1,288 @@
+"""Building the optimizer a config names: its parameter groups (one per trained component, each with its own
+learning rate), the constructor from its library with the settings it takes, fused backward, and the
+schedule-free train/eval switch."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from trainer.errors import ConfigError
+from trainer.optim.registry import OptimizerSpec, optimizer_spec
+from trainer.optim.rules import _check_fused, lr_scale_factor, resolved_learning_rates
+
+log = logging.getLogger("atelier")
+
+
+def _check_extra_args(name: str, spec: Any, cls: Any, extra: dict, warn: bool = False) -> None:
+    try:
+        sig = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        sig = {}
+    named = {n for n, p in sig.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} - {"params", "self"}
+    open_kwargs = any(p.kind == p.VAR_KEYWORD for p in sig.values())
+    unknown = [k for k in extra if k not in named]
+    if unknown and not open_kwargs:
+        raise ConfigError(f"training.optimizer.extra_args.{unknown[0]}: {name} ({spec.target}) takes no "
+                          f"'{unknown[0]}'. It takes: {', '.join(sorted(named))}.",
+                          key=f"training.optimizer.extra_args.{unknown[0]}")
+    if unknown and warn:
+        log.warning("training.optimizer.extra_args %s are not named parameters of %s; passed through as "
+                    "**kwargs (check the spelling)", unknown, spec.target)
+
+
+def check_optimizer_class(cfg) -> None:
+    """The optimizer's package and extra_args, checked by ``train`` before the model loads (this imports
+    the optimizer's library, so ``validate``, which stays torch-free, leaves it to train)."""
+    o = cfg.training.optimizer
+    spec = optimizer_spec(o.name)
+    cls = _import(spec.target, "training.optimizer.name", o.name,
+                  f" Install the '{spec.library}' package or pick another optimizer.")
+    extra = _plain(o.extra_args) or {}
+    if extra:
+        _check_extra_args(o.name, spec, cls, extra)
+
+
+# ----------------------------------------------------------------------------------------------
+# building
+# ----------------------------------------------------------------------------------------------
+
+def param_groups(method, cfg) -> List[Dict[str, Any]]:
+    """One group per trained component, each with its own learning rate (blank → base LR).
+
+    Group names are the method's module names ("unet", "text_encoder", "text_encoder_2", "embedding");
+    a name without its own LR field uses ``training.learning_rate``.
+    """
+    lrs = resolved_learning_rates(cfg)
+    scale = lr_scale_factor(cfg)  # training.scale_lr
+    groups = []
+    for name, module in method.modules.items():
+        params = [p for p in module.parameters() if p.requires_grad]
+        if params:
+            groups.append({"params": params, "lr": lrs.get(name, cfg.training.learning_rate) * scale,
+                           "name": name})
+    if not groups:
+        raise ConfigError("Nothing to train: no trainable parameters (check parts.denoiser.train / "
+                          "parts.text_encoder_1.train).", key="parts.denoiser.train")
+    return groups
+
+
+def _import(path: str, key: str, what: str, hint: str = "") -> Any:
+    """Import 'package.module.Name' or 'package.module:Name'."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key} = {what!r}: cannot import '{module_name}' ({exc}).{hint}", key=key,
+                          value=what) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{key} = {what!r}: '{module_name}' has no '{attr}'.{hint}", key=key, value=what) from None
+
+
+_BNB_PROBLEM: Dict[str, Optional[str]] = {}
+
+
+def bitsandbytes_problem(device: Any = "cpu") -> Optional[str]:
+    """Why bitsandbytes' 8-bit optimizers cannot run on ``device`` here, or None when they can.
+
+    Imports bitsandbytes and takes one 8-bit step on a small tensor (once per device type): an import that
+    works is not enough, a build without a kernel for the device fails at the first step.
+    """
+    kind = getattr(device, "type", str(device)).split(":")[0]
+    if kind in _BNB_PROBLEM:
+        return _BNB_PROBLEM[kind]
+    problem = None
+    try:
+        import bitsandbytes.optim as bnb_optim  # only when an 8-bit optimizer is asked for (trainer.host.startup)
+        p = torch.nn.Parameter(torch.zeros(4096, device=device))
+        p.grad = torch.ones_like(p)
+        bnb_optim.AdamW8bit([p], lr=1e-3).step()
+        if not torch.isfinite(p).all():
+            problem = "a test step gave non-finite values"
+    except Exception as exc:  # ImportError, missing native library, unsupported device, ...
+        problem = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    _BNB_PROBLEM[kind] = problem
+    return problem
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers → plain Python (lists → tuples, which optimizers expect for betas)."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def optimizer_kwargs(spec: OptimizerSpec, cls: Any, o) -> Dict[str, Any]:
+    """Constructor keywords from the schema fields this optimizer takes (blank fields keep its default)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kwargs: Dict[str, Any] = {}
+    tuples: Dict[str, Dict[int, Any]] = {}
+    for setting, kw in spec.args.items():
+        value = o.get(setting)
+        if value is None:
+            continue
+        if "." in kw:
+            name, idx = kw.split(".")
+            tuples.setdefault(name, {})[int(idx)] = value
+        else:
+            kwargs[kw] = value
+    for name, items in tuples.items():
+        default = params[name].default if name in params else inspect.Parameter.empty
+        if default is inspect.Parameter.empty or not isinstance(default, (tuple, list)):
+            default = (None,) * (max(items) + 1)
+        value = list(default)
+        for i, v in items.items():
+            if i < len(value):
+                value[i] = v
+        kwargs[name] = tuple(value)
+    return kwargs
+
+
+def build_optimizer(groups: List[Dict[str, Any]], cfg):
+    """The optimizer named by ``training.optimizer.name``, with its settings, over ``groups``."""
+    t = cfg.training
+    o = t.optimizer
+    spec = optimizer_spec(o.name)
+    key = "training.optimizer.name"
+    if spec.eight_bit:
+        device = groups[0]["params"][0].device if groups and groups[0]["params"] else "cpu"
+        problem = bitsandbytes_problem(device)
+        if problem:
+            raise ConfigError(f"{key} = {o.name} needs bitsandbytes, which cannot run on this machine "
+                              f"({device}): {problem}. Pick {spec.fallback} instead (the same optimizer with "
+                              "32-bit state, more memory), or adafactor / came for low memory without "
+                              "bitsandbytes.", key=key, value=o.name)
+    cls = _import(spec.target, key, o.name, f" Install the '{spec.library}' package or pick another optimizer.")
+    kwargs = optimizer_kwargs(spec, cls, o)
+    extra = _plain(o.extra_args) or {}
+    if extra:
+        _check_extra_args(o.name, spec, cls, extra, warn=True)
+        kwargs.update(extra)
+    if o.name == "adafactor" and kwargs.get("relative_step", True):
+        kwargs["lr"] = None  # transformers refuses a manual LR with relative_step
+    else:
+        kwargs["lr"] = t.learning_rate
+    try:
+        if t.get("fused_backward"):
+            _check_fused(cfg, spec)
+            optimizer = fused_backward_optimizer(groups, cls, kwargs)
+        else:
+            optimizer = cls(groups, **kwargs)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        shown = {k: v for k, v in kwargs.items() if k != "lr"}
+        raise ConfigError(f"{key} = {o.name}: {spec.target} rejected its settings {shown}: {exc}",
+                          key=key, value=o.name) from None
+    on_train(optimizer)
+    return optimizer
+
+
+def fused_backward_optimizer(groups: List[Dict[str, Any]], cls: Any, kwargs: Dict[str, Any]):
+    """training.fused_backward: one ``cls`` optimizer per weight, stepped from the weight's
+    ``register_post_accumulate_grad_hook`` during backward, its gradient freed right after (kohya's fused
+    backward pass, generalised from Adafactor to any per-weight optimizer).
+
+    The returned object is a ``torch.optim.Optimizer`` over the same param groups, so LR schedulers drive
+    it as usual: each hook copies its group's current settings (lr, weight_decay, betas, ...) into the
+    weight's own optimizer before stepping. Its ``step()`` does nothing (the weights were updated during
+    backward); ``state_dict()`` holds every per-weight optimizer's state for backups.
+    """
+    return FusedBackwardOptimizer(groups, cls, kwargs)
+
+
+class FusedBackwardOptimizer(torch.optim.Optimizer):
+    """See :func:`fused_backward_optimizer`."""
+
+    fused_backward = True
+
+    def __init__(self, groups, cls, kwargs):
+        self.per_param: List[Any] = []  # (group index, weight, its optimizer)
+        for gi, g in enumerate(groups):
+            options = {k: v for k, v in g.items() if k != "params"}
+            for p in g["params"]:
+                self.per_param.append((gi, p, cls([{"params": [p], **options}], **kwargs)))
+        defaults = dict(self.per_param[0][2].defaults) if self.per_param else {}
+        super().__init__(groups, defaults)
+        self.optimizer_class = cls
+        #: several processes: averages one weight's gradient over them before its update
+        #: (set by the trainer; every process runs the same hooks in the same order)
+        self.grad_reduce: Optional[Callable[[Any], None]] = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(gi, opt))
+                         for gi, p, opt in self.per_param]
+
+    def _hook(self, gi: int, opt):
+        def step_now(p) -> None:
+            if p.grad is None:
+                return
+            if self.grad_reduce is not None:
+                self.grad_reduce(p)
+            inner = opt.param_groups[0]
+            for k, v in self.param_groups[gi].items():  # the scheduler's current values
+                if k != "params" and k in inner:
+                    inner[k] = v
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step_now
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Nothing to do: every weight was updated while its gradient was made."""
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"fused_backward": True,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "per_param": [opt.state_dict() for _, _, opt in self.per_param]}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if not state_dict.get("fused_backward"):
+            raise ValueError("the saved optimizer state is from a run without training.fused_backward")
+        if len(state_dict["per_param"]) != len(self.per_param) or \
+                len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the saved state has {len(state_dict['per_param'])} weights in "
+                             f"{len(state_dict['param_groups'])} groups, this optimizer "
+                             f"{len(self.per_param)} in {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        for (_, _, opt), saved in zip(self.per_param, state_dict["per_param"]):
+            opt.load_state_dict(saved)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def is_schedule_free(optimizer) -> bool:
+    return callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None))
+
+
+def on_train(optimizer) -> None:
+    """Before training steps: schedule-free optimizers switch the weights back to their training point."""
+    if optimizer is not None and is_schedule_free(optimizer):
+        optimizer.train()
+
+
+def on_eval(optimizer) -> None:
+    """Before sampling or saving: schedule-free optimizers switch the weights to their average (the result)."""
+    if optimizer is not None and is_schedule_free(optimizer):
+        optimizer.eval()
