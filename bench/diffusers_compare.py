@@ -145,7 +145,7 @@ def prepare_dataset(cfg: Any, dest: Path, base_dir: Path) -> Dict[str, Any]:
 
 def prepare_model(cfg: Any, dest: Path) -> Dict[str, Any]:
     """``--pretrained_model_name_or_path`` for the script: the same weights as a diffusers folder."""
-    from trainer.models.base import classify_source, detect_source_family
+    from trainer.families.sources import classify_source, detect_source_family
     source = classify_source(cfg.model.path, cfg.general.workspace)
     family = cfg.model.family if cfg.model.family != "auto" else detect_source_family(source, cfg.model)
     if family and (family.startswith("sdxl") or family.endswith("-inpaint")):
@@ -160,7 +160,7 @@ def prepare_model(cfg: Any, dest: Path) -> Dict[str, Any]:
     if not (stamp.exists() and stamp.read_text() == key):
         from diffusers import StableDiffusionPipeline
 
-        from trainer.models.base import load_pipeline
+        from trainer.families.sources import load_pipeline
         pipe = load_pipeline(StableDiffusionPipeline, source, cfg.model, cfg.general.workspace,
                              family=family or "sd15")
         if dest.exists():

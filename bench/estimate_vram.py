@@ -10,7 +10,7 @@ Why: the memory presets (``presets/*-8gb.yaml`` …) promise to fit a card, and 
 check them. How: the real, full-size model is built from the shipped diffusers configs
 (``trainer/families/common/sd_kit/configs/<family>``) under ``torch._subclasses.fake_tensor.FakeTensorMode`` — tensors
 with shapes, dtypes and storages but no data, so an SDXL UNet costs no RAM — and the trainer's own code
-runs on it: ``trainer.models.base.load_model`` (only ``load_pipeline`` is swapped for a config-only
+runs on it: ``trainer.families.sources.load_model`` (only ``load_pipeline`` is swapped for a config-only
 builder), ``trainer.methods.finetune.make_method`` (peft LoRA exactly as the trainer adds it, adapters
 cast to fp32), gradient checkpointing as ``trainer.train.setup`` turns it on, ``trainer.optim.build.param_groups`` /
 ``build_optimizer`` (the real optimizer class, stepped: bitsandbytes' 8-bit ops have fake kernels,
@@ -244,10 +244,10 @@ INIT_DEVICE: Optional[str] = None
 
 def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, family: str, dtype: Any = None,
                          **common: Any):
-    """Stands in for ``trainer.models.base.load_pipeline``: the same pipeline class and components,
+    """Stands in for ``trainer.families.sources.load_pipeline``: the same pipeline class and components,
     built from the configs alone (random init; fake tensors under the fake session), in the dtypes
     ``load_pipeline`` would load them in — the trainer's own component loader with the weights left out."""
-    from trainer.models.base import load_components
+    from trainer.families.sources import load_components
 
     import torch
 
@@ -298,7 +298,7 @@ def session(fake: bool = True) -> Iterator[Any]:
     patches = _Patches()
     mode = None
     try:
-        import trainer.models.base as models_base
+        import trainer.families.sources as models_base
         patches.set(models_base, "load_pipeline", config_only_pipeline)  # families that import it when loading
         for info in infos().values():  # and those that bound it at import
             family_module = importlib.import_module(info.family_class.split(":")[0])
@@ -666,7 +666,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
 
     from trainer.loss import prepare_noise_schedule
     from trainer.methods.finetune import make_method
-    from trainer.models.base import classify_source, load_model
+    from trainer.families.sources import classify_source, load_model
     from trainer.optim.build import bitsandbytes_problem, build_optimizer, param_groups
     from trainer.optim.registry import optimizer_spec
     from trainer.memory.precision import apply_precision

@@ -25,7 +25,7 @@ def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
     from trainer.memory.block_swap import plan_block_swap
     from trainer.config.checks import load_config
     from trainer.methods.finetune import make_method
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import apply_storage
     # the config asks for checkpointing with a swap (the no-checkpointing test turns it off on the model itself)
     cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={ws}",
@@ -113,7 +113,7 @@ def test_block_swap_names_the_blocks_a_model_has(tmp_path):
     from trainer.memory.block_swap import plan_block_swap
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     for path, n, words in (("builtin:tiny-flux", 2, "has 2 blocks"), ("builtin:tiny-sd", 1, "no transformer blocks")):
         cfg = load_config(None, [f"model.path={path}", f"general.workspace={tmp_path}", f"parts.denoiser.blocks_to_swap={n}",
                                  "training.gradient_checkpointing=true"])

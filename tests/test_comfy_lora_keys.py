@@ -49,7 +49,7 @@ ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-chroma", FLUX), ("builtin:ti
 def test_every_adapted_module_is_one_comfyui_maps(path, mapped, tmp_path):
     from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     cfg = load_config(None, [f"model.path={path}", "lora.unet_targets=all", f"general.workspace={tmp_path}"])
     keys = LoraMethod(load_model(cfg, str(tmp_path), "cpu"), cfg).adapter_state_dict()
     modules = set()

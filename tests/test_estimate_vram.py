@@ -252,7 +252,7 @@ def test_offloaded_text_encoders_leave_the_training_step(flux_estimates):
     import torch
 
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     resident, off = flux_estimates["resident", True], flux_estimates["offloaded", True]
     assert off.details.get("text_encoders_offloaded") and not resident.details.get("text_encoders_offloaded")
     cfg = load_config(None, [], preset="demo-flux")

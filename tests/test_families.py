@@ -105,7 +105,7 @@ def _sample(pipe, row: Row):
 def test_family_contract(row: Row, tmp_path):
     from trainer.config.checks import load_config
     from trainer.families import build_tiny, info_for
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
 
     ws = tmp_path / "ws"
     info = info_for(row.family)
@@ -181,7 +181,7 @@ def test_family_contract(row: Row, tmp_path):
 def _load_error(tmp_path, path, *settings):
     from trainer.config.checks import load_config
     from trainer.errors import ModelLoadError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     cfg = load_config(None, [f"model.path={path}", *settings])
     with pytest.raises(ModelLoadError) as err:
         load_model(cfg.model, str(tmp_path))

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 
 def _load(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     cfg = load_config(None, [f"model.path={path}", *settings])
     return load_model(cfg.model, str(ws))
 

@@ -22,7 +22,7 @@ def flux(tmp_path_factory):
 
 def _model(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
 
 
@@ -109,7 +109,7 @@ def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, t
 
     from trainer.config.checks import load_config
     from trainer.errors import ModelLoadError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     ws, paths = flux
     bfl = load_file(str(paths["single_file"]))
 
@@ -182,7 +182,7 @@ def test_nf4_base_trains_nearly_the_lora_of_the_full_precision_base(flux):
     apart = sum(float(((full[k] - nf4[k]) ** 2).sum()) for k in ups) ** 0.5
     assert moved > 0.05 and apart < 0.35 * moved, (moved, apart)
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import enable_nf4_storage
     model = load_model(load_config(None, ["model.path=builtin:tiny-flux"]), str(ws))
     count = enable_nf4_storage(model.transformer, torch.float32, model.fp8_skip)
@@ -230,7 +230,7 @@ def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would
     from trainer.config.checks import load_config
     from trainer.families.sources import ModelSettings
     from trainer.events import read_events
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     ws, paths = flux
     off = "parts.text_encoder_2.enabled=false"
     m = load_model(load_config(None, [f"model.path={paths['diffusers']}", off]), str(ws))
@@ -255,7 +255,7 @@ def test_lora_blocks_put_adapters_only_in_the_chosen_blocks(flux):
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
     from trainer.methods.lora import LoraMethod
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     ws, _ = flux
 
     def adapted(spec):

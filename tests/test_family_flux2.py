@@ -20,7 +20,7 @@ def klein(tmp_path_factory):
 
 def _load(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
 
@@ -101,7 +101,7 @@ def test_caption_encoding_skips_the_vocabulary_logits(tmp_path):
     from diffusers import Flux2KleinPipeline
 
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     cfg = load_config(None, ["model.path=builtin:tiny-flux2-klein", f"general.workspace={tmp_path}"])
     model = load_model(cfg, str(tmp_path), "cpu")
     seen = []

@@ -27,7 +27,7 @@ def pixart_alpha(pixart):
 
 def _model(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
 
 

@@ -18,7 +18,7 @@ def sd3(tmp_path_factory):
 
 def _load(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
 
@@ -108,7 +108,7 @@ def test_fp8_storage_takes_the_blocks_modulation_but_not_the_final_one(tmp_path)
     import torch
 
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import enable_fp8_storage
     cfg = load_config(None, ["model.path=builtin:tiny-sd3", f"general.workspace={tmp_path}"])
     model = load_model(cfg, str(tmp_path))

@@ -18,7 +18,7 @@ def zimage(tmp_path_factory):
 
 def _load(ws, path, *settings):
     from trainer.config.checks import load_config
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
 
 

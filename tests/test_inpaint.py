@@ -55,7 +55,7 @@ def masked_data(tmp_path_factory) -> Path:
 def test_tiny_inpaint_models_are_detected_and_load_as_inpainting(ws):
     from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.families.common.sd_kit.sd_configs import detect_family
     for kind, family, pipe_cls in (("tiny-sd-inpaint", "sd15", StableDiffusionInpaintPipeline),
                                    ("tiny-sdxl-inpaint", "sdxl", StableDiffusionXLInpaintPipeline)):
@@ -110,7 +110,7 @@ def _nine_channel_sd2_file(path: Path) -> tuple:
 def test_single_file_inpainting_checkpoints_load_without_config_path(ws, tiny_shipped_configs, tmp_path):
     from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.families.common.sd_kit.sd_configs import detect_family
     sd2_file = tmp_path / "tiny-sd2-inpaint.safetensors"
     sd2_unet, _ = _nine_channel_sd2_file(sd2_file)
@@ -157,7 +157,7 @@ def test_single_file_inpainting_checkpoints_load_without_config_path(ws, tiny_sh
 
 @pytest.fixture(scope="module")
 def inpaint_model(ws):
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     return load_model(load_config(preset="demo", overrides=["model.path=builtin:tiny-sd-inpaint"]).model, str(ws))
 
 

@@ -278,7 +278,7 @@ def test_timestep_range_must_be_nonempty():
 
 
 def test_zero_terminal_snr_on_the_model(tiny_workspace):
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     c = load_config(preset="demo", overrides=[f"general.workspace={tiny_workspace}", "loss.zero_terminal_snr=true",
                                               "loss.min_snr_gamma=5"])
     model = load_model(c.model, str(tiny_workspace))

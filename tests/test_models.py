@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from trainer.config.checks import load_config
 from trainer.events import read_events
-from trainer.models.base import ModelLoadError
+from trainer.errors import ModelLoadError
 from trainer.families.sd.family import StableDiffusion
 
 from test_train import cli, image, overrides, tiny_pipe

@@ -49,7 +49,7 @@ def test_quantised_denoiser_waits_in_ram_until_it_is_quantised(tmp_path):
 
     from trainer.config.checks import load_config
     from trainer.methods.finetune import make_method
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import apply_storage
     cfg = load_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8=true"], preset="demo-flux")
     model = load_model(cfg, str(tmp_path), "cpu")
@@ -73,7 +73,7 @@ def test_fp8_text_encoders_and_offloaded_ones_wait_in_ram_until_placed(tmp_path)
     from trainer.config.checks import load_config
     from trainer.families.sources import ModelSettings
     from trainer.errors import ConfigError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import place_text_encoders
     cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}", "parts.text_encoder_2.fp8=true"])
     assert ModelSettings(cfg).deferred == {"text_encoder_2"}
@@ -103,7 +103,7 @@ def test_nf4_text_encoders_are_packed_and_refused_where_they_cannot_work(tmp_pat
 
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     from trainer.memory.precision import place_text_encoders
     common = ["model.path=builtin:tiny-flux2-dev", f"general.workspace={tmp_path}"]
     plain = load_model(load_config(None, common), str(tmp_path))

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from trainer.config.checks import config_from_dict, cross_field_warnings
-from trainer.models.base import classify_source
+from trainer.families.sources import classify_source
 from trainer.errors import ModelLoadError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -500,7 +500,8 @@ def xl_inpaint_folder(tmp_path_factory) -> tuple:
 def test_hub_and_folder_detection_fall_back_to_the_unet_config(tiny_folders, xl_inpaint_folder, tmp_path):
     import shutil
 
-    from trainer.models.base import ModelLoadError, ModelSource, detect_source_family
+    from trainer.families.sources import ModelSource, detect_source_family
+    from trainer.errors import ModelLoadError
     xl_folder, _ = xl_inpaint_folder
     # local folders: no model_index.json, or an unreadable one
     sd2 = tmp_path / "sd2"
@@ -533,7 +534,7 @@ def test_hub_and_folder_detection_fall_back_to_the_unet_config(tiny_folders, xl_
 def test_folder_and_hub_snapshot_without_model_index_load(tiny_folders, xl_inpaint_folder, tmp_path):
     import shutil
 
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     xl_folder, xl_pipe = xl_inpaint_folder
     local = tmp_path / "xl-local"
     shutil.copytree(xl_folder, local)

@@ -19,7 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from trainer.config.checks import load_config
-from trainer.models.base import ModelLoadError, load_model
+from trainer.families.sources import load_model
+from trainer.errors import ModelLoadError
 from trainer.families.sdxl.family import SDXLConditioning, StableDiffusionXL
 
 TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]

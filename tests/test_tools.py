@@ -384,7 +384,7 @@ def test_merge_resize_and_sample_take_diffusers_layout_loras_of_the_transformer_
     from trainer.config.checks import load_config
     from trainer.families import build_tiny
     from trainer.methods.lora import LoraMethod
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     paths = build_tiny("tiny-flux", tiny_workspace / "models")
     cfg = load_config(None, [f"model.path={paths['diffusers']}", "training.method=lora", "lora.rank=4",
                              "lora.alpha=2", "lora.unet_targets=attn", "training.train_text_encoder=true"])
@@ -434,7 +434,7 @@ def test_merge_bakes_loha_and_lokr_files_as_peft_computes_them(kind, tiny_worksp
 
     from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     sd = tiny_workspace / "models" / "tiny-sd"
     cfg = load_config(None, [f"model.path={sd}", "training.method=lora", f"lora.type={kind}", "lora.rank=4",
                              "lora.alpha=2"])
@@ -463,7 +463,7 @@ def test_merge_bakes_a_dora_file_into_the_weight_it_trained(fmt, tiny_workspace,
     layer becomes the weight peft's DoRA layer computes, m · V / ‖V‖; at 0.5 half-way there. Resize still refuses it."""
     from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     sd = tiny_workspace / "models" / "tiny-sd"
     cfg = load_config(None, [f"model.path={sd}", "training.method=lora", "lora.type=dora", "lora.rank=4",
                              "lora.alpha=2", f"output.dora_format={fmt}"])

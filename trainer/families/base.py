@@ -175,7 +175,7 @@ class Family:
 
     def fingerprint(self) -> str:
         """Identifies what changes cached latents: the weights' source and the VAE dtype."""
-        from trainer.models.base import source_fingerprint
+        from trainer.families.sources import source_fingerprint
         return source_fingerprint(self.source, getattr(self, "_vae_dtype_name", ""))
 
     def text_fingerprint(self, mcfg: Any) -> str:

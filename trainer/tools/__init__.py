@@ -1,6 +1,6 @@
 """Model tools: ``python -m trainer convert|merge|resize|sample …``.
 
-Each tool loads models through the same code training uses (:func:`trainer.models.base.load_model`),
+Each tool loads models through the same code training uses (:func:`trainer.families.sources.load_model`),
 writes through :mod:`trainer.io` (a temporary name in the output's folder, then a rename), never
 replaces an existing output unless asked to (``--overwrite``), prints the path it wrote, and refuses bad
 input with one :class:`ToolError` naming the file or argument and what to do (exit code 2).

@@ -55,7 +55,7 @@ def load_family(model_path: str, workspace: Optional[str] = None, *, config: Opt
                 config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32") -> Any:
     """The loaded family object (``trainer.families.*``), or ToolError naming what is wrong with MODEL."""
     from trainer.errors import ConfigError
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     cfg = tool_config(model_path, workspace, config, dtype, config_path)
     path = str(cfg.model.path)
     problem = model_problem(path)

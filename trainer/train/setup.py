@@ -61,7 +61,7 @@ def setup(state: RunState) -> None:
     state.data = DataPipeline(data_cfg, warn=state.warn)
     state.report = state.data.report
 
-    from trainer.models.base import load_model
+    from trainer.families.sources import load_model
     log.info("loading model %s", cfg.model.path)
     with state.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
         state.model = load_model(cfg, g.workspace, state.device)

@@ -59,7 +59,7 @@ class Chroma(PeftLayoutLora, Family):
         import torch
         from diffusers import ChromaPipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         from trainer.objectives import flow_objective_for
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)

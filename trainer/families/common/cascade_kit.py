@@ -52,12 +52,12 @@ def local_copy(location: str, mcfg: Any, patterns: List[str], what: str, key: st
         return p
     from huggingface_hub import snapshot_download
 
-    from trainer.models.base import _hub_kwargs, _hub_offline
+    from trainer.families.sources import hub_kwargs, hub_offline
     try:
-        return Path(snapshot_download(location, allow_patterns=patterns, local_files_only=_hub_offline(mcfg),
-                                      **_hub_kwargs(mcfg)))
+        return Path(snapshot_download(location, allow_patterns=patterns, local_files_only=hub_offline(mcfg),
+                                      **hub_kwargs(mcfg)))
     except Exception as exc:
-        offline = " (model.hub_offline is on and it is not in the hub cache)" if _hub_offline(mcfg) else ""
+        offline = " (model.hub_offline is on and it is not in the hub cache)" if hub_offline(mcfg) else ""
         raise ModelLoadError(f"{key} '{location}': the {what} could not be read from the hub{offline}: "
                              f"{type(exc).__name__}. Download it once online, or point {key} at a local folder.",
                              key=key, value=location) from None
@@ -109,7 +109,7 @@ class CascadePrior(Family):
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         import torch
 
-        from trainer.models.base import classify_source, detect_source_family
+        from trainer.families.sources import classify_source, detect_source_family
         from trainer.objectives import CosineObjective
         self.source = classify_source(mcfg.path, workspace)
         self.family = detect_source_family(self.source, mcfg) or self.info.choices[0]
@@ -207,11 +207,11 @@ class CascadePrior(Family):
     def _hub_effnet(self, mcfg: Any) -> Path:
         from huggingface_hub import hf_hub_download
 
-        from trainer.models.base import _hub_kwargs, _hub_offline
+        from trainer.families.sources import hub_kwargs, hub_offline
         repo, name = self.effnet_hub
         try:
-            return Path(hf_hub_download(repo, name, local_files_only=_hub_offline(mcfg),
-                                        cache_dir=_hub_kwargs(mcfg)["cache_dir"]))
+            return Path(hf_hub_download(repo, name, local_files_only=hub_offline(mcfg),
+                                        cache_dir=hub_kwargs(mcfg)["cache_dir"]))
         except Exception as exc:
             raise ModelLoadError(f"model.effnet_path is empty and {name} could not be read from the hub repo {repo} "
                                  f"({type(exc).__name__}). {self.effnet_hint}", key="model.effnet_path") from None

@@ -107,10 +107,10 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
     file (``config(state, base)`` with ``base`` the ``transformer/config.json`` of a local ``model.config_path``),
     load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
     ``model.config_path`` (default ``official``; ``by_component``: one component at a time, not through
-    ``from_pretrained``: see :func:`trainer.models.base.load_by_component`)."""
+    ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`)."""
     from safetensors.torch import load_file
 
-    from trainer.models.base import _hub_offline
+    from trainer.families.sources import hub_offline
     source = family.source
     rest = getattr(mcfg, "config_path", "") or official
     try:
@@ -138,11 +138,11 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
     try:
         if by_component:
-            from trainer.models.base import load_by_component
+            from trainer.families.sources import load_by_component
             return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer",),
                                      transformer=transformer)
         return pipeline_cls.from_pretrained(rest, transformer=transformer,
-                                            local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **kw)
+                                            local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **kw)
     except Exception as exc:
         raise ModelLoadError(
             f"model.path '{source.display}' is the {family.info.label} transformer alone; the rest of the model comes "

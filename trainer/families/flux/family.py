@@ -70,7 +70,7 @@ class Flux(Family):
         import torch
         from diffusers import FluxPipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
@@ -128,7 +128,7 @@ class Flux(Family):
                                  key="model.path", value=self.source.display)
         transformer.to(dtypes["transformer"])
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
-        offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and _hub_offline()
+        offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and hub_offline()
         from diffusers import FlowMatchEulerDiscreteScheduler
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(  # the variant's own (schnell: no dynamic shift)
             json.loads((CONFIGS / config_variant(config) / "scheduler" / "scheduler_config.json").read_text()))
@@ -320,6 +320,6 @@ def config_variant(transformer_config: dict) -> str:
     return "flux-dev" if transformer_config.get("guidance_embeds") else "flux-schnell"
 
 
-def _hub_offline() -> bool:
+def hub_offline() -> bool:
     from huggingface_hub import constants
     return bool(constants.HF_HUB_OFFLINE)

@@ -49,15 +49,15 @@ def _processor_chat_template(location: str, mcfg: Any) -> str:
     import json
     from pathlib import Path
 
-    from trainer.models.base import _hub_kwargs, _hub_offline
+    from trainer.families.sources import hub_kwargs, hub_offline
     for name in ("chat_template.jinja", "chat_template.json"):
         try:
             if Path(location).is_dir():
                 path = Path(location) / "tokenizer" / name
             else:
                 from huggingface_hub import hf_hub_download
-                path = Path(hf_hub_download(location, f"tokenizer/{name}", local_files_only=_hub_offline(mcfg),
-                                            **_hub_kwargs(mcfg)))
+                path = Path(hf_hub_download(location, f"tokenizer/{name}", local_files_only=hub_offline(mcfg),
+                                            **hub_kwargs(mcfg)))
             text = path.read_text(encoding="utf-8")
         except Exception:
             continue
@@ -113,7 +113,7 @@ class Flux2(PeftLayoutLora, Family):
         import torch
         from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")

@@ -67,7 +67,7 @@ class PixArt(Family):
         import torch
         from diffusers import DDPMScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         from trainer.objectives import DDPMObjective
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
@@ -223,7 +223,7 @@ class PixArt(Family):
         model's own DPM-Solver."""
         import diffusers
 
-        from trainer.models.base import SAMPLERS
+        from trainer.families.common.samplers import SAMPLERS
         cls = getattr(diffusers, SAMPLERS[sampler]) if sampler else self._sched_class
         pipe = self._pipe_cls(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
                               transformer=self.transformer, scheduler=cls.from_config(self._sched_config))

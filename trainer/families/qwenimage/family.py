@@ -62,7 +62,7 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         import torch
         from diffusers import QwenImagePipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         from trainer.objectives import flow_objective_for
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)

@@ -7,9 +7,11 @@ from typing import Any, Dict, List
 
 from trainer.families.base import part_dtype
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
-from trainer.models.base import (SAMPLERS, ModelLoadError, ModelSource, check_family,
-                                 classify_source, detect_source_family, load_pipeline,
-                                 torch_dtype)
+from trainer.families.sources import ModelSource, classify_source, detect_source_family, load_pipeline
+from trainer.families.base import torch_dtype
+from trainer.errors import ModelLoadError
+from trainer.families.common.samplers import SAMPLERS
+from trainer.families.common.sd_kit.family_base import check_family
 
 log = logging.getLogger("atelier")
 

@@ -65,7 +65,7 @@ class SD3(Family):
         import torch
         from diffusers import StableDiffusion3Pipeline
 
-        from trainer.models.base import classify_source, detect_source_family, load_pipeline
+        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         from trainer.objectives import FlowMatchingObjective
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
@@ -133,9 +133,9 @@ class SD3(Family):
         if not Path(rest).is_dir():
             kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
         try:
-            from trainer.models.base import _hub_offline
+            from trainer.families.sources import hub_offline
             return StableDiffusion3Pipeline.from_pretrained(
-                rest, transformer=transformer, local_files_only=Path(rest).is_dir() or _hub_offline(mcfg), **no_t5, **kw)
+                rest, transformer=transformer, local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **no_t5, **kw)
         except Exception as exc:
             raise ModelLoadError(
                 f"model.path '{self.source.display}' is the SD3 transformer alone; its VAE and text encoders come from "

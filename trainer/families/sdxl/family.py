@@ -24,8 +24,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
-from trainer.models.base import (SAMPLERS, ModelLoadError, check_family, classify_source,
-                                 detect_source_family, load_pipeline, torch_dtype)
+from trainer.families.sources import classify_source, detect_source_family, load_pipeline
+from trainer.families.base import torch_dtype
+from trainer.errors import ModelLoadError
+from trainer.families.common.samplers import SAMPLERS
+from trainer.families.common.sd_kit.family_base import check_family
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 Size = Tuple[int, int]

@@ -8,7 +8,28 @@ from typing import Any, Dict, List, Optional
 from trainer.families.base import Family as ModelFamily
 from trainer.errors import ModelLoadError
 from trainer.families.common.sd_kit.inpaint import InpaintingMixin
-from trainer.models.base import source_fingerprint
+from trainer.families.sources import ModelSource, source_fingerprint
+
+FAMILY_NAMES = {"sd15": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sd15-inpaint": "SD 1.x inpainting",
+                "sd2-inpaint": "SD 2.x inpainting", "sdxl-inpaint": "SDXL inpainting"}
+
+
+def check_family(source: ModelSource, found: Optional[str], mcfg: Any, accepted: tuple, label: str) -> None:
+    """Refuse weights of another family, naming the family they look like and what to set."""
+    if found is None:
+        return
+    if found.endswith("-inpaint") and found.removesuffix("-inpaint") in accepted:
+        found = found.removesuffix("-inpaint")  # inpainting variants load with their base family
+    if found not in accepted:
+        base = found.removesuffix("-inpaint")
+        raise ModelLoadError(f"model.path '{source.display}' looks like {FAMILY_NAMES[found]} ({found}), but this "
+                             f"run is set up for {label}. Set model.family to {base} (or auto), or use a "
+                             f"{FAMILY_NAMES[base]} preset.", key="model.path", value=source.display)
+    family = getattr(mcfg, "family", "auto")
+    if family not in ("auto", found):
+        raise ModelLoadError(f"model.family is {family}, but '{source.display}' holds a {FAMILY_NAMES[found]} "
+                             f"({found}) model. Set model.family to {found} or auto.", key="model.family",
+                             value=family)
 
 class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
     """The parts of the objective every VAE-latent, DDPM-trained UNet family shares (and, for
