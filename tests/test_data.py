@@ -12,9 +12,9 @@ from PIL import Image
 
 from trainer.config.schema import DataConfig
 from trainer.errors import ConfigError
-from trainer.data.concepts import (
-    ImageItem, caption_from_filename, epoch_length, epoch_order, item_repeats, pick_caption, sample_rng,
-    scan_concepts)
+from trainer.data.concepts import ImageItem, scan_concepts
+from trainer.data.captions import caption_from_filename, pick_caption
+from trainer.data.order import epoch_length, epoch_order, item_repeats, sample_rng
 from trainer.errors import DataError
 
 

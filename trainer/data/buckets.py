@@ -163,9 +163,9 @@ def plan_epoch(order: Sequence[int], item_buckets: Sequence[Sequence[Size]], bat
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    from trainer.data.concepts import _seed_int
+    from trainer.data.order import seed_int
 
-    rng = random.Random(_seed_int("atelier-resolution", seed, epoch))
+    rng = random.Random(seed_int("atelier-resolution", seed, epoch))
     open_batches: "OrderedDict[Size, List[Tuple[int, int]]]" = OrderedDict()
     batches: List[PlannedBatch] = []
     for position, index in enumerate(order):

@@ -1,4 +1,5 @@
-"""Caption processing per sample: caption dropout, tag dropout, tag shuffling, placeholders.
+"""Captions: reading caption files (encodings, one candidate a line, captions from file names) and processing
+per sample: caption dropout, tag dropout, tag shuffling, placeholders.
 
 Order of operations for one sample (all draws from the sample's own rng, so a resumed run makes
 the same choices):
@@ -22,11 +23,21 @@ and a method that trains token embeddings must not pass ``encode_text_fn`` to ``
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Tuple, Union
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 Replacement = Union[str, Callable[[str], str]]
+Warn = Callable[[str], None]
+
+log = logging.getLogger(__name__)
+
+
+def _default_warn(message: str) -> None:
+    log.warning(message)
 
 
 @dataclass(frozen=True)
@@ -125,3 +136,88 @@ class CaptionProcessor:
 
 
 __all__ = ["CaptionOptions", "CaptionProcessor", "split_tags", "join_tags"]
+
+
+# --------------------------------------------------------------------------------------------
+# caption files
+# --------------------------------------------------------------------------------------------
+
+def read_text(path: Path, warn: Warn = _default_warn) -> str:
+    """Read a caption file: UTF-8 (with or without BOM), UTF-16 with BOM, else cp1252/latin-1.
+
+    Captions written on Windows by older taggers are often cp1252; reading them as latin-1
+    silently would turn ``’`` into mojibake, so the fallback is announced.
+    """
+    raw = path.read_bytes()
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        try:
+            return raw.decode("utf-16")
+        except UnicodeDecodeError:
+            pass
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        pass
+    for encoding in ("cp1252", "latin-1"):
+        try:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError:
+            continue
+        warn(f"Caption file '{path}' is not UTF-8; read it as {encoding}. Re-save it as UTF-8 "
+             "if any character looks wrong.")
+        return text
+    raise AssertionError("latin-1 decodes any bytes")  # pragma: no cover
+
+
+def caption_lines(text: str) -> List[str]:
+    """Non-empty, stripped lines: each is one candidate caption."""
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def caption_ext(ext: str) -> str:
+    ext = str(ext or ".txt").strip()
+    return ext if ext.startswith(".") else "." + ext
+
+
+def read_image_captions(image: Path, extension: str, warn: Warn) -> Optional[List[str]]:
+    """Candidates from ``<stem><extension>`` next to the image; None when there is no such file."""
+    cap = image.with_name(image.stem + caption_ext(extension))
+    if not cap.is_file():
+        return None
+    try:
+        return caption_lines(read_text(cap, warn))
+    except OSError as exc:
+        warn(f"Could not read caption file '{cap}' ({exc}); the image trains with an empty caption.")
+        return []
+
+
+# "_001", "-3", ".02", " 7" and " (2)" at the end of a name: copies and numbered exports.
+_NUMBERING = re.compile(r"(?:[\s_.\-]+\d+|\s*\(\d+\))$")
+
+
+def caption_from_filename(path: Path) -> str:
+    """``a_red_fox_001.png`` → ``a red fox``: the stem without trailing numbering, ``_`` → space.
+
+    Bare digits glued to a word (``r2d2``, ``sks1``) are kept: they are usually part of the name.
+    """
+    stem = Path(path).stem
+    text = stem
+    while True:
+        stripped = _NUMBERING.sub("", text)
+        if stripped == text or not stripped.strip(" _.-"):
+            break
+        text = stripped
+    text = text.replace("_", " ")
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def pick_caption(item: Any, rng: random.Random) -> str:
+    """One candidate caption of ``item`` (a ``trainer.data.concepts.ImageItem``), chosen with ``rng``.
+
+    Pass an rng from :func:`sample_rng` so a resumed run picks the same caption for the same sample.
+    """
+    if not item.captions:
+        return ""
+    if len(item.captions) == 1:
+        return item.captions[0]
+    return item.captions[rng.randrange(len(item.captions))]

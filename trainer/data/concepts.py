@@ -12,18 +12,16 @@ bucketing (``buckets``/``dataset``) needs no second scan; ``mask`` is the image'
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import random
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
-from trainer.errors import ConfigError, DataError
+from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
+from trainer.data.probe import mask_is_blank, probe_image
+from trainer.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +191,7 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn,
     return items, report
 
 
-def _label(index: int, concept: Any) -> str:
+def concept_label(index: int, concept: Any) -> str:
     return f"concept {index}" + (f" ('{concept.name}')" if concept.name else "")
 
 
@@ -206,7 +204,7 @@ def concept_folder(index: int, concept: Any, base: Path) -> Tuple[Path, List[Pat
     """The folder of an enabled concept and its image files, or DataError naming the field: empty,
     missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too."""
     key = f"data.concepts.{index}.path"
-    label = _label(index, concept)
+    label = concept_label(index, concept)
     if not str(concept.path or "").strip():
         raise DataError(f"{key} is empty: give {label} the folder that holds its images.", key=key)
     folder = _resolve(concept.path, base)
@@ -231,7 +229,7 @@ def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> 
     """The caption file of a ``caption_source: concept_file`` concept, or DataError naming the field."""
     key = f"data.concepts.{index}.caption_file"
     if not str(concept.caption_file or "").strip():
-        raise DataError(f"{key} is empty: {_label(index, concept)} reads its captions from one text "
+        raise DataError(f"{key} is empty: {concept_label(index, concept)} reads its captions from one text "
                         "file; name that file.", key=key)
     path = _resolve(concept.caption_file, base)
     if not path.is_file() and not Path(str(concept.caption_file)).is_absolute():
@@ -246,7 +244,7 @@ def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> 
 def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
               masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
     key = f"data.concepts.{index}.path"
-    label = _label(index, concept)
+    label = concept_label(index, concept)
     folder, files = concept_folder(index, concept, base)
 
     report = ConceptReport(index=index, name=str(concept.name or folder.name), path=str(folder),
@@ -256,7 +254,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     report.unused_files = find_images(folder, bool(concept.recursive), UNUSED_IMAGE_EXTENSIONS, relative=True)
     if report.unused_files:
         warn(f"{label}: {len(report.unused_files)} files are in a format Atelier does not train on and are "
-             f"not used ({_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
+             f"not used ({short_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
              "export the frames you want) to train on them.")
     shared_captions: Optional[List[str]] = None
     if concept.caption_source == "concept_file":
@@ -269,7 +267,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     items: List[ImageItem] = []
     missing: List[str] = []
     for path, (size, problem) in zip(files, checks):
-        rel = _rel(path, folder)
+        rel = rel_path(path, folder)
         if problem is not None:
             report.skipped.append((rel, problem))
             warn(f"Skipping '{path}' ({label}): {problem}. Re-save or remove the file.")
@@ -279,13 +277,13 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
         elif concept.caption_source == "filename":
             captions = [caption_from_filename(path)]
         else:
-            captions = _read_image_captions(path, concept.caption_extension, warn)
+            captions = read_image_captions(path, concept.caption_extension, warn)
             if captions is None:
                 missing.append(rel)
                 captions = [""]
             elif not captions:
                 report.captions_empty += 1
-                report.captions_empty_files.append(_rel(path.with_name(path.stem + _caption_ext(concept.caption_extension)),
+                report.captions_empty_files.append(rel_path(path.with_name(path.stem + caption_ext(concept.caption_extension)),
                                                         folder))
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
@@ -297,16 +295,16 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     report.images_used = len(items)
     report.captions_missing = len(missing)
     if missing:
-        ext = _caption_ext(concept.caption_extension)
+        ext = caption_ext(concept.caption_extension)
         warn(f"{label}: {len(missing)} of {report.images_found} images have no caption file "
-             f"({_list(missing)}); they train with an empty caption. Add <image name>{ext} next to "
+             f"({short_list(missing)}); they train with an empty caption. Add <image name>{ext} next to "
              f"each image, or set data.concepts.{index}.caption_source to concept_file or filename.")
     if report.captions_empty:
-        warn(f"{label}: {report.captions_empty} caption files are empty ({_list(report.captions_empty_files)}); "
+        warn(f"{label}: {report.captions_empty} caption files are empty ({short_list(report.captions_empty_files)}); "
              "those images train with an empty caption. Write a caption into each, or delete them.")
     if not items:
         raise DataError(f"{key}: none of the {report.images_found} images in '{folder}' could be read "
-                        f"({_list([f'{f}: {r}' for f, r in report.skipped], 5)}). "
+                        f"({short_list([f'{f}: {r}' for f, r in report.skipped], 5)}). "
                         "Re-save them as PNG or JPEG, or fix the path.", key=key, value=str(concept.path))
     return items, report
 
@@ -327,12 +325,12 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
         checks = list(pool.map(lambda pair: probe_image(pair[1]), present))
     by_item = {id(it): (m, chk) for (it, m), chk in zip(present, checks)}
     for item in items:
-        rel = _rel(item.path, folder)
+        rel = rel_path(item.path, folder)
         if id(item) not in by_item:
             report.masks_missing.append(rel)
             continue
         m, (size, problem) = by_item[id(item)]
-        mrel = _rel(m, folder)
+        mrel = rel_path(m, folder)
         if problem is None and size != (item.width, item.height):
             ia, ma = item.width / item.height, size[0] / size[1]
             if abs(ia - ma) / ia > 0.01:
@@ -348,12 +346,12 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
         if mask_is_blank(m):
             report.masks_blank.append(mrel)
     if report.masks_blank:
-        warn(f"{label}: {len(report.masks_blank)} masks are black everywhere ({_list(report.masks_blank)}): "
+        warn(f"{label}: {len(report.masks_blank)} masks are black everywhere ({short_list(report.masks_blank)}): "
              "nothing of those images is in focus, so they train only at loss.unmasked_weight. Paint the "
              "subject white, or delete the mask to train the whole image.")
     if report.masks_missing:
         warn(f"{label}: {len(report.masks_missing)} of {len(items)} images have no mask "
-             f"({_list(report.masks_missing)}); they train as if all of the image were in focus. "
+             f"({short_list(report.masks_missing)}); they train as if all of the image were in focus. "
              f"Add <image name>{MASK_SUFFIX} (white = focus) next to each image.")
 
 
@@ -376,176 +374,8 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
             p = Path(root) / name
             if p.is_file():
                 out.append(p)
-    out.sort(key=lambda p: _rel(p, folder))
-    return [_rel(p, folder) for p in out] if relative else out
-
-
-def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
-    """Check that ``path`` is an image that decodes whole: ``((width, height), None)`` or
-    ``((0, 0), reason)``.
-
-    Every image is decoded in full, so a file whose checksums are valid but whose pixel stream is
-    broken is caught here, not at caching. PNGs also get Pillow's ``verify()`` (chunk CRCs) and a
-    check that the compressed stream holds every row (Pillow fills missing rows with black without
-    a word); JPEGs are decoded at a reduced DCT scale (``draft``: the whole entropy-coded stream is
-    still read, so truncation and corruption show, for a fraction of the cost).
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        if path.stat().st_size == 0:
-            return (0, 0), "the file is empty (0 bytes)"
-        with Image.open(path) as img:
-            width, height = img.size
-            fmt = img.format
-            orientation = _orientation(img)
-            if fmt == "PNG":
-                img.verify()
-        if fmt == "PNG":
-            problem = png_stream_problem(path)
-            if problem:
-                return (0, 0), problem
-        with Image.open(path) as img:
-            if fmt == "JPEG":
-                img.draft(None, (64, 64))
-            img.load()
-    except UnidentifiedImageError:
-        return (0, 0), "not an image Pillow can read (wrong extension or damaged file)"
-    except Image.DecompressionBombError as exc:
-        return (0, 0), f"too large to open safely ({exc}); downscale it"
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        return (0, 0), f"damaged or truncated image ({exc})"
-    if width <= 0 or height <= 0:
-        return (0, 0), f"image has no pixels ({width}x{height})"
-    if orientation in (5, 6, 7, 8):  # rotated by 90°: displayed size is transposed
-        width, height = height, width
-    return (width, height), None
-
-
-_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel
-
-
-def png_stream_problem(path: Path) -> Optional[str]:
-    """Why the pixel data of a PNG is incomplete or broken, or None: the IDAT stream must inflate to
-    exactly the bytes its header promises (a cut-off stream with valid checksums otherwise decodes
-    as an image whose last rows are black). Standard library only."""
-    import struct
-    import zlib
-    with open(path, "rb") as fh:
-        data = fh.read()
-    pos, ihdr, inflater, got = 8, None, zlib.decompressobj(), 0
-    while pos + 8 <= len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        ctype, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        pos += 12 + length
-        if ctype == b"IHDR" and len(body) >= 13:
-            ihdr = struct.unpack(">IIBBBBB", body[:13])
-        elif ctype == b"IDAT":
-            try:
-                got += len(inflater.decompress(body))
-            except zlib.error as exc:
-                return f"damaged pixel data ({exc})"
-        elif ctype == b"IEND":
-            break
-    if ihdr is None:
-        return "no PNG header"
-    width, height, depth, colour, _c, _f, interlace = ihdr
-    bits = _PNG_CHANNELS.get(colour, 4) * depth
-    if interlace:  # Adam7: seven reduced images, each row with its filter byte
-        passes = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2)]
-        want = 0
-        for x0, y0, dx, dy in passes:
-            w, h = (width - x0 + dx - 1) // dx, (height - y0 + dy - 1) // dy
-            if w and h:
-                want += h * (1 + (w * bits + 7) // 8)
-    else:
-        want = height * (1 + (width * bits + 7) // 8)
-    if got < want or not inflater.eof:
-        rows = got * height // want if want else 0
-        return (f"truncated pixel data: about {rows} of {height} rows are in the file (the rest would train "
-                "as black)")
-    return None
-
-
-def mask_is_blank(path: Path) -> bool:
-    """True when a mask is black everywhere (no pixel in focus)."""
-    from PIL import Image
-    try:
-        with Image.open(path) as img:
-            return img.convert("L").getextrema()[1] == 0
-    except (OSError, ValueError, SyntaxError):
-        return False
-
-
-def _orientation(img: Any) -> int:
-    """EXIF orientation without decoding pixels (PNG's getexif() would load the whole image;
-    its eXIf chunk normally precedes the pixel data, so it is already in ``info``)."""
-    try:
-        if img.format == "PNG":
-            from PIL import Image
-            raw = img.info.get("exif")
-            if not raw:
-                return 1
-            exif = Image.Exif()
-            exif.load(raw)
-        else:
-            exif = img.getexif()
-        return int(exif.get(0x0112, 1) or 1)
-    except Exception:  # broken EXIF is not a reason to drop the image
-        return 1
-
-
-# --------------------------------------------------------------------------------------------
-# captions
-# --------------------------------------------------------------------------------------------
-
-def read_text(path: Path, warn: Warn = _default_warn) -> str:
-    """Read a caption file: UTF-8 (with or without BOM), UTF-16 with BOM, else cp1252/latin-1.
-
-    Captions written on Windows by older taggers are often cp1252; reading them as latin-1
-    silently would turn ``’`` into mojibake, so the fallback is announced.
-    """
-    raw = path.read_bytes()
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
-        try:
-            return raw.decode("utf-16")
-        except UnicodeDecodeError:
-            pass
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        pass
-    for encoding in ("cp1252", "latin-1"):
-        try:
-            text = raw.decode(encoding)
-        except UnicodeDecodeError:
-            continue
-        warn(f"Caption file '{path}' is not UTF-8; read it as {encoding}. Re-save it as UTF-8 "
-             "if any character looks wrong.")
-        return text
-    raise AssertionError("latin-1 decodes any bytes")  # pragma: no cover
-
-
-def caption_lines(text: str) -> List[str]:
-    """Non-empty, stripped lines: each is one candidate caption."""
-    return [line.strip() for line in text.splitlines() if line.strip()]
-
-
-def _caption_ext(ext: str) -> str:
-    ext = str(ext or ".txt").strip()
-    return ext if ext.startswith(".") else "." + ext
-
-
-def _read_image_captions(image: Path, extension: str, warn: Warn) -> Optional[List[str]]:
-    """Candidates from ``<stem><extension>`` next to the image; None when there is no such file."""
-    cap = image.with_name(image.stem + _caption_ext(extension))
-    if not cap.is_file():
-        return None
-    try:
-        return caption_lines(read_text(cap, warn))
-    except OSError as exc:
-        warn(f"Could not read caption file '{cap}' ({exc}); the image trains with an empty caption.")
-        return []
+    out.sort(key=lambda p: rel_path(p, folder))
+    return [rel_path(p, folder) for p in out] if relative else out
 
 
 def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn: Warn) -> List[str]:
@@ -558,166 +388,17 @@ def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn:
     return lines
 
 
-# "_001", "-3", ".02", " 7" and " (2)" at the end of a name: copies and numbered exports.
-_NUMBERING = re.compile(r"(?:[\s_.\-]+\d+|\s*\(\d+\))$")
-
-
-def caption_from_filename(path: Path) -> str:
-    """``a_red_fox_001.png`` → ``a red fox``: the stem without trailing numbering, ``_`` → space.
-
-    Bare digits glued to a word (``r2d2``, ``sks1``) are kept: they are usually part of the name.
-    """
-    stem = Path(path).stem
-    text = stem
-    while True:
-        stripped = _NUMBERING.sub("", text)
-        if stripped == text or not stripped.strip(" _.-"):
-            break
-        text = stripped
-    text = text.replace("_", " ")
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def pick_caption(item: ImageItem, rng: random.Random) -> str:
-    """One candidate caption of ``item``, chosen with ``rng``.
-
-    Pass an rng from :func:`sample_rng` so a resumed run picks the same caption for the same sample.
-    """
-    if not item.captions:
-        return ""
-    if len(item.captions) == 1:
-        return item.captions[0]
-    return item.captions[rng.randrange(len(item.captions))]
-
-
-# --------------------------------------------------------------------------------------------
-# epoch order
-# --------------------------------------------------------------------------------------------
-
-def _seed_int(*parts: Any) -> int:
-    """A 64-bit seed from any parts; stable across processes and Python versions (unlike hash())."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def sample_rng(seed: int, epoch: int, position: int, purpose: str = "sample") -> random.Random:
-    """An rng for one sample of one epoch (caption pick, random crop, flip).
-
-    Deriving it from (seed, epoch, position) instead of carrying one rng through the loop makes a
-    resumed run — or a run with a different number of dataloader workers — see exactly the same
-    samples without saving any rng state.
-    """
-    return random.Random(_seed_int("atelier", purpose, seed, epoch, position))
-
-
-def _repeats_list(items: Sequence[ImageItem], repeats_per_item: Any) -> List[float]:
-    if isinstance(repeats_per_item, (int, float)):
-        return [float(repeats_per_item)] * len(items)
-    reps = [float(r) for r in repeats_per_item]
-    if len(reps) != len(items):
-        raise ValueError(f"repeats_per_item has {len(reps)} values for {len(items)} items")
-    return reps
-
-
-def concept_repeats(concept: Any, images: int) -> float:
-    """A concept's repeats: ``samples`` per epoch spread over its images when set, else ``repeats``.
-
-    ``samples`` balances concepts of different sizes (20 images and 200 images both at 100 samples
-    an epoch); the fraction is paid out exactly over epochs by :func:`epoch_order`."""
-    samples = int(getattr(concept, "samples", 0) or 0)
-    if samples > 0 and images > 0:
-        return float(Fraction(samples, images))
-    return float(concept.repeats)
-
-
-def item_repeats(items: Sequence[ImageItem], data_cfg: Any) -> List[float]:
-    """Each item's concept's repeats (see :func:`concept_repeats`), the usual
-    ``repeats_per_item`` for :func:`epoch_order`."""
-    concepts = list(data_cfg.concepts)
-    counts: dict = {}
-    for it in items:
-        counts[it.concept_index] = counts.get(it.concept_index, 0) + 1
-    return [concept_repeats(concepts[it.concept_index], counts[it.concept_index]) for it in items]
-
-
-def _exact(value: float) -> Fraction:
-    # Fraction of the decimal the user typed (0.3 → 3/10), so floor(0.3 * 10) is 3, not 2.
-    return Fraction(repr(float(value))).limit_denominator(10**6)
-
-
-def epoch_order(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int, seed: int) -> List[int]:
-    """The shuffled item indices of one epoch, repeats applied; a pure function of its arguments.
-
-    Whole repeats put an item ``floor(repeats)`` times in the epoch. The fractional parts are paid out
-    over epochs: items of one concept with the same fraction ``f`` form a group with ``F = f * n``
-    extra draws per epoch; epoch ``e`` takes the next ``floor(F*(e+1)) - floor(F*e)`` items of a
-    fixed seeded permutation of the group, cyclically. So repeats=0.5 shows every image exactly once
-    every two epochs (not "maybe, maybe not" per epoch), the count over E epochs is ``floor(F*E)``,
-    and a resumed run recomputes exactly the same order from (seed, epoch).
-    ``repeats_per_item`` is one number for all items or one per item (see :func:`item_repeats`).
-    """
-    reps = _repeats_list(items, repeats_per_item)
-    order: List[int] = []
-    groups: dict = {}
-    for i, (item, r) in enumerate(zip(items, reps)):
-        if r < 0:
-            raise ValueError(f"repeats must be >= 0, got {r} for item {i}")
-        exact = _exact(r)
-        whole = int(exact)  # floor for non-negative
-        order += [i] * whole
-        frac = exact - whole
-        if frac:
-            groups.setdefault((item.concept_index, frac), []).append(i)
-    for (concept_index, frac), members in sorted(groups.items()):
-        n = len(members)
-        total = frac * n
-        start, stop = int(total * epoch), int(total * (epoch + 1))
-        if stop == start:
-            continue
-        perm = list(members)
-        random.Random(_seed_int("atelier-fraction", seed, concept_index, frac)).shuffle(perm)
-        order += [perm[k % n] for k in range(start, stop)]
-    random.Random(_seed_int("atelier-epoch", seed, epoch)).shuffle(order)
-    return order
-
-
-def epoch_length(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int) -> int:
-    """``len(epoch_order(...))`` without shuffling: what a step count for the schedule needs.
-
-    Fractional repeats make lengths differ by at most one per concept between epochs.
-    """
-    reps = _repeats_list(items, repeats_per_item)
-    length = 0
-    fracs: dict = {}
-    for item, r in zip(items, reps):
-        exact = _exact(r)
-        length += int(exact)
-        if exact - int(exact):
-            k = (item.concept_index, exact - int(exact))
-            fracs[k] = fracs.get(k, 0) + 1
-    for (_, frac), n in fracs.items():
-        length += int(frac * n * (epoch + 1)) - int(frac * n * epoch)
-    return length
-
-
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
 
-def _rel(path: Path, folder: Path) -> str:
+def rel_path(path: Path, folder: Path) -> str:
     try:
         return path.relative_to(folder).as_posix()
     except ValueError:
         return str(path)
 
 
-def _list(names: Sequence[str], limit: int = 5) -> str:
+def short_list(names: Sequence[str], limit: int = 5) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-__all__ = [
-    "DataError", "ImageItem", "ConceptReport", "DataReport", "IMAGE_EXTENSIONS", "MASK_SUFFIX",
-    "scan_concepts", "concept_folder", "concept_caption_file", "find_images", "probe_image", "png_stream_problem", "mask_is_blank", "mask_path", "concept_repeats", "read_text", "caption_lines", "caption_from_filename",
-    "pick_caption", "sample_rng", "epoch_order", "epoch_length", "item_repeats",
-]

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from trainer.data.buckets import (PlannedBatch, Size, assign_bucket, bucket_populations, cover_scale,
                                   format_size, generate_buckets, nearest_bucket, parse_resolution, plan_epoch,
                                   snap)
-from trainer.data.concepts import (
-    DataReport, ImageItem, _label, _list, _rel, concept_repeats, epoch_order, item_repeats, scan_concepts)
+from trainer.data.concepts import DataReport, ImageItem, concept_label, short_list, rel_path, scan_concepts
+from trainer.data.order import concept_repeats, epoch_order, item_repeats
 from trainer.errors import DataError
 
 Warn = Callable[[str], None]
@@ -101,7 +101,7 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
         if not usable:
             reason = (f"too small ({item.width}x{item.height}): even a {step}x{step} bucket would enlarge it "
                       f"more than data.max_upscale = {max_upscale:g}x")
-            crep.skipped.append((_rel(item.path, Path(crep.path)), reason))
+            crep.skipped.append((rel_path(item.path, Path(crep.path)), reason))
             crep.images_used -= 1
             too_small.setdefault(item.concept_index, []).append(item.path.name)
             continue
@@ -117,13 +117,13 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
         kept.append(item)
         kept_buckets.append(usable)
     for index, names in too_small.items():
-        _warn(f"Skipping {len(names)} image(s) of {_label(index, concepts[index])} that are too small "
-              f"to train ({_list(names)}): raise data.max_upscale (0 = no limit) or use larger images.")
+        _warn(f"Skipping {len(names)} image(s) of {concept_label(index, concepts[index])} that are too small "
+              f"to train ({short_list(names)}): raise data.max_upscale (0 = no limit) or use larger images.")
     for crep in report.concepts:
         if crep.images_used <= 0:
             key = f"data.concepts.{crep.index}.path"
             raise DataError(f"{key}: none of the {crep.images_found} images in '{crep.path}' is usable "
-                            f"({_list([f'{f}: {r}' for f, r in crep.skipped], 5)}).", key=key)
+                            f"({short_list([f'{f}: {r}' for f, r in crep.skipped], 5)}).", key=key)
     report.resolutions = [format_size(t) for t in all_targets]
     report.batch_size = batch_size
 
@@ -175,7 +175,7 @@ def _bucket_report(report: DataReport, items: Sequence[ImageItem], buckets: Sequ
     if dropped:
         small = sorted({format_size(b) for options in buckets for b in options if populations[b] < batch_size})
         warn(f"{len(dropped)} image(s) are in aspect buckets with fewer samples per epoch than the batch size "
-             f"({batch_size}) and will never train: {_list([Path(p).name for p in dropped], 10)} "
+             f"({batch_size}) and will never train: {short_list([Path(p).name for p in dropped], 10)} "
              f"(buckets {', '.join(small[:8])}{' …' if len(small) > 8 else ''}). Lower training.batch_size, "
              "add images of similar shape, raise the concept's repeats, or crop them to a common shape.")
 

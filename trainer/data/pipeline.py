@@ -48,7 +48,9 @@ from trainer.data.buckets import PlannedBatch, Size
 from trainer.data.cache import (CacheJob, LatentCache, TextCache, _map_ahead, as_text_dict, file_sha256,
                                 make_settings_key)
 from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement
-from trainer.data.concepts import ImageItem, _seed_int, pick_caption, sample_rng
+from trainer.data.concepts import ImageItem
+from trainer.data.captions import pick_caption
+from trainer.data.order import seed_int, sample_rng
 from trainer.errors import DataError
 from trainer.data.dataset import build_dataset
 
@@ -187,10 +189,10 @@ class DataPipeline:
         a file keeps its variants)."""
         digest = self._sha(item)
         if self.augment.any_beyond_flip:
-            return draw_params(self.augment, random.Random(_seed_int("atelier-variant", self.seed, digest, k)))
+            return draw_params(self.augment, random.Random(seed_int("atelier-variant", self.seed, digest, k)))
         shift = (0.0, 0.0)
         if not self.augment.center_crop:  # random crop: drawn once per file when cached
-            rng = random.Random(_seed_int("atelier-crop", self.seed, digest))
+            rng = random.Random(seed_int("atelier-crop", self.seed, digest))
             shift = (round(rng.uniform(-1, 1), 4), round(rng.uniform(-1, 1), 4))
         return AugmentParams(flip=k == 1, shift_x=shift[0], shift_y=shift[1])
 

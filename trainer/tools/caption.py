@@ -193,7 +193,7 @@ def load_pretrained(src: ModelSource, loader: Callable[..., Any], what: str, **k
 
 def open_image(path: Path) -> Tuple[Optional[Any], Optional[str]]:
     """(RGB image the right way up, None) or (None, why it cannot be used): the trainer's checks and decoding."""
-    from trainer.data.concepts import probe_image
+    from trainer.data.probe import probe_image
     from trainer.errors import DataError
     from trainer.data.images import open_rgb
     _, problem = probe_image(path)
@@ -426,8 +426,8 @@ def load_captioner(spec: str, device: str, *, max_tokens: Optional[int], task: O
 
 def caption_path(image: Path, extension: str) -> Path:
     """Where training reads the caption of ``image`` (``<stem><extension>`` next to it)."""
-    from trainer.data.concepts import _caption_ext
-    return image.with_name(image.stem + _caption_ext(extension))
+    from trainer.data.captions import caption_ext
+    return image.with_name(image.stem + caption_ext(extension))
 
 
 def _check_args(args: Any) -> None:
