@@ -193,7 +193,7 @@ def test_a_failing_rank_ends_the_job_with_a_failed_event_naming_it(tiny_workspac
 def test_a_rank_gone_without_a_word_is_named_and_its_crash_report_read(tmp_path):
     """Rank 0 lost its peer: a rank whose process is gone is named; "without a Python error" (killed, like
     the OOM killer) unless it left faulthandler's report, which is summed up to the crash and its frame."""
-    from trainer.parallel.distributed import crash_report, explain_failure
+    from trainer.parallel.launch import crash_report, explain_failure
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     import socket
     for k, pid in ((0, os.getpid()), (1, int(gone.stdout))):
@@ -410,7 +410,7 @@ def test_fsdp_refuses_what_cannot_work_on_sharded_weights(tiny_workspace, tmp_pa
 
 
 def test_fsdp_launch_line_and_plugin(tiny_workspace, tmp_path):
-    from trainer.parallel.distributed import launch_argv
+    from trainer.parallel.launch import launch_argv
     from trainer.parallel.fsdp import fsdp_plugin
     ws = tiny_workspace
     cfg = _fsdp_cfg(ws)

@@ -112,7 +112,7 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     import signal
     import subprocess
 
-    from trainer.parallel.distributed import dead_ranks, launch_argv, rank_errors
+    from trainer.parallel.launch import dead_ranks, launch_argv, rank_errors
     from trainer.events import EventWriter, read_events, run_state
     rest = [a for a in argv]
     if "--run-dir" not in rest:
@@ -228,7 +228,8 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)
     if errors:
         return 2
-    from trainer.parallel.distributed import check_devices, env_rank_world, launched
+    from trainer.parallel.launch import check_devices
+    from trainer.parallel.plan import env_rank_world, launched
     rank, world = env_rank_world()
     if world > 1 and not args.run_dir and not cfg.general.run_name:
         print("Config error: with several processes give --run-dir or general.run_name, so that every process "
@@ -278,7 +279,7 @@ def _restartable(run_dir: Path) -> bool:
 
 def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_process: bool) -> int:
     """The rest of ``train``/``cache`` once this process holds the run folder (rank 0)."""
-    from trainer.parallel.distributed import launched
+    from trainer.parallel.plan import launched
     if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
         if _restartable(run_dir):  # stopped or failed before its first backup: nothing to resume, nothing to lose
             print(f"note: {run_dir} holds a run that ended before its first backup; it starts again in place.",

@@ -18,9 +18,9 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig
 
 from trainer.config import preflight
+from trainer.config.fields import inner_type
 from trainer.config.load import compose, compose_dict
 from trainer.config.schema import AtelierConfig
-from trainer.config.fields import inner_type
 from trainer.data.buckets import check_resolutions, training_side
 from trainer.errors import ConfigError, Issue
 from trainer.families.checks import check_family_options, part_warnings
@@ -30,7 +30,7 @@ from trainer.memory.rules import check_storage, precision_warnings
 from trainer.memory.tiers import tier_warnings
 from trainer.methods.rules import check_output_format, method_warnings, validate_method
 from trainer.optim.rules import optim_warnings, validate_optim
-from trainer.parallel.fsdp import fsdp_warnings, validate_fsdp
+from trainer.parallel.plan import fsdp_warnings, validate_fsdp
 
 
 def _check_value(key: str, value: Any, meta: dict) -> None:

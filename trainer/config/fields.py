@@ -10,7 +10,6 @@ from typing import Any, Iterable, List
 
 from trainer.config.schema import AtelierConfig
 
-
 # --------------------------------------------------------------------------------------------
 # schema introspection (used by validation, the CLI's config-help and the web UI)
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from trainer.config.fields import suggest, allowed
+from trainer.config.fields import allowed, suggest
 from trainer.config.schema import CONFIG_VERSION, AtelierConfig
 from trainer.errors import ConfigError
 
@@ -64,7 +64,6 @@ def resolve_preset(name: str, relative_to: Optional[Path] = None) -> Path:
         return cand
     p = PRESETS_DIR / f"{name}.yaml"
     if not p.exists():
-        import difflib
         names = preset_names()
         close = difflib.get_close_matches(name, names, n=4, cutoff=0.5)
         hint = f"Did you mean {', '.join(close)}? " if close else ""
@@ -152,7 +151,6 @@ def _move_v1_keys(data: DictConfig) -> None:
 def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
     """(key, message) for the first place where ``layer`` has a value of the wrong shape for the schema:
     a section (mapping) given as a list or a scalar, a list (concepts, prompts) given as a mapping."""
-    from omegaconf import ListConfig
     if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
         return None
     for key in layer.keys():
@@ -180,7 +178,6 @@ def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]
 
 
 def _shape_name(node: Any) -> str:
-    from omegaconf import ListConfig
     if isinstance(node, ListConfig):
         return "a list"
     if isinstance(node, DictConfig):

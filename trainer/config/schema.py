@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Optional
 from trainer.families import family_choices  # torch-free registry: model.family's choices
 from trainer.optim.registry import OPTIMIZER_NAMES, SCHEDULER_NAMES, used_by  # torch-free registry tables
 
-
 CONFIG_VERSION = 2
 
 DTYPES = ["fp32", "fp16", "bf16"]

@@ -14,10 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from trainer.data.buckets import (PlannedBatch, Size, assign_bucket, bucket_populations, cover_scale,
-                                  format_size, generate_buckets, nearest_bucket, parse_resolution, plan_epoch,
-                                  snap)
-from trainer.data.concepts import DataReport, ImageItem, concept_label, short_list, rel_path, scan_concepts
+from trainer.data.buckets import (
+    PlannedBatch,
+    Size,
+    assign_bucket,
+    bucket_populations,
+    cover_scale,
+    format_size,
+    generate_buckets,
+    nearest_bucket,
+    parse_resolution,
+    plan_epoch,
+    snap,
+)
+from trainer.data.concepts import DataReport, ImageItem, concept_label, rel_path, scan_concepts, short_list
 from trainer.data.order import concept_repeats, epoch_order, item_repeats
 from trainer.errors import DataError
 

@@ -45,14 +45,20 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
 from trainer.data.buckets import PlannedBatch, Size
-from trainer.data.cache import (CacheJob, LatentCache, TextCache, _map_ahead, as_text_dict, file_sha256,
-                                make_settings_key)
-from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement
+from trainer.data.cache import (
+    CacheJob,
+    LatentCache,
+    TextCache,
+    _map_ahead,
+    as_text_dict,
+    file_sha256,
+    make_settings_key,
+)
+from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement, pick_caption
 from trainer.data.concepts import ImageItem
-from trainer.data.captions import pick_caption
-from trainer.data.order import seed_int, sample_rng
-from trainer.errors import DataError
 from trainer.data.dataset import build_dataset
+from trainer.data.order import sample_rng, seed_int
+from trainer.errors import DataError
 
 log = logging.getLogger("atelier")
 

@@ -15,6 +15,11 @@ from typing import Any, Callable, List, Tuple
 
 from omegaconf import OmegaConf
 
+from trainer.config.load import compose
+from trainer.data.buckets import parse_resolution
+from trainer.errors import ConfigError
+from trainer.optim.registry import optimizer_spec
+
 _WIDTH = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -28,7 +33,6 @@ def _sel(cfg: Any, key: str) -> Any:
 
 
 def _largest_side(cfg: Any) -> int:
-    from trainer.data.buckets import parse_resolution
     try:
         sizes = parse_resolution(cfg.data.resolution)
     except Exception:
@@ -43,7 +47,6 @@ def _quantised(cfg: Any) -> int:
 
 def _optimizer_state(cfg: Any) -> int:
     """0: factored (Adafactor, a few vectors per matrix), 1: 8-bit states, 2: full-precision states."""
-    from trainer.optim.registry import optimizer_spec
     name = str(cfg.training.optimizer.name).lower()
     if "adafactor" in name:
         return 0
@@ -89,10 +92,8 @@ def tier_warnings(cfg: Any) -> List[Tuple[str, str]]:
     preset = str(cfg.general.get("sized_for", "") or "")
     if not preset:
         return []
-    from trainer.config.checks import load_config
-    from trainer.errors import ConfigError
     try:
-        tier = load_config(preset=preset)
+        tier = compose(preset=preset)  # a shipped preset: its values were checked when it shipped
     except ConfigError:
         return [("general.sized_for", f"general.sized_for = {preset}: no such preset to compare the memory settings "
                                       "with. Clear it, or name the *-<N>gb preset this config started from.")]

@@ -10,9 +10,14 @@ from typing import Dict
 
 from trainer.config.schema import part_of
 from trainer.errors import ConfigError, Issue
-from trainer.optim.registry import (DECAYING_SCHEDULERS, FUSED_OPTIMIZERS, OPTIMIZERS, WARMUP_SCHEDULERS,
-                                    OptimizerSpec, optimizer_spec)
-
+from trainer.optim.registry import (
+    DECAYING_SCHEDULERS,
+    FUSED_OPTIMIZERS,
+    OPTIMIZERS,
+    WARMUP_SCHEDULERS,
+    OptimizerSpec,
+    optimizer_spec,
+)
 
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*[:.][A-Za-z_]\w*$")
 _NUM = r"\s*(\d+(\.\d*)?|\.\d+)\s*"

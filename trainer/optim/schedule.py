@@ -16,7 +16,6 @@ from trainer.errors import ConfigError
 from trainer.optim.build import _import, _plain
 from trainer.optim.registry import SCHEDULER_NAMES
 
-
 #: Components (param-group names): the model's part slots (parts.* in the config) and the embedding.
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "embedding")
 

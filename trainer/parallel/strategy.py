@@ -18,8 +18,21 @@ The mechanisms stay in :mod:`trainer.parallel.distributed` (batch slicing, DDP w
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from typing import Any, Iterator, Optional, Tuple
+
+from omegaconf import OmegaConf
+
+from trainer.parallel.distributed import (
+    DDPGradients,
+    GradientSync,
+    PeerLost,
+    collective_failure,
+    iter_shard,
+    weight_grad_average,
+)
+from trainer.parallel.fsdp import FSDPShards, full_optimizer_state, shard_optimizer_state
 
 log = logging.getLogger("atelier")
 
@@ -112,7 +125,6 @@ class DistributedData(SingleProcess):
         return set()
 
     def attach(self, method, optimizer, groups, device) -> None:
-        from trainer.parallel.distributed import DDPGradients, GradientSync, weight_grad_average
         trained = [p for grp in groups for p in grp["params"]]
         elsewhere = self.owned_elsewhere(trained)
         mine = [p for p in trained if id(p) not in elsewhere]
@@ -129,20 +141,16 @@ class DistributedData(SingleProcess):
                  len(self.ddp.params), ", ".join(self.ddp.names) or "nothing", len(self.grad_sync.params))
 
     def data_config(self, cfg, global_micro_batch: int):
-        import copy
 
-        from omegaconf import OmegaConf
         data_cfg = copy.deepcopy(cfg)
         OmegaConf.update(data_cfg, "training.batch_size", global_micro_batch)
         return data_cfg
 
     def batches(self, data, epoch: int, start: int, stop: int):
-        from trainer.parallel.distributed import iter_shard
         return iter_shard(data, epoch, start, stop, self.rank, self.world)
 
     @contextlib.contextmanager
     def micro_batch(self, last_of_step: bool):
-        from trainer.parallel.distributed import PeerLost, collective_failure
         try:
             with self.ddp.accumulating(not last_of_step) if self.ddp is not None else contextlib.nullcontext():
                 yield  # DDP: the gradient all-reduce runs inside this micro-batch's backward
@@ -177,7 +185,6 @@ class ShardedData(DistributedData):
     sharded = True
 
     def shard(self, method, plugin, device) -> None:
-        from trainer.parallel.fsdp import FSDPShards
         self.device = device
         self.fsdp = FSDPShards(method.modules["unet"], plugin, device, self.world)
         log.info("FSDP: the denoiser is sharded over %d processes (%d units + root)", self.world, self.fsdp.units)
@@ -189,7 +196,6 @@ class ShardedData(DistributedData):
         import torch
         import torch.distributed as dist
 
-        from trainer.parallel.distributed import PeerLost
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         try:
             dist.broadcast(value, src=0)
@@ -198,11 +204,9 @@ class ShardedData(DistributedData):
         return bool(value.item() > 0)
 
     def full_optimizer_state(self, optimizer) -> Optional[dict]:
-        from trainer.parallel.fsdp import full_optimizer_state
         return full_optimizer_state(optimizer.state_dict(), keep=self.is_main)
 
     def shard_optimizer_state(self, optimizer) -> None:
-        from trainer.parallel.fsdp import shard_optimizer_state
         shard_optimizer_state(optimizer)
 
     @contextlib.contextmanager

@@ -23,9 +23,11 @@ from typing import List, Optional
 from trainer.host import procs
 from trainer.config.load import save_config
 from trainer.errors import ConfigError
-from trainer.parallel.distributed import (PeerLost, crash_report, env_rank_world, explain_failure, fault_injection,
-                                 rank_file, record_crashes, stop_recording_crashes, write_rank_error,
-                                 write_rank_info)
+from trainer.parallel.distributed import PeerLost, fault_injection
+from trainer.parallel.launch import (
+    crash_report, explain_failure, rank_file, record_crashes, stop_recording_crashes, write_rank_error,
+    write_rank_info)
+from trainer.parallel.plan import env_rank_world
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from trainer.parallel.distributed import env_rank_world
+from trainer.parallel.plan import env_rank_world
 from trainer.parallel.strategy import SingleProcess, make_strategy
 from trainer.train.run_folder import RunFolder
 
