@@ -92,8 +92,9 @@ def crash_report(run_dir: Path, rank: int) -> Tuple[str, str]:
     if frame:  # File "/path/trainer/x.py", line 12 in name
         m = re.match(r'File "(.+)", line (\d+) in (.+)', frame)
         if m:
-            where = Path(m.group(1))
-            short = "/".join(where.parts[-2:])
+            parts = Path(m.group(1)).parts  # from Atelier's package folder on; a library's file by its last two parts
+            top = max((i for i, part in enumerate(parts) if part in ("trainer", "webui")), default=len(parts) - 2)
+            short = "/".join(parts[top:])
             return f"{what} in {m.group(3)} ({short}, line {m.group(2)})", text
     return what, text
 
