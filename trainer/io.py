@@ -10,7 +10,9 @@ and the previous file is untouched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -39,7 +41,6 @@ def remove_stale_temps(folder: str | os.PathLike) -> list:
     """Delete the hidden temporaries (``.name.tmp-XXXXXXXX…``, ``.name.old-XXXXXXXX``) that a process killed
     in the middle of an atomic write left in ``folder``; only safe while no other process writes there
     (a run folder under its trainer lock). Returns the names removed."""
-    import re
     global _TEMP_NAME
     if _TEMP_NAME is None:
         _TEMP_NAME = re.compile(r"^\..+\.(tmp|old)-[0-9a-f]{8}")
@@ -153,7 +154,6 @@ def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | o
 
 def looks_like_write_failure(exc: BaseException) -> bool:
     """A full disk or a permission problem while writing (OSError, or torch/safetensors' RuntimeError)."""
-    import errno
     text = str(exc)
     return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS) \
         or path_too_long(exc) or "No space left" in text or "write failed" in text
@@ -164,7 +164,6 @@ WINDOWS_PATH_LIMIT = 260  # MAX_PATH: Windows refuses longer paths unless long p
 
 def path_too_long(exc: BaseException) -> bool:
     """ENAMETOOLONG, or Windows' ERROR_FILENAME_EXCED_RANGE (206) / a path past MAX_PATH that 'does not exist'."""
-    import errno
     if getattr(exc, "errno", None) == errno.ENAMETOOLONG or getattr(exc, "winerror", None) == 206:
         return True
     name = getattr(exc, "filename", None)
@@ -175,7 +174,6 @@ def write_failure(exc: BaseException, folder: str | os.PathLike, what: str) -> s
     """One line for a failed write: a full disk (errno ENOSPC, or torch's "enforce fail … file write failed"
     with little space left) says how much is free and what to do, a permission problem names the folder;
     anything else keeps its first line."""
-    import errno
     folder = Path(folder)
     probe = folder
     while not probe.exists() and probe != probe.parent:

@@ -71,7 +71,6 @@ def timestep_range(cfg: Any, num_train_timesteps: int) -> tuple[int, int]:
     lo = int(cfg_value(cfg, "timestep_min", 0))
     hi = min(int(cfg_value(cfg, "timestep_max", num_train_timesteps)), num_train_timesteps)
     if not 0 <= lo < hi:
-        from trainer.errors import ConfigError
         raise ConfigError(f"loss.timestep_min ({lo}) must be below loss.timestep_max ({hi}; the model has "
                           f"{num_train_timesteps} timesteps).", key="loss.timestep_min", value=lo)
     return lo, hi

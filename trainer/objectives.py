@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-from trainer.loss import cfg_value
+from trainer.errors import ConfigError
+from trainer.loss import cfg_value, huber_delta, sample_timesteps, timestep_weights
 
 FLOW_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -79,7 +80,6 @@ class DDPMObjective:
         return int(self.noise_scheduler.config.num_train_timesteps)
 
     def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
-        from trainer.loss import sample_timesteps
         return sample_timesteps(batch_size, self.num_train_timesteps, lc, generator)
 
     def noisy_and_target(self, latents, noise, timesteps):
@@ -91,11 +91,9 @@ class DDPMObjective:
         raise ValueError(f"unknown prediction type {self.prediction_type}")
 
     def timestep_weights(self, lc: Any, timesteps):
-        from trainer.loss import timestep_weights
         return timestep_weights(lc, timesteps, self.noise_scheduler, self.prediction_type)
 
     def huber_delta(self, lc: Any, timesteps):
-        from trainer.loss import huber_delta
         return huber_delta(lc, timesteps, self.noise_scheduler)
 
 
@@ -154,7 +152,6 @@ class FlowMatchingObjective:
         hi = min(int(cfg_value(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
             / self.num_train_timesteps
         if not 0 <= lo < hi:
-            from trainer.errors import ConfigError
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
         dist = cfg_value(lc, "timestep_distribution", "uniform")
@@ -216,7 +213,6 @@ class CosineObjective:
         hi = min(int(cfg_value(lc, "timestep_max", self.num_train_timesteps)), self.num_train_timesteps) \
             / self.num_train_timesteps
         if not 0 <= lo < hi:
-            from trainer.errors import ConfigError
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
         t = lo + torch.rand((batch_size,), generator=generator) * (hi - lo)

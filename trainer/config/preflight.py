@@ -14,6 +14,10 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional
 
+from trainer.data.concepts import concept_caption_file, concept_folder
+from trainer.errors import DataError
+from trainer.families import tiny_models
+
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 
 
@@ -38,7 +42,6 @@ def model_path_problem(path: str, base: Optional[Path] = None) -> Optional[str]:
         return ("model.path is empty: give a diffusers folder, a hub id (org/name), a .safetensors/.ckpt file, "
                 "or builtin:tiny-sd.")
     if path.startswith("builtin:"):
-        from trainer.families import tiny_models
         if path.split(":", 1)[1] not in tiny_models():
             return (f"model.path '{path}': unknown built-in model; choose from "
                     + ", ".join(f"builtin:{n}" for n in tiny_models()) + ".")
@@ -86,8 +89,6 @@ def _writable_problem(key: str, value: str, base: Path) -> Optional[str]:
 
 def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
     """(key, message) for every file or folder of ``cfg`` that ``train`` would reject."""
-    from trainer.data.concepts import concept_caption_file, concept_folder
-    from trainer.errors import DataError
     base = base or Path.cwd()
     out: List[tuple] = []
 

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from trainer.data.order import seed_int
 from trainer.errors import ConfigError
 
 Size = Tuple[int, int]  # (width, height)
@@ -163,7 +164,6 @@ def plan_epoch(order: Sequence[int], item_buckets: Sequence[Sequence[Size]], bat
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    from trainer.data.order import seed_int
 
     rng = random.Random(seed_int("atelier-resolution", seed, epoch))
     open_batches: "OrderedDict[Size, List[Tuple[int, int]]]" = OrderedDict()

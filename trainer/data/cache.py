@@ -23,11 +23,13 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from trainer.data.concepts import ImageItem
+from trainer.data.images import mask_to_latent
 from trainer.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -144,8 +146,6 @@ class LatentCache:
         ``workers`` > 0 decodes images in that many background threads while the encoder runs.
         """
         import torch
-
-        from trainer.data.images import mask_to_latent
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -271,7 +271,6 @@ def _map_ahead(fn: Callable, items: Sequence, workers: int) -> Iterator:
         for x in items:
             yield fn(x)
         return
-    from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="atelier-cache")
     try:

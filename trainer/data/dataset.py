@@ -27,6 +27,7 @@ from trainer.data.buckets import (
     plan_epoch,
     snap,
 )
+from trainer.data.cache import file_sha256
 from trainer.data.concepts import DataReport, ImageItem, concept_label, rel_path, scan_concepts, short_list
 from trainer.data.order import concept_repeats, epoch_order, item_repeats
 from trainer.errors import DataError
@@ -208,7 +209,6 @@ def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn) -> N
 
 
 def _safe_hash(path: Path) -> str:
-    from trainer.data.cache import file_sha256
     try:
         return file_sha256(path)
     except OSError:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from PIL import Image, ImageOps
 
+from trainer.data.augment import AugmentParams, apply, apply_geometry
 from trainer.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,7 +141,6 @@ def load_image(path: Path, resolution: int, center_crop: bool, flip: bool,
     ``resolution`` (Lanczos; tiny images are upscaled), cropped (centre, or random with
     ``crop_rng``) and mirrored when ``flip``. Raises :class:`DataError` naming the file.
     """
-    from trainer.data.augment import AugmentParams, apply_geometry
 
     img = open_rgb(path, min_side=resolution)
     shift = (0.0, 0.0) if center_crop or crop_rng is None else (crop_rng.uniform(-1, 1), crop_rng.uniform(-1, 1))
@@ -200,7 +200,6 @@ def render_sample(img: Image.Image, mask: Optional[Image.Image], size: Tuple[int
                   ) -> Tuple["torch.Tensor", Optional["torch.Tensor"]]:
     """Apply one sample's :class:`~trainer.data.augment.AugmentParams`: pixels [3, H, W] in
     [-1, 1] and, when there is a mask, the mask [1, H, W] in [0, 1], pixel-aligned."""
-    from trainer.data.augment import apply
 
     out, out_mask = apply(img, mask, size, params)
     return to_tensor(out), (mask_to_tensor(out_mask) if out_mask is not None else None)

@@ -57,6 +57,8 @@ from trainer.data.cache import (
 from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement, pick_caption
 from trainer.data.concepts import ImageItem
 from trainer.data.dataset import build_dataset
+from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
+from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
 from trainer.errors import DataError
 
@@ -274,7 +276,6 @@ class DataPipeline:
         without a mask file gets the all-ones mask the batches give it)."""
         import torch
 
-        from trainer.data.images import pixels_to_uint8
         out: Dict[str, Any] = {"pixels_u8": pixels_to_uint8(pixels)}
         if self.masks and self.inpaint_fn is not None:
             masks = torch.stack([m if m is not None else torch.ones(1, *latent_hw) for m in latent_masks])
@@ -321,8 +322,6 @@ class DataPipeline:
         """Everything of one batch that needs no model: runs in a loader thread."""
         import torch
 
-        from trainer.data.images import decode, render_sample
-
         pool = self.validation_items if validation else self.items
         captions, weights, sizes, crops = [], [], [], []
         dists, masks, pixels, pixel_masks, texts = [], [], [], [], []
@@ -357,10 +356,10 @@ class DataPipeline:
                 min_side = self._min_side([(plan.size, params)])
                 if memo is not None:  # decoded for the largest size this item can need in the epoch
                     side = self._worst_side(self.dataset.buckets[idx])
-                    img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side: _shrink(decode(it.path, m, s), s))
+                    img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side: _shrink(images.decode(it.path, m, s), s))
                 else:
-                    img, mask = decode(item.path, mask_path, min_side)
-                px, mpx = render_sample(img, mask, plan.size, params)
+                    img, mask = images.decode(item.path, mask_path, min_side)
+                px, mpx = images.render_sample(img, mask, plan.size, params)
                 crops.append(crop_top_left((item.width, item.height), plan.size, params))
                 pixels.append(px)
                 pixel_masks.append(mpx)
@@ -374,7 +373,6 @@ class DataPipeline:
                 h, w = raw["latent_dist"]["mean"].shape[-2:]
                 raw["mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in masks])
             if self.inpaint_fn is not None and all("pixels_u8" in e for e in dists):
-                from trainer.data.images import uint8_to_pixels
                 raw["inpaint_pixels"] = uint8_to_pixels(torch.stack([e["pixels_u8"] for e in dists]))
                 if self.masks and all("masked_mean" in e for e in dists):
                     raw["masked_mean"] = torch.stack([e["masked_mean"] for e in dists])
@@ -391,7 +389,6 @@ class DataPipeline:
     def _finish(self, raw: Dict[str, Any]) -> Dict[str, Any]:
         """The model part of a batch, in the caller's thread: encode rendered pixels."""
         if "pixels" in raw:
-            from trainer.data.images import mask_to_latent
             if self.encode_fn is None:
                 raise RuntimeError("DataPipeline.prepare() must be called before batches are loaded")
             import torch
@@ -413,9 +410,8 @@ class _Renderer:
         self.item, self.specs, self.min_side = item, specs, min_side
 
     def __call__(self) -> List[Tuple[Any, Any]]:
-        from trainer.data.images import decode, render_sample
-        img, mask = decode(self.item.path, self.item.mask, self.min_side)
-        return [render_sample(img, mask, size, params) for size, params in self.specs]
+        img, mask = images.decode(self.item.path, self.item.mask, self.min_side)
+        return [images.render_sample(img, mask, size, params) for size, params in self.specs]
 
 
 def _shrink(pair: Tuple[Any, Any], min_side: int) -> Tuple[Any, Any]:

@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
+from trainer.data.dataset import build_dataset
+from trainer.errors import ConfigError
+
 
 def build_report(cfg: Any, base_dir: Optional[Path] = None) -> dict:
     """Scan and plan (no model, no torch) and return the report as a dict with the warnings."""
-    from trainer.data.dataset import build_dataset
     warnings: List[str] = []
     dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir)
     out = dataset.report.to_dict()
@@ -78,7 +80,6 @@ def format_report(rep: dict) -> str:
 
 
 def print_report(cfg: Any, as_json: bool = False) -> int:
-    from trainer.errors import ConfigError
     try:
         rep = build_report(cfg)
     except ConfigError as exc:

@@ -21,6 +21,8 @@ import platform
 import sys
 from typing import Any, List, Tuple
 
+from trainer.optim.registry import OPTIMIZERS
+
 MPS_FALLBACK_ENV = "PYTORCH_ENABLE_MPS_FALLBACK"
 MPS_FALLBACK_NOTE = ("Training on Apple's MPS. Operations without an MPS kernel run on the CPU instead "
                      f"({MPS_FALLBACK_ENV}=1): slower, but correct; PyTorch names each such operation once "
@@ -53,7 +55,6 @@ def device_problems(cfg: Any, device: str) -> List[Tuple[str, str, str]]:
         if bool(cfg.parts[slot].get("fp8", False)):
             out.append((f"parts.{slot}.fp8", f"parts.{slot}.fp8: MPS has no float8 types. Turn fp8 storage off, or "
                                              "use bf16 weights (parts.<part>.dtype) to save memory.", "error"))
-    from trainer.optim.registry import OPTIMIZERS
     name = str(cfg.training.optimizer.name)
     spec = OPTIMIZERS.get(name)
     if spec is not None and spec.eight_bit:

@@ -20,14 +20,21 @@ of its ``models`` folder, and two results that only change when packages are ins
 
 from __future__ import annotations
 
+import functools
+import gc
+import hashlib
+import importlib.metadata as md
+import json
 import os
 import sys
 from typing import List
 
+from trainer.io import atomic_write_bytes
+from trainer.optim.registry import OPTIMIZERS
+
 
 def unneeded_packages(cfg) -> List[str]:
     """Installed packages this run will not use and that are costly to import (torch-free)."""
-    from trainer.optim.registry import OPTIMIZERS
     names = []
     o = cfg.training.optimizer
     spec = OPTIMIZERS.get(str(o.name))
@@ -76,7 +83,6 @@ def _cache_dir() -> str:
 
 
 def _read_cache(path: str) -> dict:
-    import json
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -87,8 +93,6 @@ def _read_cache(path: str) -> dict:
 
 def _write_cache(path: str, data: dict) -> None:
     """Best effort: a read-only home or a full disk just means no cache."""
-    import json
-    from trainer.io import atomic_write_bytes
     try:
         atomic_write_bytes(path, json.dumps(data).encode("utf-8"))
     except Exception:
@@ -97,7 +101,6 @@ def _write_cache(path: str, data: dict) -> None:
 
 def _tree_fingerprint(folder: str) -> str:
     """Names, sizes and mtimes of every ``.py`` file below ``folder``, hashed."""
-    import hashlib
     h = hashlib.blake2b(digest_size=16)
     stack = [folder]
     while stack:
@@ -136,7 +139,6 @@ def _from_json(entries) -> dict:
 def _disk_cached_structure(module, original):
     """Wrap transformers' ``define_import_structure`` with the on-disk cache for its ``models`` folder
     (None: no cache to be had)."""
-    import functools
     try:
         from importlib.metadata import version
         tf_version = version("transformers")
@@ -144,7 +146,6 @@ def _disk_cached_structure(module, original):
         return None
     if not _cache_dir():
         return None
-    import hashlib
     models = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))), "models")
     where = hashlib.blake2b(models.encode(), digest_size=4).hexdigest()  # one file per install (venv)
     path = os.path.join(_cache_dir(), f"transformers-{tf_version}-{where}-import-structure.json")
@@ -179,7 +180,6 @@ def _disk_cached_structure(module, original):
 
 
 def _patch_transformers_import_utils(module) -> bool:
-    import functools
     fn = getattr(module, "create_import_structure_from_path", None)
     inner = getattr(fn, "__wrapped__", None)
     info = getattr(fn, "cache_info", None)
@@ -199,7 +199,6 @@ def _patch_transformers_import_utils(module) -> bool:
 # is installed or removed, which renames or rewrites a ``*.dist-info`` / ``*.egg-info`` folder on
 # ``sys.path``; the result is kept on disk, keyed by those folders' names and mtimes.
 def _dist_fingerprint() -> str:
-    import hashlib
     h = hashlib.blake2b(digest_size=16)
     for entry in sys.path:
         h.update(f"{entry}\n".encode())
@@ -215,7 +214,6 @@ def _dist_fingerprint() -> str:
 
 
 def _cached_packages_distributions(original):
-    import functools
     if not _cache_dir():
         return original
     path = os.path.join(_cache_dir(), f"packages-distributions-py{sys.version_info[0]}{sys.version_info[1]}.json")
@@ -280,7 +278,6 @@ def speed_up_imports() -> bool:
     """Install the import fixes above for this process (before transformers is imported)."""
     if os.environ.get("ATELIER_IMPORT_ALL", "") not in ("", "0"):
         return False
-    import importlib.metadata as md
     if not getattr(md.packages_distributions, "atelier_cached", False):
         md.packages_distributions = _cached_packages_distributions(md.packages_distributions)
     if _TRANSFORMERS_IMPORT_UTILS in sys.modules:
@@ -300,7 +297,6 @@ _gc_paused = False
 
 def pause_gc() -> None:
     global _gc_paused
-    import gc
     if gc.isenabled() and os.environ.get("ATELIER_IMPORT_ALL", "") in ("", "0"):
         gc.disable()
         _gc_paused = True
@@ -310,7 +306,6 @@ def resume_gc() -> None:
     """Called once set-up is done (idempotent; does nothing when :func:`pause_gc` did not pause)."""
     global _gc_paused
     if _gc_paused:
-        import gc
         # no gc.collect() first: it takes ~0.5 s over ~700k start-up objects and finds ~14k unreachable
         # ones (RSS unchanged, measured on the demo); they stay frozen with the rest, a few MB at most
         gc.freeze()

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from trainer.errors import ConfigError
+
 log = logging.getLogger("atelier")
 
 
@@ -150,7 +152,6 @@ def plan_block_swap(model: Any, cfg: Any, device: Any, warn: Optional[Callable[[
     """The run's :class:`BlockSwap` for ``parts.denoiser.blocks_to_swap`` (None when 0), set as ``model.block_swap``
     before :func:`trainer.memory.precision.apply_storage` places the denoiser. ConfigError naming the field when the family
     has no block lists or fewer blocks."""
-    from trainer.errors import ConfigError
     n = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
     if n <= 0:
         return None

@@ -15,8 +15,10 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, List, Optional
 
+from trainer.config.schema import PART_OF_SLOT
 from trainer.errors import ConfigError
 
 
@@ -221,11 +223,9 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
     where ``parts.text_encoder_N.fp8`` / ``.nf4`` asks (layer by layer on the device, back to RAM when they are
     offloaded; NF4's small quant state stays where it was made), then moved to the device unless ``offloading``
     (trainer.memory.offload moves them in only while they encode)."""
-    import logging
 
     import torch
 
-    from trainer.config.schema import PART_OF_SLOT
     info = getattr(model, "info", None)
     if info is None:
         return
@@ -264,7 +264,6 @@ def apply_storage(model, method, cfg) -> None:
     adapters). A denoiser the family left in CPU RAM (``model.deferred``) is quantised layer by layer on its way
     to the device, then moved there whole: its full-precision weights never sit on the GPU together (Flux.1 in
     bf16 is 22 GiB: it could not be loaded on a 24 GB card to be converted there)."""
-    import logging
     if getattr(model, "_storage_applied", False):
         return
     model._storage_applied = True
