@@ -1,4 +1,9 @@
-"""Shared fixtures: one workspace with the tiny models built once per test session."""
+"""Shared fixtures: one workspace with the tiny models built once per test session, and the helpers several test
+files use (training in-process, loading a tiny model the way training does).
+
+The fast tier (`pytest -m "not slow"`, under 3 minutes) is decided in the test files: a module that trains through
+the CLI, starts processes or drives a browser says ``pytestmark = pytest.mark.slow``; single slower tests elsewhere
+carry ``@pytest.mark.slow`` themselves."""
 
 from __future__ import annotations
 
@@ -70,18 +75,3 @@ def sks_data(tmp_path_factory) -> Path:
         (data / img.with_suffix(".txt").name).write_text(caption.replace("a ", "a <sks> ", 1))
     return data
 
-
-# The fast tier (`pytest -m "not slow"`, under 3 minutes): whole modules that train through the CLI, start
-# processes or drive a browser are slow; single slower tests elsewhere carry @pytest.mark.slow themselves.
-SLOW_MODULES = {
-    "test_distributed", "test_distributed_fused", "test_webui_e2e", "test_webui_method_tabs", "test_webui_dataset",
-    "test_webui_devices", "test_webui_runner", "test_startup", "test_train", "test_methods", "test_inpaint",
-    "test_ema", "test_models", "test_sdxl", "test_sdxl_more", "test_optim_more", "test_estimate_vram",
-    "test_embedding", "test_export",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
