@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any, Tuple
 
 import pytest
 
@@ -75,3 +76,24 @@ def sks_data(tmp_path_factory) -> Path:
         (data / img.with_suffix(".txt").name).write_text(caption.replace("a ", "a <sks> ", 1))
     return data
 
+
+# trainer is imported inside the helpers, as in train_quiet: this file loads for every session, and only the tests
+# that load a model should pay for torch and diffusers.
+def _tiny_config(path: Any, settings: Tuple[str, ...]) -> Any:
+    from trainer.config.checks import load_config
+    return load_config(None, [f"model.path={path}", *settings])
+
+
+def load_tiny(ws: Path, path: Any, *settings: str) -> Any:
+    """Load the model at ``path`` (a tiny model's folder or file, or ``builtin:<name>``) as training does: the config
+    of ``model.path`` plus ``key=value`` settings, the whole of it handed to ``load_model`` (each part in its
+    ``parts.*.dtype``, text encoders switched off by ``parts.*.enabled`` left out)."""
+    from trainer.families.sources import load_model
+    return load_model(_tiny_config(path, settings), str(ws))
+
+
+def load_tiny_fp32(ws: Path, path: Any, *settings: str) -> Any:
+    """Like :func:`load_tiny`, but ``load_model`` sees the ``model`` section alone: every part in fp32, every text
+    encoder on, nothing kept in CPU RAM (``parts.*`` settings are not read)."""
+    from trainer.families.sources import load_model
+    return load_model(_tiny_config(path, settings).model, str(ws))
