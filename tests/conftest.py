@@ -1,10 +1,16 @@
-"""Shared fixtures: one workspace with the tiny models built once per test session."""
+"""Shared fixtures: one workspace with the tiny models built once per test session, and the helpers several test
+files use (training in-process, loading a tiny model the way training does).
+
+The fast tier (`pytest -m "not slow"`, under 3 minutes) is decided in the test files: a module that trains through
+the CLI, starts processes or drives a browser says ``pytestmark = pytest.mark.slow``; single slower tests elsewhere
+carry ``@pytest.mark.slow`` themselves."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from pathlib import Path
+from typing import Any, Tuple
 
 import pytest
 
@@ -71,17 +77,23 @@ def sks_data(tmp_path_factory) -> Path:
     return data
 
 
-# The fast tier (`pytest -m "not slow"`, under 3 minutes): whole modules that train through the CLI, start
-# processes or drive a browser are slow; single slower tests elsewhere carry @pytest.mark.slow themselves.
-SLOW_MODULES = {
-    "test_distributed", "test_distributed_fused", "test_webui_e2e", "test_webui_method_tabs", "test_webui_dataset",
-    "test_webui_devices", "test_webui_runner", "test_startup", "test_train", "test_methods", "test_inpaint",
-    "test_ema", "test_models", "test_sdxl", "test_sdxl_more", "test_optim_more", "test_estimate_vram",
-    "test_embedding", "test_export",
-}
+# trainer is imported inside the helpers, as in train_quiet: this file loads for every session, and only the tests
+# that load a model should pay for torch and diffusers.
+def _tiny_config(path: Any, settings: Tuple[str, ...]) -> Any:
+    from trainer.config.checks import load_config
+    return load_config(None, [f"model.path={path}", *settings])
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
+def load_tiny(ws: Path, path: Any, *settings: str) -> Any:
+    """Load the model at ``path`` (a tiny model's folder or file, or ``builtin:<name>``) as training does: the config
+    of ``model.path`` plus ``key=value`` settings, the whole of it handed to ``load_model`` (each part in its
+    ``parts.*.dtype``, text encoders switched off by ``parts.*.enabled`` left out)."""
+    from trainer.families.sources import load_model
+    return load_model(_tiny_config(path, settings), str(ws))
+
+
+def load_tiny_fp32(ws: Path, path: Any, *settings: str) -> Any:
+    """Like :func:`load_tiny`, but ``load_model`` sees the ``model`` section alone: every part in fp32, every text
+    encoder on, nothing kept in CPU RAM (``parts.*`` settings are not read)."""
+    from trainer.families.sources import load_model
+    return load_model(_tiny_config(path, settings).model, str(ws))

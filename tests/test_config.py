@@ -116,6 +116,13 @@ def test_cli_validate_and_help_do_not_import_torch(tmp_path):
     assert r.returncode == 0 and "train" in r.stdout
 
 
+def test_the_config_schema_imports_without_torch():
+    """The schema is read by the web UI's first paint and ``validate``: its choices come from torch-free registries."""
+    code = "import sys, trainer.config.schema; assert 'torch' not in sys.modules, 'torch imported'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
 def test_cli_config_typo_is_one_clear_line(tmp_path):
     r = subprocess.run([sys.executable, "-m", "trainer", "train", "--preset", "demo", "--set",
                         "training.learning_rat=1"], capture_output=True, text=True, cwd=ROOT)

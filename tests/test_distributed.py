@@ -16,6 +16,8 @@ import torch
 from trainer.__main__ import main as cli
 from trainer.events import read_events
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 # SGD: the runs compare 1 process with 2 at 1e-5; AdamW divides each gradient by its own running scale, so a
 # near-zero gradient whose sign flips with the all-reduce's summation order moves its weight by ~lr either way

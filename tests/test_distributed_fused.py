@@ -11,7 +11,7 @@ from trainer.events import read_events
 
 # the one-process reference runs in this pytest process: with one torch thread, as the torchrun processes
 # (OMP_NUM_THREADS=1)
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 FUSED = ["training.fused_backward=true", "training.max_grad_norm=0", "training.optimizer.name=adamw",
          "training.learning_rate=0.001",  # the demo's (test_distributed's COMMON trains with SGD at 0.05)

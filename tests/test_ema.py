@@ -15,6 +15,8 @@ from trainer.train.ema import TrainableEMA, sample_variants
 from trainer.events import read_events
 from trainer.memory.precision import StochasticRounding, stochastic_round_to_bf16
 
+pytestmark = pytest.mark.slow
+
 
 def linear(dtype=torch.float32):
     torch.manual_seed(0)

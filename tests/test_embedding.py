@@ -27,7 +27,7 @@ WITHOUT_TOKEN = "a red square on a white background"
 SAMPLE = "[{prompt: 'a <sks> on a white background', steps: 2, width: 64, height: 64}]"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest.py
 
 
 def _train(ws: Path, run: str, *settings: str) -> Path:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import estimate_vram as ev  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread", "exact_bytes")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "exact_bytes")]
 
 SETTINGS = ["model.family=sdxl", "model.unet_dtype=bf16", "model.text_encoder_dtype=bf16", "model.vae_dtype=fp32",
             "training.mixed_precision=bf16", "training.gradient_checkpointing=true",

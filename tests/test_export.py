@@ -111,7 +111,7 @@ def _count_lora_layers(model) -> int:
     return sum(isinstance(m, LoraLayer) for m in model.modules())
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest.py
 
 
 @pytest.fixture(scope="module")

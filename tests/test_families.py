@@ -82,6 +82,37 @@ def test_every_registered_family_has_a_contract_row():
     assert sorted({r.family for r in ROWS}) == sorted(REGISTERED)
 
 
+def test_the_quick_start_offers_every_family_with_a_preset_and_each_preset_it_names_exists():
+    """The Quick start lists what the families' info files declare: a family whose presets ship but whose
+    info forgets its Quick start choices, or a choice naming a preset that is not there (or one of another
+    family, or of another method), fails here."""
+    from trainer.config.load import compose, preset_names
+    from trainer.families import info_for, infos, quick_choices, tiny_models
+    from trainer.memory.tiers import card_gib
+
+    def family_of(preset: str) -> str:
+        model = compose(preset=preset).model
+        if str(model.family) != "auto":
+            return info_for(str(model.family)).name
+        assert str(model.path).startswith("builtin:"), f"{preset}: model.family auto and no built-in model"
+        return tiny_models()[str(model.path).removeprefix("builtin:")][0].name
+
+    names = preset_names()
+    declared = [(info.name, c) for info in infos().values() for c in info.quick_start]
+    assert len(quick_choices()) == len(declared)  # no two choices share a key
+    for family, choice in declared:
+        assert choice.presets, f"{choice.key}: no presets"
+        for method, preset in choice.presets.items():
+            assert preset in names, f"{family}'s Quick start choice {choice.key} names {preset}: no such preset"
+            assert family_of(preset) == family, f"{preset} is not a preset of {family}"
+            assert compose(preset=preset).training.method == method, f"{preset} does not train {method}"
+    offered = {family for family, _ in declared}
+    for preset in names:
+        assert family_of(preset) in offered, f"{preset} ships, but its family offers nothing in the Quick start"
+    for preset in (name for name in names if card_gib(name)):  # a memory tier: its name says the card it fits
+        assert compose(preset=preset).general.sized_for == preset, f"{preset} does not say general.sized_for: {preset}"
+
+
 def _events(run: Path):
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import DEMO_DATA
+from tests.conftest import DEMO_DATA, load_tiny_fp32
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,17 +22,10 @@ def tiny(tmp_path_factory):
     return ws, build_tiny("tiny-cascade", ws / "models"), build_tiny("tiny-wuerstchen", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    cfg = load_config(None, [f"model.path={path}", *settings])
-    return load_model(cfg.model, str(ws))
-
-
 def _load_error(ws, path, *settings):
     from trainer.errors import ModelLoadError
     with pytest.raises(ModelLoadError) as err:
-        _load(ws, path, *settings)
+        load_tiny_fp32(ws, path, *settings)
     return err.value
 
 
@@ -61,7 +54,7 @@ def test_latents_are_the_encoders_and_conditioning_is_the_pipelines(tiny):
     ws, cascade_paths, w_paths = tiny
     pixels = torch.rand(2, 3, 128, 256) * 2 - 1
     for paths, scale in ((cascade_paths, (1.0, 0.0)), (w_paths, (42.0, 1.0))):
-        model = _load(ws, paths["diffusers"])
+        model = load_tiny_fp32(ws, paths["diffusers"])
         dist = model.encode_pixels(pixels)
         assert dist["mean"].shape == (2, 16, 3, 6) and not dist["std"].any()  # 128 px → 96 px → 3 latents
         torch.testing.assert_close(dist["mean"], model.effnet(effnet_preprocess(pixels)))
@@ -92,7 +85,7 @@ def test_cascade_fine_tune_is_comfyuis_stage_c_checkpoint(tiny, tmp_path):
 
     from trainer.families.common.cascade_keys import split_comfy_checkpoint
     ws, paths, _ = tiny
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     with torch.no_grad():
         next(model.prior.parameters()).add_(0.5)  # "fine-tuned"
         model.text_encoder.text_projection.weight.add_(0.25)
@@ -105,7 +98,7 @@ def test_cascade_fine_tune_is_comfyuis_stage_c_checkpoint(tiny, tmp_path):
     mine = model.prior.state_dict()
     for k, v in convert_stable_cascade_unet_single_file_to_diffusers(prior).items():
         torch.testing.assert_close(v, mine[k], msg=k)
-    loaded = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    loaded = load_tiny_fp32(ws, out, f"model.config_path={paths['diffusers']}")
     assert loaded.family in ("stable-cascade", "stable-cascade-lite")
     for k, v in loaded.prior.state_dict().items():
         torch.testing.assert_close(v, mine[k], msg=k)
@@ -177,7 +170,7 @@ def test_textual_inversion_trains_the_placeholder_vectors_of_the_priors_clip(pre
                       "training.embedding_learning_rate=0.05", "training.max_steps=4", "sampling.prompts=[]")
     vectors = load_file(str(run / f"{run.name}.safetensors"))["emb_params"]
     assert vectors.shape == (2, 32) and torch.isfinite(vectors).all()
-    model = _load(ws, f"builtin:{tiny_name}")
+    model = load_tiny_fp32(ws, f"builtin:{tiny_name}")
     ids = model.tokenizer("red square", add_special_tokens=False).input_ids
     initial = model.text_encoder.get_input_embeddings().weight[ids].detach()
     assert (vectors - initial).abs().max() > 1e-4  # trained away from the initial words
@@ -194,14 +187,14 @@ def test_a_cascade_lora_file_has_only_keys_comfyui_maps(tiny, tmp_path):
     from trainer.families.common.cascade_keys import diffusers_to_original
     from trainer.methods.lora import LoraMethod
     ws, paths, _ = tiny
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     comfy_unet = _comfy_unet_key_map(_comfy_split(diffusers_to_original(model.prior.state_dict())))
     te_layers = {n for n, m in model.text_encoder.named_modules() if ".self_attn." in n or ".mlp." in n}
     comfy_te = {"lora_prior_te_" + n.replace(".", "_") for n in te_layers}
     for kind in ("lora", "loha"):
         cfg = load_config(None, [f"model.path={paths['diffusers']}", "training.method=lora", f"lora.type={kind}",
                                  "lora.unet_targets=all", "training.train_text_encoder=true"])
-        method = LoraMethod(_load(ws, paths["diffusers"]), cfg)
+        method = LoraMethod(load_tiny_fp32(ws, paths["diffusers"]), cfg)
         modules = {k.split(".", 1)[0] for k in method.adapter_state_dict()}
         unet = {m for m in modules if m.startswith("lora_prior_unet_")}
         te = {m for m in modules if m.startswith("lora_prior_te_")}
@@ -215,13 +208,13 @@ def test_comfyuis_stage_c_checkpoint_loads_with_the_text_encoder_it_carries(tiny
 
     from trainer.families.common.cascade_keys import comfy_checkpoint, diffusers_to_original
     ws, paths, _ = tiny
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     text = {k: v.clone() for k, v in model.text_encoder.state_dict().items()}
     text["text_projection.weight"] += 0.25  # a fine-tuned CLIP-G inside the checkpoint
     ckpt = tmp_path / "stable_cascade_stage_c.safetensors"
     save_file({k: v.contiguous() for k, v in comfy_checkpoint(diffusers_to_original(model.prior.state_dict()),
                                                                text).items()}, str(ckpt))
-    loaded = _load(ws, ckpt, f"model.config_path={paths['diffusers']}")
+    loaded = load_tiny_fp32(ws, ckpt, f"model.config_path={paths['diffusers']}")
     assert loaded.name == "cascade"
     torch.testing.assert_close(loaded.text_encoder.state_dict()["text_projection.weight"], text["text_projection.weight"])
     for k, v in model.prior.state_dict().items():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import load_tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -16,15 +18,9 @@ def chroma(tmp_path_factory):
     return ws, build_tiny("tiny-chroma", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
-
-
 def test_text_and_mask_are_the_pipelines(chroma):
     ws, paths = chroma
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     caption = "a red square on a white background"
     embeds, mask = model.pipeline(None)._get_t5_prompt_embeds(caption, max_sequence_length=model.max_sequence_length,
                                                               device="cpu")
@@ -38,8 +34,8 @@ def test_text_and_mask_are_the_pipelines(chroma):
 def test_single_file_loads_and_fine_tunes_save_back_to_it(chroma, tmp_path):
     from safetensors.torch import load_file
     ws, paths = chroma
-    single = _load(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
-    folder = _load(ws, paths["diffusers"])
+    single = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    folder = load_tiny(ws, paths["diffusers"])
     assert single.family == folder.family == "chroma"
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(single.transformer.state_dict()[k], v, msg=k)
@@ -51,7 +47,7 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(chroma, tmp_path):
     assert {"distilled_guidance_layer.layers.0.in_layer.weight", "distilled_guidance_layer.norms.0.scale",
             "double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"} <= keys
     assert not any(".img_mod." in k or "final_layer.adaLN" in k for k in keys)  # Chroma has no modulation layers
-    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
 

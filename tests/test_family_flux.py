@@ -10,6 +10,8 @@ import shutil
 import pytest
 import torch
 
+from conftest import load_tiny_fp32
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -20,19 +22,13 @@ def flux(tmp_path_factory):
     return ws, build_tiny("tiny-flux", ws / "models")
 
 
-def _model(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
-
-
 def test_bfl_single_file_is_the_same_transformer_and_fine_tunes_save_back_to_it(flux, tmp_path):
     from safetensors.torch import load_file
 
     from trainer.families.flux.keys import bfl_to_diffusers, diffusers_to_bfl
     ws, paths = flux
-    folder = _model(ws, paths["diffusers"])
-    single = _model(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    folder = load_tiny_fp32(ws, paths["diffusers"])
+    single = load_tiny_fp32(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
     assert single.family == folder.family == "flux-dev"
     a, b = folder.transformer.state_dict(), single.transformer.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -49,14 +45,14 @@ def test_bfl_single_file_is_the_same_transformer_and_fine_tunes_save_back_to_it(
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # readable by others as the umask says (not 0600)
-    again = _model(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny_fp32(ws, out, f"model.config_path={paths['diffusers']}")
     torch.testing.assert_close(again.transformer.transformer_blocks[0].attn.to_k.weight,
                                folder.transformer.transformer_blocks[0].attn.to_k.weight, rtol=0, atol=0)
 
 
 def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
     ws, paths = flux
-    m = _model(ws, paths["diffusers"])
+    m = load_tiny_fp32(ws, paths["diffusers"])
     cond = m.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     x = torch.randn(1, 16, 8, 12, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -80,7 +76,7 @@ def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):
     ws, paths = flux
     cfg = load_config(None, [f"model.path={paths['diffusers']}", "lora.unet_targets=attn_mlp", "lora.rank=4",
                              "lora.alpha=2", "training.train_text_encoder=true"])
-    model = _model(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     weights = {k[:-len(".weight")] for k in model.transformer.state_dict() if k.endswith(".weight")}
     te_weights = {k[:-len(".weight")] for k in model.text_encoder.state_dict() if k.endswith(".weight")}
     method = LoraMethod(model, cfg)
@@ -131,7 +127,7 @@ def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, t
     assert "Chroma" in error(tmp_path / "chroma.safetensors")
     schnell = {k: v for k, v in bfl.items() if not k.startswith("guidance_in.")}
     save_file(schnell, str(tmp_path / "schnell.safetensors"))
-    m = _model(ws, tmp_path / "schnell.safetensors", f"model.config_path={paths['diffusers']}")
+    m = load_tiny_fp32(ws, tmp_path / "schnell.safetensors", f"model.config_path={paths['diffusers']}")
     assert m.family == "flux-schnell" and m.objective.dynamic_shift is None
 
 
@@ -234,7 +230,8 @@ def test_t5_off_trains_and_samples_on_clip_alone_and_refuses_captions_clip_would
     ws, paths = flux
     off = "parts.text_encoder_2.enabled=false"
     m = load_model(load_config(None, [f"model.path={paths['diffusers']}", off]), str(ws))
-    assert m.sampling_kwargs()["prompt_2"] == "" and "prompt_2" not in _model(ws, paths["diffusers"]).sampling_kwargs()
+    assert m.sampling_kwargs()["prompt_2"] == ""
+    assert "prompt_2" not in load_tiny_fp32(ws, paths["diffusers"]).sampling_kwargs()
     assert ModelSettings(load_config(None, [off])).disabled == {"text_encoder_2"}
     run = train_quiet(ws, "t5off", "demo-flux", off, "training.max_steps=2")
     events = read_events(run / "events.jsonl")

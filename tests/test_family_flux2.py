@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 
+from conftest import load_tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -18,15 +20,9 @@ def klein(tmp_path_factory):
     return ws, build_tiny("tiny-flux2-klein", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
-
-
 def test_text_and_latents_are_the_pipelines(klein):
     ws, paths = klein
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     caption = "a red square on a white background"
     sampler = model.pipeline(None)
     embeds, _ = sampler.encode_prompt(caption, device="cpu", max_sequence_length=model.max_sequence_length,
@@ -56,7 +52,7 @@ def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
 
     from trainer.families import build_tiny
     paths = build_tiny("tiny-flux2-dev", tmp_path / "models")
-    model = _load(tmp_path, paths["diffusers"])
+    model = load_tiny(tmp_path, paths["diffusers"])
     assert model.family == "flux2-dev" and model.dev and model.text_layers == (1, 2, 3)
     captions = ["a photo of sks", "a red square"]
     ours = model.encode_captions(captions)["prompt_embeds"]
@@ -66,7 +62,7 @@ def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
     config.pop("chat_template", None)
     (bare / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
     (bare / "tokenizer" / "chat_template.jinja").unlink(missing_ok=True)
-    again = _load(tmp_path, bare)
+    again = load_tiny(tmp_path, bare)
     assert again.tokenizer.chat_template  # from chat_template.json, the processor's
     torch.testing.assert_close(again.encode_captions(captions)["prompt_embeds"], ours)
 
@@ -83,12 +79,12 @@ def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
 
 def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(klein, tmp_path):
     ws, paths = klein
-    folder = _load(ws, paths["diffusers"])
+    folder = load_tiny(ws, paths["diffusers"])
     with torch.no_grad():
         folder.transformer.transformer_blocks[0].attn.to_k.weight.add_(0.5)
     out = tmp_path / "klein-ft.safetensors"
     folder.save_single_file(out, "fp32", {})
-    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
     assert again.family == "flux2-klein"
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)

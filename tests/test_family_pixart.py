@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import load_tiny_fp32
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -25,19 +27,13 @@ def pixart_alpha(pixart):
     return ws, build_tiny("tiny-pixart-alpha", ws / "models")
 
 
-def _model(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
-
-
 def test_original_single_file_is_the_same_transformer_and_fine_tunes_save_back_to_it(pixart, tmp_path):
     from safetensors.torch import load_file
 
     from trainer.families.pixart.keys import diffusers_to_original, original_to_diffusers
     ws, paths = pixart
-    folder = _model(ws, paths["diffusers"])
-    single = _model(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    folder = load_tiny_fp32(ws, paths["diffusers"])
+    single = load_tiny_fp32(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
     assert folder.family == single.family == "pixart-sigma" and folder.prediction_type == "epsilon"
     a, b = folder.transformer.state_dict(), single.transformer.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -50,14 +46,14 @@ def test_original_single_file_is_the_same_transformer_and_fine_tunes_save_back_t
         folder.transformer.transformer_blocks[0].attn2.to_k.weight.add_(0.25)
     out = tmp_path / "ft.safetensors"
     folder.save_single_file(out, dtype="fp32")
-    again = _model(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny_fp32(ws, out, f"model.config_path={paths['diffusers']}")
     torch.testing.assert_close(again.transformer.transformer_blocks[0].attn2.to_k.weight,
                                folder.transformer.transformer_blocks[0].attn2.to_k.weight, rtol=0, atol=0)
 
 
 def test_learned_sigma_is_cut_and_the_t5_mask_hides_padding(pixart):
     ws, paths = pixart
-    m = _model(ws, paths["diffusers"])
+    m = load_tiny_fp32(ws, paths["diffusers"])
     assert m.transformer.config.out_channels == 8  # ε ‖ variance
     cond = m.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     assert cond.prompt_attention_mask.sum().item() == 4  # 3 words + </s>; the rest is padding
@@ -85,7 +81,7 @@ def test_lora_keys_are_the_ones_comfyui_maps_for_pixart(pixart):
     from trainer.config.checks import load_config
     from trainer.methods.lora import LoraMethod
     ws, paths = pixart
-    model = _model(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     weights = {k[:-len(".weight")] for k in model.transformer.state_dict() if k.endswith(".weight")}
     t5 = {k[:-len(".weight")].replace(".", "_") for k in model.text_encoder.state_dict() if k.endswith(".weight")}
     cfg = load_config(None, [f"model.path={paths['diffusers']}", "lora.unet_targets=all",
@@ -134,8 +130,8 @@ def _claim(path):
 
 def test_alpha_1024_is_told_its_size_and_aspect_ratio_in_training_and_in_its_pipeline(pixart_alpha):
     ws, paths = pixart_alpha
-    folder = _model(ws, paths["diffusers"])
-    single = _model(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    folder = load_tiny_fp32(ws, paths["diffusers"])
+    single = load_tiny_fp32(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
     assert folder.family == single.family == "pixart-alpha" and _claim(paths["single_file"]) == "pixart-alpha"
     assert single.transformer.config.use_additional_conditions
     a, b = folder.transformer.state_dict(), single.transformer.state_dict()
@@ -167,7 +163,7 @@ def test_alpha_lora_through_the_protocol_memorises_and_loads_into_the_pipeline(p
     from trainer.config.checks import load_config
     from trainer.families.pixart.family import load_lora_into_pipeline
     ws, paths = pixart_alpha
-    model = _model(ws, paths["diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
     loss_cfg = load_config(None, [f"model.path={paths['diffusers']}"]).loss
     # PixArtTransformer2DModel has no add_adapter (no PeftAdapterMixin): peft injects the layers
     inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
@@ -195,7 +191,7 @@ def test_alpha_lora_through_the_protocol_memorises_and_loads_into_the_pipeline(p
     assert state and all(k.startswith("transformer.") for k in state)
     path = tmp_path / "alpha-lora.safetensors"
     save_file(state, str(path))
-    fresh = _model(ws, paths["diffusers"])
+    fresh = load_tiny_fp32(ws, paths["diffusers"])
     kwargs = dict(num_inference_steps=2, width=64, height=64, output_type="np", **fresh.sampling_kwargs())
     pipe = fresh.pipeline()
     before = pipe("a red square", generator=torch.Generator().manual_seed(0), **kwargs).images[0]
@@ -211,7 +207,7 @@ def test_single_files_as_people_have_them(pixart, pixart_alpha, tmp_path):
     (null caption of 120 tokens and a pos_embed table, no size embedders) although the α config says 1024."""
     from safetensors.torch import load_file, save_file
     ws, paths = pixart
-    ref = _model(ws, paths["diffusers"]).transformer.state_dict()
+    ref = load_tiny_fp32(ws, paths["diffusers"]).transformer.state_dict()
     orig = load_file(str(paths["single_file"]))
     pth = tmp_path / "PixArt-tiny.pth"
     torch.save({"state_dict": orig}, pth)
@@ -219,7 +215,7 @@ def test_single_files_as_people_have_them(pixart, pixart_alpha, tmp_path):
     save_file({k: v.contiguous() for k, v in ref.items()}, str(diffusers_file))
     for path in (pth, diffusers_file):
         assert _claim(path) == "pixart-sigma", path
-        got = _model(ws, path, f"model.config_path={paths['diffusers']}").transformer.state_dict()
+        got = load_tiny_fp32(ws, path, f"model.config_path={paths['diffusers']}").transformer.state_dict()
         assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref), path
 
     ws, alpha = pixart_alpha
@@ -230,7 +226,7 @@ def test_single_files_as_people_have_them(pixart, pixart_alpha, tmp_path):
     path = tmp_path / "PixArt-tiny-256.safetensors"
     save_file(small, str(path))
     assert _claim(path) == "pixart-alpha"
-    model = _model(ws, path, f"model.config_path={alpha['diffusers']}")  # whose config has micro-conditions
+    model = load_tiny_fp32(ws, path, f"model.config_path={alpha['diffusers']}")  # whose config has micro-conditions
     cfg = model.transformer.config
     assert model.family == "pixart-alpha" and not cfg.use_additional_conditions and cfg.sample_size == 32
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
@@ -253,13 +249,13 @@ def test_kv_compressed_sigma_is_refused_naming_what_it_is(pixart, tmp_path):
     path = tmp_path / "kv.safetensors"
     save_file(state, str(path))
     with pytest.raises(ModelLoadError) as err:
-        _model(ws, path, f"model.config_path={paths['diffusers']}")
+        load_tiny_fp32(ws, path, f"model.config_path={paths['diffusers']}")
     assert "KV token compression" in str(err.value) and err.value.key == "model.path"
 
 
 def test_captions_are_lower_cased_as_the_sampling_pipeline_does(pixart):
     ws, paths = pixart
-    m = _model(ws, paths["diffusers"])
+    m = load_tiny_fp32(ws, paths["diffusers"])
     upper = m.batch_condition({"captions": ["  A Red SQUARE"]}, lambda c: c, set())
     lower = m.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     torch.testing.assert_close(upper.prompt_embeds, lower.prompt_embeds, rtol=0, atol=0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import load_tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -16,15 +18,9 @@ def qwen(tmp_path_factory):
     return ws, build_tiny("tiny-qwen-image", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
-
-
 def test_text_features_latents_and_guidance_are_the_pipelines(qwen):
     ws, paths = qwen
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     caption = "a red square on a white background"
     sampler = model.pipeline(None)
     features, mask = sampler.encode_prompt(caption, device="cpu")
@@ -48,12 +44,12 @@ def test_text_features_latents_and_guidance_are_the_pipelines(qwen):
 
 def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(qwen, tmp_path):
     ws, paths = qwen
-    folder = _load(ws, paths["diffusers"])
+    folder = load_tiny(ws, paths["diffusers"])
     with torch.no_grad():
         folder.transformer.transformer_blocks[0].attn.to_k.weight.add_(0.5)
     out = tmp_path / "qwen-ft.safetensors"
     folder.save_single_file(out, "fp32", {})
-    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
     assert again.family == "qwen-image"
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
@@ -67,7 +63,7 @@ def test_edit_pipelines_are_refused(tmp_path):
     folder.mkdir()
     (folder / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPipeline"}))
     with pytest.raises(ModelLoadError, match="QwenImageEditPipeline") as err:
-        _load(tmp_path, folder)
+        load_tiny(tmp_path, folder)
     assert err.value.key == "model.path"
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import load_tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -16,15 +18,9 @@ def sd3(tmp_path_factory):
     return ws, build_tiny("tiny-sd3", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
-
-
 def test_conditioning_is_the_pipelines_and_each_encoder_drops_alone(sd3):
     ws, paths = sd3
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     assert model.family == "sd3.5-medium"
     caption = "a red square on a white background"
     pipe = model.pipeline(None)
@@ -48,7 +44,7 @@ def test_conditioning_is_the_pipelines_and_each_encoder_drops_alone(sd3):
 
 def test_t5_off_is_not_loaded_and_trains_and_samples_with_zeros(sd3):
     ws, paths = sd3
-    model = _load(ws, paths["diffusers"], "parts.text_encoder_3.enabled=false")
+    model = load_tiny(ws, paths["diffusers"], "parts.text_encoder_3.enabled=false")
     assert model.text_encoder_3 is None
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     assert not cond.prompt_embeds[:, model.tokenizer.model_max_length:].any()
@@ -64,7 +60,7 @@ def test_fine_tune_single_file_is_stabilitys_layout_that_diffusers_reads(sd3, tm
     from diffusers import SD3Transformer2DModel
     from safetensors.torch import load_file
     ws, paths = sd3
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     with torch.no_grad():
         model.transformer.transformer_blocks[-1].norm1_context.linear.bias.add_(torch.arange(
             model.transformer.transformer_blocks[-1].norm1_context.linear.bias.numel()) * 0.01)  # shows a half swap

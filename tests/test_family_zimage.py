@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import load_tiny
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -16,15 +18,9 @@ def zimage(tmp_path_factory):
     return ws, build_tiny("tiny-zimage", ws / "models")
 
 
-def _load(ws, path, *settings):
-    from trainer.config.checks import load_config
-    from trainer.families.sources import load_model
-    return load_model(load_config(None, [f"model.path={path}", *settings]), str(ws))
-
-
 def test_text_features_and_the_velocity_are_the_pipelines(zimage):
     ws, paths = zimage
-    model = _load(ws, paths["diffusers"])
+    model = load_tiny(ws, paths["diffusers"])
     caption = "a red square on a white background"
     pipe = model.pipeline(None)
     features, _ = pipe.encode_prompt(caption, device="cpu", do_classifier_free_guidance=False,
@@ -42,7 +38,7 @@ def test_text_features_and_the_velocity_are_the_pipelines(zimage):
 def test_single_file_loads_and_fine_tunes_save_back_to_it(zimage, tmp_path):
     from safetensors.torch import load_file
     ws, paths = zimage
-    folder = _load(ws, paths["diffusers"])
+    folder = load_tiny(ws, paths["diffusers"])
     with torch.no_grad():
         folder.transformer.layers[0].attention.to_k.weight.add_(0.5)
     out = tmp_path / "zimage-ft.safetensors"
@@ -50,7 +46,7 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(zimage, tmp_path):
     keys = set(load_file(str(out)))
     assert {"layers.0.attention.qkv.weight", "layers.0.attention.out.weight", "x_embedder.weight",
             "final_layer.linear.weight", "noise_refiner.0.attention.q_norm.weight"} <= keys
-    again = _load(ws, out, f"model.config_path={paths['diffusers']}")
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
     for k, v in folder.transformer.state_dict().items():
         torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
 

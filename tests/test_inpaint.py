@@ -25,7 +25,7 @@ DEMO_DATA = ROOT / "presets" / "demo-data"
 
 from conftest import train_quiet  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,7 @@ RUNS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest.py
 
 
 def _args(ws: Path, run: str, *extra: str) -> list:

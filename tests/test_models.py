@@ -16,6 +16,8 @@ from trainer.families.sd.family import StableDiffusion
 
 from test_train import cli, image, overrides, tiny_pipe
 
+pytestmark = pytest.mark.slow
+
 
 def model_cfg(**kw):
     """The model settings a family loads from (model.* plus the parts' dtypes; old names such as unet_dtype work)."""

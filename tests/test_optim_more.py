@@ -16,6 +16,8 @@ from trainer.optim.schedule import ComponentSchedule, build_scheduler, stop_step
 from trainer.optim.build import build_optimizer, param_groups
 from trainer.optim.rules import lr_scale_factor, validate_optim
 
+pytestmark = pytest.mark.slow
+
 BASE = OmegaConf.structured(AtelierConfig)
 
 

@@ -29,7 +29,7 @@ UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.n
 PROMPT = "a photo of a red square"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # see conftest.py
 
 
 @pytest.fixture(scope="module")

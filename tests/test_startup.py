@@ -14,6 +14,8 @@ import pytest
 from trainer.config.checks import load_config
 from trainer.host.startup import unneeded_packages
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """

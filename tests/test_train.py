@@ -17,6 +17,8 @@ import torch
 from trainer.__main__ import main as cli
 from trainer.events import read_events
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "presets" / "demo-data"
 

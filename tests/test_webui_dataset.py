@@ -6,11 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from PIL import Image
 
 from trainer.config.checks import load_config
 
 from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a free port)
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_DATA = ROOT / "presets" / "demo-data"

@@ -11,6 +11,8 @@ import pytest
 from test_webui_e2e import free_port, open_page
 from webui import devices
 
+pytestmark = pytest.mark.slow
+
 FAKE_SMI = """#!/bin/sh
 # stands in for the NVIDIA driver's nvidia-smi: answers the one query the UI makes
 case "$*" in

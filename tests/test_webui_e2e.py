@@ -15,6 +15,8 @@ import pytest
 
 from webui.app import build_app, serve
 
+pytestmark = pytest.mark.slow
+
 CHROMIUM = os.environ.get("ATELIER_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]

@@ -3,8 +3,12 @@ model's family, in a real browser."""
 
 from __future__ import annotations
 
+import pytest
+
 from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a free port)
 from webui.form import method_tab_visibility
+
+pytestmark = pytest.mark.slow
 
 
 def choose(page, preset: str) -> None:

@@ -19,6 +19,8 @@ from webui.jobqueue import Job, JobQueue
 from webui.monitor import OOM_ADVICE, RunMonitor
 from webui.runner import RunManager
 
+pytestmark = pytest.mark.slow
+
 FAKE_TRAINER = r'''
 """Fake ``python -m trainer train CONFIG --run-dir DIR [--resume X]`` for the UI's runner tests.
 Mode from general.run_name: crash (error+failed, exit 1), oom (SIGKILLs itself), badcfg (exit 2),

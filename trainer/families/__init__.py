@@ -6,8 +6,9 @@ detection, export namer/key maps, tiny offline model and shipped configs. Adding
 folder plus one line in :data:`REGISTERED`.
 
 The schema (``model.family`` choices), ``validate`` (options a family's objective refuses), the
-UI and ``builtin:`` model names read this registry; nothing here imports torch, diffusers or a
-family class. :func:`family_class` imports the class only when a model is loaded.
+UI (its Quick start lists :func:`quick_choices`) and ``builtin:`` model names read this registry; nothing
+here imports torch, diffusers or a family class. :func:`family_class` imports the class only when a model
+is loaded.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ class Part:
 
 
 @dataclass(frozen=True)
+class QuickChoice:
+    """One model of the web UI's Quick start: a name a user recognises, and the preset each method starts from.
+
+    ``presets`` maps ``training.method`` (``lora``, ``finetune``, ``embedding``) to a preset name, in the order
+    the page offers them; a preset's memory tiers (``<preset>-<N>gb``) are the preset files beside it, not
+    listed here. A ``builtin`` choice's presets name their model and images (a built-in tiny model and the
+    demo shapes): the user may give neither."""
+
+    key: str  # the Quick start's value for it: "sd15", "sdxl-inpaint", "flux2-dev"
+    label: str  # "SDXL (and Pony, Illustrious, … based on it)"
+    presets: Dict[str, str]
+    builtin: bool = False
+
+
+@dataclass(frozen=True)
 class FamilyInfo:
     """What a family is, as data: read by the schema, validate, the UI and detection."""
 
@@ -72,6 +88,8 @@ class FamilyInfo:
     embeddings: bool = False
     # config fields only this family (and others that list them) reads: the UI shows them for it alone
     own_fields: Tuple[str, ...] = ()
+    # what the web UI's Quick start offers for it: each model a user picks, with its presets
+    quick_start: Tuple[QuickChoice, ...] = ()
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)
@@ -117,6 +135,13 @@ def info_for(variant: str) -> FamilyInfo:
         if variant == info.name or variant in info.choices or variant in info.variants:
             return info
     raise KeyError(f"no registered family owns {variant!r}; known: {', '.join(family_choices()[1:])}")
+
+
+def quick_choices() -> Dict[str, QuickChoice]:
+    """The Quick start's models by key: the built-in ones first (they need nothing from the user), then each
+    family's in registry order."""
+    choices = [c for info in infos().values() for c in info.quick_start]
+    return {c.key: c for c in sorted(choices, key=lambda c: not c.builtin)}
 
 
 def tiny_models() -> Dict[str, Tuple[FamilyInfo, str]]:

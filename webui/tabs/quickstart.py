@@ -1,6 +1,8 @@
 """Quick start: three choices — which model, what to train, where the images are — fill the whole form
 from the right preset (and the GPU's memory tier where a family has several).
 
+The models and their presets come from the family registry (each family's ``info.py`` lists its
+:class:`~trainer.families.QuickChoice`); the memory tiers of a preset are the ``<preset>-<N>gb`` files beside it.
 The form stays the place for everything else; this only picks the preset and sets ``model.path`` and the
 first concept's folder, checking both before anything changes.
 """
@@ -16,52 +18,53 @@ from trainer.config.checks import config_from_dict, load_config
 from trainer.config.load import preset_names, to_container
 from trainer.errors import ConfigError
 from trainer.config.preflight import looks_like_hub_id, model_path_problem
+from trainer.families import quick_choices
+from trainer.memory.tiers import card_gib as tier_gib
 from webui.context import AppContext
 from webui.form import load_outputs, load_updates
 
-# model kind -> (label, {what to train: preset}); memory tiers: preset name + "-<N>gb" when it exists
-KINDS: Dict[str, Tuple[str, Dict[str, str]]] = {
-    "demo": ("Demo: the built-in tiny model (offline, a minute on a CPU)", {"LoRA": "demo", "Fine-tune": "demo-learns"}),
-    "sd15": ("Stable Diffusion 1.5 (and models based on it)", {"LoRA": "sd15-lora", "Fine-tune": "sd15-finetune"}),
-    "sd2": ("Stable Diffusion 2.x (768 px, v-prediction)", {"LoRA": "sd2-lora"}),
-    "sdxl": ("SDXL (and Pony, Illustrious, … based on it)",
-             {"LoRA": "sdxl-lora", "Fine-tune": "sdxl-finetune", "Embedding": "sdxl-embedding"}),
-    "sd15-inpaint": ("SD 1.5 inpainting", {"LoRA": "sd15-inpaint-lora", "Fine-tune": "sd15-inpaint-finetune"}),
-    "sdxl-inpaint": ("SDXL inpainting", {"LoRA": "sdxl-inpaint-lora"}),
-    "pixart": ("PixArt-Σ / PixArt-α", {"LoRA": "pixart-sigma-lora", "Fine-tune": "pixart-sigma-finetune"}),
-    "flux": ("Flux.1 dev / schnell", {"LoRA": "flux-lora-24gb", "Fine-tune": "flux-finetune"}),
-    "sd3": ("Stable Diffusion 3.5 (large / medium)", {"LoRA": "sd35-large-lora"}),
-    "chroma": ("Chroma", {"LoRA": "chroma-lora"}),
-    "zimage": ("Z-Image (Turbo)", {"LoRA": "zimage-lora"}),
-    "qwenimage": ("Qwen-Image", {"LoRA": "qwen-image-lora"}),
-    "flux2": ("Flux.2 [klein]", {"LoRA": "flux2-klein-lora"}),
-    "flux2-dev": ("Flux.2 [dev] (32B; 24 GB and up)", {"LoRA": "flux2-dev-lora"}),
-    "cascade": ("Stable Cascade (stage C prior; lite under 16 GB)",
-                {"LoRA": "cascade-lora-16gb", "Fine-tune": "cascade-finetune"}),
-    "wuerstchen": ("Würstchen 2 (prior)", {"LoRA": "wuerstchen-2-lora"}),
-}
-TIERS = (8, 12, 16, 24, 32)
+# what the page calls each method -> training.method (the registry's presets are keyed by the latter)
+METHODS: Dict[str, str] = {"LoRA": "lora", "Fine-tune": "finetune", "Embedding": "embedding"}
+METHOD_LABELS: Dict[str, str] = {method: label for label, method in METHODS.items()}
+
+
+def methods_of(kind: str) -> List[str]:
+    """The methods a Quick start model has presets for, as the page names them, in the order offered."""
+    return [METHOD_LABELS[m] for m in quick_choices()[kind].presets]
+
+
+def memory_tiers(preset: str) -> Dict[int, str]:
+    """A preset's memory tiers: card GiB -> preset, from the ``<stem>-<N>gb`` preset files (``sdxl-lora`` →
+    {8: sdxl-lora-8gb, 12: …, 16: …}); a tier preset's own stem counts (``flux-lora-24gb`` → flux-lora-12gb …).
+
+    The name is the tier, read as :func:`trainer.memory.tiers.card_gib` reads a config's ``general.sized_for``;
+    each tier preset's ``sized_for`` names the preset itself (a test holds them together), so the files need not
+    be opened here."""
+    gib = tier_gib(preset)
+    stem = preset.removesuffix(f"-{gib}gb") if gib else preset
+    return {tier_gib(name): name for name in preset_names()
+            if tier_gib(name) and name == f"{stem}-{tier_gib(name)}gb"}
 
 
 def preset_for(kind: str, what: str, card_gib: Optional[float]) -> str:
     """The preset for a model kind and method; a memory-tier preset (``-8gb`` …) when one fits the card."""
-    presets = set(preset_names())
-    base = KINDS[kind][1][what]
-    if card_gib and what == "LoRA":
-        stem = base.rsplit("-", 1)[0] if base.endswith("gb") else base
-        fitting = [t for t in TIERS if t <= card_gib and f"{stem}-{t}gb" in presets]
+    base = quick_choices()[kind].presets[METHODS[what]]
+    if card_gib and METHODS[what] == "lora":
+        tiers = memory_tiers(base)
+        fitting = [gib for gib in tiers if gib <= card_gib]
         if fitting:
-            return f"{stem}-{max(fitting)}gb"
+            return tiers[max(fitting)]
     return base
 
 
 def fill(kind: str, what: str, model_path: str, images: str, card_gib: Optional[float],
          resolve_path=lambda p: p) -> Tuple[Optional[Any], str, str]:
     """(config, preset, message); config None when a choice is missing or wrong (message says which)."""
-    if kind not in KINDS:
+    choice = quick_choices().get(kind)
+    if choice is None:
         return None, "", "① Pick the model you train on."
-    if what not in KINDS[kind][1]:
-        return None, "", f"② {KINDS[kind][0]} has no preset for {what}: pick one of {', '.join(KINDS[kind][1])}."
+    if what not in methods_of(kind):
+        return None, "", f"② {choice.label} has no preset for {what}: pick one of {', '.join(methods_of(kind))}."
     overrides: List[str] = []
     model_path = (model_path or "").strip()
     if model_path:
@@ -69,11 +72,11 @@ def fill(kind: str, what: str, model_path: str, images: str, card_gib: Optional[
         if problem:
             return None, "", f"① {problem}"
         overrides.append(f"model.path={model_path}")
-    elif kind != "demo":
+    elif not choice.builtin:
         return None, "", ("① Give the model: a .safetensors/.ckpt file, a diffusers folder or a hub id "
                           "(org/name) — use Browse for a file on this machine.")
     images = (images or "").strip()
-    if not images and kind != "demo":
+    if not images and not choice.builtin:
         return None, "", "③ Give the folder of your images (with a .txt caption next to each image)."
     if images:
         folder = Path(resolve_path(images))
@@ -99,9 +102,9 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
     with gr.Accordion("Quick start: three choices fill the form", open=True, elem_id="quickstart") as fold:
         ctx.components["quickstart"] = fold  # folded on a reload that restores a draft (a returning user)
         with gr.Row(equal_height=True):
-            kind = gr.Dropdown([(label, key) for key, (label, _) in KINDS.items()], value=None,
+            kind = gr.Dropdown([(c.label, key) for key, c in quick_choices().items()], value=None,
                                label="① Model you train on", elem_id="qs-kind", scale=2)
-            what = gr.Radio(["LoRA", "Fine-tune", "Embedding"], value="LoRA", label="② What to train",
+            what = gr.Radio(list(METHODS), value="LoRA", label="② What to train",
                             elem_id="qs-what", scale=1)
             card = gr.Number(value=card_gib or 24, label="GPU memory (GiB)", minimum=1, maximum=1024,
                              elem_id="qs-card", scale=1)
@@ -115,7 +118,7 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
         note = gr.Markdown(elem_id="qs-note")
 
     def methods(k: Optional[str]) -> Any:
-        choices = list(KINDS[k][1]) if k in KINDS else ["LoRA", "Fine-tune", "Embedding"]
+        choices = methods_of(k) if k in quick_choices() else list(METHODS)
         return gr.Radio(choices=choices, value=choices[0])
 
     kind.change(methods, [kind], [what], show_progress="hidden")
@@ -140,4 +143,4 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
     ctx.after_build.append(wire)
 
 
-__all__ = ["KINDS", "build", "fill", "preset_for"]
+__all__ = ["METHODS", "build", "fill", "memory_tiers", "methods_of", "preset_for"]

@@ -1,6 +1,6 @@
 """Registry entry of Stable Cascade (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="cascade",
@@ -19,4 +19,6 @@ INFO = FamilyInfo(
     # kohya writer produces for LoRA, DoRA, LoHa and LoKr alike: nothing refused there.
     embeddings=True,
     own_fields=("model.effnet_path", "model.decoder_path", "model.cascade_variant"),
+    quick_start=(QuickChoice("cascade", "Stable Cascade (stage C prior; lite under 16 GB)",
+                             {"lora": "cascade-lora-16gb", "finetune": "cascade-finetune"}),),
 )

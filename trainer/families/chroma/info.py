@@ -1,6 +1,6 @@
 """Registry entry of Chroma (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="chroma",
@@ -18,4 +18,5 @@ INFO = FamilyInfo(
               "Chroma LoRA files carry the transformer (ComfyUI and diffusers load no T5 LoRA for it), and a fine-tune "
               "is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("chroma", "Chroma", {"lora": "chroma-lora"}),),
 )

@@ -1,6 +1,6 @@
 """Registry entry of Flux.1 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="flux",
@@ -20,4 +20,5 @@ INFO = FamilyInfo(
               "Flux LoRA files carry the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux), and a "
               "fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("flux", "Flux.1 dev / schnell", {"lora": "flux-lora-24gb", "finetune": "flux-finetune"}),),
 )

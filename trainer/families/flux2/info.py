@@ -1,6 +1,6 @@
 """Registry entry of Flux.2 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="flux2",
@@ -19,4 +19,8 @@ INFO = FamilyInfo(
               "Flux.2 LoRA files carry the transformer (diffusers' Flux.2 pipelines load no text-encoder LoRA), and a "
               "fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(
+        QuickChoice("flux2", "Flux.2 [klein]", {"lora": "flux2-klein-lora"}),
+        QuickChoice("flux2-dev", "Flux.2 [dev] (32B; 24 GB and up)", {"lora": "flux2-dev-lora"}),
+    ),
 )

@@ -1,6 +1,6 @@
 """Registry entry of PixArt-α/Σ (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="pixart",
@@ -21,4 +21,6 @@ INFO = FamilyInfo(
     # not PixArt) and the peft-layout writer has no DoRA yet.
     refuses=(("lora.type", "lora", "a PixArt LoRA file is written in the diffusers/peft layout that ComfyUI and "
               "peft load, which holds plain LoRA only (DoRA, LoHa and LoKr files would not load in ComfyUI)"),),
+    quick_start=(QuickChoice("pixart", "PixArt-Σ / PixArt-α",
+                             {"lora": "pixart-sigma-lora", "finetune": "pixart-sigma-finetune"}),),
 )

@@ -1,6 +1,6 @@
 """Registry entry of Qwen-Image (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="qwenimage",
@@ -18,4 +18,5 @@ INFO = FamilyInfo(
               "Qwen-Image LoRA files carry the transformer (diffusers' QwenImagePipeline loads no Qwen2.5-VL LoRA), and "
               "a fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("qwenimage", "Qwen-Image", {"lora": "qwen-image-lora"}),),
 )

@@ -1,6 +1,6 @@
 """Registry entry of Stable Diffusion 1.x / 2.x (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="sd",
@@ -12,7 +12,18 @@ INFO = FamilyInfo(
     objective="ddpm",
     family_class="trainer.families.sd.family:StableDiffusion",
     detect="trainer.families.sd.detect",
-    tiny={"tiny-sd": "trainer.families.common.sd_kit.tiny:ensure_tiny_model", "tiny-sd2": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
+    tiny={"tiny-sd": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
+          "tiny-sd2": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sd-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
     embeddings=True,
+    quick_start=(
+        # the demo trains this family's tiny models (demo: a LoRA on tiny-sd; demo-learns: a fine-tune of tiny-sd2)
+        QuickChoice("demo", "Demo: the built-in tiny model (offline, a minute on a CPU)",
+                    {"lora": "demo", "finetune": "demo-learns"}, builtin=True),
+        QuickChoice("sd15", "Stable Diffusion 1.5 (and models based on it)",
+                    {"lora": "sd15-lora", "finetune": "sd15-finetune"}),
+        QuickChoice("sd2", "Stable Diffusion 2.x (768 px, v-prediction)", {"lora": "sd2-lora"}),
+        QuickChoice("sd15-inpaint", "SD 1.5 inpainting",
+                    {"lora": "sd15-inpaint-lora", "finetune": "sd15-inpaint-finetune"}),
+    ),
 )

@@ -1,6 +1,6 @@
 """Registry entry of Stable Diffusion 3 / 3.5 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="sd3",
@@ -20,4 +20,5 @@ INFO = FamilyInfo(
               "SD3 LoRA files carry the transformer and the two CLIPs (diffusers' StableDiffusion3Pipeline and ComfyUI "
               "load no T5 LoRA for SD3), and a fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("sd3", "Stable Diffusion 3.5 (large / medium)", {"lora": "sd35-large-lora"}),),
 )

@@ -1,6 +1,6 @@
 """Registry entry of Stable Diffusion XL (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="sdxl",
@@ -16,4 +16,9 @@ INFO = FamilyInfo(
     tiny={"tiny-sdxl": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sdxl-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
     embeddings=True,
+    quick_start=(
+        QuickChoice("sdxl", "SDXL (and Pony, Illustrious, … based on it)",
+                    {"lora": "sdxl-lora", "finetune": "sdxl-finetune", "embedding": "sdxl-embedding"}),
+        QuickChoice("sdxl-inpaint", "SDXL inpainting", {"lora": "sdxl-inpaint-lora"}),
+    ),
 )

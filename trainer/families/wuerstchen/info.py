@@ -1,6 +1,6 @@
 """Registry entry of Würstchen 2 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="wuerstchen",
@@ -21,4 +21,5 @@ INFO = FamilyInfo(
               "WuerstchenPriorPipeline.load_lora_weights reads, which holds plain LoRA only"),),
     embeddings=True,
     own_fields=("model.effnet_path", "model.decoder_path"),
+    quick_start=(QuickChoice("wuerstchen", "Würstchen 2 (prior)", {"lora": "wuerstchen-2-lora"}),),
 )

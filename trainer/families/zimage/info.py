@@ -1,6 +1,6 @@
 """Registry entry of Z-Image (torch-free)."""
 
-from trainer.families import FamilyInfo, Part
+from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="zimage",
@@ -18,4 +18,5 @@ INFO = FamilyInfo(
               "Z-Image LoRA files carry the transformer (diffusers' ZImagePipeline loads no Qwen3 LoRA), and a "
               "fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),),
 )
