@@ -9,20 +9,26 @@ torch or diffusers and its first paint is fast.
 from __future__ import annotations
 
 import argparse
+import hmac
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 import gradio as gr
+import httpx
+from gradio import networking, routes
+from jinja2 import ChoiceLoader, DictLoader, TemplateNotFound
 
 from trainer.config.load import PRESETS_DIR, preset_names
-from webui import optimizer_memory, runner
-from webui.downloads import DOWNLOADS
+from webui import changes, devices, family_parts, optimizer_memory, runner
 from webui.context import AppContext
+from webui.downloads import DOWNLOADS
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
 from webui.tabs import config_bar, extras, queue, quickstart, run, runs, tools
+from webui.tensorboard import mount
 
 DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
 SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
@@ -105,8 +111,6 @@ def install_early_script(script: str) -> bool:
     """Put ``script`` first in the <head> of the page Gradio serves (its index and share templates), before its
     module scripts run. Gradio renders the page from a Jinja template (``gradio.routes.templates``); this puts a
     copy with the script in front of its loader. False when a Gradio version serves no such template."""
-    from gradio import routes
-    from jinja2 import ChoiceLoader, DictLoader, TemplateNotFound
     env = getattr(getattr(routes, "templates", None), "env", None)
     if env is None:
         return False
@@ -143,7 +147,6 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
         gr.Markdown(START_HERE, elem_id="start-here")
         ctx.form = Form(browser)
-        from webui import devices
         gpus, _ = devices.detect_gpus()
         quickstart.build(ctx, round(gpus[0].memory_mib / 1024) if gpus else None)
         config_bar.build(ctx)
@@ -165,7 +168,6 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         config_bar.wire(ctx)
         optimizer_memory.wire(ctx)  # per-optimizer settings remembered; only the chosen one's fields shown
         ctx.handlers["method_tabs"] = ctx.form.wire_method_tabs()  # LoRA / Embedding follow training.method
-        from webui import family_parts
         ctx.handlers["family_parts"] = family_parts.wire(ctx.form)  # the form follows the model's family
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
         runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden").then(
@@ -213,7 +215,6 @@ class RateLimitedAuth:
 
     def __init__(self, pairs: Sequence[tuple], limit: int = 5, window: float = 60.0, cooldown: float = 30.0,
                  clock: Any = None):
-        import time
         self.pairs = [(str(u), str(p)) for u, p in pairs]
         self.limit, self.window, self.cooldown = limit, window, cooldown
         self.clock = clock or time.monotonic
@@ -221,7 +222,6 @@ class RateLimitedAuth:
         self.locked_until = 0.0
 
     def __call__(self, username: str, password: str) -> bool:
-        import hmac
         now = self.clock()
         if now < self.locked_until:
             return False
@@ -253,11 +253,9 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
         # page it serves *before* login (routes.py main(): gradio_api_info is rendered whatever the auth), and
         # caches one copy for all. With a login, the page describes no endpoints: the UI needs none of it.
         demo.get_api_info = lambda all_endpoints=False: {"named_endpoints": {}, "unnamed_endpoints": {}}
-    from gradio import networking
     networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
-    from webui import changes
     install_early_script(FRAME_LOOP_SCRIPT + changes.WATCH_SCRIPT)
     result = demo.launch(
         server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
@@ -268,7 +266,6 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     changes.mount(demo.server_app, {"run": ctx.handlers["watch_run"], "queue": ctx.handlers["watch_queue"]})
     board = ctx.components.get("tensorboard")
     if board is not None:  # <page>/tensorboard/, behind the same login
-        from webui.tensorboard import mount
         mount(demo.server_app, board)
     if not prevent_thread_lock:
         try:
@@ -295,9 +292,7 @@ def _patient_url_ok(url: str) -> bool:
     """Gradio checks that its own page answers before it serves, with one 3-second request that gives up on the
     first timeout; on a busy machine (a pod that is caching latents, a test run) that fails and launch refuses to
     start ("When localhost is not accessible, a shareable link must be created"). Ask for up to 30 s instead."""
-    import time
 
-    import httpx
     deadline = time.monotonic() + 30
     while True:
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import gradio as gr
+from PIL import Image
 
 from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX
 from trainer.io import atomic_write_bytes
@@ -45,7 +46,6 @@ def mask_of(image: Path) -> Path:
 
 def thumbnail(image: Path, size: int = 192) -> Any:
     """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid."""
-    from PIL import Image
     with Image.open(image) as img:
         thumb = img.convert("RGB")
         thumb.thumbnail((size, size))

@@ -17,6 +17,11 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Dict, Tuple
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import Route
+
 PATH = "/atelier/changes"
 ACTIVE_POLL_MS = 1000  # a run is active: ask once a second
 IDLE_POLL_MS = 3000  # nothing runs: a request every 3 s costs the browser next to nothing (no Gradio event)
@@ -42,10 +47,6 @@ def logged_in(app: Any, request: Any) -> bool:
 
 def mount(app: Any, watchers: Dict[str, Watcher]) -> None:
     """Add ``GET /atelier/changes?view=run|queue&…`` to the served app, first in line."""
-    from fastapi import Request
-    from fastapi.responses import JSONResponse
-    from starlette.concurrency import run_in_threadpool
-    from starlette.routing import Route
 
     async def changes(request: Request) -> JSONResponse:
         if not logged_in(app, request):

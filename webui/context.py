@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+import gradio as gr
 from omegaconf import OmegaConf
 
 from trainer.config.checks import config_from_dict, cross_field_warnings
 from trainer.config.load import PRESETS_DIR, to_yaml
+from trainer.config.preflight import looks_like_hub_id
 from trainer.config.schema import GeneralConfig
 from trainer.errors import ConfigError
 from trainer.host.paths import path_name
@@ -81,7 +83,6 @@ class AppContext:
     def allowed_path(self, text: str, what: str) -> tuple[str, str]:
         """(absolute path, "") for a path the tools may use: inside the page's folders (relative = the workspace);
         hub ids and ``builtin:`` names pass as they are; else ("", the message naming ``what``)."""
-        from trainer.config.preflight import looks_like_hub_id
         text = (text or "").strip()
         if not text or text.startswith("builtin:") or looks_like_hub_id(text):
             return text, ""
@@ -162,7 +163,6 @@ class AppContext:
 
     def watch(self, name: str = AUTO) -> Any:
         """An update for the Run tab's run chooser that shows ``name`` (AUTO = follow)."""
-        import gradio as gr
         return gr.Dropdown(choices=[AUTO] + self.run_names(), value=name)
 
 

@@ -8,10 +8,18 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
+import gradio as gr
+
+from trainer.config.fields import all_keys
+from trainer.config.schema import PART_OF_SLOT, part_key
+from trainer.families import family_only_fields, info_for
+from trainer.families.checks import family_without_loading
+from trainer.objectives import OBJECTIVE_NAMES
+from webui import schema_widgets as sw
+
+
 def _slot_fields() -> Dict[str, Tuple[str, ...]]:
     """The per-part settings of each model slot: every ``parts.<part>.*`` key of the schema."""
-    from trainer.config.fields import all_keys
-    from trainer.config.schema import PART_OF_SLOT
     keys = all_keys()
     return {slot: tuple(k for k in keys if k.startswith(f"parts.{part}.")) for slot, part in PART_OF_SLOT.items()}
 
@@ -21,9 +29,6 @@ SLOT_FIELDS: Dict[str, Tuple[str, ...]] = _slot_fields()
 
 def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, str]]:
     """(markdown summary, key -> shown, key -> part label) for a model path and ``model.family``."""
-    from trainer.config.schema import part_key
-    from trainer.families import info_for
-    from trainer.families.checks import family_without_loading
     try:
         variant = family_without_loading(SimpleNamespace(path=str(path or ""), family=str(family or "auto")))
     except Exception as exc:  # a family's detection refused the weights: say so at the model
@@ -33,8 +38,6 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
                 "to choose it now)."), {}, {}
     info = info_for(variant)
     parts = {p.slot: p for p in info.parts}
-    from trainer.families import family_only_fields
-    from trainer.objectives import OBJECTIVE_NAMES
     lines = [f"**Model family:** {info.label} (`{variant}`) — objective: {OBJECTIVE_NAMES[info.objective]}; parts: "
              + ", ".join(f"{p.label} (`{part_key(p.slot, 'train')}`)" for p in info.parts)]
     shown = {key: slot in parts for slot, keys in SLOT_FIELDS.items() for key in keys}
@@ -45,13 +48,10 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
 
 def wire(form: Any) -> Any:
     """On model.path / model.family changes: the summary, and per-part fields shown and labelled."""
-    import gradio as gr
 
-    from webui import schema_widgets as sw
     note = getattr(form, "family_note", None)
     if note is None or "model.path" not in form.widgets:
         return None
-    from trainer.families import family_only_fields
     keys: List[str] = [k for keys in SLOT_FIELDS.values() for k in keys if k in form.widgets]
     keys += [k for k in family_only_fields() if k in form.widgets]
     base_labels = {s.key: s.label for s in form.specs}

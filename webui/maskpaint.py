@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import gradio as gr
+from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
@@ -28,7 +29,6 @@ def mask_file(image: Path) -> Path:
 
 def layer_from_mask(mask_path: Path, size: Tuple[int, int]) -> Any:
     """An RGBA layer: translucent white where the mask is white, transparent elsewhere."""
-    from PIL import Image
     with Image.open(mask_path) as m:
         m = m.convert("L").resize(size)
     layer = Image.new("RGBA", size, (255, 255, 255, 0))
@@ -39,7 +39,6 @@ def layer_from_mask(mask_path: Path, size: Tuple[int, int]) -> Any:
 def mask_from_layers(layers: List[Any], size: Tuple[int, int]) -> Any:
     """White (255) where any layer was painted (alpha > 0), black elsewhere, at ``size``."""
     import numpy as np
-    from PIL import Image
     painted = np.zeros((size[1], size[0]), dtype=bool)
     for layer in layers or []:
         if layer is None:
@@ -51,7 +50,6 @@ def mask_from_layers(layers: List[Any], size: Tuple[int, int]) -> Any:
 
 
 def save_mask(image: Path, layers: List[Any]) -> Path:
-    from PIL import Image
     with Image.open(image) as img:
         size = img.size
     buf = io.BytesIO()
@@ -89,7 +87,6 @@ def build(ctx: AppContext) -> None:
                 f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."]
 
     def open_image(text: str, name: Optional[str]) -> List[Any]:
-        from PIL import Image
         root, why = where(text)
         if root is None or not name:
             return [gr.skip(), why or "Pick an image."]

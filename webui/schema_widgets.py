@@ -15,6 +15,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional
 
+import yaml
+
 from trainer.config.fields import field_info, iter_fields
 from trainer.config.schema import AtelierConfig
 
@@ -179,7 +181,6 @@ def to_widget(spec: FieldSpec, value: Any) -> Any:
     if spec.kind == LIST:
         return "\n".join(str(v) for v in (value or []))
     if spec.kind == YAML:
-        import yaml
         return "" if value is None else yaml.safe_dump(value, default_flow_style=True).strip()
     if spec.kind == BOOL:
         return bool(value)

@@ -16,6 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.routing import Route
+
+from webui.changes import logged_in
+
 PREFIX = "/tensorboard"
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-authorization",
                "proxy-authenticate", "content-length", "content-encoding", "host"}
@@ -53,7 +60,6 @@ class TensorBoard:
                                                  stderr=subprocess.PIPE)
                 except OSError as exc:
                     return f"could not start TensorBoard: {exc}"
-            import httpx
             end = time.time() + timeout
             while time.time() < end:
                 if not self.running():
@@ -78,12 +84,6 @@ class TensorBoard:
 
 def mount(app: Any, board: TensorBoard) -> None:
     """Add ``/tensorboard/{path}`` to the served FastAPI app, first in line, behind the page's login."""
-    import httpx
-    from fastapi import Request
-    from fastapi.responses import Response
-    from starlette.routing import Route
-
-    from webui.changes import logged_in
 
     async def forward(request: Request) -> Response:
         if not logged_in(app, request):  # the same check as Gradio's own routes (its login cookie)

@@ -7,6 +7,7 @@ user typed. Saving writes exactly the validated config, so load → save changes
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 from pathlib import Path
@@ -187,7 +188,6 @@ UI_STATE = "ui-state.json"
 
 def read_ui_state(ctx: AppContext) -> dict:
     """What the page was showing (the preset the form came from, the tab), for a reload."""
-    import json
     try:
         data = json.loads((ctx.workspace / UI_STATE).read_text(encoding="utf-8"))
         return data if isinstance(data, dict) else {}
@@ -196,7 +196,6 @@ def read_ui_state(ctx: AppContext) -> dict:
 
 
 def write_ui_state(ctx: AppContext, **changes: Any) -> None:
-    import json
     with _draft_lock:
         state = {**read_ui_state(ctx), **changes}
         tmp = ctx.workspace / f"{UI_STATE}.{threading.get_ident()}.tmp"

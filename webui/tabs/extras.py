@@ -12,10 +12,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 import gradio as gr
 from omegaconf import OmegaConf
+from PIL import Image
 
-from webui import runner
+from webui import devices, runner, vram
 from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
+from webui.schema_widgets import table_from_widget
+from webui.tabs.tools import dataset_check
 
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 THUMBS = 24
@@ -30,7 +33,6 @@ def extras(ctx: AppContext) -> Dict[str, Callable[[], None]]:
 def general(ctx: AppContext) -> None:
     """Devices: the GPUs nvidia-smi lists, ticked into general.gpu_ids / general.num_processes (one
     process per GPU), and what Start will launch with the current settings."""
-    from webui import devices
     assert ctx.form is not None
     w = ctx.form.widgets
     if not all(k in w for k in ("general.gpu_ids", "general.num_processes")):
@@ -78,7 +80,6 @@ def general(ctx: AppContext) -> None:
 
 def vram_estimate(ctx: AppContext, gpus: List[Any]) -> None:
     """Before Start: will it fit? The trainer's estimator on the form's config (in a subprocess, 1-2 min)."""
-    from webui import vram
     gr.Markdown("### Memory\nHow much GPU memory the run will need at its peak, from the trainer's own estimator "
                 "(the real model built without weights; takes up to a couple of minutes).")
     with gr.Row(equal_height=True):
@@ -160,7 +161,6 @@ def concepts(ctx: AppContext) -> None:
                        show_label=False, object_fit="contain", allow_preview=False)
 
     editor.card_extra = card_images
-    from webui.tabs.tools import dataset_check
     gr.Markdown("### Dataset report\nWhat the trainer will do with every concept's images: buckets, images "
                 "that would never train, small images, duplicates, missing masks.")
     dataset_check(ctx, "concepts")
@@ -204,7 +204,6 @@ def concepts(ctx: AppContext) -> None:
 
     def preview_row(table: Any, row: Optional[float]) -> List[Any]:
         """When the table changes (a preset was loaded), preview the edited row, else the first."""
-        from webui.schema_widgets import table_from_widget
         items, _ = table_from_widget(editor.spec, table)
         if not items:
             return ["No concepts yet: add one below.", []]
@@ -218,7 +217,6 @@ def concepts(ctx: AppContext) -> None:
 
 def _thumb(path: Path, size: int = 192) -> Any:
     """A small copy, so previews stay light even for 8-megapixel photos."""
-    from PIL import Image
     with Image.open(path) as im:
         im = im.convert("RGB")
         im.thumbnail((size, size))

@@ -16,12 +16,14 @@ import gradio as gr
 
 from trainer.config.checks import config_from_dict, load_config
 from trainer.config.load import preset_names, to_container
-from trainer.errors import ConfigError
 from trainer.config.preflight import looks_like_hub_id, model_path_problem
+from trainer.errors import ConfigError
 from trainer.families import quick_choices
 from trainer.memory.tiers import card_gib as tier_gib
 from webui.context import AppContext
 from webui.form import load_outputs, load_updates
+from webui.tabs.config_bar import write_draft, write_ui_state
+from webui.tabs.extras import resolve_path
 
 # what the page calls each method -> training.method (the registry's presets are keyed by the latter)
 METHODS: Dict[str, str] = {"LoRA": "lora", "Fine-tune": "finetune", "Embedding": "embedding"}
@@ -126,8 +128,6 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
     def wire() -> None:
         form = ctx.form
         assert form is not None
-        from webui.tabs.config_bar import write_draft, write_ui_state
-        from webui.tabs.extras import resolve_path
 
         def do_fill(k: Optional[str], w: str, path: str, folder: str, gib: Any) -> List[Any]:
             cfg, preset, message = fill(k or "", w, path, folder, float(gib) if gib else None, resolve_path)

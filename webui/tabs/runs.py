@@ -17,7 +17,7 @@ from webui.context import AUTO, AppContext
 from webui.downloads import DOWNLOADS, human_size, zip_run
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
-from webui.monitor import age
+from webui.monitor import age, downsample, smooth
 from webui.tabs.config_bar import write_draft
 from webui.tabs.run import STATE_WORDS, chart_frames, download_button, gallery_items
 
@@ -203,7 +203,6 @@ def build(ctx: AppContext) -> None:
 
 def compare_frame(views: List[Any]) -> Optional[pd.DataFrame]:
     """Each run's smoothed loss on one chart (one colour per run); None while no run has a loss yet."""
-    from webui.monitor import downsample, smooth
     rows = []
     for v in views:
         if v.loss_points:

@@ -8,21 +8,26 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
 
 from trainer.config.load import to_yaml
+from trainer.data.report import build_report, format_report
 from trainer.errors import ConfigError
+from trainer.host import procs
+from webui import captions, maskpaint, runner
 from webui.context import AppContext, issues_md
+from webui.runner import runs_root
+from webui.tensorboard import TensorBoard
 
 
 def dataset_report(cfg: Any) -> str:
     """The trainer's own dataset report (``python -m trainer data-report``): images and captions per
     concept, the bucket histogram, images that would never train (bucket smaller than the batch),
     small images, duplicates, missing masks and skipped files — before any GPU time is spent."""
-    from trainer.data.report import build_report, format_report
     if not cfg.data.concepts:
         return "No concepts yet (Concepts tab)."
     try:
@@ -71,15 +76,12 @@ def build(ctx: AppContext) -> None:
     dataset_check(ctx, "tools")
     model_tools(ctx)
     dataset_tools(ctx)
-    from webui import captions, maskpaint
     captions.build(ctx)
     maskpaint.build(ctx)
 
 
 def tensorboard_section(ctx: AppContext) -> None:
     """TensorBoard on every run of the workspace, at <page>/tensorboard/ (also through a share link)."""
-    from webui.runner import runs_root
-    from webui.tensorboard import TensorBoard
     board = ctx.components.setdefault("tensorboard", TensorBoard(runs_root(ctx.workspace)))
     with gr.Row(equal_height=True):
         go = gr.Button("Open TensorBoard", elem_id="tensorboard-btn", scale=1)
@@ -161,10 +163,7 @@ def stream_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = 
     """Run ``python -m trainer <argv>`` and yield ``{"rc": None, "tail", "elapsed"}`` while it runs (its last
     output lines), then the result ``{"rc", "tail", "outputs" (paths written)}``. Closing the generator (the
     page's Cancel) kills the tool and what it started."""
-    import tempfile
 
-    from trainer.host import procs
-    from webui import runner
     env = runner.child_env()
     with tempfile.TemporaryDirectory(prefix="atelier-tool-") as tmp:
         out_path, err_path = os.path.join(tmp, "out"), os.path.join(tmp, "err")
