@@ -18,10 +18,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.export import (
-    kohya_lora_state_dict, load_lora_kohya_into_peft, lora_metadata, save_diffusers_folder,
-    save_lora_kohya, save_single_file_sd, single_file_state_dict, unet_key_to_original,
-)
+from trainer.families.common.sd_kit.keys import save_single_file_sd, single_file_state_dict, unet_key_to_original
+from trainer.families.common.sd_kit.lora import lora_metadata
+from trainer.families.common.sd_kit.lora import sd_kohya_lora_state_dict as kohya_lora_state_dict
+from trainer.families.common.sd_kit.lora import sd_load_lora_kohya_into_peft as load_lora_kohya_into_peft
+from trainer.formats.checkpoint import save_diffusers_folder
+from trainer.formats.kohya import save_lora_kohya
 from trainer.io import atomic_dir, atomic_path, atomic_write_bytes, save_safetensors_atomic
 from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
 
@@ -334,7 +336,7 @@ def test_dora_scale_round_trip(tmp_path):
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-# Each loader's DoRA formula, as published (see trainer/export.py): base weight W, the file's up/down/alpha/
+# Each loader's DoRA formula, as published (see trainer/formats/dora.py): base weight W, the file's up/down/alpha/
 # dora_scale for one layer -> the weight the loader computes.
 def _lora_diff(W, f):
     return (f["up"].flatten(1) @ f["down"].flatten(1)).reshape(W.shape) * (f["alpha"] / f["down"].shape[0])
@@ -373,7 +375,7 @@ def test_each_dora_format_rebuilds_the_trained_weights_in_its_loader(tmp_path):
     import copy
 
     from safetensors.torch import load_file
-    from trainer.export import _named_targets
+    from trainer.families.common.sd_kit.lora import sd_named_targets as _named_targets
     pipe = _pipe()
     _add_lora(pipe, ["to_q", "conv1"], use_dora=True, te=False)
     layers = {k: layer for k, (_, layer) in _named_targets(pipe.unet, None, None, "default", "sd15").items()}
@@ -587,7 +589,7 @@ def test_a_folder_cast_to_another_dtype_keeps_files_readable_for_other_users(tmp
 
     from safetensors.torch import load_file, save_file
 
-    from trainer.export import _cast_saved_folder
+    from trainer.formats.checkpoint import _cast_saved_folder
     (tmp_path / "unet").mkdir()
     weights = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
     save_file({"w": torch.ones(4, 4)}, str(weights))

@@ -98,7 +98,7 @@ def _nine_channel_sd2_file(path: Path) -> tuple:
     """A tiny SD 2 inpainting checkpoint (the tiny SD 2 with a 9-channel UNet) in the original layout."""
     from diffusers import UNet2DConditionModel
 
-    from trainer.export import save_single_file_sd
+    from trainer.families.common.sd_kit.keys import save_single_file_sd
     from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
     pipe = build_tiny_pipeline("tiny-sd2")
     torch.manual_seed(5)

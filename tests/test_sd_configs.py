@@ -4,7 +4,6 @@ checkpoint family detection (trainer/families/common/sd_kit/sd_configs.py). Fast
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -559,21 +558,19 @@ def test_folder_and_hub_snapshot_without_model_index_load(tiny_folders, xl_inpai
 
 
 # --------------------------------------------------------------------------------------------
-# full offline from_single_file round trip (needs trainer/export.py)
+# full offline from_single_file round trip (the SD kit's single-file writer)
 # --------------------------------------------------------------------------------------------
 
 def _exporter():
-    if importlib.util.find_spec("trainer.export") is None:
-        return None
-    from trainer import export
-    return getattr(export, "save_single_file_sd", None)
+    from trainer.families.common.sd_kit.keys import save_single_file_sd
+    return save_single_file_sd
 
 
 @pytest.mark.parametrize("kind, family", [("tiny-sd", "sd15"), ("tiny-sd2", "sd2")])
 def test_from_single_file_offline_round_trip(tiny_folders, tmp_path, kind, family):
     save_single_file_sd = _exporter()
     if save_single_file_sd is None:
-        pytest.skip("trainer/export.py:save_single_file_sd does not exist yet")
+        pytest.skip("the SD kit's save_single_file_sd does not exist")
     from diffusers import StableDiffusionPipeline
     from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
 

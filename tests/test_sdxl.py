@@ -224,7 +224,9 @@ def test_lora_trained_with_predict_loads_in_diffusers(ws, tmp_path):
     from peft import LoraConfig
     from peft.tuners.lora import LoraLayer
 
-    from trainer.export import kohya_lora_state_dict, lora_metadata, save_lora_kohya
+    from trainer.families.common.sd_kit.lora import lora_metadata
+    from trainer.families.common.sd_kit.lora import sd_kohya_lora_state_dict as kohya_lora_state_dict
+    from trainer.formats.kohya import save_lora_kohya
 
     m = StableDiffusionXL(mcfg(path="builtin:tiny-sdxl"), str(ws))
     m.unet.add_adapter(LoraConfig(r=4, lora_alpha=2, target_modules=UNET_TARGETS))

@@ -1,7 +1,7 @@
 """The model tools (``python -m trainer convert|merge|resize|sample``) on the tiny models.
 
 LoRAs are made the way training makes them: peft adapters with random weights, written by the project's
-kohya writer (trainer/export.py), and read back here by diffusers, so every comparison is against an
+kohya writer (trainer/formats/kohya.py), and read back here by diffusers, so every comparison is against an
 independent loader or a computation done in the test."""
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ def _write_lora(folder: Path, path: Path, *, xl: bool = False, seed: int = 1, ra
     """A kohya LoRA/LoCon with non-zero up weights and alpha != rank, written by Atelier's writer."""
     from peft import LoraConfig
 
-    from trainer.export import kohya_lora_state_dict, lora_metadata, save_lora_kohya
+    from trainer.families.common.sd_kit.lora import lora_metadata
+    from trainer.families.common.sd_kit.lora import sd_kohya_lora_state_dict as kohya_lora_state_dict
+    from trainer.formats.kohya import save_lora_kohya
     pipe = _pipe(folder, xl)
     pipe.unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=UNET_TARGETS,
                                      init_lora_weights="gaussian"))

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
+from trainer.formats.embeddings import load_embedding_a1111, save_embedding_a1111
 from trainer.methods.base import MethodBase
 from trainer.methods.rules import placeholder_pattern
 
@@ -120,7 +121,6 @@ class PlaceholderEmbedding:
             return DualPlaceholderEmbedding.from_config(model, ecfg)
         init = None
         if ecfg.init_weights:
-            from trainer.export import load_embedding_a1111
             try:
                 init = load_embedding_a1111(ecfg.init_weights)
             except (OSError, ValueError, RuntimeError) as exc:
@@ -176,7 +176,6 @@ class PlaceholderEmbedding:
     def save(self, path: Union[str, Path], dtype: str, metadata: Optional[Dict[str, str]] = None,
              also_pt: bool = False, step: Optional[int] = None) -> List[Path]:
         """A1111 ``.safetensors`` (``emb_params``) or ``.pt``; with ``also_pt`` a ``.pt`` beside it."""
-        from trainer.export import save_embedding_a1111
         path = Path(path)
         meta = {"atelier_placeholder": self.placeholder, "atelier_num_vectors": str(len(self.tokens)),
                 **(metadata or {})}
@@ -268,7 +267,6 @@ class DualPlaceholderEmbedding:
         SDXL ``.pt``: ``also_pt`` is skipped with a log line."""
         import logging
 
-        from trainer.export import save_embedding_a1111
         path = Path(path)
         if path.suffix.lower() != ".safetensors":
             raise ValueError(f"SDXL embeddings are saved as .safetensors (clip_l + clip_g); got {path.name!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict
 
+from trainer.formats.checkpoint import save_diffusers_folder
 from trainer.methods.base import MethodBase
 
 
@@ -31,7 +32,6 @@ class FinetuneMethod(MethodBase):
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
         from contextlib import nullcontext
 
-        from trainer.export import save_diffusers_folder
         m = self.model
         # the model as users load it: no placeholder tokens in tokenizer or text encoder
         with self.embedding.detached(m) if self.embedding is not None else nullcontext():

@@ -6,7 +6,7 @@
   convention; diffusers' ``load_lora_weights`` drops ``dora_scale`` with a warning).
 - ``loha`` / ``lokr``: peft ``LoHaConfig`` / ``LoKrConfig`` → LyCORIS file (``hada_*`` / ``lokr_*``,
   ``alpha``). peft's parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into
-  LoKr layers with two full factors, where LyCORIS loaders use scale 1 (see trainer/export.py).
+  LoKr layers with two full factors, where LyCORIS loaders use scale 1 (see trainer/formats/lycoris.py).
   peft rather than lycoris-lora for training because peft layers sit inside the diffusers models
   (the loop, backups, EMA and the sampling pipeline see them without a second mechanism).
 """
@@ -17,30 +17,25 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
 from trainer.errors import ConfigError
+from trainer.formats.embeddings import bundle_embedding_state_dict
+from trainer.formats.kohya import kohya_lora_state_dict, load_lora_kohya_into_peft, save_lora_kohya
+from trainer.formats.lycoris import load_lycoris_into_peft, lycoris_state_dict, save_lycoris
 from trainer.methods.base import MethodBase
 
-UNET_TARGETS: Dict[str, List[str]] = {
-    "attn": ["to_q", "to_k", "to_v", "to_out.0"],
-    "attn_mlp": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2"],
-    # LoCon: kohya's conv targets (ResNet convs, shortcuts, down/up-sampler convs) on top.
-    "all": ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
-            "conv1", "conv2", "conv_shortcut", "conv", "time_emb_proj"],
-}
-# out_proj/fc1/fc2 as kohya does: q/k/v alone is not loadable by diffusers (LIBRARY-NOTES).
-TEXT_ENCODER_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 LYCORIS_TYPES = ("loha", "lokr")
 
 
 def unet_targets(cfg, model=None) -> Union[List[str], str]:
     """peft ``target_modules`` for the denoiser: the family's list of name endings for the
-    ``parts.denoiser.lora_targets`` preset (the SD UNet's without a model), or (custom) one regex."""
+    ``parts.denoiser.lora_targets`` preset (``model.lora_targets``), or (custom) one regex, which needs no model."""
     choice = cfg.parts.denoiser.lora_targets
     if choice == "custom":
         from trainer.methods.rules import custom_target_regex
         return custom_target_regex(list(cfg.lora.custom_targets))
-    if model is not None:
-        return model.lora_targets("unet", choice)
-    return UNET_TARGETS[choice]
+    if model is None:
+        raise ValueError(f"parts.denoiser.lora_targets = {choice}: the preset's layers are the model family's; "
+                         "pass the loaded model")
+    return model.lora_targets("unet", choice)
 
 
 def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
@@ -180,7 +175,6 @@ class LoraMethod(MethodBase):
 
     def _load_init_weights(self, path: str) -> None:
         from safetensors.torch import load_file
-        from trainer.export import load_lora_kohya_into_peft, load_lycoris_into_peft
         try:
             state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
             own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
@@ -206,7 +200,6 @@ class LoraMethod(MethodBase):
 
     def adapter_state_dict(self) -> Dict[str, Any]:
         """The file's tensors: kohya LoRA/DoRA or LyCORIS LoHa/LoKr keys (+ a bundled embedding)."""
-        from trainer.export import bundle_embedding_state_dict, kohya_lora_state_dict, lycoris_state_dict
         to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
         custom = getattr(self.model, "lora_state_dict", None)  # a family whose files are not kohya-shaped
         if custom is not None and to_state is kohya_lora_state_dict:
@@ -224,7 +217,6 @@ class LoraMethod(MethodBase):
         return str(self.cfg.output.get("dora_format", "comfyui") or "comfyui")
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
-        from trainer.export import save_lora_kohya, save_lycoris
         lcfg = self.cfg.lora
         sd = self.adapter_state_dict()
         meta = self.model.lora_metadata(title=Path(path).stem, resolution=_resolution(self.cfg), extra=metadata)

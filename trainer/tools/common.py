@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from trainer.formats.dora import COMFY_EPS
+from trainer.formats.metadata import network_shape_metadata
 from trainer.tools import ToolError, model_problem
 
 _TORCH_TO_NAME = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
@@ -175,8 +177,7 @@ class LoraFile:
     def dora(self, name: str, base: Any) -> Any:
         """The layer's trained weight, m · V / ‖V‖ per output row with V = W + delta (peft's and LyCORIS' DoRA), for
         the base weight ``base``; the magnitude m read from ``dora_scale`` as the file's ``atelier_dora_format`` header
-        says it was written (:func:`trainer.export.dora_scale_for`; LyCORIS/kohya files without it: lycoris)."""
-        from trainer.export import _COMFY_EPS
+        says it was written (:func:`trainer.formats.dora.dora_scale_for`; LyCORIS/kohya files without it: lycoris)."""
         w = base.detach().float().cpu()
         v = w + self.delta(name).reshape(w.shape)
         rows_v = v.flatten(1).norm(dim=1)
@@ -186,7 +187,7 @@ class LoraFile:
             cols_v = v.transpose(0, 1).reshape(v.shape[1], -1).norm(dim=1)
             m = (s.reshape(v.shape[0], v.shape[1], -1)[:, :, 0] / cols_v[None, :]).mean(dim=1) * rows_v
         elif fmt == "comfyui":
-            m = s.reshape(-1) * rows_v / (w.flatten(1).norm(dim=1) + _COMFY_EPS)
+            m = s.reshape(-1) * rows_v / (w.flatten(1).norm(dim=1) + COMFY_EPS)
         else:
             m = s.reshape(-1)
         return v * (m / rows_v).reshape(-1, *([1] * (v.ndim - 1)))
@@ -356,7 +357,6 @@ def apply_loras(model: Any, loras: List[Tuple[LoraFile, float]]) -> int:
 def network_metadata(state: Mapping[str, Any], base: Mapping[str, str]) -> Dict[str, str]:
     """``base`` with ``ss_network_dim``/``ss_network_alpha``/conv args recomputed from ``state`` (kohya tensors)
     and the file hashes that no longer hold removed."""
-    from trainer.export import _network_shape_metadata
     meta = {k: str(v) for k, v in base.items() if not k.startswith("sshs_")}
     try:
         args = json.loads(meta.get("ss_network_args", "") or "{}")
@@ -364,7 +364,7 @@ def network_metadata(state: Mapping[str, Any], base: Mapping[str, str]) -> Dict[
         args = {}
     if isinstance(args, dict):
         args = {k: v for k, v in args.items() if k not in ("conv_dim", "conv_alpha")}
-    shape = _network_shape_metadata(state)
+    shape = network_shape_metadata(state)
     if "ss_network_args" in shape:
         args = {**(args if isinstance(args, dict) else {}), **json.loads(shape.pop("ss_network_args"))}
     meta.update(shape)

@@ -1,15 +1,16 @@
 """``convert``: a diffusers folder ↔ one original-layout checkpoint (SD 1.x/2.x, SDXL).
 
 Loading is the trainer's (diffusers' ``from_pretrained`` / ``from_single_file`` with the shipped configs);
-writing is the fine-tune writers' (:func:`trainer.export.save_single_file_sd` through the family's
-``save_single_file``, :func:`trainer.export.save_diffusers_folder`), so a converted file is what a
-fine-tune of the same model would have been saved as."""
+writing is the fine-tune writers' (the family's ``save_single_file``: for SD,
+:func:`trainer.families.common.sd_kit.keys.save_single_file_sd`; :func:`trainer.formats.checkpoint.save_diffusers_folder`),
+so a converted file is what a fine-tune of the same model would have been saved as."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from trainer.formats.checkpoint import save_diffusers_folder
 from trainer.tools import CHECKPOINT_SUFFIXES, ToolError, check_out
 
 FORMATS = ("single-file", "diffusers")
@@ -39,7 +40,6 @@ def format_of(out: Path, fmt: Optional[str]) -> str:
 
 def save_model(model: Any, out: Path, fmt: str, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
     """Write a loaded SD/SDXL family object as a single file or a diffusers folder (atomically)."""
-    from trainer.export import save_diffusers_folder
     if fmt == "single-file":
         model.save_single_file(out, dtype=dtype, metadata=metadata)
     else:  # a diffusers folder carries the model's own sampler (DDIM for SD, Euler for SDXL), as fine-tunes do

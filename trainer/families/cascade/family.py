@@ -23,6 +23,8 @@ from typing import Any, Dict, List, Optional
 
 from trainer.errors import ModelLoadError
 from trainer.families.common.cascade_kit import CascadePrior, given_prior_config
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.metadata import modelspec_common
 
 ATTN = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
 TARGETS = {
@@ -126,7 +128,6 @@ class StableCascade(CascadePrior):
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         meta = modelspec_common(title=title, resolution=resolution)
         meta.update({"modelspec.architecture": "stable-cascade-v1-prior/lora", "modelspec.prediction_type": "epsilon",
                      "modelspec.implementation": "https://github.com/Stability-AI/StableCascade",
@@ -137,13 +138,13 @@ class StableCascade(CascadePrior):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned prior with its CLIP-G as ComfyUI's stage C checkpoint (``model.diffusion_model.`` + original
         layout, ``text_encoder.clip_g.…``): what its checkpoint loader and its UNET loader read, and model.path here."""
-        from trainer.export import _cast, _write_checkpoint
         from trainer.families.common.cascade_keys import comfy_checkpoint, diffusers_to_original
 
         def cpu(module):
             return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         state = comfy_checkpoint(diffusers_to_original(cpu(self.prior)), cpu(self.text_encoder))
-        _write_checkpoint(Path(path), _cast({k: v.contiguous() for k, v in state.items()}, dtype), metadata or {})
+        state = cast_state_dict({k: v.contiguous() for k, v in state.items()}, dtype)
+        write_checkpoint(Path(path), state, metadata or {})
 
 
 def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default") -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping
 
+from trainer.formats.kohya import check_plain_lora, kohya_alpha, lora_layers
+
 Rename = Callable[[str], str]
 
 
@@ -21,16 +23,15 @@ def _same(path: str) -> str:
 def peft_layout_state_dict(modules: Mapping[str, Any], prefixes: Mapping[str, str], adapter_name: str = "default",
                            renames: Mapping[str, Rename] = {}) -> Dict[str, Any]:
     """slot -> peft-wrapped module in, file tensors out (``{prefix}.{rename(path)}.lora_A/B.weight``)."""
-    from trainer.export import _check_plain_lora, _kohya_alpha, _lora_layers
     out: Dict[str, Any] = {}
     for slot, module in modules.items():
         rename = renames.get(slot, _same)
-        for path, layer in _lora_layers(module, adapter_name):
-            _check_plain_lora(path, layer, adapter_name)
+        for path, layer in lora_layers(module, adapter_name):
+            check_plain_lora(path, layer, adapter_name)
             if adapter_name in layer.lora_magnitude_vector:
                 raise ValueError("DoRA is not written in the diffusers/peft LoRA layout yet: use lora.type = lora")
             key = f"{prefixes[slot]}.{rename(path)}"
-            scale = _kohya_alpha(layer, adapter_name) / layer.r[adapter_name]
+            scale = kohya_alpha(layer, adapter_name) / layer.r[adapter_name]
             out[f"{key}.lora_A.weight"] = layer.lora_A[adapter_name].weight.detach().cpu().clone()
             out[f"{key}.lora_B.weight"] = layer.lora_B[adapter_name].weight.detach().cpu().clone() * scale
     return out
@@ -42,11 +43,10 @@ def load_peft_layout(state: Mapping[str, Any], modules: Mapping[str, Any], prefi
     returns the file keys used. A layer the file lacks raises, naming it."""
     import torch
 
-    from trainer.export import _lora_layers
     used = set()
     for slot, module in modules.items():
         rename = renames.get(slot, _same)
-        for path, layer in _lora_layers(module, adapter_name):
+        for path, layer in lora_layers(module, adapter_name):
             key = f"{prefixes[slot]}.{rename(path)}"
             a, b = state.get(f"{key}.lora_A.weight"), state.get(f"{key}.lora_B.weight")
             if a is None or b is None:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from trainer.errors import ModelLoadError
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.metadata import modelspec_common
 
 
 class MaskedText:
@@ -90,7 +92,6 @@ class PeftLayoutLora:
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         architecture, implementation, version = self.modelspec
         meta = modelspec_common(title=title, resolution=resolution)
         meta.update({"modelspec.architecture": f"{architecture}/lora", "modelspec.prediction_type": "flow",
@@ -153,6 +154,5 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
 
 def save_transformer_file(path: Any, state: Dict[str, Any], dtype: str, metadata: Optional[Dict[str, str]]) -> None:
     """A fine-tuned transformer's tensors (in the layout the caller chose) as one file, in ``dtype``."""
-    from trainer.export import _cast, _write_checkpoint
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-    _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
+    write_checkpoint(Path(path), cast_state_dict(state, dtype), metadata or {})

@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, part_dtype
 from trainer.errors import ModelLoadError
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.metadata import modelspec_common
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
@@ -293,7 +295,6 @@ class Flux(Family):
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         meta = modelspec_common(title=title, resolution=resolution)
         meta.update({"modelspec.architecture": f"{self.family.replace('-', '-1-')}/lora",
                      "modelspec.implementation": "https://github.com/black-forest-labs/flux",
@@ -304,11 +305,10 @@ class Flux(Family):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the BFL single file ComfyUI's UNet loader reads (VAE and text
         encoders are separate files in that world)."""
-        from trainer.export import _cast, _write_checkpoint
         from trainer.families.flux.keys import diffusers_to_bfl
-        state = _cast({k: v.detach().cpu().contiguous() for k, v in
-                       diffusers_to_bfl(self.transformer.state_dict()).items()}, dtype)
-        _write_checkpoint(Path(path), state, metadata or {})
+        state = cast_state_dict({k: v.detach().cpu().contiguous() for k, v in
+                                 diffusers_to_bfl(self.transformer.state_dict()).items()}, dtype)
+        write_checkpoint(Path(path), state, metadata or {})
 
 
 def _clip_text_model(path: str) -> str:

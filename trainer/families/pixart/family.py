@@ -31,6 +31,9 @@ from typing import Any, Dict, Optional
 
 from trainer.families.base import Family, part_dtype
 from trainer.errors import ModelLoadError
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.kohya import kohya_lora_state_dict, load_lora_kohya_into_peft
+from trainer.formats.metadata import modelspec_common
 
 CONFIGS = Path(__file__).parent / "configs"
 OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",
@@ -252,7 +255,6 @@ class PixArt(Family):
         return {"unet": ("transformer", lambda p: p)}  # (a T5 LoRA is kohya-named: lora_te1_…)
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.export import kohya_lora_state_dict
         from trainer.families.common.peft_lora import peft_layout_state_dict
         out = peft_layout_state_dict({k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
                                      adapter_name)
@@ -262,7 +264,6 @@ class PixArt(Family):
         return out
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.export import load_lora_kohya_into_peft
         from trainer.families.common.peft_lora import load_peft_layout
         used = load_peft_layout(state, {k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
                                 adapter_name)
@@ -276,7 +277,6 @@ class PixArt(Family):
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         meta = modelspec_common(title=title, resolution=resolution)
         meta.update({"modelspec.architecture": f"{self.family}/lora", "modelspec.prediction_type": "epsilon",
                      "modelspec.implementation": "https://github.com/PixArt-alpha/PixArt-sigma",
@@ -286,12 +286,11 @@ class PixArt(Family):
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer in the original PixArt layout (VAE and T5 stay separate files)."""
-        from trainer.export import _cast, _write_checkpoint
         from trainer.families.pixart.keys import diffusers_to_original
         state = diffusers_to_original(self.transformer.state_dict())
         state.update(self._original_extras)  # y_embedding / pos_embed of the file it was loaded from
-        state = _cast({k: v.detach().cpu().contiguous() for k, v in state.items()}, dtype)
-        _write_checkpoint(Path(path), state, metadata or {})
+        state = cast_state_dict({k: v.detach().cpu().contiguous() for k, v in state.items()}, dtype)
+        write_checkpoint(Path(path), state, metadata or {})
 
 
 def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default") -> None:

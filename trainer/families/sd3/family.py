@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional
 
 from trainer.families.base import Family, part_dtype
 from trainer.errors import ModelLoadError
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.metadata import modelspec_common
 
 OFFICIAL = {"sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
             "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
@@ -282,7 +284,6 @@ class SD3(Family):
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         meta = modelspec_common(title=title, resolution=resolution)
         arch = {"sd3.5-large": "stable-diffusion-v3.5-large", "sd3.5-medium": "stable-diffusion-v3.5-medium",
                 "sd3-medium": "stable-diffusion-v3-medium"}[self.family]
@@ -294,8 +295,7 @@ class SD3(Family):
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as Stability's single file (``model.diffusion_model.``-prefixed MMDiT)."""
-        from trainer.export import _cast, _write_checkpoint
         from trainer.families.sd3.keys import ORIGINAL_PREFIX, diffusers_to_original
         state = diffusers_to_original({k: v.detach().cpu() for k, v in self.transformer.state_dict().items()})
         state = {ORIGINAL_PREFIX + k: v.contiguous() for k, v in state.items()}
-        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
+        write_checkpoint(Path(path), cast_state_dict(state, dtype), metadata or {})

@@ -20,6 +20,8 @@ from typing import Any, Dict, Optional
 
 from trainer.errors import ModelLoadError
 from trainer.families.common.cascade_kit import CascadePrior, given_prior_config
+from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
+from trainer.formats.metadata import modelspec_common
 
 ATTN = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
 TARGETS = {
@@ -103,7 +105,6 @@ class Wuerstchen(CascadePrior):
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import modelspec_common
         meta = modelspec_common(title=title, resolution=resolution)
         meta.update({"modelspec.architecture": "wuerstchen-v2-prior/lora", "modelspec.prediction_type": "epsilon",
                      "modelspec.implementation": "https://github.com/dome272/Wuerstchen",
@@ -113,9 +114,8 @@ class Wuerstchen(CascadePrior):
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned prior's weights in one file (diffusers layout; loads back as model.path)."""
-        from trainer.export import _cast, _write_checkpoint
         state = {k: v.detach().cpu().contiguous() for k, v in self.prior.state_dict().items()}
-        _write_checkpoint(Path(path), _cast(state, dtype), metadata or {})
+        write_checkpoint(Path(path), cast_state_dict(state, dtype), metadata or {})
 
 
 def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default") -> None:

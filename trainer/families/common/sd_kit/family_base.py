@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family as ModelFamily
+from trainer.families.base import Family as ModelFamily, Namer
 from trainer.errors import ModelLoadError
 from trainer.families.common.sd_kit.inpaint import InpaintingMixin
+from trainer.families.common.sd_kit.keys import save_single_file_sd, sd_namer
+from trainer.families.common.sd_kit.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS, lora_metadata
 from trainer.families.sources import ModelSource, source_fingerprint
 
 FAMILY_NAMES = {"sd15": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sd15-inpaint": "SD 1.x inpainting",
@@ -74,25 +76,23 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""
         return {"clip_skip": self.clip_skip} if getattr(self, "clip_skip", 0) else {}
 
-    # --- export (the writers in trainer/export.py, named for the SD lineage) ---------------------
+    # --- export (the generic writers of trainer/formats, named by the SD kit's keys and lora) ---------
+    targets: Dict[str, List[str]] = UNET_TARGETS  # parts.denoiser.lora_targets preset -> UNet module-name endings
+
     def lora_targets(self, slot: str, preset: str) -> List[str]:
         """peft target name endings: the UNet's for ``parts.denoiser.lora_targets`` presets; CLIP's for text encoders."""
-        from trainer.methods.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS
-        return list(UNET_TARGETS[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
+        return list(self.targets[preset]) if slot == "unet" else list(TEXT_ENCODER_TARGETS)
 
-    def lora_namer(self):
-        from trainer.export import sd_namer
+    def lora_namer(self) -> Namer:
         return sd_namer(self.family, self.unet, self.text_encoder, getattr(self, "text_encoder_2", None))
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
-        from trainer.export import lora_metadata
         return lora_metadata(self.family, title=title, prediction_type=self.prediction_type, resolution=resolution,
                              extra=extra)
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """An original-layout SD1/SD2/SDXL checkpoint (A1111, ComfyUI, diffusers' from_single_file)."""
-        from trainer.export import save_single_file_sd
         extra = {"text_encoder_2": self.text_encoder_2} if getattr(self, "text_encoder_2", None) is not None else {}
         save_single_file_sd(path, self.unet, self.vae, self.text_encoder, family=self.family, dtype=dtype,
                             metadata=metadata, **extra)

@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+from trainer.families.common.sd_kit.keys import save_single_file_sd
+
 TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl", "tiny-sd-inpaint", "tiny-sdxl-inpaint")
 TINY_VERSION = 2  # bump when the builder changes, so stale built copies are rebuilt
 
@@ -216,8 +218,6 @@ def ensure_tiny_model(kind: str, root: str | os.PathLike) -> dict[str, Path]:
     single = root / f"{kind}.safetensors"
     stamp = folder / ".atelier-tiny"
     if not (stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists()):
-        from trainer.export import save_single_file_sd
-
         import torch
         with torch.random.fork_rng(devices=[]):  # the builders seed torch: leave the caller's RNG as it was
             pipe = build_tiny_pipeline(kind)
