@@ -81,9 +81,9 @@ def models(tmp_path_factory) -> dict:
     from transformers import (BartTokenizer, CLIPImageProcessor, Florence2Config, Florence2ForConditionalGeneration,
                               Florence2Processor)
 
-    from trainer.families.common.sd_kit.tiny import _bytes_to_unicode
+    from trainer.families.common.sd_kit.tiny import bytes_to_unicode
     vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"])}
-    for c in _bytes_to_unicode().values():
+    for c in bytes_to_unicode().values():
         vocab.setdefault(c, len(vocab))
     vocab["<mask>"], vocab["<image>"] = len(vocab), len(vocab) + 1
     btok = BartTokenizer(vocab=vocab, merges=[], extra_special_tokens={"image_token": "<image>"})

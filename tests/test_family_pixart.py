@@ -124,8 +124,8 @@ def test_validate_refuses_what_pixart_cannot_use(setting, key):
 
 def _claim(path):
     from trainer.families import Evidence, claim
-    from trainer.families.common.sd_kit.sd_configs import _read_key_shapes
-    return claim(Evidence("single_file", str(path), shapes=_read_key_shapes(path)))
+    from trainer.families.common.sd_kit.sd_configs import read_key_shapes
+    return claim(Evidence("single_file", str(path), shapes=read_key_shapes(path)))
 
 
 def test_alpha_1024_is_told_its_size_and_aspect_ratio_in_training_and_in_its_pipeline(pixart_alpha):

@@ -127,7 +127,7 @@ def test_every_mapped_setting_is_a_real_constructor_argument(name):
     """pytorch-optimizer swallows unknown **kwargs: a typo in the table would silently do nothing."""
     need(name)
     spec = OPTIMIZERS[name]
-    cls = optim_build._import(spec.target, "k", name)
+    cls = optim_build.import_target(spec.target, "k", name)
     params = inspect.signature(cls).parameters
     for setting, kw in spec.args.items():
         assert kw.split(".")[0] in params, f"{name}: {setting} → {kw} not in {spec.target}{list(params)}"

@@ -185,7 +185,7 @@ class LatentCache:
                 raise ValueError(f"cache job for {job.label} rendered {len(rendered)} of {len(job.paths)} entries")
             return [(p, r) for p, r in zip(job.paths, rendered) if not p.is_file()]
 
-        for entries in _map_ahead(load, todo, workers):
+        for entries in map_ahead(load, todo, workers):
             for path, rendered in entries:
                 shape = tuple(rendered[0].shape)
                 pending.setdefault(shape, []).append((path, rendered))
@@ -264,7 +264,7 @@ def _save_atomic(path: Path, tensors: Dict[str, "torch.Tensor"], meta: Dict[str,
             tmp.unlink()
 
 
-def _map_ahead(fn: Callable, items: Sequence, workers: int) -> Iterator:
+def map_ahead(fn: Callable, items: Sequence, workers: int) -> Iterator:
     """``map(fn, items)`` in order; with ``workers`` > 0 computed in background threads, at most
     ``2 * workers`` ahead of the consumer (bounded memory)."""
     if workers <= 0 or len(items) <= 1:

@@ -49,7 +49,7 @@ from trainer.data.cache import (
     CacheJob,
     LatentCache,
     TextCache,
-    _map_ahead,
+    map_ahead,
     as_text_dict,
     file_sha256,
     make_settings_key,
@@ -139,7 +139,7 @@ class DataPipeline:
         if self._renders_pixels():
             memo = _DecodeMemo(Counter(i for bi in selected for i in batches[bi].indices))
         loader = lambda bi: self._load(batches[bi], epoch, memo)  # noqa: E731
-        ahead = _map_ahead(loader, selected, self.workers)
+        ahead = map_ahead(loader, selected, self.workers)
         try:
             for bi, raw in zip(selected, ahead):
                 yield bi, self._finish(raw)

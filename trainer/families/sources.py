@@ -47,8 +47,8 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
 
     Raises ValueError for a file that cannot be read as a checkpoint at all."""
     if source.kind == "single_file":
-        from trainer.families.common.sd_kit.sd_configs import _read_key_shapes
-        return Evidence("single_file", f"model.path '{source.display}'", shapes=_read_key_shapes(Path(source.location)))
+        from trainer.families.common.sd_kit.sd_configs import read_key_shapes
+        return Evidence("single_file", f"model.path '{source.display}'", shapes=read_key_shapes(Path(source.location)))
     if source.kind == "folder":
         folder = Path(source.location)
 
@@ -56,9 +56,9 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
             p = folder / rel
             if not p.is_file():
                 return MISSING
-            from trainer.families.common.sd_kit.sd_configs import _read_json
+            from trainer.families.common.sd_kit.sd_configs import read_json
             try:
-                return _read_json(p)
+                return read_json(p)
             except ValueError:
                 return MISSING
         return Evidence("folder", f"model.path '{source.display}'", read_json=read_local)
@@ -130,7 +130,7 @@ def read_hub_json(repo: str, filename: str, mcfg: Any):
     except Exception:
         return None
     try:
-        return sd_configs._read_json(path)
+        return sd_configs.read_json(path)
     except ValueError:
         return MISSING
 
@@ -139,7 +139,7 @@ def _usable_index(folder: Path) -> bool:
     """A ``model_index.json`` that ``from_pretrained`` can use: a JSON object naming a pipeline class."""
     from trainer.families.common.sd_kit import sd_configs
     try:
-        return bool(sd_configs._read_json(folder / "model_index.json").get("_class_name"))
+        return bool(sd_configs.read_json(folder / "model_index.json").get("_class_name"))
     except ValueError:
         return False
 
@@ -167,18 +167,18 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
         dt = dtype.get(name, dtype.get("default")) if isinstance(dtype, dict) else dtype
         dkw = {} if dt is None else {"dtype": dt}
         if (sub / "scheduler_config.json").is_file():
-            cls_name = sd_configs._read_json(sub / "scheduler_config.json").get("_class_name", "")
+            cls_name = sd_configs.read_json(sub / "scheduler_config.json").get("_class_name", "")
             parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
         elif name.startswith("tokenizer"):
             tok_cfg = sub / "tokenizer_config.json"
-            cls_name = (sd_configs._read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None)
+            cls_name = (sd_configs.read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None)
             cls_name = str(cls_name or "CLIPTokenizer").removesuffix("Fast")
             # a class this transformers lacks (a processor folder's tokenizer, a newer name): AutoTokenizer reads it
             cls = getattr(transformers, cls_name, None) or (transformers.AutoTokenizer if tok_cfg.is_file() else
                                                             transformers.CLIPTokenizer)
             parts[name] = cls.from_pretrained(str(folder), subfolder=name)
         else:
-            cfg = sd_configs._read_json(sub / "config.json")
+            cfg = sd_configs.read_json(sub / "config.json")
             if cfg.get("_class_name"):
                 cls = getattr(diffusers, cfg["_class_name"])
             else:

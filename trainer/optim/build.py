@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.errors import ConfigError
 from trainer.optim.registry import OptimizerSpec, optimizer_spec
-from trainer.optim.rules import _check_fused, lr_scale_factor, resolved_learning_rates
+from trainer.optim.rules import check_fused, lr_scale_factor, resolved_learning_rates
 
 log = logging.getLogger("atelier")
 
@@ -41,9 +41,9 @@ def check_optimizer_class(cfg) -> None:
     the optimizer's library, so ``validate``, which stays torch-free, leaves it to train)."""
     o = cfg.training.optimizer
     spec = optimizer_spec(o.name)
-    cls = _import(spec.target, "training.optimizer.name", o.name,
+    cls = import_target(spec.target, "training.optimizer.name", o.name,
                   f" Install the '{spec.library}' package or pick another optimizer.")
-    extra = _plain(o.extra_args) or {}
+    extra = to_plain(o.extra_args) or {}
     if extra:
         _check_extra_args(o.name, spec, cls, extra)
 
@@ -72,7 +72,7 @@ def param_groups(method, cfg) -> List[Dict[str, Any]]:
     return groups
 
 
-def _import(path: str, key: str, what: str, hint: str = "") -> Any:
+def import_target(path: str, key: str, what: str, hint: str = "") -> Any:
     """Import 'package.module.Name' or 'package.module:Name'."""
     if ":" in path:
         module_name, _, attr = path.partition(":")
@@ -115,14 +115,14 @@ def bitsandbytes_problem(device: Any = "cpu") -> Optional[str]:
     return problem
 
 
-def _plain(value: Any) -> Any:
+def to_plain(value: Any) -> Any:
     """OmegaConf containers → plain Python (lists → tuples, which optimizers expect for betas)."""
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=True)
     if isinstance(value, list):
-        return tuple(_plain(v) for v in value)
+        return tuple(to_plain(v) for v in value)
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: to_plain(v) for k, v in value.items()}
     return value
 
 
@@ -169,9 +169,9 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
                               f"({device}): {problem}. Pick {spec.fallback} instead (the same optimizer with "
                               "32-bit state, more memory), or adafactor / came for low memory without "
                               "bitsandbytes.", key=key, value=o.name)
-    cls = _import(spec.target, key, o.name, f" Install the '{spec.library}' package or pick another optimizer.")
+    cls = import_target(spec.target, key, o.name, f" Install the '{spec.library}' package or pick another optimizer.")
     kwargs = optimizer_kwargs(spec, cls, o)
-    extra = _plain(o.extra_args) or {}
+    extra = to_plain(o.extra_args) or {}
     if extra:
         _check_extra_args(o.name, spec, cls, extra, warn=True)
         kwargs.update(extra)
@@ -181,7 +181,7 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
         kwargs["lr"] = t.learning_rate
     try:
         if t.get("fused_backward"):
-            _check_fused(cfg, spec)
+            check_fused(cfg, spec)
             optimizer = fused_backward_optimizer(groups, cls, kwargs)
         else:
             optimizer = cls(groups, **kwargs)

@@ -101,14 +101,14 @@ def validate_optim(cfg) -> None:
                           "'1:100,0.5:200,0.1' (multiplier until step, ..., final multiplier).",
                           key="training.lr_step_rules", value=t.lr_step_rules)
     if t.get("fused_backward"):
-        _check_fused(cfg, spec)
+        check_fused(cfg, spec)
     if t.lr_scheduler == "adafactor" and not (o.name == "adafactor" and o.relative_step):
         raise ConfigError("training.lr_scheduler = adafactor reports Adafactor's own relative-step LR: it needs "
                           "training.optimizer.name = adafactor with relative_step = true. Pick another "
                           "schedule for this optimizer.", key="training.lr_scheduler", value="adafactor")
 
 
-def _check_fused(cfg, spec: OptimizerSpec) -> None:
+def check_fused(cfg, spec: OptimizerSpec) -> None:
     """training.fused_backward steps each weight inside backward(): refuse what that cannot do."""
     t = cfg.training
     key = "training.fused_backward"

@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config.schema import part_of
 from trainer.errors import ConfigError
-from trainer.optim.build import _import, _plain
+from trainer.optim.build import import_target, to_plain
 from trainer.optim.registry import SCHEDULER_NAMES
 
 #: Components (param-group names): the model's part slots (parts.* in the config) and the embedding.
@@ -173,8 +173,8 @@ def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
     t = cfg.training
     path = t.lr_scheduler_class.strip()
     key = "training.lr_scheduler_class"
-    target = _import(path, key, path)
-    kwargs = _plain(t.lr_scheduler_args) or {}
+    target = import_target(path, key, path)
+    kwargs = to_plain(t.lr_scheduler_args) or {}
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):

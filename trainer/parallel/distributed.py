@@ -33,7 +33,7 @@ import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer.data.buckets import PlannedBatch
-from trainer.data.cache import _map_ahead
+from trainer.data.cache import map_ahead
 
 Rows = Tuple[int, int, int]  # (first row, end row, global micro-batch size)
 
@@ -92,7 +92,7 @@ def iter_shard(data, epoch: int, start: int, stop: int, rank: int, world: int) -
     workers = int(getattr(data, "workers", 0) or 0)
     if getattr(data, "_renders_pixels", lambda: True)():
         workers = 0  # batch() VAE-encodes rendered pixels: keep that in this thread
-    ahead = _map_ahead(lambda bi: data.batch(parts[bi][0], epoch), selected, workers)
+    ahead = map_ahead(lambda bi: data.batch(parts[bi][0], epoch), selected, workers)
     try:
         for bi, batch in zip(selected, ahead):
             batch["global_rows"] = parts[bi][1]

@@ -20,7 +20,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
     from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
     from transformers import CLIPTokenizer
 
-    from trainer.families.common.cascade_kit import _deprecated, fill_zero_weights, tiny_clip
+    from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
     from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
     write_tiny_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
@@ -40,7 +40,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
                                    ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock")),
             clip_text_pooled_in_channels=32, effnet_in_channels=16, pixel_mapper_in_channels=3, kernel_size=3,
             dropout=(0.0, 0.0), self_attn=True, timestep_conditioning_type=("sca",), switch_level=None)
-        vqgan = _deprecated("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
+        vqgan = deprecated_wuerstchen_class("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
                                              bottleneck_blocks=1, embed_dim=16, latent_channels=4,
                                              num_vq_embeddings=64, scale_factor=0.3764)
         fill_zero_weights(prior, decoder, vqgan)

@@ -73,7 +73,7 @@ def _swap_halves(t):
     return torch.cat([b, a], dim=0)
 
 
-def _blocks(state, kind: str) -> int:
+def block_count(state, kind: str) -> int:
     return 1 + max((int(k.split(".")[1]) for k in state if k.startswith(kind + ".")), default=-1)
 
 
@@ -93,7 +93,7 @@ def bfl_to_diffusers(state: Dict[str, "object"]) -> Dict[str, "object"]:
             for bfl, ours in _GUIDANCE.items():
                 k = k.replace(f".{bfl}.", f".{ours}.")
             out[k[:-len(".scale")] + ".weight" if k.endswith(".scale") else k] = v
-    for i in range(_blocks(state, "double_blocks")):
+    for i in range(block_count(state, "double_blocks")):
         src, dst = f"double_blocks.{i}.", f"transformer_blocks.{i}."
         for bfl, ours in _DOUBLE.items():
             for suffix in ("weight", "bias"):
@@ -105,7 +105,7 @@ def bfl_to_diffusers(state: Dict[str, "object"]) -> Dict[str, "object"]:
             for suffix in ("weight", "bias"):
                 for name, chunk in zip(parts, state[f"{src}{bfl}.{suffix}"].chunk(3, dim=0)):
                     out[f"{dst}{name}.{suffix}"] = chunk
-    for i in range(_blocks(state, "single_blocks")):
+    for i in range(block_count(state, "single_blocks")):
         src, dst = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
         for bfl, ours in _SINGLE.items():
             for suffix in ("weight", "bias"):

@@ -44,9 +44,9 @@ def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128) -> None:
     """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the chat template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from trainer.families.common.sd_kit.tiny import _bytes_to_unicode
+    from trainer.families.common.sd_kit.tiny import bytes_to_unicode
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = {ch: i for i, ch in enumerate(sorted(set(_bytes_to_unicode().values())))}
+    vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -74,10 +74,10 @@ def write_tiny_mistral_tokenizer(folder: Path, max_length: int = 512) -> None:
     template, where Flux.2 [dev] keeps its processor (the Pixtral image processor's config beside it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from trainer.families.common.sd_kit.tiny import _bytes_to_unicode
+    from trainer.families.common.sd_kit.tiny import bytes_to_unicode
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL)}
-    for ch in sorted(set(_bytes_to_unicode().values())):
+    for ch in sorted(set(bytes_to_unicode().values())):
         vocab[ch] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

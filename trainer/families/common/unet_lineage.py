@@ -14,7 +14,7 @@ def classify(ev: Evidence) -> Optional[str]:
     if ev.kind == "single_file":
         if not ev.has_prefix("model.diffusion_model.input_blocks.", "model.diffusion_model.out."):
             return None
-        return sd_configs._classify_state_dict(ev.shapes, ev.where)
+        return sd_configs.classify_state_dict(ev.shapes, ev.where)
     unet = ev.json("unet/config.json")
     index = ev.json("model_index.json") or {}
     if unet is not None:

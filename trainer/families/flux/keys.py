@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from trainer.families.common.bfl_keys import _blocks, bfl_to_diffusers, diffusers_to_bfl, strip_prefix
+from trainer.families.common.bfl_keys import block_count, bfl_to_diffusers, diffusers_to_bfl, strip_prefix
 
 __all__ = ["bfl_to_diffusers", "config_from_bfl", "diffusers_to_bfl", "strip_prefix"]
 
@@ -17,8 +17,8 @@ def config_from_bfl(state: Dict[str, "object"], base: dict) -> dict:
     cfg = dict(base)
     hidden, in_ch = state["img_in.weight"].shape
     head_dim = state["double_blocks.0.img_attn.norm.query_norm.scale"].shape[0]
-    cfg.update(in_channels=int(in_ch), num_layers=_blocks(state, "double_blocks"),
-               num_single_layers=_blocks(state, "single_blocks"), attention_head_dim=int(head_dim),
+    cfg.update(in_channels=int(in_ch), num_layers=block_count(state, "double_blocks"),
+               num_single_layers=block_count(state, "single_blocks"), attention_head_dim=int(head_dim),
                num_attention_heads=int(hidden // head_dim), joint_attention_dim=int(state["txt_in.weight"].shape[1]),
                pooled_projection_dim=int(state["vector_in.in_layer.weight"].shape[1]),
                guidance_embeds="guidance_in.in_layer.weight" in state)

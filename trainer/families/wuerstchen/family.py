@@ -50,7 +50,7 @@ class Wuerstchen(CascadePrior):
         """The prior alone in one file: diffusers layout, or the original one (attention as in_proj/out_proj)."""
         from trainer.families.common.cascade_keys import (CONFIG_WUERSTCHEN, original_to_diffusers,
                                                           wuerstchen_config_from_state)
-        from trainer.families.common.cascade_kit import _deprecated
+        from trainer.families.common.cascade_kit import deprecated_wuerstchen_class
         from safetensors.torch import load_file
 
         from trainer.families.common.cascade_keys import strip_prefix
@@ -62,7 +62,7 @@ class Wuerstchen(CascadePrior):
         cfg_file = given_prior_config(mcfg)
         base = json.loads(cfg_file.read_text()) if cfg_file is not None else dict(CONFIG_WUERSTCHEN)
         try:
-            prior = _deprecated("WuerstchenPrior").from_config(wuerstchen_config_from_state(state, base))
+            prior = deprecated_wuerstchen_class("WuerstchenPrior").from_config(wuerstchen_config_from_state(state, base))
             prior.load_state_dict(original_to_diffusers(state), strict=True)
         except Exception as exc:
             raise ModelLoadError(f"model.path '{self.source.display}': not a Würstchen 2 prior of the size its config "

@@ -192,7 +192,7 @@ def config_folder(name: str, cache_root: Path) -> Path:
             dst.parent.mkdir(parents=True, exist_ok=True)
             patch = patches.get(p.relative_to(src).as_posix())
             if patch:
-                dst.write_text(json.dumps({**_read_json(p), **patch}, indent=2) + "\n", encoding="utf-8")
+                dst.write_text(json.dumps({**read_json(p), **patch}, indent=2) + "\n", encoding="utf-8")
             else:
                 shutil.copyfile(p, dst)
         for tokenizer_dir in sorted(p for p in src.glob("tokenizer*") if p.is_dir()):  # tokenizer[, tokenizer_2]
@@ -275,8 +275,8 @@ def detect_family(path: Path) -> str:
         return _detect_diffusers_folder(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such checkpoint: {path}")
-    shapes = _read_key_shapes(path)
-    return _classify_state_dict(shapes, str(path))
+    shapes = read_key_shapes(path)
+    return classify_state_dict(shapes, str(path))
 
 
 def _sniff(path: Path) -> str:
@@ -294,7 +294,7 @@ def _sniff(path: Path) -> str:
     return "unknown"
 
 
-def _read_key_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def read_key_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     kind = _sniff(path)
     if kind == "safetensors":
         from safetensors import safe_open
@@ -338,7 +338,7 @@ def _examples(keys, n: int = 3) -> str:
     return ", ".join(keys[:n]) + more
 
 
-def _describe_non_checkpoint(shapes: dict[str, tuple[int, ...]], where: str) -> str:
+def describe_non_checkpoint(shapes: dict[str, tuple[int, ...]], where: str) -> str:
     """Message for a file with no ``model.diffusion_model.*`` keys: say what it looks like."""
     keys = list(shapes)
     if not keys:
@@ -373,10 +373,10 @@ def _describe_non_checkpoint(shapes: dict[str, tuple[int, ...]], where: str) -> 
     return f"{where}: {what}; no {_UNET}* keys"
 
 
-def _classify_state_dict(shapes: dict[str, tuple[int, ...]], where: str) -> str:
+def classify_state_dict(shapes: dict[str, tuple[int, ...]], where: str) -> str:
     unet_keys = [k for k in shapes if k.startswith(_UNET)]
     if not unet_keys:
-        raise ValueError(_describe_non_checkpoint(shapes, where))
+        raise ValueError(describe_non_checkpoint(shapes, where))
 
     if any(".joint_blocks." in k for k in unet_keys):
         raise ValueError(f"{where}: looks like Stable Diffusion 3 (MMDiT joint_blocks), not SD 1.x/2.x/XL")
@@ -436,7 +436,7 @@ def _sd1_or_sd2(shapes: dict[str, tuple[int, ...]], where: str) -> str:
                      f"proj_in or cond_stage_model.* keys)")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -452,16 +452,16 @@ def _detect_diffusers_folder(folder: Path) -> str:
     if not unet_cfg_path.is_file():
         own = folder / "config.json"
         if own.is_file():
-            cls = _read_json(own).get("_class_name", "?")
+            cls = read_json(own).get("_class_name", "?")
             raise ValueError(f"{folder}: a single diffusers component folder ({cls}), not a pipeline folder "
                              f"with unet/ and model_index.json")
         raise ValueError(f"{folder}: not a diffusers pipeline folder: no unet/config.json"
                          + ("" if index_path.is_file() else " and no model_index.json"))
     try:  # the UNet's config decides; an unreadable model_index.json only loses the pipeline class name
-        index = _read_json(index_path) if index_path.is_file() else {}
+        index = read_json(index_path) if index_path.is_file() else {}
     except ValueError:
         index = {}
-    return detect_from_configs(_read_json(unet_cfg_path), index, str(folder))
+    return detect_from_configs(read_json(unet_cfg_path), index, str(folder))
 
 
 def detect_from_configs(unet_config: dict, model_index: dict | None, where: str) -> str:

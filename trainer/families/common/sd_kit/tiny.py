@@ -27,7 +27,7 @@ TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl", "tiny-sd-inpaint", "tiny-sdxl-
 TINY_VERSION = 2  # bump when the builder changes, so stale built copies are rebuilt
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2/CLIP byte→unicode table (no longer importable from transformers 5)."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
@@ -51,7 +51,7 @@ def write_tiny_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> None
 
     ``pad_token="!"`` gives the OpenCLIP flavour (SD 2.x, SDXL's ``tokenizer_2``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    chars = list(_bytes_to_unicode().values())
+    chars = list(bytes_to_unicode().values())
     vocab: dict[str, int] = {}
     for c in chars:
         vocab[c] = len(vocab)
