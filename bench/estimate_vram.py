@@ -665,7 +665,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
     from omegaconf import OmegaConf
 
     from trainer.loss import prepare_noise_schedule
-    from trainer.methods.finetune import make_method
+    from trainer.methods.make import make_method
     from trainer.families.sources import classify_source, load_model
     from trainer.optim.build import bitsandbytes_problem, build_optimizer, param_groups
     from trainer.optim.registry import optimizer_spec

@@ -24,7 +24,7 @@ def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
 
     from trainer.memory.block_swap import plan_block_swap
     from trainer.config.checks import load_config
-    from trainer.methods.finetune import make_method
+    from trainer.methods.make import make_method
     from trainer.families.sources import load_model
     from trainer.memory.precision import apply_storage
     # the config asks for checkpointing with a swap (the no-checkpointing test turns it off on the model itself)

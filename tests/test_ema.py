@@ -168,7 +168,7 @@ def test_stochastic_rounding_keeps_small_updates_and_fp32_state():
 
 def test_fp8_storage_trains_lora_on_the_tiny_unet(tiny_workspace):
     import copy
-    from trainer.methods.finetune import make_method
+    from trainer.methods.make import make_method
     from trainer.families.sources import load_model
     from trainer.memory.precision import apply_precision
     cfg = load_config(preset="demo", overrides=[f"general.workspace={tiny_workspace}", "precision.fp8_unet=true"])

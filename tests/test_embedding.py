@@ -99,7 +99,7 @@ def test_embedding_loads_in_diffusers_and_changes_only_prompts_with_its_token(em
     assert (abs(_image(loaded, WITHOUT_TOKEN) - _image(base, WITHOUT_TOKEN)).max() == 0)
     # with the token: a different image than before training (initial vectors = "red square")
     init = _pipe(ws)
-    from trainer.methods.embedding import PlaceholderEmbedding
+    from trainer.methods.placeholder import PlaceholderEmbedding
     emb = PlaceholderEmbedding(init.tokenizer, init.text_encoder, "<sks>", 2, "red square")
     assert abs(_image(loaded, WITH_TOKEN) - _image(init, emb.expand(WITH_TOKEN))).max() > 1e-3
     # and the loaded token encodes exactly as the trained vectors did during training
@@ -139,7 +139,7 @@ def test_placeholder_keeps_the_text_encoder_layout(tiny_workspace):
     ``detached`` restores the original tokenizer and module for whole-model exports."""
     from types import SimpleNamespace
 
-    from trainer.methods.embedding import PlaceholderEmbedding
+    from trainer.methods.placeholder import PlaceholderEmbedding
     pipe = _pipe(tiny_workspace)
     before = {k: v.shape for k, v in pipe.text_encoder.state_dict().items()}
     n_tokens = len(pipe.tokenizer)

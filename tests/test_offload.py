@@ -48,7 +48,7 @@ def test_quantised_denoiser_waits_in_ram_until_it_is_quantised(tmp_path):
     import torch
 
     from trainer.config.checks import load_config
-    from trainer.methods.finetune import make_method
+    from trainer.methods.make import make_method
     from trainer.families.sources import load_model
     from trainer.memory.precision import apply_storage
     cfg = load_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8=true"], preset="demo-flux")

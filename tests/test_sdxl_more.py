@@ -86,7 +86,7 @@ def test_sdxl_embedding_run_trains_both_encoders_vectors(xl_embedding_run):
         for key in ("clip_l", "clip_g"):
             torch.testing.assert_close(fh.get_tensor(key), trained[f"embedding.{key}.vectors"], rtol=0, atol=0)
     # both sets of vectors moved away from their initial text ("red square")
-    from trainer.methods.embedding import DualPlaceholderEmbedding
+    from trainer.methods.placeholder import DualPlaceholderEmbedding
     init = _pipe_model(run.parent.parent)
     emb = DualPlaceholderEmbedding(init, "<sks>", 2, "red square")
     for key, start in emb.vectors().items():
@@ -110,7 +110,7 @@ def test_sdxl_embedding_loads_in_diffusers_and_changes_only_prompts_with_its_tok
     assert abs(_image(loaded, WITHOUT_TOKEN) - _image(base, WITHOUT_TOKEN)).max() == 0
     assert abs(_image(loaded, WITH_TOKEN) - _image(base, WITH_TOKEN)).max() > 1e-4
     # the trained vectors sample the same image through diffusers as through our own expansion
-    from trainer.methods.embedding import DualPlaceholderEmbedding
+    from trainer.methods.placeholder import DualPlaceholderEmbedding
     trained = load_file(str(xl_embedding_run / "xlemb.safetensors"))
     ours = _pipe_model(ws)
     emb = DualPlaceholderEmbedding(ours, "<sks>", 2, init_vectors=trained)
@@ -136,7 +136,7 @@ def test_sdxl_init_weights_must_be_an_sdxl_embedding(tmp_path):
     from safetensors.torch import save_file
 
     from trainer.errors import ConfigError
-    from trainer.methods.embedding import load_embedding_sdxl
+    from trainer.methods.placeholder import load_embedding_sdxl
     save_file({"emb_params": torch.zeros(1, 32)}, str(tmp_path / "sd.safetensors"))
     with pytest.raises(ConfigError, match="not an SDXL embedding"):
         load_embedding_sdxl(tmp_path / "sd.safetensors")

@@ -7,16 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from trainer.methods.placeholder import PlaceholderEmbedding, file_safe, step_from
+
 Text = Union[str, Sequence[str]]
 
 
 class MethodBase:
-    embedding: Any = None  # a trainer.methods.embedding.PlaceholderEmbedding, when one trains
+    embedding: Any = None  # a trainer.methods.placeholder.PlaceholderEmbedding, when one trains
 
     def _add_alongside_embedding(self, model, cfg) -> None:
         """With ``embedding.train_alongside``: add the placeholder and its ``embedding`` group."""
         if cfg.embedding.train_alongside:
-            from trainer.methods.embedding import PlaceholderEmbedding
             self.embedding = PlaceholderEmbedding.from_config(model, cfg.embedding)
             self.modules["embedding"] = self.embedding.holder
 
@@ -43,7 +44,6 @@ class MethodBase:
         that file name; diffusers: ``load_textual_inversion(path, token=<placeholder>)``)."""
         if self.embedding is None:
             return None
-        from trainer.methods.embedding import file_safe, step_from
         result = Path(result)
         stem = result.name[: -len(result.suffix)] if result.suffix else result.name
         path = result.with_name(f"{stem}-{file_safe(self.embedding.placeholder)}.safetensors")

@@ -40,19 +40,3 @@ class FinetuneMethod(MethodBase):
             else:  # a diffusers folder carries the model's own sampler (DDIM for SD, Euler for SDXL)
                 save_diffusers_folder(path, m.pipeline(getattr(m, "folder_sampler", None)), dtype)
         self._save_alongside_embedding(Path(path), dtype, metadata)
-
-
-def make_method(model, cfg):
-    if (cfg.training.method == "embedding" or cfg.embedding.train_alongside) and not model.info.embeddings:
-        from trainer.errors import ConfigError
-        from trainer.families import embedding_families
-        key = "training.method" if cfg.training.method == "embedding" else "embedding.train_alongside"
-        raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is a "
-                          f"{model.info.label} model. Train a LoRA or a fine-tune instead.", key=key)
-    if cfg.training.method == "lora":
-        from trainer.methods.lora import LoraMethod
-        return LoraMethod(model, cfg)
-    if cfg.training.method == "embedding":
-        from trainer.methods.embedding import EmbeddingMethod
-        return EmbeddingMethod(model, cfg)
-    return FinetuneMethod(model, cfg)

@@ -65,7 +65,7 @@ def setup(state: RunState) -> None:
     log.info("loading model %s", cfg.model.path)
     with state.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
         state.model = load_model(cfg, g.workspace, state.device)
-    from trainer.methods.finetune import make_method
+    from trainer.methods.make import make_method
     state.method = make_method(state.model, cfg)
     state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
