@@ -17,6 +17,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from trainer.families.common.describe import describe_non_checkpoint
+
 # One line per family: the folder name under trainer/families/. Order = detection order.
 REGISTERED: Tuple[str, ...] = (
     "sd",
@@ -234,7 +236,6 @@ def unclaimed_message(ev: Evidence) -> str:
             return (f"{ev.where} looks like {label}, which Atelier does not train yet (it trains {trained}). "
                     "Pick a model of one of those families.")
     if ev.kind == "single_file":
-        from trainer.families.common.describe import describe_non_checkpoint
         return describe_non_checkpoint(ev.shapes, ev.where) + f". Atelier trains {trained}."
     if classes:
         return (f"{ev.where} holds {', '.join(sorted(set(classes)))}, which no Atelier family loads "

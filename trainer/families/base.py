@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from trainer.errors import ConfigError, ModelLoadError
+import torch
+
+from trainer.errors import ModelLoadError
+from trainer.families import info_for
+from trainer.families.sources import source_fingerprint
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -36,7 +40,6 @@ def part_dtype(mcfg: Any, slot: str) -> str:
 
 
 def torch_dtype(name: str):
-    import torch
     return getattr(torch, DTYPE_NAMES[name])
 
 
@@ -68,7 +71,6 @@ class Family:
     # --- parts ------------------------------------------------------------------------------
     @property
     def info(self):
-        from trainer.families import info_for
         return info_for(self.name)
 
     def part(self, slot: str) -> Any:
@@ -115,7 +117,6 @@ class Family:
     def _storage_dtypes(mcfg: Any, **parts: str) -> Dict[str, Any]:
         """``{module name: torch dtype}``: each module named in ``parts`` (module name -> part slot) gets its
         part's ``parts.*.dtype``; plus the VAE's. ``.deferred``: the modules whose part is stored quantised."""
-        import torch
         out = StorageDtypes({name: torch_dtype(part_dtype(mcfg, slot)) for name, slot in parts.items()})
         out.update(vae=torch_dtype(mcfg.vae_dtype), default=torch.float32)
         quantised = getattr(mcfg, "deferred", frozenset())
@@ -125,14 +126,12 @@ class Family:
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """VAE posterior (mean, std) in fp32 on the CPU: cached as is, sampled every step."""
-        import torch
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
         return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
 
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, in the denoiser's scale: (z - shift) * scale."""
-        import torch
         mean = dist["mean"].to(self.device)
         std = dist["std"].to(self.device)
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
@@ -175,7 +174,6 @@ class Family:
 
     def fingerprint(self) -> str:
         """Identifies what changes cached latents: the weights' source and the VAE dtype."""
-        from trainer.families.sources import source_fingerprint
         return source_fingerprint(self.source, getattr(self, "_vae_dtype_name", ""))
 
     def text_fingerprint(self, mcfg: Any) -> str:

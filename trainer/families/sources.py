@@ -7,14 +7,24 @@ loop's one entry point. :class:`ModelSettings` is what a family reads of the con
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+import diffusers
+import transformers
+from huggingface_hub import constants, hf_hub_download, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+from trainer.config.preflight import model_path_problem
 from trainer.config.schema import PART_OF_SLOT
 from trainer.errors import ModelLoadError
-from trainer.families import MISSING, Evidence
+from trainer.families import MISSING, Evidence, build_tiny, claim, family_class, info_for, unclaimed_message
+from trainer.families.common.sd_kit import sd_configs
+from trainer.families.common.sd_kit.sd_configs import read_json, read_key_shapes
+
 
 @dataclass
 class ModelSource:
@@ -26,12 +36,10 @@ class ModelSource:
 
 def classify_source(path: str, workspace: str | os.PathLike) -> ModelSource:
     """Turn ``model.path`` into a concrete source, building built-in tiny models on demand."""
-    from trainer.config.preflight import model_path_problem
     problem = model_path_problem(path)  # the same rules validate applies
     if problem:
         raise ModelLoadError(problem, key="model.path", value=path)
     if path.startswith("builtin:"):
-        from trainer.families import build_tiny
         paths = build_tiny(path.split(":", 1)[1], Path(workspace) / "models")
         return ModelSource("folder", str(paths["diffusers"]), path)
     p = Path(path).expanduser()
@@ -47,7 +55,6 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
 
     Raises ValueError for a file that cannot be read as a checkpoint at all."""
     if source.kind == "single_file":
-        from trainer.families.common.sd_kit.sd_configs import read_key_shapes
         return Evidence("single_file", f"model.path '{source.display}'", shapes=read_key_shapes(Path(source.location)))
     if source.kind == "folder":
         folder = Path(source.location)
@@ -56,7 +63,6 @@ def evidence_for(source: Any, mcfg: Any = None) -> Evidence:
             p = folder / rel
             if not p.is_file():
                 return MISSING
-            from trainer.families.common.sd_kit.sd_configs import read_json
             try:
                 return read_json(p)
             except ValueError:
@@ -81,7 +87,6 @@ def detect_source_family(source: ModelSource, mcfg: Any = None) -> Optional[str]
     refiner, a Flux fill model …) or when no family claims them (naming the closest family or what the
     file is instead). None only for a hub id whose files cannot be read (not cached, no network, gated):
     the caller then says so."""
-    from trainer.families import MISSING, claim, unclaimed_message
     try:
         ev = evidence_for(source, mcfg)
         found = claim(ev)
@@ -103,7 +108,6 @@ def hub_kwargs(mcfg: Any) -> Dict[str, Any]:
 
 
 def hub_offline(mcfg: Any) -> bool:
-    from huggingface_hub import constants
     return bool(getattr(mcfg, "hub_offline", False)) or bool(constants.HF_HUB_OFFLINE)
 
 
@@ -111,10 +115,7 @@ def read_hub_json(repo: str, filename: str, mcfg: Any):
     """A JSON file of a hub repo as a dict; ``MISSING`` when the repo (or, offline, its cached
     snapshot) has no such file or it is no JSON object; None when it cannot be told (not cached,
     no network, gated, no such repo)."""
-    from huggingface_hub import hf_hub_download, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    from trainer.families.common.sd_kit import sd_configs
     kw = hub_kwargs(mcfg)
     offline = hub_offline(mcfg)
     try:
@@ -137,7 +138,6 @@ def read_hub_json(repo: str, filename: str, mcfg: Any):
 
 def _usable_index(folder: Path) -> bool:
     """A ``model_index.json`` that ``from_pretrained`` can use: a JSON object naming a pipeline class."""
-    from trainer.families.common.sd_kit import sd_configs
     try:
         return bool(sd_configs.read_json(folder / "model_index.json").get("_class_name"))
     except ValueError:
@@ -150,10 +150,7 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
     schedulers, ``architectures`` for transformers models, ``tokenizer_class`` for tokenizers).
     Components the pipeline may go without (safety checker, image encoder …) are None when absent.
     ``build_model(cls, subfolder, dtype)`` replaces ``cls.from_pretrained`` for the models (weights)."""
-    import diffusers
-    import transformers
 
-    from trainer.families.common.sd_kit import sd_configs
     expected, optional = pipeline_cls._get_signature_keys(pipeline_cls)
     parts: Dict[str, Any] = {k: v for k, v in common.items() if k in expected}
     for name in sorted(set(expected) - set(parts)):
@@ -196,7 +193,6 @@ def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = 
     ``skip``: component folders not to download (given in ``common``)."""
     folder = Path(location)
     if not folder.is_dir():
-        from huggingface_hub import snapshot_download
         names = [n for n in pipeline_cls._get_signature_keys(pipeline_cls)[0] if n not in skip]
         try:
             folder = Path(snapshot_download(location, local_files_only=hub_offline(mcfg),
@@ -240,7 +236,6 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
                                  f"{pipeline_cls.__name__}: {type(exc).__name__}: {_first_line(exc)}",
                                  key="model.path", value=source.display) from None
     if source.kind == "single_file":
-        from trainer.families.common.sd_kit import sd_configs
         if getattr(mcfg, "config_path", ""):
             config = mcfg.config_path
         else:
@@ -292,7 +287,6 @@ _COMPONENT_DIRS = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer",
 def _hub_snapshot_without_index(repo: str, mcfg: Any) -> Optional[Path]:
     """The local snapshot of a hub repo without a usable ``model_index.json`` but with ``unet/``: its
     component folders (safetensors weights where the repo has them), from the cache when offline."""
-    from huggingface_hub import snapshot_download
     if read_hub_json(repo, "unet/config.json", mcfg) is None and not hub_offline(mcfg):
         return None
     folder = Path(snapshot_download(repo, local_files_only=hub_offline(mcfg),
@@ -310,7 +304,6 @@ def _first_line(exc: BaseException) -> str:
 def source_fingerprint(source: ModelSource, extra: str) -> str:
     """Identifies what changes cached latents: the weights' source (the VAE files where there is a
     folder) and ``extra`` (the VAE dtype)."""
-    import hashlib
     h = hashlib.sha256(f"{source.kind}:{source.location}:{extra}".encode())
     p = Path(source.location)
     if p.exists():
@@ -326,7 +319,6 @@ def load_model(mcfg: Any, workspace: str, device: Any = "cpu") -> Any:
 
     The one entry point the loop needs; each family still refuses weights of another family itself.
     ``mcfg``: the whole config (each part then gets its ``parts.*.dtype``) or its ``model`` section (fp32)."""
-    from trainer.families import family_class, info_for
     if hasattr(mcfg, "parts") and hasattr(mcfg, "model"):
             mcfg = ModelSettings(mcfg)
     family = getattr(mcfg, "family", "auto")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from trainer.families import Evidence
+from trainer.families.common.cascade_keys import is_lite, is_stage_b, is_stage_c, strip_prefix
 
 PRIORS = ("StableCascadePriorPipeline", "StableCascadeCombinedPipeline")
 STAGE_B = ("the Stable Cascade decoder (stage B), which turns the prior's output into pictures and is not what a "
@@ -16,7 +17,6 @@ STAGE_B = ("the Stable Cascade decoder (stage B), which turns the prior's output
 
 
 def claim(ev: Evidence) -> Optional[str]:
-    from trainer.families.common.cascade_keys import is_lite, is_stage_b, is_stage_c, strip_prefix
     if ev.kind == "single_file":
         shapes = strip_prefix(ev.shapes)
         if is_stage_b(shapes):

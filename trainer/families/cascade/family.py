@@ -21,7 +21,24 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+from diffusers import StableCascadeUNet
+from peft import LoraConfig, inject_adapter_in_model
+from peft.utils import set_peft_model_state_dict
+from safetensors.torch import load_file
+
 from trainer.errors import ModelLoadError
+from trainer.families.common.cascade_keys import (
+    CONFIG_FULL,
+    CONFIG_LITE,
+    comfy_checkpoint,
+    comfy_lora_name,
+    config_from_state,
+    diffusers_to_original,
+    is_lite,
+    original_to_diffusers,
+    split_comfy_checkpoint,
+)
 from trainer.families.common.cascade_kit import CascadePrior, given_prior_config
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
@@ -79,11 +96,7 @@ class StableCascade(CascadePrior):
 
     def _prior_from_single_file(self, mcfg: Any):
         """stage_c(_lite).safetensors, original layout; or ComfyUI's checkpoint (prior + ``text_encoder.*``)."""
-        from diffusers import StableCascadeUNet
-        from safetensors.torch import load_file
 
-        from trainer.families.common.cascade_keys import (CONFIG_FULL, CONFIG_LITE, config_from_state, is_lite,
-                                                          original_to_diffusers, split_comfy_checkpoint)
         try:
             prior_state, text_state = split_comfy_checkpoint(load_file(self.source.location))
         except Exception as exc:
@@ -104,7 +117,6 @@ class StableCascade(CascadePrior):
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions, grads: bool = False) -> Dict[str, Any]:
-        import torch
         tokens = self.tokenizer([str(c) for c in captions], padding="max_length",
                                 max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt")
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
@@ -114,7 +126,6 @@ class StableCascade(CascadePrior):
 
     # --- the denoiser -----------------------------------------------------------------------
     def _run_prior(self, x, r, cond):
-        import torch
         dtype = x.dtype
         clip_img = torch.zeros(x.shape[0], 1, self.prior.config.clip_image_in_channels, device=x.device, dtype=dtype)
         return self.prior(sample=x, timestep_ratio=r, clip_text_pooled=cond["prompt_embeds_pooled"].to(dtype),
@@ -123,7 +134,6 @@ class StableCascade(CascadePrior):
     # --- export -----------------------------------------------------------------------------
     def lora_namer(self):
         """ComfyUI's Cascade names: ``lora_prior_unet_<stage C module>``, ``lora_prior_te_<CLIP-G module>``."""
-        from trainer.families.common.cascade_keys import comfy_lora_name
         return {"unet": ("lora_prior_unet", comfy_lora_name), "text_encoder": ("lora_prior_te", lambda p: p)}
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
@@ -138,7 +148,6 @@ class StableCascade(CascadePrior):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned prior with its CLIP-G as ComfyUI's stage C checkpoint (``model.diffusion_model.`` + original
         layout, ``text_encoder.clip_g.…``): what its checkpoint loader and its UNET loader read, and model.path here."""
-        from trainer.families.common.cascade_keys import comfy_checkpoint, diffusers_to_original
 
         def cpu(module):
             return {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
@@ -151,11 +160,7 @@ def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default")
     """Load an Atelier (ComfyUI-named) Cascade LoRA into a diffusers Stable Cascade pipeline through peft
     (diffusers has no Cascade ``load_lora_weights``): adapters of the file's rank on the prior (and the prior's
     text encoder), then their weights. ``pipe``: the family's sampler, a combined or a prior pipeline."""
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    from trainer.families.common.cascade_keys import comfy_lora_name
     prior_pipe = getattr(pipe, "prior_pipe", pipe)
     state = load_file(str(path))
     alphas = {k.rsplit(".", 1)[0]: float(v) for k, v in state.items() if k.endswith(".alpha")}

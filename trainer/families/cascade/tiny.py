@@ -12,16 +12,20 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
+from transformers import CLIPTokenizer
+
+from trainer.families.common.cascade_keys import diffusers_to_original
+from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
+from trainer.families.common.effnet import save_effnet, tiny_effnet
+from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
+from trainer.families.common.tiny_store import store_tiny
+
 TINY_VERSION = 1
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, StableCascadeUNet
-    from transformers import CLIPTokenizer
-
-    from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
-    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
     write_tiny_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -54,9 +58,6 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <combined pipeline folder>, "single_file": <stage C .safetensors>}``."""
-    from trainer.families.common.cascade_keys import diffusers_to_original
-    from trainer.families.common.effnet import save_effnet, tiny_effnet
-    from trainer.families.common.tiny_store import store_tiny
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, diffusers_to_original,
                       denoiser=lambda pipe: pipe.prior_prior,
                       extras=lambda folder: save_effnet(tiny_effnet(c_latent=16, affine=False, seed=1),

@@ -20,9 +20,21 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, part_dtype
+import torch
+from diffusers import ChromaPipeline, ChromaTransformer2DModel
+
 from trainer.errors import ModelLoadError
-from trainer.families.common.transformer_kit import PeftLayoutLora
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.chroma.keys import config_from_original
+from trainer.families.common.bfl_keys import bfl_to_diffusers, diffusers_to_bfl
+from trainer.families.common.transformer_kit import (
+    PeftLayoutLora,
+    pipeline_with_transformer_file,
+    save_transformer_file,
+)
+from trainer.families.sources import classify_source, detect_source_family
+from trainer.objectives import flow_objective_for
 
 OFFICIAL = "lodestones/Chroma1-HD"
 T5_MAX = 512
@@ -56,18 +68,13 @@ class Chroma(PeftLayoutLora, Family):
     modelspec = ("chroma", "https://github.com/lodestone-rock/flow", "chroma")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import ChromaPipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-        from trainer.objectives import flow_objective_for
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes)
         else:
-            pipe = load_pipeline(ChromaPipeline, self.source, mcfg, workspace, family="chroma", dtype=dtypes)
+            pipe = sources.load_pipeline(ChromaPipeline, self.source, mcfg, workspace, family="chroma", dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
@@ -85,11 +92,6 @@ class Chroma(PeftLayoutLora, Family):
         self._empty: Optional[Dict[str, Any]] = None
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        from diffusers import ChromaPipeline, ChromaTransformer2DModel
-
-        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
-        from trainer.families.chroma.keys import config_from_original
-        from trainer.families.common.bfl_keys import bfl_to_diffusers
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=ChromaPipeline,
                                               transformer_cls=ChromaTransformer2DModel, config=config_from_original,
                                               to_diffusers=bfl_to_diffusers, official=OFFICIAL,
@@ -99,7 +101,6 @@ class Chroma(PeftLayoutLora, Family):
     def _encode(self, captions: List[str], grads: bool = False):
         """As ``ChromaPipeline._get_t5_prompt_embeds``: T5 with its mask; the transformer attends to every real token
         and the first padding token."""
-        import torch
         tokens = self.tokenizer(captions, padding="max_length", max_length=self.max_sequence_length, truncation=True,
                                 return_tensors="pt")
         mask = tokens.attention_mask.to(self.device)
@@ -111,13 +112,11 @@ class Chroma(PeftLayoutLora, Family):
         return embeds, text_mask
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             embeds, mask = self._encode(list(captions))
         return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_attention_mask"].to(self.device)
@@ -133,8 +132,6 @@ class Chroma(PeftLayoutLora, Family):
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
-        import torch
-        from diffusers import ChromaPipeline
         b, c, h, w = model_input.shape
         if h % 2 or w % 2:
             raise ValueError(f"Chroma packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a multiple "
@@ -155,7 +152,6 @@ class Chroma(PeftLayoutLora, Family):
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         """ChromaPipeline over the live modules with the model's own flow-matching Euler sampler."""
-        from diffusers import ChromaPipeline
         pipe = ChromaPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                               text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
@@ -170,6 +166,4 @@ class Chroma(PeftLayoutLora, Family):
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
-        from trainer.families.common.bfl_keys import diffusers_to_bfl
-        from trainer.families.common.transformer_kit import save_transformer_file
         save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)

@@ -9,6 +9,14 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+from trainer.families.common.bfl_keys import diffusers_to_bfl
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
+
 TINY_VERSION = 1
 # lodestones/Chroma1-HD scheduler/scheduler_config.json: Flux dev's resolution-dependent shift
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
@@ -16,11 +24,6 @@ SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": 
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
-    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
-
-    from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
     write_tiny_t5_tokenizer(folder / "tokenizer")
     tokenizer = T5TokenizerFast.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -43,6 +46,4 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <ChromaPipeline folder>, "single_file": <original .safetensors>}``."""
-    from trainer.families.common.bfl_keys import diffusers_to_bfl
-    from trainer.families.common.tiny_store import store_tiny
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, diffusers_to_bfl)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
+
 # one-to-one renames, BFL -> diffusers (weights and biases alike unless noted)
 _TOP = {
     "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
@@ -68,7 +70,6 @@ def strip_prefix(state: Dict[str, "object"]) -> Dict[str, "object"]:
 
 
 def _swap_halves(t):
-    import torch
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
 
@@ -124,7 +125,6 @@ def bfl_to_diffusers(state: Dict[str, "object"]) -> Dict[str, "object"]:
 
 def diffusers_to_bfl(state: Dict[str, "object"]) -> Dict[str, "object"]:
     """Flux/Chroma transformer weights in the original BFL layout (the inverse of :func:`bfl_to_diffusers`)."""
-    import torch
     out: Dict[str, object] = {}
     for bfl, ours in _TOP.items():
         for suffix in ("weight", "bias"):

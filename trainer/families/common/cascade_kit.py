@@ -19,11 +19,22 @@ EfficientNet image embeddings, and decoder stages that turn the prior's output i
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from trainer.families.base import Family, part_dtype
+import diffusers
+import torch
+import transformers
+from diffusers import DDPMWuerstchenScheduler
+from diffusers.pipelines.deprecated import wuerstchen
+from huggingface_hub import hf_hub_download, snapshot_download
+
 from trainer.errors import ModelLoadError
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.effnet import effnet_preprocess, load_effnet
+from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
+from trainer.objectives import CosineObjective
 
 # the first folder name found wins: prior pipeline layout, combined pipeline layout
 PRIOR_DIRS = {"prior": ("prior", "prior_prior"), "text_encoder": ("text_encoder", "prior_text_encoder"),
@@ -50,9 +61,7 @@ def local_copy(location: str, mcfg: Any, patterns: List[str], what: str, key: st
     p = Path(location).expanduser()
     if p.is_dir():
         return p
-    from huggingface_hub import snapshot_download
 
-    from trainer.families.sources import hub_kwargs, hub_offline
     try:
         return Path(snapshot_download(location, allow_patterns=patterns, local_files_only=hub_offline(mcfg),
                                       **hub_kwargs(mcfg)))
@@ -107,10 +116,6 @@ class CascadePrior(Family):
     decoder_class: str = ""  # diffusers class of the decoder (stage B / Würstchen 2 stage B)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-
-        from trainer.families.sources import classify_source, detect_source_family
-        from trainer.objectives import CosineObjective
         self.source = classify_source(mcfg.path, workspace)
         self.family = detect_source_family(self.source, mcfg) or self.info.choices[0]
         self._mcfg, self._workspace = mcfg, workspace
@@ -149,7 +154,6 @@ class CascadePrior(Family):
         return _subdir(folder, PRIOR_DIRS["prior"])
 
     def _load_prior(self, folder: Path, mcfg: Any):
-        import diffusers
         sub = self._prior_dir(folder, mcfg)
         if sub is None:
             raise ModelLoadError(f"model.path '{self.source.display}' has no prior folder ({', '.join(PRIOR_DIRS['prior'])}"
@@ -165,7 +169,6 @@ class CascadePrior(Family):
                                  key="model.path", value=self.source.display) from None
 
     def _load_text(self, folder: Path):
-        import transformers
         te, tok = _subdir(folder, PRIOR_DIRS["text_encoder"]), _subdir(folder, PRIOR_DIRS["tokenizer"])
         key = "model.config_path" if self.source.kind == "single_file" else "model.path"
         if te is None or tok is None:
@@ -183,7 +186,6 @@ class CascadePrior(Family):
         raise NotImplementedError
 
     def _load_effnet(self, mcfg: Any, folder: Optional[Path]):
-        from trainer.families.common.effnet import load_effnet
         given = str(getattr(mcfg, "effnet_path", "") or "")
         if given:
             path = Path(given).expanduser()
@@ -205,9 +207,6 @@ class CascadePrior(Family):
                                  value=str(path)) from None
 
     def _hub_effnet(self, mcfg: Any) -> Path:
-        from huggingface_hub import hf_hub_download
-
-        from trainer.families.sources import hub_kwargs, hub_offline
         repo, name = self.effnet_hub
         try:
             return Path(hf_hub_download(repo, name, local_files_only=hub_offline(mcfg),
@@ -219,9 +218,7 @@ class CascadePrior(Family):
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """EfficientNet embeddings of the images (deterministic: ``std`` is zero), on the CPU in fp32."""
-        import torch
 
-        from trainer.families.common.effnet import effnet_preprocess
         h, w = pixels.shape[-2:]
         if h % 128 or w % 128:
             raise ValueError(f"{self.info.label} trains at sizes that are multiples of 128 pixels (1024 px → 24×24 "
@@ -237,7 +234,6 @@ class CascadePrior(Family):
         return (dist["mean"].to(self.device) + b) / a
 
     def fingerprint(self) -> str:
-        import hashlib
         h = hashlib.sha256(f"{self.source.kind}:{self.source.location}:{self._vae_dtype_name}".encode())
         for name, t in self.effnet.state_dict().items():  # the encoder decides the latents
             h.update(name.encode())
@@ -249,12 +245,10 @@ class CascadePrior(Family):
         raise NotImplementedError
 
     def encode_captions(self, captions) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             return {k: v.float().cpu() for k, v in self._encode(captions).items()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
         keys = list(self.encode_captions([""])) if self._empty is None else list(self._empty)
         if all(batch.get(k) is not None for k in keys):
             cond = {k: batch[k].to(self.device) for k in keys}
@@ -289,9 +283,6 @@ class CascadePrior(Family):
         return self.official["decoder"], "model.decoder_path"
 
     def _load_decoder(self) -> Dict[str, Any]:
-        import diffusers
-        import transformers
-        from diffusers import DDPMWuerstchenScheduler
         location, key = self._decoder_location()
         sub = self.decoder_subfolder
         folder = local_copy(location, self._mcfg, [f"{sub}/*", "vqgan/*", "text_encoder/*", "tokenizer/*",
@@ -302,7 +293,6 @@ class CascadePrior(Family):
                                  f"folder). Set model.decoder_path to the decoder pipeline folder or hub id "
                                  f"({self.official['decoder']}).", key="model.decoder_path", value=location)
         decoder_cls = getattr(diffusers, self.decoder_class, None) or deprecated_wuerstchen_class(self.decoder_class)
-        import torch
         dtype = next(self.prior.parameters()).dtype
         dtype = torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
         try:
@@ -323,8 +313,6 @@ class CascadePrior(Family):
     def pipeline(self, sampler: Optional[str] = None):
         """Prior (the live, training modules) then decoder; ``sampler`` is not used: both stages sample with
         their own DDPM-Würstchen scheduler."""
-        import diffusers
-        from diffusers import DDPMWuerstchenScheduler
         d = self._decoder_parts()
         cls = getattr(diffusers, self.pipelines["combined"])
         pipe = cls(tokenizer=d["tokenizer"], text_encoder=d["text_encoder"], decoder=d["decoder"],
@@ -352,14 +340,12 @@ CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 def deprecated_wuerstchen_class(name: str):
     """A class diffusers keeps under pipelines.deprecated.wuerstchen (Würstchen 2's prior and decoder, the VQGAN)."""
-    from diffusers.pipelines.deprecated import wuerstchen
     return getattr(wuerstchen, name)
 
 
 def tiny_clip(tokenizer: Any, projection: bool):
     """A 2-layer, 32-wide CLIP text encoder for the tiny built-in models (with the projection head Cascade's
     pooled conditioning reads, or without for Würstchen 2)."""
-    import transformers
     config = transformers.CLIPTextConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=77, projection_dim=32, bos_token_id=tokenizer.bos_token_id,
@@ -372,7 +358,6 @@ def fill_zero_weights(*modules: Any) -> None:
     """Give weights that start at zero (the priors' and decoders' output convs, some mappers) random values of a
     layer's usual scale (1/√fan-in), so a tiny random model's output depends on its input and its adapters, as a
     trained one's does (uses the caller's RNG)."""
-    import torch
     with torch.no_grad():
         for module in modules:
             for name, p in module.named_parameters():

@@ -18,6 +18,7 @@ from typing import Any, Dict, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -210,7 +211,6 @@ def tiny_effnet(c_latent: int = 16, affine: bool = False, seed: int = 0) -> Effi
 def save_effnet(encoder: EfficientNetEncoder, path: str | os.PathLike) -> None:
     """Write ``encoder`` as safetensors in the layout of Stable Cascade's ``effnet_encoder.safetensors``
     (``backbone.*``, ``mapper.*``; without ``num_batches_tracked``, which eval mode never reads)."""
-    from safetensors.torch import save_file
     state = {k: v.detach().cpu().contiguous() for k, v in encoder.state_dict().items()
              if not k.endswith(".num_batches_tracked")}
     save_file(state, str(path))
@@ -242,7 +242,6 @@ def _read_tensors(path: Path) -> Dict[str, torch.Tensor]:
         raise ValueError(f"{path} is not an EfficientNet encoder file: expected .safetensors or .pt/.pth/.ckpt")
     try:
         if kind == "safetensors":
-            from safetensors.torch import load_file
             obj: Any = load_file(str(path))
         else:
             obj = _torch_load(path)

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from trainer.families import info_for
+
 # openai/clip-vit-large-patch14 (text tower): Flux.1's text_encoder, SD 3.5's text_encoder (with projection)
 CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
           "max_position_embeddings": 77, "vocab_size": 49408, "projection_dim": 768, "hidden_act": "quick_gelu",
@@ -71,7 +73,6 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".ckpt")
 
 def spec_for(variant: str) -> Optional[Dict[str, Any]]:
     """The full-size spec of ``variant`` (``model.family`` value), or None when its family ships none."""
-    from trainer.families import info_for
     info = info_for(variant)
     package = info.family_class.split(":")[0].rsplit(".", 1)[0]
     try:
@@ -109,7 +110,6 @@ def config_folder(variant: str, cache_root: Path) -> Path:
             return target
     except OSError:
         pass
-    from trainer.families import info_for
     info = info_for(variant)
     module_name, func = info.tiny[spec["tiny"]].split(":")
     tiny = Path(getattr(importlib.import_module(module_name), func)(spec["tiny"], Path(cache_root) / "models")["diffusers"])

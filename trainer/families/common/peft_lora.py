@@ -9,7 +9,10 @@ reads ``{x}.lora_A.weight``/``{x}.lora_B.weight``). Neither reads an alpha for t
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, Mapping
+
+import torch
 
 from trainer.formats.kohya import check_plain_lora, kohya_alpha, lora_layers
 
@@ -41,7 +44,6 @@ def load_peft_layout(state: Mapping[str, Any], modules: Mapping[str, Any], prefi
                      adapter_name: str = "default", renames: Mapping[str, Rename] = {}) -> set:
     """Copy a file of :func:`peft_layout_state_dict` into fresh peft layers (``lora.init_weights``);
     returns the file keys used. A layer the file lacks raises, naming it."""
-    import torch
 
     used = set()
     for slot, module in modules.items():
@@ -65,6 +67,5 @@ def clip_text_model(path: str) -> str:
 
 def target_regex(endings) -> str:
     """peft ``target_modules`` regex for module-name endings ('*' matches one path part)."""
-    import re
     parts = [re.escape(e).replace(r"\*", r"[^.]+") for e in endings]
     return r"^(.*\.)?(" + "|".join(parts) + r")$"

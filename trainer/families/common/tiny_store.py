@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Dict
 
+from safetensors.torch import save_file
+
 
 def store_tiny(kind: str, root: str | os.PathLike, version: int, build: Callable[[Path], Any],
                original_layout: Callable[[Dict[str, Any]], Dict[str, Any]],
@@ -16,7 +18,6 @@ def store_tiny(kind: str, root: str | os.PathLike, version: int, build: Callable
     """``build(tokenizer_folder) -> pipeline`` (run once, then reused while ``version`` matches);
     ``original_layout(denoiser(pipeline).state_dict()) -> single-file tensors``; ``extras(folder)`` writes
     files beside the pipeline's (an image encoder). Returns ``{"diffusers", "single_file"}``."""
-    from safetensors.torch import save_file
     root = Path(root)
     folder, single = root / kind, root / f"{kind}.safetensors"
     stamp = folder / ".atelier-tiny"

@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from trainer.families.common.sd_kit.tiny import bytes_to_unicode
+
 _WORDS = ["a", "photo", "of", "the", "sks", "dog", "cat", "red", "blue", "green", "square", "circle", "on",
           "white", "black", "background", "painting", "style", "in", "an", "with", "and", "triangle", "yellow"]
 
@@ -13,7 +17,6 @@ _WORDS = ["a", "photo", "of", "the", "sks", "dog", "cat", "red", "blue", "green"
 def write_tiny_t5_tokenizer(folder: Path, max_length: int = 64) -> None:
     """A T5-style (SentencePiece Unigram) tokenizer built offline with the ``tokenizers`` library:
     ``<pad>``=0, ``</s>``=1, ``<unk>``=2, a few whole words and every printable ASCII character."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     folder.mkdir(parents=True, exist_ok=True)
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
     vocab += [("▁" + w, -2.0) for w in _WORDS] + [("▁", -3.0)]
@@ -42,9 +45,7 @@ CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['rol
 
 def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128) -> None:
     """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from trainer.families.common.sd_kit.tiny import bytes_to_unicode
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -72,9 +73,7 @@ MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTE
 def write_tiny_mistral_tokenizer(folder: Path, max_length: int = 512) -> None:
     """A byte-level BPE tokenizer with Mistral's special tokens (``[IMG]`` = id 8) and a text-only version of its chat
     template, where Flux.2 [dev] keeps its processor (the Pixtral image processor's config beside it)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from trainer.families.common.sd_kit.tiny import bytes_to_unicode
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {t: i for i, t in enumerate(MISTRAL_SPECIAL)}
     for ch in sorted(set(bytes_to_unicode().values())):

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 _SCALE = 1e-4  # the pairs' size before a closing GroupNorm (var ≤ 1e-8 ≪ eps = 1e-6)
 _LIFT = 4.0  # where the pairs sit on SiLU: nearly linear, and coarse enough for bf16 (spacing 1/32)
 
@@ -39,7 +41,6 @@ def make_identity_vae(vae) -> None:
     """Set the weights of a diffusers ``AutoencoderKL`` (Down/UpEncoderBlock2D layout, RGB) in place.
 
     Needs at least 6 channels at both ends and GroupNorm groups of an even number of channels."""
-    import torch
 
     cfg = vae.config
     colours = 3

@@ -9,7 +9,12 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import torch
+from safetensors.torch import load_file
+
 from trainer.errors import ModelLoadError
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict, target_regex
+from trainer.families.sources import hub_offline, load_by_component
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
 
@@ -22,7 +27,6 @@ class MaskedText:
         self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
 
     def to(self, *args: Any, **kwargs: Any) -> "MaskedText":
-        import torch
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         return MaskedText(self.prompt_embeds.to(*args, **kwargs),
                           self.prompt_mask if device is None else self.prompt_mask.to(device))
@@ -35,13 +39,11 @@ class MaskedTextConditioning:
     _empty: Optional[Dict[str, Any]] = None
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             embeds, mask = self._encode(list(captions))
         return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_mask"].to(self.device).bool()
@@ -65,7 +67,6 @@ class PeftLayoutLora:
     modelspec = ("", "", "")
 
     def lora_targets(self, slot: str, preset: str):
-        from trainer.families.common.peft_lora import target_regex
         return target_regex(self.targets[preset])
 
     def lora_namer(self):
@@ -76,14 +77,12 @@ class PeftLayoutLora:
         return {"unet": ("transformer", lambda p: p)}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
         out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
         if not out:
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return out
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
         used = load_peft_layout(state, modules, {"unet": "transformer"}, adapter_name)
         extra = sorted(set(state) - used)
         if extra:
@@ -109,9 +108,7 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
     load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
     ``model.config_path`` (default ``official``; ``by_component``: one component at a time, not through
     ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`)."""
-    from safetensors.torch import load_file
 
-    from trainer.families.sources import hub_offline
     source = family.source
     rest = getattr(mcfg, "config_path", "") or official
     try:
@@ -139,7 +136,6 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
     try:
         if by_component:
-            from trainer.families.sources import load_by_component
             return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer",),
                                      transformer=transformer)
         return pipeline_cls.from_pretrained(rest, transformer=transformer,

@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 from trainer.families import Evidence
+from trainer.families.common.sd_kit import sd_configs
 
 
 def classify(ev: Evidence) -> Optional[str]:
     """sd15 / sd2 / sdxl (``-inpaint``) for SD-lineage weights, None for anything else; raises
     ValueError for SD-lineage weights no family trains (refiner, depth, pix2pix, unCLIP …)."""
-    from trainer.families.common.sd_kit import sd_configs
     if ev.kind == "single_file":
         if not ev.has_prefix("model.diffusion_model.input_blocks.", "model.diffusion_model.out."):
             return None

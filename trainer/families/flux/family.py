@@ -26,10 +26,20 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from huggingface_hub import constants
+from safetensors.torch import load_file
+
+from trainer.errors import ConfigError, ModelLoadError
+from trainer.families import sources
 from trainer.families.base import Family, part_dtype
-from trainer.errors import ModelLoadError
+from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
+from trainer.families.flux.keys import bfl_to_diffusers, config_from_bfl, diffusers_to_bfl
+from trainer.families.sources import classify_source, detect_source_family
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
+from trainer.objectives import flow_objective_for
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
@@ -69,10 +79,6 @@ class Flux(Family):
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import FluxPipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
@@ -82,7 +88,7 @@ class Flux(Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes)
         else:
-            pipe = load_pipeline(FluxPipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes)
+            pipe = sources.load_pipeline(FluxPipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
@@ -106,10 +112,7 @@ class Flux(Family):
     def _from_single_file(self, mcfg: Any, variant: str, dtypes: Dict[str, Any]):
         """The BFL transformer file, with VAE/CLIP/T5 from ``model.config_path`` (a diffusers folder or
         hub id; default the official repo of the variant)."""
-        from diffusers import FluxPipeline, FluxTransformer2DModel
-        from safetensors.torch import load_file
 
-        from trainer.families.flux.keys import bfl_to_diffusers, config_from_bfl
         try:
             state = load_file(self.source.location)
         except Exception as exc:
@@ -131,7 +134,6 @@ class Flux(Family):
         transformer.to(dtypes["transformer"])
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and hub_offline()
-        from diffusers import FlowMatchEulerDiscreteScheduler
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(  # the variant's own (schnell: no dynamic shift)
             json.loads((CONFIGS / config_variant(config) / "scheduler" / "scheduler_config.json").read_text()))
         kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}, "scheduler": scheduler}
@@ -149,12 +151,10 @@ class Flux(Family):
                 key="model.config_path", value=rest) from None
 
     def _objective(self):
-        from trainer.objectives import flow_objective_for
         return flow_objective_for(self._sched_config)
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: frozenset = frozenset()):
-        import torch
         ids = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
                              truncation=True, return_tensors="pt").input_ids
         with torch.set_grad_enabled(torch.is_grad_enabled() and "text_encoder" in grads):
@@ -166,14 +166,12 @@ class Flux(Family):
         return prompt_embeds, pooled
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             prompt_embeds, pooled = self._encode(list(captions))
         return {"prompt_embeds": prompt_embeds.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
 
     def _drop(self, prompt_embeds, pooled, drop_te1, drop_te2):
         """Per-encoder caption dropout: the flagged images get that encoder's encoding of the empty caption."""
-        import torch
         if not (drop_te1 is not None and any(drop_te1)) and not (drop_te2 is not None and any(drop_te2)):
             return prompt_embeds, pooled
         if self._empty is None:
@@ -197,8 +195,6 @@ class Flux(Family):
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
-        import torch
-        from diffusers import FluxPipeline
         b, c, h, w = model_input.shape
         if h % 2 or w % 2:
             raise ValueError(f"Flux packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a multiple "
@@ -221,7 +217,6 @@ class Flux(Family):
     def pipeline(self, sampler: Optional[str] = None):
         """FluxPipeline over the live modules with the model's own flow-matching Euler sampler (the SD
         samplers of ``sampling.scheduler`` do not apply to flow models)."""
-        from diffusers import FluxPipeline
         pipe = FluxPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                             text_encoder=self.text_encoder, tokenizer=self.tokenizer,
                             text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
@@ -244,7 +239,6 @@ class Flux(Family):
         long = [(path, n) for path, text in captions
                 if (n := len(self.tokenizer(text, truncation=False).input_ids)) > limit]
         if long:
-            from trainer.errors import ConfigError
             shown = ", ".join(f"{getattr(p, 'name', p)} ({n} tokens)" for p, n in long[:5])
             raise ConfigError(f"parts.text_encoder_2.enabled = false (T5 off): only CLIP-L reads the captions and it "
                               f"stops at {limit} tokens, but {len(long)} caption(s) are longer: {shown}"
@@ -257,7 +251,6 @@ class Flux(Family):
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):
         if slot == "unet":
-            from trainer.families.common.peft_lora import target_regex
             return target_regex(TARGETS[preset])
         return list(CLIP_TARGETS if slot == "text_encoder" else T5_TARGETS)
 
@@ -268,14 +261,12 @@ class Flux(Family):
                 "text_encoder_2": ("lora_te2", lambda p: p)}
 
     def peft_file_names(self):
-        from trainer.families.common.peft_lora import clip_text_model
         return {"unet": ("transformer", lambda p: p), "text_encoder": ("text_encoder", clip_text_model)}
 
     _FILE_PREFIXES = {"unet": "transformer", "text_encoder": "text_encoder"}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
         """LoRA in the diffusers/peft layout with α/r baked into ``lora_B`` (families/common/peft_lora.py)."""
-        from trainer.families.common.peft_lora import clip_text_model, peft_layout_state_dict
         if "text_encoder_2" in modules:
             raise ValueError("Flux LoRA files hold the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux): "
                              "turn parts.text_encoder_2.train off")
@@ -286,7 +277,6 @@ class Flux(Family):
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
         """The inverse of :meth:`lora_state_dict` into fresh peft layers (``lora.init_weights``)."""
-        from trainer.families.common.peft_lora import clip_text_model, load_peft_layout
         used = load_peft_layout(state, modules, self._FILE_PREFIXES, adapter_name, {"text_encoder": clip_text_model})
         extra = sorted(set(state) - used)
         if extra:
@@ -305,14 +295,12 @@ class Flux(Family):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the BFL single file ComfyUI's UNet loader reads (VAE and text
         encoders are separate files in that world)."""
-        from trainer.families.flux.keys import diffusers_to_bfl
         state = cast_state_dict({k: v.detach().cpu().contiguous() for k, v in
                                  diffusers_to_bfl(self.transformer.state_dict()).items()}, dtype)
         write_checkpoint(Path(path), state, metadata or {})
 
 
 def _clip_text_model(path: str) -> str:
-    from trainer.families.common.peft_lora import clip_text_model
     return clip_text_model(path)
 
 
@@ -321,5 +309,4 @@ def config_variant(transformer_config: dict) -> str:
 
 
 def hub_offline() -> bool:
-    from huggingface_hub import constants
     return bool(constants.HF_HUB_OFFLINE)

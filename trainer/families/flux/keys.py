@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from trainer.families.common.bfl_keys import block_count, bfl_to_diffusers, diffusers_to_bfl, strip_prefix
+from trainer.families.common.bfl_keys import bfl_to_diffusers, block_count, diffusers_to_bfl, strip_prefix
 
 __all__ = ["bfl_to_diffusers", "config_from_bfl", "diffusers_to_bfl", "strip_prefix"]
 

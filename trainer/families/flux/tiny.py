@@ -14,17 +14,21 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+
+from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
+from trainer.families.flux.keys import diffusers_to_bfl
+
 TINY_VERSION = 1
 
 
 def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = None):
     """The tiny FluxPipeline in memory (tokenizers are written to ``folder``/tokenizer*)."""
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
-    from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
-    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
     dev = kind == "tiny-flux"
     write_tiny_tokenizer(folder / "tokenizer")
     write_tiny_t5_tokenizer(folder / "tokenizer_2")
@@ -57,7 +61,5 @@ def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = N
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <FluxPipeline folder>, "single_file": <BFL transformer .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
-    from trainer.families.flux.keys import diffusers_to_bfl
     return store_tiny(kind, root, TINY_VERSION, lambda tokenizers: build_tiny_pipeline(kind, folder=tokenizers),
                       diffusers_to_bfl)

@@ -24,11 +24,26 @@ What differs, and where it lives here:
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, part_dtype
+import torch
+from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from huggingface_hub import hf_hub_download
+
 from trainer.errors import ModelLoadError
-from trainer.families.common.transformer_kit import PeftLayoutLora
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.transformer_kit import (
+    PeftLayoutLora,
+    pipeline_with_transformer_file,
+    save_transformer_file,
+)
+from trainer.families.flux2.keys import config_from_state
+from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
+from trainer.objectives import FlowMatchingObjective
 
 OFFICIAL = "black-forest-labs/FLUX.2-klein-4B"
 OFFICIAL_DEV = "black-forest-labs/FLUX.2-dev"
@@ -46,16 +61,12 @@ TARGETS = {"attn": ATTN,
 def _processor_chat_template(location: str, mcfg: Any) -> str:
     """The chat template of Flux.2 [dev]'s processor (``tokenizer/chat_template.jinja`` or ``.json``), for a tokenizer
     that carries none; ModelLoadError naming the folder when there is neither."""
-    import json
-    from pathlib import Path
 
-    from trainer.families.sources import hub_kwargs, hub_offline
     for name in ("chat_template.jinja", "chat_template.json"):
         try:
             if Path(location).is_dir():
                 path = Path(location) / "tokenizer" / name
             else:
-                from huggingface_hub import hf_hub_download
                 path = Path(hf_hub_download(location, f"tokenizer/{name}", local_files_only=hub_offline(mcfg),
                                             **hub_kwargs(mcfg)))
             text = path.read_text(encoding="utf-8")
@@ -110,10 +121,6 @@ class Flux2(PeftLayoutLora, Family):
     modelspec = ("flux-2-klein", "https://github.com/black-forest-labs/flux2", "flux2_klein")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import Flux2KleinPipeline, Flux2Pipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
@@ -127,7 +134,7 @@ class Flux2(PeftLayoutLora, Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes, pipeline_cls)
         else:
-            pipe = load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes,
+            pipe = sources.load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes,
                                  by_component=self.dev)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
@@ -162,18 +169,12 @@ class Flux2(PeftLayoutLora, Family):
         """The scheduler's fixed shift, or (``use_dynamic_shifting``, the released models) the pipeline's empirical
         μ of the image-token count (``compute_empirical_mu``) at 50 steps, a usual sampling length: μ depends on
         the step count there, and training has none."""
-        from trainer.objectives import FlowMatchingObjective
         if not self._sched_config.get("use_dynamic_shifting", False):
             return FlowMatchingObjective(shift=float(self._sched_config.get("shift", 1.0)))
-        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
         return FlowMatchingObjective(dynamic_shift=lambda latents: compute_empirical_mu(
             latents.shape[-2] * latents.shape[-1], 50))
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any], pipeline_cls: Any):
-        from diffusers import Flux2Transformer2DModel
-
-        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
-        from trainer.families.flux2.keys import config_from_state
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
                                               transformer_cls=Flux2Transformer2DModel, config=config_from_state,
                                               to_diffusers=dict, official=OFFICIAL_DEV if self.dev else OFFICIAL,
@@ -182,8 +183,6 @@ class Flux2(PeftLayoutLora, Family):
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """The posterior's mean and std, patchified 2×2 (the transformer's latent space, before normalising)."""
-        import torch
-        from diffusers import Flux2KleinPipeline
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
         patch = Flux2KleinPipeline._patchify_latents
@@ -191,7 +190,6 @@ class Flux2(PeftLayoutLora, Family):
 
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, normalised by the VAE's BatchNorm statistics."""
-        import torch
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
         bn = self.vae.bn
@@ -201,11 +199,8 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
-        import torch
-        from diffusers import Flux2KleinPipeline
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
             if self.dev:
-                from diffusers import Flux2Pipeline
                 return Flux2Pipeline._get_mistral_3_small_prompt_embeds(
                     self.text_encoder, self.tokenizer, [str(c) for c in captions], device=self.device,
                     max_sequence_length=self.max_sequence_length, hidden_states_layers=self.text_layers)
@@ -214,7 +209,6 @@ class Flux2(PeftLayoutLora, Family):
                 max_sequence_length=self.max_sequence_length, hidden_states_layers=self.text_layers)
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
         captions = list(captions)
         # [dev]: Mistral's 41 hidden states of a caption are 21 MiB each at 512 tokens: 4 captions at a time
         step = 4 if self.dev else max(1, len(captions))
@@ -223,7 +217,6 @@ class Flux2(PeftLayoutLora, Family):
                                                 for i in range(0, len(captions), step)])}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
         else:
@@ -237,14 +230,12 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
-        from diffusers import Flux2KleinPipeline
         b, c, h, w = model_input.shape
         dtype, device = model_input.dtype, model_input.device
         tokens = Flux2KleinPipeline._pack_latents(model_input)
         embeds = conditioning.prompt_embeds.to(device, dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:  # [dev]: the embedded guidance (the transformer scales it by 1000)
-            import torch
             guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
         out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=guidance,
                                encoder_hidden_states=embeds,
@@ -255,7 +246,6 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        from diffusers import Flux2KleinPipeline, Flux2Pipeline
         if self.dev:
             pipe = Flux2Pipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                                  text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
@@ -276,5 +266,4 @@ class Flux2(PeftLayoutLora, Family):
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer's weights in one file under diffusers' names."""
-        from trainer.families.common.transformer_kit import save_transformer_file
         save_transformer_file(path, self.transformer.state_dict(), dtype, metadata)

@@ -8,9 +8,32 @@ and a byte-level Qwen-style tokenizer built offline. Built without touching torc
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Dict
+
+import torch
+from diffusers import (
+    AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
+)
+from transformers import (
+    AutoTokenizer,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    MistralConfig,
+    PixtralVisionConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_mistral_tokenizer, write_tiny_qwen_tokenizer
 
 TINY_VERSION = 1
 # black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json: shift by resolution (the pipeline's μ)
@@ -19,8 +42,6 @@ SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": 
 
 def _transformer_and_vae(guidance: bool):
     """The tiny transformer and the Flux.2 VAE (seeded by the caller): [dev]'s transformer embeds guidance."""
-    import torch
-    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=96,
                                           timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
@@ -37,11 +58,6 @@ def _transformer_and_vae(guidance: bool):
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
     write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=512)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -55,12 +71,6 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 
 def build_tiny_dev_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
-    from transformers import (AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig,
-                              PixtralVisionConfig)
-
-    from trainer.families.common.tiny_text import write_tiny_mistral_tokenizer
     write_tiny_mistral_tokenizer(folder / "tokenizer", max_length=512)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -80,7 +90,6 @@ def build_tiny_dev_pipeline(folder: Path, seed: int = 0):
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <Flux2KleinPipeline / Flux2Pipeline folder>, "single_file": <transformer
     .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
     if kind == "tiny-flux2-dev":
         return store_tiny(kind, root, TINY_VERSION, build_tiny_dev_pipeline, dict, extras=_processor_layout)
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, dict)
@@ -89,11 +98,8 @@ def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
 def _processor_layout(folder: Path) -> None:
     """As black-forest-labs/FLUX.2-dev keeps it: ``tokenizer/`` is a PixtralProcessor (model_index names it), with the
     image processor's config and the chat template beside the tokenizer's files."""
-    import json
-    import shutil
     tok = folder / "tokenizer"
     scratch = folder.parent / (folder.name + ".processor")
-    from trainer.families.common.tiny_text import write_tiny_mistral_tokenizer
     write_tiny_mistral_tokenizer(scratch)
     for name in ("processor_config.json", "preprocessor_config.json", "chat_template.json"):
         shutil.copyfile(scratch / name, tok / name)

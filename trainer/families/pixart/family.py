@@ -29,11 +29,32 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from trainer.families.base import Family, part_dtype
+import diffusers
+import torch
+from diffusers import DDPMScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline, PixArtTransformer2DModel
+from peft import LoraConfig, inject_adapter_in_model
+from peft.utils import set_peft_model_state_dict
+from safetensors.torch import load_file
+
 from trainer.errors import ModelLoadError
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
+from trainer.families.common.samplers import SAMPLERS
+from trainer.families.pixart.keys import (
+    SKIPPED,
+    config_from_state,
+    diffusers_to_original,
+    is_diffusers_layout,
+    original_to_diffusers,
+    read_state,
+)
+from trainer.families.sources import classify_source, detect_source_family
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.kohya import kohya_lora_state_dict, load_lora_kohya_into_peft
 from trainer.formats.metadata import modelspec_common
+from trainer.loss import variational_bound
+from trainer.objectives import DDPMObjective
 
 CONFIGS = Path(__file__).parent / "configs"
 OFFICIAL = {"pixart-alpha": "PixArt-alpha/PixArt-XL-2-1024-MS",
@@ -54,7 +75,6 @@ class PixArtConditioning:
         self.prompt_embeds, self.prompt_attention_mask = prompt_embeds, prompt_attention_mask
 
     def to(self, *args: Any, **kwargs: Any) -> "PixArtConditioning":
-        import torch
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         mask = self.prompt_attention_mask if device is None else self.prompt_attention_mask.to(device)
         return PixArtConditioning(self.prompt_embeds.to(*args, **kwargs), mask)
@@ -67,11 +87,6 @@ class PixArt(Family):
     swap_blocks = ("transformer_blocks",)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import DDPMScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-        from trainer.objectives import DDPMObjective
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
@@ -81,7 +96,7 @@ class PixArt(Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, pipe_cls, dtypes)
         else:
-            pipe = load_pipeline(pipe_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes)
+            pipe = sources.load_pipeline(pipe_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.family, self._pipe_cls = variant, pipe_cls
@@ -112,10 +127,7 @@ class PixArt(Family):
         ``model.config_path`` (a diffusers PixArt folder or hub id; default the official repo of the variant).
         What the weights show (depth, α micro-conditions, training size) overrides that config: a 512 px α
         file has no size embedders although the default α config is the 1024 one."""
-        from diffusers import PixArtTransformer2DModel
 
-        from trainer.families.pixart.keys import (SKIPPED, config_from_state, is_diffusers_layout,
-                                                  original_to_diffusers, read_state)
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         local = Path(rest).is_dir()
         cfg_file = Path(rest) / "transformer" / "config.json" if local else None
@@ -154,7 +166,6 @@ class PixArt(Family):
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions, grads: bool = False):
-        import torch
         # as the pipelines' _text_preprocessing (clean_caption=False) and the original PixArt T5 feature
         # extraction (which lower-cases while cleaning): T5's vocabulary is case-sensitive, so "Sks" trained
         # un-lowered would be another token than the "sks" the sampling pipeline feeds it
@@ -167,13 +178,11 @@ class PixArt(Family):
         return embeds, mask
 
     def encode_captions(self, captions) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             embeds, mask = self._encode(captions)
         return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        import torch
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_attention_mask"].to(self.device).long()
@@ -192,7 +201,6 @@ class PixArt(Family):
     _variance = None  # the variance half of the last predict (learned σ)
 
     def predict(self, model_input, timesteps, conditioning):
-        import torch
         b, c, h, w = model_input.shape
         added = {"resolution": None, "aspect_ratio": None}
         if self.transformer.config.get("use_additional_conditions"):
@@ -215,7 +223,6 @@ class PixArt(Family):
         transformer has no learned variance. ``eps_pred`` is detached inside: the mean learns from the ε loss."""
         if self._variance is None or self.prediction_type != "epsilon":
             return None
-        from trainer.loss import variational_bound
         vb = variational_bound(self.noise_scheduler.alphas_cumprod, latents, noisy, timesteps, eps_pred,
                                self._variance)
         return vb.mean(dim=list(range(1, vb.dim())))
@@ -224,9 +231,7 @@ class PixArt(Family):
     def pipeline(self, sampler: Optional[str] = None):
         """The variant's pipeline over the live modules; ``sampler`` (a ``sampling.scheduler``) or the
         model's own DPM-Solver."""
-        import diffusers
 
-        from trainer.families.common.samplers import SAMPLERS
         cls = getattr(diffusers, SAMPLERS[sampler]) if sampler else self._sched_class
         pipe = self._pipe_cls(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
                               transformer=self.transformer, scheduler=cls.from_config(self._sched_config))
@@ -255,7 +260,6 @@ class PixArt(Family):
         return {"unet": ("transformer", lambda p: p)}  # (a T5 LoRA is kohya-named: lora_te1_…)
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
         out = peft_layout_state_dict({k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
                                      adapter_name)
         if "text_encoder" in modules:
@@ -264,7 +268,6 @@ class PixArt(Family):
         return out
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
         used = load_peft_layout(state, {k: v for k, v in modules.items() if k == "unet"}, {"unet": "transformer"},
                                 adapter_name)
         rest = {k: v for k, v in state.items() if k not in used}
@@ -286,7 +289,6 @@ class PixArt(Family):
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer in the original PixArt layout (VAE and T5 stay separate files)."""
-        from trainer.families.pixart.keys import diffusers_to_original
         state = diffusers_to_original(self.transformer.state_dict())
         state.update(self._original_extras)  # y_embedding / pos_embed of the file it was loaded from
         state = cast_state_dict({k: v.detach().cpu().contiguous() for k, v in state.items()}, dtype)
@@ -296,9 +298,6 @@ class PixArt(Family):
 def load_lora_into_pipeline(pipe: Any, path: Any, adapter_name: str = "default") -> None:
     """Load an Atelier PixArt LoRA file into a diffusers PixArt pipeline through peft (diffusers has no
     PixArt ``load_lora_weights``): an adapter of the file's rank on the file's modules, then its weights."""
-    from peft import LoraConfig, inject_adapter_in_model
-    from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
     state = {k[len("transformer."):]: v for k, v in load_file(str(path)).items() if k.startswith("transformer.")}
     if not state:
         raise ValueError(f"{path}: no transformer LoRA keys (transformer.<module>.lora_A/lora_B.weight)")

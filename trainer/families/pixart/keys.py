@@ -11,6 +11,8 @@ learned empty caption of the original training code) and the ``pos_embed`` buffe
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Dict
 
 _TOP = {
@@ -48,7 +50,6 @@ def is_diffusers_layout(keys) -> bool:
 def read_state(path) -> Dict[str, object]:
     """All tensors of a single file: ``.safetensors``, or a PyTorch ``.pth``/``.pt``/``.ckpt`` (the original
     PixArt releases: ``{"state_dict": ...}``), read with ``weights_only=True``."""
-    from pathlib import Path
 
     import torch
     path = Path(path)
@@ -66,7 +67,6 @@ def config_from_state(state: Dict[str, object], config: Dict[str, object]) -> Di
     the depth, the α micro-conditions (only the 1024 α models have ``csize_embedder``/``ar_embedder``; the
     256/512 α models and Σ do not) and, where the original file keeps its ``pos_embed`` buffer, the
     training size. Works on either layout."""
-    import math
     state = _strip(state)
     diffusers = is_diffusers_layout(state)
     blocks = "transformer_blocks." if diffusers else "blocks."

@@ -11,16 +11,24 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DPMSolverMultistepScheduler,
+    PixArtAlphaPipeline,
+    PixArtSigmaPipeline,
+    PixArtTransformer2DModel,
+)
+from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
+from trainer.families.pixart.keys import diffusers_to_original
+
 TINY_VERSION = 1
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0, alpha: bool = False):
-    import torch
-    from diffusers import (AutoencoderKL, DPMSolverMultistepScheduler, PixArtAlphaPipeline, PixArtSigmaPipeline,
-                           PixArtTransformer2DModel)
-    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
-
-    from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
     write_tiny_t5_tokenizer(folder / "tokenizer", max_length=64)
     tokenizer = T5TokenizerFast.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -49,7 +57,5 @@ def build_tiny_pipeline(folder: Path, seed: int = 0, alpha: bool = False):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <pipeline folder>, "single_file": <original-layout .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
-    from trainer.families.pixart.keys import diffusers_to_original
     return store_tiny(kind, root, TINY_VERSION, lambda tokenizers: build_tiny_pipeline(
         tokenizers, alpha=kind.endswith("alpha")), diffusers_to_original)

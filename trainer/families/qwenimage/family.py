@@ -22,9 +22,21 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, part_dtype
+import torch
+from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
+
 from trainer.errors import ModelLoadError
-from trainer.families.common.transformer_kit import MaskedTextConditioning, PeftLayoutLora
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.transformer_kit import (
+    MaskedTextConditioning,
+    PeftLayoutLora,
+    pipeline_with_transformer_file,
+    save_transformer_file,
+)
+from trainer.families.qwenimage.keys import config_from_state
+from trainer.families.sources import classify_source, detect_source_family
+from trainer.objectives import flow_objective_for
 
 OFFICIAL = "Qwen/Qwen-Image"
 MAX_TOKENS = 512  # the pipeline reads up to 1024; the cache keeps this many (real captions are far shorter)
@@ -59,18 +71,13 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     modelspec = ("qwen-image", "https://github.com/QwenLM/Qwen-Image", "qwen_image")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import QwenImagePipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-        from trainer.objectives import flow_objective_for
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes)
         else:
-            pipe = load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image", dtype=dtypes)
+            pipe = sources.load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image", dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._template, self._drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
@@ -87,10 +94,6 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         self._vae_dtype_name = mcfg.vae_dtype
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-
-        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
-        from trainer.families.qwenimage.keys import config_from_state
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=QwenImagePipeline,
                                               transformer_cls=QwenImageTransformer2DModel, config=config_from_state,
                                               to_diffusers=dict, official=OFFICIAL,
@@ -99,14 +102,12 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """One-frame video through the VAE: the posterior's mean and std [B, C, h, w] on the CPU in fp32."""
-        import torch
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
         return {"mean": dist.mean.squeeze(2).float().cpu(), "std": dist.std.squeeze(2).float().cpu()}
 
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
-        import torch
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
         c = self.vae.config
@@ -117,7 +118,6 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
         """As ``QwenImagePipeline._get_qwen_prompt_embeds``, padded to ``max_sequence_length``."""
-        import torch
         texts = [self._template.format(c) for c in captions]
         tokens = self.tokenizer(texts, max_length=self.max_sequence_length + self._drop, padding="max_length",
                                 truncation=True, return_tensors="pt")
@@ -137,7 +137,6 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
-        from diffusers import QwenImagePipeline
         b, c, h, w = model_input.shape
         if h % 2 or w % 2:
             raise ValueError(f"Qwen-Image packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a "
@@ -153,7 +152,6 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        from diffusers import QwenImagePipeline
         pipe = QwenImagePipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                                  text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
@@ -168,5 +166,4 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer's weights in one file under diffusers' names."""
-        from trainer.families.common.transformer_kit import save_transformer_file
         save_transformer_file(path, self.transformer.state_dict(), dtype, metadata)

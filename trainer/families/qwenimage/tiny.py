@@ -10,6 +10,18 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
+
 TINY_VERSION = 1
 # Qwen/Qwen-Image scheduler/scheduler_config.json: the resolution-dependent shift, exponential time shift
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
@@ -17,12 +29,6 @@ SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": 
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
     write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=1024)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -47,5 +53,4 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <QwenImagePipeline folder>, "single_file": <transformer .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, dict)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List
 
-from trainer.families.base import part_dtype
-from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
-from trainer.families.sources import ModelSource, classify_source, detect_source_family, load_pipeline
-from trainer.families.base import torch_dtype
+import diffusers
+import torch
+from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
+
 from trainer.errors import ModelLoadError
+from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
+from trainer.families.base import part_dtype, torch_dtype
 from trainer.families.common.samplers import SAMPLERS
-from trainer.families.common.sd_kit.family_base import check_family
+from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
+from trainer.families.sources import ModelSource, classify_source, detect_source_family
 
 log = logging.getLogger("atelier")
 
@@ -31,14 +34,11 @@ class StableDiffusion(LatentDiffusionFamily):
     folder_sampler = "ddim"  # what a saved diffusers folder carries
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
-
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         check_family(self.source, found, mcfg, ("sd15", "sd2"), "SD 1.x/2.x")
         inpaint = bool(found and found.endswith("-inpaint"))
-        pipe = load_pipeline(StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline, self.source,
+        pipe = sources.load_pipeline(StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline, self.source,
                              mcfg, workspace, family=found if found else "sd15",
                              safety_checker=None, requires_safety_checker=False)
         self.tokenizer = pipe.tokenizer
@@ -91,7 +91,6 @@ class StableDiffusion(LatentDiffusionFamily):
 
         ``drop_te1`` (one bool per image): caption dropout of the one text encoder — those images get
         the empty caption's encoding, SD's unconditional input. ``drop_te2`` has no encoder here."""
-        import torch
         cached = batch.get("encoder_hidden_states")
         if cached is not None:
             cond = cached.to(self.device)
@@ -115,8 +114,6 @@ class StableDiffusion(LatentDiffusionFamily):
 
     # --- sampling -----------------------------------------------------------------------
     def pipeline(self, sampler: str = "ddim"):
-        import diffusers
-        from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
         sched_cls = getattr(diffusers, SAMPLERS[sampler or "ddim"])
         scheduler = sched_cls.from_config(self._sched_config)
         pipe_cls = StableDiffusionInpaintPipeline if self.inpainting else StableDiffusionPipeline

@@ -24,10 +24,27 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, part_dtype
+import torch
+from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+from safetensors.torch import load_file
+
 from trainer.errors import ModelLoadError
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
+from trainer.families.sd3.keys import (
+    CONFIG_3_MEDIUM,
+    CONFIG_35_LARGE,
+    CONFIG_35_MEDIUM,
+    ORIGINAL_PREFIX,
+    config_from_original,
+    diffusers_to_original,
+    original_to_diffusers,
+)
+from trainer.families.sources import classify_source, detect_source_family, hub_offline
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
+from trainer.objectives import FlowMatchingObjective
 
 OFFICIAL = {"sd3.5-large": "stabilityai/stable-diffusion-3.5-large",
             "sd3.5-medium": "stabilityai/stable-diffusion-3.5-medium",
@@ -64,11 +81,6 @@ class SD3(Family):
     swap_blocks = ("transformer_blocks",)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import StableDiffusion3Pipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-        from trainer.objectives import FlowMatchingObjective
         self.source = classify_source(mcfg.path, workspace)
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
@@ -81,7 +93,7 @@ class SD3(Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes, no_t5)
         else:
-            pipe = load_pipeline(StableDiffusion3Pipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes,
+            pipe = sources.load_pipeline(StableDiffusion3Pipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes,
                                  **no_t5)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
@@ -106,11 +118,7 @@ class SD3(Family):
     # --- loading ----------------------------------------------------------------------------
     def _from_single_file(self, mcfg: Any, variant: str, dtypes: Dict[str, Any], no_t5: Dict[str, Any]):
         """Stability's transformer file, with VAE and text encoders from ``model.config_path``."""
-        from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-        from safetensors.torch import load_file
 
-        from trainer.families.sd3.keys import (CONFIG_3_MEDIUM, CONFIG_35_LARGE, CONFIG_35_MEDIUM, config_from_original,
-                                               original_to_diffusers)
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         try:
             state = load_file(self.source.location)
@@ -135,7 +143,6 @@ class SD3(Family):
         if not Path(rest).is_dir():
             kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
         try:
-            from trainer.families.sources import hub_offline
             return StableDiffusion3Pipeline.from_pretrained(
                 rest, transformer=transformer, local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **no_t5, **kw)
         except Exception as exc:
@@ -147,7 +154,6 @@ class SD3(Family):
 
     # --- text -------------------------------------------------------------------------------
     def _clip(self, slot: str, captions: List[str], grads: frozenset):
-        import torch
         tokenizer = self.tokenizer if slot == "text_encoder" else self.tokenizer_2
         encoder = getattr(self, slot)
         ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
@@ -157,7 +163,6 @@ class SD3(Family):
         return out.hidden_states[-2], out[0]  # penultimate layer, projected pooled output
 
     def _t5(self, captions: List[str], grads: frozenset):
-        import torch
         ids = self.tokenizer_3(captions, padding="max_length", max_length=self.max_sequence_length, truncation=True,
                                add_special_tokens=True, return_tensors="pt").input_ids
         with torch.set_grad_enabled(torch.is_grad_enabled() and "text_encoder_3" in grads):
@@ -174,13 +179,11 @@ class SD3(Family):
         return out
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        import torch
         with torch.no_grad():
             return {k: v.float().cpu() for k, v in self._encode(list(captions)).items()}
 
     def _assemble(self, enc: Dict[str, Any], batch: int):
         """``StableDiffusion3Pipeline.encode_prompt``'s layout; an encoder that is off gives zeros of its shape."""
-        import torch
         ref = next(iter(enc.values()))
         device, dtype = ref.device, ref.dtype
         clip_width = {"clip_l": self.text_encoder.config.hidden_size, "clip_g": self.text_encoder_2.config.hidden_size}
@@ -197,7 +200,6 @@ class SD3(Family):
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None,
                         drop_te3=None):
-        import torch
         keys = [k for k in ("clip_l", "clip_l_pooled", "clip_g", "clip_g_pooled", "t5") if batch.get(k) is not None]
         if keys:
             enc = {k: batch[k].to(self.device) for k in keys}
@@ -228,7 +230,6 @@ class SD3(Family):
     def pipeline(self, sampler: Optional[str] = None):
         """StableDiffusion3Pipeline over the live modules with the model's own flow-matching Euler sampler; a text
         encoder that is off is left out (the pipeline then feeds zeros in its place, as training did)."""
-        from diffusers import StableDiffusion3Pipeline
         off = self.disabled
         pipe = StableDiffusion3Pipeline(
             scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae, transformer=self.transformer,
@@ -248,25 +249,21 @@ class SD3(Family):
     # --- export -----------------------------------------------------------------------------
     def lora_targets(self, slot: str, preset: str):
         if slot == "unet":
-            from trainer.families.common.peft_lora import target_regex
             return target_regex(TARGETS[preset])
         return list(CLIP_TARGETS)
 
     def lora_namer(self):
         """LyCORIS (LoHa/LoKr) names: ``lycoris_<diffusers module path>``; kohya names for the CLIPs."""
-        from trainer.families.common.peft_lora import clip_text_model
         return {"unet": ("lycoris", lambda p: p), "text_encoder": ("lora_te1", clip_text_model),
                 "text_encoder_2": ("lora_te2", clip_text_model)}
 
     def peft_file_names(self):
-        from trainer.families.common.peft_lora import clip_text_model
         return {"unet": ("transformer", lambda p: p), "text_encoder": ("text_encoder", clip_text_model),
                 "text_encoder_2": ("text_encoder_2", clip_text_model)}
 
     _FILE_PREFIXES = {"unet": "transformer", "text_encoder": "text_encoder", "text_encoder_2": "text_encoder_2"}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import clip_text_model, peft_layout_state_dict
         out = peft_layout_state_dict(modules, self._FILE_PREFIXES, adapter_name,
                                      {"text_encoder": clip_text_model, "text_encoder_2": clip_text_model})
         if not out:
@@ -274,7 +271,6 @@ class SD3(Family):
         return out
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import clip_text_model, load_peft_layout
         used = load_peft_layout(state, modules, self._FILE_PREFIXES, adapter_name,
                                 {"text_encoder": clip_text_model, "text_encoder_2": clip_text_model})
         extra = sorted(set(state) - used)
@@ -295,7 +291,6 @@ class SD3(Family):
 
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as Stability's single file (``model.diffusion_model.``-prefixed MMDiT)."""
-        from trainer.families.sd3.keys import ORIGINAL_PREFIX, diffusers_to_original
         state = diffusers_to_original({k: v.detach().cpu() for k, v in self.transformer.state_dict().items()})
         state = {ORIGINAL_PREFIX + k: v.contiguous() for k, v in state.items()}
         write_checkpoint(Path(path), cast_state_dict(state, dtype), metadata or {})

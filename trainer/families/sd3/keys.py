@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Tuple
 
+import torch
+from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
 ORIGINAL_PREFIX = "model.diffusion_model."
 
 # transformer/config.json of the diffusers repos (stabilityai/stable-diffusion-3.5-large, -3.5-medium,
@@ -27,7 +30,6 @@ CONFIG_3_MEDIUM: Dict[str, Any] = dict(CONFIG_35_LARGE, num_layers=24, num_atten
 
 def _swap(t):
     """diffusers' ``swap_scale_shift`` (shift ‖ scale ↔ scale ‖ shift), its own inverse."""
-    import torch
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
 
@@ -38,13 +40,11 @@ def is_sd3_original(keys) -> bool:
 
 def original_to_diffusers(state: Mapping[str, Any]) -> Dict[str, Any]:
     """Stability's layout (prefixed or not) → diffusers, by diffusers' own converter."""
-    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
     return convert_sd3_transformer_checkpoint_to_diffusers(dict(state))
 
 
 def diffusers_to_original(state: Mapping[str, Any]) -> Dict[str, Any]:
     """diffusers → Stability's layout (without the prefix)."""
-    import torch
     s = dict(state)
     n = 1 + max(int(k.split(".")[1]) for k in s if k.startswith("transformer_blocks."))
     out: Dict[str, Any] = {

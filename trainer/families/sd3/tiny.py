@@ -10,17 +10,26 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
+
+from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
+from trainer.families.sd3.keys import ORIGINAL_PREFIX, diffusers_to_original
+
 TINY_VERSION = 1
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel
-    from transformers import T5TokenizerFast
-
-    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
-    from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
     write_tiny_tokenizer(folder / "tokenizer")
     write_tiny_tokenizer(folder / "tokenizer_2")
     write_tiny_t5_tokenizer(folder / "tokenizer_3")
@@ -59,7 +68,5 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <StableDiffusion3Pipeline folder>, "single_file": <MMDiT .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
-    from trainer.families.sd3.keys import ORIGINAL_PREFIX, diffusers_to_original
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline,
                       lambda state: {ORIGINAL_PREFIX + k: v for k, v in diffusers_to_original(state).items()})

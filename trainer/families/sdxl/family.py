@@ -23,12 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
-from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily
-from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-from trainer.families.base import torch_dtype
+import diffusers
+import torch
+from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
+
 from trainer.errors import ModelLoadError
+from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
 from trainer.families.common.samplers import SAMPLERS
-from trainer.families.common.sd_kit.family_base import check_family
+from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
+from trainer.families.sources import classify_source, detect_source_family
 
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 Size = Tuple[int, int]
@@ -80,9 +83,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
     folder_sampler = None  # a saved diffusers folder keeps the model's own (Euler)
 
     def __init__(self, mcfg, workspace: str, device: Any = "cpu", clip_skip: Optional[int] = None):
-        import torch
-        from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
-
         self.source = classify_source(mcfg.path, workspace)
         family = getattr(mcfg, "family", "auto")
         if family not in ("auto", "sdxl"):
@@ -93,7 +93,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
         check_family(self.source, found, mcfg, ("sdxl",), "SDXL")
         inpaint = found == "sdxl-inpaint"
         dtypes = self._storage_dtypes(mcfg, unet="unet", text_encoder="text_encoder", text_encoder_2="text_encoder_2")
-        pipe = load_pipeline(StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline, self.source,
+        pipe = sources.load_pipeline(StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline, self.source,
                              mcfg, workspace, family=found or "sdxl", dtype=dtypes, add_watermarker=False)
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
             raise ModelLoadError(f"'{self.source.display}' has no {'first' if pipe.text_encoder is None else 'second'} "
@@ -153,7 +153,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
         ``drop_te2`` (one bool per image) zero that encoder's output for those images (per-encoder
         caption dropout; text_encoder_2's drop also zeroes the pooled embedding) — the zeros are exactly
         SDXL's unconditional input at sampling time (``force_zeros_for_empty_prompt``)."""
-        import torch
 
         hidden, pooled = [], None
         for name, ids in zip(TEXT_ENCODERS, input_ids):
@@ -169,7 +168,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
     def _drop(self, prompt_embeds, pooled, drop_te1, drop_te2):
         """Zero one encoder's part of the context (and, for text_encoder_2, the pooled embedding)
         for the images flagged in ``drop_te1``/``drop_te2``."""
-        import torch
         if drop_te1 is None and drop_te2 is None:
             return prompt_embeds, pooled
         width_1 = self.text_encoder.config.hidden_size
@@ -188,7 +186,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
         """Frozen-encoder outputs for the text cache (``DataPipeline.prepare(encode_text_fn=...)``):
         ``{"prompt_embeds", "pooled_prompt_embeds"}`` on the CPU; batches then carry both keys and
         :meth:`condition_from_embeds` turns them into conditioning."""
-        import torch
         with torch.no_grad():
             prompt_embeds, pooled = self.encode_text(self.tokenize(captions))
         return {"prompt_embeds": prompt_embeds.cpu(), "pooled_prompt_embeds": pooled.cpu()}
@@ -199,7 +196,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
 
         ``original_sizes``/``crop_top_lefts``: one (a, b) pair per image (list or [B, 2] tensor);
         ``target_size``: one (h, w) for the batch (a bucket) or one per image."""
-        import torch
         n = len(original_sizes)
         rows = [o + c + t for o, c, t in zip(_pairs(original_sizes, n, "original_sizes"),
                                                  _pairs(crop_top_lefts, n, "crop_top_lefts"),
@@ -254,8 +250,6 @@ class StableDiffusionXL(LatentDiffusionFamily):
         """A StableDiffusionXLPipeline over the live components. ``sampler`` is a key of
         ``base.SAMPLERS``; None keeps the model's own scheduler class (Euler for SDXL base), which is
         what a saved diffusers folder should carry."""
-        import diffusers
-        from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipeline
         sched_cls = getattr(diffusers, SAMPLERS[sampler] if sampler else self._sampler_class)
         extra = {"requires_aesthetics_score": False} if self.inpainting else {}
         pipe = (StableDiffusionXLInpaintPipeline if self.inpainting else StableDiffusionXLPipeline)(

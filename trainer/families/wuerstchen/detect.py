@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Optional
 
 from trainer.families import Evidence
+from trainer.families.common.cascade_keys import is_wuerstchen_prior, strip_prefix
 
 PRIORS = ("WuerstchenPriorPipeline", "WuerstchenCombinedPipeline")
 
 
 def claim(ev: Evidence) -> Optional[str]:
-    from trainer.families.common.cascade_keys import is_wuerstchen_prior, strip_prefix
     if ev.kind == "single_file":
         return "wuerstchen-2" if is_wuerstchen_prior(strip_prefix(ev.shapes)) else None
     index = ev.json("model_index.json") or {}

@@ -18,8 +18,18 @@ import json
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch
+from safetensors.torch import load_file
+
 from trainer.errors import ModelLoadError
-from trainer.families.common.cascade_kit import CascadePrior, given_prior_config
+from trainer.families.common.cascade_keys import (
+    CONFIG_WUERSTCHEN,
+    original_to_diffusers,
+    strip_prefix,
+    wuerstchen_config_from_state,
+)
+from trainer.families.common.cascade_kit import CascadePrior, deprecated_wuerstchen_class, given_prior_config
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
 
@@ -48,12 +58,7 @@ class Wuerstchen(CascadePrior):
 
     def _prior_from_single_file(self, mcfg: Any):
         """The prior alone in one file: diffusers layout, or the original one (attention as in_proj/out_proj)."""
-        from trainer.families.common.cascade_keys import (CONFIG_WUERSTCHEN, original_to_diffusers,
-                                                          wuerstchen_config_from_state)
-        from trainer.families.common.cascade_kit import deprecated_wuerstchen_class
-        from safetensors.torch import load_file
 
-        from trainer.families.common.cascade_keys import strip_prefix
         try:
             state = strip_prefix(load_file(self.source.location))
         except Exception as exc:
@@ -72,7 +77,6 @@ class Wuerstchen(CascadePrior):
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions, grads: bool = False) -> Dict[str, Any]:
-        import torch
         tokens = self.tokenizer([str(c) for c in captions], padding="max_length",
                                 max_length=self.tokenizer.model_max_length, truncation=True, return_tensors="pt")
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
@@ -92,11 +96,9 @@ class Wuerstchen(CascadePrior):
         return {"unet": ("prior", lambda p: p), "text_encoder": ("text_encoder", lambda p: p)}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        from trainer.families.common.peft_lora import peft_layout_state_dict
         return peft_layout_state_dict(modules, {"unet": "prior", "text_encoder": "text_encoder"}, adapter_name)
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        from trainer.families.common.peft_lora import load_peft_layout
         used = load_peft_layout(state, modules, {"unet": "prior", "text_encoder": "text_encoder"}, adapter_name)
         rest = sorted(k for k in state if k not in used)
         if rest:

@@ -9,16 +9,19 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import DDPMWuerstchenScheduler, WuerstchenCombinedPipeline
+from transformers import CLIPTokenizer
+
+from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
+from trainer.families.common.effnet import save_effnet, tiny_effnet
+from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
+from trainer.families.common.tiny_store import store_tiny
+
 TINY_VERSION = 1
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import DDPMWuerstchenScheduler, WuerstchenCombinedPipeline
-    from transformers import CLIPTokenizer
-
-    from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
-    from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
     write_tiny_tokenizer(folder / "tokenizer")
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -42,8 +45,6 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <combined pipeline folder>, "single_file": <prior .safetensors>}``."""
-    from trainer.families.common.effnet import save_effnet
-    from trainer.families.common.tiny_store import store_tiny
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, dict, denoiser=lambda pipe: pipe.prior_prior,
                       extras=lambda folder: save_effnet(_tiny_encoder(), folder / "effnet_encoder.safetensors"))
 
@@ -51,9 +52,7 @@ def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
 def _tiny_encoder():
     """Würstchen 2's encoder ends in an affine BatchNorm whose outputs the prior sees as (x + 1) / 42: scaled so
     that the tiny one's latents have the spread of the real ones (about unit variance), not 1/42 of it."""
-    import torch
 
-    from trainer.families.common.effnet import tiny_effnet
     encoder = tiny_effnet(c_latent=16, affine=True, seed=1)
     with torch.no_grad():
         encoder.mapper[1].weight.fill_(42.0)

@@ -20,9 +20,21 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family, part_dtype
+import torch
+from diffusers import ZImagePipeline, ZImageTransformer2DModel
+
 from trainer.errors import ModelLoadError
-from trainer.families.common.transformer_kit import MaskedTextConditioning, PeftLayoutLora
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.transformer_kit import (
+    MaskedTextConditioning,
+    PeftLayoutLora,
+    pipeline_with_transformer_file,
+    save_transformer_file,
+)
+from trainer.families.sources import classify_source, detect_source_family
+from trainer.families.zimage.keys import config_from_original, diffusers_to_original, original_to_diffusers
+from trainer.objectives import flow_objective_for
 
 OFFICIAL = "Tongyi-MAI/Z-Image-Turbo"
 MAX_TOKENS = 512
@@ -43,18 +55,13 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
     modelspec = ("z-image", "https://github.com/Tongyi-MAI/Z-Image", "z_image")
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
-        import torch
-        from diffusers import ZImagePipeline
-
-        from trainer.families.sources import classify_source, detect_source_family, load_pipeline
-        from trainer.objectives import flow_objective_for
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes)
         else:
-            pipe = load_pipeline(ZImagePipeline, self.source, mcfg, workspace, family="z-image", dtype=dtypes)
+            pipe = sources.load_pipeline(ZImagePipeline, self.source, mcfg, workspace, family="z-image", dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
@@ -70,10 +77,6 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
         self._vae_dtype_name = mcfg.vae_dtype
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        from diffusers import ZImagePipeline, ZImageTransformer2DModel
-
-        from trainer.families.common.transformer_kit import pipeline_with_transformer_file
-        from trainer.families.zimage.keys import config_from_original, original_to_diffusers
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=ZImagePipeline,
                                               transformer_cls=ZImageTransformer2DModel, config=config_from_original,
                                               to_diffusers=original_to_diffusers, official=OFFICIAL,
@@ -82,7 +85,6 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
         """As ``ZImagePipeline._encode_prompt``, padded: (features [B, L, D], mask of the real tokens [B, L])."""
-        import torch
         texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": str(c)}], tokenize=False,
                                                     add_generation_prompt=True, enable_thinking=True) for c in captions]
         tokens = self.tokenizer(texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
@@ -95,7 +97,6 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
-        import torch
         dtype, device = model_input.dtype, model_input.device
         images = list(model_input.unsqueeze(2).unbind(dim=0))  # each [C, 1, H, W]
         embeds = conditioning.prompt_embeds.to(device, dtype)
@@ -106,7 +107,6 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        from diffusers import ZImagePipeline
         pipe = ZImagePipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                               text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
@@ -121,6 +121,4 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file (keys.py)."""
-        from trainer.families.common.transformer_kit import save_transformer_file
-        from trainer.families.zimage.keys import diffusers_to_original
         save_transformer_file(path, diffusers_to_original(self.transformer.state_dict()), dtype, metadata)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
+import torch
+from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
 # Tongyi-MAI/Z-Image-Turbo transformer/config.json (ZImageTransformer2DModel's defaults are that model)
 CONFIG: Dict[str, Any] = {"_class_name": "ZImageTransformer2DModel", "all_patch_size": [2], "all_f_patch_size": [1],
                           "in_channels": 16, "dim": 3840, "n_layers": 30, "n_refiner_layers": 2, "n_heads": 30,
@@ -16,12 +19,10 @@ _RENAMES = ((".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", 
 
 
 def original_to_diffusers(state: Mapping[str, Any]) -> Dict[str, Any]:
-    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
     return convert_z_image_transformer_checkpoint_to_diffusers(dict(state))
 
 
 def diffusers_to_original(state: Mapping[str, Any]) -> Dict[str, Any]:
-    import torch
     out: Dict[str, Any] = {}
     for k, v in state.items():
         if ".attention.to_k." in k or ".attention.to_v." in k:

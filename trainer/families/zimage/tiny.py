@@ -10,16 +10,19 @@ import os
 from pathlib import Path
 from typing import Dict
 
+import torch
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
+from trainer.families.zimage.keys import diffusers_to_original
+
 TINY_VERSION = 1
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}  # Z-Image-Turbo's
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0):
-    import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
-
-    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
     write_tiny_qwen_tokenizer(folder / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
@@ -40,6 +43,4 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <ZImagePipeline folder>, "single_file": <original .safetensors>}``."""
-    from trainer.families.common.tiny_store import store_tiny
-    from trainer.families.zimage.keys import diffusers_to_original
     return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, diffusers_to_original)

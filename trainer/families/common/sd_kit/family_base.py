@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from trainer.families.base import Family as ModelFamily, Namer
+from diffusers import DDPMScheduler
+
 from trainer.errors import ModelLoadError
+from trainer.families.base import Family as ModelFamily, Namer
 from trainer.families.common.sd_kit.inpaint import InpaintingMixin
 from trainer.families.common.sd_kit.keys import save_single_file_sd, sd_namer
 from trainer.families.common.sd_kit.lora import TEXT_ENCODER_TARGETS, UNET_TARGETS, lora_metadata
 from trainer.families.sources import ModelSource, source_fingerprint
+from trainer.objectives import DDPMObjective
 
 FAMILY_NAMES = {"sd15": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL", "sd15-inpaint": "SD 1.x inpainting",
                 "sd2-inpaint": "SD 2.x inpainting", "sdxl-inpaint": "SDXL inpainting"}
@@ -42,7 +45,6 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
 
     def _setup_schedule(self, scheduler_config: Dict[str, Any], prediction_type: str) -> None:
         """Training schedule = the model's own betas in a DDPMScheduler; ``auto`` reads the prediction type."""
-        from diffusers import DDPMScheduler
         self.noise_scheduler = DDPMScheduler.from_config(scheduler_config)
         pred = prediction_type
         if pred == "auto":
@@ -53,7 +55,6 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
         self._sched_config["prediction_type"] = pred
         self.num_train_timesteps = int(self.noise_scheduler.config.num_train_timesteps)
         self._alphas = self.noise_scheduler.alphas_cumprod
-        from trainer.objectives import DDPMObjective
         self.objective = DDPMObjective(self.noise_scheduler, pred)
 
     def noisy_and_target(self, latents, noise, timesteps):
@@ -104,7 +105,6 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
     def rescale_zero_terminal_snr(self) -> None:
         """Rescale the betas so the last timestep is pure noise (Lin et al. 2023, diffusers'
         ``rescale_betas_zero_snr``); samplers get the same schedule with trailing timestep spacing."""
-        from diffusers import DDPMScheduler
         self.noise_scheduler = DDPMScheduler.from_config(self.noise_scheduler.config, rescale_betas_zero_snr=True)
         self._sched_config.update(rescale_betas_zero_snr=True, timestep_spacing="trailing")
         self._alphas = self.noise_scheduler.alphas_cumprod

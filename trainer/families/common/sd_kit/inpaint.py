@@ -28,6 +28,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Optional
 
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from trainer.parallel.distributed import expand_rows, take_rows
+
 INPAINT_CHANNELS = 9
 MASK_MODES = ("random", "data", "both")
 
@@ -35,7 +41,6 @@ MASK_MODES = ("random", "data", "both")
 def random_masks(n: int, height: int, width: int, generator, full_probability: float = 0.25):
     """``[n, 1, height, width]`` float masks (1 = repaint) from ``generator``: with probability
     ``full_probability`` the whole image, else one rectangle or a few brush strokes (half each)."""
-    import torch
 
     def u() -> float:
         return float(torch.rand((1,), generator=generator).item())
@@ -70,7 +75,6 @@ def random_masks(n: int, height: int, width: int, generator, full_probability: f
 def data_masks_to_pixels(latent_masks, size):
     """A batch's own masks (``batch["mask"]``, [B, 1, h, w] in [0, 1]) as binary repaint masks at pixel
     ``size``: nearest upsampling, > 0.5 repaints."""
-    import torch.nn.functional as F
     return (F.interpolate(latent_masks.float(), size=tuple(size), mode="nearest") > 0.5).float()
 
 
@@ -94,7 +98,6 @@ class InpaintingMixin:
 
     def _encode_mean(self, pixels, cpu: bool = True):
         """VAE posterior mean (unscaled, fp32; on the CPU unless ``cpu`` is False) of ``pixels`` in [-1, 1]."""
-        import torch
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype)).latent_dist
         mean = dist.mean.float()
@@ -107,7 +110,6 @@ class InpaintingMixin:
         return self._encode_mean(masked_pixels(pixels.float(), masks))
 
     def _pixels_for(self, batch, warn: Optional[Callable[[str], None]]):
-        import torch
         pixels = batch.get("inpaint_pixels")
         if pixels is not None:
             return pixels
@@ -128,9 +130,7 @@ class InpaintingMixin:
         ``n`` (default: the batch's size) is the global micro-batch with several processes: every
         process draws the random masks for all rows from the shared generator (its own data masks sit
         in its rows, see ``batch["global_rows"]``) and keeps its rows."""
-        import torch
 
-        from trainer.parallel.distributed import expand_rows
         mode = mode or self.inpainting_mask
         n = batch["latent_dist"]["mean"].shape[0] if n is None else n
         h, w = pixel_size
@@ -156,10 +156,7 @@ class InpaintingMixin:
         latents are those (encoded at cache time from the same pixels and masks); otherwise the batch's
         pixels are masked and encoded now. ``noisy_latents`` has the global micro-batch's rows with
         several processes (``batch["global_rows"]``); the rows of the other processes get zeros."""
-        import torch
-        import torch.nn.functional as F
 
-        from trainer.parallel.distributed import expand_rows, take_rows
         rows = batch.get("global_rows")
         pixels = self._pixels_for(batch, warn).float()
         masks = take_rows(self.inpaint_masks(batch, tuple(pixels.shape[-2:]), generator,
@@ -179,7 +176,6 @@ class InpaintingMixin:
         (``sampling.prompts[i].image`` / ``.mask``); without them a blank image, all repainted."""
         if not self.inpainting:
             return {}
-        from PIL import Image
         w, h = int(sample_prompt.width), int(sample_prompt.height)
         image_path = str(getattr(sample_prompt, "image", "") or "")
         mask_path = str(getattr(sample_prompt, "mask", "") or "")

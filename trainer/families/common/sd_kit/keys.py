@@ -14,14 +14,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Mapping, Tuple
+from typing import Any, Callable, Dict, Mapping, Tuple
+
+import torch
 
 from trainer.families.base import Namer
 from trainer.formats.checkpoint import cast_state_dict, reject_adapter_layers, write_checkpoint
-
-if TYPE_CHECKING:
-    import torch
-
 
 # --------------------------------------------------------------------------------------------
 # UNet: diffusers names → original (CompVis/SGM) names
@@ -217,7 +215,6 @@ def _open_clip_state_dict(text_encoder: Any, prefix: str = "cond_stage_model.mod
     ``text_projection`` is written only if the model has one (``CLIPTextModelWithProjection``);
     SD2's UNet never uses it, and diffusers' loader then splits ``in_proj`` by hidden size.
     """
-    import torch
 
     state = _clip_keys(text_encoder)
     out: dict[str, torch.Tensor] = {}

@@ -40,6 +40,7 @@ import gzip
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import uuid
@@ -311,8 +312,6 @@ def read_key_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _read_torch_key_shapes(path: Path, mmap: bool) -> dict[str, tuple[int, ...]]:
-    import pickle
-
     import torch
 
     try:

@@ -19,9 +19,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDPMScheduler,
+    EulerDiscreteScheduler,
+    StableDiffusionInpaintPipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLInpaintPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
 from trainer.families.common.sd_kit.keys import save_single_file_sd
+from trainer.families.common.tiny_vae import make_identity_vae
 
 TINY_NAMES = ("tiny-sd", "tiny-sd2", "tiny-sdxl", "tiny-sd-inpaint", "tiny-sdxl-inpaint")
 TINY_VERSION = 2  # bump when the builder changes, so stale built copies are rebuilt
@@ -81,12 +96,6 @@ def write_tiny_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> None
 
 def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
     """Build the tiny pipeline in memory (seeded, deterministic)."""
-    import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    import tempfile
-
-    from trainer.families.common.tiny_vae import make_identity_vae
 
     if kind not in TINY_NAMES:
         raise ValueError(f"unknown tiny model {kind!r}; choose from {TINY_NAMES}")
@@ -129,7 +138,6 @@ def build_tiny_pipeline(kind: str = "tiny-sd", seed: int = 0):
         prediction_type="v_prediction" if sd2 else "epsilon",
     )
     if inpaint:
-        from diffusers import StableDiffusionInpaintPipeline
         return StableDiffusionInpaintPipeline(
             vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
             safety_checker=None, feature_extractor=None, requires_safety_checker=False,
@@ -151,12 +159,6 @@ def _build_tiny_sdxl(seed: int = 0, inpaint: bool = False):
     their hidden sizes differ (32 vs 48) so that diffusers' single-file loader tells them apart by
     width, as it does for the real 768 vs 1280. VAE: 4 levels (factor 8: 64 px → 8×8 latents),
     SDXL's scaling factor. Scheduler: Euler with SDXL's settings."""
-    import tempfile
-
-    import torch
-    from trainer.families.common.tiny_vae import make_identity_vae
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tiny_tokenizer(Path(tmp) / "l")
@@ -196,7 +198,6 @@ def _build_tiny_sdxl(seed: int = 0, inpaint: bool = False):
         steps_offset=1, timestep_spacing="leading", interpolation_type="linear", prediction_type="epsilon",
     )
     if inpaint:
-        from diffusers import StableDiffusionXLInpaintPipeline
         return StableDiffusionXLInpaintPipeline(
             vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
             tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, force_zeros_for_empty_prompt=True,
@@ -218,7 +219,6 @@ def ensure_tiny_model(kind: str, root: str | os.PathLike) -> dict[str, Path]:
     single = root / f"{kind}.safetensors"
     stamp = folder / ".atelier-tiny"
     if not (stamp.exists() and stamp.read_text() == str(TINY_VERSION) and single.exists()):
-        import torch
         with torch.random.fork_rng(devices=[]):  # the builders seed torch: leave the caller's RNG as it was
             pipe = build_tiny_pipeline(kind)
         tmp = root / f".{kind}.building"
