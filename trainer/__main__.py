@@ -112,8 +112,8 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     import signal
     import subprocess
 
-    from trainer.parallel.launch import dead_ranks, launch_argv, rank_errors
     from trainer.events import EventWriter, read_events, run_state
+    from trainer.parallel.launch import dead_ranks, launch_argv, rank_errors
     rest = [a for a in argv]
     if "--run-dir" not in rest:
         rest += ["--run-dir", str(run_dir)]

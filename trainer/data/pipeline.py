@@ -43,21 +43,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
 from trainer.data.buckets import PlannedBatch, Size
 from trainer.data.cache import (
     CacheJob,
     LatentCache,
     TextCache,
-    map_ahead,
     as_text_dict,
     file_sha256,
     make_settings_key,
+    map_ahead,
 )
 from trainer.data.captions import CaptionOptions, CaptionProcessor, Replacement, pick_caption
 from trainer.data.concepts import ImageItem
 from trainer.data.dataset import build_dataset
-from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
 from trainer.errors import DataError

@@ -10,22 +10,22 @@ modules: the writers' callers (methods, families, tools) import these modules at
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
 
 from trainer.io import atomic_dir, atomic_path, save_safetensors_atomic
-
-if TYPE_CHECKING:
-    import torch
 
 DTYPES = ("fp32", "fp16", "bf16")
 
 
 def dtype_from_name(name: str) -> "torch.dtype":
     """The torch dtype of an ``output.dtype`` name (fp32, fp16, bf16)."""
-    import torch
 
     table = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     if name not in table:
@@ -50,8 +50,6 @@ def write_checkpoint(path: Path, state_dict: dict[str, "torch.Tensor"],
     if suffix == ".safetensors":
         save_safetensors_atomic(state_dict, path, metadata)
     elif suffix in (".ckpt", ".pt", ".pth"):
-        import torch
-
         with atomic_path(path) as tmp:
             torch.save({"state_dict": {k: v.contiguous() for k, v in state_dict.items()}}, tmp)
     else:
@@ -78,7 +76,6 @@ def _cast_saved_folder(folder: Path, dtype: str) -> None:
     Why here and not on the models: casting a training model to fp16 and back would destroy its
     fp32 weights, and a cast copy of a big UNet doubles memory. Files are converted one at a time.
     """
-    from safetensors import safe_open
 
     target = dtype_from_name(dtype)
     for file in sorted(folder.rglob("*.safetensors")):
@@ -124,8 +121,6 @@ def save_diffusers_folder(folder: str | os.PathLike, pipeline_or_components: Any
 
 
 def _takes_safe_serialization(component: Any) -> bool:
-    import inspect
-
     try:
         return "safe_serialization" in inspect.signature(component.save_pretrained).parameters
     except (TypeError, ValueError):

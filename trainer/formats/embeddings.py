@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
+
+import torch
+from safetensors.torch import load_file
 
 from trainer.formats.checkpoint import cast_state_dict
 from trainer.io import atomic_path, save_safetensors_atomic
-
-if TYPE_CHECKING:
-    import torch
 
 CLIP_STAR_TOKEN_ID = 265  # "*" in the CLIP vocab: A1111's placeholder in .pt files
 
@@ -39,8 +39,6 @@ def save_embedding_a1111(path: str | os.PathLike, vectors: "torch.Tensor | Mappi
         save_safetensors_atomic({k: v.contiguous() for k, v in tensors.items()}, path,
                                 {str(k): str(v) for k, v in (metadata or {}).items()})
     elif suffix == ".pt":
-        import torch
-
         if set(tensors) != {"emb_params"}:
             raise ValueError("A1111 .pt embeddings hold one tensor; save SDXL embeddings as .safetensors")
         data = {"string_to_param": {"*": tensors["emb_params"].contiguous()},
@@ -56,12 +54,8 @@ def load_embedding_a1111(path: str | os.PathLike) -> "torch.Tensor":
     diffusers (``{token: T}``) embedding file."""
     path = Path(path)
     if path.suffix.lower() == ".safetensors":
-        from safetensors.torch import load_file
-
         data: Any = load_file(str(path))
     else:
-        import torch
-
         data = torch.load(path, map_location="cpu", weights_only=True)
     if "string_to_param" in data:
         params = data["string_to_param"]

@@ -17,14 +17,16 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import torch
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+
 from trainer.formats.checkpoint import dtype_from_name
 from trainer.formats.dora import dora_magnitude_from, dora_scale_for
 from trainer.formats.metadata import network_shape_metadata
 from trainer.io import save_safetensors_atomic
 
-if TYPE_CHECKING:
-    import torch
-
+if TYPE_CHECKING:  # the formats take a family's namer; they import nothing of the families
     from trainer.families.base import Namer
 
 PEFT_PREFIXES = ("base_model.model.",)
@@ -32,7 +34,6 @@ PEFT_PREFIXES = ("base_model.model.",)
 
 def lora_layers(model: Any, adapter: str) -> Iterator[tuple[str, Any]]:
     """(module path, peft LoraLayer) for every layer that carries ``adapter``."""
-    from peft.tuners.lora import LoraLayer
 
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and (adapter in module.lora_A or adapter in module.lora_embedding_A):
@@ -104,7 +105,6 @@ def kohya_lora_state_dict(modules: Mapping[str, Any], namer: Namer, adapter_name
     ``lora_te_text_model_…``; see the SD kit's ``sd_namer``).
     Tensors are detached CPU copies in the layers' dtype; alpha is float32.
     """
-    import torch
 
     names = named_targets(modules, namer, adapter_name)
     if not names:
@@ -123,7 +123,6 @@ def kohya_lora_state_dict(modules: Mapping[str, Any], namer: Namer, adapter_name
 def cast_adapter_tensors(state_dict: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str, "torch.Tensor"]:
     """Adapter weights cast to ``dtype`` on the CPU; ``.alpha`` scalars stay float32 (loaders read them
     as exact numbers)."""
-    import torch
     target = dtype_from_name(dtype)
     out = {}
     for key, value in state_dict.items():
@@ -155,7 +154,6 @@ def load_lora_file(path_or_state_dict: str | os.PathLike | Mapping[str, "torch.T
     """The tensors of a ``.safetensors`` adapter file, or a copy of a state dict already read."""
     if isinstance(path_or_state_dict, Mapping):
         return dict(path_or_state_dict)
-    from safetensors.torch import load_file
 
     return load_file(str(path_or_state_dict))
 
@@ -177,7 +175,6 @@ def _split_kohya_keys(state: Mapping[str, "torch.Tensor"]) -> tuple[dict[str, di
 
 def assign_tensor(param: "torch.Tensor", value: "torch.Tensor", what: str) -> None:
     """Copy a file's tensor into a model parameter in place, refusing a shape mismatch (naming ``what``)."""
-    import torch
 
     if tuple(param.shape) != tuple(value.shape):
         raise ValueError(f"{what}: file has shape {tuple(value.shape)}, model expects {tuple(param.shape)} "

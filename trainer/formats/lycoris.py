@@ -19,12 +19,14 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+import torch
+from peft.tuners.loha import LoHaLayer
+from peft.tuners.lokr import LoKrLayer
+
 from trainer.formats.kohya import PEFT_PREFIXES, assign_tensor, cast_adapter_tensors, load_lora_file, named_targets
 from trainer.io import save_safetensors_atomic
 
-if TYPE_CHECKING:
-    import torch
-
+if TYPE_CHECKING:  # the formats take a family's namer; they import nothing of the families
     from trainer.families.base import Namer
 
 _LOHA_KEYS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
@@ -33,8 +35,6 @@ _LOKR_KEYS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr
 
 def _lycoris_layers(model: Any, adapter: str) -> Iterator[tuple[str, Any]]:
     """(module path, peft LoHaLayer/LoKrLayer) for every layer that carries ``adapter``."""
-    from peft.tuners.loha import LoHaLayer
-    from peft.tuners.lokr import LoKrLayer
 
     for name, module in model.named_modules():
         if isinstance(module, (LoHaLayer, LoKrLayer)) and adapter in module._available_adapters:
@@ -44,8 +44,6 @@ def _lycoris_layers(model: Any, adapter: str) -> Iterator[tuple[str, Any]]:
 
 
 def _lycoris_algo(layer: Any) -> str:
-    from peft.tuners.loha import LoHaLayer
-
     return "loha" if isinstance(layer, LoHaLayer) else "lokr"
 
 
@@ -63,7 +61,6 @@ def lycoris_state_dict(modules: Mapping[str, Any], namer: Namer,
     ``<name>.alpha`` = scaling × rank, so that every loader's alpha/rank equals peft's scaling.
     LoKr layers with two full factors get the scaling baked into ``lokr_w1`` and alpha = rank.
     """
-    import torch
 
     names = named_targets(modules, namer, adapter_name, _lycoris_layers)
     if not names:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from trainer.errors import ConfigError
 
 log = logging.getLogger("atelier")
@@ -43,7 +45,6 @@ class BlockSwap:
 
     def __init__(self, blocks: Sequence[Any], device: Any, resident: int = 1,
                  park: Optional[Callable[[Any], Any]] = None):
-        import torch
         self.blocks = list(blocks)
         self.device = torch.device(device)
         self.limit = max(1, int(resident))
@@ -77,7 +78,6 @@ class BlockSwap:
     def capture(self) -> None:
         """Take (pinned) CPU copies of the swapped blocks' frozen tensors as they are now (after fp8/NF4 storage) and
         send every swapped block out. Run once the denoiser's storage is final."""
-        import torch
         self.resident = []
         for i, block in enumerate(self.blocks):
             copies = []
@@ -126,7 +126,6 @@ class BlockSwap:
     def place(self, module: Any, device: Any) -> None:
         """``module.to(device)``, except the swapped blocks' frozen tensors: they stay in their CPU copies (the text
         encoders' offload moves the denoiser in and out with this)."""
-        import torch
         device = torch.device(device)
         if device.type == "cpu":
             self.send_all_out()

@@ -15,6 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
+import torch
+from accelerate import cpu_offload_with_hook
+
 log = logging.getLogger("atelier")
 
 TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
@@ -29,8 +32,6 @@ class TextEncoderOffload:
     """The hooks of one run; ``slots``: the text encoders moved to CPU RAM."""
 
     def __init__(self, model: Any, device: Any):
-        import torch
-        from accelerate import cpu_offload_with_hook
         self.model = model
         self.device = torch.device(device)
         self.swaps = self.device.type != "cpu"  # on a CPU run everything already lives in RAM
@@ -48,7 +49,6 @@ class TextEncoderOffload:
         self._empty_cache()
 
     def _empty_cache(self) -> None:
-        import torch
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -18,6 +18,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, List, Optional
 
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
 from trainer.config.schema import PART_OF_SLOT
 from trainer.errors import ConfigError
 
@@ -25,7 +29,6 @@ from trainer.errors import ConfigError
 def stochastic_round_to_bf16(x, generator=None):
     """Round fp32 ``x`` to bf16, up or down with probability by distance (adds 16 random low bits,
     then truncates: E[result] = x)."""
-    import torch
     x32 = x.detach().to(torch.float32).contiguous()
     noise = torch.randint(0, 1 << 16, x32.shape, dtype=torch.int32, generator=generator,
                           device=x32.device)
@@ -39,7 +42,6 @@ class StochasticRounding:
     """Optimizer hooks: fp32 step for bf16 weights, stochastic rounding back to bf16 afterwards."""
 
     def __init__(self, optimizer, seed_for_step: Callable[[], int]):
-        import torch
         self.optimizer = optimizer
         self.seed_for_step = seed_for_step
         self.params: List[Any] = [p for g in optimizer.param_groups for p in g["params"]
@@ -55,14 +57,12 @@ class StochasticRounding:
             h.remove()
 
     def _upcast(self) -> None:
-        import torch
         for p in self.params:
             p.data = p.data.to(torch.float32)
             if p.grad is not None:
                 p.grad = p.grad.to(torch.float32)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:  # noqa: ARG002
-        import torch
         self._upcast()
         for p in self.params:  # state loaded or made while the weight was bf16 → fp32
             for k, v in optimizer.state.get(p, {}).items():
@@ -70,7 +70,6 @@ class StochasticRounding:
                     optimizer.state[p][k] = v.to(torch.float32)
 
     def _post_step(self, optimizer, args, kwargs) -> None:  # noqa: ARG002
-        import torch
         seed = int(self.seed_for_step()) & 0x7FFF_FFFF_FFFF_FFFF
         for p in self.params:
             gen = self._generator(p.device)
@@ -81,7 +80,6 @@ class StochasticRounding:
                 p.grad = p.grad.to(torch.bfloat16)
 
     def _generator(self, device):
-        import torch
         key = str(device)
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=device)
@@ -89,19 +87,16 @@ class StochasticRounding:
 
     # load_state_dict casts state to each weight's dtype: make that fp32, so fp32 state survives resume
     def _pre_load(self, optimizer, state_dict):  # noqa: ARG002
-        import torch
         for p in self.params:
             p.data = p.data.to(torch.float32)
         return None
 
     def _post_load(self, optimizer) -> None:  # noqa: ARG002
-        import torch
         for p in self.params:
             p.data = p.data.to(torch.bfloat16)  # exact: the values came from bf16
 
 
 def fp8_available() -> bool:
-    import torch
     if not hasattr(torch, "float8_e4m3fn"):
         return False
     try:
@@ -117,9 +112,6 @@ FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-criti
 def _fp8_forward(module, compute_dtype):
     """Forward of an fp8-stored Linear/Conv2d: upcast the weight for the op, and (when a gradient will
     flow through) recompute that upcast in backward instead of keeping it alive until then."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.checkpoint import checkpoint
 
     is_linear = isinstance(module, torch.nn.Linear)
 
@@ -145,7 +137,6 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
     training would keep a full-precision copy of the UNet anyway. Here each layer upcasts inside a
     non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
     """
-    import torch
     if not fp8_available():
         raise ConfigError(f"parts.denoiser.fp8 is on, but this PyTorch ({torch.__version__}) cannot store "
                           "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn parts.denoiser.fp8 off and "
@@ -171,10 +162,7 @@ def _home(tensor, module, in_ram):
 def _nf4_forward(module, state, compute_dtype):
     """Forward of an NF4-stored Linear: dequantize the packed weight for the op (bitsandbytes), recomputed in
     backward instead of kept alive until then."""
-    import torch
-    import torch.nn.functional as F
     from bitsandbytes.functional import dequantize_4bit
-    from torch.utils.checkpoint import checkpoint
 
     def run(x):
         w = dequantize_4bit(module.weight.data, state).to(compute_dtype)
@@ -194,7 +182,6 @@ def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None, in_r
     with double-quantised statistics, as QLoRA does); returns how many layers. Like fp8 storage, a storage format:
     each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
     ``compute_dtype``; peft's LoRA layers around it see an ordinary Linear. Convolutions keep their dtype."""
-    import torch
     try:
         from bitsandbytes.functional import quantize_4bit
     except Exception as exc:  # bitsandbytes missing or without a backend for this device
@@ -223,8 +210,6 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
     where ``parts.text_encoder_N.fp8`` / ``.nf4`` asks (layer by layer on the device, back to RAM when they are
     offloaded; NF4's small quant state stays where it was made), then moved to the device unless ``offloading``
     (trainer.memory.offload moves them in only while they encode)."""
-
-    import torch
 
     info = getattr(model, "info", None)
     if info is None:
@@ -298,7 +283,6 @@ def apply_precision(model, method, optimizer, cfg, seed_for_step: Callable[[], i
                     warn: Optional[Callable[[str], None]] = None) -> Optional[StochasticRounding]:
     """Set up fp8/NF4 storage (when :func:`apply_storage` has not yet) and stochastic rounding for a run;
     returns the rounding hooks (or None)."""
-    import torch
     pc = cfg.precision
     apply_storage(model, method, cfg)
     if not pc.stochastic_rounding:

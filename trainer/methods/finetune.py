@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict
 
+import torch
+
 from trainer.formats.checkpoint import save_diffusers_folder
 from trainer.methods.base import MethodBase
+from trainer.methods.lora import chosen_parts
 
 
 class FinetuneMethod(MethodBase):
     name = "finetune"
 
     def __init__(self, model, cfg):
-        import torch
         self.model = model
         self.cfg = cfg
         self.modules: Dict[str, Any] = {}
-        from trainer.methods.lora import chosen_parts
         for slot, module in chosen_parts(model, cfg).items():
             module.requires_grad_(True)
             self.modules[slot] = module
@@ -30,8 +32,6 @@ class FinetuneMethod(MethodBase):
         return {"auto": ".safetensors", "safetensors": ".safetensors", "ckpt": ".ckpt", "diffusers": ""}[fmt]
 
     def save(self, path, dtype: str, metadata: Dict[str, str]) -> None:
-        from contextlib import nullcontext
-
         m = self.model
         # the model as users load it: no placeholder tokens in tokenizer or text encoder
         with self.embedding.detached(m) if self.embedding is not None else nullcontext():

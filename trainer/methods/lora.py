@@ -13,14 +13,24 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
+import torch
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft.tuners.tuners_utils import check_target_module_exists
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from trainer.config.schema import PART_OF_SLOT, part_key
+from trainer.data.buckets import parse_resolution
 from trainer.errors import ConfigError
 from trainer.formats.embeddings import bundle_embedding_state_dict
 from trainer.formats.kohya import kohya_lora_state_dict, load_lora_kohya_into_peft, save_lora_kohya
 from trainer.formats.lycoris import load_lycoris_into_peft, lycoris_state_dict, save_lycoris
 from trainer.methods.base import MethodBase
+from trainer.methods.rules import block_of, custom_target_regex, parse_blocks
 
 LYCORIS_TYPES = ("loha", "lokr")
 
@@ -30,7 +40,6 @@ def unet_targets(cfg, model=None) -> Union[List[str], str]:
     ``parts.denoiser.lora_targets`` preset (``model.lora_targets``), or (custom) one regex, which needs no model."""
     choice = cfg.parts.denoiser.lora_targets
     if choice == "custom":
-        from trainer.methods.rules import custom_target_regex
         return custom_target_regex(list(cfg.lora.custom_targets))
     if model is None:
         raise ValueError(f"parts.denoiser.lora_targets = {choice}: the preset's layers are the model family's; "
@@ -41,10 +50,7 @@ def unet_targets(cfg, model=None) -> Union[List[str], str]:
 def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
     """The full paths of the modules ``targets`` (name endings, or one full-match regex) picks in ``module`` that lie
     in the blocks ``spec`` (``parts.denoiser.lora_blocks``) names; ConfigError naming the block lists when none do."""
-    import re
 
-    from trainer.errors import ConfigError
-    from trainer.methods.rules import block_of, parse_blocks
     ranges = parse_blocks(spec)
 
     def picked(path: str) -> bool:
@@ -71,8 +77,6 @@ def in_blocks(module, targets: Union[List[str], str], spec: str) -> List[str]:
 def chosen_parts(model, cfg) -> Dict[str, Any]:
     """slot -> module for the parts whose ``parts.<part>.train`` is on; a part the model does not have
     is refused, naming the family's parts."""
-    from trainer.config.schema import PART_OF_SLOT, part_key
-    from trainer.errors import ConfigError
     chosen: Dict[str, Any] = {}
     for slot in PART_OF_SLOT:
         if not cfg.parts[PART_OF_SLOT[slot]].train:
@@ -90,10 +94,7 @@ def _conv_patterns(model, config, lcfg) -> tuple[Dict[str, int], Dict[str, float
     """rank/alpha patterns giving k×k convs ``lora.conv_rank``/``conv_alpha`` (kohya's conv_dim/conv_alpha)."""
     if lcfg.conv_rank is None and lcfg.conv_alpha is None:
         return {}, {}
-    import re
 
-    import torch
-    from peft.tuners.tuners_utils import check_target_module_exists
     ranks: Dict[str, int] = {}
     alphas: Dict[str, float] = {}
     for name, module in model.named_modules():
@@ -109,15 +110,12 @@ def adapter_config(lcfg, targets: Union[List[str], str], model=None):
     """The peft config of ``lora.type`` for one model (conv rank/alpha patterns need the model)."""
     kind = lcfg.type
     if kind in ("lora", "dora"):
-        from peft import LoraConfig
         config = LoraConfig(r=lcfg.rank, lora_alpha=lcfg.alpha, lora_dropout=lcfg.dropout,
                             target_modules=targets, init_lora_weights=True, use_dora=kind == "dora")
     elif kind == "loha":
-        from peft import LoHaConfig
         config = LoHaConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True)
     elif kind == "lokr":
-        from peft import LoKrConfig
         config = LoKrConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
                             decompose_both=bool(lcfg.decompose_both), decompose_factor=int(lcfg.factor))
@@ -137,7 +135,6 @@ def _add_adapter(model, config, what: str, key: str) -> None:
         if hasattr(model, "add_adapter"):
             model.add_adapter(config)
         else:
-            from peft import inject_adapter_in_model
             inject_adapter_in_model(config, model)
     except ValueError as exc:  # peft: "Target modules … not found in the base model", unsupported layer, …
         raise ConfigError(f"Could not add the {what} adapter: {exc}. Check {key}.", key=key) from None
@@ -174,7 +171,6 @@ class LoraMethod(MethodBase):
         self._add_alongside_embedding(model, cfg)
 
     def _load_init_weights(self, path: str) -> None:
-        from safetensors.torch import load_file
         try:
             state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
             own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
@@ -237,7 +233,6 @@ class LoraMethod(MethodBase):
 
 def _header(path: str) -> Dict[str, str]:
     """A .safetensors file's metadata header."""
-    from safetensors import safe_open
     with safe_open(path, framework="pt") as fh:
         return dict(fh.metadata() or {})
 
@@ -250,7 +245,6 @@ def _resolution(cfg) -> Optional[Any]:
     except (TypeError, ValueError):
         pass
     try:
-        from trainer.data.buckets import parse_resolution
         return parse_resolution(value)[0]
     except Exception:  # a header detail must never fail a save
         return None

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import re
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from trainer.errors import ConfigError
@@ -264,7 +266,6 @@ class DualPlaceholderEmbedding:
              also_pt: bool = False, step: Optional[int] = None) -> List[Path]:
         """``{"clip_l", "clip_g"}`` ``.safetensors``. A1111's ``.pt`` holds one tensor, so there is no
         SDXL ``.pt``: ``also_pt`` is skipped with a log line."""
-        import logging
 
         path = Path(path)
         if path.suffix.lower() != ".safetensors":
@@ -281,7 +282,6 @@ class DualPlaceholderEmbedding:
 def load_embedding_sdxl(path: Union[str, Path]) -> Dict[str, torch.Tensor]:
     """``{"clip_l": T[n, 768], "clip_g": T[n, 1280]}`` from an SDXL embedding ``.safetensors``."""
     try:
-        from safetensors.torch import load_file
         data = load_file(str(path))
     except (OSError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"embedding.init_weights '{path}' could not be read: {exc}", key="embedding.init_weights",

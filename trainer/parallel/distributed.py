@@ -32,6 +32,12 @@ import faulthandler
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from accelerate.utils import InitProcessGroupKwargs
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 from trainer.data.buckets import PlannedBatch
 from trainer.data.cache import map_ahead
 
@@ -44,7 +50,6 @@ Rows = Tuple[int, int, int]  # (first row, end row, global micro-batch size)
 
 def choose_backend(cpu: bool, warn) -> str:
     """NCCL for GPUs when this torch has it, else gloo (CPU, Windows, torch without NCCL)."""
-    import torch.distributed as dist
     if cpu:
         return "gloo"
     if dist.is_nccl_available():
@@ -61,7 +66,6 @@ def accelerator_kwargs(cfg, cpu: bool, world: int, warn, sharded: bool = False) 
     if world <= 1:
         return []
 
-    from accelerate.utils import InitProcessGroupKwargs
     timeout = int(getattr(cfg.general, "dist_timeout_s", 1800) or 1800)
     backend = choose_backend(cpu, warn)
     if sharded and backend == "nccl":
@@ -108,7 +112,6 @@ def expand_rows(x, rows: Optional[Rows]):
         return x
     if isinstance(x, dict):
         return {k: expand_rows(v, rows) for k, v in x.items()}
-    import torch
     lo, hi, n = rows
     out = torch.zeros((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     out[lo:hi] = x
@@ -140,8 +143,6 @@ class GradientSync:
 
     def broadcast_from_main(self) -> None:
         """Start every process from rank 0's trainable weights (as DDP does at wrap time)."""
-        import torch
-        import torch.distributed as dist
         with torch.no_grad():
             for p in self.params:
                 dist.broadcast(p.data, src=0)
@@ -149,8 +150,6 @@ class GradientSync:
     def step(self, loss: float, stop: bool, touched: bool = False) -> Tuple[float, bool, bool]:
         """Average the gradients; (the mean loss, any process asked to stop, any process swapped its
         weights): every process learns all three from the same all-reduce."""
-        import torch
-        import torch.distributed as dist
         ref = next((p.grad for p in self.params if p.grad is not None), None)
         device = ref.device if ref is not None else self.params[0].device if self.params else self.device
         dtype = torch.float32
@@ -186,7 +185,6 @@ class GradientSync:
 def _entry_module(module):
     """An ``nn.Module`` whose forward is ``module``'s own (class) forward: what DDP wraps, while callers keep
     calling ``module`` itself (its hooks run once, outside)."""
-    import torch.nn as nn
 
     class DDPEntry(nn.Module):
         def __init__(self, inner):
@@ -215,9 +213,6 @@ class DDPGradients:
     that module (an embedding's new token vectors, read inside the text encoder's embedding layer)."""
 
     def __init__(self, modules, skip_ids: set, device: Any):
-        import torch
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         self.wrapped: List[Tuple[Any, Any]] = []  # (module, DDP)
         self.names: List[str] = []
         self.params: List[Any] = []
@@ -249,7 +244,6 @@ class DDPGradients:
         self.ids = {id(p) for p in self.params}
 
     def _redirect(self, name: str, module, ddp) -> None:
-        import torch
         plain = type(module).forward
         calls = self.calls
 
@@ -298,7 +292,6 @@ def collective_failure(exc: BaseException) -> bool:
     collective (a peer died, hung or lost its connection) rather than this process's own error (an OOM, a
     NaN check …), so rank 0 names the peer instead of itself."""
     try:
-        import torch.distributed as dist
         if isinstance(exc, getattr(dist, "DistError", ())):
             return True
     except Exception:  # a torch without torch.distributed
@@ -308,7 +301,6 @@ def collective_failure(exc: BaseException) -> bool:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()
@@ -339,7 +331,6 @@ def weight_grad_average(world: int):
     freed after it, so the once-per-step flat all-reduce of :class:`GradientSync` has nothing to
     average). One small all-reduce per weight, in the order backward makes them — the same on every
     process, since they run the same graph."""
-    import torch.distributed as dist
 
     def average(p) -> None:
         try:

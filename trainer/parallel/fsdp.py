@@ -33,6 +33,14 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
 from trainer.parallel.plan import fsdp_from_launcher, shards_unet, validate_fsdp
 
 
@@ -58,7 +66,6 @@ def plan_fsdp(cfg, world: int, cpu: bool, warn, log=None):
 
 def fsdp_plugin(cfg, cpu: bool, warn):
     """accelerate's plugin from ``general.fsdp_*``: FSDP2, full state dicts, no wrapping by accelerate."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
     g = cfg.general
     offload = bool(g.fsdp_offload_params)
     if offload and cpu:
@@ -82,10 +89,6 @@ class FSDPShards:
     ``fsdp2_prepare_model`` order). Build the optimizer afterwards, on the sharded parameters."""
 
     def __init__(self, module, plugin, device, world: int):
-        import torch
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         self.plain_class = type(module)  # fully_shard swaps in an FSDP subclass
         self.config = getattr(module, "config", None)
         mesh = init_device_mesh(device.type, (world,))
@@ -121,7 +124,6 @@ class FSDPShards:
         state = self.full_state_dict(keep)
         if not keep:
             return None
-        from accelerate import init_empty_weights
         with init_empty_weights():
             plain = self.plain_class.from_config(self.config) if self.config is not None else None
         if plain is None:
@@ -133,14 +135,12 @@ class FSDPShards:
 def full_tensor(t):
     """The whole of ``t``: a sharded DTensor is gathered from all processes (a collective: every process
     must call it, in the same order); anything else passes through."""
-    from torch.distributed.tensor import DTensor
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def full_optimizer_state(state_dict: Dict[str, Any], keep: bool) -> Dict[str, Any]:
     """``optimizer.state_dict()`` with sharded state gathered to whole CPU tensors: the same layout as a
     single process's, so the backup resumes anywhere. Every process calls it; ``keep`` collects."""
-    import torch
     state = {}
     for i in sorted(state_dict["state"]):  # the same order on every process: the gathers pair up
         entry = {}
@@ -154,14 +154,12 @@ def full_optimizer_state(state_dict: Dict[str, Any], keep: bool) -> Dict[str, An
 
 def _local_piece(full, like):
     """This process's piece of the whole tensor ``full``, placed as the DTensor ``like`` is."""
-    from torch.distributed.tensor import distribute_tensor
     mesh = like.device_mesh
     return distribute_tensor(full.to(mesh.device_type), mesh, like.placements, src_data_rank=None).to_local()
 
 
 def load_full_into(p, full) -> None:
     """Copy a whole weight (from a backup) into ``p``: a sharded DTensor takes its piece (under no_grad)."""
-    from torch.distributed.tensor import DTensor
     if isinstance(p, DTensor):
         local = p.to_local()
         local.copy_(_local_piece(full.to(dtype=p.dtype), p))
@@ -172,8 +170,6 @@ def load_full_into(p, full) -> None:
 def shard_optimizer_state(optimizer) -> None:
     """After ``optimizer.load_state_dict`` of a whole-tensor state (any backup): the state of sharded
     weights becomes DTensors placed like the weights, as the optimizer makes them itself."""
-    import torch
-    from torch.distributed.tensor import DTensor
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not isinstance(p, DTensor):

@@ -22,6 +22,8 @@ import copy
 import logging
 from typing import Any, Iterator, Optional, Tuple
 
+import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from trainer.parallel.distributed import (
@@ -141,7 +143,6 @@ class DistributedData(SingleProcess):
                  len(self.ddp.params), ", ".join(self.ddp.names) or "nothing", len(self.grad_sync.params))
 
     def data_config(self, cfg, global_micro_batch: int):
-
         data_cfg = copy.deepcopy(cfg)
         OmegaConf.update(data_cfg, "training.batch_size", global_micro_batch)
         return data_cfg
@@ -193,9 +194,6 @@ class ShardedData(DistributedData):
         return {id(p) for p in params if self.fsdp.owns(p)}
 
     def agree(self, flag: bool) -> bool:
-        import torch
-        import torch.distributed as dist
-
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         try:
             dist.broadcast(value, src=0)

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from trainer.config.preflight import model_path_problem
+
 DTYPES = ("fp32", "fp16", "bf16")
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt")
 
@@ -68,6 +70,5 @@ def check_out(out: Path, overwrite: bool, *, folder: bool, inputs: Optional[List
 
 def model_problem(path: str) -> Optional[str]:
     """Why MODEL cannot be loaded, when it can be told without loading it (missing path, wrong file type)."""
-    from trainer.config.preflight import model_path_problem
     problem = model_path_problem(path)
     return problem.replace("model.path", "MODEL", 1) if problem else None

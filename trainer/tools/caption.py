@@ -27,6 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from trainer.data.captions import caption_ext
+from trainer.data.concepts import IMAGE_EXTENSIONS, find_images
+from trainer.data.images import open_rgb
+from trainer.data.probe import probe_image
+from trainer.errors import DataError
+from trainer.io import atomic_write_bytes, write_failure
 from trainer.tools import ToolError
 
 DEFAULT_CAPTION_MODEL = "Salesforce/blip-image-captioning-base"
@@ -49,7 +55,6 @@ KAOMOJIS = {"0_0", "(o)_(o)", "+_+", "+_-", "._.", "<o>_<o>", "<|>_<|>", "=_=", 
 
 def folder_images(folder: str, recursive: bool) -> Tuple[Path, List[Path]]:
     """The folder and its training images (the trainer's rules), or ToolError naming the folder."""
-    from trainer.data.concepts import IMAGE_EXTENSIONS, find_images
     path = Path(folder).expanduser()
     if not path.exists():
         raise ToolError(f"FOLDER '{folder}' does not exist; give the folder that holds the images.")
@@ -193,9 +198,6 @@ def load_pretrained(src: ModelSource, loader: Callable[..., Any], what: str, **k
 
 def open_image(path: Path) -> Tuple[Optional[Any], Optional[str]]:
     """(RGB image the right way up, None) or (None, why it cannot be used): the trainer's checks and decoding."""
-    from trainer.data.probe import probe_image
-    from trainer.errors import DataError
-    from trainer.data.images import open_rgb
     _, problem = probe_image(path)
     if problem:
         return None, problem
@@ -426,7 +428,6 @@ def load_captioner(spec: str, device: str, *, max_tokens: Optional[int], task: O
 
 def caption_path(image: Path, extension: str) -> Path:
     """Where training reads the caption of ``image`` (``<stem><extension>`` next to it)."""
-    from trainer.data.captions import caption_ext
     return image.with_name(image.stem + caption_ext(extension))
 
 
@@ -461,7 +462,6 @@ def run(args: Any) -> int:
     captioner = load_captioner(args.model, device, max_tokens=args.max_tokens, task=args.task,
                                threshold=args.threshold, tag_limit=args.tag_limit)
 
-    from trainer.io import atomic_write_bytes
     progress, written = Progress("captioned", len(todo)), Written()
     skipped: List[Tuple[Path, str]] = []
     empty: List[Path] = []
@@ -482,7 +482,6 @@ def run(args: Any) -> int:
             try:
                 atomic_write_bytes(cap, (line + "\n").encode("utf-8"))
             except OSError as exc:
-                from trainer.io import write_failure
                 say(f"Error: {write_failure(exc, cap.parent, 'a caption')}")
                 return 1
             written.add(cap)

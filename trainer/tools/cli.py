@@ -7,7 +7,10 @@ import os
 import sys
 from typing import Any
 
-from trainer.tools import DTYPES
+from trainer.errors import ConfigError
+from trainer.tools import DTYPES, ToolError
+from trainer.tools.caption import DEFAULT_CAPTION_MODEL, DEFAULT_THRESHOLD, FLORENCE_TASKS, KNOWN_TAGGER
+from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, DEFAULT_SUBJECT_MODEL, METHODS
 
 COMMANDS = ("convert", "merge", "resize", "sample", "caption", "mask")
 
@@ -73,8 +76,6 @@ def add_parsers(sub: Any) -> None:
 
 def add_dataset_parsers(sub: Any) -> None:
     """``caption`` and ``mask``: files next to a dataset's images, written by a model."""
-    from trainer.tools.caption import (DEFAULT_CAPTION_MODEL, DEFAULT_THRESHOLD, FLORENCE_TASKS, KNOWN_TAGGER)
-    from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, DEFAULT_SUBJECT_MODEL, METHODS
 
     def images(sp, what: str):
         sp.add_argument("folder", help=f"The folder of images; {what} next to each image.")
@@ -140,10 +141,9 @@ def add_dataset_parsers(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one tool; bad input prints one line and returns 2."""
-    from trainer.errors import ConfigError
-    from trainer.tools import ToolError
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    # each tool imports torch (and its libraries): imported here so `--help` and the other commands stay torch-free
     if args.command == "convert":
         from trainer.tools.convert import run as tool
     elif args.command == "merge":

@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+import diffusers.utils.logging as dlog
+import torch
+import transformers.utils.logging as tlog
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from trainer.config.checks import load_config
+from trainer.config.schema import PART_OF_SLOT
+from trainer.errors import ConfigError
+from trainer.families.sources import load_model
 from trainer.formats.dora import COMFY_EPS
 from trainer.formats.metadata import network_shape_metadata
 from trainer.tools import ToolError, model_problem
@@ -25,10 +35,7 @@ def tool_config(model_path: str, workspace: Optional[str] = None, config: Option
     """A run config for loading ``model_path`` (or the model of ``config``): every part stored in ``dtype``
     (the VAE as the config says), the built-in tiny models under ``<workspace>/models``, ``config_path``
     as ``model.config_path`` (the diffusers configs of a single file that is not the standard size)."""
-    from omegaconf import OmegaConf
 
-    from trainer.config.checks import load_config
-    from trainer.config.schema import PART_OF_SLOT
     cfg = load_config(config) if config else load_config(None)
     if model_path:
         OmegaConf.update(cfg, "model.path", str(model_path))
@@ -45,9 +52,7 @@ def tool_config(model_path: str, workspace: Optional[str] = None, config: Option
 def quiet_libraries() -> None:
     """No per-component progress bars from diffusers/transformers: a tool prints what it wrote."""
     try:
-        import diffusers.utils.logging as dlog
         dlog.disable_progress_bar()
-        import transformers.utils.logging as tlog
         tlog.disable_progress_bar()
     except Exception:  # an older library without the switch: the bars stay
         pass
@@ -56,8 +61,6 @@ def quiet_libraries() -> None:
 def load_family(model_path: str, workspace: Optional[str] = None, *, config: Optional[str] = None,
                 config_path: Optional[str] = None, device: Any = "cpu", dtype: str = "fp32") -> Any:
     """The loaded family object (``trainer.families.*``), or ToolError naming what is wrong with MODEL."""
-    from trainer.errors import ConfigError
-    from trainer.families.sources import load_model
     cfg = tool_config(model_path, workspace, config, dtype, config_path)
     path = str(cfg.model.path)
     problem = model_problem(path)
@@ -79,7 +82,6 @@ def load_family(model_path: str, workspace: Optional[str] = None, *, config: Opt
 
 def source_dtype(model: Any) -> str:
     """The dtype the model's denoiser weights are stored in (fp32 when it cannot be told: .ckpt, hub)."""
-    from safetensors import safe_open
     src = getattr(model, "source", None)
     if src is None:
         return "fp32"
@@ -156,7 +158,6 @@ class LoraFile:
     def delta(self, name: str) -> Any:
         """The layer's weight change in float32, flattened to [out, in·k·k]: (alpha/rank) · up @ down (LoRA),
         · (w1a @ w1b) ⊙ (w2a @ w2b) (LoHa), · w1 ⊗ w2 (LoKr), as ComfyUI's and LyCORIS' loaders compute them."""
-        import torch
         layer, kind = self.layers[name], self.kind(name)
 
         def mat(key: str):
@@ -201,7 +202,6 @@ class LoraFile:
 def read_lora(path: str | Path, what: str = "LoRA", allow_dora: bool = False) -> LoraFile:
     """Read a kohya-layout LoRA/LoCon ``.safetensors``; ToolError for anything else, saying what it is. ``allow_dora``:
     DoRA files (``dora_scale`` keys, read as their ``atelier_dora_format`` header says: see :meth:`LoraFile.dora`)."""
-    from safetensors import safe_open
     p = Path(path).expanduser()
     if not p.exists():
         raise ToolError(f"{what} file '{path}' does not exist.")
@@ -281,7 +281,6 @@ def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
     """Layer name → (slot, module path, module) for every Linear/Conv2d layer of the model's parts, named by the
     family's own LoRA namer (kohya files) and, for families whose files are in the diffusers/peft layout, as
     ``peft:<prefix>.<module>``."""
-    import torch
     namer = model.lora_namer()
     index: Dict[str, Tuple[str, str, Any]] = {}
     for slot, module in model.parts().items():
@@ -335,7 +334,6 @@ def match_lora(lora: LoraFile, index: Mapping[str, Tuple[str, str, Any]], model_
 def apply_loras(model: Any, loras: List[Tuple[LoraFile, float]]) -> int:
     """W += weight · (alpha/rank) · up @ down for every layer of every LoRA (DoRA layers: W += weight · (DoRA(W) − W)),
     in place (checked first: a LoRA that does not fit changes nothing). Returns the number of layers changed."""
-    import torch
     index = layer_index(model)
     label = f"{model.info.label}, {getattr(model.source, 'display', '')}"
     for lora, _ in loras:

@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional
 
 from trainer.formats.checkpoint import save_diffusers_folder
 from trainer.tools import CHECKPOINT_SUFFIXES, ToolError, check_out
+from trainer.tools.common import load_family, source_dtype
 
 FORMATS = ("single-file", "diffusers")
 
@@ -47,7 +48,6 @@ def save_model(model: Any, out: Path, fmt: str, dtype: str, metadata: Optional[D
 
 
 def run(args: Any) -> int:
-    from trainer.tools.common import load_family, source_dtype
     out = Path(args.out).expanduser() if args.out else default_out(args.model, args.to)
     fmt = format_of(out, args.to)
     inputs = [Path(args.model)] if Path(args.model).expanduser().exists() else []

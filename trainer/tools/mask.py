@@ -23,7 +23,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
+from trainer.data.concepts import mask_path
+from trainer.io import atomic_path, write_failure
 from trainer.tools import ToolError
+from trainer.tools.caption import (
+    Progress,
+    Written,
+    config_dict,
+    folder_images,
+    load_pretrained,
+    model_dtype,
+    model_source,
+    open_batch,
+    pick_device,
+    say,
+    unique_outputs,
+)
 
 DEFAULT_MASK_MODEL = "CIDAS/clipseg-rd64-refined"
 DEFAULT_SUBJECT_MODEL = "facebook/sam-vit-base"
@@ -37,7 +52,6 @@ class ClipSeg:
     """A loaded CLIPSeg model: :meth:`probabilities` of a batch of images for the prompts."""
 
     def __init__(self, spec: str, device: str):
-        from trainer.tools.caption import config_dict, load_pretrained, model_dtype, model_source
         src = model_source(spec)
         cfg = config_dict(src)
         kind = str(cfg.get("model_type") or "")
@@ -45,7 +59,6 @@ class ClipSeg:
             raise ToolError(f"--model '{spec}' is a {kind or 'non-transformers'} model; --method clipseg needs a "
                             f"CLIPSeg model (e.g. {DEFAULT_MASK_MODEL}).")
         from transformers import CLIPSegForImageSegmentation, CLIPSegProcessor
-        from trainer.tools.caption import say
         say(f"loading {spec} on {device} …")
         self.processor = load_pretrained(src, CLIPSegProcessor.from_pretrained, "a CLIPSeg processor")
         self.model = load_pretrained(src, CLIPSegForImageSegmentation.from_pretrained, "a CLIPSeg model",
@@ -78,7 +91,6 @@ class SamSubject:
     """A loaded Segment Anything model: :meth:`probabilities` of the thing at each image's centre."""
 
     def __init__(self, spec: str, device: str):
-        from trainer.tools.caption import config_dict, load_pretrained, model_dtype, model_source, say
         src = model_source(spec)
         kind = str(config_dict(src).get("model_type") or "")
         if kind != "sam":
@@ -159,10 +171,6 @@ def _check_args(args: Any) -> List[str]:
 
 
 def run(args: Any) -> int:
-    from trainer.data.concepts import mask_path
-    from trainer.io import atomic_path, write_failure
-    from trainer.tools.caption import (Progress, Written, folder_images, open_batch, pick_device, say,
-                                       unique_outputs)
     prompts = _check_args(args)
     folder, images = folder_images(args.folder, args.recursive)
     pairs = unique_outputs(images, mask_path, say)

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, List, Tuple
 
 from trainer.tools import ToolError, check_out, split_weight
+from trainer.tools.common import apply_loras, load_family, read_lora, source_dtype
+from trainer.tools.convert import format_of, save_model
 
 
 def parse_loras(specs: List[str]) -> List[Tuple[str, float]]:
@@ -20,8 +22,6 @@ def parse_loras(specs: List[str]) -> List[Tuple[str, float]]:
 
 
 def run(args: Any) -> int:
-    from trainer.tools.common import apply_loras, load_family, read_lora, source_dtype
-    from trainer.tools.convert import format_of, save_model
     if not args.loras:
         raise ToolError("give at least one LoRA file to merge: merge BASE LORA[:WEIGHT] … --out PATH")
     specs = parse_loras(args.loras)

@@ -11,12 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
+import torch
+
+from trainer.io import save_safetensors_atomic
 from trainer.tools import ToolError, check_out
+from trainer.tools.common import network_metadata, read_lora
 
 
 def svd_of_product(up: Any, down: Any) -> Tuple[Any, Any, Any]:
     """U, S, Vh of up @ down (up [out, r], down [r, in]) without forming the product's full SVD."""
-    import torch
     qu, ru = torch.linalg.qr(up)
     qd, rd = torch.linalg.qr(down.T)
     um, s, vmh = torch.linalg.svd(ru @ rd.T, full_matrices=False)
@@ -25,7 +28,6 @@ def svd_of_product(up: Any, down: Any) -> Tuple[Any, Any, Any]:
 
 def resize_layer(layer: Dict[str, Any], alpha: float, rank: int) -> Tuple[Dict[str, Any], Any]:
     """(new down/up/alpha tensors, the singular values dropped) for one layer at ``rank``."""
-    import torch
     down, up = layer["down"], layer["up"]
     r = int(down.shape[0])
     dtype = up.dtype
@@ -40,10 +42,6 @@ def resize_layer(layer: Dict[str, Any], alpha: float, rank: int) -> Tuple[Dict[s
 
 
 def run(args: Any) -> int:
-    import torch
-
-    from trainer.io import save_safetensors_atomic
-    from trainer.tools.common import network_metadata, read_lora
     lora = read_lora(args.lora, "LORA")
     kinds = {lora.kind(n) for n in lora.layers} - {"lora"}
     if kinds:

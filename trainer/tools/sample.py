@@ -12,11 +12,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, List
 
+import torch
+
+from trainer.io import atomic_path
 from trainer.tools import ToolError, check_out, split_weight
+from trainer.tools.common import apply_loras, load_family, read_lora, tool_config
 
 
 def pick_device(name: str) -> str:
-    import torch
     if name != "auto":
         return name
     if torch.cuda.is_available():
@@ -45,10 +48,6 @@ def _jobs(args: Any, cfg: Any, default_size: int) -> List[Any]:
 
 
 def run(args: Any) -> int:
-    import torch
-
-    from trainer.io import atomic_path
-    from trainer.tools.common import apply_loras, load_family, read_lora, tool_config
     if args.prompt is None and not args.config:
         raise ToolError("give --prompt TEXT, or --config CONFIG.yaml to draw its sampling.prompts.")
     if args.model and args.config:

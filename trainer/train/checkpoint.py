@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any, Dict
 
 from trainer.config.load import to_container, to_yaml
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingError
 from trainer.optim.build import on_eval, on_train
 from trainer.train.run_folder import RunFolder, list_backups, portable_paths
-from trainer.train.step import apply_component_schedule, trained_params
 from trainer.train.state import Position, RunState
-from trainer.errors import TrainingError
+from trainer.train.step import apply_component_schedule, trained_params
 
 log = logging.getLogger("atelier")
 
@@ -89,6 +88,7 @@ def backup(state: RunState) -> Path:
 def write_backup(state: RunState, target: Path, weights, optimizer_state) -> None:
     import torch
     from safetensors.torch import save_file
+
     from trainer.io import atomic_dir
     with atomic_dir(target) as tmp:
         tmp = Path(tmp)

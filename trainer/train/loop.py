@@ -20,20 +20,25 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
-from trainer.host import procs
 from trainer.config.load import save_config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingError
+from trainer.host import procs
 from trainer.parallel.distributed import PeerLost, fault_injection
 from trainer.parallel.launch import (
-    crash_report, explain_failure, rank_file, record_crashes, stop_recording_crashes, write_rank_error,
-    write_rank_info)
+    crash_report,
+    explain_failure,
+    rank_file,
+    record_crashes,
+    stop_recording_crashes,
+    write_rank_error,
+    write_rank_info,
+)
 from trainer.parallel.plan import env_rank_world
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample
 from trainer.train.setup import setup
 from trainer.train.state import RunState
-from trainer.errors import TrainingError
 from trainer.train.step import apply_component_schedule, forward_loss, optimizer_step, validate
 
 log = logging.getLogger("atelier")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 
-from trainer.families.sources import ModelSettings
 from trainer.errors import ConfigError
+from trainer.families.sources import ModelSettings
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
 from trainer.train.state import RunState
@@ -92,8 +92,8 @@ def setup(state: RunState) -> None:
         m.train()
     state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
 
-    from trainer.optim.schedule import build_scheduler
     from trainer.optim.build import build_optimizer, param_groups
+    from trainer.optim.schedule import build_scheduler
     state.groups = param_groups(state.method, cfg)
     state.optimizer = build_optimizer(state.groups, cfg)
     state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …
@@ -170,9 +170,9 @@ def plan_global_batch(state: RunState) -> int:
 
 def setup_loss_ema_precision(state: RunState) -> None:
     """Zero-terminal-SNR schedule, the EMA copy, fp8 storage and stochastic-rounding hooks."""
-    from trainer.train.ema import make_ema
     from trainer.loss import prepare_noise_schedule
     from trainer.memory.precision import apply_precision
+    from trainer.train.ema import make_ema
     cfg = state.cfg
     prepare_noise_schedule(state.model, cfg.loss, state.warn)
     state.ema = make_ema(state.method, cfg.ema, state.device)

@@ -16,6 +16,7 @@ def forward_loss(state: RunState, batch, gen=None):
     """The loss of one micro-batch: latents, noise and timesteps drawn from the run's generator (``gen``:
     validation's own), the family's conditioning and prediction, the objective's target and weighting."""
     import torch
+
     from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
     model = state.model
     objective = model.objective  # DDPM or flow matching, chosen by the family
