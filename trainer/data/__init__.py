@@ -1,11 +1,13 @@
 """The data pipeline. Import the submodules directly; this package imports nothing, so the
 torch-free ones stay torch-free:
 
-- ``concepts``  scan folders, captions, masks, bad files, epoch order          (no torch)
-- ``buckets``   resolutions, aspect buckets, an epoch's batches               (no torch)
-- ``captions``  caption/tag dropout, tag shuffling, placeholder hook          (no torch)
-- ``dataset``   scan + buckets + plan + the dataset report                    (no torch)
-- ``augment``   flip, rotation, crop jitter, colour; same geometry for masks  (Pillow)
+- ``concepts``  scan concept folders: images, captions, masks, bad files          (no torch)
+- ``probe``     does an image decode whole, and its displayed size                 (Pillow)
+- ``captions``  caption files; caption/tag dropout, tag shuffling, placeholders    (no torch)
+- ``order``     repeats and each epoch's seeded order                               (no torch)
+- ``buckets``   resolutions, aspect buckets, an epoch's batches                    (no torch)
+- ``dataset``   scan + buckets + plan + the dataset report                         (no torch)
+- ``augment``   flip, rotation, crop jitter, colour; same geometry for masks       (Pillow)
 - ``images``    file → pixels/mask tensors (EXIF, CMYK, 16-bit, alpha)
 - ``cache``     latent and text-encoder caches on disk, content-addressed
 - ``pipeline``  ``DataPipeline``: the loop's one door to all of the above
