@@ -55,7 +55,7 @@ def train(state: RunState) -> str:
             resumed_from_step=state.pos.step, dataset=state.report.to_dict(),
             device=str(state.device), world_size=state.world, global_micro_batch=state.global_micro_batch,
             distributed=par.name, global_batch=state.global_micro_batch * t.gradient_accumulation_steps,
-            cache=getattr(state, "cache_summary", None))
+            cache=state.cache_summary)
     log.info("training %d steps (%d per epoch) on %s", state.total_steps, state.steps_per_epoch, state.device)
     if cfg.sampling.at_start and state.pos.step == 0:
         sample(state)
@@ -275,7 +275,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             watcher.close()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-        if getattr(trainer, "tb", None) is not None:
+        if trainer.tb is not None:
             trainer.tb.close()
         _end_process_group()
         if world > 1:
