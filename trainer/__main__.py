@@ -1,5 +1,5 @@
-"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny …`` and the model
-tools ``convert|merge|resize|sample`` (trainer/tools/).
+"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny|estimate-vram …`` and the
+model tools ``convert|merge|resize|sample`` (trainer/tools/).
 
 Only the ``train`` path imports torch; ``--help``, ``validate`` and ``config-help`` stay fast.
 """
@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from trainer.memory.estimate_report import add_arguments as add_estimate_arguments
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--json", action="store_true")
     mt = sub.add_parser("make-tiny", help="Build the tiny offline models (diffusers folder + single file).")
     mt.add_argument("--workspace", default="workspace")
+    ev = sub.add_parser("estimate-vram", help="Estimate a run's peak GPU memory (no GPU, no weights: fake tensors).",
+                        description="Estimate the peak GPU memory of a config's or preset's training, and whether it "
+                                    "fits a card, without a GPU and without weights (1-2 minutes for SDXL on a CPU).")
+    add_estimate_arguments(ev)
     from trainer.tools.cli import add_parsers
     add_parsers(sub)  # convert, merge, resize, sample
     return p
@@ -187,6 +193,9 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
             paths = ensure_tiny_model(name, Path(args.workspace) / "models")
             print(name, paths["diffusers"], paths["single_file"])
         return 0
+    if args.command == "estimate-vram":
+        from trainer.memory.estimate import run_command as estimate_vram  # torch: only this command loads it
+        return estimate_vram(args)
     from trainer.tools.cli import COMMANDS as TOOL_COMMANDS
     if args.command in TOOL_COMMANDS:
         from trainer.tools.cli import run as run_tool
