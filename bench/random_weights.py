@@ -30,7 +30,8 @@ from trainer.memory import estimate_session  # noqa: E402
 def main(argv: list) -> int:
     # random init on the GPU when there is one (torch's CPU RNG runs on one core); the weights then wait in CPU
     # RAM as a loaded file's would. ATELIER_INIT_DEVICE=cpu keeps it on the CPU.
-    estimate_session.INIT_DEVICE = os.environ.get("ATELIER_INIT_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+    init_device = os.environ.get("ATELIER_INIT_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
+    estimate_session.INIT_DEVICE = init_device
     sys.argv = ["python -m trainer", *argv]
     with estimate_session.session(fake=False):
         try:

@@ -383,8 +383,8 @@ def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, ar
             cond = model.batch_condition(batch, method.expand_text, set())
         latents = model.sample_latents(batch["latent_dist"])
         t = model.objective.sample_timesteps(n, cfg.loss, None, latents)
-        pred = model.predict(model.model_input(latents, batch).to(dtype if dtype.is_floating_point and dtype.itemsize > 1
-                                                                    else torch.bfloat16), t, cond)
+        compute = dtype if dtype.is_floating_point and dtype.itemsize > 1 else torch.bfloat16  # fp8 storage: bf16 inputs
+        pred = model.predict(model.model_input(latents, batch).to(compute), t, cond)
         del pred, cond, latents
         model.vae.decode(vae_latent, return_dict=False)
     for m in method.modules.values():
