@@ -239,7 +239,9 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         def on_device() -> int:
             return storage_bytes(module_tensors([m for m in _components(model, offloaded) if m is not None]
                                                 + list(method.modules.values())))
-        loaded = None if deferred else on_device()  # the SD lineage: all on the device, then stored in fp8 there
+        # the load phase: a model loaded whole (the SD lineage) is on the device before build_optimizer_for stores its
+        # denoiser in fp8 there; a deferred one is quantised on its way to the device, so it counts after
+        loaded = None if deferred else on_device()
         build_optimizer_for(state)
         optimizer, groups = state.optimizer, state.groups
         trained = [p for g in groups for p in g["params"]]
