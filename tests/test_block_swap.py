@@ -7,14 +7,8 @@ right (each block in for its forward and again for the recompute of its backward
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 
 
 def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
@@ -49,8 +43,9 @@ def _flux(ws, blocks_to_swap: int, checkpointing: bool = True, *settings: str):
 
 
 def _grads(cfg, model, method, ws):
-    import estimate_vram as ev
-    loop = ev.step_trainer(model, method, cfg, ev._autocast_factory("no"), str(ws))
+    from trainer.memory import estimate as ev
+    from trainer.memory.estimate_session import cpu_autocast
+    loop = ev.step_trainer(model, method, cfg, cpu_autocast("no"), str(ws))
     batch = ev.make_batch(model, method, cfg, (64, 64), text_cached=True)
     torch.manual_seed(2)
     loop.generator = torch.Generator().manual_seed(3)
@@ -139,12 +134,12 @@ def test_a_run_with_swapped_blocks_trains_the_same_lora(tmp_path):
 
 
 def test_the_estimate_counts_one_swapped_block(tmp_path):
-    """bench/estimate_vram.py: the swapped blocks' frozen weights leave the peak, but for the largest one (it is on
+    """trainer/memory/estimate.py: the swapped blocks' frozen weights leave the peak, but for the largest one (it is on
     the device while it runs). A 4-block tiny Flux from configs alone (the estimator needs no weights)."""
     import json
     import shutil
 
-    import estimate_vram as ev
+    from trainer.memory import estimate as ev
 
     from trainer.config.checks import load_config
     from trainer.families.flux.tiny import ensure_tiny
@@ -180,7 +175,7 @@ def test_with_swapped_blocks_an_offloaded_encode_larger_than_the_swapped_denoise
     import json
     import shutil
 
-    import estimate_vram as ev
+    from trainer.memory import estimate as ev
 
     from trainer.config.checks import load_config
     from trainer.families.flux.tiny import ensure_tiny

@@ -1,4 +1,4 @@
-"""bench/estimate_vram.py: the fake-tensor VRAM estimate is checked against real tensors.
+"""trainer/memory/estimate.py: the fake-tensor VRAM estimate is checked against real tensors.
 
 The estimator builds the real model from configs under FakeTensorMode and counts live tensor storages.
 Two checks on a small SDXL-shaped model (the tiny SDXL's configs with one layer per block, no weights:
@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
-import estimate_vram as ev  # noqa: E402
+from trainer.memory import estimate as ev
+from trainer.memory import estimate_session, estimate_tracker
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread", "exact_bytes")]
 
@@ -39,7 +36,7 @@ PHASES = ("load", "encode", "train")
 def exact_bytes():
     """Count exact bytes (the CPU allocator's unit), not the CUDA allocator's 512-byte blocks."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ev, "BLOCK", 1)
+        mp.setattr(estimate_tracker, "BLOCK", 1)
         yield
 
 
@@ -145,11 +142,11 @@ def test_cuda_autocast_policy_runs_norms_in_fp32():
     originals = (F.group_norm, F.layer_norm, torch.Tensor.softmax)
     x = torch.randn(1, 8, 4, 4, dtype=torch.bfloat16)
     gn = torch.nn.GroupNorm(2, 8).to(torch.bfloat16)
-    with ev.cuda_autocast_fp32(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with estimate_session.cuda_autocast_fp32(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert gn(x).dtype == torch.float32           # CUDA autocast: group_norm runs in fp32
         assert x.softmax(-1).dtype == torch.float32
         assert torch.nn.Linear(4, 4)(x.float()).dtype == torch.bfloat16  # lower-precision ops unchanged
-    with ev.cuda_autocast_fp32():
+    with estimate_session.cuda_autocast_fp32():
         assert gn(x).dtype == torch.bfloat16          # outside autocast: nothing changes
     assert (F.group_norm, F.layer_norm, torch.Tensor.softmax) == originals  # patches undone
 
@@ -256,10 +253,10 @@ def test_offloaded_text_encoders_leave_the_training_step(flux_estimates):
     resident, off = flux_estimates["resident", True], flux_estimates["offloaded", True]
     assert off.details.get("text_encoders_offloaded") and not resident.details.get("text_encoders_offloaded")
     cfg = load_config(None, [], preset="demo-flux")
-    with ev.session(False):  # real tensors (tiny): the same storages
+    with estimate_session.session(False):  # real tensors (tiny): the same storages
         model = load_model(cfg, str(Path(tempfile.gettempdir()) / "atelier-estimate-vram"), "cpu")
-        text = ev.storage_bytes(ev.module_tensors([model.text_encoder, model.text_encoder_2]))
-        linear = ev.storage_bytes(m.weight for n, m in model.transformer.named_modules()
+        text = estimate_tracker.storage_bytes(estimate_tracker.module_tensors([model.text_encoder, model.text_encoder_2]))
+        linear = estimate_tracker.storage_bytes(m.weight for n, m in model.transformer.named_modules()
                                   if type(m) is torch.nn.Linear and not any(s in n for s in model.fp8_skip))
     fp8_saving = linear - linear // 4  # fp32 weights stored in one byte each (tiny demo: fp32)
     for phase in ("load", "train"):

@@ -1,5 +1,5 @@
-"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny …`` and the model
-tools ``convert|merge|resize|sample`` (trainer/tools/).
+"""Command line: ``python -m trainer train|validate|presets|config-help|make-tiny|estimate-vram …`` and the
+model tools ``convert|merge|resize|sample`` (trainer/tools/).
 
 Only the ``train`` path imports torch; ``--help``, ``validate`` and ``config-help`` stay fast.
 """
@@ -7,12 +7,32 @@ Only the ``train`` path imports torch; ``--help``, ``validate`` and ``config-hel
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import List, Optional
+
+from omegaconf import OmegaConf
+
+from trainer.config.checks import cross_field_warnings, load_config
+from trainer.config.fields import all_keys, field_info
+from trainer.config.load import preset_names, resolve_preset
+from trainer.data.report import print_report
+from trainer.errors import ConfigError
+from trainer.events import EventWriter, read_events, run_state
+from trainer.host.devices import enable_mps_fallback
+from trainer.host.procs import stop_signals
+from trainer.host.startup import pause_gc, skip_unused_imports, speed_up_imports
+from trainer.memory.estimate_report import add_arguments as add_estimate_arguments
+from trainer.parallel.launch import check_devices, dead_ranks, launch_argv, rank_errors
+from trainer.parallel.plan import env_rank_world, launched
+from trainer.tools.cli import COMMANDS as TOOL_COMMANDS, add_parsers, run as run_tool
+from trainer.train.runlock import RunFolderBusy, acquire, release
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,13 +75,15 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--json", action="store_true")
     mt = sub.add_parser("make-tiny", help="Build the tiny offline models (diffusers folder + single file).")
     mt.add_argument("--workspace", default="workspace")
-    from trainer.tools.cli import add_parsers
+    ev = sub.add_parser("estimate-vram", help="Estimate a run's peak GPU memory (no GPU, no weights: fake tensors).",
+                        description="Estimate the peak GPU memory of a config's or preset's training, and whether it "
+                                    "fits a card, without a GPU and without weights (1-2 minutes for SDXL on a CPU).")
+    add_estimate_arguments(ev)
     add_parsers(sub)  # convert, merge, resize, sample
     return p
 
 
 def _load(args):
-    from trainer.config.checks import load_config
     if not args.config and not args.preset:
         raise SystemExit("error: give a config file or --preset NAME (see 'python -m trainer presets').")
     return load_config(args.config, args.overrides, preset=args.preset)
@@ -109,17 +131,12 @@ def _launch(cfg, argv: List[str], run_dir: Path) -> int:
     """Run this same command under ``accelerate launch`` with general.num_processes processes, wait,
     and make sure the run ends with a terminal event naming the failed rank (a rank can die too hard
     to write one itself)."""
-    import signal
-    import subprocess
 
-    from trainer.events import EventWriter, read_events, run_state
-    from trainer.parallel.launch import dead_ranks, launch_argv, rank_errors
     rest = [a for a in argv]
     if "--run-dir" not in rest:
         rest += ["--run-dir", str(run_dir)]
     cmd = launch_argv(cfg, rest, sys.executable)
     print(f"launching {cfg.general.num_processes} processes: {' '.join(cmd)}", file=sys.stderr)
-    from trainer.host.procs import stop_signals
     handlers = {s: signal.signal(s, lambda *_: None) for s in stop_signals() if s != getattr(signal, "SIGHUP", None)}  # ranks stop
     try:
         rc = subprocess.call(cmd, env=dict(os.environ, ATELIER_LAUNCHED="1"))
@@ -150,25 +167,18 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if fresh_process and args.command == "train":
-        import faulthandler
         # a crash below Python (a segfault in a native library, an abort in a collective) prints every
         # thread's Python stack to stderr, which the run's log and torchrun keep
         faulthandler.enable(all_threads=True)
-        from trainer.host.startup import pause_gc
         pause_gc()  # until set-up is done (see trainer/host/startup.py)
-    from trainer.host.devices import enable_mps_fallback
     enable_mps_fallback()  # Apple Silicon: before torch loads, or operations MPS lacks fail instead of running on the CPU
-    from trainer.config.checks import cross_field_warnings
-    from trainer.errors import ConfigError
 
     if args.command == "presets":
-        from trainer.config.load import preset_names, resolve_preset
         for name in preset_names():
             first = resolve_preset(name).read_text(encoding="utf-8").splitlines()[:1]
             print(f"{name:24s} {first[0].lstrip('# ') if first else ''}")
         return 0
     if args.command == "config-help":
-        from trainer.config.fields import all_keys, field_info
         rows = []
         for key in all_keys():
             fld, tp = field_info(key)
@@ -182,14 +192,15 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
                 print(f"{r['key']}: {r['help']}{extra}")
         return 0
     if args.command == "make-tiny":
-        from trainer.families.common.sd_kit.tiny import TINY_NAMES, ensure_tiny_model
+        from trainer.families.common.sd_kit.tiny import TINY_NAMES, ensure_tiny_model  # torch: this command only
         for name in TINY_NAMES:
             paths = ensure_tiny_model(name, Path(args.workspace) / "models")
             print(name, paths["diffusers"], paths["single_file"])
         return 0
-    from trainer.tools.cli import COMMANDS as TOOL_COMMANDS
+    if args.command == "estimate-vram":
+        from trainer.memory.estimate import run_command as estimate_vram  # torch: only this command loads it
+        return estimate_vram(args)
     if args.command in TOOL_COMMANDS:
-        from trainer.tools.cli import run as run_tool
         return run_tool(args)
 
     try:
@@ -203,7 +214,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
             print(f"Config error: {exc}", file=sys.stderr)
         return 2 if args.command == "train" else 1
     if args.command == "data-report":
-        from trainer.data.report import print_report
         return print_report(cfg, as_json=args.json)
     issues = cross_field_warnings(cfg)
     errors = [i for i in issues if i.level == "error"]
@@ -219,7 +229,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         return 1 if errors else 0
 
     if args.command == "cache":
-        from omegaconf import OmegaConf
         OmegaConf.update(cfg, "data.only_cache", True)
         if not args.run_dir:
             args.run_dir = str(Path(cfg.general.workspace) / "runs" / time.strftime("cache-%Y%m%d-%H%M%S"))
@@ -228,8 +237,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         print(f"{i.level}: {i.key}: {i.message}", file=sys.stderr)
     if errors:
         return 2
-    from trainer.parallel.launch import check_devices
-    from trainer.parallel.plan import env_rank_world, launched
     rank, world = env_rank_world()
     if world > 1 and not args.run_dir and not cfg.general.run_name:
         print("Config error: with several processes give --run-dir or general.run_name, so that every process "
@@ -248,7 +255,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         return 2
     trains_here = not (int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched())
     if rank == 0 and trains_here:  # one trainer per run folder, before anything in it is read or written
-        from trainer.train.runlock import RunFolderBusy, acquire, release
         try:
             acquire(run_dir)
         except RunFolderBusy as exc:
@@ -268,7 +274,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
 def _restartable(run_dir: Path) -> bool:
     """A run folder with no complete backup whose run did not finish (so it wrote no result): restarting
     it in place loses nothing. Torch-free."""
-    from trainer.events import read_events, run_state
     backups = run_dir / "backups"
     if backups.is_dir() and any(p.is_dir() and not p.name.startswith(".") and (p / "state.json").is_file()
                                 for p in backups.iterdir()):
@@ -279,7 +284,6 @@ def _restartable(run_dir: Path) -> bool:
 
 def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_process: bool) -> int:
     """The rest of ``train``/``cache`` once this process holds the run folder (rank 0)."""
-    from trainer.parallel.plan import launched
     if rank == 0 and not args.resume and (run_dir / "events.jsonl").exists():
         if _restartable(run_dir):  # stopped or failed before its first backup: nothing to resume, nothing to lose
             print(f"note: {run_dir} holds a run that ended before its first backup; it starts again in place.",
@@ -292,8 +296,7 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
-    from trainer.errors import ConfigError
-    from trainer.optim.build import check_optimizer_class
+    from trainer.optim.build import check_optimizer_class  # torch: the train path only
     try:  # needs the optimizer's library (torch): checked here, before any model loads, not by validate
         check_optimizer_class(cfg)
     except ConfigError as exc:
@@ -304,10 +307,9 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
     if fresh_process:
-        from trainer.host.startup import skip_unused_imports, speed_up_imports
         skip_unused_imports(cfg)
         speed_up_imports()
-    from trainer.train.loop import run_training
+    from trainer.train.loop import run_training  # torch: after start-up chose what to import
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])
 

@@ -1,5 +1,5 @@
-"""The VRAM estimate shown before Start: the trainer's own estimator (``bench/estimate_vram.py``) run on the
-form's config in a subprocess, so the UI process never imports torch.
+"""The VRAM estimate shown before Start: the trainer's own estimator (``python -m trainer estimate-vram``) run on
+the form's config in a subprocess, so the UI process never imports torch.
 
 The estimator builds the real, full-size model from its config under fake tensors (no weights, no GPU) and
 runs the trainer's code on it; an SDXL config takes 1-2 minutes on a CPU. It says how much the run needs at
@@ -18,7 +18,6 @@ from typing import Optional
 
 from webui import runner
 
-ESTIMATOR = runner.REPO_ROOT / "bench" / "estimate_vram.py"
 TIMEOUT_S = 600
 
 SAVINGS = ("turn on training.gradient_checkpointing", "store the frozen denoiser in fp8 (parts.denoiser.fp8, LoRA)",
@@ -33,7 +32,7 @@ def estimate(config_yaml: str, card_gib: Optional[float], timeout: float = TIMEO
     with tempfile.TemporaryDirectory(prefix="atelier-vram-") as tmp:
         cfg_path = Path(tmp) / "config.yaml"
         cfg_path.write_text(config_yaml, encoding="utf-8")
-        cmd = [python, str(ESTIMATOR), "--config", str(cfg_path), "--json", "--workspace", tmp]
+        cmd = [python, "-m", "trainer", "estimate-vram", str(cfg_path), "--json", "--workspace", tmp]
         if card_gib:
             cmd += ["--card-gib", str(float(card_gib))]
         env = runner.child_env(HF_HUB_OFFLINE="1")
@@ -72,4 +71,4 @@ def describe(result: dict, card_gib: Optional[float]) -> str:
             "To need less: " + "; ".join(SAVINGS) + ".")
 
 
-__all__ = ["ESTIMATOR", "describe", "estimate"]
+__all__ = ["describe", "estimate"]

@@ -46,10 +46,17 @@ def unneeded_packages(cfg) -> List[str]:
     return names
 
 
+# libraries that record at their own import which optional packages are installed (diffusers' and accelerate's
+# is_bitsandbytes_available): once one of them is imported, hiding a package from it breaks its later imports
+_CHECK_AVAILABILITY = ("diffusers", "accelerate", "peft", "transformers")
+
+
 def skip_unused_imports(cfg) -> List[str]:
     """Mark :func:`unneeded_packages` as not importable in this process; returns what was skipped."""
     if os.environ.get("ATELIER_IMPORT_ALL", "") not in ("", "0"):
         return []
+    if any(lib in sys.modules for lib in _CHECK_AVAILABILITY):
+        return []  # they noted at import what is installed, and would import it anyway
     skipped = []
     for name in unneeded_packages(cfg):
         if name not in sys.modules:  # never hide something already in use

@@ -4,8 +4,8 @@ its field, in ``validate``, ``train`` and the UI's Check): the run may no longer
 
 The settings compared: fp8/NF4 storage of the denoiser and fp8 of the text encoders, swapped blocks, text-encoder
 offloading, the latent and text caches, gradient checkpointing, batch size, resolution, LoRA rank, an 8-bit optimizer,
-storage dtypes, trained text encoders, LoRA vs fine-tune. The estimate itself (``bench/estimate_vram.py``, the UI's
-VRAM check) says by how much; this only says which setting broke the tier, without loading anything.
+storage dtypes, trained text encoders, LoRA vs fine-tune. The estimate itself (``python -m trainer estimate-vram``, the
+UI's VRAM check) says by how much; this only says which setting broke the tier, without loading anything.
 The optimizer counts as more when its states grow (Adafactor < 8-bit < full precision)."""
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ def tier_warnings(cfg: Any) -> List[Tuple[str, str]]:
         if costs(before, now):
             out.append((key, f"{key} is {_shown(cfg, key)} here; {preset}, sized for {where}, has "
                              f"{_shown(tier, key)}. That needs more GPU memory: the run may not fit {where}. Set it back, "
-                             f"or check the estimate for your card (the VRAM check before Start, or python "
-                             f"bench/estimate_vram.py --config CONFIG --card-gib {card or 'N'})."))
+                             f"or check the estimate for your card (the VRAM check before Start, or python -m trainer "
+                             f"estimate-vram CONFIG --card-gib {card or 'N'})."))
     return out
 
 

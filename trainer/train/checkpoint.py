@@ -12,14 +12,21 @@ import logging
 import random
 import shutil
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict
 
-from trainer.config.load import to_container, to_yaml
+import safetensors.torch  # save_file looked up at call time (a test fills the disk through it)
+import torch
+from omegaconf import OmegaConf
+
+from trainer.config.load import migrate, to_container, to_yaml
 from trainer.errors import ConfigError, TrainingError
+from trainer.io import atomic_dir, write_failure
 from trainer.optim.build import on_eval, on_train
+from trainer.parallel.fsdp import full_tensor, load_full_into
 from trainer.train.run_folder import RunFolder, list_backups, portable_paths
 from trainer.train.state import Position, RunState
 from trainer.train.step import apply_component_schedule, trained_params
@@ -50,7 +57,6 @@ def _flat(node: Any, prefix: str = "") -> Dict[str, Any]:
 
 def trainable_state(state: RunState) -> Dict[str, Any]:
     """Whole trained weights on the CPU (FSDP: gathered by every process, kept by rank 0)."""
-    from trainer.parallel.fsdp import full_tensor
     trained = trained_params(state)  # not requires_grad: components past their window stay in backups
     out = {}
     for name, m in state.method.modules.items():
@@ -75,7 +81,6 @@ def backup(state: RunState) -> Path:
     try:
         write_backup(state, target, weights, optimizer_state)
     except (OSError, RuntimeError) as exc:  # a full disk, a permission problem: one clear message
-        from trainer.io import write_failure
         raise TrainingError(write_failure(exc, state.run.backups, "a backup")) from None
     state.last_backup_step = state.pos.step
     for old in list_backups(state.run.path)[:-state.cfg.backup.keep_last]:
@@ -86,13 +91,9 @@ def backup(state: RunState) -> Path:
 
 
 def write_backup(state: RunState, target: Path, weights, optimizer_state) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    from trainer.io import atomic_dir
     with atomic_dir(target) as tmp:
         tmp = Path(tmp)
-        save_file(weights if weights is not None else trainable_state(state), str(tmp / "trainable.safetensors"))
+        safetensors.torch.save_file(weights if weights is not None else trainable_state(state), str(tmp / "trainable.safetensors"))
         if state.ema is not None:
             state.ema.save(tmp)  # ema.safetensors + ema.json
         torch.save({"optimizer": optimizer_state if optimizer_state is not None else state.optimizer.state_dict(),
@@ -128,14 +129,12 @@ def resolve_resume(run: RunFolder, resume: str) -> Path:
 
 def load_backup(state: RunState, path: Path) -> None:
     """Continue where a backup stopped: trained weights, optimizer, schedule, loss scale, every RNG, position."""
-    import torch
-    from safetensors.torch import load_file
     saved = json.loads((path / "state.json").read_text())
     if saved.get("method") != state.cfg.training.method:
         raise ConfigError(f"Backup {path} is from a {saved.get('method')} run; this config trains "
                           f"{state.cfg.training.method}.", key="training.method")
     compare_with_backup_config(state, path)
-    weights = load_file(str(path / "trainable.safetensors"))
+    weights = safetensors.torch.load_file(str(path / "trainable.safetensors"))
     trained = trained_params(state)
     params = {f"{name}.{pn}": p for name, m in state.method.modules.items()
               for pn, p in m.named_parameters() if id(p) in trained}
@@ -144,7 +143,6 @@ def load_backup(state: RunState, path: Path) -> None:
         raise ConfigError(f"Backup {path} does not match this config's trainable weights "
                           f"(e.g. {missing[0]} is missing): LoRA rank, targets or components changed.",
                           key="resume")
-    from trainer.parallel.fsdp import load_full_into
     with torch.no_grad():
         for k, p in params.items():
             load_full_into(p, weights[k])  # FSDP: each process takes its piece of the whole weight
@@ -183,9 +181,7 @@ def compare_with_backup_config(state: RunState, path: Path) -> None:
     saved = path / "config.yaml"
     if not saved.is_file():
         return  # a backup from before backups carried their config
-    from omegaconf import OmegaConf
     try:
-        from trainer.config.load import migrate
         old = _flat(to_container(migrate(OmegaConf.load(saved), str(saved))))  # a version-1 backup too
     except Exception:
         return
@@ -217,7 +213,6 @@ def rebase_learning_rates(state: RunState, new_base_lrs: list) -> None:
     if lambdas is not None:
         lrs = [base * fn(state.scheduler.last_epoch) for base, fn in zip(new_base_lrs, lambdas)]
     else:
-        import warnings
         with warnings.catch_warnings():  # torch warns when get_lr is called outside step()
             warnings.simplefilter("ignore", UserWarning)
             closed = getattr(state.scheduler, "_get_closed_form_lr", None)
@@ -256,7 +251,6 @@ def save_result(state: RunState, suffix: str = "") -> Path:
             if state.is_main:
                 state.method.save(path, state.cfg.output.dtype, meta)
     except (OSError, RuntimeError) as exc:
-        from trainer.io import write_failure
         if "write" not in str(exc).lower() and not isinstance(exc, OSError):
             raise
         raise TrainingError(write_failure(exc, path.parent, f"the result {path.name}")) from None

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import torch.nn as nn
+
 
 def repeated_block_classes(model: Any) -> List[str]:
     """Class names of the model's repeated blocks."""
-    import torch.nn as nn
     declared = list(getattr(model, "_repeated_blocks", None) or [])
     if declared:
         return declared

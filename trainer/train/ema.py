@@ -22,6 +22,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from diffusers.training_utils import EMAModel
+from safetensors.torch import load_file, save_file
+
+from trainer.errors import ConfigError
 
 EMA_FILE = "ema.safetensors"
 EMA_STATE = "ema.json"
@@ -84,7 +87,6 @@ class TrainableEMA(EMAModel):
 
     def save(self, folder: Path) -> None:
         """Write ``ema.safetensors`` (shadow weights under the trainable-weight names) and ``ema.json``."""
-        from safetensors.torch import save_file
         folder = Path(folder)
         save_file(self.shadow_state(), str(folder / EMA_FILE))
         (folder / EMA_STATE).write_text(json.dumps({
@@ -94,7 +96,6 @@ class TrainableEMA(EMAModel):
     def load(self, folder: Path) -> bool:
         """Restore from a backup folder. A backup without EMA (EMA turned on later) restarts the
         EMA from the current weights and returns False."""
-        from safetensors.torch import load_file
         folder = Path(folder)
         if not (folder / EMA_FILE).exists():
             self.reset()
@@ -102,7 +103,6 @@ class TrainableEMA(EMAModel):
         shadow = load_file(str(folder / EMA_FILE))
         missing = [n for n in self.names if n not in shadow]
         if missing:
-            from trainer.errors import ConfigError
             raise ConfigError(f"The EMA in backup {folder} does not match this run's trainable weights "
                               f"(e.g. {missing[0]} is missing).", key="ema.enabled")
         state = json.loads((folder / EMA_STATE).read_text()) if (folder / EMA_STATE).exists() else {}

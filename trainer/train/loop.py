@@ -20,9 +20,14 @@ import traceback
 from pathlib import Path
 from typing import List, Optional
 
+import torch
+import torch.distributed as dist
+
 from trainer.config.load import save_config
 from trainer.errors import ConfigError, TrainingError
 from trainer.host import procs
+from trainer.host.startup import resume_gc
+from trainer.io import looks_like_write_failure, write_failure
 from trainer.parallel.distributed import PeerLost, fault_injection
 from trainer.parallel.launch import (
     crash_report,
@@ -47,9 +52,7 @@ _PROCESS_START = time.time()
 
 def train(state: RunState) -> str:
     """From the first (or resumed) step to the result; returns "finished" or "stopped"."""
-    import torch
 
-    from trainer.host.startup import resume_gc
     cfg = state.cfg
     t = cfg.training
     ev = state.run.events
@@ -62,7 +65,7 @@ def train(state: RunState) -> str:
             resumed_from_step=state.pos.step, dataset=state.report.to_dict(),
             device=str(state.device), world_size=state.world, global_micro_batch=state.global_micro_batch,
             distributed=par.name, global_batch=state.global_micro_batch * t.gradient_accumulation_steps,
-            cache=getattr(state, "cache_summary", None))
+            cache=state.cache_summary)
     log.info("training %d steps (%d per epoch) on %s", state.total_steps, state.steps_per_epoch, state.device)
     if cfg.sampling.at_start and state.pos.step == 0:
         sample(state)
@@ -130,7 +133,7 @@ def _progress_bar(state: RunState):
     if not state.show_progress:
         return None
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional here: a run without it just has no bar
     except ImportError:
         return None
     return tqdm(total=state.total_steps, initial=state.pos.step, unit="step", dynamic_ncols=True,
@@ -264,7 +267,6 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     except Exception as exc:  # unexpected: keep the traceback for the UI and the log
         tb = traceback.format_exc()
         msg = f"{type(exc).__name__}: {exc}"
-        from trainer.io import looks_like_write_failure, write_failure
         if looks_like_write_failure(exc):  # caches, samples …: a full disk or a read-only folder, said plainly
             msg = write_failure(exc, cfg.general.workspace, "the run's files (caches, samples, results)")
         elif "out of memory" in str(exc).lower():
@@ -282,7 +284,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             watcher.close()
         for sig, handler in previous_handlers.items():
             signal.signal(sig, handler)
-        if getattr(trainer, "tb", None) is not None:
+        if trainer.tb is not None:
             trainer.tb.close()
         _end_process_group()
         if world > 1:
@@ -319,7 +321,6 @@ def _failed(trainer: RunState, message: str, tb: str, peer_lost: bool) -> None:
 
 def _end_process_group() -> None:
     try:
-        import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # a peer already gone: nothing to tidy

@@ -11,6 +11,7 @@ from typing import Any, List
 
 from trainer.events import EventWriter
 from trainer.host.paths import is_absolute_path, path_name
+from trainer.io import remove_stale_temps
 
 log = logging.getLogger("atelier")
 
@@ -42,7 +43,6 @@ class RunFolder:
             (self.path / sub).mkdir(parents=True, exist_ok=True)
         self.events = EventWriter(self.path / "events.jsonl", enabled=main, reserve=True)
         if main:  # a save killed half-way (kill -9, power loss) left temporaries: this trainer holds the folder
-            from trainer.io import remove_stale_temps
             for folder in (self.path, self.path / "backups", self.path / "samples"):
                 for name in remove_stale_temps(folder):
                     log.info("removed %s, left by an interrupted save", folder / name)

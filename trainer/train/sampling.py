@@ -8,12 +8,15 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import List
 
+import numpy as np
+import torch
+
 from trainer.optim.build import on_eval, on_train
+from trainer.train.ema import sample_variants
 from trainer.train.state import RunState
 
 
 def sample(state: RunState) -> List[str]:
-    import torch
     prompts = list(state.cfg.sampling.prompts)
     if not prompts or not state.par.evaluates_here:
         return []  # FSDP: every process runs the pipeline (the sharded UNet gathers per block); rank 0 writes
@@ -25,7 +28,6 @@ def sample(state: RunState) -> List[str]:
     on_eval(state.optimizer)  # schedule-free optimizers: sample the averaged weights
     pipe = state.model.pipeline(state.cfg.sampling.scheduler)
     paths, path_prompts, weights = [], [], []
-    from trainer.train.ema import sample_variants
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
             with state.ema.applied() if use_ema else nullcontext():
@@ -49,7 +51,6 @@ def sample(state: RunState) -> List[str]:
                     path_prompts.append(sp.prompt)
                     weights.append("ema" if use_ema else "raw")
                     if state.tb is not None:
-                        import numpy as np
                         state.tb.add_image(f"sample/{i}{suffix}", np.asarray(image), state.pos.step,
                                           dataformats="HWC")
     finally:

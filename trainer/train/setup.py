@@ -1,14 +1,41 @@
-"""Set-up of a run: from a config to a state ready for its first step."""
+"""Set-up of a run: from a config to a state ready for its first step.
+
+:func:`setup` is the whole of it, in order. The part from the loaded model to the built optimizer is three
+functions that the VRAM estimator (``trainer.memory.estimate``) calls too, on fake tensors, so an estimate
+sets up exactly what a run sets up: :func:`place_parts` (where the parts live: text-encoder offload and
+fp8/NF4 storage, the block-swap plan), :func:`build_optimizer_for` (the denoiser's storage, gradient
+checkpointing, train mode, FSDP sharding, the parameter groups and the optimizer, DDP's hooks) and
+:func:`setup_loss_ema_precision` (noise schedule, EMA, stochastic rounding)."""
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import set_seed
+from omegaconf import OmegaConf
+
+from trainer.data.pipeline import DataPipeline
 from trainer.errors import ConfigError
-from trainer.families.sources import ModelSettings
+from trainer.families.sources import ModelSettings, load_model
+from trainer.host.devices import device_problems, resolve_device
+from trainer.loss import prepare_noise_schedule
+from trainer.memory.block_swap import plan_block_swap
+from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
+from trainer.memory.precision import apply_precision, apply_storage, place_text_encoders
+from trainer.methods.make import make_method
+from trainer.optim.build import build_optimizer, param_groups
+from trainer.optim.schedule import build_scheduler
+from trainer.parallel.distributed import accelerator_kwargs
+from trainer.parallel.fsdp import plan_fsdp
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
+from trainer.train.compile import compile_blocks, describe
+from trainer.train.ema import make_ema
 from trainer.train.state import RunState
 
 log = logging.getLogger("atelier")
@@ -17,14 +44,9 @@ log = logging.getLogger("atelier")
 def setup(state: RunState) -> None:
     """Device, precision, the data plan, the model and what trains, memory placement, the optimizer and
     schedule, the caches: everything before the first step (a resume then loads its backup)."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
     cfg = state.cfg
     g = cfg.general
     t = cfg.training
-    from trainer.host.devices import device_problems, resolve_device
     mps_backend = getattr(torch.backends, "mps", None)
     try:
         device = resolve_device(g.device, torch.cuda.is_available(),
@@ -36,10 +58,7 @@ def setup(state: RunState) -> None:
             raise ConfigError(message, key=key)
         state.warn(message)
     cpu = device == "cpu"
-    from accelerate.state import AcceleratorState
     AcceleratorState._reset_state()  # a second run in the same process (tests) may change precision
-    from trainer.parallel.distributed import accelerator_kwargs
-    from trainer.parallel.fsdp import plan_fsdp
     fsdp_plugin = plan_fsdp(cfg, state.world, cpu, state.warn, log.info)  # None: gradients averaged as DDP does
     state.accelerator = Accelerator(mixed_precision=t.mixed_precision, cpu=cpu,
                                    fsdp_plugin=None if cpu else fsdp_plugin,  # accelerate: FSDP on GPUs only
@@ -56,47 +75,20 @@ def setup(state: RunState) -> None:
     set_seed(g.seed)
     state.global_micro_batch = plan_global_batch(state)
 
-    from trainer.data.pipeline import DataPipeline
     data_cfg = state.par.data_config(cfg, state.global_micro_batch)  # every process plans the global batches
     state.data = DataPipeline(data_cfg, warn=state.warn)
     state.report = state.data.report
 
-    from trainer.families.sources import load_model
     log.info("loading model %s", cfg.model.path)
     with state.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
         state.model = load_model(cfg, g.workspace, state.device)
-    from trainer.methods.make import make_method
     state.method = make_method(state.model, cfg)
     state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
     if check is not None:
         check([(it.path, c) for it in state.data.items + state.data.validation_items for c in it.captions])
-    from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
-    frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
-    state.text_offload = None
-    offloading = plan_offload(cfg, state.data.captions_cacheable(), frozen_text, state.warn)
-    from trainer.memory.precision import place_text_encoders
-    place_text_encoders(state.model, cfg, offloading)  # fp8 text encoders; the device unless offloaded
-    if offloading:
-        state.text_offload = TextEncoderOffload(state.model, state.device)  # before the denoiser reaches the device
-        log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(state.text_offload.slots))
-    from trainer.memory.block_swap import plan_block_swap
-    plan_block_swap(state.model, cfg, state.device, state.warn)  # blocks_to_swap: placed by apply_storage
-    from trainer.memory.precision import apply_storage
-    apply_storage(state.model, state.method, cfg)  # fp8/NF4: quantised on the way to the device
-    if t.gradient_checkpointing:
-        for m in state.method.modules.values():
-            m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
-                m.enable_gradient_checkpointing()
-    for name, m in state.method.modules.items():
-        m.train()
-    state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
-
-    from trainer.optim.build import build_optimizer, param_groups
-    from trainer.optim.schedule import build_scheduler
-    state.groups = param_groups(state.method, cfg)
-    state.optimizer = build_optimizer(state.groups, cfg)
-    state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …
+    place_parts(state, state.data.captions_cacheable())
+    build_optimizer_for(state, fsdp_plugin)
     state.micro_batches_per_epoch = len(state.data.epoch_batches(0))
     state.steps_per_epoch = max(1, state.micro_batches_per_epoch // t.gradient_accumulation_steps)
     if state.micro_batches_per_epoch < t.gradient_accumulation_steps:
@@ -110,7 +102,6 @@ def setup(state: RunState) -> None:
     setup_loss_ema_precision(state)
     state.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
     if t.get("compile", False):
-        from trainer.train.compile import compile_blocks, describe
         try:
             done = compile_blocks(state.model.denoiser)
         except ValueError as exc:
@@ -118,6 +109,7 @@ def setup(state: RunState) -> None:
         state.compiled = True
         log.info("training.compile: %s compiled at their first call", describe(done))
 
+    frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
     with state.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
         state.cache_summary = state.data.prepare(
             state.model.encode_pixels, state.model.fingerprint(), cfg.model.vae_dtype,
@@ -131,16 +123,49 @@ def setup(state: RunState) -> None:
     state.tb = None
     if g.tensorboard and state.is_main:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: needs the tensorboard package
             state.tb = SummaryWriter(str(state.run.path / "tensorboard"))
         except Exception as exc:  # tensorboard missing: not fatal
             state.warn(f"TensorBoard logging is off: {exc}")
 
 
+def place_parts(state: RunState, captions_cacheable: bool) -> None:
+    """Where the model's parts live once the method has added what trains: the text encoders in fp8/NF4 where
+    asked, on the device or (``data.offload_text_encoders``, which needs every caption cacheable and the text
+    side frozen) in CPU RAM but while they encode; the denoiser's swapped blocks planned
+    (``parts.denoiser.blocks_to_swap``: :func:`build_optimizer_for` places them with the storage)."""
+    cfg = state.cfg
+    state.text_offload = None
+    offloading = plan_offload(cfg, captions_cacheable, text_frozen(state.method), state.warn)
+    place_text_encoders(state.model, cfg, offloading)  # fp8 text encoders; the device unless offloaded
+    if offloading:
+        state.text_offload = TextEncoderOffload(state.model, state.device)  # before the denoiser reaches the device
+        log.info("text encoders in CPU RAM except while they encode: %s", ", ".join(state.text_offload.slots))
+    plan_block_swap(state.model, cfg, state.device, state.warn)  # blocks_to_swap: placed by apply_storage
+
+
+def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
+    """The trained modules made ready and their optimizer built, in the order that matters: fp8/NF4 storage of the
+    denoiser's frozen weights (quantised on the way to the device), gradient checkpointing, train mode, FSDP's
+    sharding (``fsdp_plugin``; before the optimizer is built on the weights), the parameter groups and the
+    optimizer, then what several processes attach to them (DDP)."""
+    cfg = state.cfg
+    apply_storage(state.model, state.method, cfg)
+    if cfg.training.gradient_checkpointing:
+        for m in state.method.modules.values():
+            m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
+                m.enable_gradient_checkpointing()
+    for m in state.method.modules.values():
+        m.train()
+    state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
+    state.groups = param_groups(state.method, cfg)
+    state.optimizer = build_optimizer(state.groups, cfg)
+    state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …
+
+
 def plan_global_batch(state: RunState) -> int:
     """The global micro-batch: training.batch_size per process x processes. A backup fixes it (and
     the accumulation), so resuming on another number of processes adjusts the per-process batch."""
-    from omegaconf import OmegaConf
     t, g = state.cfg.training, state.cfg.general
     if state.world > 1:
         if int(g.get("num_processes", 1) or 1) != state.world:  # launched by hand: the launcher's count wins
@@ -169,10 +194,8 @@ def plan_global_batch(state: RunState) -> int:
 
 
 def setup_loss_ema_precision(state: RunState) -> None:
-    """Zero-terminal-SNR schedule, the EMA copy, fp8 storage and stochastic-rounding hooks."""
-    from trainer.loss import prepare_noise_schedule
-    from trainer.memory.precision import apply_precision
-    from trainer.train.ema import make_ema
+    """Zero-terminal-SNR schedule, the EMA copy, fp8 storage (when not yet applied) and stochastic-rounding
+    hooks."""
     cfg = state.cfg
     prepare_noise_schedule(state.model, cfg.loss, state.warn)
     state.ema = make_ema(state.method, cfg.ema, state.device)

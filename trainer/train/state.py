@@ -8,10 +8,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional
 
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig
+from torch.optim.lr_scheduler import LRScheduler
+
+from trainer.data.concepts import DataReport
+from trainer.data.pipeline import DataPipeline
+from trainer.families.base import Family
+from trainer.memory.offload import TextEncoderOffload
+from trainer.memory.precision import StochasticRounding
+from trainer.methods.base import MethodBase
+from trainer.optim.schedule import ComponentSchedule
 from trainer.parallel.plan import env_rank_world
 from trainer.parallel.strategy import SingleProcess, make_strategy
+from trainer.train.ema import TrainableEMA
 from trainer.train.run_folder import RunFolder
 
 log = logging.getLogger("atelier")
@@ -27,33 +40,78 @@ class Position:
 
 class RunState:
     """Everything one run holds. ``__init__`` makes the run folder and the defaults; ``trainer.train.setup``
-    fills in the rest (device, data, model, method, optimizer, scheduler, generator, EMA …)."""
+    fills in the rest (device, data, model, method, optimizer, scheduler, generator, EMA …): those fields are
+    None (or 0) until it has run."""
 
-    def __init__(self, cfg, run_dir: Path, resume: Optional[str] = None, progress: bool = True):
+    # the run as it was started
+    cfg: DictConfig
+    par: SingleProcess  # one process, DDP or FSDP (trainer.parallel.strategy); set-up replaces it once FSDP is planned
+    run: RunFolder
+    resume: Optional[str]
+    show_progress: bool
+    # where it is, and whether it should stop
+    pos: Position
+    last_backup_step: int
+    stop_requested: bool
+    _stop_signal_at: float
+    # made by trainer.train.setup.setup
+    accelerator: Optional[Accelerator]
+    device: Optional[torch.device]
+    global_micro_batch: int  # training.batch_size x processes (a backup fixes it)
+    data: Optional[DataPipeline]
+    report: Optional[DataReport]  # the data's report (the ``started`` event carries it)
+    model: Optional[Family]
+    method: Optional[MethodBase]
+    text_offload: Optional[TextEncoderOffload]  # data.offload_text_encoders, when it applies
+    groups: List[Dict[str, Any]]  # the optimizer's parameter groups, one per trained module
+    optimizer: Optional[torch.optim.Optimizer]
+    micro_batches_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    scheduler: Optional[LRScheduler]
+    generator: Optional[torch.Generator]
+    ema: Optional[TrainableEMA]
+    rounding: Optional[StochasticRounding]  # precision.stochastic_rounding's optimizer hooks
+    compiled: bool  # training.compile: the denoiser's blocks compile at their first call
+    cache_summary: Optional[Dict[str, Any]]  # what filling the caches encoded and reused
+    tb: Any  # torch.utils.tensorboard's SummaryWriter (optional: tensorboard may be missing), or None
+    # made by the loop as it goes
+    unet_dtype: Optional[torch.dtype]  # the denoiser's input dtype, read once
+    component_schedule: Optional[ComponentSchedule]  # parts.<part>.stop_after_*: made at its first use
+
+    def __init__(self, cfg: DictConfig, run_dir: Path, resume: Optional[str] = None, progress: bool = True):
         self.cfg = cfg
         rank, world = env_rank_world()  # from torchrun / accelerate launch; (0, 1) otherwise
-        self.par: SingleProcess = make_strategy(rank, world)  # set-up replaces it once FSDP is planned
+        self.par = make_strategy(rank, world)
         self.run = RunFolder(run_dir, main=self.par.is_main)
         self.resume = resume
         self.show_progress = progress
-        self.stop_requested = False
-        self._stop_signal_at = 0.0
         self.pos = Position()
         self.last_backup_step = -1
-        self.unet_dtype = None  # the denoiser's input dtype, read once (set-up fixes it)
+        self.stop_requested = False
+        self._stop_signal_at = 0.0
+        self.accelerator = None
+        self.device = None
+        self.global_micro_batch = 0
+        self.data = None
+        self.report = None
+        self.model = None
+        self.method = None
+        self.text_offload = None
+        self.groups = []
+        self.optimizer = None
+        self.micro_batches_per_epoch = 0
+        self.steps_per_epoch = 0
+        self.total_steps = 0
+        self.scheduler = None
+        self.generator = None
         self.ema = None
-        self.tb = None
+        self.rounding = None
         self.compiled = False
+        self.cache_summary = None
+        self.tb = None
+        self.unet_dtype = None
         self.component_schedule = None
-        # made by trainer.train.setup.setup
-        self.accelerator: Any = None
-        self.device: Any = None
-        self.model: Any = None
-        self.method: Any = None
-        self.data: Any = None
-        self.optimizer: Any = None
-        self.scheduler: Any = None
-        self.generator: Any = None
 
     # the process's place, as the strategy says
     @property

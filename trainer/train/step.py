@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import torch
+
+from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
+from trainer.optim.schedule import ComponentSchedule
 from trainer.parallel.distributed import expand_rows, take_rows
 from trainer.train.state import RunState
 
@@ -15,9 +19,7 @@ log = logging.getLogger("atelier")
 def forward_loss(state: RunState, batch, gen=None):
     """The loss of one micro-batch: latents, noise and timesteps drawn from the run's generator (``gen``:
     validation's own), the family's conditioning and prediction, the objective's target and weighting."""
-    import torch
 
-    from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
     model = state.model
     objective = model.objective  # DDPM or flow matching, chosen by the family
     lc = state.cfg.loss
@@ -65,7 +67,6 @@ def forward_loss(state: RunState, batch, gen=None):
 def validate(state: RunState) -> Optional[float]:
     """Mean loss over the validation concepts, with a fixed generator (same noise and timesteps every
     time, so the numbers are comparable) and the trained modules in eval mode; not trained on."""
-    import torch
     if not state.data.validation_batches() or not state.par.evaluates_here:
         return None  # DDP: rank 0 alone (no collectives); FSDP: every process runs the sharded UNet
     modes = {n: m.training for n, m in state.method.modules.items()}
@@ -95,7 +96,6 @@ def apply_component_schedule(state: RunState) -> None:
     every scheduler step, which writes their LR again, and after loading a backup)."""
     sched = state.component_schedule
     if sched is None:
-        from trainer.optim.schedule import ComponentSchedule
         sched = state.component_schedule = ComponentSchedule(state.optimizer, state.cfg, state.steps_per_epoch)
     if sched:
         for name in sched.apply(state.pos.step):

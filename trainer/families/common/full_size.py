@@ -1,6 +1,6 @@
 """The full-size configs of each family's public models, without their weights: what builds the real model
-from configs alone (``bench/estimate_vram.py`` builds it from them on fake tensors, so a hub id that is not
-downloaded still gets a VRAM estimate).
+from configs alone (the VRAM estimator, ``trainer/memory/estimate.py``, builds it from them on fake tensors, so a
+hub id that is not downloaded still gets a VRAM estimate).
 
 A family that has them keeps a ``full_size.py`` module in its folder with ``FULL_SIZE = {variant: spec}``;
 a spec names the family's built-in tiny model (``tiny``: its folder gives the pipeline layout, scheduler
