@@ -144,6 +144,7 @@ def save_safetensors_atomic(tensors: Mapping[str, "torch.Tensor"], path: str | o
     converted with ``str`` here; tensors are made contiguous (views of a bigger tensor, such as
     slices of a fused qkv weight, are otherwise refused).
     """
+    # torch inside: the UI and the CLI's validate import this module without torch
     from safetensors.torch import save_file
 
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
 import gradio as gr
+import numpy as np
 from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX
@@ -38,7 +39,6 @@ def layer_from_mask(mask_path: Path, size: Tuple[int, int]) -> Any:
 
 def mask_from_layers(layers: List[Any], size: Tuple[int, int]) -> Any:
     """White (255) where any layer was painted (alpha > 0), black elsewhere, at ``size``."""
-    import numpy as np
     painted = np.zeros((size[1], size[0]), dtype=bool)
     for layer in layers or []:
         if layer is None:

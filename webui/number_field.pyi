@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import gradio as gr
 
-from gradio.events import Dependency
-
 class FieldNumber(gr.Number):
     is_template = True  # render with the stock Number frontend
 
@@ -20,7 +18,8 @@ class FieldNumber(gr.Number):
         if payload is None:
             return None
         return self.round_to_precision(payload, self.precision)
-    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
+    from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
+
     from gradio.blocks import Block
     if TYPE_CHECKING:
         from gradio.components import Timer

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-from trainer.host import procs
 from trainer.events import TERMINAL
+from trainer.host import procs
 from webui.jobqueue import Job, JobQueue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -215,7 +215,6 @@ def from_widget(spec: FieldSpec, raw: Any, key: Optional[str] = None) -> tuple[A
         if spec.kind == LIST:
             return [line.strip() for line in str(raw or "").splitlines() if line.strip()], None
         if spec.kind == YAML:
-            import yaml
             return (yaml.safe_load(raw) if str(raw or "").strip() else None), None
         if raw is None or _isnan(raw):
             return ("" if not spec.optional else None), None

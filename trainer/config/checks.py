@@ -124,7 +124,8 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     if not enabled:
         out.append(Issue("data.concepts", "No enabled concept: add a folder of images to train on.",
                          level="error"))
-    out += [Issue(key, message, level="error") for key, message in preflight.path_problems(cfg)]  # files train would reject
+    # files and folders train would reject
+    out += [Issue(key, message, level="error") for key, message in preflight.path_problems(cfg)]
     out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
     out += [Issue(key, message) for key, message in tier_warnings(cfg)]  # a memory tier's settings undone
     if cfg.general.device == "mps" or (cfg.general.device == "auto" and devices.is_apple_silicon()):

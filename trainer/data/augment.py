@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
+import numpy as np
 from PIL import Image, ImageEnhance
 
 Size = Tuple[int, int]
@@ -190,7 +191,6 @@ def apply_color(img: Image.Image, p: AugmentParams) -> Image.Image:
     if p.saturation != 1.0:
         img = ImageEnhance.Color(img).enhance(p.saturation)
     if p.hue != 0.0:
-        import numpy as np
         hsv = np.array(img.convert("HSV"), dtype=np.int16)
         hsv[..., 0] = (hsv[..., 0] + int(round(p.hue * 256))) % 256
         img = Image.fromarray(hsv.astype(np.uint8), "HSV").convert("RGB")

@@ -145,7 +145,7 @@ class LatentCache:
         adds more batched tensors to store (an inpainting model's pixels and masked-image latents).
         ``workers`` > 0 decodes images in that many background threads while the encoder runs.
         """
-        import torch
+        import torch  # torch inside: data-report and the UI import this module without torch
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -232,7 +232,7 @@ class LatentCache:
         ``ensure`` was not run) or unreadable (the broken entry is deleted, so the next
         ``ensure`` re-encodes it).
         """
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # torch inside: data-report and the UI import this module without torch
 
         path = self.entry_path(item, variant, extra)
         if not path.is_file():
@@ -252,7 +252,7 @@ class LatentCache:
 
 
 def _save_atomic(path: Path, tensors: Dict[str, "torch.Tensor"], meta: Dict[str, str]) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch inside: data-report and the UI import this module without torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -323,7 +323,7 @@ class TextCache:
 
         ``encode_text_fn(list_of_captions)`` returns a tensor [B, ...] (stored as
         ``encoder_hidden_states``) or a dict of such tensors."""
-        import torch
+        import torch  # torch inside: data-report and the UI import this module without torch
 
         todo = sorted({c for c in captions if not self.entry_path(c).is_file()})
         if progress is not None:
@@ -340,7 +340,7 @@ class TextCache:
         return len(todo)
 
     def get(self, caption: str) -> Dict[str, "torch.Tensor"]:
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # torch inside: data-report and the UI import this module without torch
 
         with self._lock:
             hit = self._memory.get(caption)

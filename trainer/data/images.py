@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Tuple
 
+import numpy as np
 from PIL import Image, ImageOps
 
 from trainer.data.augment import AugmentParams, apply, apply_geometry
@@ -71,7 +72,6 @@ def _high_bit_to_l(img: Image.Image) -> Image.Image:
     Pillow's own ``convert("L")`` clips 16-bit values at 255, which turns a scanner's 16-bit PNG
     almost white; scale by the bit depth instead.
     """
-    import numpy as np
 
     arr = np.asarray(img).astype(np.float64)
     hi = float(arr.max()) if arr.size else 0.0
@@ -114,7 +114,7 @@ def resize_crop(img: Image.Image, width: int, height: int, center_crop: bool = T
 
 def to_tensor(img: Image.Image) -> "torch.Tensor":
     """RGB PIL image → float32 [3, H, W] in [-1, 1] (what the VAE expects)."""
-    import torch
+    import torch  # torch inside: data-report and the UI import this module without torch
 
     w, h = img.size
     data = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
@@ -124,7 +124,7 @@ def to_tensor(img: Image.Image) -> "torch.Tensor":
 def pixels_to_uint8(pixels: "torch.Tensor") -> "torch.Tensor":
     """:func:`to_tensor`'s output back to its uint8 values (lossless: every value it makes is k/127.5 - 1).
     A quarter of the float's size, for caches that keep rendered pixels (inpainting's masked images)."""
-    import torch
+    import torch  # torch inside: data-report and the UI import this module without torch
     return pixels.detach().float().add(1.0).mul_(127.5).round_().clamp_(0, 255).to(torch.uint8)
 
 
@@ -189,7 +189,7 @@ def decode(path: Path, mask_path: Optional[Path], min_side: Optional[int] = None
 
 def mask_to_tensor(mask: Image.Image) -> "torch.Tensor":
     """L image → float32 [1, H, W] in [0, 1] (1 = focus)."""
-    import torch
+    import torch  # torch inside: data-report and the UI import this module without torch
 
     w, h = mask.size
     data = torch.frombuffer(bytearray(mask.tobytes()), dtype=torch.uint8)
@@ -208,7 +208,7 @@ def render_sample(img: Image.Image, mask: Optional[Image.Image], size: Tuple[int
 def mask_to_latent(mask: "torch.Tensor", latent_hw: Tuple[int, int]) -> "torch.Tensor":
     """Pixel mask [..., 1, H, W] → latent resolution by area averaging (a soft edge where a latent
     cell covers both focus and background)."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # torch inside: data-report and the UI import this module without torch
 
     squeeze = mask.dim() == 3
     m = mask[None] if squeeze else mask

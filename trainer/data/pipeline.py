@@ -43,6 +43,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+import torch
+from PIL import Image
+
 from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
 from trainer.data.buckets import PlannedBatch, Size
@@ -274,7 +277,6 @@ class DataPipeline:
         data.masks, the latents of the image with its own mask blanked — exactly what
         ``inpaint_fn`` makes of a batch's ``inpaint_pixels`` and ``mask`` at training time (an image
         without a mask file gets the all-ones mask the batches give it)."""
-        import torch
 
         out: Dict[str, Any] = {"pixels_u8": pixels_to_uint8(pixels)}
         if self.masks and self.inpaint_fn is not None:
@@ -320,7 +322,6 @@ class DataPipeline:
     def _load(self, plan: PlannedBatch, epoch: int, memo: Optional["_DecodeMemo"],
               validation: bool = False) -> Dict[str, Any]:
         """Everything of one batch that needs no model: runs in a loader thread."""
-        import torch
 
         pool = self.validation_items if validation else self.items
         captions, weights, sizes, crops = [], [], [], []
@@ -356,7 +357,8 @@ class DataPipeline:
                 min_side = self._min_side([(plan.size, params)])
                 if memo is not None:  # decoded for the largest size this item can need in the epoch
                     side = self._worst_side(self.dataset.buckets[idx])
-                    img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side: _shrink(images.decode(it.path, m, s), s))
+                    img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side:
+                                         _shrink(images.decode(it.path, m, s), s))
                 else:
                     img, mask = images.decode(item.path, mask_path, min_side)
                 px, mpx = images.render_sample(img, mask, plan.size, params)
@@ -391,7 +393,6 @@ class DataPipeline:
         if "pixels" in raw:
             if self.encode_fn is None:
                 raise RuntimeError("DataPipeline.prepare() must be called before batches are loaded")
-            import torch
             pixels = raw.pop("pixels")
             with torch.no_grad():
                 out = self.encode_fn(pixels)
@@ -417,7 +418,6 @@ class _Renderer:
 def _shrink(pair: Tuple[Any, Any], min_side: int) -> Tuple[Any, Any]:
     """Keep a decoded photo at most twice the size the epoch needs (a 6000-px photo trained at
     512 would otherwise hold ~100 MB in the decode memo); the final resize still downsamples."""
-    from PIL import Image
     img, mask = pair
     short = min(img.size)
     if short <= 2 * min_side:
@@ -488,7 +488,6 @@ def _nbytes(pair: Tuple[Any, Any]) -> int:
 def _probe_hash(encode_text_fn: Callable) -> str:
     """A hash of the text encoder's output for a fixed caption, rounded to 1e-3: swapped or
     retrained weights change it, so the text cache never serves embeddings of other weights."""
-    import torch
     with torch.no_grad():
         out = as_text_dict(encode_text_fn([_PROBE_CAPTION]))
     h = hashlib.sha256()

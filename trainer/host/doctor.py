@@ -16,6 +16,8 @@ import platform
 import sys
 from typing import Any, List, Optional, Tuple
 
+from trainer.optim.registry import OPTIMIZERS
+
 GiB = 1024 ** 3
 
 
@@ -36,11 +38,7 @@ def _quiet_import(name: str) -> Tuple[Optional[Any], str]:
 
 
 def _eight_bit_optimizers() -> str:
-    try:
-        from trainer.optim.registry import OPTIMIZERS
-        names = [n for n, spec in OPTIMIZERS.items() if spec.eight_bit]
-    except Exception:
-        names = []
+    names = [n for n, spec in OPTIMIZERS.items() if spec.eight_bit]
     return f" ({', '.join(names[:4])}{', …' if len(names) > 4 else ''})" if names else ""
 
 
@@ -106,7 +104,7 @@ def report() -> List[str]:
     lines.append(f"general.device = auto trains on: {device}")
 
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # torch inside: the doctor also reports a missing or broken torch
         dist_ok = dist.is_available()
         nccl = dist_ok and dist.is_nccl_available()
         gloo = dist_ok and dist.is_gloo_available()
@@ -173,7 +171,7 @@ def windows_long_paths() -> Optional[bool]:
     if os.name != "nt":
         return None
     try:
-        import winreg
+        import winreg  # Windows only
         with winreg.OpenKey(winreg.HKEY_LOCAL_MACHINE, r"SYSTEM\CurrentControlSet\Control\FileSystem") as key:
             return bool(winreg.QueryValueEx(key, "LongPathsEnabled")[0])
     except (ImportError, OSError):

@@ -106,7 +106,7 @@ def _windows_pid_alive(pid: int) -> bool:
     """Windows: open the process and ask for its exit code (``os.kill(pid, 0)`` there would *send*
     CTRL_C_EVENT — signal 0 is CTRL_C_EVENT — or terminate the process)."""
     try:
-        import ctypes
+        import ctypes  # Windows only (its windll)
         kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined]
     except (ImportError, AttributeError):
         return _tasklist_has(pid)

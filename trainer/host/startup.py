@@ -147,8 +147,7 @@ def _disk_cached_structure(module, original):
     """Wrap transformers' ``define_import_structure`` with the on-disk cache for its ``models`` folder
     (None: no cache to be had)."""
     try:
-        from importlib.metadata import version
-        tf_version = version("transformers")
+        tf_version = md.version("transformers")
     except Exception:
         return None
     if not _cache_dir():

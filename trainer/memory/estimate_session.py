@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
+import diffusers
 import torch
 import torch.nn.functional as F
 from torch._subclasses import fake_impls
@@ -112,7 +113,6 @@ def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, fam
     if "scheduler" not in common and sched.is_file():  # schedulers compute their tables on real tensors
         # diffusers notes which optional libraries it can use when it is imported: here, at load time, after the
         # trainer's start-up has hidden the unused ones (bench/random_weights.py enters the session before it)
-        import diffusers
         with unset_fake_temporarily():
             cls = getattr(diffusers, json.loads(sched.read_text(encoding="utf-8"))["_class_name"])
             common["scheduler"] = cls.from_pretrained(str(folder), subfolder="scheduler")

@@ -162,6 +162,7 @@ def _home(tensor, module, in_ram):
 def _nf4_forward(module, state, compute_dtype):
     """Forward of an NF4-stored Linear: dequantize the packed weight for the op (bitsandbytes), recomputed in
     backward instead of kept alive until then."""
+    # optional: only NF4 storage needs bitsandbytes (start-up hides it otherwise)
     from bitsandbytes.functional import dequantize_4bit
 
     def run(x):
@@ -183,6 +184,7 @@ def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None, in_r
     each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
     ``compute_dtype``; peft's LoRA layers around it see an ordinary Linear. Convolutions keep their dtype."""
     try:
+        # optional: only NF4 storage needs bitsandbytes (start-up hides it otherwise)
         from bitsandbytes.functional import quantize_4bit
     except Exception as exc:  # bitsandbytes missing or without a backend for this device
         raise ConfigError(f"parts.denoiser.nf4 needs bitsandbytes, which could not be loaded here "

@@ -308,9 +308,6 @@ def barrier() -> None:
             raise PeerLost(f"{type(exc).__name__}: {exc}") from exc
 
 
-_CRASH_LOG = None  # the open file faulthandler writes to (it must stay open for the process's life)
-
-
 def fault_injection(rank: int, step: int) -> None:
     """Test hook: ``ATELIER_TEST_FAULT=RANK:STEP:raise|exit`` makes that rank fail after that step."""
     spec = os.environ.get("ATELIER_TEST_FAULT", "")

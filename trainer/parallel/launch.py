@@ -43,6 +43,9 @@ def write_rank_error(run_dir: Path, rank: int, message: str, tb: str = "") -> No
                                                     "host": socket.gethostname(), "time": time.time()})
 
 
+_CRASH_LOG = None  # the open file faulthandler writes to (it must stay open for the process's life)
+
+
 def record_crashes(run_dir: Path, rank: int) -> None:
     """``rank-K-crash.log``: where Python's faulthandler writes every thread's stack if this process dies
     below Python (a segfault in a native library, an abort in a collective), so rank 0 can say where
@@ -209,7 +212,7 @@ def check_devices(cfg) -> Optional[str]:
                 "give one GPU per process, or empty gpu_ids to use the first N.")
     if g.device == "cpu":
         return None
-    import torch
+    import torch  # torch only to count GPUs: the launcher stays torch-free
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if g.device == "cuda" or (g.device == "auto" and count > 0):
         if n > count:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from PIL import Image
+
 from trainer.data.captions import caption_ext
 from trainer.data.concepts import IMAGE_EXTENSIONS, find_images
 from trainer.data.images import open_rgb
@@ -86,7 +88,7 @@ def unique_outputs(images: Sequence[Path], output: Callable[[Path], Path],
 
 def pick_device(name: str) -> str:
     """``auto`` → cuda, else mps, else cpu; ToolError for a device that is not there."""
-    import torch
+    import torch  # inside: --help and the UI import this module for its defaults, without torch
     mps = getattr(torch.backends, "mps", None)
     has_mps = mps is not None and mps.is_available()
     if name == "auto":
@@ -100,7 +102,7 @@ def pick_device(name: str) -> str:
 
 
 def model_dtype(device: str) -> Any:
-    import torch
+    import torch  # inside: --help and the UI import this module for its defaults, without torch
     return torch.float16 if device == "cuda" else torch.float32
 
 
@@ -166,6 +168,7 @@ def load_problem(src: ModelSource, exc: BaseException, what: str = "") -> str:
 
 def config_dict(src: ModelSource) -> Dict[str, Any]:
     """The model's config.json as a dict (downloaded for a hub id), or ToolError saying why not."""
+    # inside: --help and the UI import this module for its defaults, without torch
     from transformers import PretrainedConfig
     try:
         return dict(PretrainedConfig.get_config_dict(src.path, **src.kwargs())[0])
@@ -186,6 +189,7 @@ def load_pretrained(src: ModelSource, loader: Callable[..., Any], what: str, **k
     """``loader(path, **kwargs)`` (a ``from_pretrained``) with the load problems as one ToolError line. A local
     folder loads without progress bars; a hub id keeps the download's."""
     if src.local:
+        # inside: --help and the UI import this module for its defaults, without torch
         import transformers.utils.logging as tlog
         tlog.disable_progress_bar()
     try:
@@ -305,7 +309,7 @@ class GenerativeCaptioner(Captioner):
         self.max_tokens, self.task = max_tokens, task
 
     def caption(self, images: List[Any]) -> List[str]:
-        import torch
+        import torch  # inside: --help and the UI import this module for its defaults, without torch
         if self.kind == "florence2":
             inputs = self.processor(text=[self.task] * len(images), images=images, return_tensors="pt")
         else:
@@ -334,7 +338,6 @@ class TagCaptioner(Captioner):
 
     @staticmethod
     def square(image: Any) -> Any:
-        from PIL import Image
         side = max(image.size)
         if image.size == (side, side):
             return image
@@ -343,7 +346,7 @@ class TagCaptioner(Captioner):
         return canvas
 
     def scores(self, images: List[Any]) -> Any:
-        import torch
+        import torch  # inside: --help and the UI import this module for its defaults, without torch
         inputs = self.processor(images=[self.square(im) for im in images], return_tensors="pt")
         dtype = next(self.model.parameters()).dtype
         pixels = inputs["pixel_values"].to(self.device, dtype)
@@ -362,6 +365,7 @@ def _is_classifier(cfg: Dict[str, Any]) -> bool:
     archs = [str(a) for a in cfg.get("architectures") or []]
     if any(a.endswith("ForImageClassification") for a in archs):
         return True
+    # inside: --help and the UI import this module for its defaults, without torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
     return not archs and cfg.get("model_type") in MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
 
@@ -399,12 +403,14 @@ def load_captioner(spec: str, device: str, *, max_tokens: Optional[int], task: O
     dtype = model_dtype(device)
     say(f"loading {spec} on {device} …")
     if family == "blip":
+        # inside: --help and the UI import this module for its defaults, without torch
         from transformers import BlipForConditionalGeneration, BlipProcessor
         processor = load_pretrained(src, BlipProcessor.from_pretrained, "a BLIP processor")
         model = load_pretrained(src, BlipForConditionalGeneration.from_pretrained, "a BLIP captioner", dtype=dtype)
         captioner: Captioner = GenerativeCaptioner("blip", model, processor, device,
                                                    max_tokens or DEFAULT_MAX_TOKENS["blip"])
     elif family == "florence2":
+        # inside: --help and the UI import this module for its defaults, without torch
         from transformers import AutoProcessor, Florence2ForConditionalGeneration
         processor = load_pretrained(src, AutoProcessor.from_pretrained, "a Florence-2 processor")
         model = load_pretrained(src, Florence2ForConditionalGeneration.from_pretrained, "a Florence-2 model",
@@ -413,6 +419,7 @@ def load_captioner(spec: str, device: str, *, max_tokens: Optional[int], task: O
                                         max_tokens or DEFAULT_MAX_TOKENS["florence2"],
                                         FLORENCE_TASKS[task or "detailed"])
     else:
+        # inside: --help and the UI import this module for its defaults, without torch
         from transformers import AutoImageProcessor, AutoModelForImageClassification
         processor = load_pretrained(src, AutoImageProcessor.from_pretrained, "an image processor")
         model = load_pretrained(src, AutoModelForImageClassification.from_pretrained, "an image classifier",

@@ -9,8 +9,20 @@ from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.tools import DTYPES, ToolError
-from trainer.tools.caption import DEFAULT_CAPTION_MODEL, DEFAULT_THRESHOLD, FLORENCE_TASKS, KNOWN_TAGGER
-from trainer.tools.mask import DEFAULT_MASK_MODEL, DEFAULT_MASK_THRESHOLD, DEFAULT_SUBJECT_MODEL, METHODS
+from trainer.tools.caption import (
+    DEFAULT_CAPTION_MODEL,
+    DEFAULT_THRESHOLD,
+    FLORENCE_TASKS,
+    KNOWN_TAGGER,
+    run as run_caption,
+)
+from trainer.tools.mask import (
+    DEFAULT_MASK_MODEL,
+    DEFAULT_MASK_THRESHOLD,
+    DEFAULT_SUBJECT_MODEL,
+    METHODS,
+    run as run_mask,
+)
 
 COMMANDS = ("convert", "merge", "resize", "sample", "caption", "mask")
 
@@ -143,19 +155,19 @@ def run(args: argparse.Namespace) -> int:
     """Run one tool; bad input prints one line and returns 2."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    # each tool imports torch (and its libraries): imported here so `--help` and the other commands stay torch-free
-    if args.command == "convert":
-        from trainer.tools.convert import run as tool
-    elif args.command == "merge":
-        from trainer.tools.merge import run as tool
-    elif args.command == "resize":
-        from trainer.tools.resize import run as tool
-    elif args.command == "caption":
-        from trainer.tools.caption import run as tool
+    if args.command == "caption":
+        tool = run_caption
     elif args.command == "mask":
-        from trainer.tools.mask import run as tool
+        tool = run_mask
+    # the model tools import torch at the top: imported when they run, so --help and the other commands stay torch-free
+    elif args.command == "convert":
+        from trainer.tools.convert import run as tool  # torch
+    elif args.command == "merge":
+        from trainer.tools.merge import run as tool  # torch
+    elif args.command == "resize":
+        from trainer.tools.resize import run as tool  # torch
     else:
-        from trainer.tools.sample import run as tool
+        from trainer.tools.sample import run as tool  # torch
     try:
         return tool(args)
     except ToolError as exc:

@@ -23,6 +23,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, List, Sequence, Tuple
 
+import numpy as np
+from PIL import Image
+
 from trainer.data.concepts import mask_path
 from trainer.io import atomic_path, write_failure
 from trainer.tools import ToolError
@@ -58,6 +61,7 @@ class ClipSeg:
         if kind != "clipseg":
             raise ToolError(f"--model '{spec}' is a {kind or 'non-transformers'} model; --method clipseg needs a "
                             f"CLIPSeg model (e.g. {DEFAULT_MASK_MODEL}).")
+        # inside: --help and the UI import this module for its defaults, without torch
         from transformers import CLIPSegForImageSegmentation, CLIPSegProcessor
         say(f"loading {spec} on {device} …")
         self.processor = load_pretrained(src, CLIPSegProcessor.from_pretrained, "a CLIPSeg processor")
@@ -68,8 +72,8 @@ class ClipSeg:
 
     def probabilities(self, images: List[Any], prompts: Sequence[str]) -> List[Any]:
         """Per image a float [H, W] tensor at the image's size: the best prompt's probability per pixel."""
-        import torch
-        import torch.nn.functional as F
+        import torch  # inside: --help and the UI import this module for its defaults, without torch
+        import torch.nn.functional as F  # inside: --help and the UI import this module for its defaults, without torch
         n, p = len(images), len(prompts)
         inputs = self.processor(text=[t for _ in images for t in prompts],
                                 images=[im for im in images for _ in prompts], padding=True, return_tensors="pt")
@@ -96,6 +100,7 @@ class SamSubject:
         if kind != "sam":
             raise ToolError(f"--model '{spec}' is a {kind or 'non-transformers'} model; --method subject needs a "
                             f"Segment Anything model (e.g. {DEFAULT_SUBJECT_MODEL}).")
+        # inside: --help and the UI import this module for its defaults, without torch
         from transformers import SamModel, SamProcessor
         say(f"loading {spec} on {device} …")
         self.processor = load_pretrained(src, SamProcessor.from_pretrained, "a SAM processor")
@@ -105,7 +110,7 @@ class SamSubject:
 
     def probabilities(self, images: List[Any], prompts: Sequence[str] = ()) -> List[Any]:
         """Per image a float [H, W] tensor at the image's size: the chosen candidate's probability per pixel."""
-        import torch
+        import torch  # inside: --help and the UI import this module for its defaults, without torch
         points = [[[im.width / 2, im.height / 2]] for im in images]  # one point each, at the centre
         inputs = self.processor(images=images, input_points=points, return_tensors="pt")
         dtype = next(self.model.parameters()).dtype
@@ -130,7 +135,7 @@ def choose_candidate(logits: Any, iou: Any) -> Any:
 
 def grow(mask: Any, pixels: int) -> Any:
     """A bool [H, W] mask with its True area grown by ``pixels`` in every direction (shrunk when negative)."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # inside: --help and the UI import this module for its defaults, without torch
     if pixels == 0:
         return mask
     k = 2 * abs(pixels) + 1
@@ -143,8 +148,6 @@ def grow(mask: Any, pixels: int) -> Any:
 
 def to_mask(prob: Any, threshold: float, invert: bool, expand: int) -> Any:
     """Probabilities → an ``L`` image with only 0 (ignored) and 255 (trained)."""
-    import numpy as np
-    from PIL import Image
     white = prob > threshold
     if invert:
         white = ~white

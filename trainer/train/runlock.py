@@ -31,14 +31,14 @@ WINDOWS_LOCK_OFFSET = 1 << 30  # the locked byte: far past the JSON, which other
 def _try_lock(fd: int) -> bool:
     try:
         if is_windows():  # Windows byte-range locks are mandatory: lock a byte past the end, not the pid record
-            import msvcrt
+            import msvcrt  # Windows only
             os.lseek(fd, WINDOWS_LOCK_OFFSET, os.SEEK_SET)
             try:
                 msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
             finally:
                 os.lseek(fd, 0, os.SEEK_SET)
         else:
-            import fcntl
+            import fcntl  # POSIX only
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
     except OSError:

@@ -17,7 +17,7 @@ from diffusers import DDPMWuerstchenScheduler, StableCascadeCombinedPipeline, St
 from transformers import CLIPTokenizer
 
 from trainer.families.common.cascade_keys import diffusers_to_original
-from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
+from trainer.families.common.cascade_kit import fill_zero_weights, tiny_clip, wuerstchen_class
 from trainer.families.common.effnet import save_effnet, tiny_effnet
 from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
 from trainer.families.common.tiny_store import store_tiny
@@ -44,9 +44,9 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
                                    ("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock")),
             clip_text_pooled_in_channels=32, effnet_in_channels=16, pixel_mapper_in_channels=3, kernel_size=3,
             dropout=(0.0, 0.0), self_attn=True, timestep_conditioning_type=("sca",), switch_level=None)
-        vqgan = deprecated_wuerstchen_class("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
-                                             bottleneck_blocks=1, embed_dim=16, latent_channels=4,
-                                             num_vq_embeddings=64, scale_factor=0.3764)
+        vqgan = wuerstchen_class("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
+                                                  bottleneck_blocks=1, embed_dim=16, latent_channels=4,
+                                                  num_vq_embeddings=64, scale_factor=0.3764)
         fill_zero_weights(prior, decoder, vqgan)
         prior_text = tiny_clip(tokenizer, projection=True)
         decoder_text = tiny_clip(tokenizer, projection=True)

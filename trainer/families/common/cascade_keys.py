@@ -210,7 +210,7 @@ def original_to_diffusers(state: Mapping[str, Any]) -> Dict[str, Any]:
 def diffusers_to_original(state: Mapping[str, Any]) -> Dict[str, Any]:
     """diffusers tensors (StableCascadeUNet stage C or B, WuerstchenPrior) → the original layout; the exact inverse
     of :func:`original_to_diffusers` and of diffusers' single-file converter."""
-    import torch
+    import torch  # torch inside: detection (validate) reads this module without torch
     stage_b = _renames_clip_mapper(state)
     out: Dict[str, Any] = {}
     for k, v in state.items():

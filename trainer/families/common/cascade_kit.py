@@ -160,7 +160,7 @@ class CascadePrior(Family):
                                  f"/config.json). Point it at a {self.info.label} prior pipeline folder or hub id "
                                  f"(e.g. {self.official['prior']}), or at a prior .safetensors file.",
                                  key="model.path", value=self.source.display)
-        cls = getattr(diffusers, self.prior_class, None) or deprecated_wuerstchen_class(self.prior_class)
+        cls = getattr(diffusers, self.prior_class, None) or wuerstchen_class(self.prior_class)
         try:
             return cls.from_pretrained(str(sub), dtype=self._dtypes["prior"])
         except Exception as exc:
@@ -292,12 +292,12 @@ class CascadePrior(Family):
             raise ModelLoadError(f"{key} '{location}': not a {self.info.label} decoder (no {', '.join(missing)} "
                                  f"folder). Set model.decoder_path to the decoder pipeline folder or hub id "
                                  f"({self.official['decoder']}).", key="model.decoder_path", value=location)
-        decoder_cls = getattr(diffusers, self.decoder_class, None) or deprecated_wuerstchen_class(self.decoder_class)
+        decoder_cls = getattr(diffusers, self.decoder_class, None) or wuerstchen_class(self.decoder_class)
         dtype = next(self.prior.parameters()).dtype
         dtype = torch.float32 if dtype not in (torch.float16, torch.bfloat16, torch.float32) else dtype
         try:
             parts = {"decoder": decoder_cls.from_pretrained(str(folder / sub), dtype=dtype),
-                     "vqgan": deprecated_wuerstchen_class("PaellaVQModel").from_pretrained(str(folder / "vqgan")),
+                     "vqgan": wuerstchen_class("PaellaVQModel").from_pretrained(str(folder / "vqgan")),
                      "text_encoder": getattr(transformers, self.text_class).from_pretrained(
                          str(folder / "text_encoder"), dtype=dtype),
                      "tokenizer": transformers.CLIPTokenizer.from_pretrained(str(folder / "tokenizer")),
@@ -338,7 +338,7 @@ class CascadePrior(Family):
 CLIP_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 
-def deprecated_wuerstchen_class(name: str):
+def wuerstchen_class(name: str):
     """A class diffusers keeps under pipelines.deprecated.wuerstchen (Würstchen 2's prior and decoder, the VQGAN)."""
     return getattr(wuerstchen, name)
 

@@ -135,7 +135,7 @@ class Flux2(PeftLayoutLora, Family):
             pipe = self._from_single_file(mcfg, dtypes, pipeline_cls)
         else:
             pipe = sources.load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=variant, dtype=dtypes,
-                                 by_component=self.dev)
+                                         by_component=self.dev)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         if self.dev and not getattr(self.tokenizer, "chat_template", None):

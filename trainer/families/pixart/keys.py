@@ -51,10 +51,10 @@ def read_state(path) -> Dict[str, object]:
     """All tensors of a single file: ``.safetensors``, or a PyTorch ``.pth``/``.pt``/``.ckpt`` (the original
     PixArt releases: ``{"state_dict": ...}``), read with ``weights_only=True``."""
 
-    import torch
+    import torch  # torch inside: detection (validate) reads this module without torch
     path = Path(path)
     if path.suffix.lower() == ".safetensors":
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # torch inside: detection (validate) reads this module without torch
         return dict(load_file(str(path)))
     obj = torch.load(str(path), map_location="cpu", weights_only=True)
     if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
@@ -111,7 +111,7 @@ def original_to_diffusers(state: Dict[str, object]) -> Dict[str, object]:
 
 
 def diffusers_to_original(state: Dict[str, object]) -> Dict[str, object]:
-    import torch
+    import torch  # torch inside: detection (validate) reads this module without torch
     out: Dict[str, object] = {}
     for orig, ours in _TOP.items():
         for suffix in ("weight", "bias"):

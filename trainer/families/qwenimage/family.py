@@ -77,7 +77,8 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes)
         else:
-            pipe = sources.load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image", dtype=dtypes)
+            pipe = sources.load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image",
+                                         dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._template, self._drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx

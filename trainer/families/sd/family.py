@@ -38,9 +38,9 @@ class StableDiffusion(LatentDiffusionFamily):
         found = detect_source_family(self.source, mcfg)
         check_family(self.source, found, mcfg, ("sd15", "sd2"), "SD 1.x/2.x")
         inpaint = bool(found and found.endswith("-inpaint"))
-        pipe = sources.load_pipeline(StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline, self.source,
-                             mcfg, workspace, family=found if found else "sd15",
-                             safety_checker=None, requires_safety_checker=False)
+        pipe_cls = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+        pipe = sources.load_pipeline(pipe_cls, self.source, mcfg, workspace, family=found if found else "sd15",
+                                     safety_checker=None, requires_safety_checker=False)
         self.tokenizer = pipe.tokenizer
         self.text_encoder = pipe.text_encoder
         self.unet = pipe.unet

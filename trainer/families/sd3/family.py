@@ -93,8 +93,8 @@ class SD3(Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes, no_t5)
         else:
-            pipe = sources.load_pipeline(StableDiffusion3Pipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes,
-                                 **no_t5)
+            pipe = sources.load_pipeline(StableDiffusion3Pipeline, self.source, mcfg, workspace, family=variant,
+                                         dtype=dtypes, **no_t5)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2

@@ -93,8 +93,9 @@ class StableDiffusionXL(LatentDiffusionFamily):
         check_family(self.source, found, mcfg, ("sdxl",), "SDXL")
         inpaint = found == "sdxl-inpaint"
         dtypes = self._storage_dtypes(mcfg, unet="unet", text_encoder="text_encoder", text_encoder_2="text_encoder_2")
-        pipe = sources.load_pipeline(StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline, self.source,
-                             mcfg, workspace, family=found or "sdxl", dtype=dtypes, add_watermarker=False)
+        pipe_cls = StableDiffusionXLInpaintPipeline if inpaint else StableDiffusionXLPipeline
+        pipe = sources.load_pipeline(pipe_cls, self.source, mcfg, workspace, family=found or "sdxl", dtype=dtypes,
+                                     add_watermarker=False)
         if pipe.text_encoder is None or pipe.text_encoder_2 is None:
             raise ModelLoadError(f"'{self.source.display}' has no {'first' if pipe.text_encoder is None else 'second'} "
                                  "text encoder (the SDXL refiner?); only SDXL base models are supported.",

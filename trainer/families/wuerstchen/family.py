@@ -28,7 +28,7 @@ from trainer.families.common.cascade_keys import (
     strip_prefix,
     wuerstchen_config_from_state,
 )
-from trainer.families.common.cascade_kit import CascadePrior, deprecated_wuerstchen_class, given_prior_config
+from trainer.families.common.cascade_kit import CascadePrior, given_prior_config, wuerstchen_class
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
 from trainer.formats.metadata import modelspec_common
@@ -67,7 +67,7 @@ class Wuerstchen(CascadePrior):
         cfg_file = given_prior_config(mcfg)
         base = json.loads(cfg_file.read_text()) if cfg_file is not None else dict(CONFIG_WUERSTCHEN)
         try:
-            prior = deprecated_wuerstchen_class("WuerstchenPrior").from_config(wuerstchen_config_from_state(state, base))
+            prior = wuerstchen_class("WuerstchenPrior").from_config(wuerstchen_config_from_state(state, base))
             prior.load_state_dict(original_to_diffusers(state), strict=True)
         except Exception as exc:
             raise ModelLoadError(f"model.path '{self.source.display}': not a Würstchen 2 prior of the size its config "

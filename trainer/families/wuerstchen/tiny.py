@@ -13,7 +13,7 @@ import torch
 from diffusers import DDPMWuerstchenScheduler, WuerstchenCombinedPipeline
 from transformers import CLIPTokenizer
 
-from trainer.families.common.cascade_kit import deprecated_wuerstchen_class, fill_zero_weights, tiny_clip
+from trainer.families.common.cascade_kit import fill_zero_weights, tiny_clip, wuerstchen_class
 from trainer.families.common.effnet import save_effnet, tiny_effnet
 from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
 from trainer.families.common.tiny_store import store_tiny
@@ -26,14 +26,14 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        prior = deprecated_wuerstchen_class("WuerstchenPrior")(c_in=16, c=32, c_cond=32, c_r=64, depth=2, nhead=2, dropout=0.0)
-        decoder = deprecated_wuerstchen_class("WuerstchenDiffNeXt")(
+        prior = wuerstchen_class("WuerstchenPrior")(c_in=16, c=32, c_cond=32, c_r=64, depth=2, nhead=2, dropout=0.0)
+        decoder = wuerstchen_class("WuerstchenDiffNeXt")(
             c_in=4, c_out=4, c_r=64, patch_size=2, c_cond=32, c_hidden=[16, 32], nhead=[-1, 2], blocks=[1, 1],
             level_config=["CT", "CTA"], inject_effnet=[False, True], effnet_embd=16, clip_embd=32, kernel_size=3,
             dropout=0.0)
-        vqgan = deprecated_wuerstchen_class("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
-                                             bottleneck_blocks=1, embed_dim=16, latent_channels=4,
-                                             num_vq_embeddings=64, scale_factor=0.3764)
+        vqgan = wuerstchen_class("PaellaVQModel")(in_channels=3, out_channels=3, up_down_scale_factor=2, levels=2,
+                                                  bottleneck_blocks=1, embed_dim=16, latent_channels=4,
+                                                  num_vq_embeddings=64, scale_factor=0.3764)
         fill_zero_weights(prior, decoder, vqgan)
         prior_text = tiny_clip(tokenizer, projection=False)
         decoder_text = tiny_clip(tokenizer, projection=False)

@@ -298,7 +298,7 @@ def _sniff(path: Path) -> str:
 def read_key_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     kind = _sniff(path)
     if kind == "safetensors":
-        from safetensors import safe_open
+        from safetensors import safe_open  # inside: detection (validate) reads this module without torch
 
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -312,7 +312,7 @@ def read_key_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _read_torch_key_shapes(path: Path, mmap: bool) -> dict[str, tuple[int, ...]]:
-    import torch
+    import torch  # inside: detection (validate) reads this module without torch
 
     try:
         obj = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
