@@ -65,6 +65,7 @@ class Family:
     swap_blocks: Tuple[str, ...] = ()  # the denoiser's block lists in running order (parts.denoiser.blocks_to_swap)
     block_swap: Any = None  # the run's trainer.memory.block_swap.BlockSwap, when blocks are swapped
     objective: Any = None  # trainer.objectives.DDPMObjective | FlowMatchingObjective
+    true_cfg: bool = True  # samples run the denoiser twice a step with cfg_scale > 1 (False: guidance is embedded)
     device: Any = None
     source: Any = None
 
@@ -124,6 +125,11 @@ class Family:
         return out
 
     # --- latents ----------------------------------------------------------------------------
+    def latent_shape(self, width: int, height: int) -> Tuple[int, ...]:
+        """The cached posterior's shape for one image of ``width`` x ``height``, as :meth:`encode_pixels` makes it
+        (packed, patchified or per-frame in some families): one encode of a blank image."""
+        return tuple(self.encode_pixels(torch.zeros(1, 3, height, width))["mean"].shape[1:])
+
     def encode_pixels(self, pixels) -> Dict[str, Any]:
         """VAE posterior (mean, std) in fp32 on the CPU: cached as is, sampled every step."""
         with torch.no_grad():

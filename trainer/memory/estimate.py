@@ -94,7 +94,7 @@ from trainer.memory.estimate_report import (
     format_report,
     format_table,
 )
-from trainer.memory.estimate_session import SD_LINEAGE, cpu_autocast, cuda_autocast_fp32, session
+from trainer.memory.estimate_session import cpu_autocast, cuda_autocast_fp32, session
 from trainer.memory.estimate_tracker import (
     LiveTensorTracker,
     live_tensor_tracker,
@@ -168,12 +168,8 @@ def train_size(cfg, resolution: Optional[str] = None) -> Tuple[int, int]:
 def latent_shape(model, size: Tuple[int, int]) -> Tuple[int, ...]:
     """The cached posterior's shape for one image of ``size`` (w, h), as the family's ``encode_pixels``
     makes it (packed, patchified or per-frame in some families): one encode, free on fake tensors."""
-    w, h = size
-    if model.name in SD_LINEAGE:
-        factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
-        return (int(model.vae.config.latent_channels), h // factor, w // factor)
     with torch.no_grad():
-        return tuple(model.encode_pixels(torch.zeros(1, 3, h, w))["mean"].shape[1:])
+        return model.latent_shape(*size)
 
 
 def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, rows: Optional[int] = None,
@@ -317,11 +313,11 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
         sampling_on = prompts and (cfg.sampling.every_n_epochs or cfg.sampling.every_n_steps or cfg.sampling.at_end
                                    or cfg.sampling.at_start)
         if "sample" in phases and sampling_on:
+            sp = max(prompts, key=lambda p: p.width * p.height)  # the largest sample
             with policy():
                 est.phases["sample"], est.details["sample_peak_at"], est.details["sample_start"] = _sample_phase(
-                    model, method, optimizer, cfg, prompts, autocast, extra, around, offloaded,
+                    model, method, optimizer, cfg, sp, autocast, extra, around, offloaded,
                     swap.bytes_swapped() if swap is not None else 0)
-            sp = max(prompts, key=lambda p: p.width * p.height)
             est.details["sample_size"] = f"{sp.width}x{sp.height}"
         if swap is not None:  # the swapped blocks' frozen weights are in CPU RAM, but for one block at a time
             saved = swap.bytes_swapped()
@@ -331,39 +327,6 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                         not getattr(b, "without_denoiser", False):
                     b.weights = max(0, b.weights - saved)
     return est
-
-
-def _sample_phase(model, method, optimizer, cfg, prompts, autocast, extra, around,
-                  offloaded: Sequence[str] = (), saving: int = 0) -> Tuple[Breakdown, str, int]:
-    """One denoising step and one VAE decode of the largest sample, as the pipeline runs them (no grad,
-    the trained modules in eval mode, batch 2 with classifier-free guidance)."""
-    sp = max(prompts, key=lambda p: p.width * p.height)
-    if model.name not in SD_LINEAGE:
-        return _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around, offloaded, saving)
-    for m in method.modules.values():
-        m.eval()
-    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
-    n = 2 if sp.cfg_scale > 1 else 1
-    unet = model.unet
-    mt = _tracker(model, method, optimizer, extra)
-    with mt, torch.no_grad(), autocast(), around("sample"):
-        ids = model.tokenize([sp.prompt] * n)
-        if model.family.startswith("sdxl"):
-            embeds, pooled = model.encode_text(ids)
-            added = {"text_embeds": pooled, "time_ids": model.add_time_ids([(sp.height, sp.width)] * n,
-                                                                            [(0, 0)] * n, (sp.height, sp.width))}
-        else:
-            embeds, added = model.encode_text(ids), None
-        latents = torch.zeros(n, unet.config.in_channels, sp.height // factor, sp.width // factor,
-                              dtype=embeds.dtype)
-        kwargs = {"added_cond_kwargs": added} if added is not None else {}
-        pred = unet(latents, torch.tensor([500] * n), encoder_hidden_states=embeds, return_dict=False, **kwargs)[0]
-        del pred
-        image_latents = latents[:1].to(model.vae.dtype) / model.vae.config.scaling_factor
-        model.vae.decode(image_latents, return_dict=False)
-    for m in method.modules.values():
-        m.train()
-    return mt.breakdown(), mt.peak_where, mt.start
 
 
 def _vae_latent(model, size: Tuple[int, int]):
@@ -376,13 +339,13 @@ def _vae_latent(model, size: Tuple[int, int]):
         return model.vae.encode(pixels).latent_dist.mean
 
 
-def _sample_phase_generic(model, method, optimizer, cfg, sp, autocast, extra, around,
+def _sample_phase(model, method, optimizer, cfg, sp, autocast, extra, around,
                           offloaded: Sequence[str] = (), saving: int = 0) -> Tuple[Breakdown, str, int]:
     """The sample phase of a family through the family interface the training step uses: the prompt through
     the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode.
     With the text encoders offloaded (``offloaded`` slots) they are on the device only for the prompt: the two
     parts are measured apart (the encoders out of VRAM for the second) and the larger peak is the phase's."""
-    n = 2 if sp.cfg_scale > 1 and model.info.name not in ("flux", "flux2") else 1  # guidance-distilled: one pass
+    n = 2 if sp.cfg_scale > 1 and model.true_cfg else 1  # embedded guidance: one pass
     size = (int(sp.width), int(sp.height))
     batch = make_batch(model, method, cfg, size, text_cached=False, rows=n, caption=sp.prompt)
     vae_latent = _vae_latent(model, size)

@@ -21,13 +21,10 @@ from torch._subclasses import fake_impls
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 import trainer.families.sources as sources
-from trainer.families import info_for
 from trainer.families.common import full_size
-from trainer.families.common.sd_kit import sd_configs
 
 #: families with their own UNet-shaped paths in the estimate (shipped SD configs, their sample phase); the others
 #: go through the family interface and their ``full_size.py``
-SD_LINEAGE = ("sd", "sdxl")
 
 #: where :func:`config_only_pipeline` runs the random initialisation on real tensors (None: where torch puts
 #: it, the CPU). ``bench/random_weights.py`` sets "cuda" on a GPU: torch's CPU RNG is serial, ~1 min for 12B
@@ -66,11 +63,8 @@ def config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
         return Path(source.location)
     if getattr(mcfg, "config_path", ""):
         return Path(mcfg.config_path)
-    if family and info_for(family).name not in SD_LINEAGE:  # the family's own full-size configs
-        return full_size.config_folder(family, Path(workspace) / "cache")
     pred = getattr(mcfg, "prediction_type", "auto")
-    name = sd_configs.default_config_for(family or "sd15", None if pred == "auto" else pred)
-    return sd_configs.config_folder(name, Path(workspace) / "cache")
+    return full_size.config_folder(family or "sd15", Path(workspace) / "cache", None if pred == "auto" else pred)
 
 
 @contextlib.contextmanager
@@ -223,5 +217,5 @@ def cpu_autocast(mixed_precision: str) -> Callable[[], Any]:
     return lambda: torch.autocast("cpu", dtype=dtype)
 
 
-__all__ = ["CUDA_FP32_OPS", "INIT_DEVICE", "Patches", "SD_LINEAGE", "config_folder", "config_only_pipeline",
+__all__ = ["CUDA_FP32_OPS", "INIT_DEVICE", "Patches", "config_folder", "config_only_pipeline",
            "cpu_autocast", "cuda_autocast_fp32", "session"]

@@ -9,6 +9,7 @@ import re
 from typing import Any, List, Pattern, Tuple
 
 from trainer.errors import ConfigError, Issue
+from trainer.families import info_for
 from trainer.families.checks import family_without_loading
 
 
@@ -161,8 +162,11 @@ def check_output_format(cfg: Any) -> None:
         raise ConfigError(f"output.format = {fmt} does not fit training.method = {method}: {what}.",
                           key="output.format", value=fmt)
     if method == "embedding" and fmt == "ckpt":
-        if (family_without_loading(cfg.model) or "").startswith("sdxl"):
-            raise ConfigError("output.format = ckpt: SDXL embeddings (clip_l + clip_g) have no A1111 .pt form; use "
+        variant = family_without_loading(cfg.model)
+        info = info_for(variant) if variant else None
+        if info is not None and len(info.text_slots) > 1:  # one vector set per text encoder (SDXL: clip_l + clip_g)
+            encoders = " + ".join(info.part(slot).label for slot in info.text_slots)
+            raise ConfigError(f"output.format = ckpt: {info.label} embeddings ({encoders}) have no A1111 .pt form; use "
                               "safetensors.", key="output.format", value=fmt)
 
 

@@ -71,15 +71,19 @@ _STAMP = ".atelier-full-size"
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".ckpt")
 
 
-def spec_for(variant: str) -> Optional[Dict[str, Any]]:
-    """The full-size spec of ``variant`` (``model.family`` value), or None when its family ships none."""
-    info = info_for(variant)
-    package = info.family_class.split(":")[0].rsplit(".", 1)[0]
+def _family_module(variant: str) -> Any:
+    """The ``full_size`` module of ``variant``'s family folder, or None."""
+    package = info_for(variant).family_class.split(":")[0].rsplit(".", 1)[0]
     try:
-        module = importlib.import_module(package + ".full_size")
+        return importlib.import_module(package + ".full_size")
     except ModuleNotFoundError:
         return None
-    return getattr(module, "FULL_SIZE", {}).get(variant)
+
+
+def spec_for(variant: str) -> Optional[Dict[str, Any]]:
+    """The full-size spec of ``variant`` (``model.family`` value), or None when its family ships none."""
+    module = _family_module(variant)
+    return getattr(module, "FULL_SIZE", {}).get(variant) if module is not None else None
 
 
 def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
@@ -94,10 +98,15 @@ def _merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def config_folder(variant: str, cache_root: Path) -> Path:
+def config_folder(variant: str, cache_root: Path, prediction_type: Optional[str] = None) -> Path:
     """``cache_root/configs/<variant>/``: the family's tiny diffusers folder without weights, with the real
-    models' component configs and tokenizer lengths (built once; rebuilt when the spec changes). Raises
-    ValueError naming what to do when the family ships no full-size configs."""
+    models' component configs and tokenizer lengths (built once; rebuilt when the spec changes). A family whose
+    ``full_size`` module has its own ``config_folder`` (the SD lineage: whole shipped configs, chosen by
+    ``prediction_type``) gives that instead. Raises ValueError naming what to do when the family ships none."""
+    module = _family_module(variant)
+    own = getattr(module, "config_folder", None)
+    if own is not None:
+        return own(variant, cache_root, prediction_type)
     spec = spec_for(variant)
     if spec is None:
         raise ValueError(f"no full-size configs are shipped for {variant}: point model.path at a local diffusers "

@@ -72,6 +72,7 @@ class FluxConditioning:
 class Flux(Family):
     name = "flux"
     prediction_type = "flow"
+    true_cfg = False  # dev: guidance-distilled (an embedded guidance input); schnell: no guidance
     # the blocks' AdaLN modulation Linears (norm1.linear, norm1_context.linear, norm.linear: ~3.2B parameters, 6 GiB
     # in bf16) are stored in fp8/NF4 with the rest, as kohya/musubi (img_mod.lin) and the NF4 Flux checkpoints do;
     # the final norm_out's and the embedders stay in full precision

@@ -115,6 +115,7 @@ class Flux2(PeftLayoutLora, Family):
     name = "flux2"
     family = "flux2-klein"
     prediction_type = "flow"
+    true_cfg = False  # sampled once a step: [dev]'s guidance is embedded (the VRAM estimate counts one pass)
     fp8_skip = ("norm", "x_embedder", "context_embedder", "time_guidance_embed", "modulation", "proj_out")
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")
     targets = TARGETS

@@ -3,7 +3,7 @@ VAE latents, inpainting input, zero-terminal-SNR rescale. Part of the SD-lineage
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from diffusers import DDPMScheduler
 
@@ -42,6 +42,11 @@ class LatentDiffusionFamily(InpaintingMixin, ModelFamily):
 
     Needs ``self.vae``, ``self.device``, ``self.noise_scheduler``, ``self.prediction_type`` and
     ``self._sched_config`` (the sampling schedulers' config)."""
+
+    def latent_shape(self, width: int, height: int) -> Tuple[int, ...]:
+        """The VAE's latent for one image: its channels, the sides over the VAE's downsampling (no encode)."""
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        return (int(self.vae.config.latent_channels), height // factor, width // factor)
 
     def _setup_schedule(self, scheduler_config: Dict[str, Any], prediction_type: str) -> None:
         """Training schedule = the model's own betas in a DDPMScheduler; ``auto`` reads the prediction type."""

@@ -255,6 +255,12 @@ def default_config_for(family: str, prediction_type: str | None) -> str:
     raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
 
 
+def full_size_folder(variant: str, cache_root: Path, prediction_type: str | None = None) -> Path:
+    """The SD lineage's full-size configs (``trainer.families.common.full_size``): its shipped diffusers
+    configs, as a single file of ``variant`` loads with them."""
+    return config_folder(default_config_for(variant, prediction_type), cache_root)
+
+
 # --------------------------------------------------------------------------------------------------
 # Family detection
 # --------------------------------------------------------------------------------------------------
