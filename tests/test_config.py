@@ -152,7 +152,7 @@ def test_every_shipped_preset_is_its_version_1_form_migrated(name):
     new = OmegaConf.to_container(load_config(preset=name), resolve=True)
     migrated = OmegaConf.to_container(load_config(old_file), resolve=True)
     assert migrated == new
-    assert migrated["version"] == CONFIG_VERSION == 2
+    assert migrated["version"] == CONFIG_VERSION == 3
     raw = yaml.safe_load(old_file.read_text(encoding="utf-8"))
     for old_key, new_keys in RENAMED_V1.items():  # every old setting the file had is at its new place
         section, leaf = old_key.split(".")
@@ -174,10 +174,10 @@ def test_old_keys_still_work_on_the_command_line_and_in_a_version_1_file(tmp_pat
                        "  train_unet: false\n  train_text_encoder: true\n  text_encoder_stop_after_steps: 5\n"
                        "data:\n  concepts: []\n", encoding="utf-8")
     cfg = load_config(old_run)
-    assert cfg.version == 2 and cfg.parts.denoiser.dtype == "bf16" and not cfg.parts.denoiser.train
+    assert cfg.version == 3 and cfg.parts.denoiser.dtype == "bf16" and not cfg.parts.denoiser.train
     assert cfg.parts.text_encoder_1.train and cfg.parts.text_encoder_1.stop_after_steps == 5
     newer = tmp_path / "newer.yaml"
-    newer.write_text("version: 3\n", encoding="utf-8")
+    newer.write_text("version: 4\n", encoding="utf-8")
     with pytest.raises(ConfigError, match="newer than this Atelier"):
         load_config(newer)
 

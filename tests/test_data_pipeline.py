@@ -589,7 +589,7 @@ def test_validation_concepts_are_not_trained_but_batched(tmp_path):
     for i in range(3):
         _img(val / f"{i}.png", (96, 64) if i else (64, 64), color=(9, 9, i * 70))
         (val / f"{i}.txt").write_text(f"val {i}\nother", encoding="utf-8")
-    cfg = _cfg(tmp_path, {"path": str(train)}, {"path": str(val), "validation": True, "caption_dropout": 1.0},
+    cfg = _cfg(tmp_path, {"path": str(train)}, {"path": str(val), "role": "validation", "caption_dropout": 1.0},
                batch_size=2, brightness=0.5)
     pipe = _pipeline(cfg)
     assert len(pipe.items) == 4 and len(pipe.validation_items) == 3
@@ -602,7 +602,7 @@ def test_validation_concepts_are_not_trained_but_batched(tmp_path):
     rep = pipe.report.to_dict()
     assert rep["concepts"][1]["validation"] and rep["images_per_epoch"] == 4.0
     with pytest.raises(DataError):
-        _pipeline(_cfg(tmp_path, {"path": str(val), "validation": True}))
+        _pipeline(_cfg(tmp_path, {"path": str(val), "role": "validation"}))
 
 
 # --------------------------------------------------------------------------------------------

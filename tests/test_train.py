@@ -57,7 +57,7 @@ def test_lora_run_writes_the_whole_run_folder(tiny_workspace, peft_strict):
     steps = [e for e in read_events(run / "events.jsonl") if e["type"] == "step"]
     assert steps[-1]["step"] == steps[-1]["total_steps"] == 8
     assert all(isinstance(s["loss"], float) and "unet" in s["lr"] for s in steps)
-    assert (run / "config.yaml").read_text().startswith("version: 2")
+    assert (run / "config.yaml").read_text().startswith("version: 3")
     assert "step 8/8" in (run / "train.log").read_text()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert sorted(p.name for p in (run / "samples").glob("*.png"))[:2] == ["step000004-p0.png", "step000004-p1.png"]

@@ -18,8 +18,7 @@ class FieldNumber(gr.Number):
         if payload is None:
             return None
         return self.round_to_precision(payload, self.precision)
-    from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
-
+    from typing import Callable, Literal, Sequence, Any, TYPE_CHECKING
     from gradio.blocks import Block
     if TYPE_CHECKING:
         from gradio.components import Timer

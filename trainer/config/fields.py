@@ -1,5 +1,6 @@
-"""Reading the schema: every dotted key, its dataclass field and type, and what a field allows (used by
-loading, the checks, the CLI's ``config-help`` and the web UI's form). Torch-free."""
+"""Reading the schema: every dotted key, its dataclass field and type, what a field allows (used by loading, the
+checks, the CLI's ``config-help`` and the web UI's form), and which ``parts.*`` section a model part reads.
+Torch-free."""
 
 from __future__ import annotations
 
@@ -103,3 +104,18 @@ def allowed(key: str) -> str:
     if "min" in meta or "max" in meta:
         rng = f" between {meta.get('min')} and {meta.get('max')}"
     return f"a {name}{rng}."
+
+
+# the family's part slots (trainer.families Part.slot) -> their section under parts:
+PART_OF_SLOT = {"unet": "denoiser", "text_encoder": "text_encoder_1", "text_encoder_2": "text_encoder_2",
+                "text_encoder_3": "text_encoder_3"}
+
+
+def part_of(cfg: Any, slot: str) -> Any:
+    """The ``parts.*`` section of a model slot (``unet`` -> ``parts.denoiser``)."""
+    return cfg.parts[PART_OF_SLOT[slot]]
+
+
+def part_key(slot: str, name: str) -> str:
+    """The dotted key of a per-part setting: ``part_key("text_encoder", "train")`` -> ``parts.text_encoder_1.train``."""
+    return f"parts.{PART_OF_SLOT[slot]}.{name}"

@@ -118,7 +118,8 @@ def migrate(data: DictConfig, source: str = "") -> DictConfig:
     """Bring an older config file (or a form, a preset) up to CONFIG_VERSION without losing a setting.
 
     Version 1 -> 2: the per-part fields move under ``parts`` (see RENAMED_V1). A file without
-    ``version`` that still uses old keys is read as version 1."""
+    ``version`` that still uses old keys is read as version 1. Version 2 -> 3: a concept's ``validation: true``
+    becomes ``role: validation`` (:func:`migrate_concept`)."""
     version = data.get("version", None)
     try:
         version = int(version) if version is not None else None
@@ -129,6 +130,11 @@ def migrate(data: DictConfig, source: str = "") -> DictConfig:
                           f"(knows up to {CONFIG_VERSION}); update Atelier.", "version", version)
     if version is None or version < 2:
         _move_v1_keys(data)
+    if version is None or version < 3:
+        concepts = data.get("data", {}).get("concepts") if isinstance(data.get("data"), DictConfig) else None
+        if isinstance(concepts, ListConfig):
+            for concept in concepts:
+                migrate_concept(concept)
     data["version"] = CONFIG_VERSION
     return data
 
@@ -146,6 +152,16 @@ def _move_v1_keys(data: DictConfig) -> None:
         for new in new_keys:
             OmegaConf.update(data, new, raw, merge=False, force_add=True)
         node.pop(leaf)
+
+
+def migrate_concept(concept: Any) -> Any:
+    """A concept of a version-2 config (a mapping): ``validation: true/false`` becomes ``role: validation``
+    (or nothing: the role's default is train). Returns it, changed in place where it is a mapping."""
+    if isinstance(concept, (dict, DictConfig)) and "validation" in concept:
+        was = concept.pop("validation")
+        if was and str(was).lower() not in ("false", "0", "no", "off"):
+            concept["role"] = "validation"
+    return concept
 
 
 def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
@@ -251,6 +267,23 @@ def _merge_plain(into: dict, key: str, value: Any) -> None:
         node[leaf] = value
 
 
+_CONCEPT = re.compile(r"^data\.concepts\.(\d+)(\.validation)?$")
+
+
+def _concept_v2(key: str, value: Any) -> tuple:
+    """``--set`` in a version-2 config's words: ``data.concepts.N.validation=true`` is ``...N.role=validation``;
+    concepts given whole (``data.concepts=[...]``, ``data.concepts.N={...}``) are migrated item by item."""
+    if key == "data.concepts" and isinstance(value, (list, ListConfig)):
+        return key, [migrate_concept(c) for c in value]
+    m = _CONCEPT.match(key)
+    if m and m.group(2):
+        on = bool(value) and str(value).lower() not in ("false", "0", "no", "off")
+        return f"data.concepts.{m.group(1)}.role", "validation" if on else "train"
+    if m:
+        return key, migrate_concept(value)
+    return key, value
+
+
 def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
     """Apply --set overrides in order; list items are addressed by index (data.concepts.0.path).
     Runs of plain keys are merged in one step (each merge copies the whole config)."""
@@ -263,6 +296,7 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
         return cfg
 
     for old_key, value in parse_overrides(overrides):
+        old_key, value = _concept_v2(old_key, value)  # version-2 concept settings keep working too
         keys = renamed_key(old_key)  # version-1 names keep working on the command line
         if len(keys) > 1 or keys[0] != old_key:
             for key in keys:

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, List, Optional
 
-from trainer.data.concepts import concept_caption_file, concept_folder
+from trainer.data.concepts import concept_caption_file, concept_controls, concept_folder
 from trainer.errors import DataError
 from trainer.families import tiny_models
 
@@ -105,9 +105,10 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
         if not concept.enabled:
             continue
         try:
-            folder, _files = concept_folder(i, concept, base)
+            folder, files = concept_folder(i, concept, base)
             if concept.caption_source == "concept_file":
                 concept_caption_file(i, concept, folder, base)
+            concept_controls(i, concept, folder, files, base)  # every image with its controls, every control paired
         except DataError as exc:
             add(exc.key or f"data.concepts.{i}.path", str(exc))
     method = cfg.training.method
@@ -122,6 +123,11 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
             if value and not _local(value, base).is_file():
                 add(f"sampling.prompts.{i}.{field}", f"sampling.prompts.{i}.{field} '{value}' does not exist. "
                                                      "Fix the path or leave it empty.")
+        for k, value in enumerate(prompt.get("control_images", None) or []):
+            value = str(value or "").strip()
+            if not value or not _local(value, base).is_file():
+                add(f"sampling.prompts.{i}.control_images.{k}", f"sampling.prompts.{i}.control_images.{k} "
+                    f"'{value}' is not an image file. Give the image the sample edits (or refers to).")
     for key in ("general.workspace", "data.cache_dir", "output.path"):
         value = str(_get(cfg, key) or "").strip()
         if value:

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 from trainer.families import family_choices  # torch-free registry: model.family's choices
 from trainer.optim.registry import OPTIMIZER_NAMES, SCHEDULER_NAMES, used_by  # torch-free registry tables
 
-CONFIG_VERSION = 2
+CONFIG_VERSION = 3
 
 DTYPES = ["fp32", "fp16", "bf16"]
 
@@ -148,7 +148,16 @@ class ConceptConfig:
     loss_weight: float = f(1.0, "Loss multiplier for this concept.", min=0.0, max=100.0)
     resolution: str = f("", "This concept's own training resolution (like data.resolution); empty = "
                             "data.resolution.")
-    validation: bool = f(False, "Validation concept: never trained on; its loss is measured and logged.")
+    role: str = f("train", "What the concept's images are for: train; validation (never trained on, its loss is "
+                           "measured and logged); regularisation (class images beside a subject, trained with "
+                           "loss_weight as the prior-preservation weight, so the subject does not bleed into its "
+                           "class); prior_prediction (LoRA: the target is the base model's own prediction on the "
+                           "image, adapter off, keeping what the model already does there).",
+                  choices=["train", "validation", "regularisation", "prior_prediction"])
+    control_paths: List[str] = f(help="Folders of control (edit source) or reference images, one folder per image "
+                                      "the model takes, in its order: each image of the concept pairs with the "
+                                      "file of the same name (any image extension) in every folder. Edit models "
+                                      "(FLUX.1 Kontext, Qwen-Image-Edit) and Flux.2 references.", factory=list)
     shuffle_tags: bool = f(False, "Shuffle the caption's tags (split at tag_delimiter) every time.")
     tag_delimiter: str = f(",", "What separates tags in a caption.")
     keep_tags: int = f(0, "Keep the first N tags in place (never shuffled or dropped), e.g. the trigger word.",
@@ -185,6 +194,9 @@ class DataConfig:
                                  "per image; 0 = augmented images skip the cache (encoded every step).",
                               min=0, max=256)
     masks: bool = f(False, "Masked training: read <image>-masklabel.png (white = focus) next to each image.")
+    control_resolution: str = f("", "Control and reference images: a pixel budget (1024, or WxH) they are resized to, "
+                                    "with their target's aspect ratio; empty = the target's own bucket size (the same "
+                                    "crop and flip as the target either way).")
     cache_latents: bool = f(True, "Encode images with the VAE once and reuse the latents.")
     cache_text: bool = f(True, "Cache text-encoder outputs when the text encoder is frozen and captions have "
                                "no tag shuffling or tag dropout.")
@@ -451,6 +463,8 @@ class SamplePromptConfig:
     image: str = f("", "Inpainting models: the image to repaint (resized to width × height); empty = a "
                        "blank image.", ui="path")
     mask: str = f("", "Inpainting models: the mask (white = repaint); empty = repaint everything.", ui="path")
+    control_images: List[str] = f(help="Edit and reference models: the image(s) the sample edits or refers to, one "
+                                       "per control folder of the concepts, in the same order.", factory=list)
 
 
 @dataclass
@@ -555,21 +569,6 @@ class PartsConfig:
     text_encoder_2: TextEncoderPart = f(help="The second text encoder: OpenCLIP-G (SDXL), T5-XXL (Flux).",
                                         factory=TextEncoderPart)
     text_encoder_3: TextEncoderPart = f(help="The third text encoder (families with three).", factory=TextEncoderPart)
-
-
-# the family's part slots (trainer.families Part.slot) -> their section under parts:
-PART_OF_SLOT = {"unet": "denoiser", "text_encoder": "text_encoder_1", "text_encoder_2": "text_encoder_2",
-                "text_encoder_3": "text_encoder_3"}
-
-
-def part_of(cfg: Any, slot: str) -> Any:
-    """The ``parts.*`` section of a model slot (``unet`` -> ``parts.denoiser``)."""
-    return cfg.parts[PART_OF_SLOT[slot]]
-
-
-def part_key(slot: str, name: str) -> str:
-    """The dotted key of a per-part setting: ``part_key("text_encoder", "train")`` -> ``parts.text_encoder_1.train``."""
-    return f"parts.{PART_OF_SLOT[slot]}.{name}"
 
 
 @dataclass

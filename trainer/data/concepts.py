@@ -17,7 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
 from trainer.data.probe import mask_is_blank, probe_image
@@ -45,6 +45,8 @@ class ImageItem:
     height: int = 0
     mask: Optional[Path] = None  # <stem>-masklabel.png next to the image, when present and usable
     validation: bool = False     # from a validation concept: loss is measured, never trained on
+    role: str = "train"          # the concept's role: train | validation | regularisation | prior_prediction
+    controls: Tuple[Path, ...] = ()  # its control/reference images, one from each of the concept's control folders
 
 
 @dataclass
@@ -63,6 +65,8 @@ class ConceptReport:
     unused_files: List[str] = field(default_factory=list)     # images in a format Atelier does not train on
     masks_blank: List[str] = field(default_factory=list)      # all-black masks: the image trains only outside focus
     validation: bool = False
+    role: str = "train"
+    controls: List[str] = field(default_factory=list)  # the control folders (images pair by name)
     resolution: str = ""        # the concept's own resolution setting ("" = data.resolution)
     masks_found: int = 0
     masks_missing: List[str] = field(default_factory=list)   # with data.masks on
@@ -79,7 +83,8 @@ class ConceptReport:
     def to_dict(self) -> dict:
         return {
             "index": self.index, "name": self.name, "path": self.path, "repeats": self.repeats,
-            "validation": self.validation, "resolution": self.resolution,
+            "validation": self.validation, "role": self.role, "controls": list(self.controls),
+            "resolution": self.resolution,
             "images_found": self.images_found, "images_used": self.images_used,
             "images_skipped": self.images_skipped,
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped[:_LIST_LIMIT]],
@@ -225,6 +230,54 @@ def concept_folder(index: int, concept: Any, base: Path) -> Tuple[Path, List[Pat
     return folder, files
 
 
+def control_folders(concept: Any, base: Path) -> List[Path]:
+    """The concept's control folders (``control_paths``), resolved like its own path."""
+    return [_resolve(p, base) for p in (getattr(concept, "control_paths", None) or []) if str(p).strip()]
+
+
+def _stem(path: Path, folder: Path) -> str:
+    """How an image pairs with its controls: its path below its folder without the extension (``sub/cat_01``)."""
+    rel = rel_path(path, folder)
+    return rel[: -len(path.suffix)] if path.suffix else rel
+
+
+def concept_controls(index: int, concept: Any, folder: Path, files: List[Path], base: Path) -> Dict[Path, Tuple[Path, ...]]:
+    """Each of ``files`` (the concept's images) with its control images, one from each control folder, paired by
+    name (``cat_01.png`` ↔ ``<control folder>/cat_01.jpg``); {} when the concept has no control folders. Raises
+    DataError naming the field, the folder and the files for a missing folder, an image without its control or
+    a control without its image. A directory listing only: ``validate`` runs it too."""
+    key = f"data.concepts.{index}.control_paths"
+    label = concept_label(index, concept)
+    folders = control_folders(concept, base)
+    if not folders:
+        return {}
+    inside = [c for c in folders if c != folder and folder in c.parents]
+    targets = [f for f in files if not any(c in f.parents for c in inside)]
+    by_stem = {_stem(f, folder): f for f in targets}
+    out: Dict[Path, List[Path]] = {f: [] for f in targets}
+    for k, control in enumerate(folders):
+        where = f"{key}.{k}"
+        if not control.is_dir():
+            raise DataError(f"{where}: control folder '{control}' of {label} does not exist"
+                            + (" (it is a file)" if control.exists() else "")
+                            + ". Give the folder of the images each target is made from (edit sources or references).",
+                            key=where, value=str(control))
+        found = {_stem(p, control): p for p in find_images(control, bool(concept.recursive))}
+        missing = [rel_path(t, folder) for s, t in by_stem.items() if s not in found]
+        extra = [rel_path(p, control) for s, p in found.items() if s not in by_stem]
+        if missing:
+            raise DataError(f"{where}: {len(missing)} image(s) of {label} have no control image of the same name in "
+                            f"'{control}' ({short_list(missing)}). Add them there (any image extension), or move "
+                            "those images out of the concept.", key=where, value=str(control))
+        if extra:
+            raise DataError(f"{where}: {len(extra)} control image(s) in '{control}' pair with no image of {label} "
+                            f"({short_list(extra)}): every control needs its target of the same name. Add the "
+                            "targets or remove those controls.", key=where, value=str(control))
+        for s, t in by_stem.items():
+            out[t].append(found[s])
+    return {t: tuple(c) for t, c in out.items()}
+
+
 def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> Path:
     """The caption file of a ``caption_source: concept_file`` concept, or DataError naming the field."""
     key = f"data.concepts.{index}.caption_file"
@@ -247,8 +300,13 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     label = concept_label(index, concept)
     folder, files = concept_folder(index, concept, base)
 
+    role = str(getattr(concept, "role", "train") or "train")
+    controls = concept_controls(index, concept, folder, files, base)
+    if controls:
+        files = [f for f in files if f in controls]  # control folders inside the concept folder are not targets
     report = ConceptReport(index=index, name=str(concept.name or folder.name), path=str(folder),
-                           repeats=float(concept.repeats), validation=bool(getattr(concept, "validation", False)),
+                           repeats=float(concept.repeats), validation=role == "validation", role=role,
+                           controls=[str(p) for p in control_folders(concept, base)],
                            resolution=str(getattr(concept, "resolution", "") or ""))
     report.images_found = len(files)
     report.unused_files = find_images(folder, bool(concept.recursive), UNUSED_IMAGE_EXTENSIONS, relative=True)
@@ -261,13 +319,18 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
         shared_captions = _read_concept_file(index, concept, folder, base, warn)
 
     workers = max(1, min(8, (os.cpu_count() or 1), len(files)))
+    control_files = sorted({c for pair in controls.values() for c in pair})
     with ThreadPoolExecutor(max_workers=workers) as pool:  # decoding releases the GIL
         checks = list(pool.map(probe_image, files))
+        control_problems = {c: chk[1] for c, chk in zip(control_files, pool.map(probe_image, control_files))}
 
     items: List[ImageItem] = []
     missing: List[str] = []
     for path, (size, problem) in zip(files, checks):
         rel = rel_path(path, folder)
+        bad_control = next((c for c in controls.get(path, ()) if control_problems.get(c)), None)
+        if problem is None and bad_control is not None:  # a pair trains whole or not at all
+            problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
             report.skipped.append((rel, problem))
             warn(f"Skipping '{path}' ({label}): {problem}. Re-save or remove the file.")
@@ -288,7 +351,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
                                loss_weight=float(concept.loss_weight), width=size[0], height=size[1],
-                               validation=report.validation))
+                               validation=report.validation, role=role, controls=controls.get(path, ())))
 
     if masks:
         _attach_masks(items, folder, report, label, warn)

@@ -141,8 +141,8 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
     train_idx = [i for i, it in enumerate(kept) if not it.validation]
     val_idx = [i for i, it in enumerate(kept) if it.validation]
     if not train_idx:
-        raise DataError("Every enabled concept is a validation concept: turn 'validation' off for at least "
-                        "one concept to train on.", key="data.concepts")
+        raise DataError("Every enabled concept is a validation concept: set data.concepts.N.role to train (or "
+                        "regularisation) for at least one concept to train on.", key="data.concepts")
     train = [kept[i] for i in train_idx]
     train_buckets = [kept_buckets[i] for i in train_idx]
     repeats = item_repeats(train, d)

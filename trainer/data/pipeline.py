@@ -22,6 +22,12 @@ A batch is a dict::
                            exactly (only for an inpainting model: prepare() got ``inpaint_fn``)
     masked_mean            [B, 4, h, w] VAE mean of each image with its own mask (``mask``) blanked
                            (inpainting with data.masks and cached latents; exact, encoded at cache time)
+    control_latents        list, one per control folder, of {"mean", "std"} [B, 4, h', w']: each row's control
+                           or reference image, rendered with its target's crop and flip at the control size
+                           (the target's bucket, or data.control_resolution's budget with its aspect)
+    control_paths          list of B tuples: each row's control image files (for encoders that see the images)
+    prior                  bool [B]: rows of prior_prediction concepts (their target is the base model's own
+                           prediction; only when such a concept is enabled)
 
 Latents come from the latent cache (``data.cache_latents``) or, when augmentations are on with
 ``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. For an
@@ -48,7 +54,7 @@ from PIL import Image
 
 from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
-from trainer.data.buckets import PlannedBatch, Size
+from trainer.data.buckets import PlannedBatch, Size, parse_resolution, snap
 from trainer.data.cache import (
     CacheJob,
     LatentCache,
@@ -103,6 +109,27 @@ class DataPipeline:
         self.text_cache: Optional[TextCache] = None
         self.encode_fn: Optional[Callable] = None
         self.inpaint_fn: Optional[Callable] = None
+        budget = str(getattr(d, "control_resolution", "") or "").strip()
+        self.control_budget = max(w * h for w, h in parse_resolution(budget)) if budget else 0
+        self.step = int(getattr(d, "bucket_step", 64) or 64)
+        self.priors = any(it.role == "prior_prediction" for it in self.items)
+        self._control_items: Dict[Path, ImageItem] = {}
+
+    # --- control images ---------------------------------------------------------------------------
+    def control_size(self, size: Size) -> Size:
+        """The size a control image of a target at bucket ``size`` is rendered at: the target's, or
+        data.control_resolution's pixel budget with the target's aspect ratio."""
+        if not self.control_budget:
+            return size
+        w, h = size
+        width = (self.control_budget * w / h) ** 0.5
+        return snap(width, self.step), snap(self.control_budget / width, self.step)
+
+    def _control_item(self, path: Path) -> ImageItem:
+        """A control image as a cache entry's source (its content addresses the entry)."""
+        if path not in self._control_items:
+            self._control_items[path] = ImageItem(path=path, captions=[], concept_index=-1, loss_weight=0.0)
+        return self._control_items[path]
 
     # --- captions ------------------------------------------------------------------------------
     def set_placeholder(self, placeholder: str, replacement: Replacement) -> None:
@@ -215,6 +242,19 @@ class DataPipeline:
         extra = f"mask:{file_sha256(item.mask)}" if (self.masks and item.mask is not None) else ""
         return f"{size[0]}x{size[1]}|{params.tag()}", extra
 
+    def _controls_cached(self, item: ImageItem, size: Size, params: AugmentParams) -> List[Dict[str, Any]]:
+        csize = self.control_size(size)
+        return [self.cache.get(self._control_item(c), *self._entry(self._control_item(c), csize, params))  # type: ignore[union-attr]
+                for c in item.controls]
+
+    def _controls_rendered(self, item: ImageItem, size: Size, params: AugmentParams) -> List[Any]:
+        csize = self.control_size(size)
+        out = []
+        for control in item.controls:
+            img, _ = images.decode(control, None, self._min_side([(csize, params)]))
+            out.append(images.render_sample(img, None, csize, params)[0])
+        return out
+
     def prepare(self, encode_fn: Callable, fingerprint: str, vae_dtype: str,
                 encode_text_fn: Optional[Callable[[List[str]], Any]] = None,
                 text_fingerprint: Optional[str] = None,
@@ -295,6 +335,9 @@ class DataPipeline:
                 wanted.append((item, specs))
         for item, size in zip(self.validation_items, self.dataset.validation_buckets):
             wanted.append((item, [(size, AugmentParams())]))
+        for item, specs in list(wanted):
+            for control in item.controls:  # rendered with its target's transform, at the control size
+                wanted.append((self._control_item(control), [(self.control_size(size), params) for size, params in specs]))
         jobs: List[CacheJob] = []
         seen: set = set()
         for item, specs in wanted:
@@ -326,6 +369,7 @@ class DataPipeline:
         pool = self.validation_items if validation else self.items
         captions, weights, sizes, crops = [], [], [], []
         dists, masks, pixels, pixel_masks, texts = [], [], [], [], []
+        controls: List[List[Any]] = []  # per row: its control latents (cached) or pixels (rendered)
         for idx, pos in zip(plan.indices, plan.positions):
             item = pool[idx]
             if validation:
@@ -350,6 +394,7 @@ class DataPipeline:
                 crops.append(crop_top_left((item.width, item.height), plan.size, params))
                 dists.append(entry)
                 masks.append(entry.get("mask"))
+                controls.append(self._controls_cached(item, plan.size, params))
             else:
                 params = AugmentParams() if validation else \
                     draw_params(self.augment, sample_rng(self.seed, epoch, pos, "augment"))
@@ -365,6 +410,7 @@ class DataPipeline:
                 crops.append(crop_top_left((item.width, item.height), plan.size, params))
                 pixels.append(px)
                 pixel_masks.append(mpx)
+                controls.append(self._controls_rendered(item, plan.size, params))
         raw: Dict[str, Any] = {"captions": captions, "loss_weights": torch.tensor(weights, dtype=torch.float32),
                                "sizes": sizes, "crop_top_lefts": crops,
                                "original_sizes": [(pool[i].height, pool[i].width) for i in plan.indices],
@@ -386,6 +432,19 @@ class DataPipeline:
         if texts:
             for key in texts[0]:
                 raw[key] = torch.stack([t[key] for t in texts])
+        if any(controls):
+            n = len(controls[0])
+            if any(len(row) != n for row in controls):
+                raise DataError("A batch mixes images with different numbers of control images: give every concept "
+                                "the same number of control folders.", key="data.concepts")
+            raw["control_paths"] = [pool[i].controls for i in plan.indices]
+            if dists:
+                raw["control_latents"] = [{k: torch.stack([row[j][k] for row in controls]) for k in ("mean", "std")}
+                                          for j in range(n)]
+            else:
+                raw["control_pixels"] = [torch.stack([row[j] for row in controls]) for j in range(n)]
+        if self.priors:
+            raw["prior"] = torch.tensor([pool[i].role == "prior_prediction" for i in plan.indices])
         return raw
 
     def _finish(self, raw: Dict[str, Any]) -> Dict[str, Any]:
@@ -401,6 +460,10 @@ class DataPipeline:
                 raw["inpaint_pixels"] = pixels
             if "pixel_mask" in raw:
                 raw["mask"] = mask_to_latent(raw.pop("pixel_mask"), tuple(out["mean"].shape[-2:]))
+        if "control_pixels" in raw:
+            with torch.no_grad():
+                encoded = [self.encode_fn(px) for px in raw.pop("control_pixels")]  # type: ignore[misc]
+            raw["control_latents"] = [{"mean": e["mean"], "std": e["std"]} for e in encoded]
         return raw
 
 

@@ -30,12 +30,15 @@ def format_report(rep: dict) -> str:
     """The report as plain text for a terminal."""
     lines: List[str] = []
     for c in rep.get("concepts", []):
-        kind = " [validation]" if c.get("validation") else ""
+        role = c.get("role") or ("validation" if c.get("validation") else "train")
+        kind = f" [{role}]" if role != "train" else ""
         lines.append(f"concept {c.get('index')} {c.get('name') or ''}{kind} ({c.get('path')}): "
                      f"{c.get('images_used')} used / {c.get('images_found')} found, "
                      f"repeats {c.get('repeats', 1):g}, {c.get('images_per_epoch', 0):g} per epoch")
         lines.append(f"  captions: {100 * c.get('caption_coverage', 0):.0f}% have text "
                      f"({c.get('captions_missing', 0)} without caption file, {c.get('captions_empty', 0)} empty)")
+        for k, folder in enumerate(c.get("controls", [])):
+            lines.append(f"  control {k}: {folder} (paired with every image by name)")
         if c.get("masks_found") or c.get("masks_missing"):
             lines.append(f"  masks: {c.get('masks_found', 0)} found, {c.get('masks_missing', 0)} missing")
         for entry in c.get("skipped", []):

@@ -92,6 +92,14 @@ class FamilyInfo:
     own_fields: Tuple[str, ...] = ()
     # what the web UI's Quick start offers for it: each model a user picks, with its presets
     quick_start: Tuple[QuickChoice, ...] = ()
+    # its text encoders are CLIPs it conditions on a hidden layer of (model.clip_skip applies)
+    clip_skip: bool = False
+    # variant -> (fewest, most) control/reference images an example takes (edit models, references); absent = none
+    controls: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+
+    def control_range(self, variant: str) -> Tuple[int, int]:
+        """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""
+        return self.controls.get(variant, (0, 0))
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)

@@ -15,7 +15,8 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from trainer.config.schema import PART_OF_SLOT, PartsConfig, part_key, part_of
+from trainer.config.schema import PartsConfig
+from trainer.config.fields import PART_OF_SLOT, part_key, part_of
 from trainer.data.buckets import parse_resolution
 from trainer.errors import ConfigError, Issue
 from trainer.families import MISSING, Evidence, claim, embedding_families, info_for, tiny_models
@@ -67,6 +68,43 @@ def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
         return None  # the loader says what is wrong with the file, at the field
 
 
+def check_controls(cfg: Any, info: Any, variant: str) -> None:
+    """Control/reference images as the model takes them: none for a text-to-image model, at least and at most
+    as many as an edit model reads, the same number in every concept (a batch holds one layout), and samples
+    with what they edit."""
+    fewest, most = info.control_range(variant)
+    counts = {}
+    for i, concept in enumerate(cfg.data.concepts or []):
+        if not concept.enabled:
+            continue
+        n = len([p for p in (concept.get("control_paths", None) or []) if str(p).strip()])
+        counts[i] = n
+        key = f"data.concepts.{i}.control_paths"
+        if n and not most:
+            raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
+                              "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
+                              "takes references.", key=key)
+        if n < fewest:
+            raise ConfigError(f"{key}: {variant} learns from pairs: give concept {i} {fewest} control folder(s) whose "
+                              "images (same file names) are what each target was made from.", key=key)
+        if n > most:
+            raise ConfigError(f"{key}: concept {i} has {n} control folders, but {variant} takes at most {most} "
+                              "control images.", key=key)
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"concept {i}: {n}" for i, n in counts.items())
+        raise ConfigError(f"data.concepts: the concepts have different numbers of control folders ({shown}); a batch "
+                          "holds one layout, so give every concept the same number.", key="data.concepts")
+    for i, prompt in enumerate(cfg.sampling.prompts or []):
+        n = len(prompt.get("control_images", None) or [])
+        key = f"sampling.prompts.{i}.control_images"
+        if n > most:
+            raise ConfigError(f"{key}: {n} image(s), but {variant} takes "
+                              + (f"at most {most}." if most else "none: remove them."), key=key)
+        if n < fewest:
+            raise ConfigError(f"{key}: {variant} samples by editing an image: give the sample {fewest} image(s) to "
+                              "edit (e.g. one of the concept's control images).", key=key)
+
+
 def check_family_options(cfg: Any) -> None:
     """Raise ConfigError for the first option the family of ``cfg.model`` cannot use."""
     variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
@@ -82,6 +120,7 @@ def check_family_options(cfg: Any) -> None:
         raise ConfigError(f"model.prediction_type = {cfg.model.prediction_type}: {info.label} is a flow-matching "
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
                           value=cfg.model.prediction_type)
+    check_controls(cfg, info, variant)
     t = cfg.training
     slots = {p.slot for p in info.parts}
     for slot in PART_OF_SLOT:
@@ -93,7 +132,7 @@ def check_family_options(cfg: Any) -> None:
         key = "training.method" if t.method == "embedding" else "embedding.train_alongside"
         raise ConfigError(f"{key}: textual-inversion embeddings are trained for {embedding_families()}; this is "
                           f"a {info.label} model. Train a LoRA or a fine-tune instead.", key=key)
-    if info.name not in ("sd", "sdxl"):
+    if not info.clip_skip:
         if int(cfg.model.clip_skip or 0):
             raise ConfigError(f"model.clip_skip = {cfg.model.clip_skip}: {info.label} does not condition on a CLIP "
                               "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",

@@ -19,7 +19,7 @@ from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from trainer.config.preflight import model_path_problem
-from trainer.config.schema import PART_OF_SLOT
+from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ModelLoadError
 from trainer.families import MISSING, Evidence, build_tiny, claim, family_class, info_for, unclaimed_message
 from trainer.families.common.sd_kit import sd_configs

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config.schema import PART_OF_SLOT
+from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ConfigError
 
 

@@ -13,17 +13,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
-from peft.tuners.tuners_utils import check_target_module_exists
+from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.config.schema import PART_OF_SLOT, part_key
+from trainer.config.fields import PART_OF_SLOT, part_key
 from trainer.data.buckets import parse_resolution
 from trainer.errors import ConfigError
 from trainer.formats.embeddings import bundle_embedding_state_dict
@@ -188,6 +189,21 @@ class LoraMethod(MethodBase):
     def _adapted(self) -> Dict[str, Any]:
         """slot -> module carrying the adapter (the embedding holder is no adapter)."""
         return {slot: m for slot, m in self.modules.items() if slot != "embedding"}
+
+    @contextlib.contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """The base model, for a while: every adapter layer runs its base layer alone (a prior_prediction
+        concept's target). peft's own ``enable_adapters`` is not used: switching back on would set
+        ``requires_grad`` on adapters a component's training window has frozen."""
+        layers = [m for module in self._adapted().values() for m in module.modules() if isinstance(m, BaseTunerLayer)]
+        before = [m._disable_adapters for m in layers]
+        for m in layers:
+            m._disable_adapters = True
+        try:
+            yield
+        finally:
+            for m, was in zip(layers, before):
+                m._disable_adapters = was
 
     def result_suffix(self, fmt: str) -> str:
         if fmt in ("auto", "safetensors"):

@@ -76,6 +76,19 @@ def validate_method(cfg: Any) -> None:
     """Hard errors (ConfigError) of the lora/embedding sections."""
 
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
+    for i, concept in enumerate(cfg.data.concepts or []):
+        role = str(concept.get("role", "train") or "train")
+        if not concept.enabled or role in ("train", "validation"):
+            continue
+        key = f"data.concepts.{i}.role"
+        if role == "regularisation" and t.method == "embedding":
+            raise ConfigError(f"{key} = regularisation: an embedding learns a new word and changes nothing else, so "
+                              "class images have nothing to preserve. Remove the concept, or train a LoRA or "
+                              "fine-tune.", key=key, value=role)
+        if role == "prior_prediction" and t.method != "lora":
+            raise ConfigError(f"{key} = prior_prediction: its target is the base model's prediction with the "
+                              f"adapter off, which needs training.method = lora (this run: {t.method}). Use role "
+                              "regularisation with class images instead, or train a LoRA.", key=key, value=role)
     try:
         parse_blocks(cfg.parts.denoiser.get("lora_blocks", ""))
     except ValueError as exc:

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Dict
 
-from trainer.config.schema import part_of
+from trainer.config.fields import part_of
 from trainer.errors import ConfigError, Issue
 from trainer.optim.registry import (
     DECAYING_SCHEDULERS,

@@ -11,7 +11,7 @@ from typing import Callable, List
 from diffusers import optimization as dopt
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer.config.schema import part_of
+from trainer.config.fields import part_of
 from trainer.errors import ConfigError
 from trainer.optim.build import import_target, to_plain
 from trainer.optim.registry import SCHEDULER_NAMES

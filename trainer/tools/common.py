@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from trainer.config.checks import load_config
-from trainer.config.schema import PART_OF_SLOT
+from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ConfigError
 from trainer.families.sources import load_model
 from trainer.formats.dora import COMFY_EPS

@@ -54,6 +54,9 @@ def forward_loss(state: RunState, batch, gen=None):
         if state.unet_dtype is None:  # diffusers' .dtype walks every module (~8 ms a step on the tiny UNet)
             state.unet_dtype = model.denoiser.dtype
         model_pred = model.predict(noisy.to(state.unet_dtype), timesteps, cond)
+    prior = batch.get("prior")
+    if prior is not None and bool(prior.any()):  # prior_prediction rows: the base model's own prediction
+        target = _prior_target(state, batch, noisy, timesteps, target, prior, drops)
     losses = per_sample_loss(model_pred, target, lc, timesteps, objective,
                              mask=None if mask is None else mask.to(latents.device))
     variance = getattr(model, "variance_loss", None)  # learned-variance models: their variational bound
@@ -62,6 +65,18 @@ def forward_loss(state: RunState, batch, gen=None):
         if vb is not None:
             losses = losses + lc.vb_strength * vb
     return weighted_mean(losses, batch["loss_weights"])
+
+
+def _prior_target(state: RunState, batch, noisy, timesteps, target, prior, drops):
+    """``target`` with the rows of prior_prediction concepts replaced by what the base model predicts for the same
+    noisy input, caption and timestep — every adapter off, no gradient (OneTrainer's prior-prediction concepts,
+    ai-toolkit's differential output preservation): the LoRA learns to leave those images as the model had them."""
+    model = state.model
+    with torch.no_grad(), state.method.adapters_off(), state.accelerator.autocast():
+        cond = model.batch_condition(batch, state.method.expand_text, set(), **drops)
+        base = model.predict(noisy.to(state.unet_dtype), timesteps, cond)
+    rows = prior.to(target.device).view(-1, *([1] * (target.ndim - 1)))
+    return torch.where(rows, base.to(target.dtype), target)
 
 
 def validate(state: RunState) -> Optional[float]:

@@ -16,6 +16,7 @@ INFO = FamilyInfo(
           "tiny-sd2": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sd-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
     embeddings=True,
+    clip_skip=True,
     quick_start=(
         # the demo trains this family's tiny models (demo: a LoRA on tiny-sd; demo-learns: a fine-tune of tiny-sd2)
         QuickChoice("demo", "Demo: the built-in tiny model (offline, a minute on a CPU)",

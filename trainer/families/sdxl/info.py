@@ -16,6 +16,7 @@ INFO = FamilyInfo(
     tiny={"tiny-sdxl": "trainer.families.common.sd_kit.tiny:ensure_tiny_model",
           "tiny-sdxl-inpaint": "trainer.families.common.sd_kit.tiny:ensure_tiny_model"},
     embeddings=True,
+    clip_skip=True,
     quick_start=(
         QuickChoice("sdxl", "SDXL (and Pony, Illustrious, … based on it)",
                     {"lora": "sdxl-lora", "finetune": "sdxl-finetune", "embedding": "sdxl-embedding"}),
