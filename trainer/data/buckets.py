@@ -205,3 +205,19 @@ def training_side(cfg: Any) -> int:
     """The training resolution as one side length (the square root of the largest pixel budget
     of data.resolution), for rules of thumb and metadata."""
     return int(round(max(w * h for w, h in parse_resolution(cfg.data.resolution)) ** 0.5))
+
+
+def control_budget(data_cfg: Any) -> int:
+    """data.control_resolution as a pixel budget (the largest of its sizes); 0 = controls take their target's size."""
+    text = str(getattr(data_cfg, "control_resolution", "") or "").strip()
+    return max(w * h for w, h in parse_resolution(text)) if text else 0
+
+
+def control_size(size: Size, budget: int, step: int) -> Size:
+    """The size a control image of a target at bucket ``size`` is rendered at: the target's own, or ``budget``
+    pixels with the target's aspect ratio (sides multiples of ``step``)."""
+    if not budget:
+        return size
+    w, h = size
+    width = (budget * w / h) ** 0.5
+    return snap(width, step), snap(budget / width, step)

@@ -54,7 +54,7 @@ from PIL import Image
 
 from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
-from trainer.data.buckets import PlannedBatch, Size, parse_resolution, snap
+from trainer.data.buckets import PlannedBatch, Size, control_budget, control_size
 from trainer.data.cache import (
     CacheJob,
     LatentCache,
@@ -109,8 +109,7 @@ class DataPipeline:
         self.text_cache: Optional[TextCache] = None
         self.encode_fn: Optional[Callable] = None
         self.inpaint_fn: Optional[Callable] = None
-        budget = str(getattr(d, "control_resolution", "") or "").strip()
-        self.control_budget = max(w * h for w, h in parse_resolution(budget)) if budget else 0
+        self.control_budget = control_budget(d)
         self.step = int(getattr(d, "bucket_step", 64) or 64)
         self.priors = any(it.role == "prior_prediction" for it in self.items)
         self._control_items: Dict[Path, ImageItem] = {}
@@ -119,11 +118,7 @@ class DataPipeline:
     def control_size(self, size: Size) -> Size:
         """The size a control image of a target at bucket ``size`` is rendered at: the target's, or
         data.control_resolution's pixel budget with the target's aspect ratio."""
-        if not self.control_budget:
-            return size
-        w, h = size
-        width = (self.control_budget * w / h) ** 0.5
-        return snap(width, self.step), snap(self.control_budget / width, self.step)
+        return control_size(size, self.control_budget, self.step)
 
     def _control_item(self, path: Path) -> ImageItem:
         """A control image as a cache entry's source (its content addresses the entry)."""

@@ -78,7 +78,7 @@ from omegaconf import OmegaConf
 
 from trainer.config.checks import load_config
 from trainer.config.load import preset_names
-from trainer.data.buckets import parse_resolution
+from trainer.data.buckets import control_budget, control_size, parse_resolution
 from trainer.data.cache import as_text_dict
 from trainer.errors import ConfigError
 from trainer.families.sources import classify_source, load_model
@@ -192,6 +192,11 @@ def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, row
         batch.update({k: v.detach().clone() for k, v in out.items()})
     if getattr(model, "inpainting", False):
         batch["inpaint_pixels"] = torch.zeros(b, 3, h, w)
+    controls = max((len(c.get("control_paths", None) or []) for c in cfg.data.concepts or [] if c.enabled), default=0)
+    if controls:  # edit pairs and references: their latents lengthen the denoiser's sequence
+        csize = control_size(size, control_budget(cfg.data), int(cfg.data.bucket_step))
+        clat = (b,) + latent_shape(model, csize)
+        batch["control_latents"] = [{"mean": torch.zeros(clat), "std": torch.ones(clat)} for _ in range(controls)]
     return batch
 
 
