@@ -43,14 +43,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from PIL import Image
 
 from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
@@ -69,6 +67,7 @@ from trainer.data.concepts import ImageItem
 from trainer.data.dataset import build_dataset
 from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
+from trainer.data.render import DecodeMemo, Renderer, shrink
 from trainer.errors import DataError
 
 log = logging.getLogger("atelier")
@@ -162,7 +161,7 @@ class DataPipeline:
         selected = list(range(start, min(stop, len(batches))))
         memo = None
         if self._renders_pixels():
-            memo = _DecodeMemo(Counter(i for bi in selected for i in batches[bi].indices))
+            memo = DecodeMemo(Counter(i for bi in selected for i in batches[bi].indices))
         loader = lambda bi: self._load(batches[bi], epoch, memo)  # noqa: E731
         ahead = map_ahead(loader, selected, self.workers)
         try:
@@ -345,7 +344,7 @@ class DataPipeline:
                 paths.append(path)
                 todo.append((size, params))
             if paths:
-                jobs.append(CacheJob(paths, _Renderer(item, todo, self._min_side(todo)), str(item.path)))
+                jobs.append(CacheJob(paths, Renderer(item, todo, self._min_side(todo)), str(item.path)))
         return jobs
 
     def _worst_side(self, sizes: Sequence[Size]) -> int:
@@ -357,7 +356,7 @@ class DataPipeline:
         return int(side) + 1
 
     # --- loading ----------------------------------------------------------------------------------
-    def _load(self, plan: PlannedBatch, epoch: int, memo: Optional["_DecodeMemo"],
+    def _load(self, plan: PlannedBatch, epoch: int, memo: Optional["DecodeMemo"],
               validation: bool = False) -> Dict[str, Any]:
         """Everything of one batch that needs no model: runs in a loader thread."""
 
@@ -398,7 +397,7 @@ class DataPipeline:
                 if memo is not None:  # decoded for the largest size this item can need in the epoch
                     side = self._worst_side(self.dataset.buckets[idx])
                     img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side:
-                                         _shrink(images.decode(it.path, m, s), s))
+                                         shrink(images.decode(it.path, m, s), s))
                 else:
                     img, mask = images.decode(item.path, mask_path, min_side)
                 px, mpx = images.render_sample(img, mask, plan.size, params)
@@ -460,87 +459,6 @@ class DataPipeline:
                 encoded = [self.encode_fn(px) for px in raw.pop("control_pixels")]  # type: ignore[misc]
             raw["control_latents"] = [{"mean": e["mean"], "std": e["std"]} for e in encoded]
         return raw
-
-
-class _Renderer:
-    """A cache job's loader: decode an image (and its mask) once, render every wanted variant."""
-
-    def __init__(self, item: ImageItem, specs: List[Tuple[Size, AugmentParams]], min_side: int):
-        self.item, self.specs, self.min_side = item, specs, min_side
-
-    def __call__(self) -> List[Tuple[Any, Any]]:
-        img, mask = images.decode(self.item.path, self.item.mask, self.min_side)
-        return [images.render_sample(img, mask, size, params) for size, params in self.specs]
-
-
-def _shrink(pair: Tuple[Any, Any], min_side: int) -> Tuple[Any, Any]:
-    """Keep a decoded photo at most twice the size the epoch needs (a 6000-px photo trained at
-    512 would otherwise hold ~100 MB in the decode memo); the final resize still downsamples."""
-    img, mask = pair
-    short = min(img.size)
-    if short <= 2 * min_side:
-        return img, mask
-    f = 2 * min_side / short
-    new = (max(1, round(img.size[0] * f)), max(1, round(img.size[1] * f)))
-    img = img.resize(new, Image.Resampling.LANCZOS, reducing_gap=3.0)
-    if mask is not None:
-        mask = mask.resize(new, Image.Resampling.BILINEAR, reducing_gap=3.0)
-    return img, mask
-
-
-class _DecodeMemo:
-    """Decoded images shared within an epoch: an image used several times (repeats) is decoded
-    once and released after its last use. Safe for several loader threads. Held pixels are capped
-    at ``budget`` bytes; past it an image is decoded again when next needed (correct, slower)."""
-
-    def __init__(self, uses: Counter, budget: int = 2 << 30):
-        self.uses = uses
-        self.budget = budget
-        self.held = 0
-        self.lock = threading.Lock()
-        self.entries: Dict[int, Any] = {}
-        self.pending: Dict[int, threading.Event] = {}
-
-    def get(self, index: int, load: Callable[[], Any]) -> Any:
-        while True:
-            with self.lock:
-                if index in self.entries:
-                    value = self.entries[index]
-                    self._release(index)
-                    return value
-                event = self.pending.get(index)
-                if event is None:
-                    event = self.pending[index] = threading.Event()
-                    owner = True
-                else:
-                    owner = False
-            if not owner:
-                event.wait()
-                continue
-            try:
-                value = load()
-            except BaseException:
-                with self.lock:
-                    self.pending.pop(index).set()
-                raise
-            with self.lock:
-                size = _nbytes(value)
-                if self.held + size <= self.budget:
-                    self.entries[index] = value
-                    self.held += size
-                self.pending.pop(index).set()
-                self._release(index)
-            return value
-
-    def _release(self, index: int) -> None:
-        self.uses[index] -= 1
-        if self.uses[index] <= 0 and index in self.entries:
-            self.held -= _nbytes(self.entries.pop(index))
-
-
-def _nbytes(pair: Tuple[Any, Any]) -> int:
-    img, mask = pair
-    return img.size[0] * img.size[1] * (3 + (1 if mask is not None else 0))
 
 
 def _probe_hash(encode_text_fn: Callable) -> str:

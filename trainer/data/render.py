@@ -1,0 +1,97 @@
+"""Decoding images for the data pipeline: a cache job's loader (:class:`Renderer`: decode once, render every wanted
+variant) and, when samples are rendered every step, an epoch's decoded images shared between the samples that use
+them (:class:`DecodeMemo`), kept small (:func:`shrink`). Pillow; the tensors come from ``trainer.data.images``."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any, Callable, Dict, List, Tuple
+
+from PIL import Image
+
+from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
+from trainer.data.augment import AugmentParams
+from trainer.data.buckets import Size
+from trainer.data.concepts import ImageItem
+
+
+class Renderer:
+    """A cache job's loader: decode an image (and its mask) once, render every wanted variant."""
+
+    def __init__(self, item: ImageItem, specs: List[Tuple[Size, AugmentParams]], min_side: int):
+        self.item, self.specs, self.min_side = item, specs, min_side
+
+    def __call__(self) -> List[Tuple[Any, Any]]:
+        img, mask = images.decode(self.item.path, self.item.mask, self.min_side)
+        return [images.render_sample(img, mask, size, params) for size, params in self.specs]
+
+
+def shrink(pair: Tuple[Any, Any], min_side: int) -> Tuple[Any, Any]:
+    """Keep a decoded photo at most twice the size the epoch needs (a 6000-px photo trained at
+    512 would otherwise hold ~100 MB in the decode memo); the final resize still downsamples."""
+    img, mask = pair
+    short = min(img.size)
+    if short <= 2 * min_side:
+        return img, mask
+    f = 2 * min_side / short
+    new = (max(1, round(img.size[0] * f)), max(1, round(img.size[1] * f)))
+    img = img.resize(new, Image.Resampling.LANCZOS, reducing_gap=3.0)
+    if mask is not None:
+        mask = mask.resize(new, Image.Resampling.BILINEAR, reducing_gap=3.0)
+    return img, mask
+
+
+class DecodeMemo:
+    """Decoded images shared within an epoch: an image used several times (repeats) is decoded
+    once and released after its last use. Safe for several loader threads. Held pixels are capped
+    at ``budget`` bytes; past it an image is decoded again when next needed (correct, slower)."""
+
+    def __init__(self, uses: Counter, budget: int = 2 << 30):
+        self.uses = uses
+        self.budget = budget
+        self.held = 0
+        self.lock = threading.Lock()
+        self.entries: Dict[int, Any] = {}
+        self.pending: Dict[int, threading.Event] = {}
+
+    def get(self, index: int, load: Callable[[], Any]) -> Any:
+        while True:
+            with self.lock:
+                if index in self.entries:
+                    value = self.entries[index]
+                    self._release(index)
+                    return value
+                event = self.pending.get(index)
+                if event is None:
+                    event = self.pending[index] = threading.Event()
+                    owner = True
+                else:
+                    owner = False
+            if not owner:
+                event.wait()
+                continue
+            try:
+                value = load()
+            except BaseException:
+                with self.lock:
+                    self.pending.pop(index).set()
+                raise
+            with self.lock:
+                size = nbytes(value)
+                if self.held + size <= self.budget:
+                    self.entries[index] = value
+                    self.held += size
+                self.pending.pop(index).set()
+                self._release(index)
+            return value
+
+    def _release(self, index: int) -> None:
+        self.uses[index] -= 1
+        if self.uses[index] <= 0 and index in self.entries:
+            self.held -= nbytes(self.entries.pop(index))
+
+
+def nbytes(pair: Tuple[Any, Any]) -> int:
+    img, mask = pair
+    return img.size[0] * img.size[1] * (3 + (1 if mask is not None else 0))
