@@ -256,3 +256,9 @@ def test_the_prior_prediction_target_is_the_base_models_own_prediction(tiny_work
     with torch.no_grad():
         again = model.predict(noisy, timesteps, model.batch_condition(batch, lambda c: c, set()))
     torch.testing.assert_close(again, with_lora)  # adapters back on
+
+
+def test_regularisation_alone_is_named_as_learning_nothing():
+    issues = cross_field_warnings(load_config(preset="demo", overrides=["data.concepts.0.role=regularisation"]))
+    assert any(i.key == "data.concepts" and "learns nothing new" in i.message for i in issues)
+    assert not any("learns nothing new" in i.message for i in cross_field_warnings(load_config(preset="demo")))

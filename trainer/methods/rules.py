@@ -126,6 +126,11 @@ def method_warnings(cfg: Any) -> list:
 
     out = []
     lora, emb, t = cfg.lora, cfg.embedding, cfg.training
+    roles = {str(c.get("role", "train") or "train") for c in cfg.data.concepts or [] if c.enabled}
+    if roles & {"regularisation", "prior_prediction"} and "train" not in roles:
+        out.append(Issue("data.concepts", "Every enabled concept keeps the model as it is (regularisation or "
+                                          "prior_prediction) and none has role train: the run learns nothing new. "
+                                          "Add the subject's images as a train concept."))
     if t.method == "lora":
         if lora.alpha > lora.rank:
             out.append(Issue("lora.alpha", f"LoRA alpha ({lora.alpha:g}) is above rank ({lora.rank}): the update "
