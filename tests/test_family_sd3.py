@@ -118,3 +118,16 @@ def test_fp8_storage_takes_the_blocks_modulation_but_not_the_final_one(tmp_path)
         cond = model.batch_condition({"captions": ["a photo of sks"]}, lambda captions: captions, set())
         out = model.predict(x, torch.tensor([0.5]), cond)
     assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_the_transformer_sees_the_timestep_in_fp32_as_the_pipeline_passes_it(sd3):
+    """StableDiffusion3Pipeline passes the scheduler's fp32 t (σ·1000) and the transformer embeds it in fp32: with bf16
+    weights a bf16 timestep would be 936 for 937.96."""
+    ws, paths = sd3
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(t=kw["timestep"]), with_kwargs=True)
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    sigma = torch.tensor([0.93796])
+    model.predict(torch.zeros(1, model.transformer.config.in_channels, 8, 8, dtype=torch.bfloat16), sigma, cond)
+    assert seen["t"].dtype == torch.float32 and seen["t"].item() == pytest.approx(937.96, abs=1e-3)

@@ -67,3 +67,16 @@ def test_validate_refuses_what_z_image_cannot_use(setting, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-zimage", setting])
     assert err.value.key == key, str(err.value)
+
+
+def test_the_transformer_sees_the_timestep_in_fp32_as_the_pipeline_passes_it(zimage):
+    """ZImagePipeline passes (1000 − t) / 1000 in fp32 and the transformer embeds it in fp32: with bf16 weights a bf16
+    timestep would be 0.0625 for 0.0620."""
+    ws, paths = zimage
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(t=a[1]), with_kwargs=True)
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    channels = model.transformer.config.in_channels
+    model.predict(torch.zeros(1, channels, 8, 8, dtype=torch.bfloat16), torch.tensor([0.938]), cond)
+    assert seen["t"].dtype == torch.float32 and seen["t"].item() == pytest.approx(1 - 0.938, abs=1e-6)

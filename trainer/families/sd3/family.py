@@ -221,7 +221,10 @@ class SD3(Family):
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
         dtype = model_input.dtype
-        return self.transformer(hidden_states=model_input, timestep=timesteps.to(model_input.device, dtype) * 1000,
+        # the timestep in fp32, as StableDiffusion3Pipeline and diffusers' SD3 trainer pass it (the transformer embeds
+        # it in fp32: a bf16 t would be 936 for 937.96)
+        timestep = timesteps.to(model_input.device, torch.float32) * 1000
+        return self.transformer(hidden_states=model_input, timestep=timestep,
                                 encoder_hidden_states=conditioning.prompt_embeds.to(model_input.device, dtype),
                                 pooled_projections=conditioning.pooled_prompt_embeds.to(model_input.device, dtype),
                                 return_dict=False)[0]

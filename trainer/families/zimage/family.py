@@ -102,7 +102,8 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
         embeds = conditioning.prompt_embeds.to(device, dtype)
         mask = conditioning.prompt_mask.to(device).bool()
         captions = [embeds[i][mask[i]] for i in range(embeds.shape[0])]
-        out = self.transformer(images, (1.0 - timesteps.to(device, dtype)), captions, return_dict=False)[0]
+        # the timestep in fp32, as ZImagePipeline passes it ((1000 − t) / 1000): the transformer embeds it in fp32
+        out = self.transformer(images, (1.0 - timesteps.to(device, torch.float32)), captions, return_dict=False)[0]
         return -torch.stack(out, dim=0).squeeze(2)  # the transformer predicts x − ε
 
     # --- sampling ---------------------------------------------------------------------------
