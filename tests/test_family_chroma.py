@@ -61,3 +61,24 @@ def test_validate_refuses_what_chroma_cannot_use(setting, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-chroma", setting])
     assert err.value.key == key, str(err.value)
+
+
+def test_samples_hide_the_padding_as_training_does(chroma):
+    """ChromaPipeline builds its attention mask as floats, which torch's attention adds to the scores: samples would
+    see the padding tokens training hides. The transformer's mask in a sample is the boolean one training passes."""
+    ws, paths = chroma
+    model = load_tiny(ws, paths["diffusers"])
+    caption = "a red square"
+    masks = []
+    hook = model.transformer.register_forward_pre_hook(lambda m, a, kw: masks.append(kw["attention_mask"]),
+                                                       with_kwargs=True)
+    try:
+        model.pipeline(None)(caption, num_inference_steps=1, guidance_scale=1.0, width=64, height=64,
+                             max_sequence_length=model.max_sequence_length, generator=torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    tokens = masks[0].shape[1] - cond.text_mask.shape[1]
+    training = torch.cat([cond.text_mask.bool(), torch.ones(1, tokens, dtype=torch.bool)], dim=1)
+    assert masks[0].dtype == torch.bool
+    assert torch.equal(masks[0], training)

@@ -18,6 +18,7 @@ What differs from Flux.1, and where it lives here:
 
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -154,6 +155,7 @@ class Chroma(PeftLayoutLora, Family):
         """ChromaPipeline over the live modules with the model's own flow-matching Euler sampler."""
         pipe = ChromaPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                               text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+        pipe._prepare_attention_mask = types.MethodType(_boolean_mask, pipe)  # the instance only: still a ChromaPipeline
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -167,3 +169,11 @@ class Chroma(PeftLayoutLora, Family):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
         save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)
+
+
+def _boolean_mask(pipe: ChromaPipeline, batch_size, sequence_length, dtype, attention_mask=None):
+    """``ChromaPipeline._prepare_attention_mask`` as a boolean mask, the one training uses: diffusers builds it from a
+    float text mask, and torch's attention *adds* a float mask to the scores (1 or 0) instead of hiding the padding
+    (diffusers issues #12116, #13619), so samples saw the padding tokens training never saw."""
+    mask = ChromaPipeline._prepare_attention_mask(pipe, batch_size, sequence_length, dtype, attention_mask)
+    return None if mask is None else mask.bool()
