@@ -670,3 +670,25 @@ def test_report_lists_duplicates_small_images_and_runs_without_torch(tmp_path):
                           cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert "never trained" in text and "b.png" in text and "little.png" in text and "identical files: 1" in text
     assert "48x80" in text and "never trains" in text
+
+
+@pytest.mark.parametrize("shift_x, shift_y, zoom, flip", [(-0.6, 0.8, 1.5, False), (-0.6, 0.8, 1.5, True),
+                                                          (0.9, -0.3, 1.3, True), (-1.0, 0.0, 1.0, True)])
+def test_sdxl_crop_offsets_are_where_the_samples_pixels_are(shift_x, shift_y, zoom, flip):
+    """SDXL's crop conditioning reports the crop's (top, left) in the resized image — mirrored for a mirrored sample,
+    as diffusers' SDXL trainer (flip, then crop) and kohya (offset mirrored) do. A landscape image with different
+    horizontal and vertical draws: the sample's pixels are the resized (and mirrored) image cropped at that offset."""
+    import numpy as np
+
+    from trainer.data.augment import _layout, apply_geometry, crop_top_left
+    img = Image.new("RGB", (150, 100))
+    img.putdata([(x, y, (x * y) % 251) for y in range(100) for x in range(150)])
+    p = AugmentParams(flip=flip, shift_x=shift_x, shift_y=shift_y, zoom=zoom)
+    out, _ = apply_geometry(img, None, (64, 48), p)
+    top, left = crop_top_left(img.size, (64, 48), p)
+    g = _layout(img.size, (64, 48), p)
+    resized = img.resize((g.nw, g.nh), Image.Resampling.LANCZOS)
+    if flip:
+        resized = resized.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    assert np.array_equal(np.asarray(out), np.asarray(resized.crop((left, top, left + 64, top + 48))))
+    assert top != left

@@ -167,9 +167,12 @@ def _layout(img_size: Size, size: Size, p: AugmentParams) -> _Layout:
 
 def crop_top_left(img_size: Size, size: Size, p: AugmentParams) -> Tuple[int, int]:
     """(top, left) of the crop in the resized image, as SDXL's crop conditioning wants it (for a
-    rotated crop: of its centre minus half the size). Needs only the image size, not its pixels."""
+    rotated crop: of its centre minus half the size). Needs only the image size, not its pixels.
+
+    A mirrored sample reports its crop in the mirrored image — where the pixels it shows are (diffusers' SDXL
+    trainer flips before it crops; kohya mirrors the offset): the crop's left edge measured from the right."""
     g = _layout(img_size, size, p)
-    return g.top, g.left
+    return g.top, (g.nw - g.left - size[0]) if p.flip else g.left
 
 
 def _resize(img: Image.Image, mask: Optional[Image.Image], new: Size,

@@ -155,7 +155,8 @@ class Chroma(PeftLayoutLora, Family):
         """ChromaPipeline over the live modules with the model's own flow-matching Euler sampler."""
         pipe = ChromaPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                               text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
-        pipe._prepare_attention_mask = types.MethodType(_boolean_mask, pipe)  # the instance only: still a ChromaPipeline
+        # on the instance only: the pipeline stays a ChromaPipeline (its saved model_index.json says so)
+        pipe._prepare_attention_mask = types.MethodType(_boolean_mask, pipe)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
