@@ -607,3 +607,36 @@ def test_config_folder_concurrent_builders(tmp_path):
     from transformers import CLIPTokenizer
     tok = CLIPTokenizer.from_pretrained(tmp_path / "configs" / "sd2-base" / "tokenizer")
     assert tok("a photo of a cat").input_ids == [49406, 320, 1125, 539, 320, 2368, 49407]
+
+
+@pytest.mark.parametrize("std, expected", [(0.12, "v_prediction"), (0.05, "epsilon")])
+def test_an_sd2_single_file_tells_v_from_epsilon_as_comfyui_does(tmp_path, std, expected):
+    """ComfyUI's test (comfy/supported_models.py SD20.model_type): the population std of the last output block's first
+    norm1.bias above 0.09 is a 768 px v-prediction model, below it the 512 px ε base (v2-1_512-ema-pruned)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from trainer.families.common.sd_kit.sd_configs import V_PREDICTION_STATISTIC, sd2_prediction
+    bias = torch.randn(320, generator=torch.Generator().manual_seed(0))
+    bias = (bias - bias.mean()) / bias.std(unbiased=False) * std
+    path = tmp_path / "sd2.safetensors"
+    save_file({V_PREDICTION_STATISTIC: bias, "model.diffusion_model.out.2.bias": torch.zeros(4)}, str(path))
+    assert sd2_prediction(path) == expected
+    ckpt = tmp_path / "sd2.ckpt"
+    torch.save({"state_dict": {V_PREDICTION_STATISTIC: bias}}, ckpt)
+    assert sd2_prediction(ckpt) == expected
+    save_file({"model.diffusion_model.out.2.bias": torch.zeros(4)}, str(path))
+    assert sd2_prediction(path) is None  # a file without it (a tiny model): model.prediction_type decides
+
+
+def test_the_sd2_single_file_loader_takes_the_config_of_the_prediction_it_was_told(tmp_path, monkeypatch):
+    """A 512 px ε base single file must load with the sd2-base config (ε, 512) under model.prediction_type auto."""
+    from trainer.families import sources
+    from trainer.families.common.sd_kit import sd_configs
+    chosen = []
+    monkeypatch.setattr(sd_configs, "default_config_for", lambda family, pred: chosen.append(pred) or "sd2-base")
+    source = sources.ModelSource("single_file", str(tmp_path / "missing.safetensors"), "missing.safetensors")
+    mcfg = type("M", (), {"prediction_type": "auto", "config_path": ""})()
+    with pytest.raises(Exception):
+        sources.load_pipeline(object, source, mcfg, str(tmp_path), family="sd2", prediction_type="epsilon")
+    assert chosen == ["epsilon"]

@@ -206,14 +206,15 @@ def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = 
 
 
 def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: str, *, family: str,
-                  dtype: Any = None, by_component: bool = False, **common: Any):
+                  dtype: Any = None, by_component: bool = False, prediction_type: Optional[str] = None, **common: Any):
     """Load ``pipeline_cls`` from a folder, a single file (with a shipped or given config) or a hub id.
 
     ``family`` picks the shipped config for single files (:func:`sd_configs.default_config_for`; an
     ``*-inpaint`` family gets its base config with a 9-channel UNet). A folder or hub snapshot without
     a usable ``model_index.json`` is loaded component by component (:func:`load_components`).
     ``dtype`` (a dtype or diffusers' ``{component: dtype, "default": dtype}``) loads weights
-    straight into their storage dtype: an SDXL UNet in fp32 alone is 10 GB of RAM."""
+    straight into their storage dtype: an SDXL UNet in fp32 alone is 10 GB of RAM. ``prediction_type`` (a single
+    file's, when the family told it from the weights) chooses the shipped config instead of ``model.prediction_type``."""
     kw: Dict[str, Any] = dict(common)
     if by_component and source.kind in ("folder", "hub"):
         try:
@@ -239,7 +240,7 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
         if getattr(mcfg, "config_path", ""):
             config = mcfg.config_path
         else:
-            pred = getattr(mcfg, "prediction_type", "auto")
+            pred = prediction_type or getattr(mcfg, "prediction_type", "auto")
             # an inpainting family (9-channel conv_in in the file) gets its base config with in_channels 9
             name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
             config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))

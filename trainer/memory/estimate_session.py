@@ -56,14 +56,14 @@ class Patches:
                 setattr(obj, name, value)
 
 
-def config_folder(source, mcfg, workspace: str, family: Optional[str]) -> Path:
+def config_folder(source, mcfg, workspace: str, family: Optional[str], prediction_type: Optional[str] = None) -> Path:
     """The diffusers folder whose configs describe the model: the model's own folder, or the shipped
     config of its family (a hub id or single file is only read for its family)."""
     if source.kind == "folder":
         return Path(source.location)
     if getattr(mcfg, "config_path", ""):
         return Path(mcfg.config_path)
-    pred = getattr(mcfg, "prediction_type", "auto")
+    pred = prediction_type or getattr(mcfg, "prediction_type", "auto")
     return full_size.config_folder(family or "sd15", Path(workspace) / "cache", None if pred == "auto" else pred)
 
 
@@ -81,7 +81,7 @@ def _default_dtype(dtype) -> Iterator[None]:
 
 
 def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, family: str, dtype: Any = None,
-                         **common: Any):
+                         prediction_type: Optional[str] = None, **common: Any):
     """Stands in for ``trainer.families.sources.load_pipeline``: the same pipeline class and components,
     built from the configs alone (random init; fake tensors under the fake session), in the dtypes
     ``load_pipeline`` would load them in — the trainer's own component loader with the weights left out."""
@@ -102,11 +102,9 @@ def config_only_pipeline(pipeline_cls: Any, source, mcfg, workspace: str, *, fam
                 torch.cuda.reset_peak_memory_stats()  # the build is not the trainer's memory
         return module.eval()
     with unset_fake_temporarily():  # may build the family's tiny model first: real tensors
-        folder = config_folder(source, mcfg, workspace, family)
+        folder = config_folder(source, mcfg, workspace, family, prediction_type)
     sched = folder / "scheduler" / "scheduler_config.json"
     if "scheduler" not in common and sched.is_file():  # schedulers compute their tables on real tensors
-        # diffusers notes which optional libraries it can use when it is imported: here, at load time, after the
-        # trainer's start-up has hidden the unused ones (bench/random_weights.py enters the session before it)
         with unset_fake_temporarily():
             cls = getattr(diffusers, json.loads(sched.read_text(encoding="utf-8"))["_class_name"])
             common["scheduler"] = cls.from_pretrained(str(folder), subfolder="scheduler")

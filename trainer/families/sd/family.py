@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Dict, List
 
 import diffusers
@@ -13,6 +14,7 @@ from trainer.errors import ModelLoadError
 from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
 from trainer.families.base import part_dtype, torch_dtype
 from trainer.families.common.samplers import SAMPLERS
+from trainer.families.common.sd_kit import sd_configs
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
 from trainer.families.sources import ModelSource, classify_source, detect_source_family
 
@@ -39,7 +41,15 @@ class StableDiffusion(LatentDiffusionFamily):
         check_family(self.source, found, mcfg, ("sd15", "sd2"), "SD 1.x/2.x")
         inpaint = bool(found and found.endswith("-inpaint"))
         pipe_cls = StableDiffusionInpaintPipeline if inpaint else StableDiffusionPipeline
+        pred = None
+        if found == "sd2" and self.source.kind == "single_file" and mcfg.prediction_type == "auto":
+            pred = sd_configs.sd2_prediction(Path(self.source.location))  # 768 px v or 512 px ε base: from the weights
+            if pred:
+                log.info("model.prediction_type auto: %s is an SD 2.x %s model (told from its weights, as ComfyUI "
+                         "does); set model.prediction_type to choose yourself", self.source.display,
+                         "768 px v-prediction" if pred == "v_prediction" else "512 px ε-prediction (base)")
         pipe = sources.load_pipeline(pipe_cls, self.source, mcfg, workspace, family=found if found else "sd15",
+                                     prediction_type=pred,
                                      safety_checker=None, requires_safety_checker=False)
         self.tokenizer = pipe.tokenizer
         self.text_encoder = pipe.text_encoder
