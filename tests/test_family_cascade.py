@@ -32,7 +32,7 @@ def _load_error(ws, path, *settings):
 def test_objective_is_the_wuerstchen_schedule_with_p2_weights():
     from diffusers import DDPMWuerstchenScheduler
 
-    from trainer.config.schema import LossConfig
+    from trainer.config.schema_training import LossConfig
     from trainer.objectives import CosineObjective
     obj = CosineObjective()
     gen = torch.Generator().manual_seed(0)

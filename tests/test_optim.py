@@ -17,7 +17,8 @@ from trainer.optim import registry as optim_registry
 from trainer.optim import rules as optim_rules
 from trainer.config.checks import cross_field_warnings, load_config
 from trainer.config.fields import field_info
-from trainer.config.schema import AtelierConfig, OptimizerConfig
+from trainer.config.schema import AtelierConfig
+from trainer.config.schema_training import OptimizerConfig
 from trainer.optim.rules import resolved_learning_rates
 from trainer.errors import ConfigError
 from trainer.optim.schedule import build_scheduler, rex_factor

@@ -18,8 +18,9 @@ import yaml
 from trainer.config.checks import config_from_dict, load_config
 from trainer.config.fields import field_info, iter_fields
 from trainer.config.load import PRESETS_DIR, preset_names, to_yaml
-from trainer.config.schema import GeneralConfig, TrainingConfig
-from trainer.config import schema
+from trainer.config.schema import GeneralConfig
+from trainer.config.schema_training import TrainingConfig
+from trainer.config import declare
 from webui import schema_widgets as sw
 from webui.app import build_app
 from webui.form import Form, tab_layout
@@ -110,27 +111,27 @@ def test_table_columns_get_row_editor_widgets_with_choices(app):
 
 @dataclass
 class NewItem:
-    label: str = schema.f("", "A label.")
-    weight: float = schema.f(1.0, "Weight.", min=0.0, max=5.0)
+    label: str = declare.f("", "A label.")
+    weight: float = declare.f(1.0, "Weight.", min=0.0, max=5.0)
 
 
 @dataclass
 class NewSection:
-    strength: float = schema.f(0.5, "How strong.", min=0.0, max=2.0)
-    steps: int = schema.f(3, "How many.", min=1, max=9)
-    mode: str = schema.f("a", "Mode.", choices=["a", "b"])
-    folder: str = schema.f("", "A folder.", ui="path")
-    notes: str = schema.f("", "Notes.", ui="textarea")
-    on: bool = schema.f(False, "On.")
-    maybe: Optional[float] = schema.f(None, "Blank = off.", min=0.0, max=1.0)
-    secret: int = schema.f(1, "Hidden.", ui="hidden")
-    items: List[NewItem] = schema.f(help="Items.", factory=list)
+    strength: float = declare.f(0.5, "How strong.", min=0.0, max=2.0)
+    steps: int = declare.f(3, "How many.", min=1, max=9)
+    mode: str = declare.f("a", "Mode.", choices=["a", "b"])
+    folder: str = declare.f("", "A folder.", ui="path")
+    notes: str = declare.f("", "Notes.", ui="textarea")
+    on: bool = declare.f(False, "On.")
+    maybe: Optional[float] = declare.f(None, "Blank = off.", min=0.0, max=1.0)
+    secret: int = declare.f(1, "Hidden.", ui="hidden")
+    items: List[NewItem] = declare.f(help="Items.", factory=list)
 
 
 @dataclass
 class NewRoot:
-    general: GeneralConfig = schema.f(help="General.", factory=GeneralConfig)
-    extra: NewSection = schema.f(help="A section the UI has never heard of.", factory=NewSection)
+    general: GeneralConfig = declare.f(help="General.", factory=GeneralConfig)
+    extra: NewSection = declare.f(help="A section the UI has never heard of.", factory=NewSection)
 
 
 def test_a_new_schema_field_appears_without_ui_code():
