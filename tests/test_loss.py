@@ -352,3 +352,27 @@ def test_variational_bound_is_zero_for_the_true_posterior_and_trains_only_the_va
     t0 = variational_bound(sched.alphas_cumprod, x0, sched.add_noise(x0, noise, torch.zeros(3, dtype=torch.long)),
                            torch.zeros(3, dtype=torch.long), noise, -torch.ones_like(x0))
     assert torch.isfinite(t0).all() and (t0 >= 0).all()  # t = 0: the decoder's NLL in bits
+
+
+@pytest.mark.parametrize("stretch", [1.08, 1.0])
+def test_the_cosine_schedules_original_timestep_draw_is_onetrainers(stretch):
+    """loss.cosine_timesteps = original: the Würstchen v2 / Stable Cascade trainers' draw, as OneTrainer restates it
+    (Würstchen 2: t·1.08 + 0.001, Stable Cascade: t + 0.001, clamped to [0.001, 1]) on the same uniform draw."""
+    from types import SimpleNamespace
+
+    from trainer.objectives import CosineObjective
+    objective = CosineObjective(stretch)
+    lc = SimpleNamespace(timestep_min=0, timestep_max=1000, cosine_timesteps="original")
+    t = objective.sample_timesteps(4096, lc, torch.Generator().manual_seed(3))
+    u = torch.rand((4096,), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(t, (u * stretch + 0.001).clamp(0.001, 1.0))
+    lc.cosine_timesteps = "uniform"
+    torch.testing.assert_close(objective.sample_timesteps(8, lc, torch.Generator().manual_seed(3)), u[:8])
+
+
+def test_the_original_cosine_draw_is_refused_where_there_is_no_cosine_schedule():
+    from trainer.config.checks import load_config
+    with pytest.raises(ConfigError, match="loss.cosine_timesteps"):
+        load_config(preset="demo", overrides=["loss.cosine_timesteps=original"])
+    cfg = load_config(preset="wuerstchen-2-lora", overrides=["loss.cosine_timesteps=original", "model.family=wuerstchen-2"])
+    assert cfg.loss.cosine_timesteps == "original"

@@ -43,6 +43,9 @@ FLOW_ONLY = (
     ("flow_weighting", "none", "SD3-style loss weighting is defined on flow-matching σ"),
     ("flow_shift", 0.0, "the timestep shift is a flow-matching option"),
 )
+COSINE_ONLY = (
+    ("cosine_timesteps", "uniform", "the original recipe's t draw is Würstchen's and Stable Cascade's"),
+)
 
 
 OBJECTIVE_NAMES = {"ddpm": "the DDPM objective", "flow": "flow matching",
@@ -53,7 +56,8 @@ def refused_options(objective: str, lc: Any, family_label: str) -> list:
     """(key, message) for every ``loss.*`` option that makes no sense with ``objective``
     ("ddpm"/"flow"/"cosine")."""
     problems = []
-    rules = {"flow": DDPM_ONLY, "ddpm": FLOW_ONLY, "cosine": DDPM_ONLY + FLOW_ONLY}[objective]
+    rules = {"flow": DDPM_ONLY + COSINE_ONLY, "ddpm": FLOW_ONLY + COSINE_ONLY,
+             "cosine": DDPM_ONLY + FLOW_ONLY}[objective]
     for name, off, why in rules:
         value = cfg_value(lc, name, off)
         if value != off and not (isinstance(off, float) and float(value) == off):
@@ -201,10 +205,13 @@ class CosineObjective:
     prediction_type = "epsilon"
     num_train_timesteps = 1000  # loss.timestep_min/max are read in thousandths of t
 
-    def __init__(self):
+    def __init__(self, original_stretch: float = 1.0):
+        """``original_stretch``: the original recipe's draw (``loss.cosine_timesteps = original``) is
+        ``t·stretch + 0.001`` clamped to [0.001, 1] — 1.08 for Würstchen 2, 1 for Stable Cascade."""
         # torch inside: validate reads the objectives' rules without torch
         from diffusers import DDPMWuerstchenScheduler
         self.scheduler = DDPMWuerstchenScheduler()
+        self.original_stretch = original_stretch
 
     def alpha_cumprod(self, timesteps):
         return self.scheduler._alpha_cumprod(timesteps.float(), timesteps.device)
@@ -219,6 +226,8 @@ class CosineObjective:
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
         t = lo + torch.rand((batch_size,), generator=generator) * (hi - lo)
+        if cfg_value(lc, "cosine_timesteps", "uniform") == "original":  # OneTrainer's and the original trainers' draw
+            t = (t * self.original_stretch + 0.001).clamp(0.001, 1.0)
         return t.to(latents.device if latents is not None else "cpu")
 
     def noisy_and_target(self, latents, noise, timesteps):

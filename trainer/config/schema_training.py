@@ -174,6 +174,10 @@ class LossConfig:
                           min=-1.0, max=1.75)
     flow_shift: float = f(0.0, "Flow-matching families (Flux …): timestep shift s (σ' = sσ/(1+(s−1)σ); 3 is "
                                "common); 0 = the model's own (Flux.1 dev: resolution-dependent).", min=0.0, max=100.0)
+    cosine_timesteps: str = f("uniform", "Würstchen 2 / Stable Cascade: t uniform in the range (diffusers' trainers), "
+                                         "or original: the original recipe's draw, as OneTrainer has it (Würstchen 2: "
+                                         "t·1.08 + 0.001, Stable Cascade: t + 0.001, clamped to [0.001, 1]).",
+                              choices=["uniform", "original"])
     flow_weighting: str = f("none", "Flow-matching families: SD3-style loss weighting over σ (diffusers' "
                                     "compute_loss_weighting_for_sd3): none, sigma_sqrt or cosmap.",
                             choices=["none", "sigma_sqrt", "cosmap"])

@@ -18,7 +18,7 @@ INFO = FamilyInfo(
     # ComfyUI maps Cascade LoRA keys as lora_prior_unet_<module> / lora_prior_te_<module> (comfy/lora.py), which the
     # kohya writer produces for LoRA, DoRA, LoHa and LoKr alike: nothing refused there.
     embeddings=True,
-    own_fields=("model.effnet_path", "model.decoder_path", "model.cascade_variant"),
+    own_fields=("model.effnet_path", "model.decoder_path", "loss.cosine_timesteps", "model.cascade_variant"),
     quick_start=(QuickChoice("cascade", "Stable Cascade (stage C prior; lite under 16 GB)",
                              {"lora": "cascade-lora-16gb", "finetune": "cascade-finetune"}),),
 )

@@ -113,6 +113,7 @@ class CascadePrior(Family):
     latent_scale: Tuple[float, float] = (1.0, 0.0)  # prior latent = (effnet output + b) / a, as (a, b)
     decoder_steps: int = 10
     decoder_subfolder: str = "decoder"
+    original_timestep_stretch: float = 1.0  # loss.cosine_timesteps = original: t·stretch + 0.001 (OneTrainer's)
     decoder_class: str = ""  # diffusers class of the decoder (stage B / Würstchen 2 stage B)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
@@ -135,7 +136,7 @@ class CascadePrior(Family):
         # folder its text encoder came from
         self._model_folder = rest if rest is not None else self._text_folder
         self.effnet = self._load_effnet(mcfg, self._model_folder)
-        self.objective = CosineObjective()
+        self.objective = CosineObjective(self.original_timestep_stretch)
         self.device = torch.device(device)
         dtypes["effnet"] = dtypes["vae"]
         self._place_frozen(dtypes, ("prior", "text_encoder", "effnet"))

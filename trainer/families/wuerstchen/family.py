@@ -53,6 +53,7 @@ class Wuerstchen(CascadePrior):
                    "is the encoder) and set model.effnet_path to it.")
     latent_scale = (42.0, 1.0)
     decoder_steps = 12
+    original_timestep_stretch = 1.08  # the Würstchen v2 trainer's t·1.08 + 0.001 (OneTrainer keeps it)
     targets = TARGETS
     fp8_skip = ("norm", "projection", "cond_mapper", "out")
 

@@ -20,6 +20,6 @@ INFO = FamilyInfo(
     refuses=(("lora.type", "lora", "a Würstchen 2 LoRA file is written in the diffusers/peft layout that "
               "WuerstchenPriorPipeline.load_lora_weights reads, which holds plain LoRA only"),),
     embeddings=True,
-    own_fields=("model.effnet_path", "model.decoder_path"),
+    own_fields=("model.effnet_path", "model.decoder_path", "loss.cosine_timesteps"),
     quick_start=(QuickChoice("wuerstchen", "Würstchen 2 (prior)", {"lora": "wuerstchen-2-lora"}),),
 )
