@@ -131,3 +131,29 @@ def test_the_transformer_sees_the_timestep_in_fp32_as_the_pipeline_passes_it(sd3
     sigma = torch.tensor([0.93796])
     model.predict(torch.zeros(1, model.transformer.config.in_channels, 8, 8, dtype=torch.bfloat16), sigma, cond)
     assert seen["t"].dtype == torch.float32 and seen["t"].item() == pytest.approx(937.96, abs=1e-3)
+
+
+@pytest.mark.parametrize("sigma", [0.3, 0.85])
+def test_preconditioned_outputs_train_the_sigma_squared_velocity_loss(sd3, sigma):
+    """loss.precondition_outputs in the training step (diffusers' SD3 trainer, kohya): the same draws give σ² times the
+    plain velocity loss."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.checks import load_config
+    from trainer.memory import estimate as ev
+    from trainer.memory.estimate_session import cpu_autocast
+    from trainer.methods.make import make_method
+    from trainer.train.step import forward_loss
+    ws, paths = sd3
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", f"general.workspace={ws}", "training.batch_size=1"])
+    model = load_tiny(ws, paths["diffusers"])
+    state = ev.step_trainer(model, make_method(model, cfg), cfg, cpu_autocast("no"), str(ws))
+    model.objective.sample_timesteps = lambda b, lc, gen, latents=None: torch.full((b,), sigma)
+    batch = ev.make_batch(model, state.method, cfg, (64, 64), text_cached=False)
+    losses = []
+    for on in (False, True):
+        OmegaConf.update(state.cfg, "loss.precondition_outputs", on)
+        state.generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            losses.append(float(forward_loss(state, batch)))
+    assert losses[1] == pytest.approx(sigma ** 2 * losses[0], rel=1e-4)

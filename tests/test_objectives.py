@@ -94,3 +94,49 @@ def test_ddpm_options_are_refused_for_flow_matching_and_the_reverse(option, valu
     assert [k for k, _ in refused_options("ddpm", _lc(flow_weighting="cosmap"), "SD 1.x")] == ["loss.flow_weighting"]
     assert refused_options("flow", _lc(type="huber", huber_schedule="snr"), "Flux.1")[0][0] == "loss.huber_schedule"
     assert refused_options("flow", _lc(type="huber", huber_schedule="exponential"), "Flux.1") == []
+
+
+def test_the_flow_samplers_logit_normal_has_the_mean_and_spread_it_is_given():
+    """σ = sigmoid(n), n ~ N(logit_mean, logit_std): the logits of the draws have that mean and spread (a swapped mean
+    and std would give every σ the same value)."""
+    obj = FlowMatchingObjective()
+    sigmas = obj.sample_timesteps(20000, _lc(timestep_distribution="logit_normal", logit_mean=0.8, logit_std=0.5),
+                                  torch.Generator().manual_seed(5))
+    logits = torch.logit(sigmas.double().clamp(1e-6, 1 - 1e-6))
+    assert logits.mean().item() == pytest.approx(0.8, abs=0.02)
+    assert logits.std().item() == pytest.approx(0.5, abs=0.02)
+
+
+def test_auto_draws_each_models_own_distribution():
+    """loss.timestep_distribution = auto: logit-normal σ for SD3 (diffusers' and kohya's SD3 default), uniform for a
+    flow model without one of its own — the very draws of those settings."""
+    lc_auto, lc_ln, lc_uni = _lc(timestep_distribution="auto"), _lc(timestep_distribution="logit_normal"), _lc()
+    sd3 = FlowMatchingObjective(default_distribution="logit_normal")
+    torch.testing.assert_close(sd3.sample_timesteps(64, lc_auto, torch.Generator().manual_seed(1)),
+                               sd3.sample_timesteps(64, lc_ln, torch.Generator().manual_seed(1)))
+    flux = FlowMatchingObjective()
+    torch.testing.assert_close(flux.sample_timesteps(64, lc_auto, torch.Generator().manual_seed(1)),
+                               flux.sample_timesteps(64, lc_uni, torch.Generator().manual_seed(1)))
+
+
+def test_preconditioned_outputs_are_diffusers_sd3_trainers():
+    """loss.precondition_outputs: diffusers' train_dreambooth_sd3.py compares ``model_pred * (-sigmas) +
+    noisy_model_input`` with ``model_input``; that is the velocity error weighted by σ²."""
+    obj = FlowMatchingObjective()
+    g = torch.Generator().manual_seed(7)
+    x, eps, v_hat = (torch.randn(3, 4, 6, 10, generator=g) for _ in range(3))
+    sigmas = torch.tensor([0.2, 0.5, 0.9])
+    noisy, target = obj.noisy_and_target(x, eps, sigmas)
+    pred, clean = obj.preconditioned(v_hat, noisy, x, sigmas)
+    s = sigmas.view(-1, 1, 1, 1)
+    torch.testing.assert_close(pred, v_hat * (-s) + noisy)
+    torch.testing.assert_close(clean, x)
+    velocity = ((v_hat - target) ** 2).mean((1, 2, 3))
+    torch.testing.assert_close(((pred - clean) ** 2).mean((1, 2, 3)), (s.flatten() ** 2) * velocity)
+
+
+def test_preconditioned_outputs_are_refused_without_flow_matching():
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="loss.precondition_outputs"):
+        load_config(preset="demo", overrides=["loss.precondition_outputs=true"])

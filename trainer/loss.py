@@ -36,7 +36,7 @@ from trainer.errors import ConfigError, Issue
 
 LOSS_TYPES = ("mse", "mae", "huber", "smooth_l1")
 HUBER_SCHEDULES = ("constant", "exponential", "snr")
-TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal", "mode")
+TIMESTEP_DISTRIBUTIONS = ("auto", "uniform", "logit_normal", "mode")
 SNR_CAP = 1000.0  # SNR at t≈0 is huge (inf with some schedules); kohya caps it at 1000 for debiasing
 
 
@@ -85,8 +85,8 @@ def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, genera
     """
     import torch  # torch inside: validate reads this module's rules without torch
     lo, hi = timestep_range(cfg, num_train_timesteps)
-    dist = cfg_value(cfg, "timestep_distribution", "uniform")
-    if dist == "uniform":
+    dist = cfg_value(cfg, "timestep_distribution", "auto")
+    if dist in ("uniform", "auto"):  # auto: a DDPM model's own draw is uniform
         return torch.randint(lo, hi, (batch_size,), generator=generator)
     if dist not in TIMESTEP_DISTRIBUTIONS:
         raise ValueError(f"unknown timestep distribution {dist!r}; one of {TIMESTEP_DISTRIBUTIONS}")

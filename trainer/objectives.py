@@ -42,6 +42,7 @@ DDPM_ONLY = (
 FLOW_ONLY = (
     ("flow_weighting", "none", "SD3-style loss weighting is defined on flow-matching σ"),
     ("flow_shift", 0.0, "the timestep shift is a flow-matching option"),
+    ("precondition_outputs", False, "preconditioned outputs (x̂0 = x_σ − σ·v̂) are defined for flow matching"),
 )
 COSINE_ONLY = (
     ("cosine_timesteps", "uniform", "the original recipe's t draw is Würstchen's and Stable Cascade's"),
@@ -135,9 +136,11 @@ class FlowMatchingObjective:
     prediction_type = "flow"
     num_train_timesteps = 1000
 
-    def __init__(self, shift: float = 1.0, dynamic_shift: Optional[Callable[[Any], float]] = None):
+    def __init__(self, shift: float = 1.0, dynamic_shift: Optional[Callable[[Any], float]] = None,
+                 default_distribution: str = "uniform"):
         self.shift = float(shift)
         self.dynamic_shift = dynamic_shift
+        self.default_distribution = default_distribution  # what loss.timestep_distribution = auto draws
 
     def _shifted(self, sigmas, lc: Any, latents):
         import torch  # torch inside: validate reads the objectives' rules without torch
@@ -158,7 +161,8 @@ class FlowMatchingObjective:
         if not 0 <= lo < hi:
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
-        dist = cfg_value(lc, "timestep_distribution", "uniform")
+        dist = cfg_value(lc, "timestep_distribution", "auto")
+        dist = self.default_distribution if dist == "auto" else dist
         if dist == "uniform":
             u = torch.rand((batch_size,), generator=generator)
         else:
@@ -175,6 +179,12 @@ class FlowMatchingObjective:
     def noisy_and_target(self, latents, noise, timesteps):
         s = timesteps.to(latents.device, latents.dtype).view(-1, *([1] * (latents.ndim - 1)))
         return (1.0 - s) * latents + s * noise, noise - latents
+
+    def preconditioned(self, model_pred, noisy, clean, timesteps):
+        """``loss.precondition_outputs``: (x̂0, x0) = (x_σ − σ·v̂, the clean latents), as diffusers' SD3 trainer's
+        ``model_pred * (-sigmas) + noisy_model_input`` against ``model_input``."""
+        s = timesteps.to(model_pred.device, model_pred.dtype).view(-1, *([1] * (model_pred.ndim - 1)))
+        return noisy.to(model_pred.dtype) - s * model_pred, clean.to(model_pred.dtype)
 
     def timestep_weights(self, lc: Any, timesteps):
         scheme = cfg_value(lc, "flow_weighting", "none")

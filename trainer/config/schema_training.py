@@ -164,9 +164,11 @@ class LossConfig:
     timestep_min: int = f(0, "Lowest timestep trained (inclusive).", min=0, max=10000)
     timestep_max: int = f(1000, "Timesteps are drawn below this (exclusive); capped at the model's count.",
                           min=1, max=10000)
-    timestep_distribution: str = f("uniform", "How timesteps are drawn in the range: uniform, logit_normal "
-                                              "(favours the middle), or mode (SD3 mode sampling).",
-                                   choices=["uniform", "logit_normal", "mode"])
+    timestep_distribution: str = f("auto", "How timesteps are drawn in the range: uniform, logit_normal (favours "
+                                           "the middle), mode (SD3 mode sampling), or auto: the model's own — "
+                                           "logit_normal for SD3/3.5 (as diffusers' and kohya's SD3 trainers), "
+                                           "uniform for the others.",
+                                   choices=["auto", "uniform", "logit_normal", "mode"])
     logit_mean: float = f(0.0, "logit_normal: mean of the normal before the sigmoid (0 = the middle).",
                           min=-10.0, max=10.0)
     logit_std: float = f(1.0, "logit_normal: spread of the normal before the sigmoid.", min=0.01, max=10.0)
@@ -174,6 +176,10 @@ class LossConfig:
                           min=-1.0, max=1.75)
     flow_shift: float = f(0.0, "Flow-matching families (Flux …): timestep shift s (σ' = sσ/(1+(s−1)σ); 3 is "
                                "common); 0 = the model's own (Flux.1 dev: resolution-dependent).", min=0.0, max=100.0)
+    precondition_outputs: bool = f(False, "Flow-matching families: compare x̂0 = x_σ − σ·v̂ with the clean latents "
+                                          "instead of v̂ with ε − x (the velocity loss weighted by σ²), as diffusers' "
+                                          "SD3 trainer (--precondition_outputs, its default) and kohya's do; off = "
+                                          "the plain velocity loss (diffusers' Flux trainers).")
     cosine_timesteps: str = f("uniform", "Würstchen 2 / Stable Cascade: t uniform in the range (diffusers' trainers), "
                                          "or original: the original recipe's draw, as OneTrainer has it (Würstchen 2: "
                                          "t·1.08 + 0.001, Stable Cascade: t + 0.001, clamped to [0.001, 1]).",

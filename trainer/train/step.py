@@ -34,6 +34,7 @@ def forward_loss(state: RunState, batch, gen=None):
     if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
         noisy, _ = objective.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
     mask = choose_mask(batch.get("mask"), lc, gen)
+    noisy_latents, clean = noisy, latents  # before the model's own input channels (loss.precondition_outputs)
     noisy = model.model_input(noisy, batch, gen, state.warn)  # inpainting: noisy ‖ mask ‖ masked-image latents
     train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "embedding"} & set(state.method.modules)
     drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
@@ -48,6 +49,7 @@ def forward_loss(state: RunState, batch, gen=None):
             drops[key] = (torch.rand(latents.shape[0], generator=gen) < part.caption_dropout).tolist()
     if rows is not None:
         noisy, target, timesteps = (take_rows(x, rows) for x in (noisy, target, timesteps))
+        noisy_latents, clean = take_rows(noisy_latents, rows), take_rows(clean, rows)
         drops = {k: v[rows[0]:rows[1]] for k, v in drops.items()}
     with state.accelerator.autocast():
         cond = model.batch_condition(batch, state.method.expand_text, train_text, **drops)
@@ -57,6 +59,11 @@ def forward_loss(state: RunState, batch, gen=None):
     prior = batch.get("prior")
     if prior is not None and bool(prior.any()):  # prior_prediction rows: the base model's own prediction
         target = _prior_target(state, batch, noisy, timesteps, target, prior, drops)
+    if lc.get("precondition_outputs", False):  # x̂0 = x_σ − σ·v̂ against x0: the σ²-weighted velocity loss
+        if prior is not None and bool(prior.any()):  # the base model's x̂0 is the target of prior rows
+            clean = torch.where(prior.to(clean.device).view(-1, *([1] * (clean.ndim - 1))),
+                                objective.preconditioned(target, noisy_latents, clean, timesteps)[0], clean)
+        model_pred, target = objective.preconditioned(model_pred, noisy_latents, clean, timesteps)
     losses = per_sample_loss(model_pred, target, lc, timesteps, objective,
                              mask=None if mask is None else mask.to(latents.device))
     variance = getattr(model, "variance_loss", None)  # learned-variance models: their variational bound

@@ -103,7 +103,10 @@ class SD3(Family):
         self.family = "sd3.5-medium" if c.dual_attention_layers else "sd3.5-large" if c.qk_norm else "sd3-medium"
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
-        self.objective = FlowMatchingObjective(shift=float(self._sched_config.get("shift", 3.0)))
+        # loss.timestep_distribution auto: logit-normal σ, the default of diffusers' SD3 trainer (--weighting_scheme)
+        # and kohya's sd3_train (--weighting_scheme logit_normal)
+        self.objective = FlowMatchingObjective(shift=float(self._sched_config.get("shift", 3.0)),
+                                               default_distribution="logit_normal")
         self.disabled = frozenset(getattr(mcfg, "disabled", ()) or ())  # text encoders switched off
         limit = int(self.tokenizer_3.model_max_length) if self.tokenizer_3 is not None else T5_MAX
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or T5_MAX), limit)
