@@ -23,4 +23,7 @@ INFO = FamilyInfo(
         QuickChoice("flux2", "Flux.2 [klein]", {"lora": "flux2-klein-lora"}),
         QuickChoice("flux2-dev", "Flux.2 [dev] (32B; 24 GB and up)", {"lora": "flux2-dev-lora"}),
     ),
+    # reference images (optional): BFL's limits, "up to 4" for [klein] 4B/9B and "recommended max 6" for [dev] (the
+    # diffusers pipelines set none); see trainer/families/flux2/references.py
+    controls={"flux2-klein": (0, 4), "flux2-dev": (0, 6)},
 )
