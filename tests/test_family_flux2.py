@@ -1,5 +1,6 @@
 """Flux.2 beyond the family contract: Qwen3 layers and latents as the pipeline makes them, Flux.2 [dev]'s processor
-folder read as its tokenizer and its embedded guidance, the transformer as one file."""
+folder read as its tokenizer and its embedded guidance, the transformer as one file, reference images (the
+transformer's inputs as the pipeline builds them; a LoRA trained with references)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 
 from conftest import load_tiny
 
@@ -112,3 +114,136 @@ def test_caption_encoding_skips_the_vocabulary_logits(tmp_path):
                                                           max_sequence_length=model.max_sequence_length,
                                                           hidden_states_layers=model.text_layers)
     torch.testing.assert_close(ours, ref.float())
+
+
+# --- reference images -------------------------------------------------------------------------------------------
+
+def _picture(seed: int, width: int, height: int):
+    import numpy as np
+    from PIL import Image
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _pixels(image):
+    """[1, 3, H, W] in [-1, 1], as the data core renders an image at its own size."""
+    import numpy as np
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1)[None].float() / 127.5 - 1
+
+
+def _transformer_inputs(model):
+    """Record every transformer call's keyword arguments (hidden_states, img_ids, txt_ids …)."""
+    seen = []
+    hook = model.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append({k: v.clone() for k, v in kwargs.items() if torch.is_tensor(v)}),
+        with_kwargs=True)
+    return seen, hook
+
+
+@pytest.mark.parametrize("sizes", [[(64, 64)], [(64, 64), (96, 64)]], ids=["one", "two"])
+def test_reference_images_reach_the_transformer_as_the_pipeline_builds_them(klein, sizes):
+    """The pipeline's first denoising call with ``image=`` (one reference; two of different sizes) and the training
+    step's call on the same noise, timestep and images (their cached posteriors, as ``batch["control_latents"]``) give
+    the transformer the same sequence: the target's tokens, then each reference's, normalised by the VAE's BatchNorm
+    statistics and packed in row order, with the ids (10 + 10·k, h, w, 0) over each reference's own grid."""
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"])
+    images = [_picture(k, w, h) for k, (w, h) in enumerate(sizes)]
+    noise = torch.randn(1, 128, 16, 16, generator=torch.Generator().manual_seed(0))
+    seen, hook = _transformer_inputs(model)
+    model.pipeline(None)("a red square", image=images, latents=noise.clone(), num_inference_steps=1, width=64,
+                         height=64, guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+    ref = seen[0]
+    seen.clear()
+    batch = {"captions": ["a red square"], "control_latents": [model.encode_pixels(_pixels(im)) for im in images]}
+    cond = model.batch_condition(batch, lambda c: c, set())
+    with torch.no_grad():
+        model.predict(model.model_input(noise.clone(), batch), ref["timestep"], cond)
+    hook.remove()
+    ours = seen[0]
+    grids = [(h // 4, w // 4) for w, h in sizes]  # the tiny VAE halves, the 2×2 patch halves again
+    n = 16 * 16 + sum(h * w for h, w in grids)
+    assert ref["hidden_states"].shape == ours["hidden_states"].shape == (1, n, 128)
+    for key in ("img_ids", "txt_ids", "timestep"):
+        torch.testing.assert_close(ours[key], ref[key], rtol=0, atol=0, msg=key)
+    torch.testing.assert_close(ours["hidden_states"], ref["hidden_states"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours["encoder_hidden_states"], ref["encoder_hidden_states"])
+    start = 16 * 16
+    for k, (h, w) in enumerate(grids):  # each reference: its own time offset and grid, from 0
+        ids = ours["img_ids"][0, start:start + h * w]
+        assert set(ids[:, 0].tolist()) == {10 + 10 * k} and ids[:, 1].max() == h - 1 and ids[:, 2].max() == w - 1
+        start += h * w
+    # several processes: the step draws for the global micro-batch and each process keeps its rows of the input
+    from trainer.parallel.distributed import expand_rows, take_rows
+    rows = (1, 2, 2)
+    mine = take_rows(model.model_input(expand_rows(noise, rows), dict(batch, global_rows=rows)), rows)
+    alone = model.model_input(noise, batch)
+    for a, b in zip((mine.latents, *mine.references), (alone.latents, *alone.references)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+@pytest.mark.slow
+def test_a_lora_trained_with_references_loads_in_the_pipeline_and_changes_what_it_draws(klein, tmp_path,
+                                                                                          monkeypatch):
+    """Two shapes, each with a reference of the same name in a control folder: the training step gives the
+    transformer the references (and samples during the run pass the prompt's control_images); the LoRA file has the
+    keys a LoRA without references has (the same modules: nothing new for ComfyUI to drop); loaded with
+    Flux2KleinPipeline.load_lora_weights it changes what the pipeline draws from a reference."""
+    import shutil
+
+    from PIL import ImageOps
+
+    from conftest import DEMO_DATA, train_quiet
+    from trainer.families.flux2.family import Flux2
+    from trainer.families.flux2.references import Flux2Input
+
+    ws, paths = klein
+    data, refs = tmp_path / "targets", tmp_path / "refs"
+    data.mkdir()
+    refs.mkdir()
+    for name in ("00-red-square", "03-blue-circle"):
+        shutil.copy(DEMO_DATA / f"{name}.png", data / f"{name}.png")
+        shutil.copy(DEMO_DATA / f"{name}.txt", data / f"{name}.txt")
+        ImageOps.invert(Image.open(DEMO_DATA / f"{name}.png").convert("RGB")).save(refs / f"{name}.jpg")
+    sample_ref = refs / "00-red-square.jpg"
+
+    calls = []
+    original = Flux2.model_input
+
+    def spy(self, noisy, batch, *args, **kwargs):
+        out = original(self, noisy, batch, *args, **kwargs)
+        calls.append(len(out.references) if isinstance(out, Flux2Input) else 0)
+        return out
+
+    monkeypatch.setattr(Flux2, "model_input", spy)
+    run = train_quiet(ws, "refs", "demo-flux2-klein", f"data.concepts=[{{path: {data}, control_paths: [{refs}]}}]",
+                      "training.max_steps=4", "training.batch_size=2", "training.learning_rate=0.01",
+                      "lora.rank=4", "lora.alpha=4", "sampling.every_n_epochs=0", "sampling.every_n_steps=4",
+                      f"sampling.prompts=[{{prompt: a red square, steps: 2, cfg_scale: 1.0, width: 64, height: 64, "
+                      f"control_images: [{sample_ref}]}}]")
+    monkeypatch.undo()
+    assert calls and all(n == 1 for n in calls), calls
+    assert len(list((run / "samples").glob("*.png"))) == 1
+    lora = run / f"{run.name}.safetensors"
+    trained = _tensors(lora)
+
+    from trainer.config.checks import load_config
+    from trainer.methods.lora import LoraMethod
+    cfg = load_config(run / "config.yaml")
+    plain = LoraMethod(load_tiny(ws, paths["diffusers"]), cfg).adapter_state_dict()
+    assert set(trained) == set(plain) and all(k.startswith("transformer.") for k in trained)
+
+    pipe = load_tiny(ws, paths["diffusers"]).pipeline(None)
+
+    def draw():
+        return pipe("a red square", image=[Image.open(sample_ref).convert("RGB")], num_inference_steps=2, width=64,
+                    height=64, guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="np",
+                    max_sequence_length=512, text_encoder_out_layers=(1, 2, 3)).images[0]
+
+    before = draw()
+    pipe.load_lora_weights(str(lora))
+    assert abs(draw() - before).max() > 1e-3

@@ -17,6 +17,10 @@ What differs, and where it lives here:
 - Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
   it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
   real CFG, the distilled one without).
+- Reference images (``data.concepts[].control_paths``; up to 4 for [klein], 6 for [dev]): see
+  :mod:`trainer.families.flux2.references`. Each reference's cached posterior mean, normalised like the target, packed
+  after the target's tokens with its own position ids (time 10, 20, …); the prediction is cut to the target's tokens.
+  The LoRA's modules are the same with or without references.
 - Files: LoRA in the diffusers/peft layout (``transformer.<module>``) that ``Flux2KleinPipeline.load_lora_weights``
   reads; fine-tunes as the transformer's weights in one file under diffusers' names. Single files in: the
   transformer, with the VAE, Qwen3 and tokenizer from ``model.config_path`` (default black-forest-labs/FLUX.2-klein-4B).
@@ -42,8 +46,10 @@ from trainer.families.common.transformer_kit import (
     save_transformer_file,
 )
 from trainer.families.flux2.keys import config_from_state
+from trainer.families.flux2.references import Flux2Input, load_images, normalise, reference_tokens
 from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
 from trainer.objectives import FlowMatchingObjective
+from trainer.parallel.distributed import expand_rows
 
 OFFICIAL = "black-forest-labs/FLUX.2-klein-4B"
 OFFICIAL_DEV = "black-forest-labs/FLUX.2-dev"
@@ -193,10 +199,7 @@ class Flux2(PeftLayoutLora, Family):
         """A latent drawn from the cached posterior, normalised by the VAE's BatchNorm statistics."""
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
-        bn = self.vae.bn
-        shift = bn.running_mean.view(1, -1, 1, 1).to(mean)
-        scale = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(mean)
-        return (mean + std * eps - shift) / scale
+        return normalise(self.vae, mean + std * eps)
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
@@ -230,10 +233,31 @@ class Flux2(PeftLayoutLora, Family):
         return Flux2Conditioning(embeds)
 
     # --- the denoiser -------------------------------------------------------------------------
+    def model_input(self, noisy_latents, batch: Dict[str, Any], generator=None, warn=None):
+        """The noisy latents, with the batch's reference images (``control_latents``, one entry per control folder)
+        when it has them: each reference's posterior mean (the pipeline encodes references with
+        ``sample_mode="argmax"``), normalised as the target is. ``noisy_latents`` has the global micro-batch's rows
+        with several processes (``batch["global_rows"]``); the references of the other processes' rows are zeros."""
+        controls = batch.get("control_latents")
+        if not controls:
+            return noisy_latents
+        rows = batch.get("global_rows")
+        refs = [expand_rows(normalise(self.vae, c["mean"].to(self.device, torch.float32)), rows) for c in controls]
+        return Flux2Input(noisy_latents, [r.to(noisy_latents.device, noisy_latents.dtype) for r in refs])
+
     def predict(self, model_input, timesteps, conditioning):
-        b, c, h, w = model_input.shape
-        dtype, device = model_input.dtype, model_input.device
-        tokens = Flux2KleinPipeline._pack_latents(model_input)
+        """The target's tokens, then the references' (each with its own time offset) as the pipeline's denoising
+        step joins them; the velocity of the target's tokens, unpacked."""
+        references = model_input.references if isinstance(model_input, Flux2Input) else ()
+        latents = model_input.latents if isinstance(model_input, Flux2Input) else model_input
+        b, c, h, w = latents.shape
+        dtype, device = latents.dtype, latents.device
+        tokens = Flux2KleinPipeline._pack_latents(latents)
+        img_ids = Flux2KleinPipeline._prepare_latent_ids(latents).to(device)
+        if references:
+            ref_tokens, ref_ids = reference_tokens(references)
+            tokens = torch.cat([tokens, ref_tokens.to(device, dtype)], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids.to(device)], dim=1)
         embeds = conditioning.prompt_embeds.to(device, dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:  # [dev]: the embedded guidance (the transformer scales it by 1000)
@@ -241,8 +265,7 @@ class Flux2(PeftLayoutLora, Family):
         out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=guidance,
                                encoder_hidden_states=embeds,
                                txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
-                               img_ids=Flux2KleinPipeline._prepare_latent_ids(model_input).to(device),
-                               return_dict=False)[0][:, :h * w]
+                               img_ids=img_ids, return_dict=False)[0][:, :h * w]
         return out.permute(0, 2, 1).reshape(b, c, h, w)  # tokens are in row order: the inverse of _pack_latents
 
     # --- sampling ---------------------------------------------------------------------------
@@ -260,6 +283,12 @@ class Flux2(PeftLayoutLora, Family):
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "text_encoder_out_layers": self.text_layers}
+
+    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
+        """The sample prompt's reference images (``control_images``) as the pipeline's ``image=``; the pipeline
+        sizes them by its own rule (:mod:`trainer.families.flux2.references`)."""
+        images = load_images(getattr(sample_prompt, "control_images", None) or [])
+        return {"image": images} if images else {}
 
     def text_fingerprint(self, mcfg: Any) -> str:
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:{self.text_layers}"

@@ -21,6 +21,10 @@ INFO = FamilyInfo(
     finetune_slots=("unet",),
     quick_start=(
         QuickChoice("flux2", "Flux.2 [klein]", {"lora": "flux2-klein-lora"}),
+        QuickChoice("flux2-refs", "Flux.2 [klein] with reference images", {"lora": "flux2-klein-lora-refs-16gb"}),
         QuickChoice("flux2-dev", "Flux.2 [dev] (32B; 24 GB and up)", {"lora": "flux2-dev-lora"}),
     ),
+    # reference images (optional): BFL's limits, "up to 4" for [klein] 4B/9B and "recommended max 6" for [dev] (the
+    # diffusers pipelines set none); see trainer/families/flux2/references.py
+    controls={"flux2-klein": (0, 4), "flux2-dev": (0, 6)},
 )
