@@ -3,27 +3,27 @@ formulas, and bad settings give messages that name the field."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import io
+import json
 import math
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from trainer.optim import build as optim_build
-from trainer.optim import registry as optim_registry
-from trainer.optim import rules as optim_rules
 from trainer.config.checks import cross_field_warnings, load_config
 from trainer.config.fields import field_info
 from trainer.config.schema import AtelierConfig
 from trainer.config.schema_training import OptimizerConfig
-from trainer.optim.rules import resolved_learning_rates
 from trainer.errors import ConfigError
-from trainer.optim.schedule import build_scheduler, rex_factor
+from trainer.optim import build as optim_build, registry as optim_registry, rules as optim_rules
 from trainer.optim.build import build_optimizer, on_eval, on_train, param_groups
 from trainer.optim.registry import OPTIMIZERS, SCHEDULER_NAMES
+from trainer.optim.rules import resolved_learning_rates
+from trainer.optim.schedule import build_scheduler, rex_factor
 
 pytestmark = pytest.mark.filterwarnings("ignore:Paged optimizers are not supported")
 
@@ -376,13 +376,63 @@ def test_bad_settings_found_at_build_time():
     with pytest.raises(ConfigError, match=r"training.optimizer.name = adamw: .*beta"):
         build_optimizer(groups(), make_cfg(optimizer={"name": "adamw", "beta1": 1.0}))  # in range, torch refuses
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match="cannot import 'no_such_pkg.mod'"):
-        build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class="no_such_pkg.mod:Sched"), 10)
+    with pytest.raises(ConfigError, match="cannot import 'pytorch_optimizer.no_such_mod'"):
+        build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class="pytorch_optimizer.no_such_mod:Sched"), 10)
     with pytest.raises(ConfigError, match="has no 'Nope'"):
         build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class="torch.optim.lr_scheduler:Nope"), 10)
     with pytest.raises(ConfigError, match="lr_scheduler_args"):
         build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class="torch.optim.lr_scheduler:StepLR",
                                       lr_scheduler_args={"bogus": 1}), 10)
+
+
+def _validate_cli(*overrides):
+    from trainer.__main__ import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["validate", "--preset", "demo", "--json", *[a for o in overrides for a in ("--set", o)]])
+    return rc, json.loads(out.getvalue())
+
+
+def test_a_config_imports_nothing_outside_the_scheduler_libraries(tmp_path, monkeypatch):
+    """training.lr_scheduler_class is a name from torch/diffusers/transformers/pytorch_optimizer, refused before
+    any import otherwise: a module of the user's (or os, torch.save) is never imported or called."""
+    (tmp_path / "evil_sched.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('x')\nclass S: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for path in ("evil_sched:S", "os:system", "torch:save", "torch.optim.lr_scheduler:_LRScheduler",
+                 "builtins.eval"):
+        with pytest.raises(ConfigError) as err:
+            load_config(preset="demo", overrides=["training.lr_scheduler=custom", f"training.lr_scheduler_class={path}"])
+        assert err.value.key == "training.lr_scheduler_class", path
+        assert "torch.optim.lr_scheduler" in str(err.value) or "private" in str(err.value), str(err.value)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        with pytest.raises(ConfigError):  # the build path refuses it too (a config written past validate)
+            build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class=path), 10)
+    assert not (tmp_path / "ran").exists()
+    # a name the allowed module merely imports is no scheduler
+    with pytest.raises(ConfigError, match="not an LR scheduler"):
+        build_scheduler(opt, make_cfg(lr_scheduler="custom", lr_scheduler_class="torch.optim.lr_scheduler:Optimizer"), 10)
+
+
+@pytest.mark.parametrize("overrides, key, words", [
+    (["training.optimizer.extra_args={foo: 1}"], "training.optimizer.extra_args.foo", ["takes no 'foo'"]),
+    (["training.optimizer.beta1=1.0"], "training.optimizer.name", ["rejected", "beta"]),
+    (["training.lr_scheduler=custom", "training.lr_scheduler_class=torch.optim.lr_scheduler:Nope"],
+     "training.lr_scheduler_class", ["has no 'Nope'"]),
+    (["training.lr_scheduler=custom", "training.lr_scheduler_class=torch.optim.lr_scheduler:StepLR"],
+     "training.lr_scheduler_args", ["step_size"]),
+    (["training.lr_scheduler=custom", "training.lr_scheduler_class=torch.optim.lr_scheduler:StepLR",
+      "training.lr_scheduler_args={step_size: 2, bogus: 1}"], "training.lr_scheduler_args", ["bogus"]),
+])
+def test_validate_checks_the_classes_a_config_names(overrides, key, words):
+    """What train's constructors would refuse, validate names first (the classes imported, only the optimizer built
+    on a stand-in weight, the scheduler's signature bound)."""
+    rc, out = _validate_cli(*overrides)
+    assert rc == 1 and [e["key"] for e in out["errors"]] == [key], out
+    for w in words:
+        assert w in out["errors"][0]["message"], out
+    rc, out = _validate_cli("training.lr_scheduler=custom", "training.lr_scheduler_class=torch.optim.lr_scheduler:StepLR",
+                            "training.lr_scheduler_args={step_size: 2}", "training.optimizer.beta1=0.8")
+    assert rc == 0 and out["errors"] == [], out
 
 
 def test_eight_bit_when_bitsandbytes_cannot_run(monkeypatch):

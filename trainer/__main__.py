@@ -23,12 +23,13 @@ from trainer.config.checks import cross_field_warnings, load_config
 from trainer.config.fields import all_keys, field_info
 from trainer.config.load import preset_names, resolve_preset
 from trainer.data.report import print_report
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, Issue
 from trainer.events import EventWriter, read_events, run_state
 from trainer.host.devices import enable_mps_fallback
 from trainer.host.procs import stop_signals
 from trainer.host.startup import pause_gc, skip_unused_imports, speed_up_imports
 from trainer.memory.estimate_report import add_arguments as add_estimate_arguments
+from trainer.optim.rules import class_check_needed
 from trainer.parallel.launch import check_devices, dead_ranks, launch_argv, rank_errors
 from trainer.parallel.plan import env_rank_world, launched
 from trainer.tools.cli import COMMANDS as TOOL_COMMANDS, add_parsers, run as run_tool
@@ -217,6 +218,13 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         return print_report(cfg, as_json=args.json)
     issues = cross_field_warnings(cfg)
     errors = [i for i in issues if i.level == "error"]
+    if args.command == "validate" and not errors and class_check_needed(cfg):
+        from trainer.optim.schedule import check_classes  # torch: only for a config naming classes or their args
+        try:
+            check_classes(cfg)
+        except ConfigError as exc:
+            issues.append(Issue(exc.key or "", str(exc), "error"))
+            errors = [i for i in issues if i.level == "error"]
     if args.command == "validate":
         if args.json:
             print(json.dumps({"errors": [i.__dict__ for i in errors],
@@ -296,9 +304,9 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
-    from trainer.optim.build import check_optimizer_class  # torch: the train path only
-    try:  # needs the optimizer's library (torch): checked here, before any model loads, not by validate
-        check_optimizer_class(cfg)
+    from trainer.optim.schedule import check_classes  # torch: the train path only
+    try:  # needs the optimizer's library (torch): checked here, before any model loads
+        check_classes(cfg)
     except ConfigError as exc:
         print(f"Config error: {exc}", file=sys.stderr)
         return 2

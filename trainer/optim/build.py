@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from trainer.errors import ConfigError
 from trainer.optim.registry import OptimizerSpec, optimizer_spec
-from trainer.optim.rules import check_fused, lr_scale_factor, resolved_learning_rates
+from trainer.optim.rules import check_fused, lr_scale_factor, resolved_learning_rates, split_target
 
 log = logging.getLogger("atelier")
 
@@ -37,15 +37,27 @@ def _check_extra_args(name: str, spec: Any, cls: Any, extra: dict, warn: bool = 
 
 
 def check_optimizer_class(cfg) -> None:
-    """The optimizer's package and extra_args, checked by ``train`` before the model loads (this imports
-    the optimizer's library, so ``validate``, which stays torch-free, leaves it to train)."""
+    """The optimizer's package, its settings and extra_args, checked before the model loads by ``train`` and, when
+    extra_args are set, by ``validate`` (this imports the optimizer's library): the optimizer is built on one
+    stand-in weight, so settings its constructor refuses (a beta of 1, a key it does not take) fail here."""
     o = cfg.training.optimizer
     spec = optimizer_spec(o.name)
-    cls = import_target(spec.target, "training.optimizer.name", o.name,
-                  f" Install the '{spec.library}' package or pick another optimizer.")
+    key = "training.optimizer.name"
+    cls = import_target(spec.target, key, o.name, f" Install the '{spec.library}' package or pick another optimizer.")
     extra = to_plain(o.extra_args) or {}
     if extra:
         _check_extra_args(o.name, spec, cls, extra)
+    kwargs = {**optimizer_kwargs(spec, cls, o), **extra}
+    if o.name == "adafactor" and kwargs.get("relative_step", True):
+        kwargs["lr"] = None
+    else:
+        kwargs["lr"] = cfg.training.learning_rate
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **kwargs)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        shown = {k: v for k, v in kwargs.items() if k != "lr"}
+        raise ConfigError(f"{key} = {o.name}: {spec.target} rejected its settings {shown}: {exc}",
+                          key=key, value=o.name) from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,10 +86,7 @@ def param_groups(method, cfg) -> List[Dict[str, Any]]:
 
 def import_target(path: str, key: str, what: str, hint: str = "") -> Any:
     """Import 'package.module.Name' or 'package.module:Name'."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
+    module_name, attr = split_target(path)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
 from typing import Dict
 
 from trainer.config.fields import part_of
+from trainer.config.schema_training import OptimizerConfig
 from trainer.errors import ConfigError, Issue
 from trainer.optim.registry import (
     DECAYING_SCHEDULERS,
@@ -20,6 +22,11 @@ from trainer.optim.registry import (
 )
 
 _CLASS_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*[:.][A-Za-z_]\w*$")
+
+#: The only modules a custom LR scheduler (training.lr_scheduler_class) may come from: a config names a class,
+#: never code of its own, so a config from anyone (the page's share link) cannot import and call what it likes.
+SCHEDULER_LIBRARIES = ("torch.optim.lr_scheduler", "diffusers.optimization", "transformers.optimization",
+                       "pytorch_optimizer")
 _NUM = r"\s*(\d+(\.\d*)?|\.\d+)\s*"
 _STEP_RULES = re.compile(rf"^({_NUM}:\s*\d+\s*,)*{_NUM}$")  # "1:100,0.5:200,0.1"
 
@@ -96,6 +103,9 @@ def validate_optim(cfg) -> None:
             raise ConfigError(f"training.lr_scheduler_class = {path!r} is not an import path; write "
                               "'package.module:Class' (e.g. torch.optim.lr_scheduler:CosineAnnealingLR).",
                               key="training.lr_scheduler_class", value=path)
+        problem = scheduler_path_problem(path)
+        if problem:
+            raise ConfigError(problem, key="training.lr_scheduler_class", value=path)
     if t.lr_scheduler == "piecewise_constant" and not _STEP_RULES.match(t.lr_step_rules or ""):
         raise ConfigError(f"training.lr_step_rules = {t.lr_step_rules!r} must look like "
                           "'1:100,0.5:200,0.1' (multiplier until step, ..., final multiplier).",
@@ -106,6 +116,41 @@ def validate_optim(cfg) -> None:
         raise ConfigError("training.lr_scheduler = adafactor reports Adafactor's own relative-step LR: it needs "
                           "training.optimizer.name = adafactor with relative_step = true. Pick another "
                           "schedule for this optimizer.", key="training.lr_scheduler", value="adafactor")
+
+
+def class_check_needed(cfg) -> bool:
+    """Whether ``validate`` imports the optimizer's library to check the config (see
+    :func:`trainer.optim.schedule.check_classes`): a custom scheduler, extra_args, or an optimizer setting away
+    from its default (which the constructor may refuse). Other configs stay torch-free; ``train`` always checks."""
+    t = cfg.training
+    o = t.optimizer
+    if t.lr_scheduler == "custom" or o.get("extra_args"):
+        return True
+    defaults = {fld.name: fld.default for fld in dataclasses.fields(OptimizerConfig)}
+    return any(o.get(setting) != defaults.get(setting) for setting in optimizer_spec(o.name).args)
+
+
+def split_target(path: str) -> tuple:
+    """('package.module', 'Name') of 'package.module:Name' or 'package.module.Name'."""
+    if ":" in path:
+        module, _, attr = path.partition(":")
+    else:
+        module, _, attr = path.rpartition(".")
+    return module, attr
+
+
+def scheduler_path_problem(path: str) -> str:
+    """Why ``training.lr_scheduler_class = path`` may not be imported (not from one of
+    :data:`SCHEDULER_LIBRARIES`, or a private name), or "". Decided from the text alone, before any import."""
+    module, attr = split_target(path.strip())
+    if not any(module == lib or module.startswith(lib + ".") for lib in SCHEDULER_LIBRARIES):
+        return (f"training.lr_scheduler_class = {path!r}: a custom scheduler comes from "
+                f"{', '.join(SCHEDULER_LIBRARIES)} (e.g. torch.optim.lr_scheduler:OneCycleLR); '{module}' is "
+                "not one of them, and a config may not import other code. Pick a scheduler from those "
+                "libraries or one of training.lr_scheduler's built-in schedules.")
+    if attr.startswith("_"):
+        return f"training.lr_scheduler_class = {path!r}: '{attr}' is a private name of '{module}'; name a scheduler."
+    return ""
 
 
 def check_fused(cfg, spec: OptimizerSpec) -> None:

@@ -9,12 +9,13 @@ import re
 from typing import Callable, List
 
 from diffusers import optimization as dopt
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from trainer.config.fields import part_of
 from trainer.errors import ConfigError
-from trainer.optim.build import import_target, to_plain
+from trainer.optim.build import check_optimizer_class, import_target, to_plain
 from trainer.optim.registry import SCHEDULER_NAMES
+from trainer.optim.rules import SCHEDULER_LIBRARIES, scheduler_path_problem
 
 #: Components (param-group names): the model's part slots (parts.* in the config) and the embedding.
 COMPONENTS = ("unet", "text_encoder", "text_encoder_2", "text_encoder_3", "embedding")
@@ -166,15 +167,36 @@ _AUTO_ARGS = {"num_training_steps": "total", "total_steps": "total", "total_iter
               "num_warmup_steps": "warmup", "warmup_steps": "warmup"}
 
 
-def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
-    """``package.module:Class(optimizer, **lr_scheduler_args)``; the run's length and warm-up are passed
-    as num_training_steps/total_steps/total_iters and num_warmup_steps/warmup_steps when it takes them
-    and lr_scheduler_args does not set them."""
-    t = cfg.training
-    path = t.lr_scheduler_class.strip()
+def _makes_schedulers(target) -> bool:
+    """A scheduler class or a ``get_*`` schedule function of the allowed libraries (not something they import)."""
+    module = getattr(target, "__module__", "") or ""
+    if not any(module == lib or module.startswith(lib + ".") for lib in SCHEDULER_LIBRARIES):
+        return False
+    if inspect.isclass(target):
+        return issubclass(target, LRScheduler) or "lr_scheduler" in module
+    return inspect.isfunction(target) and target.__name__.startswith("get_")
+
+
+def scheduler_target(cfg):
+    """The class or function ``training.lr_scheduler_class`` names, refused before any import unless it comes
+    from :data:`SCHEDULER_LIBRARIES`, and after the import unless it makes schedulers."""
+    path = cfg.training.lr_scheduler_class.strip()
     key = "training.lr_scheduler_class"
+    problem = scheduler_path_problem(path)
+    if problem:
+        raise ConfigError(problem, key=key, value=path)
     target = import_target(path, key, path)
-    kwargs = to_plain(t.lr_scheduler_args) or {}
+    if not _makes_schedulers(target):
+        raise ConfigError(f"{key} = {path!r} is not an LR scheduler class or get_* schedule function of "
+                          f"'{getattr(target, '__module__', '?')}'; name a scheduler (e.g. "
+                          "torch.optim.lr_scheduler:OneCycleLR).", key=key, value=path)
+    return target
+
+
+def scheduler_kwargs(target, cfg, total: int, warmup: int) -> dict:
+    """training.lr_scheduler_args, plus the run's length and warm-up under the names the target takes
+    (num_training_steps/total_steps/total_iters, num_warmup_steps/warmup_steps) when the args leave them out."""
+    kwargs = to_plain(cfg.training.lr_scheduler_args) or {}
     try:
         params = inspect.signature(target).parameters
     except (TypeError, ValueError):
@@ -182,6 +204,37 @@ def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
     for arg, what in _AUTO_ARGS.items():
         if arg in params and arg not in kwargs:
             kwargs[arg] = total if what == "total" else warmup
+    return kwargs
+
+
+def check_scheduler_class(cfg) -> None:
+    """A custom scheduler exists and takes its arguments: imported and its signature bound, nothing called."""
+    if cfg.training.lr_scheduler != "custom":
+        return
+    target = scheduler_target(cfg)
+    kwargs = scheduler_kwargs(target, cfg, 1000, 0)
+    try:
+        inspect.signature(target).bind(None, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"training.lr_scheduler_class = {cfg.training.lr_scheduler_class!r} with "
+                          f"training.lr_scheduler_args = {to_plain(cfg.training.lr_scheduler_args) or {}}: {exc}",
+                          key="training.lr_scheduler_args") from None
+
+
+def check_classes(cfg) -> None:
+    """What a config imports, checked without a model: the optimizer (built on a stand-in weight) and a custom
+    scheduler (signature only). ``train`` runs it before loading; ``validate`` when the config names either."""
+    check_optimizer_class(cfg)
+    check_scheduler_class(cfg)
+
+
+def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
+    """``package.module:Class(optimizer, **lr_scheduler_args)`` of an allowed library (see
+    :func:`scheduler_target`, :func:`scheduler_kwargs`)."""
+    path = cfg.training.lr_scheduler_class.strip()
+    key = "training.lr_scheduler_class"
+    target = scheduler_target(cfg)
+    kwargs = scheduler_kwargs(target, cfg, total, warmup)
     try:
         sched = target(optimizer, **kwargs)
     except (TypeError, ValueError) as exc:
@@ -191,4 +244,3 @@ def _custom_scheduler(optimizer, cfg, total: int, warmup: int):
         raise ConfigError(f"{key} = {path!r} did not make an LR scheduler (no step()/state_dict()): got "
                           f"{type(sched).__name__}.", key=key, value=path)
     return sched
-
