@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,87 @@ def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
         text = page.locator("#concepts-dataset-report").inner_text()
         assert "8 used / 8 found" in text and "64x64" in text
         page.screenshot(path=str(tmp_path / "concepts-report.png"), full_page=True)
+
+
+def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_names_an_unpaired_control(page_url,
+                                                                                                      tmp_path):
+    """Path, role and a control folder (browsed) set in the row editor; the card shows the role and the folder; the
+    dataset check shows the pairs side by side, then names a control that has no target; the caption editor shows
+    an image beside its control. (The demo model takes no controls: the report is still made, under validate's
+    refusal; a run on pairs needs an edit model.)"""
+    from test_webui_e2e import open_page
+    url, ctx = page_url
+    root = ctx.workspace / "pairs"
+    for i, name in enumerate(("cat_01", "cat_02")):
+        for folder, ext in (("targets", ".png"), ("control", ".jpg")):
+            (root / folder).mkdir(parents=True, exist_ok=True)
+            colour = (90 * i, 120, 200 if folder == "targets" else 20)
+            Image.new("RGB", (64, 48), colour).save(root / folder / (name + ext))
+        (root / "targets" / f"{name}.txt").write_text("make it blue\n")
+    with open_page(url, height=1600) as page:
+        try:
+            page.locator("#preset-select input").click()
+            page.get_by_role("option", name="demo", exact=True).click()
+            page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
+                                   timeout=30000)
+            page.get_by_role("tab", name="Concepts", exact=True).click()
+            page.get_by_text("Add or edit one concept").click()
+            name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
+            name_box.first.fill("edits")
+            page.locator("#cfg-data-concepts-item-path textarea, #cfg-data-concepts-item-path input").first.fill(
+                str(root / "targets"))
+            page.locator("#cfg-data-concepts-item-role input").click()
+            page.get_by_role("option", name=re.compile("^validation — never trained on")).click()
+            page.locator("#cfg-data-concepts-item-control-paths-new-browse").click()  # the page's file browser
+            page.locator("#browser-entries").get_by_text("pairs/").click()
+            page.locator("#browser-entries").get_by_text("control/").click()
+            page.wait_for_function("document.querySelector('#browser-folder textarea, #browser-folder input')"
+                                   ".value.endsWith('/pairs/control')", timeout=15000)
+            page.locator("#browser-use-folder").click()  # Use adds it to the list at once
+            controls = page.locator("#cfg-data-concepts-item-control-paths textarea").first
+            page.wait_for_function("document.querySelector('#cfg-data-concepts-item-control-paths textarea')"
+                                   ".value.endsWith('/pairs/control')", timeout=15000)
+            assert controls.input_value() == str(root / "control")
+            page.locator("#cfg-data-concepts-add").click()
+            card = page.locator("#cfg-data-concepts-card-1").first
+            card.wait_for(timeout=15000)
+            page.wait_for_function("(document.querySelector('#cfg-data-concepts-card-1') || {innerText: ''})"
+                                   ".innerText.includes('control folders')", timeout=15000)
+            text = card.inner_text()
+            assert "validation" in text and str(root / "control") in text and "(2 images)" in text
+            assert card.locator(".atl-role-validation").count() == 1  # a badge: not mistaken for a subject
+
+            started = time.time()
+            page.locator("#concepts-dataset-btn").click()
+            page.locator("#concepts-pairs-1-gallery").first.wait_for(timeout=60000)
+            gallery = page.locator("#concepts-pairs-1-gallery").first.inner_text()
+            assert "target: cat_01.png" in gallery and "control 1: cat_01.jpg" in gallery and "cat_02.jpg" in gallery
+            head = page.locator("#concepts-pairs-1-head").first.inner_text()
+            assert "validation" in head and str(root / "control") in head
+            assert "takes no control or reference images" in page.locator("#concepts-dataset-report").inner_text()
+
+            Image.new("RGB", (64, 48)).save(root / "control" / "dog_01.png")  # a control with no target
+            page.locator("#concepts-dataset-btn").click()
+            page.wait_for_function("(document.querySelector('#concepts-pairs-1-unpaired') || {innerText: ''})"
+                                   ".innerText.includes('dog_01.png')", timeout=60000)
+            unpaired = page.locator("#concepts-pairs-1-unpaired").first.inner_text()
+            assert "data.concepts.1.control_paths.0" in unpaired and "concept 1 ('edits')" in unpaired
+            assert "Add the targets or remove those controls" in unpaired
+            print(f"report round trips: {time.time() - started:.1f} s")
+            page.screenshot(path=str(tmp_path / "pairs-report.png"), full_page=True)
+
+            # the caption editor shows the image being captioned beside its control
+            page.get_by_role("tab", name="Tools", exact=True).click()
+            page.get_by_text("Caption editor", exact=True).click()
+            page.locator("#cap-folder textarea, #cap-folder input").first.fill(str(root / "targets"))
+            page.locator("#cap-open").click()
+            page.wait_for_function("(document.querySelector('#cap-control-note') || {innerText: ''})"
+                                   ".innerText.includes(\"Concept 1 ('edits') pairs these images\")", timeout=30000)
+            page.locator("#cap-gallery button img, #cap-gallery img").first.click()
+            page.wait_for_function("(document.querySelector('#cap-pair') || {innerText: ''})"
+                                   ".innerText.includes('control 1: cat_01.jpg')", timeout=30000)
+            assert "image: cat_01.png" in page.locator("#cap-pair").first.inner_text()
+            page.screenshot(path=str(tmp_path / "pairs-captions.png"), full_page=True)
+        except Exception:
+            page.screenshot(path=str(tmp_path / "pairs-failure.png"), full_page=True)
+            raise

@@ -55,6 +55,10 @@ CSS = """
 .atl-log { font-size: 12px; white-space: pre-wrap; margin: 0; }
 .atl-log-warn { color: #b45309; } .atl-log-err { color: #dc2626; font-weight: 600; }
 .atl-browse { align-self: center; }
+.atl-role { padding: 1px 8px; border-radius: 999px; font-size: 12px; font-weight: 600; color: white;
+            background: #6b7280; }
+.atl-role-validation { background: #0e7490; } .atl-role-regularisation { background: #7c3aed; }
+.atl-role-prior_prediction { background: #b45309; }
 .atl-card { padding: 8px 12px; margin-bottom: 8px; border: 1px solid var(--border-color-primary); border-radius: 10px; }
 /* help text: Gradio's default grey (187,187,194) on white is 1.9:1; these are >= 7:1 in both themes */
 .info-text, [data-testid="block-info"] + .info-text { color: #52525b !important; }

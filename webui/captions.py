@@ -1,5 +1,7 @@
 """The caption editor of the Tools tab: a folder's images with their ``<image>.txt`` captions, edited in place;
-search and replace across the folder; how often each tag occurs. Torch-free; writes atomically.
+search and replace across the folder; how often each tag occurs. For a concept with control folders (an edit
+pair: the caption is the instruction), the image's control images show beside it, and an image without one is
+named. Torch-free; writes atomically.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from typing import Any, List, Optional, Tuple
 import gradio as gr
 from PIL import Image
 
-from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX
+from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX, pair_listing
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
+from webui.pairs import concept_of_folder, image_with_controls, thumb
+from webui.pathlist import resolve_path, split_lines
+from webui.schema_widgets import table_from_widget
 
 EXTENSION = ".txt"
 
@@ -46,19 +51,17 @@ def mask_of(image: Path) -> Path:
 
 def thumbnail(image: Path, size: int = 192) -> Any:
     """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid."""
-    with Image.open(image) as img:
-        thumb = img.convert("RGB")
-        thumb.thumbnail((size, size))
+    small = thumb(image, size)
     mask = mask_of(image)
     if mask.exists():
         try:
             with Image.open(mask) as m:
-                keep = m.convert("L").resize(thumb.size)
+                keep = m.convert("L").resize(small.size)
         except OSError:
-            return thumb
-        dark = thumb.point(lambda v: int(v * 0.3))
-        thumb = Image.composite(thumb, dark, keep.point(lambda v: 255 if v >= 128 else 0))
-    return thumb
+            return small
+        dark = small.point(lambda v: int(v * 0.3))
+        small = Image.composite(small, dark, keep.point(lambda v: 255 if v >= 128 else 0))
+    return small
 
 
 def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
@@ -95,16 +98,44 @@ def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     return Path(path), ""
 
 
+def control_summary(root: Path, concepts: List[dict]) -> Tuple[str, str]:
+    """(the control folders of the concept whose folder ``root`` is, one a line; a line on how its images pair)."""
+    index, concept = concept_of_folder(root, concepts)
+    folders = split_lines(concept.get("control_paths")) if index is not None else []
+    if not folders:
+        return "", ""
+    listing = pair_listing(root, folder_images(root), [Path(resolve_path(f)) for f in folders], recursive=False)
+    alone = sorted({name for k in range(len(folders)) for name in listing.targets_without(k)})
+    missing = [f for f, found in zip(folders, listing.found) if found is None]
+    name = f" ('{concept.get('name')}')" if concept.get("name") else ""
+    line = (f"Concept {index}{name} pairs these images with {len(folders)} control folder(s): "
+            f"{len(listing.pairs())} of {len(listing.targets)} have their control image(s), shown beside the image "
+            "you caption (the caption is the instruction that turns the control into the image).")
+    if missing:
+        line += " ⛔ Missing folder(s): " + ", ".join(f"`{m}`" for m in missing) + "."
+    if alone:
+        line += (" ⛔ Without a control (they would not train): " + ", ".join(f"`{a}`" for a in alone[:20])
+                 + (f" and {len(alone) - 20} more" if len(alone) > 20 else "") + ".")
+    return "\n".join(folders), line
+
+
 def build(ctx: AppContext) -> None:
     with gr.Accordion("Caption editor", open=False, elem_id="caption-editor"):
         with gr.Row(equal_height=True):
             folder = gr.Textbox(label="Folder of images", elem_id="cap-folder", scale=4)
             load = gr.Button("Open", elem_id="cap-open", scale=1)
         note = gr.Markdown(elem_id="cap-note")
+        controls = gr.Textbox(label="Control folders (one a line)", elem_id="cap-controls", lines=1,
+                              info="Filled from the concept whose folder this is (Concepts tab): each image shows "
+                                   "beside its control image(s), which its caption (the instruction) turns into it.")
+        control_note = gr.Markdown(elem_id="cap-control-note")
         with gr.Row():
             gallery = gr.Gallery(columns=5, height=360, elem_id="cap-gallery", allow_preview=False,
                                  label="Click an image to edit its caption", scale=3)
             with gr.Column(scale=2):
+                pair = gr.Gallery(columns=3, height=200, elem_id="cap-pair", allow_preview=False, visible=False,
+                                  object_fit="contain", label="The image and its control image(s)")
+                pair_note = gr.Markdown(elem_id="cap-pair-note")
                 current = gr.Textbox(label="Image", interactive=False, elem_id="cap-image")
                 caption = gr.Textbox(label="Caption", lines=4, elem_id="cap-text")
                 save = gr.Button("Save caption", variant="primary", elem_id="cap-save")
@@ -162,9 +193,37 @@ def build(ctx: AppContext) -> None:
         out = show(text)
         return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", out[1], out[4]]
 
-    ctx.handlers.update(captions_show=show, captions_store=store, captions_replace=replace)
-    load.click(show, [folder], [note, gallery, current, caption, tags])
-    gallery.select(pick, [folder], [current, caption])
+    def find_controls(text: str, table: Any) -> List[Any]:
+        root, _ = where(text)
+        editor = ctx.form.editors.get("data.concepts") if ctx.form else None
+        if root is None or editor is None:
+            return ["", ""]
+        concepts, _ = table_from_widget(editor.spec, table)
+        return list(control_summary(root, concepts))
+
+    def show_pair(text: str, control_text: str, name: str) -> List[Any]:
+        root, _ = where(text)
+        image = root / name if root is not None and name else None
+        if image is None or image.parent != root or not image.is_file():
+            return [gr.update(value=[], visible=False), ""]
+        for folder in split_lines(control_text):
+            if not ctx.roots.allowed(resolve_path(folder)):
+                return [gr.update(value=[], visible=False),
+                        f"⛔ `{folder}` is outside the folders this page may show."]
+        items, line = image_with_controls(image, root, control_text)
+        return [gr.update(value=items, visible=bool(items), columns=max(1, len(items))), line]
+
+    ctx.handlers.update(captions_show=show, captions_store=store, captions_replace=replace,
+                        captions_controls=find_controls, captions_pair=show_pair)
+    opened = load.click(show, [folder], [note, gallery, current, caption, tags])
+    picked = gallery.select(pick, [folder], [current, caption])
+    picked.then(show_pair, [folder, controls, current], [pair, pair_note], show_progress="hidden")
+    controls.input(show_pair, [folder, controls, current], [pair, pair_note], show_progress="hidden",
+                   trigger_mode="always_last")
+    editor = ctx.form.editors.get("data.concepts") if ctx.form else None
+    if editor is not None:
+        opened.then(find_controls, [folder, editor.table], [controls, control_note], show_progress="hidden").then(
+            show_pair, [folder, controls, current], [pair, pair_note], show_progress="hidden")
     save.click(store, [folder, current, caption], [note, gallery, tags])
     go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
 

@@ -68,6 +68,7 @@ class FileBrowser:
         self.targets: List[gr.Textbox] = []
         self.uses: List[Any] = []
         self._buttons: List[gr.Button] = []
+        self.followers: List[tuple] = []
 
     def path_field(self, textbox_factory: Callable[[], gr.Textbox], elem_id: str) -> gr.Textbox:
         """A textbox plus its browse button, side by side."""
@@ -78,6 +79,11 @@ class FileBrowser:
         self.targets.append(box)
         self._buttons.append(button)
         return box
+
+    def follow(self, box: gr.Textbox, fn: Callable, inputs: list, outputs: list, sink: list) -> None:
+        """Run ``fn(*inputs) -> outputs`` once "Use" has filled ``box`` (a path field of this browser): a list
+        of paths adds the chosen one at once. The events made are appended to ``sink``."""
+        self.followers.append((box, fn, inputs, outputs, sink))
 
     def build(self) -> None:
         """Create the panel; call once, after every path field was created."""
@@ -104,6 +110,13 @@ class FileBrowser:
         self.uses = [use.click(self._use, [self.target, self.chosen], [self.panel, *self.targets]),
                      use_folder.click(self._use, [self.target, self.folder], [self.panel, *self.targets])]
         cancel.click(lambda: gr.Sidebar(open=False), None, [self.panel])
+        for box, fn, inputs, outputs, sink in self.followers:
+            index = self.targets.index(box)
+
+            def after(target: int, *values: Any, fn: Callable = fn, index: int = index, n: int = len(outputs)) -> Any:
+                return fn(*values) if target == index else [gr.skip()] * n
+            for use in self.uses:
+                sink.append(use.then(after, [self.target, *inputs], outputs, show_progress="hidden"))
 
     def _opener(self, index: int) -> Callable:
         def open_for(value: str) -> list:

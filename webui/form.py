@@ -19,6 +19,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from webui import schema_widgets as sw
 from webui.filebrowser import FileBrowser
 from webui.number_field import FieldNumber
+from webui.pathlist import PATH_LISTS, PathList
 from webui.schema_widgets import FieldError, FieldSpec
 
 # (tab title, tab id, key prefixes shown in it) — prefixes not listed get a tab of their own
@@ -52,15 +53,23 @@ def _step(spec: FieldSpec) -> float:
     return 1.0 if ref >= 1 else 10 ** math.floor(math.log10(ref))
 
 
+def choice_labels(spec: FieldSpec) -> List[tuple]:
+    """(label, value) for each choice: "regularisation — class images beside a subject, …", from the help."""
+    notes = sw.choice_notes(spec.help, spec.choices or ())
+    return [(f"{c} — {notes[c]}" if c in notes else str(c), c) for c in spec.choices or ()]
+
+
 def make_widget(spec: FieldSpec, value: Any, elem_id: str, browser: Optional[FileBrowser] = None,
-                label: Optional[str] = None) -> gr.components.Component:
-    """The widget of one field: help → info, choices → dropdown, min/max → number bounds."""
+                label: Optional[str] = None, explain_choices: bool = False) -> gr.components.Component:
+    """The widget of one field: help → info, choices → dropdown (``explain_choices``: each option says what it
+    means, from the help), min/max → number bounds."""
     common = dict(label=label or spec.label, info=spec.info(), elem_id=elem_id, interactive=True)
     kind = spec.kind
     if kind == sw.BOOL:
         return gr.Checkbox(value=bool(value), **common)
     if kind == sw.CHOICE:
-        return gr.Dropdown(choices=list(spec.choices or ()), value=value, **common)
+        choices = choice_labels(spec) if explain_choices else list(spec.choices or ())
+        return gr.Dropdown(choices=choices, value=value, **common)
     if kind in (sw.INT, sw.FLOAT):
         return FieldNumber(value=value, minimum=spec.minimum, maximum=spec.maximum,
                            precision=0 if kind == sw.INT else None,
@@ -88,6 +97,8 @@ def _shown(value: Any) -> Any:
 # list fields shown as cards (the fields people set; the rest stay in the folded table and the row editor)
 CARD_FIELDS: Dict[str, List[str]] = {"data.concepts": ["name", "path", "caption_source", "repeats"],
                                      "sampling.prompts": ["prompt", "seed", "steps", "cfg_scale", "width", "height"]}
+# row-editor dropdowns whose options each carry their line of the field's help
+EXPLAINED_CHOICES: Dict[str, tuple] = {"data.concepts": ("role",)}
 
 
 class ListEditor:
@@ -118,11 +129,19 @@ class ListEditor:
             self.row = gr.State(None)
             self.row_label = gr.Markdown(self._row_text(None), elem_id=f"{spec.elem_id}-row")
             self.items: List[gr.components.Component] = []
+            self.path_lists: Dict[str, PathList] = {}  # list-of-path columns: add / browse / remove
+            lists = PATH_LISTS.get(spec.key, {}) if browser is not None else {}
+            explained = EXPLAINED_CHOICES.get(spec.key, ())
             for chunk in _chunks(list(cols)):
                 with gr.Row():
                     for c in chunk:
-                        self.items.append(make_widget(c, sw.to_widget(c, c.default),
-                                                      f"{spec.elem_id}-item-{c.key.replace('_', '-')}", browser))
+                        item_id = f"{spec.elem_id}-item-{c.key.replace('_', '-')}"
+                        with gr.Column() if c.key in lists else nullcontext():
+                            self.items.append(make_widget(c, sw.to_widget(c, c.default), item_id, browser,
+                                                          explain_choices=c.key in explained))
+                            if c.key in lists:
+                                self.path_lists[c.key] = PathList(self.items[-1], c.key, lists[c.key], browser,
+                                                                  item_id)
             with gr.Row():
                 self.add = gr.Button("Add as new row", variant="primary", elem_id=f"{spec.elem_id}-add")
                 self.update = gr.Button("Update row", elem_id=f"{spec.elem_id}-update")
@@ -132,6 +151,16 @@ class ListEditor:
             self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note]),
             self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
             self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.row_label, self.note])]
+        for plist in self.path_lists.values():
+            plist.wire(self.table, self.row, self.write_cell, self.edits)
+
+    def write_cell(self, table: Any, index: Optional[int], column: str, value: Any) -> Optional[List[list]]:
+        """The table with one cell of row ``index`` replaced (None when no row is being edited)."""
+        rows = self._rows(table)
+        if index is None or not 0 <= int(index) < len(rows):
+            return None
+        rows[int(index)][[c.key for c in self.spec.items].index(column)] = value
+        return rows
 
     def render_cards(self) -> None:
         """The cards above the folded table (gr.render: they follow the table's rows)."""

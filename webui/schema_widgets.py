@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional
@@ -125,6 +126,23 @@ def spec_of(key: str, fld: dataclasses.Field, tp: Any) -> FieldSpec:
         kind = {"path": PATH, "textarea": TEXTAREA}.get(meta.get("ui"), TEXT)
         return FieldSpec(kind=kind, **common)
     return FieldSpec(kind=YAML, **common)
+
+
+def choice_notes(help_text: str, choices: Iterable[Any]) -> dict:
+    """What a field's help says of each choice: the words in parentheses right after the choice's name
+    ("validation (never trained on, …)" → {"validation": "never trained on, …"}); choices it does not explain are
+    left out. For fields whose help is written that way (a concept's role), so the dropdown explains each option."""
+    notes = {}
+    for choice in choices:
+        m = re.search(r"(?<![\w.-])" + re.escape(str(choice)) + r"\s*\(", help_text)
+        if not m:
+            continue
+        depth, i = 1, m.end()
+        while i < len(help_text) and depth:
+            depth += {"(": 1, ")": -1}.get(help_text[i], 0)
+            i += 1
+        notes[choice] = " ".join(help_text[m.end():i - 1].split())
+    return notes
 
 
 def all_specs(cls: type = AtelierConfig) -> List[FieldSpec]:
@@ -339,5 +357,6 @@ def lenient_values(raw: dict, specs: List[FieldSpec]) -> List[Any]:
     return out
 
 
-__all__ = ["FieldSpec", "FieldError", "all_specs", "spec_of", "section_help", "to_widget", "from_widget",
-           "config_to_values", "values_to_dict", "table_from_widget", "lenient_values", "get_path", "set_path", "label_of"]
+__all__ = ["FieldSpec", "FieldError", "all_specs", "choice_notes", "spec_of", "section_help", "to_widget",
+           "from_widget", "config_to_values", "values_to_dict", "table_from_widget", "lenient_values", "get_path",
+           "set_path", "label_of"]

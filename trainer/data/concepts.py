@@ -235,10 +235,51 @@ def control_folders(concept: Any, base: Path) -> List[Path]:
     return [_resolve(p, base) for p in (getattr(concept, "control_paths", None) or []) if str(p).strip()]
 
 
-def _stem(path: Path, folder: Path) -> str:
+def pair_key(path: Path, folder: Path) -> str:
     """How an image pairs with its controls: its path below its folder without the extension (``sub/cat_01``)."""
     rel = rel_path(path, folder)
     return rel[: -len(path.suffix)] if path.suffix else rel
+
+
+@dataclass
+class PairListing:
+    """How a concept's images pair with the images of its control folders by name, with nothing refused:
+    :func:`concept_controls` refuses on it, the page shows it (pairs side by side, every unpaired file named)."""
+    folder: Path                            # the concept's folder
+    targets: List[Path]                     # its images (those inside one of its control folders left out)
+    control_folders: List[Path]
+    found: List[Optional[Dict[str, Path]]]  # per control folder: its images by pair key; None: not a folder
+
+    def pairs(self) -> List[Tuple[Path, Tuple[Path, ...]]]:
+        """The targets that have a control in every folder, each with its controls in folder order."""
+        out = []
+        for target in self.targets:
+            key = pair_key(target, self.folder)
+            if all(found is not None and key in found for found in self.found):
+                out.append((target, tuple(found[key] for found in self.found if found is not None)))
+        return out
+
+    def targets_without(self, k: int) -> List[str]:
+        """The targets (relative to the concept's folder) with no image of their name in control folder ``k``
+        (none listed when that folder does not exist: the folder is the problem)."""
+        found = self.found[k]
+        if found is None:
+            return []
+        return [rel_path(t, self.folder) for t in self.targets if pair_key(t, self.folder) not in found]
+
+    def controls_without(self, k: int) -> List[str]:
+        """The images of control folder ``k`` (relative to it) whose name no target has."""
+        keys = {pair_key(t, self.folder) for t in self.targets}
+        return [rel_path(p, self.control_folders[k]) for s, p in (self.found[k] or {}).items() if s not in keys]
+
+
+def pair_listing(folder: Path, files: List[Path], controls: Sequence[Path], recursive: bool) -> PairListing:
+    """Pair ``files`` (a concept's images in ``folder``) with the images of each control folder by name. A
+    directory listing only; control folders inside the concept's folder hold controls, not targets."""
+    inside = [c for c in controls if c != folder and folder in c.parents]
+    targets = [f for f in files if not any(c in f.parents for c in inside)]
+    found = [{pair_key(p, c): p for p in find_images(c, recursive)} if c.is_dir() else None for c in controls]
+    return PairListing(folder=folder, targets=targets, control_folders=list(controls), found=found)
 
 
 def concept_controls(index: int, concept: Any, folder: Path, files: List[Path], base: Path) -> Dict[Path, Tuple[Path, ...]]:
@@ -251,20 +292,16 @@ def concept_controls(index: int, concept: Any, folder: Path, files: List[Path], 
     folders = control_folders(concept, base)
     if not folders:
         return {}
-    inside = [c for c in folders if c != folder and folder in c.parents]
-    targets = [f for f in files if not any(c in f.parents for c in inside)]
-    by_stem = {_stem(f, folder): f for f in targets}
-    out: Dict[Path, List[Path]] = {f: [] for f in targets}
+    listing = pair_listing(folder, files, folders, bool(concept.recursive))
     for k, control in enumerate(folders):
         where = f"{key}.{k}"
-        if not control.is_dir():
+        if listing.found[k] is None:
             raise DataError(f"{where}: control folder '{control}' of {label} does not exist"
                             + (" (it is a file)" if control.exists() else "")
                             + ". Give the folder of the images each target is made from (edit sources or references).",
                             key=where, value=str(control))
-        found = {_stem(p, control): p for p in find_images(control, bool(concept.recursive))}
-        missing = [rel_path(t, folder) for s, t in by_stem.items() if s not in found]
-        extra = [rel_path(p, control) for s, p in found.items() if s not in by_stem]
+        missing = listing.targets_without(k)
+        extra = listing.controls_without(k)
         if missing:
             raise DataError(f"{where}: {len(missing)} image(s) of {label} have no control image of the same name in "
                             f"'{control}' ({short_list(missing)}). Add them there (any image extension), or move "
@@ -273,9 +310,7 @@ def concept_controls(index: int, concept: Any, folder: Path, files: List[Path], 
             raise DataError(f"{where}: {len(extra)} control image(s) in '{control}' pair with no image of {label} "
                             f"({short_list(extra)}): every control needs its target of the same name. Add the "
                             "targets or remove those controls.", key=where, value=str(control))
-        for s, t in by_stem.items():
-            out[t].append(found[s])
-    return {t: tuple(c) for t, c in out.items()}
+    return dict(listing.pairs())
 
 
 def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> Path:

@@ -4,6 +4,7 @@ The report is built by the same code as training (``trainer.data.dataset.build_d
 buckets, epoch plan), without torch: images per concept, caption coverage, the bucket histogram,
 images in a bucket too small for the batch size (never trained: listed), images smaller than the
 training size, duplicates, missing and unusable masks, skipped files and every warning.
+:func:`concept_pairs` lists each concept's role, control folders and pairs (the page shows them side by side).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
+from trainer.data.concepts import concept_controls, concept_folder, control_folders, pair_listing
 from trainer.data.dataset import build_dataset
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
 
 
 def build_report(cfg: Any, base_dir: Optional[Path] = None) -> dict:
@@ -23,6 +25,43 @@ def build_report(cfg: Any, base_dir: Optional[Path] = None) -> dict:
     dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir)
     out = dataset.report.to_dict()
     out["warnings"] = warnings
+    return out
+
+
+def concept_pairs(cfg: Any, base_dir: Optional[Path] = None) -> List[dict]:
+    """Each enabled concept's role and control folders and, for a concept with controls, its pairs (a target with
+    its control in every folder, paired by file name), every unpaired target or control named, and ``error``: the
+    line ``validate`` gives for the concept's first problem ("" when none). Never raises (the page shows what it
+    can of a broken dataset); directory listings only, no image is opened."""
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    out: List[dict] = []
+    for index, concept in enumerate(cfg.data.concepts or []):
+        if not concept.enabled:
+            continue
+        folders = control_folders(concept, base)
+        entry: dict = {"index": index, "name": str(concept.name or ""), "path": str(concept.path or ""),
+                       "role": str(getattr(concept, "role", "train") or "train"), "controls": [str(f) for f in folders],
+                       "missing_folders": [], "pairs": [], "unpaired_targets": [], "unpaired_controls": [],
+                       "error": ""}
+        out.append(entry)
+        try:
+            folder, files = concept_folder(index, concept, base)
+        except DataError as exc:
+            entry["error"] = str(exc)
+            continue
+        try:
+            concept_controls(index, concept, folder, files, base)
+        except DataError as exc:
+            entry["error"] = str(exc)
+        if not folders:
+            continue
+        listing = pair_listing(folder, files, folders, bool(concept.recursive))
+        entry["missing_folders"] = [str(f) for f, found in zip(folders, listing.found) if found is None]
+        entry["pairs"] = [{"target": str(t), "controls": [str(c) for c in cs]} for t, cs in listing.pairs()]
+        for k, control in enumerate(folders):
+            entry["unpaired_targets"] += [{"file": name, "folder": str(control)} for name in listing.targets_without(k)]
+            entry["unpaired_controls"] += [{"file": name, "folder": str(control)}
+                                           for name in listing.controls_without(k)]
     return out
 
 

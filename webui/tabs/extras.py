@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import gradio as gr
-from omegaconf import OmegaConf
-from PIL import Image
 
 from webui import devices, runner, vram
 from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
+from webui.pairs import role_badge, thumb
+from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
 from webui.tabs.tools import dataset_check
 
@@ -104,18 +104,6 @@ def vram_estimate(ctx: AppContext, gpus: List[Any]) -> None:
     ctx.after_build.append(wire)
 
 
-def resolve_path(value: str) -> str:
-    """A path as the trainer will see it: interpolations (``${atelier_root:}``) resolved, relative
-    paths taken from the project folder (the trainer's working directory)."""
-    if "${" in value:
-        try:
-            value = str(OmegaConf.create({"v": value}).v)
-        except Exception:
-            return value
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else runner.REPO_ROOT / p)
-
-
 def concept_images(folder: str, recursive: bool = False) -> List[Path]:
     root = Path(resolve_path(folder))
     if not root.is_dir():
@@ -143,7 +131,16 @@ def concepts(ctx: AppContext) -> None:
     if editor is None:
         return
     def card_images(item: dict) -> None:
-        """A concept card's image count and first thumbnails (folders the page may show only)."""
+        """A concept card's role (a badge unless it trains), control folders, image count and first thumbnails
+        (folders the page may show only)."""
+        badge = role_badge(str(item.get("role") or "train"))
+        if badge:
+            gr.HTML(badge, elem_classes=["atl-card-role"])
+        controls = split_lines(item.get("control_paths"))
+        if controls:
+            gr.Markdown("control folders (**Edit** to add, browse or remove): " + " · ".join(
+                f"`{c}`" + control_count(c, bool(item.get("recursive"))) for c in controls),
+                elem_classes=["atl-card-controls"])
         path = str(item.get("path") or "")
         if not path or path.startswith("builtin:"):
             return
@@ -157,8 +154,16 @@ def concepts(ctx: AppContext) -> None:
         images = concept_images(folder, bool(item.get("recursive")))
         gr.Markdown(f"{len(images)} images", elem_classes=["atl-card-count"])
         if images:
-            gr.Gallery([_thumb(p_, 96) for p_ in images[:CARD_THUMBS]], columns=CARD_THUMBS, height=110,
+            gr.Gallery([thumb(p_, 96) for p_ in images[:CARD_THUMBS]], columns=CARD_THUMBS, height=110,
                        show_label=False, object_fit="contain", allow_preview=False)
+
+    def control_count(folder: str, recursive: bool) -> str:
+        where = resolve_path(folder)
+        if not ctx.roots.allowed(where):
+            return " (outside the folders this page may show)"
+        if not Path(where).is_dir():
+            return " ⛔ does not exist"
+        return f" ({len(concept_images(where, recursive))} images)"
 
     editor.card_extra = card_images
     gr.Markdown("### Dataset report\nWhat the trainer will do with every concept's images: buckets, images "
@@ -193,7 +198,8 @@ def concepts(ctx: AppContext) -> None:
                 lines = [ln.strip() for ln in Path(resolve_path(cap_file)).read_text(encoding="utf-8").splitlines() if ln.strip()]
             except OSError:
                 lines = []
-        thumbs = [(_thumb(p), caption_for(p, source, ext or ".txt", lines, i)) for i, p in enumerate(images[:THUMBS])]
+        thumbs = [(thumb(p, 192), caption_for(p, source, ext or ".txt", lines, i))
+                  for i, p in enumerate(images[:THUMBS])]
         return [f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else ""),
                 thumbs]
 
@@ -213,14 +219,6 @@ def concepts(ctx: AppContext) -> None:
 
     editor.table.change(preview_row, [editor.table, editor.row], [note, gallery], show_progress="hidden",
                         trigger_mode="always_last")
-
-
-def _thumb(path: Path, size: int = 192) -> Any:
-    """A small copy, so previews stay light even for 8-megapixel photos."""
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        im.thumbnail((size, size))
-        return im.copy()
 
 
 def _active_or_watched(ctx: AppContext) -> Optional[Path]:

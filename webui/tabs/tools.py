@@ -14,11 +14,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
 
-from trainer.config.load import to_yaml
-from trainer.data.report import build_report, format_report
+from trainer.config.load import compose_dict, to_yaml
+from trainer.data.report import build_report, concept_pairs, format_report
 from trainer.errors import ConfigError
 from trainer.host import procs
-from webui import captions, maskpaint, runner
+from webui import captions, maskpaint, pairs, runner
 from webui.context import AppContext, issues_md
 from webui.runner import runs_root
 from webui.tensorboard import TensorBoard
@@ -40,22 +40,56 @@ def dataset_report(cfg: Any) -> str:
     return f"{head}\n\n```\n{text}\n```"
 
 
+def data_config(ctx: AppContext, values: Any) -> Tuple[Optional[Any], str]:
+    """The form's config for the dataset report, and what to say above it. When a rule refuses the settings (the
+    model takes no control images, say) but every field reads, the report is still made, of the files as they
+    are, under the refusal: the images can be checked before the model is chosen."""
+    assert ctx.form is not None
+    checked = ctx.check(values)
+    if checked.cfg is not None:
+        return checked.cfg, ""
+    refused = "⛔ The form has errors:\n" + issues_md(checked.issues, ctx.form)
+    _, field_errors = ctx.form.collect(values)
+    if field_errors:
+        return None, refused
+    try:
+        cfg = compose_dict(checked.data)
+    except ConfigError:
+        return None, refused
+    return cfg, refused + "\n\nThe report below is of the images as they are; fix the settings before training."
+
+
 def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
-    """A "Check the dataset" button and its report, for the Concepts and Tools tabs."""
+    """A "Check the dataset" button and its report, for the Concepts and Tools tabs: the trainer's text report,
+    then each concept's role and control folders, with its pairs side by side and every unpaired file named."""
     assert ctx.form is not None
     form = ctx.form
     btn = gr.Button("Check the dataset", elem_id=f"{elem_prefix}-dataset-btn")
     out = gr.Markdown(elem_id=f"{elem_prefix}-dataset-report")
+    entries = gr.State([])
+
+    @gr.render(inputs=[entries])
+    def concept_view(items: List[dict]) -> None:
+        pairs.render_report(items or [], elem_prefix)
+
+    def check(*values: Any) -> List[Any]:
+        cfg, note = data_config(ctx, values)
+        if cfg is None:
+            return [note, []]
+        try:
+            text = dataset_report(cfg)
+            found = concept_pairs(cfg)
+        except (ValueError, TypeError, KeyError, OSError) as exc:  # settings no rule has checked (note says so)
+            text, found = f"⛔ The report could not be made: {exc}", []
+        return [f"{note}\n\n{text}" if note else text, found]
 
     def run(*values: Any) -> str:
-        checked = ctx.check(values)
-        if checked.cfg is None:
-            return "⛔ The form has errors:\n" + issues_md(checked.issues, form)
-        return dataset_report(checked.cfg)
+        return check(*values)[0]
 
     ctx.handlers[f"{elem_prefix}_dataset_check"] = run
+    ctx.handlers[f"{elem_prefix}_dataset_pairs"] = check
     # the form's inputs exist only once every tab is built
-    ctx.after_build.append(lambda: btn.click(run, form.inputs, out))
+    ctx.after_build.append(lambda: btn.click(check, form.inputs, [out, entries]))
 
 
 def build(ctx: AppContext) -> None:
