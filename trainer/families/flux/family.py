@@ -39,6 +39,7 @@ from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
+from trainer.families.common.prompt_first import PromptFirst
 from trainer.families.flux import kontext
 from trainer.families.flux.keys import bfl_to_diffusers, config_from_bfl, diffusers_to_bfl
 from trainer.families.sources import classify_source, detect_source_family
@@ -257,7 +258,7 @@ class Flux(Family):
                             text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
                             transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return PromptFirst(pipe) if self.kontext else pipe  # FluxKontextPipeline takes the image first
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"max_sequence_length": self.max_sequence_length}
