@@ -44,8 +44,8 @@ ZIMAGE = "|".join([
     r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|all_x_embedder\.2-1|cap_embedder\.1|t_embedder\.mlp\.[02]"])
 QWEN = r".+"
 
-ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX), ("builtin:tiny-flux2-klein", FLUX),
-        ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE), ("builtin:tiny-qwen-image", QWEN)]
+ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX),
+        ("builtin:tiny-flux2-klein", FLUX), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE), ("builtin:tiny-qwen-image", QWEN)]
 
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])

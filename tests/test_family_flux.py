@@ -461,7 +461,8 @@ def test_a_lora_trained_on_pairs_loads_in_flux_kontext_pipeline_and_changes_its_
     sample = f"{{prompt: make it blue, control_images: [{control / 'cat.png'}], steps: 2, width: 96, height: 64}}"
     run = train_quiet(ws, "pairs", "demo-flux", "model.path=builtin:tiny-flux-kontext", "training.max_steps=4",
                       "training.learning_rate=0.01", "data.resolution=96x64", "data.bucket_step=16",
-                      f"data.concepts=[{{path: {targets}, control_paths: [{control}]}}]", f"sampling.prompts=[{sample}]")
+                      f"data.concepts=[{{path: {targets}, control_paths: [{control}]}}]",
+                      f"sampling.prompts=[{sample}]")
     events = read_events(run / "events.jsonl")
     assert events[-1]["type"] == "finished" and any(e["type"] == "sample" for e in events)
     pipe = load_tiny_fp32(ws, paths["diffusers"]).pipeline(None)

@@ -90,8 +90,8 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
             raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
                               "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
                               "takes references."
-                              + (f" If model.path is {edits[0]} weights (a single file of it has the keys of "
-                                 f"{variant}, so it cannot be told apart), set model.family: {edits[0]}."
+                              + (f" If model.path holds {edits[0]} weights (a single file of it cannot be told "
+                                 f"from {info.label}'s other variants by its keys), set model.family: {edits[0]}."
                                  if edits else ""), key=key)
         if n < fewest:
             raise ConfigError(f"{key}: {variant} learns from pairs: give concept {i} {fewest} control folder(s) whose "

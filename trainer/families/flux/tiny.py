@@ -1,11 +1,11 @@
 """Tiny Flux.1 models with seeded random weights, in the layouts people download: a diffusers
 ``FluxPipeline`` folder and the BFL single file (transformer only, as ``flux1-dev.safetensors``).
 
-``builtin:tiny-flux`` (dev: guidance embedding, resolution-dependent shift),
-``builtin:tiny-flux-schnell`` and ``builtin:tiny-flux-kontext`` (dev's layout under a ``model_index.json`` naming
-``FluxKontextPipeline``, as black-forest-labs/FLUX.1-Kontext-dev; its single file has dev's keys). The real topology (double and single blocks, 16-channel VAE with shift
-and scale, CLIP-L pooled + T5 hidden states) at widths of 32, so the real loading, packing and key
-maps run in tests and the offline demo. Built without touching torch's global RNG.
+``builtin:tiny-flux`` (dev: guidance embedding, resolution-dependent shift), ``builtin:tiny-flux-schnell`` and
+``builtin:tiny-flux-kontext`` (dev's layout under a ``model_index.json`` naming ``FluxKontextPipeline``, as
+black-forest-labs/FLUX.1-Kontext-dev; its single file has dev's keys). The real topology (double and single blocks,
+16-channel VAE with shift and scale, CLIP-L pooled + T5 hidden states) at widths of 32, so the real loading, packing
+and key maps run in tests and the offline demo. Built without touching torch's global RNG.
 """
 
 from __future__ import annotations
