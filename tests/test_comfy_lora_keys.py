@@ -13,7 +13,10 @@ per-model table (comfy/lora.py ``model_lora_keys_unet``), read for this test in 
   the embedders, ``norm_out``, ``proj_out``;
 - Z-Image (ComfyUI's Lumina2 branch): ``z_image_to_diffusers`` — the layers' and refiners' attention and
   ``feed_forward.w1/w2/w3``, ``adaLN_modulation.0``;
-- Qwen-Image: its ComfyUI weights keep diffusers' names, every weight is mapped.
+- Qwen-Image: its ComfyUI weights keep diffusers' names, every weight is mapped;
+- FLUX.1 Kontext [dev] (checked in comfyanonymous/ComfyUI 3cd7b32f, 2026-01-07): ``comfy/model_detection.py`` reads
+  a Kontext file as Flux.1 dev (the same keys; ``image_model: flux``, ``guidance_embed``), so it is a
+  ``model_base.Flux`` and ``comfy/lora.py`` maps its LoRA keys through the same ``flux_to_diffusers`` table.
 The tables below restate those maps as module-path patterns (ComfyUI's code is not copied)."""
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ ZIMAGE = "|".join([
     r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|all_x_embedder\.2-1|cap_embedder\.1|t_embedder\.mlp\.[02]"])
 QWEN = r".+"
 
-ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-chroma", FLUX), ("builtin:tiny-flux2-klein", FLUX),
-        ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE), ("builtin:tiny-qwen-image", QWEN)]
+ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX),
+        ("builtin:tiny-flux2-klein", FLUX), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE), ("builtin:tiny-qwen-image", QWEN)]
 
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])
@@ -59,3 +62,17 @@ def test_every_adapted_module_is_one_comfyui_maps(path, mapped, tmp_path):
     assert len(modules) > 8
     dropped = sorted(m for m in modules if not re.fullmatch(mapped, m))
     assert not dropped, f"ComfyUI would drop these adapters: {dropped[:6]}"
+
+
+def test_a_kontext_lora_has_the_keys_of_a_flux_dev_lora(tmp_path):
+    """ComfyUI loads a Kontext LoRA with its Flux.1 map only if the file names the modules a Flux.1 dev LoRA names: the
+    Kontext transformer is dev's, and the same targets give the same keys and shapes."""
+    from trainer.config.checks import load_config
+    from trainer.families.sources import load_model
+    from trainer.methods.lora import LoraMethod
+
+    def keys(path):
+        cfg = load_config(None, [f"model.path={path}", "lora.unet_targets=all", f"general.workspace={tmp_path}"])
+        return {k: tuple(v.shape) for k, v in LoraMethod(load_model(cfg, str(tmp_path), "cpu"), cfg)
+                .adapter_state_dict().items()}
+    assert keys("builtin:tiny-flux-kontext") == keys("builtin:tiny-flux")

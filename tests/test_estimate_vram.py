@@ -173,6 +173,7 @@ def test_memory_presets_and_verdicts():
 #: shipped full-size configs must build exactly these models (a wrong width or depth changes the count).
 PUBLISHED = {
     "flux-dev": {"transformer": 11.90, "text_encoder_2": 4.76, "text_encoder": 0.123},   # FLUX.1 dev: 12B, T5-XXL
+    "flux-kontext": {"transformer": 11.90, "text_encoder_2": 4.76, "text_encoder": 0.123},  # FLUX.1 Kontext [dev]: 12B
     "sd3.5-large": {"transformer": 8.06, "text_encoder_2": 0.695, "text_encoder_3": 4.76},  # 8.1B
     "sd3.5-medium": {"transformer": 2.24},  # MMDiT-X
     "chroma": {"transformer": 8.90},

@@ -37,6 +37,9 @@ class Row:
     # "diffusers": pipe.load_lora_weights(path); else "module:function(pipe, path)"
     lora_loader: str = "diffusers"
     prompt_kwargs: dict = field(default_factory=dict)
+    # edit models: each image trains with this many control images (a pair: the other shape's colour, same name),
+    # and samples edit the first image's control
+    controls: int = 0
 
 
 FLUX2_MEMORISING = ("lora.unet_targets=custom", "lora.custom_targets=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,"
@@ -55,6 +58,11 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 64, "use_resolution_binning": False}),
     Row("flux", "tiny-flux", "demo-flux", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
         prompt_kwargs={"max_sequence_length": 64}),
+    # FLUX.1 Kontext [dev]: its single file has dev's keys, so model.family says what it is
+    Row("flux", "tiny-flux-kontext", "demo-flux", controls=1,
+        single_file_settings=("model.config_path={diffusers}", "model.family=flux-kontext"),
+        settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"max_sequence_length": 64, "max_area": 64 * 64, "_auto_resize": False}),
     Row("sd3", "tiny-sd3", "demo-sd3", settings=("lora.unet_targets=attn_mlp", "training.train_text_encoder=true"),
         prompt_kwargs={"max_sequence_length": 64}),
     Row("chroma", "tiny-chroma", "demo-chroma", settings=("lora.unet_targets=attn_mlp", "ema.enabled=true"),
@@ -126,9 +134,15 @@ def _tensors(path: Path):
     return load_file(str(path))
 
 
+# a pair for each memorised image: the control is the same shape in the other colour
+CONTROLS = {"00-red-square": "02-blue-square", "03-blue-circle": "01-red-circle"}
+
+
 def _sample(pipe, row: Row):
+    from PIL import Image
+    image = {"image": Image.open(DEMO_DATA / f"{CONTROLS['00-red-square']}.png").convert("RGB")} if row.controls else {}
     return pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
-                generator=torch.Generator().manual_seed(0), output_type="np", **row.prompt_kwargs).images[0]
+                generator=torch.Generator().manual_seed(0), output_type="np", **image, **row.prompt_kwargs).images[0]
 
 
 @pytest.mark.slow
@@ -158,9 +172,18 @@ def test_family_contract(row: Row, tmp_path):
             shutil.copy(DEMO_DATA / (name + ext), data / (name + ext))
     val = tmp_path / "val"
     shutil.copytree(data, val)
+    pairs = ["", ""]  # edit models: each concept's control folders
+    for i, folder in enumerate((data, val)):
+        for k in range(row.controls):
+            (folder.parent / f"{folder.name}-control{k}").mkdir()
+            for name, other in CONTROLS.items():
+                shutil.copy(DEMO_DATA / f"{other}.png", folder.parent / f"{folder.name}-control{k}" / f"{name}.png")
+        if row.controls:
+            pairs[i] = ", control_paths: [" + ", ".join(str(folder.parent / f"{folder.name}-control{k}")
+                                                         for k in range(row.controls)) + "]"
     common = (f"model.path=builtin:{row.tiny}", "training.max_steps=16", "training.batch_size=2",
               "training.learning_rate=0.01", "training.lr_scheduler=constant", "loss.timestep_min=500", "lora.rank=8", "lora.alpha=8",
-              f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]",
+              f"data.concepts=[{{path: {data}{pairs[0]}}}, {{path: {val}, validation: true{pairs[1]}}}]",
               "training.validation_every_n_steps=4", "sampling.prompts=[]", "backup.keep_last=4",
               *row.settings)
     straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=8")

@@ -1,6 +1,7 @@
 """Flux.1 specifics the contract test (tests/test_families.py) does not cover: the BFL key map both ways,
-the fine-tune single file, detection of Flux variants that cannot train, options Flux refuses, and LoRA
-keys ComfyUI maps."""
+the fine-tune single file, detection of Flux variants that cannot train, options Flux refuses, LoRA
+keys ComfyUI maps, and FLUX.1 Kontext [dev]: the transformer's inputs as FluxKontextPipeline builds them,
+samples from a control image, a LoRA trained on pairs in the Kontext pipeline, and what it refuses."""
 
 from __future__ import annotations
 
@@ -117,11 +118,11 @@ def test_flux_variants_that_cannot_train_are_refused_and_chroma_is_named(flux, t
     fill["img_in.weight"] = torch.zeros(bfl["img_in.weight"].shape[0], 384)
     save_file(fill, str(tmp_path / "fill.safetensors"))
     assert "Flux.1 Fill" in error(tmp_path / "fill.safetensors")
-    kontext = tmp_path / "kontext"
-    shutil.copytree(paths["diffusers"], kontext)
-    index = json.loads((kontext / "model_index.json").read_text())
-    (kontext / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxKontextPipeline")))
-    assert "Kontext" in error(kontext)
+    inpaint = tmp_path / "kontext-inpaint"  # Kontext itself trains (flux-kontext); its inpainting pipeline not
+    shutil.copytree(paths["diffusers"], inpaint)
+    index = json.loads((inpaint / "model_index.json").read_text())
+    (inpaint / "model_index.json").write_text(json.dumps(dict(index, _class_name="FluxKontextInpaintPipeline")))
+    assert "Kontext inpainting" in error(inpaint)
     chroma = dict(bfl, **{"distilled_guidance_layer.in_proj.weight": torch.zeros(2, 2)})
     save_file(chroma, str(tmp_path / "chroma.safetensors"))
     assert "Chroma" in error(tmp_path / "chroma.safetensors")
@@ -269,3 +270,207 @@ def test_lora_blocks_put_adapters_only_in_the_chosen_blocks(flux):
     assert err.value.key == "parts.denoiser.lora_blocks"
     with pytest.raises(ConfigError, match="ends before it starts"):
         load_config(None, ["model.path=builtin:tiny-flux", "parts.denoiser.lora_blocks=3-1"])
+
+
+# --- FLUX.1 Kontext [dev]: edit pairs ---------------------------------------------------------------------
+
+def _edit_pair(root, name="cat", size=(96, 64), caption="make it blue"):
+    """targets/<name>.png (the edited image, its caption the instruction) and control/<name>.png (its source)."""
+    from PIL import Image, ImageDraw
+    for folder, colour in (("targets", (20, 40, 220)), ("control", (220, 40, 20))):
+        img = Image.new("RGB", size, (250, 250, 250))
+        draw = ImageDraw.Draw(img)
+        draw.rectangle([4, 4, size[0] // 2, size[1] // 2], fill=colour)  # off-centre: a swapped axis shows
+        draw.ellipse([size[0] - 24, size[1] - 20, size[0] - 4, size[1] - 4], fill=(10, 160, 30))
+        (root / folder).mkdir(parents=True, exist_ok=True)
+        img.save(root / folder / f"{name}.png")
+    (root / "targets" / f"{name}.txt").write_text(caption)
+    return root / "targets", root / "control"
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("kontext-ws")
+    return ws, build_tiny("tiny-flux-kontext", ws / "models")
+
+
+def _transformer_calls(model):
+    """Record every call's keyword inputs and output of ``model.transformer``; returns (calls, remove)."""
+    calls = []
+
+    def pre(module, args, kwargs):
+        calls.append({k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+
+    def post(module, args, kwargs, out):
+        calls[-1]["out"] = out[0].detach().clone()
+
+    handles = [model.transformer.register_forward_pre_hook(pre, with_kwargs=True),
+               model.transformer.register_forward_hook(post, with_kwargs=True)]
+    return calls, lambda: [h.remove() for h in handles]
+
+
+def test_kontext_transformer_inputs_are_those_flux_kontext_pipeline_builds(kontext, tmp_path):
+    """One pair through the data pipeline (the control cached as its VAE posterior) and the family, against
+    FluxKontextPipeline given the same control image, latents and instruction: the same packed sequence (target
+    tokens, then the control's), the same ids (the control's first coordinate 1), text, guidance and timestep, and
+    the same prediction once cut back to the target's tokens. A 96×64 pair, so a swapped axis would show."""
+    from omegaconf import OmegaConf
+    from PIL import Image
+
+    from trainer.config.schema import AtelierConfig
+    from trainer.data.pipeline import DataPipeline
+    ws, paths = kontext
+    model = load_tiny_fp32(ws, paths["diffusers"])
+    assert model.family == "flux-kontext" and type(model.pipeline(None).pipe).__name__ == "FluxKontextPipeline"
+    targets, control = _edit_pair(tmp_path)
+    cfg = OmegaConf.merge(OmegaConf.structured(AtelierConfig), {
+        "general": {"workspace": str(tmp_path), "seed": 1, "dataloader_workers": 0},
+        "data": {"resolution": "96x64", "bucket_step": 16, "random_flip": False, "cache_dir": str(tmp_path / "c"),
+                 "concepts": [{"path": str(targets), "control_paths": [str(control)]}]}})
+    data = DataPipeline(cfg, warn=lambda m: None)
+    data.prepare(model.encode_pixels, model.fingerprint(), "fp32")
+    _, batch = next(data.iter_batches(0, 0, 1))
+    assert batch["control_latents"][0]["mean"].shape[-2:] == (32, 48)  # the tiny VAE halves: 96×64 → 48×32
+
+    pipe = model.pipeline(None)
+    noise = torch.randn(1, 16, 32, 48, generator=torch.Generator().manual_seed(0))
+    calls, remove = _transformer_calls(model)
+    with torch.no_grad():
+        pipe(prompt="make it blue", image=Image.open(control / "cat.png").convert("RGB"), width=96, height=64,
+             max_area=96 * 64, _auto_resize=False, latents=pipe._pack_latents(noise, 1, 16, 32, 48),
+             num_inference_steps=3, guidance_scale=model.guidance, max_sequence_length=model.max_sequence_length,
+             output_type="latent")
+    ref = calls[1]  # the second step: latents the sampler moved, a shifted σ below 1
+    tokens = 16 * 24
+    assert ref["hidden_states"].shape[1] == 2 * tokens and 0 < float(ref["timestep"][0]) < 1
+    noisy = pipe._unpack_latents(ref["hidden_states"][:, :tokens], 64, 96, model.vae_scale_factor)
+    calls.clear()
+    with torch.no_grad():
+        cond = model.batch_condition(batch, lambda c: c, set())
+        pred = model.predict(noisy, ref["timestep"], cond)
+    remove()
+    ours = calls[0]
+    torch.testing.assert_close(ours["hidden_states"][:, :tokens], ref["hidden_states"][:, :tokens])
+    # the control tokens: the same pixels (torch.equal), but the pipeline's preprocessed image is channels-last,
+    # so the VAE's convolutions take another kernel: ~1e-4 apart
+    torch.testing.assert_close(ours["hidden_states"][:, tokens:], ref["hidden_states"][:, tokens:],
+                               rtol=1e-3, atol=5e-4)
+    torch.testing.assert_close(ours["img_ids"], ref["img_ids"], rtol=0, atol=0)
+    assert ours["img_ids"][:tokens, 0].eq(0).all() and ours["img_ids"][tokens:, 0].eq(1).all()
+    assert ours["img_ids"][tokens:, 1:].max(0).values.tolist() == [15, 23]  # the control's own 16×24 grid
+    for key in ("txt_ids", "encoder_hidden_states", "pooled_projections", "guidance", "timestep"):
+        torch.testing.assert_close(ours[key], ref[key].to(ours[key].dtype), msg=key)
+    expected = pipe._unpack_latents(ref["out"][:, :tokens], 64, 96, model.vae_scale_factor)
+    torch.testing.assert_close(pred, expected, rtol=1e-3, atol=5e-4)
+
+
+def test_kontext_samples_edit_their_control_image_at_the_sample_size(kontext, tmp_path):
+    """prompt_kwargs gives the pipeline the sample's control image fitted to width × height (as training's controls
+    had their target's size), that area as max_area and no resize to Kontext's ~1 MP sizes: the sample comes out at
+    the size asked (the pipeline's default max_area would draw it at 1024²)."""
+    from types import SimpleNamespace
+    ws, paths = kontext
+    model = load_tiny_fp32(ws, paths["diffusers"])
+    _, control = _edit_pair(tmp_path, size=(90, 70))
+    prompt = SimpleNamespace(prompt="make it blue", width=96, height=64, control_images=[str(control / "cat.png")])
+    kw = model.prompt_kwargs(prompt)
+    assert kw["image"].size == (96, 64) and kw["max_area"] == 96 * 64 and kw["_auto_resize"] is False
+    image = model.pipeline(None)("make it blue", width=96, height=64, num_inference_steps=1,
+                                 generator=torch.Generator().manual_seed(0), **kw).images[0]
+    assert image.size == (96, 64)
+    assert load_tiny_fp32(*flux_paths(ws)).prompt_kwargs(prompt) == {}  # text-to-image Flux takes no image
+    with pytest.raises(ValueError, match="control_paths"):  # a batch without its control image is named
+        model.batch_condition({"captions": ["make it blue"]}, lambda c: c, set())
+
+
+def flux_paths(ws):
+    from trainer.families import build_tiny
+    return ws, build_tiny("tiny-flux", ws / "models")["diffusers"]
+
+
+def test_kontext_is_told_by_its_pipeline_and_a_single_file_needs_model_family(kontext, tmp_path):
+    """A FluxKontextPipeline folder is flux-kontext; its single file has dev's keys (ComfyUI cannot tell them apart
+    either) and loads as Kontext only with model.family: flux-kontext, and validate says so when control folders meet
+    a file read as dev. A file that is not a Flux.1 [dev] transformer is refused under flux-kontext, naming what it
+    is; so is a Kontext folder under model.family: flux-dev."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError, ModelLoadError
+    from trainer.families import build_tiny
+    from trainer.families.checks import family_without_loading
+    from trainer.families.sources import load_model
+    ws, paths = kontext
+    rest = f"model.config_path={paths['diffusers']}"
+    assert family_without_loading(load_config(None, ["model.path=builtin:tiny-flux-kontext"]).model) == "flux-kontext"
+    assert family_without_loading(load_config(None, [f"model.path={paths['diffusers']}"]).model) == "flux-kontext"
+    assert load_tiny_fp32(ws, paths["single_file"], rest).family == "flux-dev"
+    assert load_tiny_fp32(ws, paths["single_file"], rest, "model.family=flux-kontext").family == "flux-kontext"
+    dev_keys = set(load_file(str(build_tiny("tiny-flux", ws / "models")["single_file"])))
+    assert set(load_file(str(paths["single_file"]))) == dev_keys
+
+    targets, control = _edit_pair(tmp_path / "pairs")
+    pairs = f"data.concepts=[{{path: {targets}, control_paths: [{control}]}}]"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.path={paths['single_file']}", rest, pairs])
+    assert err.value.key == "data.concepts.0.control_paths" and "model.family: flux-kontext" in str(err.value)
+
+    def error(path, *settings):
+        with pytest.raises(ModelLoadError) as err:
+            load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
+        return err.value
+    sd = build_tiny("tiny-sd", ws / "models")["single_file"]
+    assert "Stable Diffusion" in str(error(sd, "model.family=flux-kontext"))
+    bfl = load_file(str(paths["single_file"]))
+    schnell = tmp_path / "schnell.safetensors"
+    save_file({k: v for k, v in bfl.items() if not k.startswith("guidance_in.")}, str(schnell))
+    assert "not FLUX.1 Kontext [dev]" in str(error(schnell, rest, "model.family=flux-kontext"))
+    garbage = tmp_path / "garbage.safetensors"
+    save_file({"encoder.down.0.weight": torch.zeros(2, 2)}, str(garbage))
+    assert error(garbage, "model.family=flux-kontext").key == "model.path"
+    wrong = error(paths["diffusers"], "model.family=flux-dev")
+    assert wrong.key == "model.family" and "flux-kontext" in str(wrong)
+
+
+@pytest.mark.parametrize("settings, key, words", [
+    (["data.concepts=[{path: presets/demo-data}]"], "data.concepts.0.control_paths", "learns from pairs"),
+    (["sampling.prompts=[{prompt: make it blue}]"], "sampling.prompts.0.control_images", "give the sample 1 image"),
+    (["data.concepts=[{path: presets/demo-data, control_paths: [a, b]}]"], "data.concepts.0.control_paths",
+     "at most 1"),
+])
+def test_validate_refuses_a_kontext_run_without_its_control_images(settings, key, words):
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-flux-kontext", "sampling.prompts=[]", *settings])
+    assert err.value.key == key and words in str(err.value), str(err.value)
+
+
+@pytest.mark.slow
+def test_a_lora_trained_on_pairs_loads_in_flux_kontext_pipeline_and_changes_its_edit(kontext, tmp_path, peft_strict):
+    """A few steps on pairs through the CLI, with a sample that edits a control image: the run samples, and its
+    LoRA loads in diffusers' FluxKontextPipeline (every key) and changes the edit it draws."""
+    from PIL import Image
+
+    from tests.conftest import train_quiet
+    from trainer.events import read_events
+    ws, paths = kontext
+    targets, control = _edit_pair(tmp_path / "pairs")
+    _edit_pair(tmp_path / "pairs", name="dog", caption="make the square blue")
+    sample = f"{{prompt: make it blue, control_images: [{control / 'cat.png'}], steps: 2, width: 96, height: 64}}"
+    run = train_quiet(ws, "pairs", "demo-flux", "model.path=builtin:tiny-flux-kontext", "training.max_steps=4",
+                      "training.learning_rate=0.01", "data.resolution=96x64", "data.bucket_step=16",
+                      f"data.concepts=[{{path: {targets}, control_paths: [{control}]}}]",
+                      f"sampling.prompts=[{sample}]")
+    events = read_events(run / "events.jsonl")
+    assert events[-1]["type"] == "finished" and any(e["type"] == "sample" for e in events)
+    pipe = load_tiny_fp32(ws, paths["diffusers"]).pipeline(None)
+
+    def edit():
+        return pipe("make it blue", image=Image.open(control / "cat.png").convert("RGB"), width=96, height=64,
+                    max_area=96 * 64, _auto_resize=False, num_inference_steps=2, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images[0]
+    before = edit()
+    pipe.load_lora_weights(str(run / "pairs.safetensors"))
+    assert abs(edit() - before).max() > 1e-3

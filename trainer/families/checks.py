@@ -44,8 +44,13 @@ def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
         return family
     path = str(getattr(mcfg, "path", "") or "")
     if path.startswith("builtin:"):
-        entry = tiny_models().get(path.split(":", 1)[1])
-        return entry[0].choices[0] if entry else None
+        name = path.split(":", 1)[1]
+        entry = tiny_models().get(name)
+        if not entry:
+            return None
+        # a tiny model named after a variant (tiny-flux-kontext) is that variant; the others their family's first
+        named = name.removeprefix("tiny-")
+        return named if named in entry[0].variants else entry[0].choices[0]
     p = Path(path).expanduser()
     try:
         if p.is_dir():
@@ -81,9 +86,13 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
         counts[i] = n
         key = f"data.concepts.{i}.control_paths"
         if n and not most:
+            edits = [v for v, (_, hi) in info.controls.items() if hi]  # the family's variants that take them
             raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
                               "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
-                              "takes references.", key=key)
+                              "takes references."
+                              + (f" If model.path holds {edits[0]} weights (a single file of it cannot be told "
+                                 f"from {info.label}'s other variants by its keys), set model.family: {edits[0]}."
+                                 if edits else ""), key=key)
         if n < fewest:
             raise ConfigError(f"{key}: {variant} learns from pairs: give concept {i} {fewest} control folder(s) whose "
                               "images (same file names) are what each target was made from.", key=key)

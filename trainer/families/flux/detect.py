@@ -1,6 +1,9 @@
 """Claim Flux.1 weights: the BFL single file (transformer only, optionally ``model.diffusion_model.``-
-prefixed as in ComfyUI checkpoints), a diffusers ``FluxPipeline`` folder or hub repo. Flux variants that
-are not text-to-image (Fill, Depth/Canny, Kontext, Redux) are refused: they need their own inputs."""
+prefixed as in ComfyUI checkpoints), a diffusers ``FluxPipeline`` folder or hub repo, and FLUX.1 Kontext [dev]
+as a ``FluxKontextPipeline`` folder or hub repo. A Kontext single file has Flux.1 dev's keys and shapes (ComfyUI's
+model detection cannot tell them apart either): it is claimed as dev, and ``model.family: flux-kontext`` says
+what it is. The other Flux variants (Fill, Depth/Canny, Kontext inpainting, Redux) are refused: they need inputs
+Atelier does not build."""
 
 from __future__ import annotations
 
@@ -11,14 +14,15 @@ from trainer.families import Evidence
 # x_embedder / img_in input width -> what the model is (64 = 16 latent channels × 2×2 packing)
 _IN_CHANNELS = {384: "Flux.1 Fill (inpainting/outpainting: 64 + 320 mask and image channels)",
                 128: "Flux.1 Depth or Canny (structure-conditioned: 64 + 64 control channels)"}
-_OTHER_PIPELINES = {"FluxFillPipeline": "Flux.1 Fill", "FluxKontextPipeline": "Flux.1 Kontext (image editing)",
-                    "FluxKontextInpaintPipeline": "Flux.1 Kontext", "FluxPriorReduxPipeline": "Flux.1 Redux",
+_OTHER_PIPELINES = {"FluxFillPipeline": "Flux.1 Fill", "FluxKontextInpaintPipeline": "Flux.1 Kontext inpainting",
+                    "FluxPriorReduxPipeline": "Flux.1 Redux",
                     "FluxControlPipeline": "Flux.1 Depth/Canny", "FluxControlNetPipeline": "a Flux ControlNet"}
 
 
 def _refuse(where: str, what: str) -> ValueError:
     return ValueError(f"{where} is {what}, which trains with inputs Atelier does not build yet. Use the plain "
-                      "Flux.1 dev or schnell text-to-image model (model.path) instead.")
+                      "Flux.1 dev or schnell text-to-image model, or FLUX.1 Kontext [dev] for edits (model.path), "
+                      "instead.")
 
 
 def claim(ev: Evidence) -> Optional[str]:
@@ -37,11 +41,15 @@ def claim(ev: Evidence) -> Optional[str]:
     if name in _OTHER_PIPELINES:
         raise _refuse(ev.where, _OTHER_PIPELINES[name])
     transformer = ev.json("transformer/config.json")
+    kontext = name == "FluxKontextPipeline"
     if transformer is None or transformer.get("_class_name") != "FluxTransformer2DModel":
-        if name == "FluxPipeline" and transformer is None:
-            return "flux-dev"  # the repo's transformer config could not be read: the loader tells dev/schnell
+        if name in ("FluxPipeline", "FluxKontextPipeline") and transformer is None:
+            # the repo's transformer config could not be read: the loader tells dev/schnell
+            return "flux-kontext" if kontext else "flux-dev"
         return None
     in_ch = int(transformer.get("in_channels", 64))
     if in_ch in _IN_CHANNELS:
         raise _refuse(ev.where, _IN_CHANNELS[in_ch])
+    if kontext:
+        return "flux-kontext"
     return "flux-dev" if transformer.get("guidance_embeds", False) else "flux-schnell"

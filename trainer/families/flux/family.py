@@ -1,4 +1,4 @@
-"""Flux.1 dev / schnell on diffusers' ``FluxPipeline`` classes.
+"""Flux.1 dev / schnell on diffusers' ``FluxPipeline`` classes, and FLUX.1 Kontext [dev] on ``FluxKontextPipeline``.
 
 What differs from the SD lineage, and where it lives here:
 
@@ -12,6 +12,10 @@ What differs from the SD lineage, and where it lives here:
   as ``FluxPipeline.encode_prompt``; each with its own caption dropout (the empty caption's encoding).
 - Guidance: dev is guidance-distilled; training feeds ``model.guidance_scale`` (default 1, as
   OneTrainer and ai-toolkit do for LoRA) into its guidance embedding.
+- Kontext (flux/kontext.py): dev's transformer trained on pairs; :meth:`batch_condition` carries the control
+  latents, :meth:`predict` packs them after the target's tokens (ids with first coordinate 1) and cuts the
+  prediction back, :meth:`prompt_kwargs` gives samples their control image. Its single file has dev's keys
+  (nothing tells them apart), so it needs ``model.family: flux-kontext``.
 - Files: LoRA in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``, α/r baked into
   lora_B), which ``FluxPipeline.load_lora_weights`` loads and ComfyUI maps for Flux (comfy/lora.py,
   ``model_lora_keys_unet``: ``transformer.{diffusers key}``); CLIP-L LoRA as ``text_encoder.…`` likewise.
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 from huggingface_hub import constants
 from safetensors.torch import load_file
 
@@ -35,6 +39,8 @@ from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
+from trainer.families.common.prompt_first import PromptFirst
+from trainer.families.flux import kontext
 from trainer.families.flux.keys import bfl_to_diffusers, config_from_bfl, diffusers_to_bfl
 from trainer.families.sources import classify_source, detect_source_family
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
@@ -43,8 +49,13 @@ from trainer.objectives import flow_objective_for
 
 log = logging.getLogger("atelier")
 CONFIGS = Path(__file__).parent / "configs"
-OFFICIAL = {"flux-dev": "black-forest-labs/FLUX.1-dev", "flux-schnell": "black-forest-labs/FLUX.1-schnell"}
-T5_MAX = {"flux-dev": 512, "flux-schnell": 256}
+OFFICIAL = {"flux-dev": "black-forest-labs/FLUX.1-dev", "flux-schnell": "black-forest-labs/FLUX.1-schnell",
+            "flux-kontext": "black-forest-labs/FLUX.1-Kontext-dev"}
+T5_MAX = {"flux-dev": 512, "flux-schnell": 256, "flux-kontext": 512}
+PIPELINES = {"flux-dev": FluxPipeline, "flux-schnell": FluxPipeline, "flux-kontext": FluxKontextPipeline}
+# modelspec.architecture and ss_base_model_version of LoRA files
+MODELSPEC = {"flux-dev": ("flux-1-dev", "flux1_dev"), "flux-schnell": ("flux-1-schnell", "flux1_schnell"),
+             "flux-kontext": ("flux-1-kontext-dev", "flux1_kontext")}
 # transformer LoRA targets (diffusers module-name endings)
 TARGETS = {
     "attn": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"],
@@ -60,13 +71,15 @@ T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 
 
 class FluxConditioning:
-    """T5 ``prompt_embeds`` [B, L, D] and CLIP-L ``pooled_prompt_embeds`` [B, P]; ``.to()`` like a tensor."""
+    """T5 ``prompt_embeds`` [B, L, D] and CLIP-L ``pooled_prompt_embeds`` [B, P]; Kontext adds ``control``, the
+    control image's normalised latents [B, 16, h', w'] (None otherwise); ``.to()`` like a tensor."""
 
-    def __init__(self, prompt_embeds, pooled_prompt_embeds):
-        self.prompt_embeds, self.pooled_prompt_embeds = prompt_embeds, pooled_prompt_embeds
+    def __init__(self, prompt_embeds, pooled_prompt_embeds, control=None):
+        self.prompt_embeds, self.pooled_prompt_embeds, self.control = prompt_embeds, pooled_prompt_embeds, control
 
     def to(self, *args: Any, **kwargs: Any) -> "FluxConditioning":
-        return FluxConditioning(self.prompt_embeds.to(*args, **kwargs), self.pooled_prompt_embeds.to(*args, **kwargs))
+        return FluxConditioning(self.prompt_embeds.to(*args, **kwargs), self.pooled_prompt_embeds.to(*args, **kwargs),
+                                None if self.control is None else self.control.to(*args, **kwargs))
 
 
 class Flux(Family):
@@ -84,16 +97,31 @@ class Flux(Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         variant = found or (chosen if chosen in OFFICIAL else "flux-dev")
+        if chosen == kontext.VARIANT:  # a Kontext single file has dev's keys: only model.family tells
+            variant = kontext.VARIANT
+        elif found == kontext.VARIANT and chosen in OFFICIAL:
+            raise ModelLoadError(f"model.family is {chosen}, but '{self.source.display}' is FLUX.1 Kontext [dev] (its "
+                                 "model_index.json names FluxKontextPipeline), which trains on pairs. Set "
+                                 "model.family to flux-kontext or auto.", key="model.family", value=chosen)
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder",
                                       text_encoder_2="text_encoder_2")
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, variant, dtypes)
         else:
-            pipe = sources.load_pipeline(FluxPipeline, self.source, mcfg, workspace, family=variant, dtype=dtypes)
+            pipe = sources.load_pipeline(PIPELINES[variant], self.source, mcfg, workspace, family=variant,
+                                         dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
         self.family = "flux-dev" if self.transformer.config.guidance_embeds else "flux-schnell"
+        self.kontext = variant == kontext.VARIANT
+        if self.kontext:
+            if not self.transformer.config.guidance_embeds:
+                raise ModelLoadError(f"model.family is flux-kontext, but '{self.source.display}' has no guidance "
+                                     "embedding (guidance_in): it is Flux.1 schnell, not FLUX.1 Kontext [dev]. Point "
+                                     "model.path at the Kontext weights, or set model.family to auto.",
+                                     key="model.family", value=chosen)
+            self.family = kontext.VARIANT
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
@@ -120,6 +148,7 @@ class Flux(Family):
             raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: "
                                  f"{exc}", key="model.path", value=self.source.display) from None
         base = json.loads((CONFIGS / variant / "transformer" / "config.json").read_text())
+        pipeline_cls = PIPELINES[variant]
         try:
             config = config_from_bfl(state, base)
             transformer = FluxTransformer2DModel.from_config(config)
@@ -136,13 +165,14 @@ class Flux(Family):
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and hub_offline()
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(  # the variant's own (schnell: no dynamic shift)
-            json.loads((CONFIGS / config_variant(config) / "scheduler" / "scheduler_config.json").read_text()))
+            json.loads((CONFIGS / (variant if variant == kontext.VARIANT else config_variant(config)) / "scheduler"
+                        / "scheduler_config.json").read_text()))
         kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}, "scheduler": scheduler}
         if not Path(rest).is_dir():
             kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
         try:
-            return FluxPipeline.from_pretrained(rest, transformer=transformer, local_files_only=offline or Path(rest).is_dir(),
-                                                **kw)
+            return pipeline_cls.from_pretrained(rest, transformer=transformer,
+                                                local_files_only=offline or Path(rest).is_dir(), **kw)
         except Exception as exc:
             raise ModelLoadError(
                 f"model.path '{self.source.display}' is the Flux transformer alone; its VAE and text encoders come "
@@ -192,7 +222,8 @@ class Flux(Family):
         else:
             prompt_embeds, pooled = self._encode(list(expand(batch["captions"])),
                                                  frozenset(train_text) & {"text_encoder", "text_encoder_2"})
-        return FluxConditioning(*self._drop(prompt_embeds, pooled, drop_te1, drop_te2))
+        control = kontext.control_latents(batch, self.vae.config, self.device) if self.kontext else None
+        return FluxConditioning(*self._drop(prompt_embeds, pooled, drop_te1, drop_te2), control=control)
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
@@ -203,6 +234,10 @@ class Flux(Family):
         dtype = model_input.dtype
         packed = FluxPipeline._pack_latents(model_input, b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, model_input.device, dtype)
+        tokens = packed.shape[1]
+        if conditioning.control is not None:  # Kontext: the control's tokens after the target's, ids (1, y, x)
+            control = conditioning.control.to(model_input.device, dtype)
+            packed, img_ids = kontext.pack_with_control(packed, img_ids, control)
         prompt_embeds = conditioning.prompt_embeds.to(model_input.device, dtype)
         txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=model_input.device, dtype=dtype)
         guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=dtype)
@@ -211,25 +246,31 @@ class Flux(Family):
                                pooled_projections=conditioning.pooled_prompt_embeds.to(model_input.device, dtype),
                                encoder_hidden_states=prompt_embeds, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False)[0]
-        return FluxPipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
+        return FluxPipeline._unpack_latents(out[:, :tokens], h * self.vae_scale_factor, w * self.vae_scale_factor,
                                             self.vae_scale_factor)
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        """FluxPipeline over the live modules with the model's own flow-matching Euler sampler (the SD
-        samplers of ``sampling.scheduler`` do not apply to flow models)."""
-        pipe = FluxPipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+        """FluxPipeline (Kontext: FluxKontextPipeline) over the live modules with the model's own flow-matching
+        Euler sampler (the SD samplers of ``sampling.scheduler`` do not apply to flow models)."""
+        pipe = PIPELINES[self.family](scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                             text_encoder=self.text_encoder, tokenizer=self.tokenizer,
                             text_encoder_2=self.text_encoder_2, tokenizer_2=self.tokenizer_2,
                             transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return PromptFirst(pipe) if self.kontext else pipe  # FluxKontextPipeline takes the image first
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"max_sequence_length": self.max_sequence_length}
         if "text_encoder_2" in self.disabled:  # T5 off: the pipeline's prompt_2 (T5's prompt) is the empty caption
             out["prompt_2"] = ""
         return out
+
+    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
+        """Kontext: the sample's control image at the sample's size (flux/kontext.py says why)."""
+        if not self.kontext:
+            return {}
+        return kontext.sample_control(sample_prompt, 2 * self.vae_scale_factor) or {}
 
     def check_captions(self, captions) -> None:
         """T5 off (parts.text_encoder_2.enabled = false): only CLIP-L reads the caption, and it cuts at 77
@@ -287,9 +328,10 @@ class Flux(Family):
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
         meta = modelspec_common(title=title, resolution=resolution)
-        meta.update({"modelspec.architecture": f"{self.family.replace('-', '-1-')}/lora",
+        architecture, version = MODELSPEC[self.family]
+        meta.update({"modelspec.architecture": f"{architecture}/lora",
                      "modelspec.implementation": "https://github.com/black-forest-labs/flux",
-                     "ss_base_model_version": self.family.replace("-", "1_")})
+                     "ss_base_model_version": version})
         meta.update(extra or {})
         return meta
 

@@ -1,12 +1,13 @@
-"""Registry entry of Flux.1 (torch-free)."""
+"""Registry entry of Flux.1 (torch-free): dev, schnell and FLUX.1 Kontext [dev], the edit model that trains on
+pairs (one control image per target, the instruction as caption)."""
 
 from trainer.families import FamilyInfo, Part, QuickChoice
 
 INFO = FamilyInfo(
     name="flux",
     label="Flux.1",
-    choices=("flux-dev", "flux-schnell"),
-    variants=("flux-dev", "flux-schnell"),
+    choices=("flux-dev", "flux-schnell", "flux-kontext"),
+    variants=("flux-dev", "flux-schnell", "flux-kontext"),
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
            Part("text_encoder", "text_encoder", "text_encoder", "CLIP-L"),
            Part("text_encoder_2", "text_encoder_2", "text_encoder", "T5-XXL", optional=True)),
@@ -14,11 +15,16 @@ INFO = FamilyInfo(
     family_class="trainer.families.flux.family:Flux",
     detect="trainer.families.flux.detect",
     tiny={"tiny-flux": "trainer.families.flux.tiny:ensure_tiny",
-          "tiny-flux-schnell": "trainer.families.flux.tiny:ensure_tiny"},
+          "tiny-flux-schnell": "trainer.families.flux.tiny:ensure_tiny",
+          "tiny-flux-kontext": "trainer.families.flux.tiny:ensure_tiny"},
     caption_limit=512,
     refuses=(("parts.text_encoder_2.train", False,
               "Flux LoRA files carry the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux), and a "
               "fine-tune is saved as the transformer alone"),),
     finetune_slots=("unet",),
-    quick_start=(QuickChoice("flux", "Flux.1 dev / schnell", {"lora": "flux-lora-24gb", "finetune": "flux-finetune"}),),
+    # Kontext edits one image: each target pairs with one control image (the source it was edited from)
+    controls={"flux-kontext": (1, 1)},
+    quick_start=(QuickChoice("flux", "Flux.1 dev / schnell", {"lora": "flux-lora-24gb", "finetune": "flux-finetune"}),
+                 QuickChoice("flux-kontext", "FLUX.1 Kontext [dev] (image edits, trained on pairs)",
+                             {"lora": "kontext-lora-24gb"})),
 )

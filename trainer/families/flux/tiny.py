@@ -1,10 +1,11 @@
 """Tiny Flux.1 models with seeded random weights, in the layouts people download: a diffusers
 ``FluxPipeline`` folder and the BFL single file (transformer only, as ``flux1-dev.safetensors``).
 
-``builtin:tiny-flux`` (dev: guidance embedding, resolution-dependent shift) and
-``builtin:tiny-flux-schnell``. The real topology (double and single blocks, 16-channel VAE with shift
-and scale, CLIP-L pooled + T5 hidden states) at widths of 32, so the real loading, packing and key
-maps run in tests and the offline demo. Built without touching torch's global RNG.
+``builtin:tiny-flux`` (dev: guidance embedding, resolution-dependent shift), ``builtin:tiny-flux-schnell`` and
+``builtin:tiny-flux-kontext`` (dev's layout under a ``model_index.json`` naming ``FluxKontextPipeline``, as
+black-forest-labs/FLUX.1-Kontext-dev; its single file has dev's keys). The real topology (double and single blocks,
+16-channel VAE with shift and scale, CLIP-L pooled + T5 hidden states) at widths of 32, so the real loading, packing
+and key maps run in tests and the offline demo. Built without touching torch's global RNG.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline,
+                       FluxTransformer2DModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
 
 from trainer.families.common.sd_kit.tiny import write_tiny_tokenizer
@@ -27,9 +29,10 @@ TINY_VERSION = 1
 
 
 def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = None):
-    """The tiny FluxPipeline in memory (tokenizers are written to ``folder``/tokenizer*)."""
+    """The tiny FluxPipeline (FluxKontextPipeline for ``tiny-flux-kontext``) in memory (tokenizers are written to
+    ``folder``/tokenizer*). Kontext's weights are dev's (the same seed): only the pipeline differs."""
 
-    dev = kind == "tiny-flux"
+    dev = kind in ("tiny-flux", "tiny-flux-kontext")
     write_tiny_tokenizer(folder / "tokenizer")
     write_tiny_t5_tokenizer(folder / "tokenizer_2")
     tokenizer = CLIPTokenizer.from_pretrained(str(folder / "tokenizer"))
@@ -53,13 +56,15 @@ def build_tiny_pipeline(kind: str = "tiny-flux", seed: int = 0, folder: Path = N
             vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
             relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(sched), vae=vae,
+    pipeline_cls = FluxKontextPipeline if kind == "tiny-flux-kontext" else FluxPipeline
+    pipe = pipeline_cls(scheduler=FlowMatchEulerDiscreteScheduler.from_config(sched), vae=vae,
                         text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2,
                         tokenizer_2=tokenizer_2, transformer=transformer)
     return pipe
 
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
-    """Build (once) ``{"diffusers": <FluxPipeline folder>, "single_file": <BFL transformer .safetensors>}``."""
+    """Build (once) ``{"diffusers": <FluxPipeline or FluxKontextPipeline folder>, "single_file": <BFL transformer
+    .safetensors>}``."""
     return store_tiny(kind, root, TINY_VERSION, lambda tokenizers: build_tiny_pipeline(kind, folder=tokenizers),
                       diffusers_to_bfl)
