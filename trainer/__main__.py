@@ -22,10 +22,12 @@ from omegaconf import OmegaConf
 from trainer.config.checks import cross_field_warnings, load_config
 from trainer.config.fields import all_keys, field_info
 from trainer.config.load import preset_names, resolve_preset
+from trainer.config.paths import outside
 from trainer.data.report import print_report
 from trainer.errors import ConfigError, Issue
 from trainer.events import EventWriter, read_events, run_state
 from trainer.host.devices import enable_mps_fallback
+from trainer.host.paths import Confinement, confine
 from trainer.host.procs import stop_signals
 from trainer.host.startup import pause_gc, skip_unused_imports, speed_up_imports
 from trainer.memory.estimate_report import add_arguments as add_estimate_arguments
@@ -46,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--preset", help="Start from a built-in preset (see 'presets').")
         sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="Override one setting, e.g. --set training.epochs=20 (repeatable).")
+        sp.add_argument("--allowed-root", action="append", default=[], metavar="FOLDER",
+                        help="Confine the run to these folders (repeatable; the web UI passes its folders): every "
+                             "path of the config, after links are resolved, must lie below one, and images whose "
+                             "links lead elsewhere are skipped.")
+        sp.add_argument("--read-only-root", action="append", default=[], metavar="FOLDER",
+                        help="With --allowed-root: a folder the run may read but not write (Atelier's presets).")
 
     t = sub.add_parser("train", help="Train (writes a run folder under <workspace>/runs/).")
     add_config_args(t)
@@ -217,6 +225,14 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     if args.command == "data-report":
         return print_report(cfg, as_json=args.json)
     issues = cross_field_warnings(cfg)
+    if args.allowed_root:  # from the page: nothing outside its folders
+        confinement = Confinement(args.allowed_root, args.read_only_root)
+        confine(confinement)
+        issues = outside(cfg, Path.cwd(), confinement) + issues
+        if args.command in ("train", "cache") and getattr(args, "run_dir", None) and \
+                not confinement.allows(args.run_dir, write=True):
+            issues.insert(0, Issue("general.run_name", f"the run folder '{args.run_dir}' is outside the folders this "
+                                   f"run may write ({confinement.describe(True)}).", "error"))
     errors = [i for i in issues if i.level == "error"]
     if args.command == "validate" and not errors and class_check_needed(cfg):
         from trainer.optim.schedule import check_classes  # torch: only for a config naming classes or their args

@@ -18,6 +18,7 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig
 
 from trainer.config import preflight
+from trainer.config.paths import check_path_fields
 from trainer.config.fields import inner_type
 from trainer.config.load import compose, compose_dict
 from trainer.config.schema import AtelierConfig
@@ -85,6 +86,7 @@ def config_from_dict(data: dict | DictConfig) -> DictConfig:
 def validate(cfg: DictConfig) -> None:
     """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
     _walk(cfg, AtelierConfig, "")
+    check_path_fields(cfg)  # paths a file system takes, plain run and result names
     check_family_options(cfg)  # options the model's family or its objective cannot use
     t = cfg.training
     if t.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):

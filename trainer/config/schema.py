@@ -141,7 +141,7 @@ class ConceptConfig:
     control_paths: List[str] = f(help="Folders of control (edit source) or reference images, one folder per image "
                                       "the model takes, in its order: each image of the concept pairs with the "
                                       "file of the same name (any image extension) in every folder. Edit models "
-                                      "(FLUX.1 Kontext, Qwen-Image-Edit) and Flux.2 references.", factory=list)
+                                      "(FLUX.1 Kontext, Qwen-Image-Edit) and Flux.2 references.", factory=list, ui="paths")
     shuffle_tags: bool = f(False, "Shuffle the caption's tags (split at tag_delimiter) every time.")
     tag_delimiter: str = f(",", "What separates tags in a caption.")
     keep_tags: int = f(0, "Keep the first N tags in place (never shuffled or dropped), e.g. the trigger word.",
@@ -205,7 +205,8 @@ class SamplePromptConfig:
                        "blank image.", ui="path")
     mask: str = f("", "Inpainting models: the mask (white = repaint); empty = repaint everything.", ui="path")
     control_images: List[str] = f(help="Edit and reference models: the image(s) the sample edits or refers to, one "
-                                       "per control folder of the concepts, in the same order.", factory=list)
+                                       "per control folder of the concepts, in the same order.", factory=list,
+                                  ui="paths")
 
 
 @dataclass

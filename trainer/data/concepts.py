@@ -12,16 +12,18 @@ bucketing (``buckets``/``dataset``) needs no second scan; ``mask`` is the image'
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
 from trainer.data.probe import mask_is_blank, probe_image
 from trainer.errors import DataError
+from trainer.host.paths import confinement
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +207,11 @@ def _resolve(path_str: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def concept_folder(index: int, concept: Any, base: Path) -> Tuple[Path, List[Path]]:
+def concept_folder(index: int, concept: Any, base: Path,
+                   passed_over: Optional[List[Tuple[str, str]]] = None) -> Tuple[Path, List[Path]]:
     """The folder of an enabled concept and its image files, or DataError naming the field: empty,
-    missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too."""
+    missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too.
+    ``passed_over`` receives what carries an image's name but is no image file (see :func:`find_images`)."""
     key = f"data.concepts.{index}.path"
     label = concept_label(index, concept)
     if not str(concept.path or "").strip():
@@ -220,11 +224,16 @@ def concept_folder(index: int, concept: Any, base: Path) -> Tuple[Path, List[Pat
     if not folder.is_dir():
         raise DataError(f"{key}: '{folder}' is a file, not a folder. Point {label} at the folder "
                         "that holds the images.", key=key, value=str(concept.path))
-    files = find_images(folder, bool(concept.recursive))
+    passed: List[Tuple[str, str]] = []
+    files = find_images(folder, bool(concept.recursive), passed_over=passed)
+    if passed_over is not None:
+        passed_over.extend(passed)
     if not files:
         hint = ""
+        if passed:
+            hint = f" Passed over: {short_list([f'{f} ({r})' for f, r in passed], 3)}."
         if not concept.recursive and find_images(folder, True):
-            hint = f" Its sub-folders do hold images: turn on data.concepts.{index}.recursive."
+            hint += f" Its sub-folders do hold images: turn on data.concepts.{index}.recursive."
         raise DataError(f"{key}: folder '{folder}' has no images ({' '.join(IMAGE_EXTENSIONS)}).{hint} "
                         f"Add images, fix the path, or disable {label}.", key=key, value=str(concept.path))
     return folder, files
@@ -333,7 +342,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
               masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
     key = f"data.concepts.{index}.path"
     label = concept_label(index, concept)
-    folder, files = concept_folder(index, concept, base)
+    passed: List[Tuple[str, str]] = []
+    folder, files = concept_folder(index, concept, base, passed)
 
     role = str(getattr(concept, "role", "train") or "train")
     controls = concept_controls(index, concept, folder, files, base)
@@ -343,7 +353,10 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
                            repeats=float(concept.repeats), validation=role == "validation", role=role,
                            controls=[str(p) for p in control_folders(concept, base)],
                            resolution=str(getattr(concept, "resolution", "") or ""))
-    report.images_found = len(files)
+    report.images_found = len(files) + len(passed)
+    for rel, why in passed:
+        report.skipped.append((rel, why))
+        warn(f"Skipping '{folder / rel}' ({label}): {why}.")
     report.unused_files = find_images(folder, bool(concept.recursive), UNUSED_IMAGE_EXTENSIONS, relative=True)
     if report.unused_files:
         warn(f"{label}: {len(report.unused_files)} files are in a format Atelier does not train on and are "
@@ -454,26 +467,83 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
 
 
 def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMAGE_EXTENSIONS,
-                relative: bool = False) -> List[Any]:
+                relative: bool = False, passed_over: Optional[List[Tuple[str, str]]] = None) -> List[Any]:
     """Image files of a folder, sorted so every machine sees the same order (``relative``: as
     strings relative to ``folder``).
 
     Hidden files and folders (``.DS_Store``, macOS ``._name.png`` resource forks,
-    ``.ipynb_checkpoints``) and mask files (``*-masklabel.png``) are not training images.
+    ``.ipynb_checkpoints``) and mask files (``*-masklabel.png``) are not training images. Links to files and (with
+    ``recursive``) to folders are followed once each. What carries an image's name but cannot be read as one goes
+    to ``passed_over`` as (file, reason): a folder, a link to nothing or looping, a link leading outside the
+    folders this process is confined to, a device or pipe.
     """
     out: List[Path] = []
-    walker: Iterable = os.walk(folder) if recursive else [(str(folder), [], os.listdir(folder))]
-    for root, dirs, names in walker:
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+    skipped: List[Tuple[str, str]] = []
+    seen_dirs: set = set()
+    confined = confinement()
+
+    def visit(directory: Path) -> None:
+        try:
+            real_dir = directory.resolve()
+            names = sorted(os.listdir(directory))
+        except (OSError, RuntimeError) as exc:
+            if directory != folder:
+                skipped.append((rel_path(directory, folder) + "/", f"cannot be read ({_os_reason(exc)})"))
+                return
+            raise
+        if real_dir in seen_dirs:
+            skipped.append((rel_path(directory, folder) + "/", "a link back to a folder already read (a loop)"))
+            return
+        seen_dirs.add(real_dir)
         for name in names:
-            low = name.lower()
-            if name.startswith(".") or low.endswith(MASK_SUFFIX) or not low.endswith(extensions):
+            if name.startswith("."):
                 continue
-            p = Path(root) / name
-            if p.is_file():
+            p = directory / name
+            low = name.lower()
+            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX)
+            reason = _entry_problem(p, confined)
+            is_dir = reason is None and p.is_dir()
+            if is_dir and recursive:
+                visit(p)
+                continue
+            if not image_name:
+                continue
+            if reason is None and is_dir:
+                reason = "a folder named like an image (turn on recursive to read the images inside)"
+            elif reason is None and not p.is_file():
+                reason = "not a regular file (a device, pipe or socket)"
+            if reason:
+                skipped.append((rel_path(p, folder), reason))
+            else:
                 out.append(p)
+
+    visit(folder)
     out.sort(key=lambda p: rel_path(p, folder))
+    if passed_over is not None:
+        passed_over.extend(sorted(skipped))
     return [rel_path(p, folder) for p in out] if relative else out
+
+
+def _os_reason(exc: BaseException) -> str:
+    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def _entry_problem(p: Path, confined: Any) -> Optional[str]:
+    """Why a folder entry cannot be followed: a link to nothing, a looping link, a link out of the confinement."""
+    if not p.is_symlink():
+        return None
+    try:
+        target = os.readlink(p)
+        real = p.resolve(strict=True)
+    except RuntimeError:
+        return "a link that loops back on itself"
+    except OSError as exc:
+        if getattr(exc, "errno", None) == errno.ELOOP:
+            return "a link that loops back on itself"
+        return f"a link to '{target}', which does not exist"
+    if confined is not None and not confined.allows(real):
+        return f"a link to '{real}', outside the folders this run may read"
+    return None
 
 
 def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn: Warn) -> List[str]:

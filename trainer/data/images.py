@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from trainer.data.augment import AugmentParams, apply, apply_geometry
+from trainer.data.probe import TOO_LARGE, too_large
 from trainer.errors import DataError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,6 +37,8 @@ def open_rgb(path: Path, min_side: Optional[int] = None) -> Image.Image:
     path = Path(path)
     try:
         with Image.open(path) as img:
+            if too_large(img):
+                raise DataError(f"Image '{path}' is {too_large(img)}.", value=str(path))
             if min_side and img.format == "JPEG":
                 w, h = img.size
                 scale = min_side / min(w, h)
@@ -46,7 +49,7 @@ def open_rgb(path: Path, min_side: Optional[int] = None) -> Image.Image:
         return _to_rgb(img)
     except DataError:
         raise
-    except Image.DecompressionBombError as exc:
+    except TOO_LARGE as exc:
         raise DataError(f"Image '{path}' is too large to open safely ({exc}). Downscale it.",
                         value=str(path)) from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

@@ -4,11 +4,28 @@ model loads (a broken file is named and skipped, not found at caching). Pillow a
 from __future__ import annotations
 
 import struct
+import warnings
 import zlib
 from pathlib import Path
 from typing import Any, Optional, Tuple
 
 from PIL import Image, UnidentifiedImageError
+
+# Pillow only warns on an image between its pixel limit (Image.MAX_IMAGE_PIXELS, ~89 MP) and twice that, then decodes
+# it (gigabytes for a crafted file): Atelier checks the size itself (too_large) and names and skips such a file as it
+# does the larger ones Pillow refuses, so the warning would only repeat that in the log.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+TOO_LARGE = (Image.DecompressionBombError, Image.DecompressionBombWarning)
+
+
+def too_large(img: Any) -> Optional[str]:
+    """Pillow's decompression-bomb limit applied to an opened image (its warning made a refusal), or None."""
+    limit = Image.MAX_IMAGE_PIXELS
+    pixels = img.size[0] * img.size[1]
+    if limit and pixels > limit:
+        return (f"too large to open safely (Pillow: {pixels} pixels, over its limit of {limit} pixels for a safe "
+                "decode; could be a decompression bomb); downscale it")
+    return None
 
 
 def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
@@ -27,6 +44,8 @@ def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
         with Image.open(path) as img:
             width, height = img.size
             fmt = img.format
+            if too_large(img):
+                return (0, 0), too_large(img)
             orientation = exif_orientation(img)
             if fmt == "PNG":
                 img.verify()
@@ -40,7 +59,7 @@ def probe_image(path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
             img.load()
     except UnidentifiedImageError:
         return (0, 0), "not an image Pillow can read (wrong extension or damaged file)"
-    except Image.DecompressionBombError as exc:
+    except TOO_LARGE as exc:
         return (0, 0), f"too large to open safely ({exc}); downscale it"
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         return (0, 0), f"damaged or truncated image ({exc})"

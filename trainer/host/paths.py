@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import PureWindowsPath
+from pathlib import Path, PureWindowsPath
 
 _DRIVE = re.compile(r"^[A-Za-z]:[\\/]")  # C:\ or C:/
 _UNC = re.compile(r"^(\\\\|//)[^\\/]+[\\/][^\\/]+")  # \\server\share or //server/share
@@ -36,3 +36,43 @@ def path_name(text: str) -> str:
 
 
 __all__ = ["is_absolute_path", "is_windows_path", "path_name"]
+
+
+# ----------------------------------------------------------------------------------------------
+# confinement: the folders a run started from the page may touch
+# ----------------------------------------------------------------------------------------------
+
+class Confinement:
+    """Folders a process may read (``roots``) and, of those, the ones it may not write (``read_only``). Paths are
+    judged after ``resolve()``: a link inside a root that points outside is outside."""
+
+    def __init__(self, roots: "list[str | os.PathLike]", read_only: "list[str | os.PathLike]" = ()):
+        self.roots = [Path(r).expanduser().resolve() for r in roots]
+        self.read_only = [Path(r).expanduser().resolve() for r in read_only]
+
+    def allows(self, path: "str | os.PathLike", write: bool = False) -> bool:
+        try:
+            real = Path(path).expanduser().resolve()
+        except (OSError, RuntimeError, ValueError):  # a link loop, a name the OS refuses
+            return False
+        inside = lambda root: real == root or root in real.parents  # noqa: E731
+        if write and any(inside(r) for r in self.read_only):
+            return False
+        return any(inside(r) for r in self.roots + ([] if write else self.read_only))
+
+    def describe(self, write: bool = False) -> str:
+        shown = self.roots + ([] if write else self.read_only)
+        return ", ".join(f"'{r}'" for r in shown)
+
+
+_CONFINED: "list[Confinement]" = []
+
+
+def confine(confinement: "Confinement | None") -> None:
+    """Confine this process (``train --allowed-root``, which the page passes): data folders skip files whose links
+    lead outside. ``None`` lifts it."""
+    _CONFINED[:] = [confinement] if confinement is not None else []
+
+
+def confinement() -> "Confinement | None":
+    return _CONFINED[0] if _CONFINED else None
