@@ -22,6 +22,7 @@ from gradio import networking, routes
 from jinja2 import ChoiceLoader, DictLoader, TemplateNotFound
 
 from trainer.config.load import PRESETS_DIR, preset_names
+from trainer.host.paths import Confinement
 from webui import changes, devices, family_parts, optimizer_memory, runner
 from webui.context import AppContext
 from webui.downloads import DOWNLOADS
@@ -142,6 +143,8 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     manager = manager or runner.RunManager(workspace)
     home = [h for h in (Path.home().resolve(),) if h != Path(h.anchor)]  # a home that is "/" would open the whole disk
     roots = Roots([workspace, *home, *browse_roots, PRESETS_DIR])  # where images and models usually are
+    if manager.confinement is None:  # what the page starts stays in the page's folders (the presets read-only)
+        manager.confinement = Confinement([workspace, *home, *browse_roots], read_only=[PRESETS_DIR])
     browser = FileBrowser(roots)
     ctx = AppContext(workspace=workspace, manager=manager, roots=roots, browser=browser)
     # results, samples and zips are streamed from where they lie, not copied into Gradio's cache (a fine-tune is

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from trainer.config.checks import config_from_dict, cross_field_warnings
 from trainer.config.load import PRESETS_DIR, to_yaml
+from trainer.config.paths import outside
 from trainer.config.preflight import looks_like_hub_id
 from trainer.config.schema import GeneralConfig
 from trainer.errors import ConfigError
@@ -77,7 +78,10 @@ class AppContext:
             result.issues.append(FieldError(exc.key or "", str(exc)))
             return result
         result.cfg = cfg
-        result.issues += [FieldError(i.key, i.message, i.level) for i in cross_field_warnings(cfg)]
+        issues = cross_field_warnings(cfg)
+        if self.manager.confinement is not None:  # the trainer refuses them too (--allowed-root)
+            issues = outside(self.as_run(cfg), runner.REPO_ROOT, self.manager.confinement) + issues
+        result.issues += [FieldError(i.key, i.message, i.level) for i in issues]
         return result
 
     def allowed_path(self, text: str, what: str) -> tuple[str, str]:
@@ -94,15 +98,19 @@ class AppContext:
                         "`--browse-root FOLDER` to allow another folder.")
         return str(path), ""
 
-    def run_config_yaml(self, cfg: Any) -> str:
-        """The YAML a run starts with: the form's config, with the UI's workspace filled in when the
-        form still has the default (relative) one, so caches land next to the runs."""
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-        cfg = config_from_dict(cfg)
+    def as_run(self, cfg: Any) -> Any:
+        """The config a run starts with: the form's, with the UI's workspace filled in when the form still has the
+        default (relative) one, so caches land next to the runs."""
         if cfg.general.workspace == GeneralConfig.workspace and \
                 self.workspace != (runner.REPO_ROOT / cfg.general.workspace).resolve():
+            cfg = OmegaConf.create(OmegaConf.to_container(cfg))
             cfg.general.workspace = str(self.workspace)
-        return to_yaml(cfg)
+        return cfg
+
+    def run_config_yaml(self, cfg: Any) -> str:
+        """The YAML a run starts with (:meth:`as_run`)."""
+        cfg = config_from_dict(OmegaConf.create(OmegaConf.to_container(cfg)))
+        return to_yaml(self.as_run(cfg))
 
     def run_name(self, cfg: Any) -> str:
         if cfg.general.run_name:

@@ -10,8 +10,7 @@ from typing import Any, Dict, List, Tuple
 
 import gradio as gr
 
-from trainer.config.fields import all_keys
-from trainer.config.fields import PART_OF_SLOT, part_key
+from trainer.config.fields import PART_OF_SLOT, all_keys, part_key
 from trainer.families import family_only_fields, info_for
 from trainer.families.checks import family_without_loading
 from trainer.objectives import OBJECTIVE_NAMES

@@ -26,6 +26,7 @@ from typing import List, Optional
 
 from trainer.events import TERMINAL
 from trainer.host import procs
+from trainer.host.paths import Confinement
 from webui.jobqueue import Job, JobQueue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -141,10 +142,14 @@ def process_alive(run_dir: Path) -> bool:
 
 
 def trainer_command(config_path: Path, run_dir: Path, resume: str = "",
-                    trainer_argv: Optional[List[str]] = None) -> List[str]:
-    """The contract's CLI: ``python -m trainer train CONFIG --run-dir DIR [--resume X]``."""
+                    trainer_argv: Optional[List[str]] = None, confinement: Optional[Confinement] = None) -> List[str]:
+    """The contract's CLI: ``python -m trainer train CONFIG --run-dir DIR [--resume X]``, confined to the page's
+    folders (``--allowed-root`` each, ``--read-only-root`` for Atelier's presets) when ``confinement`` is given."""
     cmd = list(trainer_argv or [sys.executable, "-m", "trainer"])
     cmd += ["train", str(config_path), "--run-dir", str(run_dir)]
+    if confinement is not None:
+        cmd += [a for r in confinement.roots for a in ("--allowed-root", str(r))]
+        cmd += [a for r in confinement.read_only for a in ("--read-only-root", str(r))]
     if resume:
         cmd += ["--resume", resume]
     return cmd
@@ -160,13 +165,13 @@ def child_env(**extra: str) -> dict:
 
 
 def launch(run_dir: Path, resume: str = "", trainer_argv: Optional[List[str]] = None,
-           python: str = sys.executable) -> subprocess.Popen:
+           python: str = sys.executable, confinement: Optional[Confinement] = None) -> subprocess.Popen:
     """Start the trainer (under the supervisor) for ``run_dir/config.yaml`` in a new session."""
     run_dir = Path(run_dir).resolve()
     for stale in (EXIT, STOP):
         (run_dir / stale).unlink(missing_ok=True)
     procs.stop_file(run_dir).unlink(missing_ok=True)  # a request the previous trainer never read
-    cmd = trainer_command(run_dir / "config.yaml", run_dir, resume, trainer_argv)
+    cmd = trainer_command(run_dir / "config.yaml", run_dir, resume, trainer_argv, confinement)
     full = [python, "-m", "webui.supervise", str(run_dir / EXIT), "--", *cmd]
     launched_at = time.time()
     env = child_env(ATELIER_LAUNCHED_AT=repr(launched_at))
@@ -251,8 +256,10 @@ class RunManager:
     """
 
     def __init__(self, workspace: str | os.PathLike, trainer_argv: Optional[List[str]] = None,
-                 stop_timeout: float = 60.0, python: str = sys.executable):
+                 stop_timeout: float = 60.0, python: str = sys.executable,
+                 confinement: Optional[Confinement] = None):
         self.workspace = Path(workspace).resolve()
+        self.confinement = confinement  # the page's folders: every run it starts is confined to them
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.trainer_argv = trainer_argv
         self.stop_timeout = stop_timeout
@@ -284,7 +291,7 @@ class RunManager:
         else:
             run_dir = make_run_dir(self.workspace, job.name)
             (run_dir / "config.yaml").write_text(job.config_yaml, encoding="utf-8")
-        proc = launch(run_dir, job.resume, self.trainer_argv, self.python)
+        proc = launch(run_dir, job.resume, self.trainer_argv, self.python, self.confinement)
         self._procs[str(run_dir)] = proc
         return run_dir
 
