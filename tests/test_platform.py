@@ -236,6 +236,25 @@ def test_stop_file_watcher_honours_a_new_request_once_and_drops_a_leftover(tmp_p
     assert watcher.poll() and len(asked) == 2
 
 
+def test_a_closed_stop_file_watcher_has_ended_its_thread_and_lets_go_of_the_trainer(tmp_path):
+    """A watcher thread still dropping the trainer while Python shuts down aborted finished runs (1 in ~12)."""
+    import gc
+    import weakref
+
+    class Trainer:
+        def request_stop(self, reason):
+            pass
+
+    trainer = Trainer()
+    gone = weakref.ref(trainer)
+    watcher = procs.StopFileWatcher(tmp_path, trainer.request_stop, interval=0.05).start()
+    del trainer
+    watcher.close()
+    assert not watcher._thread.is_alive()
+    gc.collect()
+    assert gone() is None
+
+
 @pytest.mark.slow
 def test_a_stop_as_on_windows_ends_a_real_trainer_with_a_backup(tmp_path, monkeypatch):
     """The real CLI under the supervisor; Stop pressed through the Windows code path (the stop file)."""

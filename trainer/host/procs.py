@@ -171,6 +171,10 @@ def kill_tree(pid: Optional[int], pgid: Optional[int] = None) -> None:
         raise ProcessLookupError("no process id")
 
 
+def _ignore(reason: str) -> None:
+    """``on_stop`` of a closed watcher."""
+
+
 class StopFileWatcher:
     """Polls ``control/stop`` in a daemon thread and calls ``on_stop(reason)`` once per request.
 
@@ -220,7 +224,14 @@ class StopFileWatcher:
         return self
 
     def close(self) -> None:
+        """Stop polling and wait for the thread to end. The thread's target holds ``on_stop`` (in the trainer, the
+        trainer and its model): a thread still dropping it while the interpreter shuts down ends in Python's
+        ``pthread_exit`` inside torch's tensor destructor, which aborts the process ("terminate called without an
+        active exception") after a finished run."""
         self._done.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self.on_stop = _ignore
 
 
 __all__ = ["STOP_FILE", "StopFileWatcher", "detached_popen_kwargs", "ignore_stop_signals", "is_windows",
