@@ -4,6 +4,7 @@ and the page's live poll reattaching to a run it did not start."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -287,15 +288,23 @@ def test_deleting_a_run_asks_first_refuses_a_running_one_and_removes_folder_and_
 
 
 @pytest.mark.slow
-def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whether_it_fits(tmp_path):
+def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whether_it_fits(tmp_path, monkeypatch):
     from trainer.config.checks import load_config
-    from trainer.config.load import preset_names
+    from webui import vram
+    runs = []
+    real = vram.run_estimator
+    monkeypatch.setattr(vram, "run_estimator", lambda *a, **k: runs.append(1) or real(*a, **k))
+    monkeypatch.setattr(vram, "_kept", type(vram._kept)())
     ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
     values = ctx.form.values_for(load_config(preset="demo"))
     fits = ctx.handlers["vram_estimate"](8, *values)
     assert fits.startswith("✅") and "Estimated peak" in fits and "Fits a 8 GiB card" in fits
     tight = ctx.handlers["vram_estimate"](0.5, *values)  # the CUDA context alone is 0.75 GiB
     assert tight.startswith("⛔") and "Does **not** fit a 0.5 GiB" in tight and "gradient_checkpointing" in tight
+    assert len(runs) == 1  # another card size: the same config's estimate, judged again
+    peak = float(re.search(r"Estimated peak: ([0-9.]+) GiB", fits).group(1))
+    spare = float(re.search(r"with ([0-9.]+) GiB to spare", fits).group(1))
+    assert abs(peak + spare - 8) < 0.011
     bad = list(values)
     bad[[s.key for s in ctx.form.specs].index("training.batch_size")] = 0
     assert "Fix the settings first" in ctx.handlers["vram_estimate"](8, *bad)

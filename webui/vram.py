@@ -4,21 +4,27 @@ the form's config in a subprocess, so the UI process never imports torch.
 The estimator builds the real, full-size model from its config under fake tensors (no weights, no GPU) and
 runs the trainer's code on it; an SDXL config takes 1-2 minutes on a CPU. It says how much the run needs at
 its peak and whether that fits the card asked about (the first GPU nvidia-smi lists, or a size the user
-types), and what to change when it does not.
+types), and what to change when it does not. The peak does not depend on the card: the page keeps the last
+estimates by config, so trying another card size answers at once.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import threading
+from collections import OrderedDict
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from webui import runner
 
 TIMEOUT_S = 600
+KEEP = 8  # estimates kept (by config text)
+_kept: "OrderedDict[str, dict]" = OrderedDict()
+_kept_lock = threading.Lock()
 
 SAVINGS = ("turn on training.gradient_checkpointing", "store the frozen denoiser in fp8 (parts.denoiser.fp8, LoRA)",
            "lower training.batch_size or data.resolution", "use bf16 weights (parts.<part>.dtype) and bf16 mixed "
@@ -28,13 +34,36 @@ SAVINGS = ("turn on training.gradient_checkpointing", "store the frozen denoiser
 
 def estimate(config_yaml: str, card_gib: Optional[float], timeout: float = TIMEOUT_S,
              python: str = sys.executable) -> dict:
-    """The estimator's JSON for this config (``fits``/``total_gib``/``phases``…), or ``{"error": message}``."""
+    """The estimator's JSON for this config (``total_gib``/``phases``…) with ``fits``/``margin_gib`` for
+    ``card_gib``, or ``{"error": message}``. A config estimated before is answered from memory."""
+    with _kept_lock:
+        result = _kept.get(config_yaml)
+        if result is not None:
+            _kept.move_to_end(config_yaml)
+    if result is None:
+        result = run_estimator(config_yaml, timeout, python)
+        if "error" not in result:
+            with _kept_lock:
+                _kept[config_yaml] = result
+                while len(_kept) > KEEP:
+                    _kept.popitem(last=False)
+    return for_card(result, card_gib)
+
+
+def for_card(result: dict, card_gib: Optional[float]) -> dict:
+    """``result`` judged against a card of ``card_gib`` GiB (as the estimator's ``--card-gib`` does)."""
+    if "error" in result or "total_gib" not in result:
+        return result
+    margin = None if not card_gib else round(float(card_gib) - float(result["total_gib"]), 3)
+    return {**result, "card_gib": card_gib or None, "margin_gib": margin, "fits": None if margin is None else margin >= 0}
+
+
+def run_estimator(config_yaml: str, timeout: float = TIMEOUT_S, python: str = sys.executable) -> Dict:
+    """``python -m trainer estimate-vram CONFIG --json`` in a subprocess: its JSON, or ``{"error": message}``."""
     with tempfile.TemporaryDirectory(prefix="atelier-vram-") as tmp:
         cfg_path = Path(tmp) / "config.yaml"
         cfg_path.write_text(config_yaml, encoding="utf-8")
         cmd = [python, "-m", "trainer", "estimate-vram", str(cfg_path), "--json", "--workspace", tmp]
-        if card_gib:
-            cmd += ["--card-gib", str(float(card_gib))]
         env = runner.child_env(HF_HUB_OFFLINE="1")
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=runner.REPO_ROOT, env=env)
@@ -71,4 +100,4 @@ def describe(result: dict, card_gib: Optional[float]) -> str:
             "To need less: " + "; ".join(SAVINGS) + ".")
 
 
-__all__ = ["describe", "estimate"]
+__all__ = ["describe", "estimate", "for_card", "run_estimator"]
