@@ -44,8 +44,12 @@ def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
         return family
     path = str(getattr(mcfg, "path", "") or "")
     if path.startswith("builtin:"):
-        entry = tiny_models().get(path.split(":", 1)[1])
-        return entry[0].choices[0] if entry else None
+        name = path.split(":", 1)[1]
+        entry = tiny_models().get(name)
+        if not entry:
+            return None
+        own = name.removeprefix("tiny-")  # a built-in edit model names the variant it is (tiny-qwen-image-edit)
+        return own if entry[0].control_range(own)[1] else entry[0].choices[0]
     p = Path(path).expanduser()
     try:
         if p.is_dir():
@@ -81,9 +85,12 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
         counts[i] = n
         key = f"data.concepts.{i}.control_paths"
         if n and not most:
+            edits = [v for v in info.variants if info.control_range(v)[1]]
+            hint = (f" If model.path is one of {info.label}'s edit models whose weights do not say which (a "
+                    f"transformer file), set model.family to it ({', '.join(edits)})." if edits else "")
             raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
                               "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
-                              "takes references.", key=key)
+                              "takes references." + hint, key=key)
         if n < fewest:
             raise ConfigError(f"{key}: {variant} learns from pairs: give concept {i} {fewest} control folder(s) whose "
                               "images (same file names) are what each target was made from.", key=key)
