@@ -20,6 +20,7 @@ from typing import Tuple
 
 import pytest
 import torch
+from PIL import Image
 
 from tests.conftest import DEMO_DATA, train_quiet
 
@@ -37,6 +38,7 @@ class Row:
     # "diffusers": pipe.load_lora_weights(path); else "module:function(pipe, path)"
     lora_loader: str = "diffusers"
     prompt_kwargs: dict = field(default_factory=dict)
+    controls: int = 0  # an edit model: each concept gets this many control folders (the images mirrored)
 
 
 FLUX2_MEMORISING = ("lora.unet_targets=custom", "lora.custom_targets=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,"
@@ -62,6 +64,11 @@ ROWS = [
     Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
+    # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
+    Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
+        single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),
+        settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"image": Image.open(DEMO_DATA / "03-blue-circle.png")}),
     # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
     # tiny model's loss fall well clear of the 10 % bar
     Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
@@ -158,9 +165,20 @@ def test_family_contract(row: Row, tmp_path):
             shutil.copy(DEMO_DATA / (name + ext), data / (name + ext))
     val = tmp_path / "val"
     shutil.copytree(data, val)
+    concepts = f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]"
+    if row.controls:  # edit pairs: control_<k>/ beside each concept's images, the same file names
+        for folder in (data, val):
+            for k in range(row.controls):
+                (folder.parent / f"{folder.name}-control_{k}").mkdir()
+                for img in folder.glob("*.png"):
+                    Image.open(img).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(
+                        folder.parent / f"{folder.name}-control_{k}" / img.name)
+        ctl = {f: ", ".join(str(f.parent / f"{f.name}-control_{k}") for k in range(row.controls)) for f in (data, val)}
+        concepts = (f"data.concepts=[{{path: {data}, control_paths: [{ctl[data]}]}}, "
+                    f"{{path: {val}, validation: true, control_paths: [{ctl[val]}]}}]")
     common = (f"model.path=builtin:{row.tiny}", "training.max_steps=16", "training.batch_size=2",
               "training.learning_rate=0.01", "training.lr_scheduler=constant", "loss.timestep_min=500", "lora.rank=8", "lora.alpha=8",
-              f"data.concepts=[{{path: {data}}}, {{path: {val}, validation: true}}]",
+              concepts,
               "training.validation_every_n_steps=4", "sampling.prompts=[]", "backup.keep_last=4",
               *row.settings)
     straight = train_quiet(ws, f"{row.family}-straight", row.preset, *common, "backup.every_n_steps=8")
