@@ -272,6 +272,16 @@ def test_transformer_and_text_encoder_inputs_are_the_edit_pipelines(edit_ws, sma
     assert bool(ours["encoder_hidden_states_mask"].all())
     torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
     torch.testing.assert_close(ours["timestep"], theirs["timestep"])
+    # caption dropout: the empty instruction with the row's own images, as the pipeline encodes it
+    vl = []
+    for img in images:
+        w, h = (plus_module.calculate_dimensions(plus_module.CONDITION_IMAGE_SIZE, img.size[0] / img.size[1])
+                if model.plus else edit_module.calculate_dimensions(1024 * 1024, img.size[0] / img.size[1])[:2])
+        vl.append(pipe.image_processor.resize(img, h, w))
+    empty, _ = pipe.encode_prompt("", image=vl if model.plus else vl[0], device="cpu")
+    dropped = model.batch_condition(batch, lambda c: c, set(), drop_te1=[True])
+    assert int(dropped.prompt_mask[0].sum()) == empty.shape[1]
+    torch.testing.assert_close(dropped.prompt_embeds[0, :empty.shape[1]], empty[0])
     # the stand-in for an encode without files (the VRAM estimate's) has the real sequence length
     sizes = [[(img.size[0], img.size[1]) for img in images]]
     assert model._encode_standin([caption], sizes)[0].shape == cond.prompt_embeds.shape

@@ -274,8 +274,8 @@ class QwenImageEdit(QwenImage):
     def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
         """``image``: the sample's control images (paths from the current folder), one for Edit, a list for Plus."""
         images = [open_control(p) for p in (getattr(sample_prompt, "control_images", None) or [])]
-        if not images:
-            return {}
+        if not images:  # the pipeline would fail on image=None
+            raise ValueError(f"{self.family} samples edit an image: give the prompt its control_images.")
         return {"image": images if self.plus else images[0]}
 
     def text_fingerprint(self, mcfg: Any) -> str:
