@@ -20,6 +20,7 @@ from typing import Tuple
 
 import pytest
 import torch
+from PIL import Image
 
 from tests.conftest import DEMO_DATA, train_quiet
 
@@ -70,6 +71,11 @@ ROWS = [
     Row("zimage", "tiny-zimage", "demo-zimage", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
+    # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
+    Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
+        single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),
+        settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"image": Image.open(DEMO_DATA / "03-blue-circle.png")}),
     # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
     # tiny model's loss fall well clear of the 10 % bar
     Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),

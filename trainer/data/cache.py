@@ -302,8 +302,11 @@ class TextCache:
 
     Entry name: sha256 of (settings key, caption). The settings key must identify the text
     encoder's weights (see ``DataPipeline.prepare``: it includes a hash of the encoder's output
-    for a probe caption, so swapped weights never serve stale embeddings). Layout:
-    ``<cache_dir>/text/<first 2 hex>/<sha256>.safetensors``; recent entries are kept in memory.
+    for a probe caption, so swapped weights never serve stale embeddings). An encoder that also
+    sees the example's control images (an edit model's VL encoder) gives each entry its caption
+    *and* the control files (:func:`text_key`: their content, so renaming keeps the entry and
+    editing an image re-encodes it). Layout: ``<cache_dir>/text/<first 2 hex>/<sha256>.safetensors``;
+    recent entries are kept in memory.
     """
 
     def __init__(self, cache_dir: Path, settings_key: str, memory_entries: int = 256):
@@ -313,40 +316,47 @@ class TextCache:
         self._memory_entries = memory_entries
         self._lock = threading.Lock()
 
-    def entry_path(self, caption: str) -> Path:
-        key = hashlib.sha256(f"{self.settings_key}\0{caption}".encode("utf-8")).hexdigest()
+    def entry_path(self, caption: str, controls: Sequence[Path] = ()) -> Path:
+        key = hashlib.sha256(f"{self.settings_key}\0{text_key(caption, controls)}".encode("utf-8")).hexdigest()
         return self.root / key[:2] / f"{key}.safetensors"
 
-    def ensure(self, captions: Iterable[str], encode_text_fn: Callable, batch_size: int = 16,
-               progress: Optional[ProgressFn] = None) -> int:
+    def ensure(self, captions: Iterable[Union[str, Tuple[str, Sequence[Path]]]], encode_text_fn: Callable,
+               batch_size: int = 16, progress: Optional[ProgressFn] = None) -> int:
         """Encode the captions without an entry; return how many were encoded.
 
-        ``encode_text_fn(list_of_captions)`` returns a tensor [B, ...] (stored as
-        ``encoder_hidden_states``) or a dict of such tensors."""
+        ``captions``: strings, or ``(caption, control files)`` pairs for an encoder that sees the controls.
+        ``encode_text_fn(list_of_captions)`` — with pairs ``encode_text_fn(list_of_captions, list_of_controls)`` —
+        returns a tensor [B, ...] (stored as ``encoder_hidden_states``) or a dict of such tensors."""
         import torch  # torch inside: data-report and the UI import this module without torch
 
-        todo = sorted({c for c in captions if not self.entry_path(c).is_file()})
+        entries: Dict[str, Tuple[str, Tuple[Path, ...]]] = {}
+        for c in captions:
+            caption, controls = (c, ()) if isinstance(c, str) else (c[0], tuple(c[1]))
+            entries.setdefault(text_key(caption, controls), (caption, controls))
+        todo = [entries[k] for k in sorted(entries) if not self.entry_path(*entries[k]).is_file()]
         if progress is not None:
             progress(0, len(todo))
         for start in range(0, len(todo), max(1, batch_size)):
             chunk = todo[start:start + batch_size]
+            texts, controls = [c for c, _ in chunk], [list(k) for _, k in chunk]
             with torch.no_grad():
-                out = as_text_dict(encode_text_fn(list(chunk)))
-            for i, caption in enumerate(chunk):
+                out = as_text_dict(encode_text_fn(texts, controls) if any(controls) else encode_text_fn(texts))
+            for i, (caption, files) in enumerate(chunk):
                 tensors = {k: v[i].detach().to("cpu").contiguous().clone() for k, v in out.items()}
-                _save_atomic(self.entry_path(caption), tensors, {"settings_key": self.settings_key})
+                _save_atomic(self.entry_path(caption, files), tensors, {"settings_key": self.settings_key})
             if progress is not None:
                 progress(min(start + batch_size, len(todo)), len(todo))
         return len(todo)
 
-    def get(self, caption: str) -> Dict[str, "torch.Tensor"]:
+    def get(self, caption: str, controls: Sequence[Path] = ()) -> Dict[str, "torch.Tensor"]:
         from safetensors.torch import load_file  # torch inside: data-report and the UI import this module without torch
 
+        key = text_key(caption, controls)
         with self._lock:
-            hit = self._memory.get(caption)
+            hit = self._memory.get(key)
         if hit is not None:
             return hit
-        path = self.entry_path(caption)
+        path = self.entry_path(caption, controls)
         if not path.is_file():
             raise DataError(f"No cached text-encoder output for the caption {caption!r}: the cache was "
                             "not filled for this caption. Start the run again.")
@@ -362,8 +372,13 @@ class TextCache:
         with self._lock:
             if len(self._memory) >= self._memory_entries:
                 self._memory.pop(next(iter(self._memory)))
-            self._memory[caption] = entry
+            self._memory[key] = entry
         return entry
+
+
+def text_key(caption: str, controls: Sequence[Path] = ()) -> str:
+    """A text cache entry's key: the caption, and the content of the control images its encoder sees with it."""
+    return caption + "".join(f"\0control:{file_sha256(Path(c))}" for c in controls)
 
 
 def as_text_dict(out: object) -> Dict[str, "torch.Tensor"]:
@@ -376,4 +391,4 @@ def as_text_dict(out: object) -> Dict[str, "torch.Tensor"]:
 
 
 __all__ = ["LatentCache", "TextCache", "CacheJob", "ExtrasFn", "make_settings_key", "file_sha256", "CACHE_FORMAT",
-           "as_text_dict"]
+           "as_text_dict", "text_key"]

@@ -13,7 +13,8 @@ A batch is a dict::
     mask                   float32 [B, 1, h, w] in [0, 1] at latent resolution, 1 = focus
                            (only with data.masks; an image without a mask is all ones)
     encoder_hidden_states  [B, 77, D] cached text-encoder output (only when prepare() got an
-                           encode_text_fn and captions are cacheable)
+                           encode_text_fn and captions are cacheable; entries of different lengths
+                           are padded with zeros at the end to the batch's longest)
     sizes                  list of B (width, height): the pixel size trained at
     original_sizes         list of B (height, width) of the images as displayed   } SDXL's size and
     crop_top_lefts         list of B (top, left) of the crop in the resized image } crop conditioning
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+from PIL import Image
 
 from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams, AugmentSettings, crop_top_left, draw_params
@@ -112,6 +114,7 @@ class DataPipeline:
         self.step = int(getattr(d, "bucket_step", 64) or 64)
         self.priors = any(it.role == "prior_prediction" for it in self.items)
         self._control_items: Dict[Path, ImageItem] = {}
+        self.text_controls = False  # the text encoder sees the control images: cache entries are keyed by them too
 
     # --- control images ---------------------------------------------------------------------------
     def control_size(self, size: Size) -> Size:
@@ -143,6 +146,17 @@ class DataPipeline:
             out.update(self.captions.possible_captions(it.captions, self.caption_options[it.concept_index]))
         for it in self.validation_items:
             out.add(self._validation_caption(it))
+        return sorted(out)
+
+    def possible_text_entries(self) -> List[Tuple[str, Tuple[Path, ...]]]:
+        """Every (caption, control files) pair a sample can get: the text cache's entries for an encoder that sees
+        the control images beside the caption."""
+        out: set = set()
+        for it in self.items:
+            for c in self.captions.possible_captions(it.captions, self.caption_options[it.concept_index]):
+                out.add((c, tuple(it.controls)))
+        for it in self.validation_items:
+            out.add((self._validation_caption(it), tuple(it.controls)))
         return sorted(out)
 
     def _validation_caption(self, item: ImageItem) -> str:
@@ -253,7 +267,7 @@ class DataPipeline:
                 encode_text_fn: Optional[Callable[[List[str]], Any]] = None,
                 text_fingerprint: Optional[str] = None,
                 progress: Optional[ProgressFn] = None,
-                inpaint_fn: Optional[Callable] = None) -> Dict[str, Any]:
+                inpaint_fn: Optional[Callable] = None, text_controls: bool = False) -> Dict[str, Any]:
         """Attach the VAE encoder and fill every cache; returns what was encoded and reused.
 
         ``encode_fn(pixels [B,3,H,W] in [-1,1]) -> {"mean", "std"}``; ``fingerprint`` identifies
@@ -269,6 +283,10 @@ class DataPipeline:
         batches carry ``inpaint_pixels`` and cache entries keep what the masked-image latents need:
         the pixels (uint8) and, with data.masks, the masked image's latents (``masked_mean``). Its
         entries are apart from a text-to-image model's (another settings key).
+
+        ``text_controls``: the text encoder sees each example's control images (an edit model's VL encoder):
+        the text cache holds every (caption, control files) pair, encoded as ``encode_text_fn(captions,
+        controls)``, and batches read the entry of their own pair.
         """
         d = self.data_cfg
         self.encode_fn = encode_fn
@@ -296,9 +314,10 @@ class DataPipeline:
             else:
                 t1 = time.time()
                 key = make_settings_key(text=text_fingerprint or fingerprint,
-                                        probe=_probe_hash(encode_text_fn))
+                                        probe=_probe_hash(encode_text_fn, text_controls))
                 self.text_cache = TextCache(self.cache_dir(), key)
-                captions = self.possible_captions()
+                self.text_controls = text_controls
+                captions = self.possible_text_entries() if text_controls else self.possible_captions()
                 n = self.text_cache.ensure(captions, encode_text_fn, batch_size=16,
                                            progress=_progress_logger("text", progress))
                 summary.update(text_encoded=n, text_reused=len(captions) - n, text_cache="on")
@@ -375,7 +394,7 @@ class DataPipeline:
             weights.append(item.loss_weight)
             sizes.append(plan.size)
             if self.text_cache is not None:
-                texts.append(self.text_cache.get(caption))
+                texts.append(self.text_cache.get(caption, item.controls if self.text_controls else ()))
             cached = self.cache is not None and (validation or not self._renders_pixels())
             if cached:
                 if validation:
@@ -425,7 +444,7 @@ class DataPipeline:
                 raw["pixel_mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in pixel_masks])
         if texts:
             for key in texts[0]:
-                raw[key] = torch.stack([t[key] for t in texts])
+                raw[key] = _stack_padded([t[key] for t in texts])
         if any(controls):
             n = len(controls[0])
             if any(len(row) != n for row in controls):
@@ -461,11 +480,22 @@ class DataPipeline:
         return raw
 
 
-def _probe_hash(encode_text_fn: Callable) -> str:
+def _stack_padded(tensors: List[Any]) -> Any:
+    """Stacked; entries of different lengths (text features with image tokens) zero-padded at the end of dim 0 to
+    the longest (a padded mask entry is 0: not a token)."""
+    longest = max(t.shape[0] for t in tensors) if tensors[0].dim() else 0
+    if all(t.dim() == 0 or t.shape[0] == longest for t in tensors):
+        return torch.stack(tensors)
+    return torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in tensors])
+
+
+def _probe_hash(encode_text_fn: Callable, with_image: bool = False) -> str:
     """A hash of the text encoder's output for a fixed caption, rounded to 1e-3: swapped or
-    retrained weights change it, so the text cache never serves embeddings of other weights."""
+    retrained weights change it, so the text cache never serves embeddings of other weights.
+    ``with_image``: the encoder also sees control images; the probe shows it a grey one."""
     with torch.no_grad():
-        out = as_text_dict(encode_text_fn([_PROBE_CAPTION]))
+        out = as_text_dict(encode_text_fn([_PROBE_CAPTION], [[Image.new("RGB", (64, 64), (127, 127, 127))]])
+                           if with_image else encode_text_fn([_PROBE_CAPTION]))
     h = hashlib.sha256()
     for key in sorted(out):
         t = out[key].detach().float().cpu()

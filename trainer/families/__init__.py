@@ -75,7 +75,7 @@ class FamilyInfo:
     variants: Tuple[str, ...]  # what detection may return (choices + e.g. "sd15-inpaint", "flux-dev")
     parts: Tuple[Part, ...]
     objective: str  # "ddpm" | "flow" | "cosine" (trainer.objectives)
-    family_class: str  # "trainer.families.pixart.family:PixArt"
+    family_class: str  # "trainer.families.pixart.family:PixArt" (or a function (mcfg, workspace, device) -> family)
     detect: str  # module with claim(evidence) -> variant | None (raises ValueError to refuse)
     tiny: Dict[str, str] = field(default_factory=dict)  # builtin name -> "module:function(root) -> paths"
     caption_limit: int = 77  # longest caption (tokens) the default text path sees
@@ -166,7 +166,8 @@ def _resolve(spec: str) -> Any:
 
 
 def family_class(variant: str) -> Any:
-    """The class that loads and trains ``variant`` (imports it: torch/diffusers load here)."""
+    """The class that loads and trains ``variant`` — or a function choosing among a family's classes by variant, called
+    the same way (imports it: torch/diffusers load here)."""
     return _resolve(info_for(variant).family_class)
 
 

@@ -66,6 +66,9 @@ class Family:
     block_swap: Any = None  # the run's trainer.memory.block_swap.BlockSwap, when blocks are swapped
     objective: Any = None  # trainer.objectives.DDPMObjective | FlowMatchingObjective
     true_cfg: bool = True  # samples run the denoiser twice a step with cfg_scale > 1 (False: guidance is embedded)
+    # its text features depend on the control images too (an edit model's VL encoder): encode_captions takes the
+    # rows' control files, and the text cache keys entries by caption and those files' content
+    text_sees_controls: bool = False
     device: Any = None
     source: Any = None
 

@@ -86,13 +86,12 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
         counts[i] = n
         key = f"data.concepts.{i}.control_paths"
         if n and not most:
-            edits = [v for v, (_, hi) in info.controls.items() if hi]  # the family's variants that take them
+            edits = [v for v in info.variants if info.control_range(v)[1]]
+            hint = (f" If model.path is one of {info.label}'s edit models whose weights do not say which (a "
+                    f"transformer file), set model.family to it ({', '.join(edits)})." if edits else "")
             raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
                               "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
-                              "takes references."
-                              + (f" If model.path holds {edits[0]} weights (a single file of it cannot be told "
-                                 f"from {info.label}'s other variants by its keys), set model.family: {edits[0]}."
-                                 if edits else ""), key=key)
+                              "takes references." + hint, key=key)
         if n < fewest:
             raise ConfigError(f"{key}: {variant} learns from pairs: give concept {i} {fewest} control folder(s) whose "
                               "images (same file names) are what each target was made from.", key=key)

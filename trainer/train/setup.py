@@ -113,9 +113,10 @@ def setup(state: RunState) -> None:
     with state.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
         state.cache_summary = state.data.prepare(
             state.model.encode_pixels, state.model.fingerprint(), cfg.model.vae_dtype,
-            encode_text_fn=(lambda captions: state.model.encode_captions(
-                state.method.expand_text(captions))) if frozen_text else None,
+            encode_text_fn=(lambda captions, *controls: state.model.encode_captions(  # controls: an edit model's
+                state.method.expand_text(captions), *controls)) if frozen_text else None,
             text_fingerprint=state.model.text_fingerprint(ModelSettings(cfg)),
+            text_controls=state.model.text_sees_controls,  # its text features depend on the control images
             # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
             inpaint_fn=state.model.encode_masked_images if getattr(state.model, "inpainting", False) else None)
     if state.text_offload is not None:

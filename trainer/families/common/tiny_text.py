@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
@@ -43,15 +44,16 @@ CHAT_TEMPLATE = ("{%- for message in messages %}{{ '<|im_start|>' + message['rol
                  "{%- endif %}{%- endif %}")
 
 
-def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128) -> None:
-    """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the chat template)."""
+def write_tiny_qwen_tokenizer(folder: Path, max_length: int = 128, extra_special: Sequence[str] = ()) -> None:
+    """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the chat template);
+    ``extra_special``: more special tokens after those (Qwen2.5-VL's vision tokens for a model that sees images)."""
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = {ch: i for i, ch in enumerate(sorted(set(bytes_to_unicode().values())))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "Qwen2Tokenizer", "model_max_length": max_length, "pad_token": "<|endoftext|>",

@@ -102,12 +102,14 @@ class PeftLayoutLora:
 def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any], *, pipeline_cls: Any,
                                    transformer_cls: Any, config: Callable[[Dict[str, Any], dict], dict],
                                    to_diffusers: Callable[[Dict[str, Any]], Dict[str, Any]] = dict,
-                                   official: str, layout: str, by_component: bool = False) -> Any:
+                                   official: str, layout: str, by_component: bool = False,
+                                   **components: Any) -> Any:
     """``model.path`` is the transformer alone (``layout`` names its key layout in messages): build it from the
     file (``config(state, base)`` with ``base`` the ``transformer/config.json`` of a local ``model.config_path``),
     load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
     ``model.config_path`` (default ``official``; ``by_component``: one component at a time, not through
-    ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`)."""
+    ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`). ``components``: pipeline components
+    given instead of loaded (None: left out)."""
 
     source = family.source
     rest = getattr(mcfg, "config_path", "") or official
@@ -136,10 +138,11 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
     try:
         if by_component:
-            return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer",),
-                                     transformer=transformer)
+            return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer", *components),
+                                     transformer=transformer, **components)
         return pipeline_cls.from_pretrained(rest, transformer=transformer,
-                                            local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **kw)
+                                            local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **components,
+                                            **kw)
     except Exception as exc:
         raise ModelLoadError(
             f"model.path '{source.display}' is the {family.info.label} transformer alone; the rest of the model comes "

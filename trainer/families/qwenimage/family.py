@@ -16,11 +16,15 @@ What differs, and where it lives here:
   reads; fine-tunes as the transformer's weights in one file under diffusers' names (the layout of ComfyUI's
   qwen_image files). Single files in: the transformer, with VAE, Qwen2.5-VL and tokenizer from
   ``model.config_path`` (default Qwen/Qwen-Image).
+
+The edit models (Qwen-Image-Edit, -2509, -2511) are :class:`trainer.families.qwenimage.edit.QwenImageEdit`, a
+subclass: their pipeline class, the text features with the control images, and the control tokens after the
+target's (:meth:`QwenImage._reference_tokens`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
@@ -34,7 +38,7 @@ from trainer.families.common.transformer_kit import (
     pipeline_with_transformer_file,
     save_transformer_file,
 )
-from trainer.families.qwenimage.keys import config_from_state
+from trainer.families.qwenimage.keys import config_from_state, without_marker
 from trainer.families.sources import classify_source, detect_source_family
 from trainer.objectives import flow_objective_for
 
@@ -58,7 +62,8 @@ class TrueCFGSampler:
         return getattr(self.pipe, name)
 
     def __call__(self, prompt, guidance_scale: float = 4.0, negative_prompt: Optional[str] = None, **kwargs: Any):
-        return self.pipe(prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
+        # by name: the edit pipelines take the image first
+        return self.pipe(prompt=prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
 
 
 class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
@@ -70,6 +75,9 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     targets = TARGETS
     modelspec = ("qwen-image", "https://github.com/QwenLM/Qwen-Image", "qwen_image")
 
+    pipeline_cls: Any = QwenImagePipeline
+    official = OFFICIAL  # model.config_path's default for a single file
+
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         self.source = classify_source(mcfg.path, workspace)
         detect_source_family(self.source, mcfg)
@@ -77,8 +85,9 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         if self.source.kind == "single_file":
             pipe = self._from_single_file(mcfg, dtypes)
         else:
-            pipe = sources.load_pipeline(QwenImagePipeline, self.source, mcfg, workspace, family="qwen-image",
-                                         dtype=dtypes)
+            pipe = sources.load_pipeline(self.pipeline_cls, self.source, mcfg, workspace, family=self.family,
+                                         dtype=dtypes, **self._given_components())
+        self._loaded(pipe)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._template, self._drop = pipe.prompt_template_encode, pipe.prompt_template_encode_start_idx
@@ -95,10 +104,17 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         self._vae_dtype_name = mcfg.vae_dtype
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any]):
-        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=QwenImagePipeline,
+        return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=self.pipeline_cls,
                                               transformer_cls=QwenImageTransformer2DModel, config=config_from_state,
-                                              to_diffusers=dict, official=OFFICIAL,
-                                              layout="diffusers' layout")
+                                              to_diffusers=without_marker, official=self.official,
+                                              layout="diffusers' layout", **self._given_components())
+
+    def _given_components(self) -> Dict[str, Any]:
+        """Pipeline components not loaded from the model's folder (the edit models' processor)."""
+        return {}
+
+    def _loaded(self, pipe: Any) -> None:
+        """What a subclass takes from the loaded pipeline before it is taken apart."""
 
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
@@ -144,19 +160,30 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
                              f"multiple of {2 * self.vae_scale_factor})")
         dtype, device = model_input.dtype, model_input.device
         packed = QwenImagePipeline._pack_latents(model_input, b, c, h, w)
-        out = self.transformer(hidden_states=packed, timestep=timesteps.to(device, dtype),
+        refs, ref_shapes = self._reference_tokens(conditioning, b, (h, w))
+        hidden = packed if refs is None else torch.cat([packed, refs.to(device, dtype)], dim=1)
+        out = self.transformer(hidden_states=hidden, timestep=timesteps.to(device, dtype),
                                encoder_hidden_states=conditioning.prompt_embeds.to(device, dtype),
                                encoder_hidden_states_mask=conditioning.prompt_mask.to(device),
-                               img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+                               img_shapes=[[(1, h // 2, w // 2), *ref_shapes]] * b, return_dict=False)[0]
+        out = out[:, :packed.shape[1]]  # the target's tokens (the references' are only read)
         return QwenImagePipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
                                                  self.vae_scale_factor).squeeze(2)
 
+    def _reference_tokens(self, conditioning: Any, batch: int, latent_hw: Tuple[int, int]) -> Tuple[Any, List[tuple]]:
+        """Packed tokens [B, N, C·4] read after the target's, and their ``img_shapes`` entries: none here."""
+        return None, []
+
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
-        pipe = QwenImagePipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
-                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer)
+        pipe = self.pipeline_cls(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
+                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer,
+                                 **self._sampling_components())
         pipe.set_progress_bar_config(disable=True)
         return TrueCFGSampler(pipe)
+
+    def _sampling_components(self) -> Dict[str, Any]:
+        return {}
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}

@@ -1,4 +1,5 @@
-"""Qwen-Image's transformer config from its weights (the single file keeps diffusers' names)."""
+"""Qwen-Image's transformer config from its weights (the single file keeps diffusers' names), and the keys a file
+carries that are no weights (ComfyUI's 2511 marker)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,8 @@ def config_from_state(state: Mapping[str, Any], base: Mapping[str, Any]) -> Dict
         t = head // 8 * 2
         cfg["axes_dims_rope"] = [t, (head - t) // 2, head - t - (head - t) // 2]
     return cfg
+
+
+def without_marker(state: Mapping[str, Any]) -> Dict[str, Any]:
+    """The file's tensors less ComfyUI's ``__index_timestep_zero__`` (an empty marker of its 2511 files, no weight)."""
+    return {k: v for k, v in state.items() if k != "__index_timestep_zero__"}
