@@ -97,6 +97,33 @@ def test_bad_files(tmp_path):
         load_config(preset="nope")
 
 
+
+@pytest.mark.parametrize("text, key, words", [
+    ("base: demo\ntraining: [1, 2]\n", "training", "training"),
+    ("base: demo\ndata:\n  concepts: {a: 1}\n", "data.concepts", "concepts"),
+    ("base: [demo, demo-flux]\n", "base", "names one preset"),
+    ("data: x\n", "data", "data"),
+])
+def test_a_file_of_the_wrong_shape_is_named_with_its_setting(tmp_path, text, key, words):
+    """A section written as a list, a list as a mapping, two bases: one message naming the file and setting, over a
+    preset (base:) as well as alone."""
+    path = tmp_path / "shape.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=words) as err:
+        load_config(path)
+    assert err.value.key == key and str(path) in str(err.value) and "Traceback" not in str(err.value)
+
+
+def test_a_file_nested_hundreds_of_levels_deep_is_one_line(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("training:\n" + "".join("  " * (i + 1) + f"k{i}:\n" for i in range(400)) + "  " * 401 + "1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(deep)
+    assert str(deep) in str(err.value) and len(str(err.value).splitlines()) == 1
+    out = subprocess.run([sys.executable, "-m", "trainer", "validate", str(deep)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr and "deep" in out.stdout + out.stderr
+
 def test_cross_field_warnings():
     cfg = config_from_dict({"base": "demo", "lora": {"rank": 4, "alpha": 8},
                             "sampling": {"prompts": [{"prompt": "x", "width": 512, "height": 512}]}})

@@ -37,6 +37,10 @@ def _read_yaml(path: Path, what: str) -> DictConfig:
         raise ConfigError(f"{what} '{path}' does not exist.", key="", value=str(path))
     try:
         data = OmegaConf.load(path)
+    except RecursionError:
+        raise ConfigError(f"{what} '{path}' nests mappings or lists hundreds of levels deep; Atelier's settings go "
+                          "at most four levels down (data.concepts.0.path). Compare the file with `python -m trainer "
+                          "config-help`.", value=str(path)) from None
     except Exception as exc:  # yaml.YAMLError and friends
         hint = ""
         try:
@@ -72,17 +76,22 @@ def resolve_preset(name: str, relative_to: Optional[Path] = None) -> Path:
     return p
 
 
-def _load_layer(path: Path, what: str, depth: int = 0) -> DictConfig:
-    """Load a YAML file and, recursively, the preset named by its ``base:`` key."""
+def _load_layers(path: Path, what: str, depth: int = 0) -> List[tuple]:
+    """A YAML file and, recursively, the presets named by its ``base:`` keys: ``[(layer, source), ...]`` with the
+    lowest preset first. Each layer merges into the schema on its own, so a layer of the wrong shape is named with
+    its file whatever the layer below holds."""
     if depth > 8:
         raise ConfigError(f"{what} '{path}': 'base:' presets nest too deeply (a loop?).", key="base")
     data = _read_yaml(path, what)
     base = data.pop("base", None) if "base" in data else None
     data = migrate(data, str(path))
+    source = str(path) if what != "Preset" else f"preset {path.stem}"
     if base:
-        lower = _load_layer(resolve_preset(str(base), path.parent), "Preset", depth + 1)
-        return OmegaConf.merge(lower, data)  # type: ignore[return-value]
-    return data
+        if not isinstance(base, str):
+            raise ConfigError(f"{what} '{path}': 'base' names one preset (base: demo), not {_shape_name(base)}.",
+                              key="base")
+        return _load_layers(resolve_preset(base, path.parent), "Preset", depth + 1) + [(data, source)]
+    return [(data, source)]
 
 
 # Version 1 kept the UNet/text-encoder settings as fixed fields; version 2 has them per part (parts.*).
@@ -336,10 +345,11 @@ def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] =
     ``trainer.config.checks``' business: its ``load_config`` is this, validated)."""
     schema = OmegaConf.structured(AtelierConfig)
     cfg = schema
-    if preset:
-        cfg = _merge_into_schema(cfg, _load_layer(resolve_preset(preset), "Preset"), f"preset {preset}")
+    layers = _load_layers(resolve_preset(preset), "Preset") if preset else []
     if path is not None:
-        cfg = _merge_into_schema(cfg, _load_layer(Path(path), "Config file"), str(path))
+        layers += _load_layers(Path(path), "Config file")
+    for layer, source in layers:
+        cfg = _merge_into_schema(cfg, layer, source)
     cfg = _apply_overrides(cfg, overrides)
     _check_interpolations(cfg)
     return cfg
@@ -351,7 +361,8 @@ def compose_dict(data: dict | DictConfig) -> DictConfig:
     base = layer.pop("base", None) if "base" in layer else None
     cfg = OmegaConf.structured(AtelierConfig)
     if base:
-        cfg = _merge_into_schema(cfg, _load_layer(resolve_preset(str(base)), "Preset"), f"preset {base}")
+        for lower, source in _load_layers(resolve_preset(str(base)), "Preset"):
+            cfg = _merge_into_schema(cfg, lower, source)
     return _merge_into_schema(cfg, migrate(layer, "form"), "config")
 
 
