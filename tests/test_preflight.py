@@ -62,6 +62,7 @@ BAD = [  # (field, value, words the message must hold)
     ("data.concepts.0.path", "nested", "recursive"),
     ("data.concepts.0.caption_file", "nope.txt", "not found"),
     ("lora.init_weights", "old-lora.safetensors", "does not exist"),
+    ("lora.init_weights", "notes.txt", "is not a LoRA .safetensors file"),  # train died on SafetensorError
     ("sampling.prompts", [{"prompt": "x", "image": "in.png"}], "does not exist"),
     ("general.workspace", "notes.txt", "is a file"),
     ("output.path", "notes.txt/out", "is a file"),

@@ -17,6 +17,7 @@ from typing import Any, List, Optional
 from trainer.data.concepts import concept_caption_file, concept_controls, concept_folder
 from trainer.errors import DataError
 from trainer.families import tiny_models
+from trainer.families.checks import read_safetensors_shapes
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 
@@ -117,6 +118,14 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
         if used and value and not _local(value, base).is_file():
             add(key, f"{key} '{value}' does not exist. Give the file to continue from, or leave it empty to "
                      "start fresh.")
+        elif used and value and key == "lora.init_weights":
+            local = _local(value, base)
+            try:
+                read_safetensors_shapes(local)
+            except (OSError, ValueError) as exc:
+                why = str(exc).replace(f"{local}: ", "")
+                add(key, f"{key} '{value}' is not a LoRA .safetensors file ({why}). Give a LoRA saved by Atelier, "
+                         "kohya or another trainer, or leave it empty to start fresh.")
     for i, prompt in enumerate(cfg.sampling.prompts or []):
         for field in ("image", "mask"):
             value = str(prompt.get(field, "") or "").strip()

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from trainer.config.fields import PART_OF_SLOT, part_key
@@ -182,7 +182,7 @@ class LoraMethod(MethodBase):
             else:
                 load_lora_kohya_into_peft(state, modules=self._adapted(), namer=self.model.lora_namer(),
                                           dora_format=_header(path).get("atelier_dora_format", "lycoris"))
-        except (OSError, ValueError, NotImplementedError) as exc:
+        except (OSError, ValueError, NotImplementedError, SafetensorError) as exc:
             raise ConfigError(f"lora.init_weights '{path}' does not fit this run (lora.type = {self.cfg.lora.type}, "
                               f"rank, targets, components): {exc}", key="lora.init_weights", value=path) from None
 
