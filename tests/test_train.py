@@ -383,6 +383,13 @@ def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and
     assert rc == 1
     failed = read_events(run / "events.jsonl")[-1]
     assert failed["type"] == "failed" and "lora.rank: 4 in the backup, 8 now" in failed["message"]
+    # another batch size: refused with the backup's value and the one asked for (it was replaced silently, and the
+    # warning said "2 per process (was 4)")
+    rc = cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress",
+              "--set", "training.max_steps=4", "--set", "training.batch_size=4"])
+    failed = read_events(run / "events.jsonl")[-1]
+    assert rc == 1 and failed["type"] == "failed", failed
+    assert "training.batch_size = 2" in failed["message"] and "asks for training.batch_size = 4" in failed["message"]
 
 
 def test_portable_config_paths():

@@ -180,16 +180,25 @@ def plan_global_batch(state: RunState) -> int:
                               f"config has {t.gradient_accumulation_steps}. Resume with the same accumulation.",
                               key="training.gradient_accumulation_steps")
         if saved and int(saved) != int(t.batch_size) * state.world:
+            was_world = int(backup.get("world_size", 1) or 1)
+            was_batch = int(saved) // was_world
+            if int(t.batch_size) != was_batch:  # the user asked for another batch: a resume cannot honour it
+                raise ConfigError(
+                    f"Backup {path.name} trained with training.batch_size = {was_batch} ({was_world} process(es), "
+                    f"a global batch of {saved}); this resume asks for training.batch_size = {t.batch_size}. A "
+                    f"resumed run keeps its batch (the data order and the schedule's steps depend on it): resume "
+                    f"with training.batch_size = {was_batch}, or start a new run.", key="training.batch_size",
+                    value=t.batch_size)
             if int(saved) % state.world:
                 raise ConfigError(
                     f"Backup {path.name} trained with a global batch of {saved} per micro-batch "
-                    f"({backup.get('world_size', 1)} process(es) x batch {int(saved) // backup.get('world_size', 1)}); "
-                    f"{state.world} processes cannot split it. Resume with a general.num_processes that divides "
-                    f"{saved} (training.batch_size is adjusted).", key="general.num_processes")
+                    f"({was_world} process(es) x batch {was_batch}); {state.world} processes cannot split it. "
+                    f"Resume with a general.num_processes that divides {saved} (training.batch_size is adjusted).",
+                    key="general.num_processes")
             per = int(saved) // state.world
-            state.warn(f"Resuming a backup of {backup.get('world_size', 1)} process(es) on {state.world}: "
-                      f"training.batch_size is {per} per process (was {t.batch_size}) so the global batch "
-                      f"stays {saved} and the run continues exactly.")
+            state.warn(f"Resuming a backup made on {was_world} process(es) (training.batch_size = {was_batch}) on "
+                       f"{state.world}: training.batch_size becomes {per} per process, so the global batch stays "
+                       f"{saved} and the run continues exactly.")
             OmegaConf.update(state.cfg, "training.batch_size", per)
     return int(t.batch_size) * state.world
 
