@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from trainer.__main__ import main as cli
@@ -315,12 +316,24 @@ def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_fol
         raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
                            "data/0: file write failed")
     usage = namedtuple("usage", "total used free")
+    real_save = safetensors.torch.save_file
     monkeypatch.setattr("safetensors.torch.save_file", full)
     monkeypatch.setattr(_shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 3 * 2**20, 3 * 2**20))
     msg = _fails_with(ws, "diskfull", "training.max_steps=2", "backup.every_n_steps=1", "sampling.prompts=[]",
                       "data.cache_latents=false", "data.cache_text=false",
-                      words=("a backup", "disk is full", "3 MiB free", "--resume last"))
-    assert "enforce fail" not in msg
+                      words=("a backup", "disk is full", "3 MiB free", "no backup was written yet"))
+    assert "enforce fail" not in msg and "intact" not in msg  # it said "the last complete backup is intact"
+    # the second backup fails: the first is there to continue from, and the message names it
+    saves = []
+
+    def full_from_the_second(*args, **kwargs):
+        saves.append(1)
+        return real_save(*args, **kwargs) if len(saves) == 1 else full()
+    monkeypatch.setattr("safetensors.torch.save_file", full_from_the_second)
+    _fails_with(ws, "diskfull1", "training.max_steps=3", "backup.every_n_steps=1", "sampling.prompts=[]",
+                "data.cache_latents=false", "data.cache_text=false",
+                words=("disk is full", "--resume last", "backup-step000001) is intact"))
+    monkeypatch.setattr("safetensors.torch.save_file", full)
     # the same disk filling while the latent cache is written (another workspace: nothing cached yet)
     other = ws.parent / "diskfull-ws"
     shutil.copytree(ws / "models", other / "models", dirs_exist_ok=True)
@@ -345,6 +358,28 @@ def test_a_full_disk_during_a_backup_is_one_clear_message_and_leaves_no_temp_fol
     monkeypatch.setattr(events_mod.os, "write", real_write)
     assert [e["type"] for e in read_events(run3 / "events.jsonl")][-2:] == ["error", "failed"]
     assert (run3 / "events.jsonl").read_bytes().endswith(b"\n") and not (run3 / ".events.jsonl.reserve").exists()
+
+
+def test_a_run_folder_on_a_full_disk_fails_with_its_own_figure_and_an_event(tiny_workspace, monkeypatch, capsys):
+    """The run folder on a full small disk beside a large workspace: the first write (config.yaml) fails; the run
+    still ends with its failed event (the event stream and its reserve open first), the figure is the run folder's
+    disk, and no traceback is printed."""
+    import errno
+    from collections import namedtuple
+
+    import trainer.train.loop as loop_mod
+    ws = tiny_workspace
+    run = ws / "runs" / "tmpfs-full"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**40, 2**39, 75 * 2**30) if run not in
+                        [Path(p), *Path(p).parents] else usage(2**30, 2**30 - 2**20, 2**20))
+
+    def full(cfg, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    monkeypatch.setattr(loop_mod, "save_config", full)
+    msg = _fails_with(ws, "tmpfs-full", words=("disk is full (1 MiB free)", str(run), "no backup was written yet"))
+    assert "75" not in msg.split("free")[0]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_resume_removes_a_killed_saves_leftovers_applies_a_new_learning_rate_and_refuses_a_new_rank(tiny_workspace):

@@ -16,7 +16,7 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -171,33 +171,55 @@ def path_too_long(exc: BaseException) -> bool:
     return getattr(exc, "winerror", None) in (2, 3) and len(str(name or "")) >= WINDOWS_PATH_LIMIT
 
 
-def write_failure(exc: BaseException, folder: str | os.PathLike, what: str) -> str:
+def write_failure(exc: BaseException, folder: str | os.PathLike | Sequence[str | os.PathLike], what: str,
+                  backups: Optional[Sequence[os.PathLike]] = None) -> str:
     """One line for a failed write: a full disk (errno ENOSPC, or torch's "enforce fail … file write failed"
-    with little space left) says how much is free and what to do, a permission problem names the folder;
-    anything else keeps its first line."""
-    folder = Path(folder)
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
-        free = None
+    with little space left) says how much is free where the write failed (the file the error names, else the
+    fullest of ``folder``'s folders: a run folder on a small disk beside a large workspace), a permission problem
+    names the folder; anything else keeps its first line. ``backups`` (a run's complete backups, oldest first)
+    adds what a restart continues from; tools that keep no backups leave it None."""
+    candidates = [Path(f) for f in ([folder] if isinstance(folder, (str, os.PathLike)) else folder)]
+    named = getattr(exc, "filename", None)
+    if named:
+        candidates = [Path(str(named)).parent]
+    where, free = candidates[0], None
+    for candidate in candidates:
+        probe = candidate
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            left = shutil.disk_usage(probe).free
+        except OSError:
+            continue
+        if free is None or left < free:
+            where, free = candidate, left
+    folder = where
     text = str(exc)
     code = getattr(exc, "errno", None)
+    after = _after_failure(backups)
     low_space = free is not None and free < 256 * 2**20
     if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or (low_space and "write failed" in text):
         left = f"{free / 2**20:.0f} MiB free" if free is not None else "no space left"
         return (f"Writing {what} to {folder} failed: the disk is full ({left}). Free some space (old runs, backups, "
-                "caches) and continue with --resume last; the last complete backup is intact.")
+                f"caches){after}")
     if path_too_long(exc):
         name = str(getattr(exc, "filename", "") or folder)
         return (f"Writing {what} to {folder} failed: the path is too long ({len(name)} characters: {name}). "
                 f"Windows stops at {WINDOWS_PATH_LIMIT} unless long paths are switched on (LongPathsEnabled; "
                 "`python launch.py --doctor` says whether they are). Switch them on, or choose a shorter "
-                "general.workspace / run name; the last complete backup is intact.")
+                f"general.workspace / run name{after}")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"Writing {what} to {folder} failed: no permission to write there ({exc.strerror}). Make the folder "
-                "writable or choose another general.workspace; the last complete backup is intact.")
+                f"writable or choose another general.workspace{after}")
     return f"Writing {what} to {folder} failed: {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _after_failure(backups: Optional[Sequence[os.PathLike]]) -> str:
+    """The end of a write failure's sentence: what the run continues from, said as it is."""
+    if backups is None:
+        return "."
+    if backups:
+        return (f", then continue with --resume last: the last complete backup ({Path(backups[-1]).name}) is "
+                "intact.")
+    return "; no backup was written yet, so the run starts again from the beginning."
 

@@ -81,7 +81,7 @@ def backup(state: RunState) -> Path:
     try:
         write_backup(state, target, weights, optimizer_state)
     except (OSError, RuntimeError) as exc:  # a full disk, a permission problem: one clear message
-        raise TrainingError(write_failure(exc, state.run.backups, "a backup")) from None
+        raise TrainingError(write_failure(exc, state.run.backups, "a backup", list_backups(state.run.path))) from None
     state.last_backup_step = state.pos.step
     for old in list_backups(state.run.path)[:-state.cfg.backup.keep_last]:
         shutil.rmtree(old, ignore_errors=True)
@@ -253,7 +253,8 @@ def save_result(state: RunState, suffix: str = "") -> Path:
     except (OSError, RuntimeError) as exc:
         if "write" not in str(exc).lower() and not isinstance(exc, OSError):
             raise
-        raise TrainingError(write_failure(exc, path.parent, f"the result {path.name}")) from None
+        raise TrainingError(write_failure(exc, path.parent, f"the result {path.name}",
+                                          list_backups(state.run.path))) from None
     finally:
         on_train(state.optimizer)
     if not state.is_main:

@@ -95,10 +95,12 @@ def train(state: RunState) -> str:
             loss_sum = None
             state.stop_requested = state.stop_requested or stop
             if not math.isfinite(loss_acc):  # before the optimizer touches the weights
+                kept = list_backups(state.run.path)
                 raise TrainingError(
                     f"The loss became {loss_acc} at step {state.pos.step + 1} (epoch {state.pos.epoch + 1}). "
-                    "Training stopped; the last backup is intact. Try a lower learning rate, "
-                    "model.vae_dtype = fp32, or bf16 instead of fp16.")
+                    + (f"Training stopped; the last backup ({kept[-1].name}) is intact. " if kept else
+                       "Training stopped before any backup was written. ")
+                    + "Try a lower learning rate, model.vae_dtype = fp32, or bf16 instead of fp16.")
             optimizer_step(state)
             state.pos.step += 1
             if state.ema is not None:
@@ -226,10 +228,6 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     run_dir.mkdir(parents=True, exist_ok=True)
     rank, world = env_rank_world()
     setup_logging(run_dir, rank)
-    if rank == 0:
-        save_config(cfg, run_dir / "config.yaml")
-        (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
-                                                         "started": time.time()}))
     if world > 1:
         rank_file(run_dir, rank, "error").unlink(missing_ok=True)  # a failure of an earlier attempt
         write_rank_info(run_dir, rank)
@@ -246,6 +244,10 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     for w in warnings or []:
         ev.emit("warning", message=w)
     try:
+        if rank == 0:  # after the event stream (and its reserve) is open: a full disk here still ends in `failed`
+            save_config(cfg, run_dir / "config.yaml")
+            (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
+                                                             "started": time.time()}))
         setup(trainer)
         if cfg.data.only_cache:
             ev.emit("finished", step=0, message="caches are ready (data.only_cache); nothing trained")
@@ -268,11 +270,17 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
         tb = traceback.format_exc()
         msg = f"{type(exc).__name__}: {exc}"
         if looks_like_write_failure(exc):  # caches, samples …: a full disk or a read-only folder, said plainly
-            msg = write_failure(exc, cfg.general.workspace, "the run's files (caches, samples, results)")
+            cache = cfg.data.get("cache_dir") or Path(cfg.general.workspace or ".") / "cache"
+            msg = write_failure(exc, [run_dir, cache], "the run's files (caches, samples, results)",
+                                list_backups(run_dir))
+            tb = ""  # said in full: no traceback for the user to read
         elif "out of memory" in str(exc).lower():
             msg = ("The GPU ran out of memory. Lower training.batch_size or data.resolution, turn on "
                    "training.gradient_checkpointing, or use mixed precision / fp16-bf16 weights. (" + msg + ")")
-        log.error("%s\n%s", msg, tb)
+        if tb:
+            log.error("%s\n%s", msg, tb)
+        else:
+            log.error("%s", msg)
         try:
             ev.emit("error", message=msg, traceback=tb)
             _failed(trainer, msg, tb, peer_lost=isinstance(exc, PeerLost))
