@@ -70,6 +70,9 @@ def test_overrides_applied_together_equal_overrides_applied_one_by_one():
     (["training.lr_scheduler=cosinus"], ["training.lr_scheduler", "cosinus", "cosine_with_restarts"]),
     (["lora.dropout=1.5"], ["lora.dropout", "out of range"]),
     (["sampling.prompts=[{prompt: x, width: 65}]"], ["sampling.prompts.0.width", "multiple of 8"]),
+    # found by the fuzzed configs (tests/config_fuzz.py): these passed validate and failed in train
+    (["general.gpu_ids=ünïcødé"], ["general.gpu_ids", "'ünïcødé' is not a GPU number"]),
+    (["model.family=sd3.5-large"], ["model.family is sd3.5-large", "'builtin:tiny-sd' holds", "Set model.family to sd15"]),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(override, words):
     with pytest.raises(ConfigError) as err:

@@ -74,8 +74,7 @@ ROWS = [
     # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
     Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),
-        settings=("lora.unet_targets=attn_mlp",),
-        prompt_kwargs={"image": Image.open(DEMO_DATA / "03-blue-circle.png")}),
+        settings=("lora.unet_targets=attn_mlp",)),
     # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
     # tiny model's loss fall well clear of the 10 % bar
     Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
@@ -145,7 +144,6 @@ CONTROLS = {"00-red-square": "02-blue-square", "03-blue-circle": "01-red-circle"
 
 
 def _sample(pipe, row: Row):
-    from PIL import Image
     image = {"image": Image.open(DEMO_DATA / f"{CONTROLS['00-red-square']}.png").convert("RGB")} if row.controls else {}
     return pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
                 generator=torch.Generator().manual_seed(0), output_type="np", **image, **row.prompt_kwargs).images[0]

@@ -88,6 +88,12 @@ def validate(cfg: DictConfig) -> None:
     _walk(cfg, AtelierConfig, "")
     check_path_fields(cfg)  # paths a file system takes, plain run and result names
     check_family_options(cfg)  # options the model's family or its objective cannot use
+    ids = [i.strip() for i in str(cfg.general.gpu_ids or "").split(",") if i.strip()]
+    for gpu in ids:
+        if not gpu.isdigit():
+            raise ConfigError(f"general.gpu_ids = {cfg.general.gpu_ids!r}: {gpu!r} is not a GPU number. List GPU "
+                              "numbers separated by commas (0,1), or leave it empty for the first GPUs.",
+                              key="general.gpu_ids", value=cfg.general.gpu_ids)
     t = cfg.training
     if t.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):
         raise ConfigError("Nothing to train: turn on parts.denoiser.train and/or a text encoder's train "

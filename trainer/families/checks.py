@@ -40,8 +40,12 @@ def family_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
     """The variant of ``model`` as far as it can be told cheaply; None when it cannot (hub ids, .ckpt,
     unreadable or unknown files: the loader reports those)."""
     family = getattr(mcfg, "family", "auto") or "auto"
-    if family != "auto":
-        return family
+    return family if family != "auto" else detected_without_loading(mcfg, workspace)
+
+
+def detected_without_loading(mcfg: Any, workspace: str = "") -> Optional[str]:
+    """What ``model.path`` holds as far as it can be told cheaply, whatever ``model.family`` says; None when it
+    cannot be told."""
     path = str(getattr(mcfg, "path", "") or "")
     if path.startswith("builtin:"):
         name = path.split(":", 1)[1]
@@ -87,8 +91,9 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
         key = f"data.concepts.{i}.control_paths"
         if n and not most:
             edits = [v for v in info.variants if info.control_range(v)[1]]
-            hint = (f" If model.path is one of {info.label}'s edit models whose weights do not say which (a "
-                    f"transformer file), set model.family to it ({', '.join(edits)})." if edits else "")
+            hint = (f" If model.path is one of {info.label}'s edit models whose weights do not say which (a single "
+                    f"file or transformer file with the base model's keys), set model.family to it: model.family: "
+                    f"{edits[0]}" + (f" (or {', '.join(edits[1:])})." if edits[1:] else ".") if edits else "")
             raise ConfigError(f"{key}: {info.label} ({variant}) takes no control or reference images; remove the "
                               "control folders, or pick an edit model (FLUX.1 Kontext, Qwen-Image-Edit) or one that "
                               "takes references." + hint, key=key)
@@ -114,10 +119,19 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
 
 
 def check_family_options(cfg: Any) -> None:
-    """Raise ConfigError for the first option the family of ``cfg.model`` cannot use."""
-    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    """Raise ConfigError for the first option the family of ``cfg.model`` cannot use (a ``model.family`` the
+    model's files contradict first, as the loader would)."""
+    workspace = str(cfg.general.get("workspace", "") or "")
+    variant = family_without_loading(cfg.model, workspace)
     if not variant:
         return
+    family = getattr(cfg.model, "family", "auto") or "auto"
+    found = detected_without_loading(cfg.model, workspace) if family != "auto" else None
+    if found is not None and info_for(found).name != info_for(family).name:
+        got, want = info_for(found), info_for(family)
+        raise ConfigError(f"model.family is {family} ({want.label}), but '{cfg.model.path}' holds a {got.label} "
+                          f"model ({found}). Set model.family to {found.removesuffix('-inpaint')} or auto.",
+                          key="model.family", value=family)
     info = info_for(variant)
     for key, message in refused_options(info.objective, cfg.loss, info.label):
         raise ConfigError(message, key=key)
