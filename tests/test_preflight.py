@@ -63,11 +63,19 @@ BAD = [  # (field, value, words the message must hold)
     ("data.concepts.0.caption_file", "nope.txt", "not found"),
     ("lora.init_weights", "old-lora.safetensors", "does not exist"),
     ("lora.init_weights", "notes.txt", "is not a LoRA .safetensors file"),  # train died on SafetensorError
+    ("training.batch_size", 2, "more than the 1 images an epoch holds"),  # train refused after loading the model
     ("sampling.prompts", [{"prompt": "x", "image": "in.png"}], "does not exist"),
     ("general.workspace", "notes.txt", "is a file"),
     ("output.path", "notes.txt/out", "is a file"),
     ("data.cache_dir", "caps.txt", "is a file"),
 ]
+
+
+def test_a_dataset_of_validation_concepts_only_is_refused_before_training(good):
+    data = _with(good, "data.concepts.0.role", "validation")
+    assert "nothing would train" in _errors(data)["data.concepts"]
+    data["data"]["concepts"].append({"path": "cats", "role": "train"})
+    assert _errors(data) == {}
 
 
 def test_a_good_config_has_no_path_error(good):

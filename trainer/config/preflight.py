@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from trainer.data.concepts import concept_caption_file, concept_controls, concept_folder
+from trainer.data.order import concept_repeats
 from trainer.errors import DataError
 from trainer.families import tiny_models
 from trainer.families.checks import read_safetensors_shapes
@@ -102,9 +103,11 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
     if config_path and not _local(config_path, base).is_dir():
         add("model.config_path", f"model.config_path '{config_path}' is not a folder. Give a diffusers model "
                                  "folder whose configs describe the single file, or leave it empty.")
+    per_epoch, readable, roles = 0.0, True, []
     for i, concept in enumerate(cfg.data.concepts or []):
         if not concept.enabled:
             continue
+        roles.append(str(getattr(concept, "role", "train") or "train"))
         try:
             folder, files = concept_folder(i, concept, base)
             if concept.caption_source == "concept_file":
@@ -112,6 +115,15 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
             concept_controls(i, concept, folder, files, base)  # every image with its controls, every control paired
         except DataError as exc:
             add(exc.key or f"data.concepts.{i}.path", str(exc))
+            readable = False
+            continue
+        if roles[-1] != "validation":
+            per_epoch += len(files) * concept_repeats(concept, len(files))
+    if roles and all(r == "validation" for r in roles):
+        add("data.concepts", "Every enabled concept is a validation concept (role: validation): nothing would train. "
+                             "Give at least one concept role train.")
+    elif readable and roles:
+        add("training.batch_size", _batch_problem(cfg, per_epoch))
     method = cfg.training.method
     for key, used in (("lora.init_weights", method == "lora"), ("embedding.init_weights", method == "embedding")):
         value = str(_get(cfg, key) or "").strip()
@@ -142,6 +154,20 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
         if value:
             add(key, _writable_problem(key, value, base))
     return out
+
+
+def _batch_problem(cfg: Any, per_epoch: float) -> Optional[str]:
+    """A global micro-batch larger than the images an epoch holds: no batch would ever fill (train refuses after
+    loading the model). Aspect buckets can still leave each bucket short; the data report lists those."""
+    t = cfg.training
+    processes = int(cfg.general.get("num_processes", 1) or 1)
+    batch = int(t.batch_size) * processes
+    if per_epoch >= batch:
+        return None
+    many = f"training.batch_size = {t.batch_size}" + (f" x {processes} processes" if processes > 1 else "")
+    return (f"{many} is more than the {per_epoch:g} images an epoch holds (images x repeats of the training "
+            "concepts): no batch would fill and nothing would train. Lower training.batch_size or raise the "
+            "concepts' repeats.")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
