@@ -146,3 +146,46 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
         except Exception:
             page.screenshot(path=str(tmp_path / "pairs-failure.png"), full_page=True)
             raise
+
+
+def test_a_run_on_edit_pairs_starts_from_the_page_and_trains_on_them(page_url, tmp_path):
+    """A config with a pair concept on the built-in tiny FLUX.1 Kontext (a file in the workspace) loaded into the
+    page, started with Start: the run finishes its steps on the pairs and writes its LoRA."""
+    import yaml
+
+    from test_webui_e2e import open_page, wait_state
+    from trainer.events import read_events
+    url, ctx = page_url
+    root = ctx.workspace / "pairs"
+    for folder in ("targets", "control"):
+        (root / folder).mkdir(parents=True)
+    for name, (target, control) in {"00-red-square": ("00-red-square", "02-blue-square"),
+                                    "03-blue-circle": ("03-blue-circle", "01-red-circle")}.items():
+        Image.open(DEMO_DATA / f"{target}.png").save(root / "targets" / f"{name}.png")
+        Image.open(DEMO_DATA / f"{control}.png").save(root / "control" / f"{name}.png")
+        (root / "targets" / f"{name}.txt").write_text("swap the colour\n")
+    config = ctx.workspace / "kontext-pairs.yaml"
+    config.write_text(yaml.safe_dump({
+        "base": "demo-flux", "model": {"path": "builtin:tiny-flux-kontext"},
+        "data": {"concepts": [{"name": "edits", "path": str(root / "targets"), "control_paths": [str(root / "control")]}]},
+        "training": {"max_steps": 2, "batch_size": 2}, "sampling": {"prompts": []}, "backup": {"every_n_epochs": 0}}))
+    with open_page(url) as page:
+        try:
+            page.locator("#config-path textarea, #config-path input").first.fill(str(config))
+            page.locator("#load-file-btn").click()
+            page.wait_for_function("document.querySelector('#form-messages').innerText.includes('kontext-pairs')",
+                                   timeout=30000)
+            page.locator("#start-btn").click()
+            assert wait_state(page, ("finished", "failed", "died"), 240) == "finished", \
+                page.locator("#run-problems").inner_text()
+            status = page.locator("#run-status .atl-status")
+            assert status.get_attribute("data-step") == status.get_attribute("data-total") == "2"
+            run = ctx.workspace / "runs" / status.get_attribute("data-run")
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+    started = next(e for e in read_events(run / "events.jsonl") if e["type"] == "started")
+    assert started["steps_per_epoch"] == 1  # the two pairs make one batch of 2
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["data"]["concepts"][0]["control_paths"] == [str(root / "control")]
+    assert (run / f"{run.name}.safetensors").is_file()
