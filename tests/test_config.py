@@ -244,3 +244,13 @@ def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
         {"parts.text_encoder_1.fp8"}  # more swapped blocks need less
     assert not tier("sd15-lora", "training.batch_size=8")  # no tier: no check
     assert "no such preset" in tier("sd15-lora", "general.sized_for=sd15-lora-4gb")["general.sized_for"]
+
+
+@pytest.mark.parametrize("preset", ["demo-flux", "demo-flux2-klein", "demo-chroma", "demo-sd3", "demo-zimage",
+                                    "demo-qwen-image"])
+def test_dora_on_a_family_whose_lora_layout_cannot_hold_it_is_refused_by_validate(preset):
+    """It passed validate, trained every step and failed at save ("not written in the diffusers/peft layout")."""
+    with pytest.raises(ConfigError) as err:
+        load_config(preset=preset, overrides=["lora.type=dora"])
+    assert err.value.key == "lora.type" and "fail at save" in str(err.value)
+    load_config(preset=preset, overrides=["lora.type=dora", "training.method=finetune"])  # no adapter: no refusal

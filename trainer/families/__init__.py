@@ -79,7 +79,8 @@ class FamilyInfo:
     detect: str  # module with claim(evidence) -> variant | None (raises ValueError to refuse)
     tiny: Dict[str, str] = field(default_factory=dict)  # builtin name -> "module:function(root) -> paths"
     caption_limit: int = 77  # longest caption (tokens) the default text path sees
-    # options this family cannot use, refused by validate: (config key, the value that means "off", why)
+    # options this family cannot use, refused by validate: (config key, the value that means "off" or a tuple of
+    # the values it takes, why); lora.* keys only on a LoRA run
     refuses: Tuple[Tuple[str, Any, str], ...] = ()
     # parts a fine-tune can save (the single file holds the denoiser alone in some families); () = all
     finetune_slots: Tuple[str, ...] = ()

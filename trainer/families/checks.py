@@ -183,9 +183,13 @@ def check_family_options(cfg: Any) -> None:
     if info.pixel_multiple:
         check_pixel_multiple(cfg, info)
     for key, off, why in info.refuses:
+        if key.startswith("lora.") and cfg.training.method != "lora":
+            continue  # the adapter's settings mean nothing to a fine-tune or an embedding
         value = OmegaConf.select(cfg, key)
-        if value != off:
-            raise ConfigError(f"{key} = {value}: {why}. Set it to {off}.", key=key, value=value)
+        allowed = off if isinstance(off, tuple) else (off,)
+        if value not in allowed:
+            raise ConfigError(f"{key} = {value}: {why}. Set it to {' or '.join(str(a) for a in allowed)}.",
+                              key=key, value=value)
 
 
 def check_pixel_multiple(cfg: Any, info: Any) -> None:

@@ -20,7 +20,10 @@ INFO = FamilyInfo(
     caption_limit=512,
     refuses=(("parts.text_encoder_2.train", False,
               "Flux LoRA files carry the transformer and CLIP-L (diffusers loads no T5 LoRA for Flux), and a "
-              "fine-tune is saved as the transformer alone"),),
+              "fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora", "loha", "lokr"),
+              "Flux.1 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
+              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     # Kontext edits one image: each target pairs with one control image (the source it was edited from)
     controls={"flux-kontext": (1, 1)},

@@ -17,7 +17,10 @@ INFO = FamilyInfo(
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Flux.2 LoRA files carry the transformer (diffusers' Flux.2 pipelines load no text-encoder LoRA), and a "
-              "fine-tune is saved as the transformer alone"),),
+              "fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora", "loha", "lokr"),
+              "Flux.2 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
+              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(
         QuickChoice("flux2", "Flux.2 [klein]", {"lora": "flux2-klein-lora"}),

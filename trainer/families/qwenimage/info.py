@@ -27,7 +27,10 @@ INFO = FamilyInfo(
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Qwen-Image LoRA files carry the transformer (diffusers' QwenImagePipeline loads no Qwen2.5-VL LoRA), and "
-              "a fine-tune is saved as the transformer alone"),),
+              "a fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora", "loha", "lokr"),
+              "Qwen-Image LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
+              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     controls={"qwen-image-edit": (1, 1), "qwen-image-edit-2509": (1, 3), "qwen-image-edit-2511": (1, 3)},
     quick_start=(QuickChoice("qwenimage", "Qwen-Image", {"lora": "qwen-image-lora"}),

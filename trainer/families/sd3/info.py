@@ -18,7 +18,10 @@ INFO = FamilyInfo(
     caption_limit=256,
     refuses=(("parts.text_encoder_3.train", False,
               "SD3 LoRA files carry the transformer and the two CLIPs (diffusers' StableDiffusion3Pipeline and ComfyUI "
-              "load no T5 LoRA for SD3), and a fine-tune is saved as the transformer alone"),),
+              "load no T5 LoRA for SD3), and a fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora", "loha", "lokr"),
+              "SD3 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
+              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("sd3", "Stable Diffusion 3.5 (large / medium)", {"lora": "sd35-large-lora"}),),
 )

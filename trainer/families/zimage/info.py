@@ -16,7 +16,10 @@ INFO = FamilyInfo(
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Z-Image LoRA files carry the transformer (diffusers' ZImagePipeline loads no Qwen3 LoRA), and a "
-              "fine-tune is saved as the transformer alone"),),
+              "fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora", "loha", "lokr"),
+              "Z-Image LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
+              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),),
 )
