@@ -165,9 +165,9 @@ def _batch_problem(cfg: Any, per_epoch: float) -> Optional[str]:
     if per_epoch >= batch:
         return None
     many = f"training.batch_size = {t.batch_size}" + (f" x {processes} processes" if processes > 1 else "")
-    return (f"{many} is more than the {per_epoch:g} images an epoch holds (images x repeats of the training "
-            "concepts): no batch would fill and nothing would train. Lower training.batch_size or raise the "
-            "concepts' repeats.")
+    return (f"{many} is more than the {per_epoch:g} images an epoch holds (the training concepts' images x "
+            "repeats, or their samples): no batch would fill and nothing would train. Lower training.batch_size or "
+            "raise the concepts' repeats or samples.")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
