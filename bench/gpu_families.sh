@@ -15,6 +15,8 @@
 # 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb). Default: the cases measured so far and the new tiers.
 # Four noise images of the preset's size with one caption; each case samples once at the end (4 steps) so the
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
+# Edit models (kontext-24gb, qwen-edit-2509-24gb; demo-pairs checks them on the tiny Kontext on any machine) train
+# on pairs: the four images with four control images of the same names, and sample by editing a control.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,6 +44,28 @@ EOF
   echo "$dir"
 }
 
+controls() {  # controls <side>: control images for images <side>'s four (same file names, other noise)
+  local dir="$WS/controls-$1"
+  [ -d "$dir" ] || "$PY" - "$dir" "$1" <<'EOF'
+import sys
+from pathlib import Path
+import numpy as np
+from PIL import Image
+d, side = Path(sys.argv[1]), int(sys.argv[2])
+d.mkdir(parents=True)
+for i in range(4):
+    Image.fromarray(np.random.RandomState(100 + i).randint(0, 255, (side, side, 3), dtype=np.uint8)).save(d / f"{i}.png")
+EOF
+  echo "$dir"
+}
+
+pairs() {  # pairs <side> [n_controls]: --set arguments for a pair concept and a sample that edits a control
+  local imgs ctl list; imgs=$(images "$1"); ctl=$(controls "$1")
+  list=$ctl; for _ in $(seq 2 "${2:-1}"); do list="$list, $ctl"; done
+  printf '%s\n' --set "data.concepts=[{path: $imgs, control_paths: [$list]}]" \
+    --set "sampling.prompts=[{prompt: 'make it blue', steps: 4, width: $1, height: $1, control_images: [$ctl/0.png]}]"
+}
+
 configs() {  # configs <variant>: a diffusers folder with the variant's full-size configs (no weights)
   "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
 from trainer.families.common import full_size; print(full_size.config_folder('$1', Path('$WS') / 'cache'))"
@@ -50,13 +74,15 @@ from trainer.families.common import full_size; print(full_size.config_folder('$1
 bench() {  # bench <case> <preset> <side> [--set …]: one measured run
   local name=$1 preset=$2 side=$3; shift 3
   local imgs; imgs=$(images "$side")
+  local sample=(--set sampling.prompts.0.steps=4)
+  case " $* " in *"sampling.prompts="*) sample=() ;; esac  # a case that brings its own prompt (edit models)
   echo "=== $name: $preset $*" >&2
   local line
   line=$(timeout "$CASE_TIMEOUT" "$PY" bench/bench_train.py --random-weights --no-warmup --workspace "$WS/$name" \
       --preset "$preset" --peak-tflops "$PEAK_TFLOPS" \
       --set "data.concepts=[{path: $imgs}]" --set training.max_steps="$STEPS" --set training.epochs=1000 \
       --set backup.every_n_epochs=0 --set sampling.every_n_epochs=0 --set sampling.at_end=true \
-      --set sampling.prompts.0.steps=4 "$@" ${SETS:+$(printf -- '--set %s ' $SETS)} | head -1)
+      "${sample[@]}" "$@" ${SETS:+$(printf -- '--set %s ' $SETS)} | head -1)
   local rc=$?
   if [ -n "$line" ] && [ "${line:0:1}" = "{" ]; then
     echo "{\"case\": \"$name\", \"result\": $line}" >> "$RESULTS"
@@ -81,7 +107,14 @@ run_case() {
     flux2-dev-24gb) bench flux2-dev-24gb flux2-dev-lora-24gb 1024 --set "model.path=$(configs flux2-dev)" ;;
     sd15) bench sd15 sd15-lora 512 --set training.mixed_precision=bf16 ;;
     sdxl-8gb) bench sdxl-8gb sdxl-lora-8gb 1024 ;;
+    kontext-24gb) mapfile -t p < <(pairs 1024)
+                  bench kontext-24gb kontext-lora-24gb 1024 --set "model.path=$(configs flux-kontext)" "${p[@]}" ;;
+    qwen-edit-2509-24gb) mapfile -t p < <(pairs 1024 "${REFS:-1}")  # one reference; REFS=3 for three
+                  bench qwen-edit-2509-24gb qwen-image-edit-2509-lora-24gb 1024 \
+                    --set "model.path=$(configs qwen-image-edit-2509)" "${p[@]}" ;;
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
+    demo-pairs) mapfile -t p < <(pairs 64)  # the tiny Kontext on any machine: checks the pair cases
+                bench demo-pairs demo-flux 64 --set model.path=builtin:tiny-flux-kontext "${p[@]}" ;;
     *) echo "unknown case $1" >&2; return 1 ;;
   esac
 }
