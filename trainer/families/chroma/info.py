@@ -1,6 +1,6 @@
 """Registry entry of Chroma (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="chroma",
@@ -19,4 +19,6 @@ INFO = FamilyInfo(
               "is saved as the transformer alone"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("chroma", "Chroma", {"lora": "chroma-lora"}),),
+    # ChromaPipeline's own: 35 steps at CFG 5
+    sample_defaults={"chroma": SampleDefaults(35, 5.0, "", "ChromaPipeline")},
 )
