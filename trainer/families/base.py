@@ -10,9 +10,9 @@ A family object holds its loaded modules as attributes named by its parts (``Fam
     model_pred   = family.predict(family.model_input(noisy, batch, generator, warn), timesteps, cond)
     losses       = per_sample_loss(model_pred, target, cfg.loss, timesteps, family.objective, mask)
 
-and for samples ``sample_defaults()``, ``pipeline(sampler)``, ``sampling_kwargs()``, ``prompt_kwargs(sample_prompt)``; for the
-caches ``encode_captions(captions)`` and ``fingerprint()``; for the writers ``lora_namer()``,
-``lora_metadata(...)`` and ``save_single_file(...)``.
+and for samples ``sample_defaults()``, ``pipeline(sampler)``, ``sampling_kwargs()``,
+``prompt_kwargs(sample_prompt)``; for the caches ``encode_captions(captions)`` and ``fingerprint()``; for the
+writers ``lora_namer()``, ``lora_metadata(...)`` and ``save_single_file(...)``.
 
 Imports nothing heavy at module level.
 """
