@@ -197,8 +197,12 @@ class SamplePromptConfig:
     prompt: str = f("", "Text of the sample.", ui="textarea")
     negative_prompt: str = f("", "Negative prompt.")
     seed: int = f(42, "Seed of the sample's noise.", min=0, max=2**32 - 1)
-    steps: int = f(20, "Denoising steps.", min=1, max=1000)
-    cfg_scale: float = f(7.0, "Classifier-free guidance scale.", min=0.0, max=50.0)
+    steps: Optional[int] = f(None, "Denoising steps; empty = the model's own default (e.g. 28 for Flux.1 [dev], 4 for "
+                                   "[schnell], 20 for SD; docs/families.md lists them).", min=1, max=1000)
+    cfg_scale: Optional[float] = f(None, "Guidance scale: classifier-free guidance, Flux's embedded guidance, or "
+                                         "Qwen-Image's true CFG; empty = the model's own default (e.g. 7 for SD, 3.5 "
+                                         "for Flux.1 [dev], 0 for Z-Image Turbo; docs/families.md lists them).",
+                                   min=0.0, max=50.0)
     width: int = f(512, "Width in pixels (multiple of 8).", min=64, max=4096)
     height: int = f(512, "Height in pixels (multiple of 8).", min=64, max=4096)
     image: str = f("", "Inpainting models: the image to repaint (resized to width × height); empty = a "
@@ -215,7 +219,9 @@ class SamplingConfig:
     every_n_epochs: int = f(1, "Sample every N epochs; 0 = never.", min=0, max=100000)
     at_start: bool = f(False, "Sample once before training (a baseline).")
     at_end: bool = f(True, "Sample once after the last step.")
-    scheduler: str = f("ddim", "Sampler.", choices=["ddim", "euler", "euler_a", "dpmpp_2m"])
+    scheduler: str = f("auto", "Sampler of SD, SDXL and PixArt (the other families always sample with their own); "
+                               "auto = the model's own default (DDIM for SD and SDXL, DPM-Solver for PixArt).",
+                       choices=["auto", "ddim", "euler", "euler_a", "dpmpp_2m"])
     prompts: List[SamplePromptConfig] = f(help="Prompts sampled during training.", factory=list)
 
 

@@ -66,6 +66,40 @@ class QuickChoice:
 
 
 @dataclass(frozen=True)
+class SampleDefaults:
+    """What a sample prompt that leaves ``steps`` or ``cfg_scale`` empty (and ``sampling.scheduler: auto``) samples
+    with: the model's own settings, so a sample looks as the model's authors mean it to (Flux.1 [dev] at guidance 7
+    or Z-Image Turbo at CFG 7 burn, and look like a broken LoRA).
+
+    The values are the ``__call__`` defaults of ``pipeline`` (the diffusers class the family's sampler calls) unless
+    ``differs`` names them: there the pipeline's default is a placeholder shared across models (Flux.1 [schnell]
+    inherits [dev]'s 28 steps and guidance 3.5) and the model card's setting, or Atelier's, is declared instead."""
+
+    steps: int
+    guidance: float  # what cfg_scale means for the model: CFG, embedded guidance, or true CFG (``guidance_arg``)
+    scheduler: str = ""  # a sampling.scheduler name (DDIM …) for the DDPM families; "" = the model's own scheduler
+    pipeline: str = ""  # the diffusers pipeline class these defaults are read from
+    steps_arg: str = "num_inference_steps"  # that pipeline's names for the two
+    guidance_arg: str = "guidance_scale"
+    differs: Tuple[str, ...] = ()  # "steps" / "guidance": declared from the model card (or Atelier), not the pipeline
+    why: str = ""  # where a value ``differs`` comes from
+
+    def steps_for(self, steps: Optional[int]) -> int:
+        """A prompt's ``steps``, or this default when it is empty."""
+        return self.steps if steps in (None, 0) else int(steps)
+
+    def guidance_for(self, cfg_scale: Optional[float]) -> float:
+        """A prompt's ``cfg_scale``, or this default when it is empty (0 is a value: no guidance)."""
+        return self.guidance if cfg_scale is None else float(cfg_scale)
+
+    def sampler_for(self, scheduler: Optional[str]) -> Optional[str]:
+        """What ``Family.pipeline`` takes for ``sampling.scheduler``: the name the config gives, else this default
+        (None: the model's own scheduler)."""
+        chosen = scheduler if scheduler not in (None, "", "auto") else self.scheduler
+        return chosen or None
+
+
+@dataclass(frozen=True)
 class FamilyInfo:
     """What a family is, as data: read by the schema, validate, the UI and detection."""
 
@@ -97,10 +131,20 @@ class FamilyInfo:
     clip_skip: bool = False
     # variant -> (fewest, most) control/reference images an example takes (edit models, references); absent = none
     controls: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    # variant -> what its samples use where a prompt leaves steps/cfg_scale empty (every variant has one; a family
+    # whose loaded model tells two kinds apart adds keys of its own, e.g. a step-distilled and a base model)
+    sample_defaults: Dict[str, SampleDefaults] = field(default_factory=dict)
 
     def control_range(self, variant: str) -> Tuple[int, int]:
         """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""
         return self.controls.get(variant, (0, 0))
+
+    def sample_defaults_for(self, variant: str) -> SampleDefaults:
+        """The sample defaults of ``variant`` (a detected variant or a ``model.family`` choice)."""
+        try:
+            return self.sample_defaults[variant]
+        except KeyError:
+            raise KeyError(f"family {self.name} declares no sample defaults for {variant!r}") from None
 
     def part(self, slot: str) -> Optional[Part]:
         return next((p for p in self.parts if p.slot == slot), None)

@@ -10,9 +10,9 @@ A family object holds its loaded modules as attributes named by its parts (``Fam
     model_pred   = family.predict(family.model_input(noisy, batch, generator, warn), timesteps, cond)
     losses       = per_sample_loss(model_pred, target, cfg.loss, timesteps, family.objective, mask)
 
-and for samples ``pipeline(sampler)``, ``sampling_kwargs()``, ``prompt_kwargs(sample_prompt)``; for the
-caches ``encode_captions(captions)`` and ``fingerprint()``; for the writers ``lora_namer()``,
-``lora_metadata(...)`` and ``save_single_file(...)``.
+and for samples ``sample_defaults()``, ``pipeline(sampler)``, ``sampling_kwargs()``,
+``prompt_kwargs(sample_prompt)``; for the caches ``encode_captions(captions)`` and ``fingerprint()``; for the
+writers ``lora_namer()``, ``lora_metadata(...)`` and ``save_single_file(...)``.
 
 Imports nothing heavy at module level.
 """
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from trainer.errors import ModelLoadError
-from trainer.families import info_for
+from trainer.families import SampleDefaults, info_for
 from trainer.families.sources import source_fingerprint
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -172,6 +172,11 @@ class Family:
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         raise NotImplementedError
+
+    def sample_defaults(self) -> SampleDefaults:
+        """Steps, guidance and sampler of a sample prompt that leaves them empty: the loaded variant's, as its
+        ``FamilyInfo.sample_defaults`` declares them."""
+        return self.info.sample_defaults_for(self.family)
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         """Extra arguments for ``pipeline(...)(prompt, ...)`` so samples see what training saw."""

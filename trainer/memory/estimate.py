@@ -350,7 +350,8 @@ def _sample_phase(model, method, optimizer, cfg, sp, autocast, extra, around,
     the text encoders (twice with true CFG), one denoiser call on latents of the sample size, one VAE decode.
     With the text encoders offloaded (``offloaded`` slots) they are on the device only for the prompt: the two
     parts are measured apart (the encoders out of VRAM for the second) and the larger peak is the phase's."""
-    n = 2 if sp.cfg_scale > 1 and model.true_cfg else 1  # embedded guidance: one pass
+    guidance = model.sample_defaults().guidance_for(sp.cfg_scale)  # empty: the model's own
+    n = 2 if guidance > 1 and model.true_cfg else 1  # embedded guidance: one pass
     size = (int(sp.width), int(sp.height))
     batch = make_batch(model, method, cfg, size, text_cached=False, rows=n, caption=sp.prompt)
     vae_latent = _vae_latent(model, size)

@@ -72,14 +72,17 @@ def add_parsers(sub: Any) -> None:
                    help="Apply a kohya LoRA at a weight (default 1); repeatable.")
     s.add_argument("--prompt", help="The prompt (with --config: replaces its sampling.prompts).")
     s.add_argument("--negative", default="", help="Negative prompt.")
-    s.add_argument("--steps", type=int, default=20, help="Denoising steps (default 20).")
-    s.add_argument("--cfg", type=float, default=7.0, help="Classifier-free guidance scale (default 7).")
+    s.add_argument("--steps", type=int, default=None, help="Denoising steps (default: the model's own, e.g. 20 for SD, "
+                   "28 for Flux.1 [dev]).")
+    s.add_argument("--cfg", type=float, default=None, help="Guidance scale (default: the model's own, e.g. 7 for SD, "
+                   "3.5 for Flux.1 [dev]).")
     s.add_argument("--seed", type=int, default=42, help="Seed of the first image; image i uses seed + i.")
     s.add_argument("--width", type=int, default=None, help="Width in pixels (default: the model's size).")
     s.add_argument("--height", type=int, default=None, help="Height in pixels (default: the model's size).")
     s.add_argument("--count", type=int, default=1, help="Images to draw (default 1).")
     s.add_argument("--sampler", choices=("ddim", "euler", "euler_a", "dpmpp_2m"), default=None,
-                   help="Sampler (default: the config's sampling.scheduler, else the model's own).")
+                   help="Sampler of SD, SDXL and PixArt (default: the config's sampling.scheduler, else the "
+                        "model's own default).")
     s.add_argument("--device", default="auto", help="cuda, cpu, mps or auto (default).")
     common(s, "Folder for the images (default: <workspace>/samples/<date-time>).")
     workspace(s)

@@ -42,8 +42,8 @@ def _jobs(args: Any, cfg: Any, default_size: int) -> List[Any]:
     prompts = list(cfg.sampling.prompts)
     if not prompts:
         raise ToolError(f"--config {args.config} has no sampling.prompts; add some there or give --prompt TEXT.")
-    return [SimpleNamespace(prompt=p.prompt, negative_prompt=p.negative_prompt, seed=int(p.seed), steps=int(p.steps),
-                            cfg_scale=float(p.cfg_scale), width=int(p.width), height=int(p.height),
+    return [SimpleNamespace(prompt=p.prompt, negative_prompt=p.negative_prompt, seed=int(p.seed), steps=p.steps,
+                            cfg_scale=p.cfg_scale, width=int(p.width), height=int(p.height),
                             image=p.image, mask=p.mask) for p in prompts]
 
 
@@ -79,15 +79,16 @@ def run(args: Any) -> int:
     paths = [folder / f"{i:03d}-{job.seed}.png" for i, job in enumerate(jobs)]
     for p in paths:  # all refused before the first image is drawn
         check_out(p, args.overwrite, folder=False)
-    sampler = args.sampler or (cfg.sampling.scheduler if cfg is not None else None)
-    pipe = model.pipeline(sampler)
+    defaults = model.sample_defaults()  # what neither the options nor the config's prompt set: the model's own
+    pipe = model.pipeline(defaults.sampler_for(args.sampler or (cfg.sampling.scheduler if cfg is not None else None)))
     autocast = torch.autocast("cuda", dtype=torch.float16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     folder.mkdir(parents=True, exist_ok=True)
     for job, path in zip(jobs, paths):
         gen = torch.Generator(device="cpu").manual_seed(int(job.seed))
         with torch.no_grad(), autocast:
             image = pipe(job.prompt, **({"negative_prompt": job.negative_prompt} if job.negative_prompt else {}),
-                         num_inference_steps=int(job.steps), guidance_scale=float(job.cfg_scale),
+                         num_inference_steps=defaults.steps_for(job.steps),
+                         guidance_scale=defaults.guidance_for(job.cfg_scale),
                          width=int(job.width), height=int(job.height), generator=gen,
                          **model.sampling_kwargs(), **model.prompt_kwargs(job)).images[0]
         with atomic_path(path) as tmp:

@@ -26,7 +26,8 @@ def sample(state: RunState) -> List[str]:
     for m in state.method.modules.values():
         m.eval()
     on_eval(state.optimizer)  # schedule-free optimizers: sample the averaged weights
-    pipe = state.model.pipeline(state.cfg.sampling.scheduler)
+    defaults = state.model.sample_defaults()  # what a prompt leaves empty: the model's own steps, guidance, sampler
+    pipe = state.model.pipeline(defaults.sampler_for(state.cfg.sampling.scheduler))
     paths, path_prompts, weights = [], [], []
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
@@ -37,7 +38,8 @@ def sample(state: RunState) -> List[str]:
                     with torch.no_grad(), state.accelerator.autocast():
                         image = pipe(state.method.expand_text(sp.prompt),  # embedding placeholders
                                      **({"negative_prompt": negative} if negative else {}),
-                                     num_inference_steps=sp.steps, guidance_scale=sp.cfg_scale,
+                                     num_inference_steps=defaults.steps_for(sp.steps),
+                                     guidance_scale=defaults.guidance_for(sp.cfg_scale),
                                      width=sp.width, height=sp.height, generator=gen,
                                      **state.model.sampling_kwargs(),
                                      **state.model.prompt_kwargs(sp)).images[0]  # inpainting: image, mask

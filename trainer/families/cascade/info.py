@@ -1,6 +1,6 @@
 """Registry entry of Stable Cascade (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="cascade",
@@ -21,4 +21,10 @@ INFO = FamilyInfo(
     own_fields=("model.effnet_path", "model.decoder_path", "loss.cosine_timesteps", "model.cascade_variant"),
     quick_start=(QuickChoice("cascade", "Stable Cascade (stage C prior; lite under 16 GB)",
                              {"lora": "cascade-lora-16gb", "finetune": "cascade-finetune"}),),
+    # the combined pipeline's prior guidance 4; its 60 prior steps are the card's 20 (StableCascadePriorPipeline's
+    # default); the decoder runs its own 10 steps without guidance
+    sample_defaults={v: SampleDefaults(20, 4.0, "", "StableCascadeCombinedPipeline", "prior_num_inference_steps",
+                                       "prior_guidance_scale", differs=("steps",),
+                                       why="Stable Cascade's model card: 20 prior steps at guidance 4")
+                     for v in ("stable-cascade", "stable-cascade-lite")},
 )

@@ -1,6 +1,6 @@
 """Registry entry of Chroma (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="chroma",
@@ -22,4 +22,6 @@ INFO = FamilyInfo(
               "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("chroma", "Chroma", {"lora": "chroma-lora"}),),
+    # ChromaPipeline's own: 35 steps at CFG 5
+    sample_defaults={"chroma": SampleDefaults(35, 5.0, "", "ChromaPipeline")},
 )

@@ -1,7 +1,7 @@
 """Registry entry of Flux.1 (torch-free): dev, schnell and FLUX.1 Kontext [dev], the edit model that trains on
 pairs (one control image per target, the instruction as caption)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="flux",
@@ -30,4 +30,12 @@ INFO = FamilyInfo(
     quick_start=(QuickChoice("flux", "Flux.1 dev / schnell", {"lora": "flux-lora-24gb", "finetune": "flux-finetune"}),
                  QuickChoice("flux-kontext", "FLUX.1 Kontext [dev] (image edits, trained on pairs)",
                              {"lora": "kontext-lora-24gb"})),
+    # [dev]: FluxPipeline's 28 steps at embedded guidance 3.5; [schnell] is step- and guidance-distilled (its card: 4
+    # steps, guidance 0; the pipeline's defaults are [dev]'s); Kontext: its card's guidance 2.5
+    sample_defaults={
+        "flux-dev": SampleDefaults(28, 3.5, "", "FluxPipeline"),
+        "flux-schnell": SampleDefaults(4, 0.0, "", "FluxPipeline", differs=("steps", "guidance"),
+                                       why="FLUX.1 [schnell]'s model card: 4 steps, guidance 0 (step-distilled)"),
+        "flux-kontext": SampleDefaults(28, 2.5, "", "FluxKontextPipeline", differs=("guidance",),
+                                       why="FLUX.1 Kontext [dev]'s model card: guidance 2.5")},
 )

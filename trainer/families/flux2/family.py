@@ -38,7 +38,7 @@ from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from huggingface_hub import hf_hub_download
 
 from trainer.errors import ModelLoadError
-from trainer.families import sources
+from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
@@ -269,6 +269,13 @@ class Flux2(PeftLayoutLora, Family):
         return out.permute(0, 2, 1).reshape(b, c, h, w)  # tokens are in row order: the inverse of _pack_latents
 
     # --- sampling ---------------------------------------------------------------------------
+    def sample_defaults(self) -> SampleDefaults:
+        """[klein]: the step-distilled models' (4 steps) or, when the pipeline says it is not distilled, the Base
+        models' (50 steps at CFG 4)."""
+        if not self.dev and not self._is_distilled:
+            return self.info.sample_defaults_for("flux2-klein-base")
+        return super().sample_defaults()
+
     def pipeline(self, sampler: Optional[str] = None):
         if self.dev:
             pipe = Flux2Pipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,

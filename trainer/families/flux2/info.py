@@ -1,6 +1,6 @@
 """Registry entry of Flux.2 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="flux2",
@@ -30,4 +30,12 @@ INFO = FamilyInfo(
     # reference images (optional): BFL's limits, "up to 4" for [klein] 4B/9B and "recommended max 6" for [dev] (the
     # diffusers pipelines set none); see trainer/families/flux2/references.py
     controls={"flux2-klein": (0, 4), "flux2-dev": (0, 6)},
+    # [dev]: Flux2Pipeline's 50 steps at guidance 4. [klein] 4B/9B are step-distilled (their cards: 4 steps,
+    # guidance 1, which the pipeline ignores for them); the [klein] Base models take Flux2KleinPipeline's 50 steps at
+    # CFG 4 (the loaded pipeline's is_distilled tells them apart)
+    sample_defaults={
+        "flux2-klein": SampleDefaults(4, 1.0, "", "Flux2KleinPipeline", differs=("steps", "guidance"),
+                                      why="FLUX.2 [klein] 4B/9B model cards: 4 steps (step-distilled), guidance 1"),
+        "flux2-klein-base": SampleDefaults(50, 4.0, "", "Flux2KleinPipeline"),
+        "flux2-dev": SampleDefaults(50, 4.0, "", "Flux2Pipeline")},
 )

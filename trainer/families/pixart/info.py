@@ -1,6 +1,6 @@
 """Registry entry of PixArt-α/Σ (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="pixart",
@@ -23,4 +23,7 @@ INFO = FamilyInfo(
               "peft load, which holds plain LoRA only (DoRA, LoHa and LoKr files would not load in ComfyUI)"),),
     quick_start=(QuickChoice("pixart", "PixArt-Σ / PixArt-α",
                              {"lora": "pixart-sigma-lora", "finetune": "pixart-sigma-finetune"}),),
+    # the pipelines' own: 20 steps of the model's DPM-Solver at CFG 4.5 (the model cards' settings too)
+    sample_defaults={"pixart-alpha": SampleDefaults(20, 4.5, "", "PixArtAlphaPipeline"),
+                     "pixart-sigma": SampleDefaults(20, 4.5, "", "PixArtSigmaPipeline")},
 )

@@ -4,7 +4,7 @@ The edit models are variants of the one family: the same MMDiT and VAE, Qwen2.5-
 beside the instruction (its vision tower), and the control latents after the target's tokens. Qwen-Image-Edit
 takes one control image; -2509 and -2511 ("Plus") one to three references."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 EDIT_VARIANTS = ("qwen-image-edit", "qwen-image-edit-2509", "qwen-image-edit-2511")
 VARIANTS = ("qwen-image",) + EDIT_VARIANTS
@@ -40,4 +40,11 @@ INFO = FamilyInfo(
                              {"lora": "qwen-image-edit-2509-lora"}),
                  QuickChoice("qwen-image-edit-2511", "Qwen-Image-Edit-2511 (one to three reference images)",
                              {"lora": "qwen-image-edit-2511-lora"})),
+    # the pipelines' true CFG 4 with a " " negative prompt; 50 steps (the 2509/2511 cards: 40)
+    sample_defaults={
+        "qwen-image": SampleDefaults(50, 4.0, "", "QwenImagePipeline", guidance_arg="true_cfg_scale"),
+        "qwen-image-edit": SampleDefaults(50, 4.0, "", "QwenImageEditPipeline", guidance_arg="true_cfg_scale"),
+        **{v: SampleDefaults(40, 4.0, "", "QwenImageEditPlusPipeline", guidance_arg="true_cfg_scale",
+                             differs=("steps",), why="the Qwen-Image-Edit-2509/2511 model cards: 40 steps")
+           for v in ("qwen-image-edit-2509", "qwen-image-edit-2511")}},
 )

@@ -1,6 +1,8 @@
 """Registry entry of Stable Diffusion 1.x / 2.x (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
+
+WHY = "Atelier's: A1111's 20 steps at CFG 7 with DDIM, the previews SD users compare with"
 
 INFO = FamilyInfo(
     name="sd",
@@ -27,4 +29,9 @@ INFO = FamilyInfo(
         QuickChoice("sd15-inpaint", "SD 1.5 inpainting",
                     {"lora": "sd15-inpaint-lora", "finetune": "sd15-inpaint-finetune"}),
     ),
+    # previews as SD users know them (A1111's 20 steps at CFG 7, DDIM), not the pipelines' 50 steps at 7.5
+    sample_defaults={v: SampleDefaults(20, 7.0, "ddim", p, differs=("steps", "guidance"), why=WHY)
+                     for v, p in (("sd15", "StableDiffusionPipeline"), ("sd2", "StableDiffusionPipeline"),
+                                  ("sd15-inpaint", "StableDiffusionInpaintPipeline"),
+                                  ("sd2-inpaint", "StableDiffusionInpaintPipeline"))},
 )

@@ -1,6 +1,6 @@
 """Registry entry of Stable Diffusion 3 / 3.5 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="sd3",
@@ -24,4 +24,11 @@ INFO = FamilyInfo(
               "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("sd3", "Stable Diffusion 3.5 (large / medium)", {"lora": "sd35-large-lora"}),),
+    # the model cards: SD3.5 Large 28 steps at CFG 3.5, Medium 40 at 4.5; SD3 Medium the pipeline's 28 at 7
+    sample_defaults={
+        "sd3.5-large": SampleDefaults(28, 3.5, "", "StableDiffusion3Pipeline", differs=("guidance",),
+                                      why="SD 3.5 Large's model card: 28 steps, CFG 3.5"),
+        "sd3.5-medium": SampleDefaults(40, 4.5, "", "StableDiffusion3Pipeline", differs=("steps", "guidance"),
+                                       why="SD 3.5 Medium's model card: 40 steps, CFG 4.5"),
+        "sd3-medium": SampleDefaults(28, 7.0, "", "StableDiffusion3Pipeline")},
 )

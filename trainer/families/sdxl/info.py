@@ -1,6 +1,8 @@
 """Registry entry of Stable Diffusion XL (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
+
+WHY = "Atelier's: 20 steps at CFG 7 with DDIM, as SD users compare previews (the pipelines: 50 steps at 5 or 7.5)"
 
 INFO = FamilyInfo(
     name="sdxl",
@@ -22,4 +24,9 @@ INFO = FamilyInfo(
                     {"lora": "sdxl-lora", "finetune": "sdxl-finetune", "embedding": "sdxl-embedding"}),
         QuickChoice("sdxl-inpaint", "SDXL inpainting", {"lora": "sdxl-inpaint-lora"}),
     ),
+    # previews as SDXL users know them (20 steps at CFG 7, DDIM), as Atelier always sampled them
+    sample_defaults={"sdxl": SampleDefaults(20, 7.0, "ddim", "StableDiffusionXLPipeline", differs=("steps", "guidance"),
+                                            why=WHY),
+                     "sdxl-inpaint": SampleDefaults(20, 7.0, "ddim", "StableDiffusionXLInpaintPipeline",
+                                                    differs=("steps", "guidance"), why=WHY)},
 )

@@ -1,6 +1,6 @@
 """Registry entry of Würstchen 2 (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="wuerstchen",
@@ -22,4 +22,7 @@ INFO = FamilyInfo(
     embeddings=True,
     own_fields=("model.effnet_path", "model.decoder_path", "loss.cosine_timesteps"),
     quick_start=(QuickChoice("wuerstchen", "Würstchen 2 (prior)", {"lora": "wuerstchen-2-lora"}),),
+    # the combined pipeline's own: 60 prior steps at guidance 4 (the decoder: 12 steps, no guidance)
+    sample_defaults={"wuerstchen-2": SampleDefaults(60, 4.0, "", "WuerstchenCombinedPipeline",
+                                                    "prior_num_inference_steps", "prior_guidance_scale")},
 )

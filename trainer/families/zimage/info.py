@@ -1,6 +1,6 @@
 """Registry entry of Z-Image (torch-free)."""
 
-from trainer.families import FamilyInfo, Part, QuickChoice
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 INFO = FamilyInfo(
     name="zimage",
@@ -22,4 +22,8 @@ INFO = FamilyInfo(
               "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),),
+    # Z-Image Turbo (the released model, step-distilled): its card's 9 steps (8 transformer calls) without guidance;
+    # ZImagePipeline's 50 steps at CFG 5 are the undistilled base model's
+    sample_defaults={"z-image": SampleDefaults(9, 0.0, "", "ZImagePipeline", differs=("steps", "guidance"),
+                                               why="Z-Image Turbo's model card: 9 steps, guidance 0")},
 )
