@@ -14,6 +14,7 @@ from typing import Any, List, Optional, Tuple
 import gradio as gr
 from PIL import Image
 
+from trainer.config.load import PRESETS_DIR
 from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX, pair_listing
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
@@ -98,6 +99,19 @@ def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     return Path(path), ""
 
 
+def read_only_folder(ctx: AppContext, root: Path) -> str:
+    """Why the page may not write captions or masks in ``root`` ("" when it may). Atelier's shipped presets
+    (``presets/demo-data``) are read, never written: an edit there would change every user's demo and be undone
+    by the next update. The message says how to edit a copy instead."""
+    presets = PRESETS_DIR.resolve()
+    real = root.resolve()
+    if real != presets and presets not in real.parents:
+        return ""
+    return (f"⛔ `{root}` is part of Atelier's shipped presets, which this page only reads. Copy the folder into "
+            f"the workspace (for example to `{ctx.workspace / root.name}`) and open the copy to edit its captions "
+            "or masks.")
+
+
 def control_summary(root: Path, concepts: List[dict]) -> Tuple[str, str]:
     """(the control folders of the concept whose folder ``root`` is, one a line; a line on how its images pair)."""
     index, concept = concept_of_folder(root, concepts)
@@ -161,6 +175,8 @@ def build(ctx: AppContext) -> None:
         masked = sum(1 for i in images if mask_of(i).exists())
         head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
             "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
+        if read_only_folder(ctx, root):
+            head += "\n\n" + read_only_folder(ctx, root).replace("⛔", "🔒", 1)
         return [head, items, "", "", tag_counts(images) or None]
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:
@@ -178,6 +194,8 @@ def build(ctx: AppContext) -> None:
         image = root / name
         if image.parent != root or not image.is_file():
             return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
+        if read_only_folder(ctx, root):
+            return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         write_caption(image, new)
         out = show(text)
         return [f"Saved `{caption_file(image).name}`.", out[1], out[4]]
@@ -186,6 +204,8 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [why, gr.skip(), gr.skip()]
+        if f and read_only_folder(ctx, root):
+            return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         try:
             changed = replace_all(folder_images(root), f, r, bool(rx))
         except re.error as exc:
@@ -228,4 +248,5 @@ def build(ctx: AppContext) -> None:
     go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
 
 
-__all__ = ["build", "folder_images", "image_folder", "read_caption", "replace_all", "tag_counts", "write_caption"]
+__all__ = ["build", "folder_images", "image_folder", "read_caption", "read_only_folder", "replace_all", "tag_counts",
+           "write_caption"]

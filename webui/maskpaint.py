@@ -18,7 +18,7 @@ from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
-from webui.captions import folder_images, image_folder, mask_of
+from webui.captions import folder_images, image_folder, mask_of, read_only_folder
 from webui.context import AppContext
 
 PAINT = "rgba(255, 255, 255, 0.75)"
@@ -108,6 +108,8 @@ def build(ctx: AppContext) -> None:
         path = root / name
         if path.parent != root or not path.is_file():
             return f"⛔ `{name}` is not an image of this folder."
+        if read_only_folder(ctx, root):
+            return read_only_folder(ctx, root)
         layers = (value or {}).get("layers") or []
         try:
             target = save_mask(path, layers)
