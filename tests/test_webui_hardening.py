@@ -49,3 +49,60 @@ def test_the_caption_editor_reads_the_shipped_demo_data_but_never_writes_it(ctx)
                 (DEMO_DATA / name).write_bytes(data)
         for extra in set(p.name for p in DEMO_DATA.iterdir()) - set(before):
             (DEMO_DATA / extra).unlink()
+
+
+# -- a broken image is named and skipped, the folder keeps working -------------------------------------------------
+
+def _folder_with_bad_images(folder: Path) -> None:
+    """Two good images with captions, and next to them: bytes that are no image, a cut-off JPEG, and two images
+    over Pillow's pixel limit (the test lowers it to 1000): one it refuses (over twice the limit), one it would
+    only warn about (between once and twice)."""
+    folder.mkdir(parents=True)
+    for name in ("a", "b"):
+        Image.new("RGB", (24, 24), (200, 30, 30)).save(folder / f"{name}.png")
+        (folder / f"{name}.txt").write_text(f"photo {name}", encoding="utf-8")
+    (folder / "garbage.png").write_bytes(b"this is not an image" * 10)
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(folder / "cut.jpg", quality=95)
+    (folder / "cut.jpg").write_bytes((folder / "cut.jpg").read_bytes()[:300])
+    Image.new("RGB", (64, 64)).save(folder / "bomb.png")     # 4096 pixels: Pillow refuses
+    Image.new("RGB", (40, 40)).save(folder / "nearbomb.png")  # 1600 pixels: Pillow warns; Atelier refuses
+
+
+BAD = ("bomb.png", "cut.jpg", "garbage.png", "nearbomb.png")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # as the trainer's probe does for the page
+def test_a_broken_image_is_named_and_skipped_in_the_caption_editor_preview_and_mask_painter(ctx, monkeypatch,
+                                                                                          capsys):
+    folder = ctx.workspace / "mixed"
+    _folder_with_bad_images(folder)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    note, items, _, _, tags = ctx.handlers["captions_show"](str(folder))
+    assert note.startswith("6 images") and len(items) == 6, note
+    for name in BAD:
+        assert f"`{name}` — " in note, note
+    assert "too large to open safely" in note and "not an image Pillow can read" in note, note
+    assert [label for _, label in items if not label.startswith("⛔")] == ["photo a", "photo b"]
+    assert ("photo a", 1) in tags
+    assert ctx.handlers["captions_store"](str(folder), "garbage.png", "still captionable")[0] == "Saved `garbage.txt`."
+
+    note, thumbs = ctx.handlers["concept_preview"](str(folder), False, "txt_file", ".txt", "")
+    assert [caption for _, caption in thumbs] == ["photo a", "photo b"] and "6 images" in note
+    for name in BAD:
+        assert f"`{name}` — " in note, note
+
+    choices = ctx.handlers["mask_list"](str(folder))[0]
+    assert "garbage.png" in [c[0] if isinstance(c, tuple) else c for c in choices.choices]
+    for name in BAD:
+        editor, message = ctx.handlers["mask_open"](str(folder), name)
+        assert editor is None and message.startswith(f"⛔ `{name}` cannot be opened: "), message
+        assert "\n" not in message and "Traceback" not in message and "PIL." not in message, message
+        stored = ctx.handlers["mask_store"](str(folder), name, {"layers": []})
+        assert stored.startswith(f"⛔ `{name}` cannot be opened: "), stored
+    assert not any(folder.glob("*-masklabel.png"))
+    editor, message = ctx.handlers["mask_open"](str(folder), "a.png")  # the good ones still open
+    assert editor["background"].size == (24, 24) and "(no mask yet)" in message
+    (folder / "a-masklabel.png").write_bytes(b"broken mask")
+    editor, message = ctx.handlers["mask_open"](str(folder), "a.png")
+    assert editor is not None and "`a-masklabel.png` cannot be read" in message, message
+    assert "Traceback" not in capsys.readouterr().err

@@ -18,6 +18,7 @@ from trainer.config.load import PRESETS_DIR
 from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX, pair_listing
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
+from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, skipped_md
 from webui.pairs import concept_of_folder, image_with_controls, thumb
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
@@ -37,7 +38,7 @@ def caption_file(image: Path) -> Path:
 
 def read_caption(image: Path) -> str:
     try:
-        return caption_file(image).read_text(encoding="utf-8").strip()
+        return caption_file(image).read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
         return ""
 
@@ -51,18 +52,26 @@ def mask_of(image: Path) -> Path:
 
 
 def thumbnail(image: Path, size: int = 192) -> Any:
-    """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid."""
+    """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid.
+    :class:`UnreadableImage` (with the reason) when the image cannot be shown."""
     small = thumb(image, size)
     mask = mask_of(image)
     if mask.exists():
-        try:
-            with Image.open(mask) as m:
-                keep = m.convert("L").resize(small.size)
-        except OSError:
+        keep, _ = open_rgb(mask, max(small.size))  # a mask that cannot be read darkens nothing
+        if keep is None:
             return small
+        keep = keep.convert("L").resize(small.size)
         dark = small.point(lambda v: int(v * 0.3))
         small = Image.composite(small, dark, keep.point(lambda v: 255 if v >= 128 else 0))
     return small
+
+
+def grid_item(image: Path, size: int = 192) -> Tuple[Any, str]:
+    """(the grid's tile for ``image``, "") or (a grey tile, why the image cannot be shown)."""
+    try:
+        return thumbnail(image, size), ""
+    except UnreadableImage as exc:
+        return grey_tile(size), str(exc)
 
 
 def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
@@ -170,11 +179,18 @@ def build(ctx: AppContext) -> None:
             return [why, [], "", "", None]
         images = folder_images(root)
         missing = sum(1 for i in images if not caption_file(i).exists())
-        items = [(thumbnail(i), (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else ""))
-                 for i in images[:200]]
+        items, unreadable = [], []
+        for i in images[:200]:
+            tile, why = grid_item(i)
+            if why:
+                unreadable.append((i.name, why))
+            items.append((tile, f"⛔ cannot be shown (see above): {why}"[:80] if why else
+                          (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else "")))
         masked = sum(1 for i in images if mask_of(i).exists())
         head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
             "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
+        if unreadable:
+            head += "\n\n" + skipped_md(unreadable, "image(s) cannot be shown (grey tiles)")
         if read_only_folder(ctx, root):
             head += "\n\n" + read_only_folder(ctx, root).replace("⛔", "🔒", 1)
         return [head, items, "", "", tag_counts(images) or None]
@@ -196,7 +212,10 @@ def build(ctx: AppContext) -> None:
             return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
         if read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
-        write_caption(image, new)
+        try:
+            write_caption(image, new)
+        except OSError as exc:
+            return [f"⛔ Could not write `{caption_file(image).name}`: {exc.strerror or exc}", gr.skip(), gr.skip()]
         out = show(text)
         return [f"Saved `{caption_file(image).name}`.", out[1], out[4]]
 
@@ -210,6 +229,8 @@ def build(ctx: AppContext) -> None:
             changed = replace_all(folder_images(root), f, r, bool(rx))
         except re.error as exc:
             return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
+        except OSError as exc:
+            return [f"⛔ Could not write a caption: {exc}", gr.skip(), gr.skip()]
         out = show(text)
         return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", out[1], out[4]]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import gradio as gr
-from PIL import Image
 
 from trainer.config.schema import ConceptConfig
 from trainer.data.concepts import pair_key, pair_listing
+from webui.imagefiles import UnreadableImage, grey_tile, open_rgb
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import choice_notes
 
@@ -43,11 +43,12 @@ def role_badge(role: str) -> str:
 
 
 def thumb(path: Path, size: int = THUMB) -> Any:
-    """A small copy, so previews stay light even for 8-megapixel photos."""
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        im.thumbnail((size, size))
-        return im.copy()
+    """A small copy, so previews stay light even for 8-megapixel photos; :class:`UnreadableImage` (an OSError)
+    with the reason when the file cannot be shown."""
+    small, why = open_rgb(path, size)
+    if small is None:
+        raise UnreadableImage(why)
+    return small
 
 
 def _code(text: str) -> str:
@@ -74,11 +75,9 @@ def pair_gallery(entry: dict, rows: int = PAIR_ROWS) -> List[Tuple[Any, str]]:
     for pair in (entry.get("pairs") or [])[:rows]:
         files = [("target", pair["target"])] + [(f"control {k + 1}", c) for k, c in enumerate(pair["controls"])]
         for what, file in files:
-            try:
-                items.append((thumb(Path(file)), f"{what}: {Path(file).name}"))
-            except OSError:  # unreadable: the report's skipped list says why
-                grey = Image.new("RGB", (THUMB, THUMB), (90, 90, 90))
-                items.append((grey, f"{what}: {Path(file).name} (unreadable)"))
+            small, why = open_rgb(Path(file), THUMB)  # unreadable: the report's skipped list says why
+            items.append((small, f"{what}: {Path(file).name}") if small is not None else
+                         (grey_tile(THUMB), f"{what}: {Path(file).name} (unreadable)"))
     return items
 
 
@@ -165,9 +164,16 @@ def image_with_controls(image: Path, folder: Path, control_text: Any) -> Tuple[L
     if not folders:
         return [], ""
     controls = controls_of(image, folder, folders)
-    items = [(thumb(image, 256), f"image: {image.name}")]
-    items += [(thumb(c, 256), f"control {k + 1}: {c.name}") for k, c in enumerate(controls) if c is not None]
+    items: List[Tuple[Any, str]] = []
+    unreadable = []
+    for what, file in [("image", image)] + [(f"control {k + 1}", c) for k, c in enumerate(controls) if c is not None]:
+        small, why = open_rgb(file, 256)
+        items.append((small if small is not None else grey_tile(256), f"{what}: {file.name}"))
+        if why:
+            unreadable.append(f"`{file.name}` cannot be shown: {why}.")
     missing = [folders[k] for k, c in enumerate(controls) if c is None]
+    if unreadable:
+        return items, "⛔ " + " ".join(unreadable)
     if missing:
         where = ", ".join(f"`{m}`" for m in missing)
         return items, (f"⛔ `{image.name}` has no control image of its name in {where}: it would not train. Add "

@@ -15,7 +15,8 @@ import gradio as gr
 from webui import devices, runner, vram
 from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
-from webui.pairs import role_badge, thumb
+from webui.imagefiles import open_rgb, skipped_md
+from webui.pairs import role_badge
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
 from webui.tabs.tools import dataset_check
@@ -120,7 +121,7 @@ def caption_for(image: Path, source: str, extension: str, file_lines: List[str],
         return file_lines[index % len(file_lines)] if file_lines else "(caption file is empty)"
     cap = image.with_suffix(extension if extension.startswith(".") else "." + extension)
     try:
-        return cap.read_text(encoding="utf-8").strip() or "(empty caption)"
+        return cap.read_text(encoding="utf-8", errors="replace").strip() or "(empty caption)"
     except OSError:
         return "(no caption file)"
 
@@ -153,8 +154,9 @@ def concepts(ctx: AppContext) -> None:
             return
         images = concept_images(folder, bool(item.get("recursive")))
         gr.Markdown(f"{len(images)} images", elem_classes=["atl-card-count"])
-        if images:
-            gr.Gallery([thumb(p_, 96) for p_ in images[:CARD_THUMBS]], columns=CARD_THUMBS, height=110,
+        shown = [small for small, _ in (open_rgb(p_, 96) for p_ in images[:CARD_THUMBS]) if small is not None]
+        if shown:  # an image that cannot be shown is left out here; the preview names it with its reason
+            gr.Gallery(shown, columns=CARD_THUMBS, height=110,
                        show_label=False, object_fit="contain", allow_preview=False)
 
     def control_count(folder: str, recursive: bool) -> str:
@@ -195,13 +197,19 @@ def concepts(ctx: AppContext) -> None:
         lines: List[str] = []
         if source == "concept_file" and cap_file:
             try:
-                lines = [ln.strip() for ln in Path(resolve_path(cap_file)).read_text(encoding="utf-8").splitlines() if ln.strip()]
+                text = Path(resolve_path(cap_file)).read_text(encoding="utf-8", errors="replace")
+                lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
             except OSError:
                 lines = []
-        thumbs = [(thumb(p, 192), caption_for(p, source, ext or ".txt", lines, i))
-                  for i, p in enumerate(images[:THUMBS])]
-        return [f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else ""),
-                thumbs]
+        thumbs, unreadable = [], []
+        for i, p in enumerate(images[:THUMBS]):
+            small, why = open_rgb(p, 192)
+            if small is None:
+                unreadable.append((p.name, why))
+            else:
+                thumbs.append((small, caption_for(p, source, ext or ".txt", lines, i)))
+        head = f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else "")
+        return [head + ("\n\n" + skipped_md(unreadable, "image(s) cannot be shown") if unreadable else ""), thumbs]
 
     ctx.handlers["concept_preview"] = preview
     inputs = [by[k] for k in needed]
