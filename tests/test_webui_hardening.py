@@ -106,3 +106,80 @@ def test_a_broken_image_is_named_and_skipped_in_the_caption_editor_preview_and_m
     editor, message = ctx.handlers["mask_open"](str(folder), "a.png")
     assert editor is not None and "`a-masklabel.png` cannot be read" in message, message
     assert "Traceback" not in capsys.readouterr().err
+
+
+# -- a link never leads the page outside its folders -----------------------------------------------------------------
+
+def _outer(tmp_path: Path) -> Path:
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    Image.new("RGB", (16, 16), (255, 0, 0)).save(outer / "secret.png")
+    Image.new("L", (16, 16), 255).save(outer / "secret-mask.png")
+    (outer / "secret.txt").write_text("SECRET CAPTION", encoding="utf-8")
+    return outer
+
+
+def test_links_leading_outside_are_left_out_and_named_in_the_caption_editor_preview_and_mask_painter(ctx, tmp_path):
+    outer = _outer(tmp_path)
+    data = ctx.workspace / "data"
+    data.mkdir(parents=True)
+    for name in ("a", "b", "c"):
+        Image.new("RGB", (16, 16), (0, 90, 0)).save(data / f"{name}.png")
+    (data / "a.txt").write_text("a green square", encoding="utf-8")
+    (data / "linked.png").symlink_to(outer / "secret.png")
+    (data / "b.txt").symlink_to(outer / "secret.txt")             # the image is here, its caption is not
+    (data / "c-masklabel.png").symlink_to(outer / "secret-mask.png")  # nor is this mask
+    (data / "dangling.png").symlink_to(tmp_path / "gone.png")
+    (data / "loop.png").symlink_to(data / "loop.png")
+    (data / "folder.png").mkdir()
+    (data / "sub").symlink_to(outer, target_is_directory=True)
+    before = {p.name: p.read_bytes() for p in outer.iterdir()}
+
+    note, items, _, _, tags = ctx.handlers["captions_show"](str(data))
+    assert note.startswith("1 images") and [label for _, label in items] == ["a green square"], note
+    for name, why in (("linked.png", "a link that leads outside"), ("b.png", "its caption file `b.txt` is a link"),
+                      ("c.png", "its mask `c-masklabel.png` is a link"), ("dangling.png", "does not exist"),
+                      ("loop.png", "loops"), ("folder.png", "a folder named like an image")):
+        assert f"`{name}` — " in note and why in note, (name, note)
+    assert "SECRET" not in str(tags)
+    for name in ("linked.png", "b.png", "../outer/secret.png"):
+        assert "not an image of this folder" in ctx.handlers["captions_store"](str(data), name, "x")[0]
+        assert "not an image of this folder" in ctx.handlers["mask_open"](str(data), name)[1]
+        assert "not an image of this folder" in ctx.handlers["mask_store"](str(data), name, {"layers": []})
+    out = ctx.handlers["captions_replace"](str(data), "SECRET", "x", False)
+    assert out[0] == "Replaced in 0 caption(s)."
+    dropdown, mask_note = ctx.handlers["mask_list"](str(data))
+    assert [c[0] if isinstance(c, tuple) else c for c in dropdown.choices] == ["a.png"] and "`linked.png` — " in mask_note
+
+    preview = ctx.handlers["concept_preview"]
+    note, thumbs = preview(str(data), True, "txt", ".txt", "")  # recursive: the linked folder is named, not entered
+    assert [caption for _, caption in thumbs] == ["a green square"] and "`sub/` — a link that leads outside" in note
+    assert "secret" not in note  # nothing of the outside folder is listed
+    note, thumbs = preview(str(data), False, "concept_file", ".txt", str(outer / "secret.txt"))
+    assert "outside the folders this page may show" in note and "SECRET" not in str(thumbs), note
+
+    controls = ctx.workspace / "controls"
+    controls.mkdir()
+    (controls / "a.png").symlink_to(outer / "secret.png")
+    pair, line = ctx.handlers["captions_pair"](str(data), str(controls), "a.png")
+    assert [label for _, label in pair["value"]] == ["image: a.png", "control 1: a.png"]
+    assert "a link that leads outside" in line, line
+    assert {p.name: p.read_bytes() for p in outer.iterdir()} == before
+
+
+def test_zip_this_run_leaves_out_links_leading_outside_the_run_and_says_so(ctx, tmp_path):
+    import zipfile
+    outer = _outer(tmp_path)
+    run_dir = ctx.workspace / "runs" / "r1"
+    (run_dir / "samples").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("a: 1\n")
+    Image.new("RGB", (8, 8)).save(run_dir / "samples" / "s1.png")
+    (run_dir / "samples" / "latest.png").symlink_to(run_dir / "samples" / "s1.png")  # inside: packed
+    (run_dir / "samples" / "s2.png").symlink_to(outer / "secret.png")
+    (run_dir / "notes").symlink_to(outer, target_is_directory=True)
+    message, button = ctx.handlers["zip_picked"]("r1")
+    assert message.startswith("Zipped **r1**"), message
+    assert "`samples/s2.png` — a link leading outside the run folder" in message, message
+    assert "`notes` — a link leading outside the run folder" in message, message
+    with zipfile.ZipFile(ctx.workspace / "downloads" / "r1.zip") as z:
+        assert sorted(z.namelist()) == ["config.yaml", "samples/latest.png", "samples/s1.png"]

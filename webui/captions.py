@@ -15,10 +15,10 @@ import gradio as gr
 from PIL import Image
 
 from trainer.config.load import PRESETS_DIR
-from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX, pair_listing
+from trainer.data.concepts import MASK_SUFFIX, pair_listing
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
-from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, skipped_md
+from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, page_images, skipped_md
 from webui.pairs import concept_of_folder, image_with_controls, thumb
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
@@ -26,10 +26,17 @@ from webui.schema_widgets import table_from_widget
 EXTENSION = ".txt"
 
 
-def folder_images(folder: Path) -> List[Path]:
-    """The folder's training images (masks are not images to caption), sorted."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-                  and not p.name.endswith(MASK_SUFFIX))
+def folder_images(ctx: AppContext, folder: Path) -> Tuple[List[Path], List[Tuple[str, str]]]:
+    """``(images, left out)``: the folder's training images (masks are not images to caption), sorted, that the page
+    may show, and each entry with an image's name it leaves out with the reason (a folder, a broken link, a link
+    of the image, its caption or its mask leading outside the page's folders)."""
+    return page_images(folder, ctx.roots.allowed, caption_ext=EXTENSION)
+
+
+def image_of(ctx: AppContext, folder: Path, name: str) -> Optional[Path]:
+    """The image ``name`` of ``folder`` when the folder's listing holds it (no path, no link leading out)."""
+    image = folder / (name or "")
+    return image if name and image in folder_images(ctx, folder)[0] else None
 
 
 def caption_file(image: Path) -> Path:
@@ -121,13 +128,14 @@ def read_only_folder(ctx: AppContext, root: Path) -> str:
             "or masks.")
 
 
-def control_summary(root: Path, concepts: List[dict]) -> Tuple[str, str]:
+def control_summary(ctx: AppContext, root: Path, concepts: List[dict]) -> Tuple[str, str]:
     """(the control folders of the concept whose folder ``root`` is, one a line; a line on how its images pair)."""
     index, concept = concept_of_folder(root, concepts)
     folders = split_lines(concept.get("control_paths")) if index is not None else []
     if not folders:
         return "", ""
-    listing = pair_listing(root, folder_images(root), [Path(resolve_path(f)) for f in folders], recursive=False)
+    listing = pair_listing(root, folder_images(ctx, root)[0], [Path(resolve_path(f)) for f in folders],
+                           recursive=False)
     alone = sorted({name for k in range(len(folders)) for name in listing.targets_without(k)})
     missing = [f for f, found in zip(folders, listing.found) if found is None]
     name = f" ('{concept.get('name')}')" if concept.get("name") else ""
@@ -177,7 +185,7 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [why, [], "", "", None]
-        images = folder_images(root)
+        images, left_out = folder_images(ctx, root)
         missing = sum(1 for i in images if not caption_file(i).exists())
         items, unreadable = [], []
         for i in images[:200]:
@@ -189,6 +197,8 @@ def build(ctx: AppContext) -> None:
         masked = sum(1 for i in images if mask_of(i).exists())
         head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
             "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
+        if left_out:
+            head += "\n\n" + skipped_md(left_out)
         if unreadable:
             head += "\n\n" + skipped_md(unreadable, "image(s) cannot be shown (grey tiles)")
         if read_only_folder(ctx, root):
@@ -197,7 +207,7 @@ def build(ctx: AppContext) -> None:
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:
         root, _ = where(text)
-        images = folder_images(root) if root else []
+        images = folder_images(ctx, root)[0] if root else []
         i = evt.index if isinstance(evt.index, int) else (evt.index or [0])[0]
         if not 0 <= i < len(images):
             return ["", ""]
@@ -207,8 +217,8 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None or not name:
             return [why or "Click an image first.", gr.skip(), gr.skip()]
-        image = root / name
-        if image.parent != root or not image.is_file():
+        image = image_of(ctx, root, name)
+        if image is None:
             return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
         if read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
@@ -226,7 +236,7 @@ def build(ctx: AppContext) -> None:
         if f and read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         try:
-            changed = replace_all(folder_images(root), f, r, bool(rx))
+            changed = replace_all(folder_images(ctx, root)[0], f, r, bool(rx))
         except re.error as exc:
             return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
         except OSError as exc:
@@ -240,18 +250,18 @@ def build(ctx: AppContext) -> None:
         if root is None or editor is None:
             return ["", ""]
         concepts, _ = table_from_widget(editor.spec, table)
-        return list(control_summary(root, concepts))
+        return list(control_summary(ctx, root, concepts))
 
     def show_pair(text: str, control_text: str, name: str) -> List[Any]:
         root, _ = where(text)
-        image = root / name if root is not None and name else None
-        if image is None or image.parent != root or not image.is_file():
+        image = image_of(ctx, root, name) if root is not None else None
+        if image is None:
             return [gr.update(value=[], visible=False), ""]
         for folder in split_lines(control_text):
             if not ctx.roots.allowed(resolve_path(folder)):
                 return [gr.update(value=[], visible=False),
                         f"⛔ `{folder}` is outside the folders this page may show."]
-        items, line = image_with_controls(image, root, control_text)
+        items, line = image_with_controls(image, root, control_text, ctx.roots.allowed)
         return [gr.update(value=items, visible=bool(items), columns=max(1, len(items))), line]
 
     ctx.handlers.update(captions_show=show, captions_store=store, captions_replace=replace,

@@ -18,9 +18,9 @@ from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
-from webui.captions import folder_images, image_folder, mask_of, read_only_folder
+from webui.captions import folder_images, image_folder, image_of, mask_of, read_only_folder
 from webui.context import AppContext
-from webui.imagefiles import UnreadableImage, open_rgb, reason_for, size_of
+from webui.imagefiles import UnreadableImage, open_rgb, reason_for, size_of, skipped_md
 
 PAINT = "rgba(255, 255, 255, 0.75)"
 
@@ -84,17 +84,19 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [gr.Dropdown(choices=[], value=None), why]
-        names = [p.name for p in folder_images(root)]
+        images, left_out = folder_images(ctx, root)
+        names = [p.name for p in images]
         done = sum(1 for n in names if mask_file(root / n).exists())
+        note = f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."
         return [gr.Dropdown(choices=names, value=names[0] if names else None),
-                f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."]
+                note + ("\n\n" + skipped_md(left_out) if left_out else "")]
 
     def open_image(text: str, name: Optional[str]) -> List[Any]:
         root, why = where(text)
         if root is None or not name:
             return [gr.skip(), why or "Pick an image."]
-        path = root / name
-        if path.parent != root or not path.is_file():
+        path = image_of(ctx, root, name)
+        if path is None:
             return [gr.skip(), f"⛔ `{name}` is not an image of this folder."]
         background, why = open_rgb(path)
         if background is None:
@@ -114,8 +116,8 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None or not name:
             return why or "Pick an image."
-        path = root / name
-        if path.parent != root or not path.is_file():
+        path = image_of(ctx, root, name)
+        if path is None:
             return f"⛔ `{name}` is not an image of this folder."
         if read_only_folder(ctx, root):
             return read_only_folder(ctx, root)
