@@ -183,3 +183,48 @@ def test_zip_this_run_leaves_out_links_leading_outside_the_run_and_says_so(ctx, 
     assert "`notes` — a link leading outside the run folder" in message, message
     with zipfile.ZipFile(ctx.workspace / "downloads" / "r1.zip") as z:
         assert sorted(z.namelist()) == ["config.yaml", "samples/latest.png", "samples/s1.png"]
+
+
+# -- names from disk show whole in the Run tab's problem list ------------------------------------------------------
+
+def _shown_text(markdown: str) -> str:
+    """What a reader sees of ``markdown``: rendered as CommonMark (as the page does), tags removed."""
+    from html.parser import HTMLParser
+    markdown_it = pytest.importorskip("markdown_it")
+    rendered = markdown_it.MarkdownIt("commonmark").render(markdown)
+
+    class Text(HTMLParser):
+        def __init__(self) -> None:
+            super().__init__(convert_charrefs=True)
+            self.parts: list = []
+
+        def handle_data(self, data: str) -> None:
+            self.parts.append(data)
+    parser = Text()
+    parser.feed(rendered)
+    return "".join(parser.parts)
+
+
+def test_the_run_tabs_problem_list_shows_file_names_and_messages_whole(tmp_path):
+    from webui.monitor import RunView
+    from webui.tabs.run import problems_md
+    names = ["photo <1>.png", "cat <b>tabby</b>.jpg", "*star*_and_[link](x).png", r"C:\data\a_b_.png",
+             "back`tick.png"]
+    view = RunView(name="r", path=tmp_path, state="failed",
+                   message=f"could not read '{names[0]}': damaged <script>alert(1)</script>\n# not a heading",
+                   traceback="Traceback\n```\n</details><b>bold</b>", advice="lower training.batch_size",
+                   warnings=[f"skipped '{n}': not an image" for n in names[1:]] + ["you ran `kill -9` on it"])
+    md = problems_md(view)
+    shown = _shown_text(md)
+    for text in names + ["<script>alert(1)</script>", "# not a heading", "training.batch_size", "```",
+                         "</details><b>bold</b>"]:
+        assert text in shown, (text, md, shown)
+    assert "<script>" not in md and "<b>" not in md.split("<details>")[0]
+    assert "`kill -9`" in md  # the trainer's own code spans stay code
+
+
+def test_a_skipped_file_note_shows_names_whole():
+    from webui.imagefiles import skipped_md
+    note = skipped_md([("a <b>.png", "damaged <x>"), ("`odd`.png", "fine")])
+    shown = _shown_text(note)
+    assert "a <b>.png — damaged <x>" in shown and "`odd`.png — fine" in shown, shown

@@ -22,6 +22,7 @@ from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX, find_images, rel_path
 from trainer.data.probe import probe_image, too_large
+from webui.mdtext import md_code, md_escape
 
 NAMES_SHOWN = 20  # skipped files named before "and N more"
 GREY = (90, 90, 90)
@@ -125,7 +126,7 @@ def skipped_md(skipped: Sequence[Tuple[str, str]], what: str = "file(s) left out
     """Markdown: "⛔ N file(s) left out: `name` — reason; …" ("" when none)."""
     if not skipped:
         return ""
-    shown = "; ".join(f"`{name}` — {why}" for name, why in skipped[:limit])
+    shown = "; ".join(f"{md_code(name)} — {md_escape(why)}" for name, why in skipped[:limit])
     more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
     return f"⛔ {len(skipped)} {what}: {shown}{more}."
 
