@@ -177,12 +177,17 @@ def test_zip_this_run_leaves_out_links_leading_outside_the_run_and_says_so(ctx, 
     (run_dir / "samples" / "latest.png").symlink_to(run_dir / "samples" / "s1.png")  # inside: packed
     (run_dir / "samples" / "s2.png").symlink_to(outer / "secret.png")
     (run_dir / "notes").symlink_to(outer, target_is_directory=True)
-    message, button = ctx.handlers["zip_picked"]("r1")
-    assert message.startswith("Zipped **r1**"), message
-    assert "`samples/s2.png` — a link leading outside the run folder" in message, message
-    assert "`notes` — a link leading outside the run folder" in message, message
-    with zipfile.ZipFile(ctx.workspace / "downloads" / "r1.zip") as z:
-        assert sorted(z.namelist()) == ["config.yaml", "samples/latest.png", "samples/s1.png"]
+    for handler in ("zip_picked", "zip_run"):  # the Runs tab's button and the Run tab's
+        message, button = ctx.handlers[handler]("r1")
+        assert message.startswith("Zipped **r1**"), message
+        assert "`samples/s2.png` — a link leading outside the run folder" in message, message
+        assert "`notes` — a link leading outside the run folder" in message, message
+        with zipfile.ZipFile(ctx.workspace / "downloads" / "r1.zip") as z:
+            assert sorted(z.namelist()) == ["config.yaml", "samples/latest.png", "samples/s1.png"]
+    # a result the run's events name outside the page's folders (a run started elsewhere) stays out too
+    from webui.downloads import zip_for_page
+    _, message = zip_for_page(ctx.workspace, run_dir, [str(outer / "secret.png")], ctx.roots.allowed)
+    assert "`results/secret.png` — outside the folders this page may use" in message, message
 
 
 # -- names from disk show whole in the Run tab's problem list ------------------------------------------------------

@@ -15,9 +15,11 @@ import os
 import time
 import zipfile
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from webui import runner
+from webui.imagefiles import skipped_md
+from webui.mdtext import md_escape
 
 DOWNLOADS = "downloads"
 ZIP_SKIP = ("backups", "control", "tensorboard")  # resume state, UI requests; event logs stay (loss curves)
@@ -123,4 +125,19 @@ def zip_run(workspace: str | os.PathLike, run_dir: str | os.PathLike, outputs: I
     return target
 
 
-__all__ = ["DOWNLOADS", "downloads_dir", "human_size", "link_leaving", "result_file", "zip_run"]
+def zip_for_page(workspace: str | os.PathLike, run_dir: Path, outputs: Iterable[str],
+                 allowed: Callable[[str], bool]) -> Tuple[Path, str]:
+    """The page's "Zip this run": :func:`zip_run` with only the results inside the page's folders (``allowed``;
+    the run's events name them, and a run started elsewhere may have saved anywhere), and the message that says
+    what was zipped and names every file left out with the reason."""
+    left_out: List[Tuple[str, str]] = []
+    kept = []
+    for out in outputs:
+        (kept.append(out) if allowed(out) else
+         left_out.append((f"results/{Path(out).name}", "outside the folders this page may use")))
+    path = zip_run(workspace, run_dir, kept, left_out)
+    message = f"Zipped **{md_escape(run_dir.name)}** (backups left out)."
+    return path, message + ("\n\n" + skipped_md(left_out) if left_out else "")
+
+
+__all__ = ["DOWNLOADS", "downloads_dir", "human_size", "link_leaving", "result_file", "zip_for_page", "zip_run"]

@@ -20,7 +20,7 @@ import pandas as pd
 from trainer.events import TERMINAL
 from webui import runner
 from webui.context import AUTO, AppContext
-from webui.downloads import human_size, result_file, zip_run
+from webui.downloads import human_size, result_file, zip_for_page
 from webui.mdtext import md_escape, md_fence
 from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
 
@@ -124,10 +124,10 @@ def build(ctx: AppContext) -> None:
             return ["No run to zip.", gr.DownloadButton(visible=False)]
         view = ctx.monitor.view(run_dir)
         try:
-            path = zip_run(ctx.workspace, run_dir, view.outputs)
+            path, message = zip_for_page(ctx.workspace, run_dir, view.outputs, ctx.roots.allowed)
         except OSError as exc:
             return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
-        return [f"Zipped **{run_dir.name}** (backups left out).",
+        return [message,
                 gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
 
     make_zip.click(do_zip, [ctx["run_select"]], [action_msg, zip_file])

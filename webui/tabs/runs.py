@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import gradio as gr
 import pandas as pd
@@ -14,9 +14,8 @@ from trainer.config.checks import load_config
 from trainer.errors import ConfigError
 from webui import runner
 from webui.context import AUTO, AppContext
-from webui.downloads import DOWNLOADS, human_size, zip_run
+from webui.downloads import DOWNLOADS, human_size, zip_for_page
 from webui.form import load_outputs, load_updates
-from webui.imagefiles import skipped_md
 from webui.jobqueue import Job
 from webui.monitor import age, downsample, smooth
 from webui.tabs.config_bar import write_draft
@@ -108,16 +107,11 @@ def build(ctx: AppContext) -> None:
         run_dir = ctx.run_dir(name or "")
         if run_dir is None:
             return ["Pick a run first.", gr.DownloadButton(visible=False)]
-        left_out: List[Tuple[str, str]] = []
-        outputs = []
-        for out in ctx.monitor.view(run_dir).outputs:  # results the run's events name: the page's folders only
-            (outputs.append(out) if ctx.roots.allowed(out) else
-             left_out.append((f"results/{Path(out).name}", "outside the folders this page may use")))
         try:
-            path = zip_run(ctx.workspace, run_dir, outputs, left_out)
+            path, message = zip_for_page(ctx.workspace, run_dir, ctx.monitor.view(run_dir).outputs, ctx.roots.allowed)
         except OSError as exc:
             return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
-        return [f"Zipped **{run_dir.name}** (backups left out)." + ("\n\n" + skipped_md(left_out) if left_out else ""),
+        return [message,
                 gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
 
     make_zip.click(zip_picked, [pick], [msg, zip_dl])
