@@ -233,3 +233,66 @@ def test_a_skipped_file_note_shows_names_whole():
     note = skipped_md([("a <b>.png", "damaged <x>"), ("`odd`.png", "fine")])
     shown = _shown_text(note)
     assert "a <b>.png — damaged <x>" in shown and "`odd`.png — fine" in shown, shown
+
+
+# -- logins: one address locked out, not the owner; many addresses slow everyone down, never lock ------------------
+
+def test_wrong_passwords_lock_out_their_address_only_and_many_addresses_only_slow_logins():
+    import asyncio
+
+    from webui.login import RateLimitedAuth, as_client
+    now = [1000.0]
+    auth = RateLimitedAuth([("ada", "s3cret")], limit=5, window=60, cooldown=30, crowd=10, step=0.01,
+                           max_delay=0.05, clock=lambda: now[0])
+    with as_client("6.6.6.6"):
+        for _ in range(5):
+            assert not auth("ada", "guess")
+        assert not auth("ada", "s3cret")  # that address is locked out, the right password too
+    with as_client("1.2.3.4"):
+        assert auth("ada", "s3cret")  # the owner is not
+    assert auth.delay() == 0  # one failing address slows nobody
+    for k in range(9):  # ten addresses failed within the window: everyone waits, more the more addresses fail
+        with as_client(f"10.0.0.{k}"):
+            assert not auth("ada", "guess")
+    assert auth.delay() == pytest.approx(0.01)
+    for k in range(9, 40):
+        with as_client(f"10.0.0.{k}"):
+            assert not auth("ada", "guess")
+    assert auth.delay() == pytest.approx(0.05)  # at most max_delay
+    with as_client("1.2.3.4"):
+        assert asyncio.run(auth.login("ada", "s3cret"))  # slowed, never locked
+    now[0] += 61
+    assert auth.delay() == 0 and not auth.locked_until and not auth.failures  # the window forgets them
+    with as_client("6.6.6.6"):
+        assert auth("ada", "s3cret")
+
+
+def test_the_client_address_is_the_peer_or_with_a_share_link_what_the_share_proxy_added():
+    from webui.login import client_address
+
+    def scope(peer, forwarded=None):
+        return {"client": (peer, 5000), "headers": [(b"x-forwarded-for", forwarded.encode())] if forwarded else []}
+    assert client_address(scope("203.0.113.5")) == "203.0.113.5"
+    assert client_address(scope("127.0.0.1", "1.1.1.1")) == "127.0.0.1"  # no share link: nobody forwards
+    assert client_address(scope("127.0.0.1", "1.1.1.1, 198.51.100.7"), share=True) == "198.51.100.7"
+    assert client_address(scope("203.0.113.5", "198.51.100.7"), share=True) == "203.0.113.5"  # not the proxy
+    assert client_address(scope("127.0.0.1"), share=True) == "127.0.0.1"  # the owner on this machine
+
+
+def test_the_served_page_locks_out_the_address_that_guessed_not_the_owner(tmp_path):
+    import httpx
+
+    from webui.app import serve
+    demo = build_app(tmp_path / "ws", start_scheduler=False)
+    _, url, _ = serve(demo, port=None, auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    login = url.rstrip("/") + "/login"
+    try:
+        # a second loopback address stands for another machine (Linux routes all of 127/8 to this one)
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30) as other:
+            for _ in range(5):
+                assert other.post(login, data={"username": "ada", "password": "guess"}).status_code == 400
+            assert other.post(login, data={"username": "ada", "password": "s3cret"}).status_code == 400
+        with httpx.Client(timeout=30) as owner:
+            assert owner.post(login, data={"username": "ada", "password": "s3cret"}).status_code == 200
+    finally:
+        demo.close()
