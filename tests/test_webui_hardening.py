@@ -146,15 +146,18 @@ def test_links_leading_outside_are_left_out_and_named_in_the_caption_editor_prev
         assert "not an image of this folder" in ctx.handlers["captions_store"](str(data), name, "x")[0]
         assert "not an image of this folder" in ctx.handlers["mask_open"](str(data), name)[1]
         assert "not an image of this folder" in ctx.handlers["mask_store"](str(data), name, {"layers": []})
+    assert "not a usable path" in ctx.handlers["captions_show"](str(data / "loop.png"))[0]  # a looping folder
     out = ctx.handlers["captions_replace"](str(data), "SECRET", "x", False)
     assert out[0] == "Replaced in 0 caption(s)."
     dropdown, mask_note = ctx.handlers["mask_list"](str(data))
-    assert [c[0] if isinstance(c, tuple) else c for c in dropdown.choices] == ["a.png"] and "`linked.png` — " in mask_note
+    assert [c[0] if isinstance(c, tuple) else c for c in dropdown.choices] == ["a.png"]
+    assert "`linked.png` — " in mask_note
 
     preview = ctx.handlers["concept_preview"]
     note, thumbs = preview(str(data), True, "txt", ".txt", "")  # recursive: the linked folder is named, not entered
     assert [caption for _, caption in thumbs] == ["a green square"] and "`sub/` — a link that leads outside" in note
     assert "secret" not in note  # nothing of the outside folder is listed
+    assert preview(str(data / "loop.png"), False, "txt", ".txt", "")[1] == []
     note, thumbs = preview(str(data), False, "concept_file", ".txt", str(outer / "secret.txt"))
     assert "outside the folders this page may show" in note and "SECRET" not in str(thumbs), note
 

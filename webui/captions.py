@@ -107,7 +107,10 @@ def replace_all(images: List[Path], find: str, replace: str, regex: bool = False
 
 def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     """(folder, "") when ``text`` is a folder inside the page's folders, else (None, the message)."""
-    path, why = ctx.allowed_path(text, "The folder")
+    try:
+        path, why = ctx.allowed_path(text, "The folder")
+    except (OSError, RuntimeError):  # a link loop, a name the system refuses
+        return None, f"⛔ `{text}` is not a usable path."
     if why:
         return None, f"⛔ {why}"
     if not path or not Path(path).is_dir():
