@@ -28,7 +28,7 @@ API_PREFIX = "/gradio_api"
 # What the login form itself loads (seen in a browser before signing in), the login and logout, and the one call
 # Gradio's launch makes to itself (startup-events, without a cookie).
 PUBLIC_PATHS = frozenset({"/", "/login", "/login/", "/logout", "/logout/", "/theme.css", "/favicon.ico",
-                          "/robots.txt", "/manifest.json", f"{API_PREFIX}/startup-events"})
+                          "/robots.txt", "/manifest.json", f"{API_PREFIX}/theme.css", f"{API_PREFIX}/startup-events"})
 PUBLIC_PREFIXES = ("/static/", "/assets/", "/svelte/", "/pwa_icon")
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 
