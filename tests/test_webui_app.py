@@ -29,12 +29,28 @@ def test_the_ui_process_imports_neither_torch_nor_diffusers(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
+SERVED_APPS: dict = {}  # url -> the served app, for the tests that walk its routes
+
+
 @pytest.fixture
 def served(tmp_path):
     demo = build_app(tmp_path / "ws", start_scheduler=False)
     _, url, _ = serve(demo, port=None, auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
+    SERVED_APPS[url] = demo.server_app
     yield url
+    SERVED_APPS.pop(url, None)
     demo.close()
+
+
+def _served_routes(routes, prefix: str = ""):
+    """(path, method) of every route of a served app, routers included under their prefix."""
+    for route in routes:
+        original = getattr(route, "original_router", None)  # FastAPI keeps an included router whole
+        if original is not None:
+            yield from _served_routes(original.routes, prefix + getattr(route.include_context, "prefix", ""))
+        elif hasattr(route, "path"):
+            for method in sorted(getattr(route, "methods", None) or {"GET"}):
+                yield prefix + route.path, method
 
 
 def test_with_auth_a_request_without_credentials_is_refused(served, tmp_path):
@@ -53,6 +69,24 @@ def test_with_auth_a_request_without_credentials_is_refused(served, tmp_path):
     assert '"auth_required":true' in page.replace(" ", "") and len(page) < 200_000
     assert "named_endpoints\":{}" in page.replace(" ", "") or "named_endpoints" not in page
     assert "/_go" not in page and str(tmp_path) not in page  # the workspace (a server path) is not named
+    # every route but the login form's refuses without a login, the streams Gradio itself leaves open included
+    import httpx
+
+    from webui.login import is_public
+    base = served.rstrip("/")
+    with httpx.Client(timeout=10) as anonymous:
+        with anonymous.stream("GET", f"{base}/gradio_api/heartbeat/anyone") as beat:  # would stay open
+            assert beat.status_code == 401
+        leaks = []
+        routes = sorted(set(_served_routes(SERVED_APPS[served].router.routes)))
+        for path, method in routes:
+            if is_public(path) or method not in ("GET", "POST"):
+                continue
+            url = base + re.sub(r"\{[^}]*\}", "x", path)
+            with anonymous.stream(method, url) as answer:
+                if answer.status_code not in (401, 403):
+                    leaks.append((method, path, answer.status_code))
+        assert len(routes) >= 40 and not leaks, (len(routes), leaks)
 
 
 def test_share_without_auth_refuses_to_start(tmp_path, capsys):

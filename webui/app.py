@@ -9,7 +9,6 @@ torch or diffusers and its first paint is fast.
 from __future__ import annotations
 
 import argparse
-import hmac
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import gradio as gr
 import httpx
 from gradio import networking, routes
 from jinja2 import ChoiceLoader, DictLoader, TemplateNotFound
+from starlette.middleware import Middleware
 
 from trainer.config.load import PRESETS_DIR, preset_names
 from trainer.host.paths import Confinement
@@ -28,6 +28,7 @@ from webui.context import AppContext
 from webui.downloads import DOWNLOADS
 from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
+from webui.login import LoginGate, RateLimitedAuth
 from webui.tabs import config_bar, extras, queue, quickstart, run, runs, tools
 from webui.tensorboard import mount
 
@@ -215,36 +216,6 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     return demo
 
 
-class RateLimitedAuth:
-    """The login check Gradio calls: constant-time comparison of the given pairs, and a lock-out after
-    ``limit`` wrong passwords within ``window`` seconds — for ``cooldown`` seconds every login is refused,
-    the right one too, so a share link cannot be brute-forced (Gradio has no limit of its own)."""
-
-    def __init__(self, pairs: Sequence[tuple], limit: int = 5, window: float = 60.0, cooldown: float = 30.0,
-                 clock: Any = None):
-        self.pairs = [(str(u), str(p)) for u, p in pairs]
-        self.limit, self.window, self.cooldown = limit, window, cooldown
-        self.clock = clock or time.monotonic
-        self.failures: List[float] = []
-        self.locked_until = 0.0
-
-    def __call__(self, username: str, password: str) -> bool:
-        now = self.clock()
-        if now < self.locked_until:
-            return False
-        ok = any(hmac.compare_digest(str(username).encode(), u.encode()) &
-                 hmac.compare_digest(str(password).encode(), p.encode()) for u, p in self.pairs)
-        if ok:
-            return True
-        self.failures = [t for t in self.failures if now - t < self.window] + [now]
-        if len(self.failures) >= self.limit:
-            self.locked_until = now + self.cooldown
-            self.failures = []
-            print(f"atelier: {self.limit} wrong logins within {self.window:.0f} s: logins refused for "
-                  f"{self.cooldown:.0f} s", file=sys.stderr)
-        return False
-
-
 LISTEN_NO_AUTH_WARNING = ("atelier: WARNING: --listen without --auth serves this page to every machine that can "
                           "reach this one, with no password; anyone on the network can start training runs and "
                           "read the workspace. Add --auth USER:PASS (or --auth-file FILE).")
@@ -264,12 +235,16 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
     install_early_script(FRAME_LOOP_SCRIPT + changes.WATCH_SCRIPT)
+    message = "Atelier: sign in with the user and password given to --auth." if auth else None
     result = demo.launch(
-        server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth) if auth else None,
+        server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth).login if auth else None,
         root_path=root_path,
+        # part of the app from its first request: routes Gradio serves without a login refuse one, and the login
+        # check knows each client's address (webui/login.py)
+        app_kwargs={"middleware": [Middleware(LoginGate, share=share, auth_message=message or "")]},
         inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
-        auth_message="Atelier: sign in with the user and password given to --auth." if auth else None)
+        auth_message=message)
     changes.mount(demo.server_app, {"run": ctx.handlers["watch_run"], "queue": ctx.handlers["watch_queue"]})
     board = ctx.components.get("tensorboard")
     if board is not None:  # <page>/tensorboard/, behind the same login

@@ -14,9 +14,11 @@ from typing import Any, List, Optional, Tuple
 import gradio as gr
 from PIL import Image
 
-from trainer.data.concepts import IMAGE_EXTENSIONS, MASK_SUFFIX, pair_listing
+from trainer.config.load import PRESETS_DIR
+from trainer.data.concepts import MASK_SUFFIX, pair_listing
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
+from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, page_images, skipped_md
 from webui.pairs import concept_of_folder, image_with_controls, thumb
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
@@ -24,10 +26,17 @@ from webui.schema_widgets import table_from_widget
 EXTENSION = ".txt"
 
 
-def folder_images(folder: Path) -> List[Path]:
-    """The folder's training images (masks are not images to caption), sorted."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-                  and not p.name.endswith(MASK_SUFFIX))
+def folder_images(ctx: AppContext, folder: Path) -> Tuple[List[Path], List[Tuple[str, str]]]:
+    """``(images, left out)``: the folder's training images (masks are not images to caption), sorted, that the page
+    may show, and each entry with an image's name it leaves out with the reason (a folder, a broken link, a link
+    of the image, its caption or its mask leading outside the page's folders)."""
+    return page_images(folder, ctx.roots.allowed, caption_ext=EXTENSION)
+
+
+def image_of(ctx: AppContext, folder: Path, name: str) -> Optional[Path]:
+    """The image ``name`` of ``folder`` when the folder's listing holds it (no path, no link leading out)."""
+    image = folder / (name or "")
+    return image if name and image in folder_images(ctx, folder)[0] else None
 
 
 def caption_file(image: Path) -> Path:
@@ -36,7 +45,7 @@ def caption_file(image: Path) -> Path:
 
 def read_caption(image: Path) -> str:
     try:
-        return caption_file(image).read_text(encoding="utf-8").strip()
+        return caption_file(image).read_text(encoding="utf-8", errors="replace").strip()
     except OSError:
         return ""
 
@@ -50,18 +59,26 @@ def mask_of(image: Path) -> Path:
 
 
 def thumbnail(image: Path, size: int = 192) -> Any:
-    """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid."""
+    """A small copy; with a mask, what the mask leaves out (black) is darkened, so masks show in the grid.
+    :class:`UnreadableImage` (with the reason) when the image cannot be shown."""
     small = thumb(image, size)
     mask = mask_of(image)
     if mask.exists():
-        try:
-            with Image.open(mask) as m:
-                keep = m.convert("L").resize(small.size)
-        except OSError:
+        keep, _ = open_rgb(mask, max(small.size))  # a mask that cannot be read darkens nothing
+        if keep is None:
             return small
+        keep = keep.convert("L").resize(small.size)
         dark = small.point(lambda v: int(v * 0.3))
         small = Image.composite(small, dark, keep.point(lambda v: 255 if v >= 128 else 0))
     return small
+
+
+def grid_item(image: Path, size: int = 192) -> Tuple[Any, str]:
+    """(the grid's tile for ``image``, "") or (a grey tile, why the image cannot be shown)."""
+    try:
+        return thumbnail(image, size), ""
+    except UnreadableImage as exc:
+        return grey_tile(size), str(exc)
 
 
 def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
@@ -90,7 +107,10 @@ def replace_all(images: List[Path], find: str, replace: str, regex: bool = False
 
 def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     """(folder, "") when ``text`` is a folder inside the page's folders, else (None, the message)."""
-    path, why = ctx.allowed_path(text, "The folder")
+    try:
+        path, why = ctx.allowed_path(text, "The folder")
+    except (OSError, RuntimeError):  # a link loop, a name the system refuses
+        return None, f"⛔ `{text}` is not a usable path."
     if why:
         return None, f"⛔ {why}"
     if not path or not Path(path).is_dir():
@@ -98,13 +118,27 @@ def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     return Path(path), ""
 
 
-def control_summary(root: Path, concepts: List[dict]) -> Tuple[str, str]:
+def read_only_folder(ctx: AppContext, root: Path) -> str:
+    """Why the page may not write captions or masks in ``root`` ("" when it may). Atelier's shipped presets
+    (``presets/demo-data``) are read, never written: an edit there would change every user's demo and be undone
+    by the next update. The message says how to edit a copy instead."""
+    presets = PRESETS_DIR.resolve()
+    real = root.resolve()
+    if real != presets and presets not in real.parents:
+        return ""
+    return (f"⛔ `{root}` is part of Atelier's shipped presets, which this page only reads. Copy the folder into "
+            f"the workspace (for example to `{ctx.workspace / root.name}`) and open the copy to edit its captions "
+            "or masks.")
+
+
+def control_summary(ctx: AppContext, root: Path, concepts: List[dict]) -> Tuple[str, str]:
     """(the control folders of the concept whose folder ``root`` is, one a line; a line on how its images pair)."""
     index, concept = concept_of_folder(root, concepts)
     folders = split_lines(concept.get("control_paths")) if index is not None else []
     if not folders:
         return "", ""
-    listing = pair_listing(root, folder_images(root), [Path(resolve_path(f)) for f in folders], recursive=False)
+    listing = pair_listing(root, folder_images(ctx, root)[0], [Path(resolve_path(f)) for f in folders],
+                           recursive=False)
     alone = sorted({name for k in range(len(folders)) for name in listing.targets_without(k)})
     missing = [f for f, found in zip(folders, listing.found) if found is None]
     name = f" ('{concept.get('name')}')" if concept.get("name") else ""
@@ -154,18 +188,29 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [why, [], "", "", None]
-        images = folder_images(root)
+        images, left_out = folder_images(ctx, root)
         missing = sum(1 for i in images if not caption_file(i).exists())
-        items = [(thumbnail(i), (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else ""))
-                 for i in images[:200]]
+        items, unreadable = [], []
+        for i in images[:200]:
+            tile, why = grid_item(i)
+            if why:
+                unreadable.append((i.name, why))
+            items.append((tile, f"⛔ cannot be shown (see above): {why}"[:80] if why else
+                          (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else "")))
         masked = sum(1 for i in images if mask_of(i).exists())
         head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
             "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
+        if left_out:
+            head += "\n\n" + skipped_md(left_out)
+        if unreadable:
+            head += "\n\n" + skipped_md(unreadable, "image(s) cannot be shown (grey tiles)")
+        if read_only_folder(ctx, root):
+            head += "\n\n" + read_only_folder(ctx, root).replace("⛔", "🔒", 1)
         return [head, items, "", "", tag_counts(images) or None]
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:
         root, _ = where(text)
-        images = folder_images(root) if root else []
+        images = folder_images(ctx, root)[0] if root else []
         i = evt.index if isinstance(evt.index, int) else (evt.index or [0])[0]
         if not 0 <= i < len(images):
             return ["", ""]
@@ -175,10 +220,15 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None or not name:
             return [why or "Click an image first.", gr.skip(), gr.skip()]
-        image = root / name
-        if image.parent != root or not image.is_file():
+        image = image_of(ctx, root, name)
+        if image is None:
             return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
-        write_caption(image, new)
+        if read_only_folder(ctx, root):
+            return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
+        try:
+            write_caption(image, new)
+        except OSError as exc:
+            return [f"⛔ Could not write `{caption_file(image).name}`: {exc.strerror or exc}", gr.skip(), gr.skip()]
         out = show(text)
         return [f"Saved `{caption_file(image).name}`.", out[1], out[4]]
 
@@ -186,10 +236,14 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [why, gr.skip(), gr.skip()]
+        if f and read_only_folder(ctx, root):
+            return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         try:
-            changed = replace_all(folder_images(root), f, r, bool(rx))
+            changed = replace_all(folder_images(ctx, root)[0], f, r, bool(rx))
         except re.error as exc:
             return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
+        except OSError as exc:
+            return [f"⛔ Could not write a caption: {exc}", gr.skip(), gr.skip()]
         out = show(text)
         return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", out[1], out[4]]
 
@@ -199,18 +253,18 @@ def build(ctx: AppContext) -> None:
         if root is None or editor is None:
             return ["", ""]
         concepts, _ = table_from_widget(editor.spec, table)
-        return list(control_summary(root, concepts))
+        return list(control_summary(ctx, root, concepts))
 
     def show_pair(text: str, control_text: str, name: str) -> List[Any]:
         root, _ = where(text)
-        image = root / name if root is not None and name else None
-        if image is None or image.parent != root or not image.is_file():
+        image = image_of(ctx, root, name) if root is not None else None
+        if image is None:
             return [gr.update(value=[], visible=False), ""]
         for folder in split_lines(control_text):
             if not ctx.roots.allowed(resolve_path(folder)):
                 return [gr.update(value=[], visible=False),
                         f"⛔ `{folder}` is outside the folders this page may show."]
-        items, line = image_with_controls(image, root, control_text)
+        items, line = image_with_controls(image, root, control_text, ctx.roots.allowed)
         return [gr.update(value=items, visible=bool(items), columns=max(1, len(items))), line]
 
     ctx.handlers.update(captions_show=show, captions_store=store, captions_replace=replace,
@@ -228,4 +282,5 @@ def build(ctx: AppContext) -> None:
     go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
 
 
-__all__ = ["build", "folder_images", "image_folder", "read_caption", "replace_all", "tag_counts", "write_caption"]
+__all__ = ["build", "folder_images", "image_folder", "read_caption", "read_only_folder", "replace_all", "tag_counts",
+           "write_caption"]

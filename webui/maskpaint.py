@@ -18,8 +18,9 @@ from PIL import Image
 
 from trainer.data.concepts import MASK_SUFFIX
 from trainer.io import atomic_write_bytes
-from webui.captions import folder_images, image_folder, mask_of
+from webui.captions import folder_images, image_folder, image_of, mask_of, read_only_folder
 from webui.context import AppContext
+from webui.imagefiles import UnreadableImage, open_rgb, reason_for, size_of, skipped_md
 
 PAINT = "rgba(255, 255, 255, 0.75)"
 
@@ -50,8 +51,10 @@ def mask_from_layers(layers: List[Any], size: Tuple[int, int]) -> Any:
 
 
 def save_mask(image: Path, layers: List[Any]) -> Path:
-    with Image.open(image) as img:
-        size = img.size
+    """Write ``image``'s mask from the painted layers; :class:`UnreadableImage` when the image cannot be opened."""
+    size, why = size_of(image)
+    if size is None:
+        raise UnreadableImage(why)
     buf = io.BytesIO()
     mask_from_layers(layers, size).save(buf, format="PNG")
     target = mask_file(image)
@@ -81,36 +84,48 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None:
             return [gr.Dropdown(choices=[], value=None), why]
-        names = [p.name for p in folder_images(root)]
+        images, left_out = folder_images(ctx, root)
+        names = [p.name for p in images]
         done = sum(1 for n in names if mask_file(root / n).exists())
+        note = f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."
         return [gr.Dropdown(choices=names, value=names[0] if names else None),
-                f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."]
+                note + ("\n\n" + skipped_md(left_out) if left_out else "")]
 
     def open_image(text: str, name: Optional[str]) -> List[Any]:
         root, why = where(text)
         if root is None or not name:
             return [gr.skip(), why or "Pick an image."]
-        path = root / name
-        if path.parent != root or not path.is_file():
+        path = image_of(ctx, root, name)
+        if path is None:
             return [gr.skip(), f"⛔ `{name}` is not an image of this folder."]
-        with Image.open(path) as img:
-            background = img.convert("RGB")
+        background, why = open_rgb(path)
+        if background is None:
+            return [None, f"⛔ `{name}` cannot be opened: {why}."]
         existing = mask_file(path)
-        layer = layer_from_mask(existing, background.size) if existing.exists() else \
-            Image.new("RGBA", background.size, (255, 255, 255, 0))
-        return [{"background": background, "layers": [layer], "composite": None},
-                f"Editing `{name}`" + (" (its mask loaded)" if existing.exists() else " (no mask yet)")]
+        layer = Image.new("RGBA", background.size, (255, 255, 255, 0))
+        state = " (no mask yet)"
+        if existing.exists():
+            try:
+                layer, state = layer_from_mask(existing, background.size), " (its mask loaded)"
+            except Exception as exc:  # Pillow raises many kinds on a damaged file; paint afresh instead
+                state = (f" ⛔ its mask `{existing.name}` cannot be read ({reason_for(existing, exc)}): painting "
+                         "starts blank, and Save mask replaces it")
+        return [{"background": background, "layers": [layer], "composite": None}, f"Editing `{name}`{state}"]
 
     def store(text: str, name: Optional[str], value: Any) -> str:
         root, why = where(text)
         if root is None or not name:
             return why or "Pick an image."
-        path = root / name
-        if path.parent != root or not path.is_file():
+        path = image_of(ctx, root, name)
+        if path is None:
             return f"⛔ `{name}` is not an image of this folder."
+        if read_only_folder(ctx, root):
+            return read_only_folder(ctx, root)
         layers = (value or {}).get("layers") or []
         try:
             target = save_mask(path, layers)
+        except UnreadableImage as exc:
+            return f"⛔ `{name}` cannot be opened: {exc}."
         except OSError as exc:
             return f"⛔ Could not write the mask: {exc}"
         return f"Saved `{target.name}`."

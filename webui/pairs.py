@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import html
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import gradio as gr
-from PIL import Image
 
 from trainer.config.schema import ConceptConfig
 from trainer.data.concepts import pair_key, pair_listing
+from webui.imagefiles import OUTSIDE, UnreadableImage, grey_tile, open_rgb
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import choice_notes
 
@@ -43,11 +43,12 @@ def role_badge(role: str) -> str:
 
 
 def thumb(path: Path, size: int = THUMB) -> Any:
-    """A small copy, so previews stay light even for 8-megapixel photos."""
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        im.thumbnail((size, size))
-        return im.copy()
+    """A small copy, so previews stay light even for 8-megapixel photos; :class:`UnreadableImage` (an OSError)
+    with the reason when the file cannot be shown."""
+    small, why = open_rgb(path, size)
+    if small is None:
+        raise UnreadableImage(why)
+    return small
 
 
 def _code(text: str) -> str:
@@ -68,17 +69,17 @@ def concept_head(entry: dict) -> str:
     return '<div class="atl-concept-head">' + " · ".join(p for p in parts if p) + "</div>"
 
 
-def pair_gallery(entry: dict, rows: int = PAIR_ROWS) -> List[Tuple[Any, str]]:
-    """The first ``rows`` pairs as gallery items, row by row: target, then each control, with file names."""
+def pair_gallery(entry: dict, rows: int = PAIR_ROWS,
+                 allowed: Callable[[Path], bool] = lambda p: True) -> List[Tuple[Any, str]]:
+    """The first ``rows`` pairs as gallery items, row by row: target, then each control, with file names; a file
+    that cannot be shown, or that ``allowed`` refuses (a link leading outside the page's folders), is a grey tile."""
     items: List[Tuple[Any, str]] = []
     for pair in (entry.get("pairs") or [])[:rows]:
         files = [("target", pair["target"])] + [(f"control {k + 1}", c) for k, c in enumerate(pair["controls"])]
         for what, file in files:
-            try:
-                items.append((thumb(Path(file)), f"{what}: {Path(file).name}"))
-            except OSError:  # unreadable: the report's skipped list says why
-                grey = Image.new("RGB", (THUMB, THUMB), (90, 90, 90))
-                items.append((grey, f"{what}: {Path(file).name} (unreadable)"))
+            small, why = open_rgb(Path(file), THUMB) if allowed(Path(file)) else (None, OUTSIDE)
+            items.append((small, f"{what}: {Path(file).name}") if small is not None else  # the report says why
+                         (grey_tile(THUMB), f"{what}: {Path(file).name} ({'unreadable' if why != OUTSIDE else why})"))
     return items
 
 
@@ -110,9 +111,11 @@ def pairs_caption(entry: dict, rows: int = PAIR_ROWS) -> str:
     return f"{n} pairs ({cols})" + (f", showing {rows}" if n > rows else "")
 
 
-def render_report(entries: Sequence[dict], elem_prefix: str) -> None:
+def render_report(entries: Sequence[dict], elem_prefix: str,
+                  allowed: Callable[[Path], bool] = lambda p: True) -> None:
     """The report's per-concept view (call inside ``gr.render``): role and control folders of every concept; for a
-    concept with controls, its first pairs side by side and every unpaired file named."""
+    concept with controls, its first pairs side by side (what ``allowed`` refuses greyed) and every unpaired file
+    named."""
     for entry in entries:
         with gr.Group(elem_classes=["atl-card"], elem_id=f"{elem_prefix}-pairs-{entry['index']}",
                       key=f"{elem_prefix}-pairs-{entry['index']}"):
@@ -121,7 +124,7 @@ def render_report(entries: Sequence[dict], elem_prefix: str) -> None:
                 if entry.get("error"):
                     gr.Markdown(f"⛔ {entry['error']}")
                 continue
-            items = pair_gallery(entry)
+            items = pair_gallery(entry, allowed=allowed)
             with gr.Row():
                 with gr.Column(scale=1, min_width=240):  # narrow: a pair's tiles stay thumbnails, side by side
                     if items:
@@ -159,15 +162,24 @@ def controls_of(image: Path, folder: Path, control_folders: Sequence[str]) -> Li
     return [(found or {}).get(key) for found in listing.found]
 
 
-def image_with_controls(image: Path, folder: Path, control_text: Any) -> Tuple[List[Tuple[Any, str]], str]:
-    """Gallery items (the image, then each control) and one line: what is missing, or that the pair is whole."""
+def image_with_controls(image: Path, folder: Path, control_text: Any,
+                        allowed: Callable[[Path], bool] = lambda p: True) -> Tuple[List[Tuple[Any, str]], str]:
+    """Gallery items (the image, then each control) and one line: what is missing, or that the pair is whole. A
+    file ``allowed`` refuses (a link leading outside the page's folders) is a grey tile, named in the line."""
     folders = split_lines(control_text)
     if not folders:
         return [], ""
     controls = controls_of(image, folder, folders)
-    items = [(thumb(image, 256), f"image: {image.name}")]
-    items += [(thumb(c, 256), f"control {k + 1}: {c.name}") for k, c in enumerate(controls) if c is not None]
+    items: List[Tuple[Any, str]] = []
+    unreadable = []
+    for what, file in [("image", image)] + [(f"control {k + 1}", c) for k, c in enumerate(controls) if c is not None]:
+        small, why = open_rgb(file, 256) if allowed(file) else (None, OUTSIDE)
+        items.append((small if small is not None else grey_tile(256), f"{what}: {file.name}"))
+        if why:
+            unreadable.append(f"`{file.name}` cannot be shown: {why}.")
     missing = [folders[k] for k, c in enumerate(controls) if c is None]
+    if unreadable:
+        return items, "⛔ " + " ".join(unreadable)
     if missing:
         where = ", ".join(f"`{m}`" for m in missing)
         return items, (f"⛔ `{image.name}` has no control image of its name in {where}: it would not train. Add "

@@ -8,19 +8,19 @@ field code around them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import gradio as gr
 
 from webui import devices, runner, vram
 from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
-from webui.pairs import role_badge, thumb
+from webui.imagefiles import open_rgb, page_images, skipped_md
+from webui.pairs import role_badge
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
 from webui.tabs.tools import dataset_check
 
-IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 THUMBS = 24
 CARD_THUMBS = 6
 
@@ -104,12 +104,14 @@ def vram_estimate(ctx: AppContext, gpus: List[Any]) -> None:
     ctx.after_build.append(wire)
 
 
-def concept_images(folder: str, recursive: bool = False) -> List[Path]:
+def concept_images(ctx: AppContext, folder: str, recursive: bool = False,
+                   caption_ext: Optional[str] = None) -> Tuple[List[Path], List[Tuple[str, str]]]:
+    """``(images, left out)``: the concept's images as the trainer lists them, those the page may show (no link
+    of an image, its caption or its mask leading outside the page's folders), and the rest named with why."""
     root = Path(resolve_path(folder))
     if not root.is_dir():
-        return []
-    it = root.rglob("*") if recursive else root.iterdir()
-    return sorted(p for p in it if p.suffix.lower() in IMAGE_EXT and p.is_file())
+        return [], []
+    return page_images(root, ctx.roots.allowed, recursive, caption_ext)
 
 
 def caption_for(image: Path, source: str, extension: str, file_lines: List[str], index: int) -> str:
@@ -120,7 +122,7 @@ def caption_for(image: Path, source: str, extension: str, file_lines: List[str],
         return file_lines[index % len(file_lines)] if file_lines else "(caption file is empty)"
     cap = image.with_suffix(extension if extension.startswith(".") else "." + extension)
     try:
-        return cap.read_text(encoding="utf-8").strip() or "(empty caption)"
+        return cap.read_text(encoding="utf-8", errors="replace").strip() or "(empty caption)"
     except OSError:
         return "(no caption file)"
 
@@ -151,10 +153,12 @@ def concepts(ctx: AppContext) -> None:
         if not Path(folder).is_dir():
             gr.Markdown(f"⛔ `{path}` does not exist")
             return
-        images = concept_images(folder, bool(item.get("recursive")))
-        gr.Markdown(f"{len(images)} images", elem_classes=["atl-card-count"])
-        if images:
-            gr.Gallery([thumb(p_, 96) for p_ in images[:CARD_THUMBS]], columns=CARD_THUMBS, height=110,
+        images, left_out = concept_images(ctx, folder, bool(item.get("recursive")))
+        gr.Markdown(f"{len(images)} images" + (f" ({len(left_out)} left out: see the preview)" if left_out else ""),
+                    elem_classes=["atl-card-count"])
+        shown = [small for small, _ in (open_rgb(p_, 96) for p_ in images[:CARD_THUMBS]) if small is not None]
+        if shown:  # an image that cannot be shown is left out here; the preview names it with its reason
+            gr.Gallery(shown, columns=CARD_THUMBS, height=110,
                        show_label=False, object_fit="contain", allow_preview=False)
 
     def control_count(folder: str, recursive: bool) -> str:
@@ -163,7 +167,7 @@ def concepts(ctx: AppContext) -> None:
             return " (outside the folders this page may show)"
         if not Path(where).is_dir():
             return " ⛔ does not exist"
-        return f" ({len(concept_images(where, recursive))} images)"
+        return f" ({len(concept_images(ctx, where, recursive)[0])} images)"
 
     editor.card_extra = card_images
     gr.Markdown("### Dataset report\nWhat the trainer will do with every concept's images: buckets, images "
@@ -191,17 +195,29 @@ def concepts(ctx: AppContext) -> None:
             return [f"`{path}` does not exist: check the spelling, or pick the folder with Browse.", []]
         if not Path(path).is_dir():
             return [f"`{path}` is a file; a concept is a folder of images.", []]
-        images = concept_images(path, bool(recursive))
+        per_image = source not in ("filename", "concept_file")  # captions read next to each image
+        images, left_out = concept_images(ctx, path, bool(recursive), (ext or ".txt") if per_image else None)
         lines: List[str] = []
-        if source == "concept_file" and cap_file:
+        notes = [skipped_md(left_out)] if left_out else []
+        if source == "concept_file" and cap_file and not ctx.roots.allowed(resolve_path(cap_file)):
+            notes.append(f"⛔ The caption file `{cap_file}` is outside the folders this page may show: its captions "
+                         "are not shown.")
+        elif source == "concept_file" and cap_file:
             try:
-                lines = [ln.strip() for ln in Path(resolve_path(cap_file)).read_text(encoding="utf-8").splitlines() if ln.strip()]
+                text = Path(resolve_path(cap_file)).read_text(encoding="utf-8", errors="replace")
+                lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
             except OSError:
                 lines = []
-        thumbs = [(thumb(p, 192), caption_for(p, source, ext or ".txt", lines, i))
-                  for i, p in enumerate(images[:THUMBS])]
-        return [f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else ""),
-                thumbs]
+        thumbs, unreadable = [], []
+        for i, p in enumerate(images[:THUMBS]):
+            small, why = open_rgb(p, 192)
+            if small is None:
+                unreadable.append((p.name, why))
+            else:
+                thumbs.append((small, caption_for(p, source, ext or ".txt", lines, i)))
+        head = f"{len(images)} images in `{path}`" + (f" (showing {THUMBS})" if len(images) > THUMBS else "")
+        notes += [skipped_md(unreadable, "image(s) cannot be shown")] if unreadable else []
+        return ["\n\n".join([head, *notes]), thumbs]
 
     ctx.handlers["concept_preview"] = preview
     inputs = [by[k] for k in needed]

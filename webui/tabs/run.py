@@ -20,7 +20,8 @@ import pandas as pd
 from trainer.events import TERMINAL
 from webui import runner
 from webui.context import AUTO, AppContext
-from webui.downloads import human_size, result_file, zip_run
+from webui.downloads import human_size, result_file, zip_for_page
+from webui.mdtext import md_escape, md_fence
 from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
 
 STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
@@ -123,10 +124,10 @@ def build(ctx: AppContext) -> None:
             return ["No run to zip.", gr.DownloadButton(visible=False)]
         view = ctx.monitor.view(run_dir)
         try:
-            path = zip_run(ctx.workspace, run_dir, view.outputs)
+            path, message = zip_for_page(ctx.workspace, run_dir, view.outputs, ctx.roots.allowed)
         except OSError as exc:
             return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
-        return [f"Zipped **{run_dir.name}** (backups left out).",
+        return [message,
                 gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
 
     make_zip.click(do_zip, [ctx["run_select"]], [action_msg, zip_file])
@@ -255,17 +256,20 @@ def gallery_items(view: RunView, order: str, limit: int = 48) -> List[tuple]:
 
 
 def problems_md(view: RunView) -> str:
+    """The Run tab's problem list (Markdown): the failure, what to try, the last warnings. Every message comes from
+    the trainer or the run folder and may name files (``photo <1>.png``), so each is escaped to show as it is."""
     lines = []
     if view.state in ("failed", "died") and view.message:
         title = "The run failed" if view.state == "failed" else "The trainer stopped unexpectedly"
-        lines.append(f"### ⛔ {title}\n{view.message}")
+        lines.append(f"### ⛔ {title}\n{md_escape(view.message)}")
         if view.traceback:
-            lines.append("<details><summary>Traceback</summary>\n\n```\n" + view.traceback[-4000:] + "\n```\n</details>")
+            lines.append("<details><summary>Traceback</summary>\n\n" + md_fence(view.traceback[-4000:]) +
+                         "\n</details>")
         lines.append("Last log lines are below.")
     if view.advice:
-        lines.append(f"**What to try:** {view.advice}")
+        lines.append(f"**What to try:** {md_escape(view.advice)}")
     for w in view.warnings[-10:]:
-        lines.append(f"- ⚠️ {w}")
+        lines.append(f"- ⚠️ {md_escape(w)}")
     return "\n\n".join(lines)
 
 

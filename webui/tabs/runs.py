@@ -14,7 +14,7 @@ from trainer.config.checks import load_config
 from trainer.errors import ConfigError
 from webui import runner
 from webui.context import AUTO, AppContext
-from webui.downloads import DOWNLOADS, human_size, zip_run
+from webui.downloads import DOWNLOADS, human_size, zip_for_page
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
 from webui.monitor import age, downsample, smooth
@@ -108,10 +108,10 @@ def build(ctx: AppContext) -> None:
         if run_dir is None:
             return ["Pick a run first.", gr.DownloadButton(visible=False)]
         try:
-            path = zip_run(ctx.workspace, run_dir, ctx.monitor.view(run_dir).outputs)
+            path, message = zip_for_page(ctx.workspace, run_dir, ctx.monitor.view(run_dir).outputs, ctx.roots.allowed)
         except OSError as exc:
             return [f"Could not write the zip: {exc}", gr.DownloadButton(visible=False)]
-        return [f"Zipped **{run_dir.name}** (backups left out).",
+        return [message,
                 gr.DownloadButton(f"⬇ {path.name} ({human_size(path.stat().st_size)})", value=str(path), visible=True)]
 
     make_zip.click(zip_picked, [pick], [msg, zip_dl])

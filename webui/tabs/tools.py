@@ -70,7 +70,7 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
 
     @gr.render(inputs=[entries])
     def concept_view(items: List[dict]) -> None:
-        pairs.render_report(items or [], elem_prefix)
+        pairs.render_report(items or [], elem_prefix, ctx.roots.allowed)
 
     def check(*values: Any) -> List[Any]:
         cfg, note = data_config(ctx, values)
