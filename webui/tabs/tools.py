@@ -309,7 +309,8 @@ def model_tools(ctx: AppContext) -> None:
         with gr.Row():
             rank = gr.Number(label="Resize: new rank", value=None, precision=0, elem_id="tools-model-rank")
             prompt = gr.Textbox(label="Sample: prompt", elem_id="tools-model-prompt")
-            steps = gr.Number(label="Steps", value=20, precision=0, elem_id="tools-model-steps")
+            steps = gr.Number(label="Steps (empty = the model's own)", value=None, precision=0,
+                              elem_id="tools-model-steps")
             seed = gr.Number(label="Seed", value=42, precision=0, elem_id="tools-model-seed")
             count = gr.Number(label="Images", value=1, precision=0, elem_id="tools-model-count")
         with gr.Row():
