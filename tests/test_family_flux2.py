@@ -247,3 +247,18 @@ def test_a_lora_trained_with_references_loads_in_the_pipeline_and_changes_what_i
     before = draw()
     pipe.load_lora_weights(str(lora))
     assert abs(draw() - before).max() > 1e-3
+
+
+def test_the_transformer_sees_sigma_in_fp32_as_diffusers_flux2_trainer_passes_it(klein):
+    """train_dreambooth_lora_flux2*.py pass ``timesteps / 1000`` of the fp32 schedule (a bf16 σ would be 0.9375 for
+    0.93796); the transformer casts it to its hidden states' dtype itself."""
+    from trainer.families.flux2.family import Flux2Conditioning
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+    with torch.no_grad():
+        model.predict(torch.zeros(1, 128, 4, 6, dtype=torch.bfloat16), torch.tensor([0.93796]),
+                      Flux2Conditioning(embeds))
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)

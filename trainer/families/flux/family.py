@@ -240,9 +240,12 @@ class Flux(Family):
             packed, img_ids = kontext.pack_with_control(packed, img_ids, control)
         prompt_embeds = conditioning.prompt_embeds.to(model_input.device, dtype)
         txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=model_input.device, dtype=dtype)
-        guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=dtype)
+        # σ and the guidance in fp32, as diffusers' Flux trainers pass them (FluxPipeline: the guidance in fp32, t in
+        # the latents' dtype); the transformer casts both to the hidden states' dtype before it embeds them
+        guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=torch.float32)
                     if self.transformer.config.guidance_embeds else None)
-        out = self.transformer(hidden_states=packed, timestep=timesteps.to(model_input.device, dtype), guidance=guidance,
+        timestep = timesteps.to(model_input.device, torch.float32)
+        out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance,
                                pooled_projections=conditioning.pooled_prompt_embeds.to(model_input.device, dtype),
                                encoder_hidden_states=prompt_embeds, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False)[0]

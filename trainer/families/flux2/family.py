@@ -262,7 +262,9 @@ class Flux2(PeftLayoutLora, Family):
         guidance = None
         if self.transformer.config.guidance_embeds:  # [dev]: the embedded guidance (the transformer scales it by 1000)
             guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
-        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=guidance,
+        # σ in fp32, as diffusers' Flux.2 trainers pass it (timesteps / 1000 of the fp32 schedule): the transformer
+        # casts it to the hidden states' dtype itself before it embeds it
+        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32), guidance=guidance,
                                encoder_hidden_states=embeds,
                                txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
                                img_ids=img_ids, return_dict=False)[0][:, :h * w]
