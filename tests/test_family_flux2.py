@@ -48,8 +48,8 @@ def test_text_and_latents_are_the_pipelines(klein):
 def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
     """[dev]'s tokenizer/ is a PixtralProcessor folder (model_index names it; the processor needs torchvision): read as
     a tokenizer, with the processor's chat template when the tokenizer has none, it gives the features the same
-    tokenizer with the template built in gives; the transformer gets the guidance embedding (1.0, as Flux.1 dev
-    trains), which changes its output."""
+    tokenizer with the template built in gives; the transformer gets the guidance embedding (model.guidance_scale),
+    which changes its output."""
     import shutil
 
     from trainer.families import build_tiny
@@ -262,3 +262,32 @@ def test_the_transformer_sees_sigma_in_fp32_as_diffusers_flux2_trainer_passes_it
         model.predict(torch.zeros(1, 128, 4, 6, dtype=torch.bfloat16), torch.tensor([0.93796]),
                       Flux2Conditioning(embeds))
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
+
+
+def test_flux2_dev_trains_at_model_guidance_scale_as_flux2_pipeline_feeds_it(tmp_path):
+    """Flux2Pipeline's denoising call at ``guidance_scale`` g and ``predict`` on the same latents and σ with
+    ``model.guidance_scale`` = g: the same guidance (fp32), tokens, ids and timestep, and the same prediction, on
+    non-square latents. The default is 3.5, train_dreambooth_lora_flux2.py's ``--guidance_scale``."""
+    from trainer.families import build_tiny
+    from trainer.families.flux2.family import Flux2Conditioning
+    paths = build_tiny("tiny-flux2-dev", tmp_path / "models")
+    assert load_tiny(tmp_path, paths["diffusers"]).guidance == 3.5
+    model = load_tiny(tmp_path, paths["diffusers"], "model.guidance_scale=2.5")
+    noise = torch.randn(1, 128, 8, 12, generator=torch.Generator().manual_seed(0))
+    seen, hook = _transformer_inputs(model)
+    outs = []
+    post = model.transformer.register_forward_hook(lambda m, a, out: outs.append(out[0].clone()))
+    with torch.no_grad():
+        model.pipeline(None)("a red square", latents=noise.clone(), num_inference_steps=1, width=48, height=32,
+                             guidance_scale=2.5, output_type="latent", **model.sampling_kwargs())
+        ref = seen[0]
+        seen.clear()
+        embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+        pred = model.predict(noise.clone(), ref["timestep"], Flux2Conditioning(embeds))
+    hook.remove()
+    post.remove()
+    ours = seen[0]
+    assert ref["guidance"].tolist() == [2.5] and ours["guidance"].dtype == torch.float32
+    for key in ("guidance", "hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "timestep"):
+        torch.testing.assert_close(ours[key], ref[key].to(ours[key].dtype), msg=key)
+    torch.testing.assert_close(pred, outs[0].permute(0, 2, 1).reshape(1, 128, 8, 12))

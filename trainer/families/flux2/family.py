@@ -13,7 +13,8 @@ What differs, and where it lives here:
   4-axis text ids. Caption dropout gives the empty caption's features.
 - [dev]: the caption after BFL's system prompt in Mistral's chat template, layers (10, 20, 30) stacked
   (``_get_mistral_3_small_prompt_embeds``); the processor folder is read as its tokenizer (the text path needs no
-  image processor, which would need torchvision); a guidance embedding (``model.guidance_scale``, as Flux.1 dev).
+  image processor, which would need torchvision); a guidance embedding fed ``model.guidance_scale`` (default 3.5,
+  diffusers' train_dreambooth_lora_flux2.py ``--guidance_scale``; musubi feeds 1.0).
 - Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
   it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
   real CFG, the distilled one without).
@@ -37,6 +38,7 @@ from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from huggingface_hub import hf_hub_download
 
+from trainer.config.schema import ModelConfig
 from trainer.errors import ModelLoadError
 from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
@@ -161,7 +163,7 @@ class Flux2(PeftLayoutLora, Family):
         self.text_layers = released if depth >= released[-1] else \
             tuple(max(1, round(depth * k / 3)) for k in (1, 2, 3))
         self.max_sequence_length = MAX_TOKENS
-        self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
+        self.guidance = float(getattr(mcfg, "guidance_scale", ModelConfig.guidance_scale))
         if self.dev:
             self.modelspec = ("flux-2-dev", "https://github.com/black-forest-labs/flux2", "flux2_dev")
         self.device = torch.device(device)
