@@ -291,3 +291,32 @@ def test_flux2_dev_trains_at_model_guidance_scale_as_flux2_pipeline_feeds_it(tmp
     for key in ("guidance", "hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "timestep"):
         torch.testing.assert_close(ours[key], ref[key].to(ours[key].dtype), msg=key)
     torch.testing.assert_close(pred, outs[0].permute(0, 2, 1).reshape(1, 128, 8, 12))
+
+
+def test_training_sigma_is_drawn_as_diffusers_flux2_trainer_draws_it(klein):
+    """train_dreambooth_lora_flux2.py (``--weighting_scheme none``): u ~ U[0, 1), ``indices = (u · 1000).long()``,
+    ``timesteps = scheduler.timesteps[indices]`` with the scheduler's unshifted timesteps (it skips its shift under
+    ``use_dynamic_shifting``), σ = timesteps / 1000: median 0.50, quartiles 0.25 / 0.75, whatever the resolution.
+    The pipeline's ``compute_empirical_mu`` at 50 steps put the median at 0.88 for a 1024² image."""
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"])
+    assert model._sched_config["use_dynamic_shifting"]
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    schedule = torch.linspace(1, 1000, 1000).flip(0)  # FlowMatchEulerDiscreteScheduler's training timesteps, unshifted
+    anchor = schedule[(u * 1000).long()] / 1000
+    lc = _default_loss()
+    for side in (64, 16):  # 1024² px and 256² px for the released VAE (patchified latents of 64² and 16² tokens)
+        latents = torch.zeros(1, 128, side, side).expand(n, -1, -1, -1)
+        ours = model.objective.sample_timesteps(n, lc, torch.Generator().manual_seed(1), latents)
+        for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+            assert abs(float(ours.quantile(q)) - float(anchor.quantile(q))) < 0.015, (side, q)
+        assert float((ours > 0.8).float().mean()) == pytest.approx(0.2, abs=0.015)
+
+
+def _default_loss():
+    """The default ``loss`` section, as the loop hands it to the objective."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.schema import AtelierConfig
+    return OmegaConf.structured(AtelierConfig).loss

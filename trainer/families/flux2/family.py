@@ -15,9 +15,10 @@ What differs, and where it lives here:
   (``_get_mistral_3_small_prompt_embeds``); the processor folder is read as its tokenizer (the text path needs no
   image processor, which would need torchvision); a guidance embedding fed ``model.guidance_scale`` (default 3.5,
   diffusers' train_dreambooth_lora_flux2.py ``--guidance_scale``; musubi feeds 1.0).
-- Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
-  it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
-  real CFG, the distilled one without).
+- Flow matching with σ drawn as diffusers' Flux.2 trainers draw it: uniform and unshifted when the scheduler shifts
+  by resolution (``use_dynamic_shifting``: the pipeline's empirical μ is for sampling), its fixed shift otherwise;
+  ``loss.flow_shift`` and ``loss.timestep_distribution`` change it. The transformer takes σ; no guidance embedding in
+  [klein] (the base model samples with real CFG, the distilled one without).
 - Reference images (``data.concepts[].control_paths``; up to 4 for [klein], 6 for [dev]): see
   :mod:`trainer.families.flux2.references`. Each reference's cached posterior mean, normalised like the target, packed
   after the target's tokens with its own position ids (time 10, 20, …); the prediction is cut to the target's tokens.
@@ -35,7 +36,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from huggingface_hub import hf_hub_download
 
 from trainer.config.schema import ModelConfig
@@ -175,13 +175,14 @@ class Flux2(PeftLayoutLora, Family):
         self._empty: Optional[Dict[str, Any]] = None
 
     def _objective(self):
-        """The scheduler's fixed shift, or (``use_dynamic_shifting``, the released models) the pipeline's empirical
-        μ of the image-token count (``compute_empirical_mu``) at 50 steps, a usual sampling length: μ depends on
-        the step count there, and training has none."""
+        """σ as diffusers' Flux.2 trainers draw it (train_dreambooth_lora_flux2*.py, ``--weighting_scheme none``):
+        uniform over the training scheduler's σ, which ``FlowMatchEulerDiscreteScheduler`` leaves unshifted when
+        ``use_dynamic_shifting`` is on (the released models) and shifts by its fixed ``shift`` otherwise. The
+        pipeline's ``compute_empirical_mu`` is a fit for a number of *sampling* steps (at 50 it put the median σ at
+        0.88 for 1024² images); no reference trainer draws training σ with it (docs/families.md)."""
         if not self._sched_config.get("use_dynamic_shifting", False):
             return FlowMatchingObjective(shift=float(self._sched_config.get("shift", 1.0)))
-        return FlowMatchingObjective(dynamic_shift=lambda latents: compute_empirical_mu(
-            latents.shape[-2] * latents.shape[-1], 50))
+        return FlowMatchingObjective(shift=1.0)
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any], pipeline_cls: Any):
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
