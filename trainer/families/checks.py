@@ -246,5 +246,5 @@ def guidance_warnings(cfg: Any) -> list:
     takes = [v for i in infos().values() for v in i.guidance_variants]
     return [Issue("model.guidance_scale",
                   f"model.guidance_scale = {value}: {info.label} ({variant}) has no guidance embedding, so training "
-                  f"ignores it (only the guidance-distilled {', '.join(takes)} read it). The guidance of samples is each "
-                  "sample prompt's cfg_scale.")]
+                  f"ignores it (only the guidance-distilled {', '.join(takes)} read it). The guidance of samples is "
+                  "each sample prompt's cfg_scale.")]
