@@ -82,3 +82,16 @@ def test_samples_hide_the_padding_as_training_does(chroma):
     training = torch.cat([cond.text_mask.bool(), torch.ones(1, tokens, dtype=torch.bool)], dim=1)
     assert masks[0].dtype == torch.bool
     assert torch.equal(masks[0], training)
+
+
+def test_the_transformer_sees_sigma_in_fp32_as_the_flux_trainers_pass_it(chroma):
+    """Like diffusers' Flux trainers, σ reaches the transformer in fp32 (a bf16 σ would be 0.9375 for 0.93796); the
+    transformer casts it to its hidden states' dtype itself."""
+    ws, paths = chroma
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    with torch.no_grad():
+        model.predict(torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)

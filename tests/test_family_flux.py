@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_tiny_fp32
+from conftest import load_tiny, load_tiny_fp32
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -474,3 +474,77 @@ def test_a_lora_trained_on_pairs_loads_in_flux_kontext_pipeline_and_changes_its_
     before = edit()
     pipe.load_lora_weights(str(run / "pairs.safetensors"))
     assert abs(edit() - before).max() > 1e-3
+
+
+def _first_call_inputs(model, x, sigma, cond):
+    """The keyword inputs of the transformer's call in ``model.predict(x, sigma, cond)``."""
+    seen = {}
+    handle = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.predict(x, sigma, cond)
+    finally:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("fixture", ["flux", "kontext"])
+def test_the_transformer_sees_sigma_and_guidance_in_fp32_as_diffusers_flux_trainer_passes_them(fixture, request):
+    """diffusers' train_dreambooth_lora_flux.py passes ``timesteps / 1000`` of its fp32 schedule and an fp32 guidance
+    (FluxPipeline: the guidance in fp32); a bf16 σ would be 0.9375 for 0.93796 before the model saw it."""
+    ws, paths = request.getfixturevalue(fixture)
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    assert next(model.transformer.parameters()).dtype == torch.bfloat16
+    batch = {"captions": ["a red square"]}
+    if fixture == "kontext":
+        batch["control_latents"] = [{"mean": torch.zeros(1, 16, 8, 12)}]
+    cond = model.batch_condition(batch, lambda c: c, set())
+    seen = _first_call_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
+    assert seen["guidance"].dtype == torch.float32
+
+
+def test_flux_dev_trains_at_model_guidance_scale_as_flux_pipeline_feeds_it(flux):
+    """FluxPipeline's second denoising call at ``guidance_scale`` g and ``predict`` on the same noisy latents and σ,
+    with ``model.guidance_scale`` = g: the same guidance (fp32), packed tokens, ids, text and timestep, and the same
+    prediction; a 96×64 image (latents 32×48), so a swapped axis would show. The default is 3.5, diffusers' and
+    kohya's ``--guidance_scale`` default."""
+    ws, paths = flux
+    assert load_tiny_fp32(ws, paths["diffusers"]).guidance == 3.5
+    model = load_tiny_fp32(ws, paths["diffusers"], "model.guidance_scale=2.5")
+    assert model.family == "flux-dev" and model.guidance == 2.5
+    pipe = model.pipeline(None)
+    noise = torch.randn(1, 16, 32, 48, generator=torch.Generator().manual_seed(0))
+    calls, remove = _transformer_calls(model)
+    with torch.no_grad():
+        pipe(prompt="a red square", width=96, height=64, latents=pipe._pack_latents(noise, 1, 16, 32, 48),
+             num_inference_steps=2, guidance_scale=2.5, max_sequence_length=model.max_sequence_length,
+             output_type="latent")
+    ref = calls[1]  # the second step: a shifted σ below 1
+    assert ref["guidance"].tolist() == [2.5] and 0 < float(ref["timestep"][0]) < 1
+    noisy = pipe._unpack_latents(ref["hidden_states"], 64, 96, model.vae_scale_factor)
+    calls.clear()
+    with torch.no_grad():
+        cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+        pred = model.predict(noisy, ref["timestep"], cond)
+    remove()
+    ours = calls[0]
+    assert ours["guidance"].dtype == torch.float32 and ours["guidance"].tolist() == [2.5]
+    for key in ("hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "pooled_projections", "timestep"):
+        torch.testing.assert_close(ours[key], ref[key].to(ours[key].dtype), msg=key)
+    torch.testing.assert_close(pred, pipe._unpack_latents(ref["out"], 64, 96, model.vae_scale_factor))
+
+
+def test_validate_says_guidance_scale_is_ignored_without_a_guidance_embedding():
+    from trainer.config.checks import cross_field_warnings, load_config
+
+    def warned(path, *settings):
+        cfg = load_config(None, [f"model.path={path}", *settings])
+        return [i.message for i in cross_field_warnings(cfg) if i.key == "model.guidance_scale"]
+
+    for path in ("builtin:tiny-flux-schnell", "builtin:tiny-chroma", "builtin:tiny-flux2-klein", "builtin:tiny-sd"):
+        assert warned(path) == []  # the default is no one's concern
+        (message,) = warned(path, "model.guidance_scale=1")
+        assert "no guidance embedding" in message and "ignores it" in message
+    for path in ("builtin:tiny-flux", "builtin:tiny-flux-kontext", "builtin:tiny-flux2-dev"):
+        assert warned(path, "model.guidance_scale=1") == []

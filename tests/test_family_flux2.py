@@ -48,8 +48,8 @@ def test_text_and_latents_are_the_pipelines(klein):
 def test_flux2_dev_reads_its_processor_folder_and_embeds_guidance(tmp_path):
     """[dev]'s tokenizer/ is a PixtralProcessor folder (model_index names it; the processor needs torchvision): read as
     a tokenizer, with the processor's chat template when the tokenizer has none, it gives the features the same
-    tokenizer with the template built in gives; the transformer gets the guidance embedding (1.0, as Flux.1 dev
-    trains), which changes its output."""
+    tokenizer with the template built in gives; the transformer gets the guidance embedding (model.guidance_scale),
+    which changes its output."""
     import shutil
 
     from trainer.families import build_tiny
@@ -247,3 +247,76 @@ def test_a_lora_trained_with_references_loads_in_the_pipeline_and_changes_what_i
     before = draw()
     pipe.load_lora_weights(str(lora))
     assert abs(draw() - before).max() > 1e-3
+
+
+def test_the_transformer_sees_sigma_in_fp32_as_diffusers_flux2_trainer_passes_it(klein):
+    """train_dreambooth_lora_flux2*.py pass ``timesteps / 1000`` of the fp32 schedule (a bf16 σ would be 0.9375 for
+    0.93796); the transformer casts it to its hidden states' dtype itself."""
+    from trainer.families.flux2.family import Flux2Conditioning
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+    with torch.no_grad():
+        model.predict(torch.zeros(1, 128, 4, 6, dtype=torch.bfloat16), torch.tensor([0.93796]),
+                      Flux2Conditioning(embeds))
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
+
+
+def test_flux2_dev_trains_at_model_guidance_scale_as_flux2_pipeline_feeds_it(tmp_path):
+    """Flux2Pipeline's denoising call at ``guidance_scale`` g and ``predict`` on the same latents and σ with
+    ``model.guidance_scale`` = g: the same guidance (fp32), tokens, ids and timestep, and the same prediction, on
+    non-square latents. The default is 3.5, train_dreambooth_lora_flux2.py's ``--guidance_scale``."""
+    from trainer.families import build_tiny
+    from trainer.families.flux2.family import Flux2Conditioning
+    paths = build_tiny("tiny-flux2-dev", tmp_path / "models")
+    assert load_tiny(tmp_path, paths["diffusers"]).guidance == 3.5
+    model = load_tiny(tmp_path, paths["diffusers"], "model.guidance_scale=2.5")
+    noise = torch.randn(1, 128, 8, 12, generator=torch.Generator().manual_seed(0))
+    seen, hook = _transformer_inputs(model)
+    outs = []
+    post = model.transformer.register_forward_hook(lambda m, a, out: outs.append(out[0].clone()))
+    with torch.no_grad():
+        model.pipeline(None)("a red square", latents=noise.clone(), num_inference_steps=1, width=48, height=32,
+                             guidance_scale=2.5, output_type="latent", **model.sampling_kwargs())
+        ref = seen[0]
+        seen.clear()
+        embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+        pred = model.predict(noise.clone(), ref["timestep"], Flux2Conditioning(embeds))
+    hook.remove()
+    post.remove()
+    ours = seen[0]
+    assert ref["guidance"].tolist() == [2.5] and ours["guidance"].dtype == torch.float32
+    for key in ("guidance", "hidden_states", "img_ids", "txt_ids", "encoder_hidden_states", "timestep"):
+        torch.testing.assert_close(ours[key], ref[key].to(ours[key].dtype), msg=key)
+    torch.testing.assert_close(pred, outs[0].permute(0, 2, 1).reshape(1, 128, 8, 12))
+
+
+def test_training_sigma_is_drawn_as_diffusers_flux2_trainer_draws_it(klein):
+    """train_dreambooth_lora_flux2.py (``--weighting_scheme none``): u ~ U[0, 1), ``indices = (u · 1000).long()``,
+    ``timesteps = scheduler.timesteps[indices]`` with the scheduler's unshifted timesteps (it skips its shift under
+    ``use_dynamic_shifting``), σ = timesteps / 1000: median 0.50, quartiles 0.25 / 0.75, whatever the resolution.
+    The pipeline's ``compute_empirical_mu`` at 50 steps put the median at 0.88 for a 1024² image."""
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"])
+    assert model._sched_config["use_dynamic_shifting"]
+    n = 20000
+    u = torch.rand(n, generator=torch.Generator().manual_seed(0))
+    schedule = torch.linspace(1, 1000, 1000).flip(0)  # FlowMatchEulerDiscreteScheduler's training timesteps, unshifted
+    anchor = schedule[(u * 1000).long()] / 1000
+    lc = _default_loss()
+    for side in (64, 16):  # 1024² px and 256² px for the released VAE (patchified latents of 64² and 16² tokens)
+        latents = torch.zeros(1, 128, side, side).expand(n, -1, -1, -1)
+        ours = model.objective.sample_timesteps(n, lc, torch.Generator().manual_seed(1), latents)
+        for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+            assert abs(float(ours.quantile(q)) - float(anchor.quantile(q))) < 0.015, (side, q)
+        assert float((ours > 0.8).float().mean()) == pytest.approx(0.2, abs=0.015)
+
+
+def _default_loss():
+    """The default ``loss`` section, as the loop hands it to the objective."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.schema import AtelierConfig
+    return OmegaConf.structured(AtelierConfig).loss

@@ -88,6 +88,19 @@ def test_text_features_latents_and_guidance_are_the_pipelines(qwen):
     assert abs(images[0] - images[1]).max() > 1e-4
 
 
+def test_the_transformer_sees_sigma_in_fp32_as_diffusers_qwen_image_trainer_passes_it(qwen):
+    """train_dreambooth_lora_qwen_image.py passes ``timesteps / 1000`` of the fp32 schedule (a bf16 σ would be 0.9375
+    for 0.93796); the transformer casts it to its hidden states' dtype itself."""
+    ws, paths = qwen
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    seen = {}
+    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    with torch.no_grad():
+        model.predict(torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
+
+
 def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(qwen, tmp_path):
     ws, paths = qwen
     folder = load_tiny(ws, paths["diffusers"])

@@ -24,7 +24,7 @@ from trainer.config.load import compose, compose_dict
 from trainer.config.schema import AtelierConfig
 from trainer.data.buckets import check_resolutions, training_side
 from trainer.errors import ConfigError, Issue
-from trainer.families.checks import check_family_options, part_warnings
+from trainer.families.checks import check_family_options, guidance_warnings, part_warnings
 from trainer.host import devices
 from trainer.loss import check_loss, loss_warnings
 from trainer.memory.rules import check_storage, precision_warnings
@@ -146,6 +146,7 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += _ema_warnings(cfg)
     out += precision_warnings(cfg)  # stochastic rounding, fp16 weights trained directly
     out += part_warnings(cfg)  # settings of parts this family does not have
+    out += guidance_warnings(cfg)  # model.guidance_scale on a model without a guidance embedding
     out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
 

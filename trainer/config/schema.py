@@ -107,6 +107,10 @@ class ModelConfig:
                           "beyond its default penultimate one).", min=0, max=12)
     attention: str = f("sdpa", "Attention backend: PyTorch SDPA, or xformers when installed.",
                        choices=["sdpa", "xformers"])
+    guidance_scale: float = f(3.5, "Guidance-distilled models (Flux.1 dev, FLUX.1 Kontext [dev], Flux.2 [dev]): the "
+                                    "guidance their transformer's guidance embedding gets while training, as "
+                                    "diffusers' and kohya's trainers feed it (3.5; OneTrainer, ai-toolkit and musubi "
+                                    "use 1). Models without a guidance embedding ignore it.", min=0.0, max=20.0)
     inpainting_mask: str = f("random", "Inpainting models (9-channel UNet): where the repaint masks come from — "
                                        "random rectangles/brush strokes, each image's own mask (data.masks), or "
                                        "both (a coin per image).", choices=["random", "data", "both"])

@@ -129,6 +129,8 @@ class FamilyInfo:
     quick_start: Tuple[QuickChoice, ...] = ()
     # its text encoders are CLIPs it conditions on a hidden layer of (model.clip_skip applies)
     clip_skip: bool = False
+    # variants whose transformer embeds a guidance scale (guidance-distilled: model.guidance_scale feeds it)
+    guidance_variants: Tuple[str, ...] = ()
     # variant -> (fewest, most) control/reference images an example takes (edit models, references); absent = none
     controls: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     # variant -> what its samples use where a prompt leaves steps/cfg_scale empty (every variant has one; a family

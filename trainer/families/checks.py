@@ -15,11 +15,11 @@ from typing import Any, Dict, Optional, Tuple
 
 from omegaconf import OmegaConf
 
-from trainer.config.schema import PartsConfig
+from trainer.config.schema import ModelConfig, PartsConfig
 from trainer.config.fields import PART_OF_SLOT, part_key, part_of
 from trainer.data.buckets import parse_resolution
 from trainer.errors import ConfigError, Issue
-from trainer.families import MISSING, Evidence, claim, embedding_families, info_for, tiny_models
+from trainer.families import MISSING, Evidence, claim, embedding_families, info_for, infos, tiny_models
 from trainer.objectives import refused_options
 
 
@@ -229,3 +229,22 @@ def part_warnings(cfg: Any) -> list:
                              f"parts.{part}: {', '.join(changed)} set, but {info.label} has no "
                              f"{part.replace('_', ' ')}: ignored."))
     return out
+
+
+def guidance_warnings(cfg: Any) -> list:
+    """``model.guidance_scale`` changed for a model whose transformer has no guidance embedding (told without
+    loading it): ignored, and said so."""
+    value = cfg.model.get("guidance_scale", ModelConfig.guidance_scale)
+    if value == ModelConfig.guidance_scale:
+        return []
+    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    if not variant:
+        return []
+    info = info_for(variant)
+    if variant in info.guidance_variants:
+        return []
+    takes = [v for i in infos().values() for v in i.guidance_variants]
+    return [Issue("model.guidance_scale",
+                  f"model.guidance_scale = {value}: {info.label} ({variant}) has no guidance embedding, so training "
+                  f"ignores it (only the guidance-distilled {', '.join(takes)} read it). The guidance of samples is "
+                  "each sample prompt's cfg_scale.")]

@@ -144,8 +144,10 @@ class Chroma(PeftLayoutLora, Family):
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
         mask = torch.cat([conditioning.text_mask.to(device, torch.bool),
                           torch.ones(b, packed.shape[1], device=device, dtype=torch.bool)], dim=1)
+        # σ in fp32, as diffusers' Flux-lineage trainers pass it: the transformer casts it to the hidden states' dtype
+        # itself before it embeds it
         out = self.transformer(hidden_states=packed, encoder_hidden_states=embeds,
-                               timestep=timesteps.to(device, dtype), img_ids=img_ids, txt_ids=txt_ids,
+                               timestep=timesteps.to(device, torch.float32), img_ids=img_ids, txt_ids=txt_ids,
                                attention_mask=mask, return_dict=False)[0]
         return ChromaPipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
                                               self.vae_scale_factor)

@@ -10,8 +10,9 @@ What differs from the SD lineage, and where it lives here:
   [B, 16, h, w] like any family.
 - Text: the pooled vector from CLIP-L (``text_encoder``) and T5's hidden states (``text_encoder_2``),
   as ``FluxPipeline.encode_prompt``; each with its own caption dropout (the empty caption's encoding).
-- Guidance: dev is guidance-distilled; training feeds ``model.guidance_scale`` (default 1, as
-  OneTrainer and ai-toolkit do for LoRA) into its guidance embedding.
+- Guidance: dev (and Kontext) is guidance-distilled; training feeds ``model.guidance_scale`` (default 3.5, as
+  diffusers' train_dreambooth_lora_flux.py and kohya's flux_train_network.py do) into its guidance embedding,
+  in fp32 as they pass it; schnell has none and ignores the setting (validate says so).
 - Kontext (flux/kontext.py): dev's transformer trained on pairs; :meth:`batch_condition` carries the control
   latents, :meth:`predict` packs them after the target's tokens (ids with first coordinate 1) and cuts the
   prediction back, :meth:`prompt_kwargs` gives samples their control image. Its single file has dev's keys
@@ -35,6 +36,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, Flux
 from huggingface_hub import constants
 from safetensors.torch import load_file
 
+from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
@@ -128,7 +130,7 @@ class Flux(Family):
         self.disabled = frozenset(getattr(mcfg, "disabled", ()) or ())  # text encoders switched off
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or T5_MAX[self.family]),
                                        int(self.tokenizer_2.model_max_length))
-        self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
+        self.guidance = float(getattr(mcfg, "guidance_scale", ModelConfig.guidance_scale))
         self.objective = self._objective()
         self.device = torch.device(device)
         self._place_frozen(dtypes, ("transformer", "text_encoder", "text_encoder_2", "vae"))
@@ -240,9 +242,12 @@ class Flux(Family):
             packed, img_ids = kontext.pack_with_control(packed, img_ids, control)
         prompt_embeds = conditioning.prompt_embeds.to(model_input.device, dtype)
         txt_ids = torch.zeros(prompt_embeds.shape[1], 3, device=model_input.device, dtype=dtype)
-        guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=dtype)
+        # σ and the guidance in fp32, as diffusers' Flux trainers pass them (FluxPipeline: the guidance in fp32, t in
+        # the latents' dtype); the transformer casts both to the hidden states' dtype before it embeds them
+        guidance = (torch.full((b,), self.guidance, device=model_input.device, dtype=torch.float32)
                     if self.transformer.config.guidance_embeds else None)
-        out = self.transformer(hidden_states=packed, timestep=timesteps.to(model_input.device, dtype), guidance=guidance,
+        timestep = timesteps.to(model_input.device, torch.float32)
+        out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance,
                                pooled_projections=conditioning.pooled_prompt_embeds.to(model_input.device, dtype),
                                encoder_hidden_states=prompt_embeds, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False)[0]

@@ -25,6 +25,9 @@ INFO = FamilyInfo(
               "Flux.1 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
               "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
+    # dev and Kontext are guidance-distilled (guidance_embeds); schnell has no guidance embedding
+    guidance_variants=("flux-dev", "flux-kontext"),
+    own_fields=("model.guidance_scale",),
     # Kontext edits one image: each target pairs with one control image (the source it was edited from)
     controls={"flux-kontext": (1, 1)},
     quick_start=(QuickChoice("flux", "Flux.1 dev / schnell", {"lora": "flux-lora-24gb", "finetune": "flux-finetune"}),

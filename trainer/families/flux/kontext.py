@@ -23,8 +23,10 @@ The anchors' trainers agree on the sequence layout, the ids and the cut, and dif
   musubi buckets the control with its target by default (``no_resize_control`` keeps its own size) and gives it
   ids of its own grid. Atelier renders the control at its target's bucket (``data.control_resolution`` empty) or
   at a budget with the target's aspect, and gives it its own grid's ids, as the pipeline and musubi do.
-- Both feed guidance 1.0 while training (musubi fixed, ai-toolkit ``cfg_scale``'s default): so does Atelier's
-  ``model.guidance_scale`` default, as for Flux.1 dev.
+- Both feed guidance 1.0 while training (musubi fixed, ai-toolkit ``cfg_scale``'s default); diffusers'
+  ``train_dreambooth_lora_flux_kontext.py`` feeds ``--guidance_scale`` (default 3.5), as its Flux.1 dev trainer and
+  kohya's do. Atelier's ``model.guidance_scale`` defaults to 3.5 for Kontext as for Flux.1 dev (docs/families.md
+  says why); 1.0 is a setting away.
 
 Samples: the pipeline scales any ``width × height`` to ``max_area`` (default 1024²) and, with ``_auto_resize``, the
 control to the nearest of its preferred ~1 MP sizes. Training saw the control at its target's size, so a sample's

@@ -13,10 +13,12 @@ What differs, and where it lives here:
   4-axis text ids. Caption dropout gives the empty caption's features.
 - [dev]: the caption after BFL's system prompt in Mistral's chat template, layers (10, 20, 30) stacked
   (``_get_mistral_3_small_prompt_embeds``); the processor folder is read as its tokenizer (the text path needs no
-  image processor, which would need torchvision); a guidance embedding (``model.guidance_scale``, as Flux.1 dev).
-- Flow matching with the scheduler config's shift (the pipeline's empirical μ of the token count at 50 steps when
-  it shifts by resolution); the transformer takes σ; no guidance embedding in [klein] (the base model samples with
-  real CFG, the distilled one without).
+  image processor, which would need torchvision); a guidance embedding fed ``model.guidance_scale`` (default 3.5,
+  diffusers' train_dreambooth_lora_flux2.py ``--guidance_scale``; musubi feeds 1.0).
+- Flow matching with σ drawn as diffusers' Flux.2 trainers draw it: uniform and unshifted when the scheduler shifts
+  by resolution (``use_dynamic_shifting``: the pipeline's empirical μ is for sampling), its fixed shift otherwise;
+  ``loss.flow_shift`` and ``loss.timestep_distribution`` change it. The transformer takes σ; no guidance embedding in
+  [klein] (the base model samples with real CFG, the distilled one without).
 - Reference images (``data.concepts[].control_paths``; up to 4 for [klein], 6 for [dev]): see
   :mod:`trainer.families.flux2.references`. Each reference's cached posterior mean, normalised like the target, packed
   after the target's tokens with its own position ids (time 10, 20, …); the prediction is cut to the target's tokens.
@@ -34,9 +36,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Pipeline, Flux2Transformer2DModel
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from huggingface_hub import hf_hub_download
 
+from trainer.config.schema import ModelConfig
 from trainer.errors import ModelLoadError
 from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
@@ -161,7 +163,7 @@ class Flux2(PeftLayoutLora, Family):
         self.text_layers = released if depth >= released[-1] else \
             tuple(max(1, round(depth * k / 3)) for k in (1, 2, 3))
         self.max_sequence_length = MAX_TOKENS
-        self.guidance = float(getattr(mcfg, "guidance_scale", 1.0) or 1.0)
+        self.guidance = float(getattr(mcfg, "guidance_scale", ModelConfig.guidance_scale))
         if self.dev:
             self.modelspec = ("flux-2-dev", "https://github.com/black-forest-labs/flux2", "flux2_dev")
         self.device = torch.device(device)
@@ -173,13 +175,14 @@ class Flux2(PeftLayoutLora, Family):
         self._empty: Optional[Dict[str, Any]] = None
 
     def _objective(self):
-        """The scheduler's fixed shift, or (``use_dynamic_shifting``, the released models) the pipeline's empirical
-        μ of the image-token count (``compute_empirical_mu``) at 50 steps, a usual sampling length: μ depends on
-        the step count there, and training has none."""
+        """σ as diffusers' Flux.2 trainers draw it (train_dreambooth_lora_flux2*.py, ``--weighting_scheme none``):
+        uniform over the training scheduler's σ, which ``FlowMatchEulerDiscreteScheduler`` leaves unshifted when
+        ``use_dynamic_shifting`` is on (the released models) and shifts by its fixed ``shift`` otherwise. The
+        pipeline's ``compute_empirical_mu`` is a fit for a number of *sampling* steps (at 50 it put the median σ at
+        0.88 for 1024² images); no reference trainer draws training σ with it (docs/families.md)."""
         if not self._sched_config.get("use_dynamic_shifting", False):
             return FlowMatchingObjective(shift=float(self._sched_config.get("shift", 1.0)))
-        return FlowMatchingObjective(dynamic_shift=lambda latents: compute_empirical_mu(
-            latents.shape[-2] * latents.shape[-1], 50))
+        return FlowMatchingObjective(shift=1.0)
 
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any], pipeline_cls: Any):
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
@@ -262,7 +265,9 @@ class Flux2(PeftLayoutLora, Family):
         guidance = None
         if self.transformer.config.guidance_embeds:  # [dev]: the embedded guidance (the transformer scales it by 1000)
             guidance = torch.full((b,), self.guidance, device=device, dtype=torch.float32)
-        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, dtype), guidance=guidance,
+        # σ in fp32, as diffusers' Flux.2 trainers pass it (timesteps / 1000 of the fp32 schedule): the transformer
+        # casts it to the hidden states' dtype itself before it embeds it
+        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32), guidance=guidance,
                                encoder_hidden_states=embeds,
                                txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
                                img_ids=img_ids, return_dict=False)[0][:, :h * w]

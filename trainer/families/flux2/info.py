@@ -22,6 +22,9 @@ INFO = FamilyInfo(
               "Flux.2 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
               "DoRA's magnitudes yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
+    # [dev] is guidance-distilled (guidance_embeds); [klein] has no guidance embedding (real CFG)
+    guidance_variants=("flux2-dev",),
+    own_fields=("model.guidance_scale",),
     quick_start=(
         QuickChoice("flux2", "Flux.2 [klein]", {"lora": "flux2-klein-lora"}),
         QuickChoice("flux2-refs", "Flux.2 [klein] with reference images", {"lora": "flux2-klein-lora-refs-16gb"}),

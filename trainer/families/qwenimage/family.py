@@ -162,7 +162,9 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         packed = QwenImagePipeline._pack_latents(model_input, b, c, h, w)
         refs, ref_shapes = self._reference_tokens(conditioning, b, (h, w))
         hidden = packed if refs is None else torch.cat([packed, refs.to(device, dtype)], dim=1)
-        out = self.transformer(hidden_states=hidden, timestep=timesteps.to(device, dtype),
+        # σ in fp32, as diffusers' Qwen-Image trainer passes it (timesteps / 1000 of the fp32 schedule): the
+        # transformer casts it to the hidden states' dtype itself before it embeds it
+        out = self.transformer(hidden_states=hidden, timestep=timesteps.to(device, torch.float32),
                                encoder_hidden_states=conditioning.prompt_embeds.to(device, dtype),
                                encoder_hidden_states_mask=conditioning.prompt_mask.to(device),
                                img_shapes=[[(1, h // 2, w // 2), *ref_shapes]] * b, return_dict=False)[0]
