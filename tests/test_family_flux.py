@@ -193,15 +193,16 @@ def test_nf4_base_trains_nearly_the_lora_of_the_full_precision_base(flux):
     assert t.norm_out.linear.weight.dtype != torch.uint8
 
 
-@pytest.mark.parametrize("setting, words", [("training.method=finetune", "fine-tune"),
-                                            ("parts.denoiser.fp8=true", "both on"),
-                                            ("lora.type=dora", "DoRA")])
-def test_nf4_is_refused_where_it_cannot_work(setting, words):
+@pytest.mark.parametrize("setting, words, key", [("training.method=finetune", "fine-tune", "parts.denoiser.nf4"),
+                                                 ("parts.denoiser.fp8=true", "both on", "parts.denoiser.nf4"),
+                                                 # DoRA is refused on Flux whatever the storage (its LoRA layout)
+                                                 ("lora.type=dora", "DoRA", "lora.type")])
+def test_nf4_is_refused_where_it_cannot_work(setting, words, key):
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
     with pytest.raises(ConfigError, match=words) as err:
         load_config(None, ["model.path=builtin:tiny-flux", "parts.denoiser.nf4=true", setting])
-    assert err.value.key == "parts.denoiser.nf4"
+    assert err.value.key == key
 
 
 @pytest.mark.parametrize("settings, key, words", [
@@ -397,6 +398,7 @@ def test_kontext_is_told_by_its_pipeline_and_a_single_file_needs_model_family(ko
     from safetensors.torch import load_file, save_file
 
     from trainer.config.checks import load_config
+    from trainer.config.load import compose
     from trainer.errors import ConfigError, ModelLoadError
     from trainer.families import build_tiny
     from trainer.families.checks import family_without_loading
@@ -416,12 +418,15 @@ def test_kontext_is_told_by_its_pipeline_and_a_single_file_needs_model_family(ko
         load_config(None, [f"model.path={paths['single_file']}", rest, pairs])
     assert err.value.key == "data.concepts.0.control_paths" and "model.family: flux-kontext" in str(err.value)
 
-    def error(path, *settings):
+    def error(path, *settings):  # the loader's own check (validate's is tried below)
         with pytest.raises(ModelLoadError) as err:
-            load_model(load_config(None, [f"model.path={path}", *settings]).model, str(ws))
+            load_model(compose(None, [f"model.path={path}", *settings]).model, str(ws))
         return err.value
     sd = build_tiny("tiny-sd", ws / "models")["single_file"]
     assert "Stable Diffusion" in str(error(sd, "model.family=flux-kontext"))
+    with pytest.raises(ConfigError, match="holds a Stable Diffusion 1.x/2.x model") as told:  # before any load
+        load_config(None, [f"model.path={sd}", "model.family=flux-kontext"])
+    assert told.value.key == "model.family"
     bfl = load_file(str(paths["single_file"]))
     schnell = tmp_path / "schnell.safetensors"
     save_file({k: v for k, v in bfl.items() if not k.startswith("guidance_in.")}, str(schnell))
