@@ -300,8 +300,12 @@ def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
         if module is None:
             continue
         for path, mod in module.named_modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+            if not isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+                continue
+            try:
                 index[f"peft:{prefix}.{rename(path)}"] = (slot, path, mod)
+            except (KeyError, ValueError):  # a module the file's layout has no name of its own for
+                continue
     return index
 
 
