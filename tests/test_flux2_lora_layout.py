@@ -45,8 +45,8 @@ def comfy_shape(module: str, h: int, m: int):
 
 ALL_LINEARS = ("lora.unet_targets=custom", "lora.custom_targets=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,"
                "add_v_proj,to_add_out,to_qkv_mlp_proj,single_transformer_blocks.*.attn.to_out,linear_in,linear_out,"
-               "double_stream_modulation_img.linear,double_stream_modulation_txt.linear,single_stream_modulation.linear,"
-               "x_embedder,context_embedder,norm_out.linear,proj_out]")
+               "double_stream_modulation_img.linear,double_stream_modulation_txt.linear,"
+               "single_stream_modulation.linear,x_embedder,context_embedder,norm_out.linear,proj_out]")
 # every Linear but the final norm's, whose (shift, scale) halves diffusers' Flux.2 LoRA converter does not swap
 # (diffusers 0.42.1; its single-file converter does): see the last test
 DIFFUSERS_READS = (ALL_LINEARS[0], ALL_LINEARS[1].replace("norm_out.linear,", ""))
@@ -183,3 +183,23 @@ def test_diffusers_reads_the_final_norms_lora_with_its_halves_unswapped(tmp_path
     (name,) = fresh.transformer.peft_config
     loaded = dict(lora_layers(fresh.transformer, name))["norm_out.linear"].get_delta_weight(name).detach()
     torch.testing.assert_close(loaded, torch.cat(trained.chunk(2)[::-1]), rtol=1e-5, atol=1e-7)
+
+
+def test_the_model_tools_apply_the_file_as_trained(tmp_path):
+    """merge / sample with LoRAs read the BFL file: the fused q/k/v LoRA reaches q, k and v by rows, and the merged
+    transformer holds the trained weights."""
+    from safetensors.torch import save_file
+
+    from trainer.families.sources import load_model
+    from trainer.formats.kohya import lora_layers
+    from trainer.tools.common import apply_loras, read_lora
+    cfg, model, method = _trained(tmp_path, *DIFFUSERS_READS)
+    path = tmp_path / "lora.safetensors"
+    save_file({k: v.contiguous() for k, v in method.adapter_state_dict().items()}, str(path))
+    deltas = {p: layer.get_delta_weight("default").detach() for p, layer in lora_layers(model.transformer, "default")}
+    fresh = load_model(cfg, str(tmp_path), "cpu")
+    before = {k: v.clone() for k, v in fresh.transformer.state_dict().items()}
+    assert apply_loras(fresh, [(read_lora(path), 1.0)]) == len(method.adapter_state_dict()) // 2
+    after = fresh.transformer.state_dict()
+    for p, delta in deltas.items():
+        torch.testing.assert_close(after[f"{p}.weight"] - before[f"{p}.weight"], delta, rtol=1e-4, atol=1e-6, msg=p)

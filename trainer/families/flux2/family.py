@@ -72,11 +72,12 @@ TARGETS = {"attn": ATTN,
 
 
 def _bfl_name(path: str) -> str:
-    """A transformer module's name in a BFL-layout LoRA file; KeyError for one that is a part of a fused Linear."""
-    name, part = lora_keys.bfl_module(path)
-    if part is not None:
+    """A transformer module's name in a BFL-layout LoRA file, for the model tools: q/k/v share their fused Linear's
+    name (the tools stack the rows in the order diffusers registers them: q, k, v); KeyError for the final norm's
+    Linear, whose rows the file keeps in BFL's order."""
+    if path == "norm_out.linear":
         raise KeyError(path)
-    return name
+    return lora_keys.bfl_module(path)[0]
 
 
 def _processor_chat_template(location: str, mcfg: Any) -> str:
@@ -320,8 +321,7 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- LoRA files ---------------------------------------------------------------------------
     def peft_file_names(self):
-        """The model tools' names of the transformer's Linears in a LoRA file (``peft:diffusion_model.<BFL>``); the
-        double blocks' q/k/v share one fused name, which the tools cannot apply to one Linear: left out."""
+        """The model tools' names of the transformer's Linears in a LoRA file (``peft:diffusion_model.<BFL>``)."""
         return {"unet": ("diffusion_model", _bfl_name)}
 
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
