@@ -4,11 +4,15 @@ widest choice) is one ComfyUI's LoRA key map has for that model, so no adapter i
 ComfyUI reads ``transformer.<diffusers module>.lora_A.weight`` / ``.lora_B.weight`` (comfy/weight_adapter/lora.py, the
 "diffusers2" names; no ``.alpha``: scale 1, α/r is in lora_B) and maps ``transformer.<diffusers module>`` through a
 per-model table (comfy/lora.py ``model_lora_keys_unet``), read for this test in ComfyUI's current source:
-- Flux.1, and Chroma and Flux.2, whose ComfyUI model classes subclass Flux: comfy/utils.py ``flux_to_diffusers`` —
-  the double blocks' attention (q/k/v into the fused qkv), out projections, MLPs (Flux.1 ``ff.net``, Flux.2
-  ``ff.linear_in/out``), modulation (``norm1.linear``), the single blocks' q/k/v/``proj_mlp``/``proj_out``/
-  ``norm.linear`` (Flux.2's ``to_qkv_mlp_proj``/``to_out``), and the embedders / final layer; not Flux.2's shared
-  modulation Linears;
+- Flux.1 and Chroma, whose ComfyUI model classes subclass Flux: comfy/utils.py ``flux_to_diffusers`` —
+  the double blocks' attention (q/k/v into the fused qkv), out projections, MLPs (``ff.net``), modulation
+  (``norm1.linear``), the single blocks' q/k/v/``proj_mlp``/``proj_out``/``norm.linear``, and the embedders / final
+  layer;
+- Flux.2 (checked in comfyanonymous/ComfyUI 3cd7b32f, 2026-01-07): ``flux_to_diffusers`` has no Flux.2 names
+  (``ff.linear_in/out``, ``ff_context.*``, ``to_qkv_mlp_proj``, the single blocks' ``to_out`` map to nothing), so
+  Flux.2 files are in the original BFL layout, ``diffusion_model.<module>``, which ``model_lora_keys_unet`` maps for
+  every weight of the model: the BFL Linears of ComfyUI's Flux.2 model (comfy/ldm/flux, ``global_modulation`` and
+  ``mlp_silu_act``); tests/test_flux2_lora_layout.py checks the shapes and what each key adds;
 - SD 3/3.5: ``mmdit_to_diffusers`` — attention (also 3.5 medium's ``attn2``), MLPs, ``norm1(_context).linear``,
   the embedders, ``norm_out``, ``proj_out``;
 - Z-Image (ComfyUI's Lumina2 branch): ``z_image_to_diffusers`` — the layers' and refiners' attention and
@@ -29,8 +33,8 @@ N = r"\d+"
 ATTN = r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out\.0|to_add_out)"
 FLUX = "|".join([
     rf"transformer_blocks\.{N}\.({ATTN}|norm1\.linear|norm1_context\.linear|ff\.net\.0\.proj|ff\.net\.2|"
-    r"ff_context\.net\.0\.proj|ff_context\.net\.2|ff\.linear_in|ff\.linear_out|ff_context\.linear_in|ff_context\.linear_out)",
-    rf"single_transformer_blocks\.{N}\.(attn\.(to_q|to_k|to_v|to_qkv_mlp_proj|to_out)|proj_mlp|proj_out|norm\.linear)",
+    r"ff_context\.net\.0\.proj|ff_context\.net\.2)",
+    rf"single_transformer_blocks\.{N}\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out|norm\.linear)",
     r"proj_out|x_embedder|context_embedder|norm_out\.linear",
     r"time_text_embed\.(timestep_embedder|text_embedder|guidance_embedder)\.linear_[12]"])
 SD3 = "|".join([
@@ -43,9 +47,15 @@ ZIMAGE = "|".join([
     r"adaLN_modulation\.0)",
     r"all_final_layer\.2-1\.(linear|adaLN_modulation\.1)|all_x_embedder\.2-1|cap_embedder\.1|t_embedder\.mlp\.[02]"])
 QWEN = r".+"
+FLUX2_BFL = "|".join([
+    rf"double_blocks\.{N}\.((img|txt)_attn\.(qkv|proj)|(img|txt)_mlp\.[02])", rf"single_blocks\.{N}\.linear[12]",
+    r"img_in|txt_in|(time_in|guidance_in)\.(in|out)_layer|final_layer\.(linear|adaLN_modulation\.1)",
+    r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.lin"])
 
 ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX),
-        ("builtin:tiny-flux2-klein", FLUX), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE), ("builtin:tiny-qwen-image", QWEN)]
+        ("builtin:tiny-flux2-klein", FLUX2_BFL), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE),
+        ("builtin:tiny-qwen-image", QWEN)]
+PREFIX = {"builtin:tiny-flux2-klein": "diffusion_model."}  # the file's key prefix where it is not "transformer."
 
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])
@@ -56,9 +66,10 @@ def test_every_adapted_module_is_one_comfyui_maps(path, mapped, tmp_path):
     cfg = load_config(None, [f"model.path={path}", "lora.unet_targets=all", f"general.workspace={tmp_path}"])
     keys = LoraMethod(load_model(cfg, str(tmp_path), "cpu"), cfg).adapter_state_dict()
     modules = set()
+    prefix = PREFIX.get(path, "transformer.")
     for key in keys:
-        assert key.startswith("transformer.") and key.endswith((".lora_A.weight", ".lora_B.weight")), key
-        modules.add(key[len("transformer."):].rsplit(".lora_", 1)[0])
+        assert key.startswith(prefix) and key.endswith((".lora_A.weight", ".lora_B.weight")), key
+        modules.add(key[len(prefix):].rsplit(".lora_", 1)[0])
     assert len(modules) > 8
     dropped = sorted(m for m in modules if not re.fullmatch(mapped, m))
     assert not dropped, f"ComfyUI would drop these adapters: {dropped[:6]}"

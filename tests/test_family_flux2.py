@@ -235,7 +235,7 @@ def test_a_lora_trained_with_references_loads_in_the_pipeline_and_changes_what_i
     from trainer.methods.lora import LoraMethod
     cfg = load_config(run / "config.yaml")
     plain = LoraMethod(load_tiny(ws, paths["diffusers"]), cfg).adapter_state_dict()
-    assert set(trained) == set(plain) and all(k.startswith("transformer.") for k in trained)
+    assert set(trained) == set(plain) and all(k.startswith("diffusion_model.") for k in trained)
 
     pipe = load_tiny(ws, paths["diffusers"]).pipeline(None)
 

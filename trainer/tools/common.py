@@ -299,10 +299,47 @@ def layer_index(model: Any) -> Dict[str, Tuple[str, str, Any]]:
         module = model.part(slot)
         if module is None:
             continue
+        named: Dict[str, List[Tuple[str, Any]]] = {}
         for path, mod in module.named_modules():
-            if isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
-                index[f"peft:{prefix}.{rename(path)}"] = (slot, path, mod)
+            if not isinstance(mod, (torch.nn.Linear, torch.nn.Conv2d)):
+                continue
+            try:
+                named.setdefault(f"peft:{prefix}.{rename(path)}", []).append((path, mod))
+            except (KeyError, ValueError):  # a module the file's layout has no name for
+                continue
+        for name, found in named.items():  # several Linears under one name: one fused layer of the file
+            index[name] = (slot, found[0][0], found[0][1] if len(found) == 1 else RowStack([m for _, m in found]))
     return index
+
+
+class StackedWeight:
+    """The weights of several Linears as one, rows stacked: ``shape``, ``device``, ``dtype``, ``detach()`` (the
+    stacked copy) and ``add_`` (each Linear gets its rows), what :func:`match_lora` and :func:`apply_loras` use."""
+
+    def __init__(self, parts: List[Any]):
+        self.parts = parts
+        self.shape = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]])
+        self.device, self.dtype = parts[0].device, parts[0].dtype
+
+    def detach(self) -> torch.Tensor:
+        return torch.cat([p.detach() for p in self.parts])
+
+    def add_(self, delta: torch.Tensor) -> "StackedWeight":
+        for p, rows in zip(self.parts, delta.split([p.shape[0] for p in self.parts])):
+            p.add_(rows)
+        return self
+
+
+class RowStack:
+    """Linears that a LoRA file names as one layer (Flux.2's BFL files: the double blocks' fused q/k/v), in the order
+    the model registers them, which is the fused weight's row order."""
+
+    def __init__(self, modules: List[Any]):
+        self.modules = modules
+
+    @property
+    def weight(self) -> StackedWeight:
+        return StackedWeight([m.weight for m in self.modules])
 
 
 def match_lora(lora: LoraFile, index: Mapping[str, Tuple[str, str, Any]], model_label: str) -> None:

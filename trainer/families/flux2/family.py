@@ -23,8 +23,10 @@ What differs, and where it lives here:
   :mod:`trainer.families.flux2.references`. Each reference's cached posterior mean, normalised like the target, packed
   after the target's tokens with its own position ids (time 10, 20, …); the prediction is cut to the target's tokens.
   The LoRA's modules are the same with or without references.
-- Files: LoRA in the diffusers/peft layout (``transformer.<module>``) that ``Flux2KleinPipeline.load_lora_weights``
-  reads; fine-tunes as the transformer's weights in one file under diffusers' names. Single files in: the
+- Files: LoRA in the original BFL layout (``diffusion_model.<BFL module>``, :mod:`trainer.families.flux2.lora_keys`),
+  which ComfyUI maps for Flux.2 and ``Flux2KleinPipeline``/``Flux2Pipeline.load_lora_weights`` convert on load
+  (the diffusers layout loses most adapters in ComfyUI); ``lora.init_weights`` reads it and the older diffusers
+  layout. Fine-tunes as the transformer's weights in one file under diffusers' names. Single files in: the
   transformer, with the VAE, Qwen3 and tokenizer from ``model.config_path`` (default black-forest-labs/FLUX.2-klein-4B).
 """
 
@@ -42,14 +44,17 @@ from trainer.config.schema import ModelConfig
 from trainer.errors import ModelLoadError
 from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
+from trainer.families.flux2 import lora_keys
 from trainer.families.flux2.keys import config_from_state
 from trainer.families.flux2.references import Flux2Input, load_images, normalise, reference_tokens
 from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
+from trainer.formats.kohya import lora_layers
 from trainer.objectives import FlowMatchingObjective
 from trainer.parallel.distributed import expand_rows
 
@@ -61,9 +66,18 @@ ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj
         "single_transformer_blocks.*.attn.to_out"]  # (a double block's to_out is a ModuleList around to_out.0)
 TARGETS = {"attn": ATTN,
            "attn_mlp": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"],
-           # not the shared modulation Linears (double_stream_modulation_img/txt, single_stream_modulation): ComfyUI's
-           # Flux.2 LoRA key map (comfy/utils.py flux_to_diffusers) has no entry for them, so it would drop them
+           # not the shared modulation Linears (double_stream_modulation_img/txt, single_stream_modulation), which every
+           # block reads; custom targets may name them (the BFL layout names them, and ComfyUI and diffusers map them)
            "all": ATTN + ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]}
+
+
+def _bfl_name(path: str) -> str:
+    """A transformer module's name in a BFL-layout LoRA file, for the model tools: q/k/v share their fused Linear's
+    name (the tools stack the rows in the order diffusers registers them: q, k, v); KeyError for the final norm's
+    Linear, whose rows the file keeps in BFL's order."""
+    if path == "norm_out.linear":
+        raise KeyError(path)
+    return lora_keys.bfl_module(path)[0]
 
 
 def _processor_chat_template(location: str, mcfg: Any) -> str:
@@ -304,6 +318,31 @@ class Flux2(PeftLayoutLora, Family):
 
     def text_fingerprint(self, mcfg: Any) -> str:
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:{self.text_layers}"
+
+    # --- LoRA files ---------------------------------------------------------------------------
+    def peft_file_names(self):
+        """The model tools' names of the transformer's Linears in a LoRA file (``peft:diffusion_model.<BFL>``)."""
+        return {"unet": ("diffusion_model", _bfl_name)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        """The transformer's LoRA in the BFL layout (α/r baked into ``lora_B``; q/k/v fused block-diagonally)."""
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return lora_keys.to_bfl(out)
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        """A BFL-layout file (as written, or another trainer's with shared q/k/v A) into fresh peft layers; a file in
+        the diffusers layout (Atelier's earlier Flux.2 files) as :class:`PeftLayoutLora` reads it."""
+        if not any(k.startswith(lora_keys.PREFIX) for k in state):
+            return super().load_lora_state_dict(state, modules, adapter_name)
+        ranks = {path: layer.r[adapter_name] for path, layer in lora_layers(modules["unet"], adapter_name)}
+        used = load_peft_layout(lora_keys.from_bfl(state, ranks), {"unet": modules["unet"]}, {"unet": "transformer"},
+                                adapter_name)
+        extra = sorted(set(state) - lora_keys.used_keys(state, ranks))
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
 
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
