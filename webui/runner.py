@@ -133,8 +133,10 @@ def run_pids(run_dir: Path) -> tuple[Optional[int], Optional[int]]:
 
 
 def process_alive(run_dir: Path) -> bool:
-    """Is any process of this run still alive (supervisor or trainer)?"""
-    for name in (LAUNCH, PIDFILE):
+    """Is any process of this run still alive (supervisor or trainer)? A supervisor that has written ``exit.json``
+    is only finishing (its last act): the run has ended unless the trainer's own process lives on."""
+    ended = read_json(run_dir / EXIT) is not None
+    for name in ((PIDFILE,) if ended else (LAUNCH, PIDFILE)):
         info = read_json(run_dir / name)
         if info and info.get("pid") and pid_alive(int(info["pid"])) and _looks_like_ours(int(info["pid"])):
             return True
