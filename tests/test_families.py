@@ -94,6 +94,11 @@ ROWS = [
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit-2509"),
         settings=("lora.unet_targets=attn_mlp",),
         sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),)),
+    # -2511: 2509's pipeline with the references modulated at t = 0 (zero_cond_t, set from model.family)
+    Row("qwenimage", "tiny-qwen-image-edit-2511", "demo-qwen-image", controls=1,
+        single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit-2511"),
+        settings=("lora.unet_targets=attn_mlp",),
+        sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),)),
     # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
     # tiny model's loss fall well clear of the 10 % bar
     Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
