@@ -451,7 +451,9 @@ def main(argv: list) -> int:
     if "--tests" in argv:
         rest = [a for a in argv if a != "--tests"]
         if not any(a.startswith(("-n", "--numprocesses")) for a in rest):
-            rest = ["-n", "2", *rest]  # two workers (pytest-xdist): the suite waits on processes and browsers a lot
+            # two workers (pytest-xdist): the suite waits on processes and browsers a lot; a worker that runs out of
+            # tests takes some of the other's (worksteal) instead of idling while it finishes its share
+            rest = ["-n", "2", "--dist", "worksteal", *rest]
         py = install("[test]", cpu_torch=True)
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error")

@@ -97,3 +97,10 @@ def load_tiny_fp32(ws: Path, path: Any, *settings: str) -> Any:
     encoder on, nothing kept in CPU RAM (``parts.*`` settings are not read)."""
     from trainer.families.sources import load_model
     return load_model(_tiny_config(path, settings).model, str(ws))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first (in its own order), then the fast one: with two workers the long browser, training and
+    several-process tests start early and the short ones fill in at the end, so both workers finish together
+    instead of one waiting on a minute-long test collected last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
