@@ -99,6 +99,33 @@ def load_tiny_fp32(ws: Path, path: Any, *settings: str) -> Any:
     return load_model(_tiny_config(path, settings).model, str(ws))
 
 
+def picture(path: Path, seed: int, size: Tuple[int, int] = (96, 64)) -> Path:
+    """An image with structure in two corners (so a flip, a crop or another picture shows in its latents), its
+    colours drawn from ``seed``; written to ``path``."""
+    from PIL import Image, ImageDraw
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", size, (20 * seed % 255, 40, 90))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([2, 2, 30, 20], fill=(250, 10 * seed % 255, 10))
+    draw.ellipse([size[0] - 40, size[1] - 30, size[0] - 4, size[1] - 4], fill=(10, 200, 30))
+    img.save(path)
+    return path
+
+
+def transformer_inputs(model: Any, x: Any, sigma: Any, cond: Any) -> dict:
+    """The keyword inputs of the transformer's call in ``model.predict(x, sigma, cond)`` (a forward pre-hook, no
+    gradient): what a family hands its transformer, to compare with what the pipeline or trainer hands it."""
+    import torch
+    seen: dict = {}
+    handle = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.predict(x, sigma, cond)
+    finally:
+        handle.remove()
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow tier first (in its own order), then the fast one: with two workers the long browser, training and
     several-process tests start early and the short ones fill in at the end, so both workers finish together

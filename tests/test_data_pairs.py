@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from PIL import Image, ImageDraw
+from PIL import Image
 
+from conftest import picture
 from trainer.config.checks import config_from_dict, cross_field_warnings, load_config
 from trainer.config.schema import AtelierConfig
 from trainer.data.concepts import scan_concepts
@@ -20,27 +21,16 @@ from trainer.errors import ConfigError, DataError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _picture(path: Path, seed: int, size=(96, 64)) -> Path:
-    """An image with structure in every corner (so a flip or a crop shows in its latents)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img = Image.new("RGB", size, (20 * seed % 255, 40, 90))
-    draw = ImageDraw.Draw(img)
-    draw.rectangle([2, 2, 30, 20], fill=(250, 10 * seed % 255, 10))
-    draw.ellipse([size[0] - 40, size[1] - 30, size[0] - 4, size[1] - 4], fill=(10, 200, 30))
-    img.save(path)
-    return path
-
-
 def _pairs(root: Path, names=("cat_01", "cat_02", "cat_03"), controls=1, same=True) -> Path:
     """targets/<name>.png with control_<k>/<name>.jpg|png beside; ``same``: the control is the target's image."""
     for i, name in enumerate(names):
-        target = _picture(root / "targets" / f"{name}.png", i + 1)
+        target = picture(root / "targets" / f"{name}.png", i + 1)
         (root / "targets" / f"{name}.txt").write_text(f"make {name} blue")
         for k in range(controls):
             ext = ".png" if k % 2 == 0 else ".jpg"
             dst = root / f"control_{k}" / f"{name}{ext}"
             dst.parent.mkdir(parents=True, exist_ok=True)
-            Image.open(target).save(dst) if same else _picture(dst, 10 + i + k)
+            Image.open(target).save(dst) if same else picture(dst, 10 + i + k)
     return root
 
 
@@ -87,7 +77,7 @@ def test_a_control_folder_inside_the_concept_folder_holds_no_targets(tmp_path):
 
 @pytest.mark.parametrize("break_it, words", [
     (lambda root: (root / "control_0" / "cat_02.png").unlink(), ("control_paths.0", "cat_02.png", "no control image")),
-    (lambda root: _picture(root / "control_0" / "dog_09.png", 9), ("control_paths.0", "dog_09.png", "pair with no image")),
+    (lambda root: picture(root / "control_0" / "dog_09.png", 9), ("control_paths.0", "dog_09.png", "pair with no image")),
     (lambda root: __import__("shutil").rmtree(root / "control_0"), ("control_paths.0", "does not exist")),
 ])
 def test_an_unpaired_image_or_control_is_named_before_any_model_loads(tmp_path, break_it, words):
@@ -175,9 +165,9 @@ def test_regularisation_images_are_drawn_in_the_ratio_the_concepts_ask(tmp_path)
     """20 subject images x 5 repeats beside 40 class images at samples = 100: one class image per subject image,
     every epoch, whatever the folder sizes."""
     for i in range(20):
-        _picture(tmp_path / "subject" / f"s{i:02d}.png", i)
+        picture(tmp_path / "subject" / f"s{i:02d}.png", i)
     for i in range(40):
-        _picture(tmp_path / "class" / f"c{i:02d}.png", 50 + i)
+        picture(tmp_path / "class" / f"c{i:02d}.png", 50 + i)
     cfg = _cfg(tmp_path, {"path": str(tmp_path / "subject"), "repeats": 5},
                {"path": str(tmp_path / "class"), "role": "regularisation", "samples": 100, "loss_weight": 0.8})
     items, _ = scan_concepts(cfg.data)
@@ -191,8 +181,8 @@ def test_regularisation_images_are_drawn_in_the_ratio_the_concepts_ask(tmp_path)
 
 def test_prior_prediction_rows_are_marked_in_the_batch(tmp_path):
     from trainer.data.pipeline import DataPipeline
-    _picture(tmp_path / "subject" / "a.png", 1)
-    _picture(tmp_path / "prior" / "b.png", 2)
+    picture(tmp_path / "subject" / "a.png", 1)
+    picture(tmp_path / "prior" / "b.png", 2)
     cfg = _cfg(tmp_path, {"path": str(tmp_path / "subject")}, {"path": str(tmp_path / "prior"),
                                                                "role": "prior_prediction"}, batch_size=2)
     pipe = DataPipeline(cfg, warn=lambda m: None)

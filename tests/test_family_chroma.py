@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_tiny
+from conftest import load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,9 +89,6 @@ def test_the_transformer_sees_sigma_in_fp32_as_the_flux_trainers_pass_it(chroma)
     transformer casts it to its hidden states' dtype itself."""
     ws, paths = chroma
     model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
-    seen = {}
-    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
-    with torch.no_grad():
-        model.predict(torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    seen = transformer_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)

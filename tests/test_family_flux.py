@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import load_tiny, load_tiny_fp32
+from conftest import load_tiny, load_tiny_fp32, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -481,18 +481,6 @@ def test_a_lora_trained_on_pairs_loads_in_flux_kontext_pipeline_and_changes_its_
     assert abs(edit() - before).max() > 1e-3
 
 
-def _first_call_inputs(model, x, sigma, cond):
-    """The keyword inputs of the transformer's call in ``model.predict(x, sigma, cond)``."""
-    seen = {}
-    handle = model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model.predict(x, sigma, cond)
-    finally:
-        handle.remove()
-    return seen
-
-
 @pytest.mark.parametrize("fixture", ["flux", "kontext"])
 def test_the_transformer_sees_sigma_and_guidance_in_fp32_as_diffusers_flux_trainer_passes_them(fixture, request):
     """diffusers' train_dreambooth_lora_flux.py passes ``timesteps / 1000`` of its fp32 schedule and an fp32 guidance
@@ -504,7 +492,7 @@ def test_the_transformer_sees_sigma_and_guidance_in_fp32_as_diffusers_flux_train
     if fixture == "kontext":
         batch["control_latents"] = [{"mean": torch.zeros(1, 16, 8, 12)}]
     cond = model.batch_condition(batch, lambda c: c, set())
-    seen = _first_call_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    seen = transformer_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
     assert seen["guidance"].dtype == torch.float32
 

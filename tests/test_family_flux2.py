@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import load_tiny
+from conftest import load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -255,12 +255,9 @@ def test_the_transformer_sees_sigma_in_fp32_as_diffusers_flux2_trainer_passes_it
     from trainer.families.flux2.family import Flux2Conditioning
     ws, paths = klein
     model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
-    seen = {}
-    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     embeds = model.encode_captions(["a red square"])["prompt_embeds"]
-    with torch.no_grad():
-        model.predict(torch.zeros(1, 128, 4, 6, dtype=torch.bfloat16), torch.tensor([0.93796]),
-                      Flux2Conditioning(embeds))
+    seen = transformer_inputs(model, torch.zeros(1, 128, 4, 6, dtype=torch.bfloat16), torch.tensor([0.93796]),
+                              Flux2Conditioning(embeds))
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
 
 

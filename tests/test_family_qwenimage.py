@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from conftest import DEMO_DATA, load_tiny, train_quiet
+from conftest import DEMO_DATA, load_tiny, train_quiet, transformer_inputs, picture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,16 +52,6 @@ def small_pipeline_sizes(monkeypatch):
         monkeypatch.setitem(vl.VL_AREA, variant, 56 * 56)
 
 
-def _picture(path: Path, seed: int, size=(96, 64)) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img = Image.new("RGB", size, (30 * seed % 255, 60, 120))
-    draw = ImageDraw.Draw(img)
-    draw.rectangle([4, 4, 30, 24], fill=(240, 20 * seed % 255, 20))
-    draw.ellipse([size[0] - 40, size[1] - 30, size[0] - 6, size[1] - 4], fill=(20, 190, 40))
-    img.save(path)
-    return path
-
-
 # --- Qwen-Image (text to image) ---------------------------------------------------------------
 
 def test_text_features_latents_and_guidance_are_the_pipelines(qwen):
@@ -93,11 +83,8 @@ def test_the_transformer_sees_sigma_in_fp32_as_diffusers_qwen_image_trainer_pass
     for 0.93796); the transformer casts it to its hidden states' dtype itself."""
     ws, paths = qwen
     model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
-    seen = {}
-    model.transformer.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
-    with torch.no_grad():
-        model.predict(torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    seen = transformer_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
 
 
@@ -188,10 +175,10 @@ def test_the_edit_models_are_told_apart_or_named_by_model_family(tmp_path):
 def _pairs(root: Path, controls: int, names=("a", "b")) -> dict:
     """targets with ``controls`` control folders (the same file names) and instructions as captions."""
     for i, name in enumerate(names):
-        _picture(root / "targets" / f"{name}.png", i + 1)
+        picture(root / "targets" / f"{name}.png", i + 1)
         (root / "targets" / f"{name}.txt").write_text(f"make picture {i + 1} green")
         for k in range(controls):
-            _picture(root / f"control_{k}" / f"{name}.png", 5 + 3 * i + k, size=(64, 96) if k else (96, 64))
+            picture(root / f"control_{k}" / f"{name}.png", 5 + 3 * i + k, size=(64, 96) if k else (96, 64))
     return {"path": str(root / "targets"), "control_paths": [str(root / f"control_{k}") for k in range(controls)]}
 
 
@@ -257,7 +244,7 @@ def test_transformer_and_text_encoder_inputs_are_the_edit_pipelines(edit_ws, sma
     model = load_tiny(ws, paths[name]["diffusers"])
     assert model.family == name.removeprefix("tiny-") and model.text_sees_controls
     assert model.transformer.config.zero_cond_t == (name == "tiny-qwen-image-edit-2511")
-    files = [_picture(tmp_path / f"c{k}.png", 7 + k, size=(96, 64) if k == 0 else (64, 80)) for k in range(controls)]
+    files = [picture(tmp_path / f"c{k}.png", 7 + k, size=(96, 64) if k == 0 else (64, 80)) for k in range(controls)]
     images = [open_control(f) for f in files]
     caption = "put the red box on the green ball"
     sampler = model.pipeline(None)
@@ -343,7 +330,7 @@ def test_the_text_cache_keys_each_pair_by_its_control_images(tmp_path):
     for row, files in enumerate(batch["control_paths"]):
         expected = 2 + Path(files[0]).read_bytes()[-20] % 4
         assert lengths[row] == expected and float(batch["prompt_embeds"][row, 0, 0]) == expected
-    _picture(tmp_path / "pairs" / "control_0" / "b.png", 42)  # an edited control
+    picture(tmp_path / "pairs" / "control_0" / "b.png", 42)  # an edited control
     calls.clear()
     again = DataPipeline(cfg, warn=lambda m: None)
     assert again.prepare(vae, "v", "fp32", encode_text_fn=encode, text_fingerprint="t",
