@@ -99,6 +99,16 @@ def load_tiny_fp32(ws: Path, path: Any, *settings: str) -> Any:
     return load_model(_tiny_config(path, settings).model, str(ws))
 
 
+@pytest.fixture(scope="module")
+def ui_app(tmp_path_factory):
+    """(workspace, AppContext) of a page built without its queue scheduler, one per test module (torch-free)."""
+    from webui.app import build_app
+    ws = tmp_path_factory.mktemp("ws")
+    demo = build_app(ws, start_scheduler=False)
+    yield ws, demo.atelier
+    demo.close()
+
+
 def picture(path: Path, seed: int, size: Tuple[int, int] = (96, 64)) -> Path:
     """An image with structure in two corners (so a flip, a crop or another picture shows in its latents), its
     colours drawn from ``seed``; written to ``path``."""

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import gradio as gr
-import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -17,7 +16,6 @@ from trainer.config.checks import load_config
 from trainer.config.schema import AtelierConfig, ConceptConfig
 from trainer.data.report import concept_pairs
 from webui import pairs
-from webui.app import build_app
 from webui.pathlist import add_path, remove_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,14 +45,6 @@ def demo_with(**concept):
     cfg = load_config(preset="demo")
     cfg.data.concepts.append(OmegaConf.structured(ConceptConfig(**concept)))
     return cfg
-
-
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("ws")
-    demo = build_app(ws, start_scheduler=False)
-    yield ws, demo.atelier
-    demo.close()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -122,8 +112,8 @@ def test_the_report_view_shows_roles_pairs_side_by_side_and_the_unpaired(tmp_pat
     assert pairs.role_badge("train") == "" and "never trained on" in pairs.role_badge("validation")
 
 
-def test_the_dataset_check_on_the_page_shows_pairs_even_when_the_model_takes_no_controls(app):
-    ws, ctx = app
+def test_the_dataset_check_on_the_page_shows_pairs_even_when_the_model_takes_no_controls(ui_app):
+    ws, ctx = ui_app
     root = make_pairs(ws / "pairs", stray=("dog_01",))
     cfg = demo_with(name="edits", path=str(root / "targets"), role="validation",
                     control_paths=[str(root / "control")])
@@ -139,8 +129,8 @@ def test_the_dataset_check_on_the_page_shows_pairs_even_when_the_model_takes_no_
     assert ok.startswith("✅")
 
 
-def test_the_concept_role_dropdown_explains_each_role(app):
-    _, ctx = app
+def test_the_concept_role_dropdown_explains_each_role(ui_app):
+    _, ctx = ui_app
     editor = ctx.form.editors["data.concepts"]
     role = editor.items[[c.key for c in editor.spec.items].index("role")]
     labels = dict((value, label) for label, value in role.choices)
@@ -154,8 +144,8 @@ def test_the_concept_role_dropdown_explains_each_role(app):
 # control folders and sample control images: add, browse, remove
 # --------------------------------------------------------------------------------------------------
 
-def test_control_paths_are_added_and_removed_within_the_allowed_folders(app, tmp_path):
-    ws, ctx = app
+def test_control_paths_are_added_and_removed_within_the_allowed_folders(ui_app, tmp_path):
+    ws, ctx = ui_app
     root = make_pairs(ws / "lists")
     allowed = ctx.roots.allowed
     text, note = add_path("", str(root / "control"), "folder", allowed)
@@ -188,8 +178,8 @@ def test_control_paths_are_added_and_removed_within_the_allowed_folders(app, tmp
 # the caption editor
 # --------------------------------------------------------------------------------------------------
 
-def test_the_caption_editor_shows_an_images_controls_and_names_one_without(app):
-    ws, ctx = app
+def test_the_caption_editor_shows_an_images_controls_and_names_one_without(ui_app):
+    ws, ctx = ui_app
     root = make_pairs(ws / "captions")
     Image.new("RGB", (32, 24)).save(root / "targets" / "cat_09.png")  # no control: would not train
     cfg = demo_with(name="edits", path=str(root / "targets"), control_paths=[str(root / "control")])

@@ -6,27 +6,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 
 from trainer.config.checks import load_config
 from trainer.config.load import PRESETS_DIR
 from webui.app import build_app
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    ws = tmp_path_factory.mktemp("ws")
-    demo = build_app(ws, start_scheduler=False)
-    yield ws, demo.atelier
-    demo.close()
-
-
 def _values(ctx):
     return ctx.form.values_for(load_config(preset="demo"))
 
 
-def test_load_file_reads_only_inside_the_allowed_folders(app, tmp_path):
-    ws, ctx = app
+def test_load_file_reads_only_inside_the_allowed_folders(ui_app, tmp_path):
+    ws, ctx = ui_app
     secret = tmp_path / "secret.yaml"
     secret.write_text("model:\n  path: my-secret-token-123\n")
     message = ctx.handlers["load_file"](str(secret))[-1]
@@ -45,8 +36,8 @@ def test_load_file_reads_only_inside_the_allowed_folders(app, tmp_path):
     assert "Loaded" in ctx.handlers["load_file"](str(PRESETS_DIR / "demo.yaml"))[-1]  # presets: readable
 
 
-def test_save_file_writes_only_inside_the_workspace_and_browse_roots(app, tmp_path):
-    ws, ctx = app
+def test_save_file_writes_only_inside_the_workspace_and_browse_roots(ui_app, tmp_path):
+    ws, ctx = ui_app
     outside = tmp_path / "evil.yaml"
     message = ctx.handlers["save_file"](str(outside), *_values(ctx))
     assert message.startswith("⛔ Not saved") and "outside the folders this page may write" in message
@@ -59,8 +50,8 @@ def test_save_file_writes_only_inside_the_workspace_and_browse_roots(app, tmp_pa
     assert (ws / "configs" / "run.yaml").is_file()
 
 
-def test_the_run_chooser_shows_only_runs_of_the_workspace(app, tmp_path):
-    ws, ctx = app
+def test_the_run_chooser_shows_only_runs_of_the_workspace(ui_app, tmp_path):
+    ws, ctx = ui_app
     other = tmp_path / "elsewhere"
     other.mkdir()
     (other / "train.log").write_text("secret log line\n")
