@@ -66,6 +66,23 @@ class QuickChoice:
 
 
 @dataclass(frozen=True)
+class VideoSpec:
+    """A family that trains on clips: how many frames its VAE takes and at what rate its model was trained.
+
+    A clip's frame count must be ``frame_multiple * k + 1`` (the VAE keeps the first frame and compresses every
+    ``frame_multiple`` after it: 1, 5, 9, … 81 for Wan); images train as one-frame clips. Clips are resampled to
+    ``fps`` before frames are taken."""
+
+    frame_multiple: int = 4
+    fps: float = 16.0
+    max_frames: int = 81  # the longest clip the model was trained on
+
+    def fits(self, frames: int) -> bool:
+        """Whether ``frames`` is a frame count the VAE takes."""
+        return frames >= 1 and (frames - 1) % self.frame_multiple == 0
+
+
+@dataclass(frozen=True)
 class SampleDefaults:
     """What a sample prompt that leaves ``steps`` or ``cfg_scale`` empty (and ``sampling.scheduler: auto``) samples
     with: the model's own settings, so a sample looks as the model's authors mean it to (Flux.1 [dev] at guidance 7
@@ -136,6 +153,8 @@ class FamilyInfo:
     # variant -> what its samples use where a prompt leaves steps/cfg_scale empty (every variant has one; a family
     # whose loaded model tells two kinds apart adds keys of its own, e.g. a step-distilled and a base model)
     sample_defaults: Dict[str, SampleDefaults] = field(default_factory=dict)
+    # it trains on video clips (None: an image family, which refuses clip concepts)
+    video: Optional[VideoSpec] = None
 
     def control_range(self, variant: str) -> Tuple[int, int]:
         """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""
