@@ -110,6 +110,9 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 512, "text_encoder_out_layers": (1, 2, 3)}),
     Row("cascade", "tiny-cascade", "demo-cascade", settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.01", "lora.alpha=32"),
         lora_loader="trainer.families.cascade.family:load_lora_into_pipeline"),
+    # video: the demo images as one-frame clips; samples are 5-frame videos; the file in the original Wan layout
+    Row("wan", "tiny-wan21", "demo-wan", settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),
@@ -174,8 +177,9 @@ def _sample(pipe, row: Row):
     control = Image.open(DEMO_DATA / f"{CONTROLS['00-red-square']}.png").convert("RGB")
     # one control image as itself; several as the list the reference pipelines take (the same image each time)
     image = {"image": control if row.controls == 1 else [control] * row.controls} if row.controls else {}
-    return pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
-                generator=torch.Generator().manual_seed(0), output_type="np", **image, **row.prompt_kwargs).images[0]
+    out = pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
+               generator=torch.Generator().manual_seed(0), output_type="np", **image, **row.prompt_kwargs)
+    return out.frames[0] if hasattr(out, "frames") else out.images[0]  # a video model: every frame
 
 
 def _row_id(row: Row) -> str:

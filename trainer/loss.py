@@ -54,7 +54,9 @@ def make_noise(shape, generator, noise_offset: float = 0.0):
     import torch  # torch inside: validate reads this module's rules without torch
     noise = torch.randn(shape, generator=generator)
     if noise_offset > 0:
-        noise = noise + noise_offset * torch.randn((shape[0], shape[1], 1, 1), generator=generator)
+        # one offset per channel, the same over every frame and pixel (video latents are [B, C, F, H, W])
+        noise = noise + noise_offset * torch.randn((shape[0], shape[1]) + (1,) * (len(shape) - 2),
+                                                   generator=generator)
     return noise
 
 
@@ -185,13 +187,17 @@ def timestep_weights(cfg: Any, timesteps, noise_scheduler, prediction_type: Opti
 
 
 def mask_weights(mask, loss_shape, unmasked_weight: float):
-    """clamp(mask, unmasked_weight, 1) resized (area) to the loss's spatial size, shape [B,1,h,w]."""
+    """clamp(mask, unmasked_weight, 1) resized (area) to the loss's spatial size, shape [B,1,h,w] ([B,1,f,h,w] for
+    video latents: an image's mask holds for every frame of its clip)."""
     import torch.nn.functional as F  # torch inside: validate reads this module's rules without torch
     m = mask.float()
     if m.ndim == 3:
         m = m.unsqueeze(1)
-    if tuple(m.shape[-2:]) != tuple(loss_shape[-2:]):
-        m = F.interpolate(m, size=tuple(loss_shape[-2:]), mode="area")
+    if len(loss_shape) == 5 and m.ndim == 4:
+        m = m.unsqueeze(2)
+    size = tuple(loss_shape[2:]) if m.ndim == 5 else tuple(loss_shape[-2:])
+    if tuple(m.shape[2:]) != size:
+        m = F.interpolate(m, size=size, mode="area")
     if m.shape[1] != 1:
         m = m.mean(dim=1, keepdim=True)
     return m.clamp(min=float(unmasked_weight), max=1.0)

@@ -226,6 +226,8 @@ class SamplingConfig:
     scheduler: str = f("auto", "Sampler of SD, SDXL and PixArt (the other families always sample with their own); "
                                "auto = the model's own default (DDIM for SD and SDXL, DPM-Solver for PixArt).",
                        choices=["auto", "ddim", "euler", "euler_a", "dpmpp_2m"])
+    frames: int = f(0, "Video models (Wan): frames of each sample video (the VAE takes 4k+1: 1, 5, 9 … 81); "
+                       "0 = the model's own default (81 for Wan). Image models draw one frame.", min=0, max=1001)
     prompts: List[SamplePromptConfig] = f(help="Prompts sampled during training.", factory=list)
 
 

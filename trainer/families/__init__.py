@@ -32,6 +32,7 @@ REGISTERED: Tuple[str, ...] = (
     "zimage",
     "qwenimage",
     "flux2",
+    "wan",
 )
 
 
@@ -100,6 +101,11 @@ class SampleDefaults:
     guidance_arg: str = "guidance_scale"
     differs: Tuple[str, ...] = ()  # "steps" / "guidance": declared from the model card (or Atelier), not the pipeline
     why: str = ""  # where a value ``differs`` comes from
+    frames: int = 1  # a video model's sample length (its pipeline's num_frames) where sampling.frames is 0 (auto)
+
+    def frames_for(self, frames: Optional[int]) -> int:
+        """``sampling.frames``, or this default when it is 0 (auto)."""
+        return self.frames if frames in (None, 0) else int(frames)
 
     def steps_for(self, steps: Optional[int]) -> int:
         """A prompt's ``steps``, or this default when it is empty."""

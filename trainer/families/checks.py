@@ -182,6 +182,7 @@ def check_family_options(cfg: Any) -> None:
                               "cannot train. Turn one of them around.", key=key, value=False)
     if info.pixel_multiple:
         check_pixel_multiple(cfg, info)
+    check_sample_frames(cfg, info)
     for key, off, why in info.refuses:
         if key.startswith("lora.") and cfg.training.method != "lora":
             continue  # the adapter's settings mean nothing to a fine-tune or an embedding
@@ -190,6 +191,24 @@ def check_family_options(cfg: Any) -> None:
         if value not in allowed:
             raise ConfigError(f"{key} = {value}: {why}. Set it to {' or '.join(str(a) for a in allowed)}.",
                               key=key, value=value)
+
+
+def check_sample_frames(cfg: Any, info: Any) -> None:
+    """``sampling.frames``: a frame count the video family's VAE takes; more than one frame only for a video family."""
+    frames = int(cfg.sampling.get("frames", 0) or 0)
+    if frames == 0:
+        return
+    video = info.video
+    if video is None:
+        if frames > 1:
+            raise ConfigError(f"sampling.frames = {frames}: {info.label} draws images (one frame). Set it to 0.",
+                              key="sampling.frames", value=frames)
+        return
+    if not video.fits(frames):
+        k = video.frame_multiple
+        near = max(1, round((frames - 1) / k) * k + 1)
+        raise ConfigError(f"sampling.frames = {frames}: {info.label}'s VAE takes {k}k+1 frames (1, {k + 1}, "
+                          f"{2 * k + 1} … {video.max_frames}). Use e.g. {near}.", key="sampling.frames", value=frames)
 
 
 def check_pixel_multiple(cfg: Any, info: Any) -> None:

@@ -1,0 +1,125 @@
+"""Wan 2.1 beyond the family contract: UMT5 features zero-padded as WanPipeline makes them, the transformer's inputs
+equal to the pipeline's own call on non-square latents with several frames (σ·1000 in fp32), images as one-frame
+clips and clips as they come, the single file back and forth, and what detection refuses by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import load_tiny, transformer_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("wan-ws")
+    return ws, build_tiny("tiny-wan21", ws / "models")
+
+
+def test_text_features_are_the_pipelines_zero_padded(wan):
+    ws, paths = wan
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    caption = "a red  square on a white background "  # the pipeline cleans whitespace
+    features, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, device="cpu",
+                                     max_sequence_length=model.max_sequence_length)
+    cond = model.batch_condition({"captions": [caption, "x"]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds[:1], features)
+    n = int(cond.prompt_mask[0].sum())
+    assert 0 < n < features.shape[1] and features[0, n:].abs().max() == 0
+
+
+def test_predict_hands_the_transformer_what_the_pipeline_does(wan):
+    """One denoising call of WanPipeline at 48×64 px × 9 frames (latents [1, 16, 3, 6, 8]) against predict on the same
+    latents, σ and caption: the same keyword inputs, the timestep σ·1000 in fp32, the same output."""
+    ws, paths = wan
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    seen = {}
+
+    def first_call(module, args, kwargs, output):
+        if "kw" not in seen:
+            seen.update(kw=kwargs, o=output[0])
+
+    handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe("a red square", num_inference_steps=2, height=48, width=64, num_frames=9, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        handle.remove()
+    theirs = seen["kw"]
+    x = theirs["hidden_states"]
+    assert tuple(x.shape) == (1, 16, 3, 6, 8)
+    sigma = theirs["timestep"].float() / 1000.0
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    ours = transformer_inputs(model, x, sigma, cond)
+    assert ours["timestep"].dtype == torch.float32
+    torch.testing.assert_close(ours["timestep"], theirs["timestep"].float())
+    torch.testing.assert_close(ours["hidden_states"], x)
+    torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.predict(x, sigma, cond), seen["o"])
+
+
+def test_the_transformer_sees_the_timestep_in_fp32_with_bf16_weights(wan):
+    ws, paths = wan
+    model = load_tiny(ws, paths["diffusers"], "parts.denoiser.dtype=bf16")
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    seen = transformer_inputs(model, torch.zeros(1, 16, 2, 4, 4, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
+    assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(937.96, abs=1e-3)
+
+
+def test_images_are_one_frame_clips_and_clips_pass_as_they_are(wan):
+    ws, paths = wan
+    model = load_tiny(ws, paths["diffusers"])
+    image = model.encode_pixels(torch.rand(2, 3, 32, 48) * 2 - 1)
+    assert tuple(image["mean"].shape) == (2, 16, 1, 4, 6) == (2,) + model.latent_shape(48, 32)
+    clip = model.encode_pixels(torch.rand(1, 3, 9, 32, 48) * 2 - 1)
+    assert tuple(clip["mean"].shape) == (1, 16, 3, 4, 6) == (1,) + model.latent_shape(48, 32, frames=9)
+    latents = model.sample_latents(clip, torch.Generator().manual_seed(0))
+    c = model.vae.config
+    expected = (clip["mean"] - torch.tensor(c.latents_mean).view(1, -1, 1, 1, 1)) / \
+        torch.tensor(c.latents_std).view(1, -1, 1, 1, 1)
+    assert (latents - expected).abs().max() < 10 * clip["std"].max()  # drawn around the normalised mean
+    assert model.objective.shift == pytest.approx(3.0)  # the pipeline scheduler's flow_shift
+
+
+def test_single_file_loads_and_fine_tunes_save_back_to_it(wan, tmp_path):
+    from safetensors.torch import load_file
+    ws, paths = wan
+    folder = load_tiny(ws, paths["diffusers"])
+    with torch.no_grad():
+        folder.transformer.blocks[0].attn1.to_k.weight.add_(0.5)
+    out = tmp_path / "wan-ft.safetensors"
+    folder.save_single_file(out, "fp32", {})
+    keys = set(load_file(str(out)))
+    assert {"blocks.0.self_attn.k.weight", "blocks.0.cross_attn.o.weight", "blocks.0.ffn.0.weight",
+            "blocks.0.norm3.weight", "blocks.0.modulation", "head.head.weight", "head.modulation",
+            "patch_embedding.weight", "text_embedding.0.weight", "time_projection.1.weight"} <= keys
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
+    # diffusers' own reader of the original layout takes the file too
+    from diffusers import WanTransformer3DModel
+    theirs = WanTransformer3DModel.from_single_file(str(out), config=str(paths["diffusers"]), subfolder="transformer",
+                                                    local_files_only=True)
+    for k, v in folder.transformer.state_dict().items():
+        torch.testing.assert_close(theirs.state_dict()[k], v, msg=k)
+
+
+def test_wan_models_not_trained_yet_are_refused_by_name():
+    from trainer.families import Evidence
+    from trainer.families.wan.detect import claim
+    base = {"head.modulation": (1, 2, 32), "blocks.0.self_attn.q.weight": (32, 32)}
+    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 16, 1, 2, 2)})) \
+        == "wan21-t2v"
+    with pytest.raises(ValueError, match="image-to-video"):
+        claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
+                                                   "img_emb.proj.1.weight": (32, 1280)}))
+    with pytest.raises(ValueError, match="TI2V-5B"):
+        claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)}))
+    assert claim(Evidence("single_file", "x", shapes={"blocks.0.self_attn.q.weight": (32, 32)})) is None

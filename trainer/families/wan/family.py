@@ -1,0 +1,193 @@
+"""Wan 2.1 text-to-video on diffusers' ``WanPipeline`` classes: a DiT over 3-D patches of video latents,
+cross-attending to UMT5 features.
+
+What differs, and where it lives here:
+
+- Latents are video: [B, C, F, H, W] from the causal 3-D VAE (8× in space, 4× in time after the first frame:
+  F = (frames − 1)/4 + 1). An image batch [B, 3, H, W] is a one-frame clip; clip batches [B, 3, F, H, W] pass as
+  they are. Latents are normalised per channel with the VAE config's ``latents_mean``/``latents_std``, as
+  ``WanPipeline`` inverts them before decoding.
+- Text: ``WanPipeline._get_t5_prompt_embeds``: the cleaned caption through UMT5 up to ``max_sequence_length`` (512)
+  tokens, the real tokens' features kept and zeros after them (no mask reaches the transformer). The cache keeps
+  those features with the mask; caption dropout gives the empty caption's.
+- Flow matching, target ε − x, with the shift of the pipeline's scheduler config (``flow_shift`` of its UniPC
+  scheduler: 3.0 in Wan-AI's diffusers folders); the transformer takes σ·1000 in fp32 (its sinusoidal embedding
+  is computed in fp32, then cast to the time embedder's dtype).
+- Files: LoRA in the original layout (``diffusion_model.blocks.N.self_attn.q.lora_A/lora_B.weight``, α/r baked into
+  lora_B), which ComfyUI's Wan nodes and ``WanPipeline.load_lora_weights`` read; fine-tunes as the original single
+  file (keys.py). Single files in: the transformer, with VAE, UMT5 and tokenizer from ``model.config_path`` (a
+  diffusers Wan folder or hub id; default Wan-AI/Wan2.1-T2V-1.3B-Diffusers).
+- Samples are videos (``WanPipeline`` at the training size, ``sampling.frames`` frames).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from diffusers import WanPipeline, WanTransformer3DModel
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+from trainer.errors import ModelLoadError
+from trainer.families import sources
+from trainer.families.base import Family, part_dtype
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
+from trainer.families.common.transformer_kit import (
+    MaskedTextConditioning,
+    PeftLayoutLora,
+    pipeline_with_transformer_file,
+    save_transformer_file,
+)
+from trainer.families.sources import classify_source, detect_source_family
+from trainer.families.wan.keys import (
+    config_from_original,
+    diffusers_to_original,
+    module_to_original,
+    original_to_diffusers,
+)
+from trainer.objectives import FlowMatchingObjective
+
+OFFICIAL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+MAX_TOKENS = 512  # WanPipeline's max_sequence_length
+LORA_PREFIX = "diffusion_model"  # ComfyUI's key map for Wan (and diffusers' converter) read this prefix
+ATTN = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+        "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
+FFN = ["ffn.net.0.proj", "ffn.net.2"]
+TARGETS = {"attn": ATTN, "attn_mlp": ATTN + FFN,
+           # the shared time/text embedders and the time projection too (diffusers' converter and ComfyUI map them)
+           "all": ATTN + FFN + ["condition_embedder.time_proj", "condition_embedder.time_embedder.linear_1",
+                                "condition_embedder.time_embedder.linear_2",
+                                "condition_embedder.text_embedder.linear_1",
+                                "condition_embedder.text_embedder.linear_2"]}
+
+
+def flow_shift_of(scheduler_config: Dict[str, Any]) -> float:
+    """The shift a Wan pipeline samples with: ``flow_shift`` of its UniPC scheduler, ``shift`` of a flow-match Euler
+    one."""
+    return float(scheduler_config.get("flow_shift", scheduler_config.get("shift", 1.0)) or 1.0)
+
+
+class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
+    name = "wan"
+    family = "wan21-t2v"
+    prediction_type = "flow"
+    fp8_skip = ("norm", "patch_embedding", "condition_embedder", "proj_out", "scale_shift_table")
+    swap_blocks = ("blocks",)
+    targets = TARGETS
+    modelspec = ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v")
+
+    def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
+        self.source = classify_source(mcfg.path, workspace)
+        detect_source_family(self.source, mcfg)
+        dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        if self.source.kind == "single_file":
+            pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=WanPipeline,
+                                                  transformer_cls=WanTransformer3DModel, config=config_from_original,
+                                                  to_diffusers=original_to_diffusers, official=OFFICIAL,
+                                                  layout="the original Wan layout")
+        else:
+            pipe = sources.load_pipeline(WanPipeline, self.source, mcfg, workspace, family=self.family, dtype=dtypes)
+        self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self._sched_config = dict(pipe.scheduler.config)
+        self._sched_class = type(pipe.scheduler)
+        self.objective = FlowMatchingObjective(shift=flow_shift_of(self._sched_config))
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS),
+                                       int(self.tokenizer.model_max_length))
+        self.device = torch.device(device)
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        if getattr(mcfg, "attention", "sdpa") == "xformers":
+            raise ModelLoadError("model.attention = xformers: Wan runs on PyTorch SDPA. Use sdpa.",
+                                 key="model.attention")
+        self._vae_dtype_name = mcfg.vae_dtype
+
+    # --- latents ----------------------------------------------------------------------------
+    @property
+    def temporal_factor(self) -> int:
+        return int(getattr(self.vae.config, "scale_factor_temporal", 4) or 4)
+
+    def latent_shape(self, width: int, height: int, frames: int = 1) -> Tuple[int, ...]:
+        """[C, F', H/8, W/8] of a ``frames``-frame clip (one frame: an image), without running the VAE."""
+        spatial = int(getattr(self.vae.config, "scale_factor_spatial", 8) or 8)
+        return (int(self.vae.config.z_dim), (int(frames) - 1) // self.temporal_factor + 1, height // spatial,
+                width // spatial)
+
+    def encode_pixels(self, pixels) -> Dict[str, Any]:
+        """Images [B, 3, H, W] (one-frame clips) or clips [B, 3, F, H, W] through the VAE: the posterior's mean and
+        std [B, C, F', h, w] on the CPU in fp32."""
+        clip = pixels if pixels.ndim == 5 else pixels.unsqueeze(2)
+        with torch.no_grad():
+            dist = self.vae.encode(clip.to(self.device, dtype=self.vae.dtype)).latent_dist
+        return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        """A latent drawn from the cached posterior, normalised per channel as ``WanPipeline`` inverts it."""
+        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        c = self.vae.config
+        view = (1, -1) + (1,) * (mean.ndim - 2)
+        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(view)
+        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(view)
+        return (mean + std * eps - shift) / scale
+
+    # --- text -------------------------------------------------------------------------------
+    def _encode(self, captions: List[str], grads: bool = False):
+        """As ``WanPipeline._get_t5_prompt_embeds``: (features [B, L, D] zero after the real tokens, their mask)."""
+        tokens = self.tokenizer([prompt_clean(str(c)) for c in captions], padding="max_length",
+                                max_length=self.max_sequence_length, truncation=True, add_special_tokens=True,
+                                return_attention_mask=True, return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            hidden = self.text_encoder(tokens.input_ids.to(self.device), mask).last_hidden_state
+        keep = mask.gt(0)
+        return hidden * keep.unsqueeze(-1).to(hidden.dtype), keep
+
+    # --- the denoiser -------------------------------------------------------------------------
+    def predict(self, model_input, timesteps, conditioning):
+        dtype, device = model_input.dtype, model_input.device
+        video = model_input if model_input.ndim == 5 else model_input.unsqueeze(2)
+        embeds = conditioning.prompt_embeds.to(device, dtype)
+        embeds = embeds * conditioning.prompt_mask.to(device).unsqueeze(-1).to(dtype)  # zeros after the tokens
+        # σ·1000 in fp32, as the pipeline's scheduler timesteps (the transformer embeds it in fp32)
+        t = timesteps.to(device, torch.float32) * 1000.0
+        out = self.transformer(hidden_states=video, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+        return out if model_input.ndim == 5 else out.squeeze(2)
+
+    # --- sampling ---------------------------------------------------------------------------
+    def pipeline(self, sampler: Optional[str] = None):
+        pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
+                           transformer=self.transformer,
+                           scheduler=self._sched_class.from_config(self._sched_config))
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sampling_kwargs(self) -> Dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
+
+    def text_fingerprint(self, mcfg: Any) -> str:
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:umt5-zero-padded"
+
+    # --- LoRA files: the original layout ------------------------------------------------------
+    def lora_namer(self):
+        return {"unet": ("lycoris", module_to_original)}
+
+    def peft_file_names(self):
+        return {"unet": (LORA_PREFIX, module_to_original)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        out = peft_layout_state_dict(modules, {"unet": LORA_PREFIX}, adapter_name, {"unet": module_to_original})
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return out
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+        used = load_peft_layout(state, modules, {"unet": LORA_PREFIX}, adapter_name, {"unet": module_to_original})
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(used) // 2
+
+    # --- export -----------------------------------------------------------------------------
+    def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
+        """The fine-tuned transformer as the original single file (keys.py)."""
+        save_transformer_file(path, diffusers_to_original(self.transformer.state_dict()), dtype, metadata)

@@ -1,0 +1,31 @@
+"""Registry entry of Wan 2.x (torch-free): Wan 2.1 text-to-video (1.3B and 14B: one architecture, two sizes)."""
+
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults, VideoSpec
+
+VARIANTS = ("wan21-t2v",)
+
+INFO = FamilyInfo(
+    name="wan",
+    label="Wan 2.1",
+    choices=VARIANTS,
+    variants=VARIANTS,
+    parts=(Part("unet", "transformer", "denoiser", "Transformer"),
+           Part("text_encoder", "text_encoder", "text_encoder", "UMT5-XXL")),
+    objective="flow",
+    family_class="trainer.families.wan.family:Wan",
+    detect="trainer.families.wan.detect",
+    tiny={"tiny-wan21": "trainer.families.wan.tiny:ensure_tiny"},
+    caption_limit=512,
+    refuses=(("parts.text_encoder_1.train", False,
+              "Wan LoRA files carry the transformer (ComfyUI's Wan nodes and diffusers' WanPipeline load no UMT5 "
+              "LoRA), and a fine-tune is saved as the transformer alone"),
+             ("lora.type", ("lora",),
+              "Wan LoRA files are written in the original layout ComfyUI's Wan nodes and diffusers' WanPipeline read "
+              "(lora_A/lora_B per module), which has no place for DoRA's magnitudes or LoHa/LoKr factors"),),
+    finetune_slots=("unet",),
+    quick_start=(QuickChoice("wan21-t2v", "Wan 2.1 text-to-video (1.3B / 14B; clips and images)",
+                             {"lora": "wan21-t2v-lora"}),),
+    # WanPipeline's __call__ defaults: 50 steps, CFG 5, 81 frames (5 s at 16 fps)
+    sample_defaults={"wan21-t2v": SampleDefaults(50, 5.0, "", "WanPipeline", frames=81)},
+    video=VideoSpec(frame_multiple=4, fps=16.0, max_frames=81),
+)
