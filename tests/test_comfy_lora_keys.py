@@ -21,6 +21,10 @@ per-model table (comfy/lora.py ``model_lora_keys_unet``), read for this test in 
 - FLUX.1 Kontext [dev] (checked in comfyanonymous/ComfyUI 3cd7b32f, 2026-01-07): ``comfy/model_detection.py`` reads
   a Kontext file as Flux.1 dev (the same keys; ``image_model: flux``, ``guidance_embed``), so it is a
   ``model_base.Flux`` and ``comfy/lora.py`` maps its LoRA keys through the same ``flux_to_diffusers`` table.
+- Wan 2.1 (checked in Comfy-Org/ComfyUI 17358c8f): no Wan branch; ``model_lora_keys_unet`` maps
+  ``diffusion_model.<module>`` for every weight of the model, whose keys are the original Wan layout (comfy/ldm/wan:
+  ``blocks.N.self_attn|cross_attn.q|k|v|o``, ``blocks.N.ffn.0|2``, ``text_embedding.0|2``, ``time_embedding.0|2``,
+  ``time_projection.1``, ``head.head``), so Wan files name the original modules under ``diffusion_model.``.
 The tables below restate those maps as module-path patterns (ComfyUI's code is not copied)."""
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ FLUX2_BFL = "|".join([
     r"img_in|txt_in|(time_in|guidance_in)\.(in|out)_layer|final_layer\.(linear|adaLN_modulation\.1)",
     r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.lin"])
 
+WAN21 = "|".join([rf"blocks\.{N}\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.[02])",
+                  r"(text_embedding|time_embedding)\.[02]|time_projection\.1|head\.head"])
+
 ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX),
         ("builtin:tiny-flux2-klein", FLUX2_BFL), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE),
-        ("builtin:tiny-qwen-image", QWEN)]
-PREFIX = {"builtin:tiny-flux2-klein": "diffusion_model."}  # the file's key prefix where it is not "transformer."
+        ("builtin:tiny-qwen-image", QWEN), ("builtin:tiny-wan21", WAN21)]
+PREFIX = {"builtin:tiny-flux2-klein": "diffusion_model.", "builtin:tiny-wan21": "diffusion_model."}  # the file's key prefix where it is not "transformer."
 
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])
@@ -87,3 +94,24 @@ def test_a_kontext_lora_has_the_keys_of_a_flux_dev_lora(tmp_path):
         return {k: tuple(v.shape) for k, v in LoraMethod(load_model(cfg, str(tmp_path), "cpu"), cfg)
                 .adapter_state_dict().items()}
     assert keys("builtin:tiny-flux-kontext") == keys("builtin:tiny-flux")
+
+
+def test_a_wan_lora_names_weights_of_the_original_file_and_diffusers_reads_it_back(tmp_path):
+    """ComfyUI's generic map: ``diffusion_model.<module>`` + ``.weight`` must be a weight of the model as ComfyUI holds
+    it (the original single file's keys); diffusers' Wan converter turns the file back into the trained modules."""
+    from safetensors.torch import load_file
+
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+    from trainer.config.checks import load_config
+    from trainer.families import build_tiny
+    from trainer.families.sources import load_model
+    from trainer.methods.lora import LoraMethod
+    cfg = load_config(None, ["model.path=builtin:tiny-wan21", "lora.unet_targets=all", f"general.workspace={tmp_path}"])
+    method = LoraMethod(load_model(cfg, str(tmp_path), "cpu"), cfg)
+    keys = method.adapter_state_dict()
+    original = set(load_file(str(build_tiny("tiny-wan21", tmp_path / "models")["single_file"])))
+    modules = {k.rsplit(".lora_", 1)[0] for k in keys}
+    assert all(m.removeprefix("diffusion_model.") + ".weight" in original for m in modules), sorted(modules)[:4]
+    converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(keys))
+    trained = {name for name, module in method.model.transformer.named_modules() if hasattr(module, "lora_A")}
+    assert {k.rsplit(".lora_", 1)[0].removeprefix("transformer.") for k in converted} == trained

@@ -123,3 +123,39 @@ def test_wan_models_not_trained_yet_are_refused_by_name():
     with pytest.raises(ValueError, match="TI2V-5B"):
         claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)}))
     assert claim(Evidence("single_file", "x", shapes={"blocks.0.self_attn.q.weight": (32, 32)})) is None
+
+
+@pytest.mark.slow
+def test_a_run_samples_short_videos_as_mp4_with_a_png_of_the_first_frame(wan, tmp_path):
+    import json
+
+    import av
+
+    from conftest import DEMO_DATA, train_quiet
+    ws, _ = wan
+    run = train_quiet(ws, "wan-samples", "demo-wan", "training.max_steps=1", "training.batch_size=1",
+                      f"data.concepts=[{{path: {DEMO_DATA}}}]", "sampling.every_n_epochs=0", "sampling.at_end=true",
+                      "sampling.frames=9", "sampling.prompts.0.steps=2")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines() if line.strip()]
+    sample = [e for e in events if e["type"] == "sample"][-1]
+    (png,), (mp4,) = sample["paths"], sample["videos"]
+    assert png.endswith(".png") and mp4 == png[:-4] + ".mp4"
+    with av.open(mp4) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        rate = container.streams.video[0].average_rate
+    assert len(frames) == 9 and frames[0].shape == (64, 64, 3) and float(rate) == 16.0
+    from PIL import Image
+    first = Image.open(png)
+    assert first.size == (64, 64)
+
+
+def test_validate_refuses_a_frame_count_the_vae_cannot_take():
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="sampling.frames = 6: Wan 2.1's VAE takes 4k\\+1 frames") as err:
+        load_config(None, ["model.path=builtin:tiny-wan21", "sampling.frames=6"])
+    assert err.value.key == "sampling.frames"
+    with pytest.raises(ConfigError, match="draws images") as err:
+        load_config(None, ["model.path=builtin:tiny-sd", "sampling.frames=5"])
+    assert err.value.key == "sampling.frames"
+    load_config(None, ["model.path=builtin:tiny-wan21", "sampling.frames=9"])

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # one built-in tiny model per family class and per variant whose defaults differ
 TINY = ["tiny-sd", "tiny-sdxl", "tiny-pixart", "tiny-flux", "tiny-flux-schnell", "tiny-flux-kontext", "tiny-cascade",
         "tiny-wuerstchen", "tiny-sd3", "tiny-chroma", "tiny-zimage", "tiny-qwen-image", "tiny-qwen-image-edit",
-        "tiny-flux2-klein", "tiny-flux2-dev"]
+        "tiny-flux2-klein", "tiny-flux2-dev", "tiny-wan21"]
 
 
 def _every_declared():
@@ -53,6 +53,10 @@ def test_declared_defaults_are_the_pipelines_own_unless_a_reason_is_given(family
             assert declared == params[arg].default, (family, key, name)
     if defaults.scheduler:
         assert defaults.scheduler in SAMPLERS
+    if infos()[family].video is not None:  # a video model's sample length: its pipeline's num_frames
+        assert defaults.frames == params["num_frames"].default, (family, key)
+    else:
+        assert defaults.frames == 1, (family, key)
 
 
 def test_every_variant_declares_its_sample_defaults():
@@ -106,6 +110,8 @@ def test_samples_use_the_models_defaults_where_the_prompt_leaves_them_empty(tiny
 
     def record(self, *args, **kwargs):
         calls.append((type(self.scheduler).__name__, kwargs))
+        if "num_frames" in kwargs:  # a video pipeline: frames [videos, frames, H, W, 3]
+            return SimpleNamespace(frames=[[Image.new("RGB", (8, 8))] * kwargs["num_frames"]])
         return SimpleNamespace(images=[Image.new("RGB", (8, 8))])
 
     monkeypatch.setattr(getattr(diffusers, defaults.pipeline), "__call__", record)
@@ -122,6 +128,8 @@ def test_samples_use_the_models_defaults_where_the_prompt_leaves_them_empty(tiny
     (own_sampler, empty), (chosen_sampler, given) = calls
     assert (empty[defaults.steps_arg], empty[defaults.guidance_arg]) == (defaults.steps, defaults.guidance)
     assert (given[defaults.steps_arg], given[defaults.guidance_arg]) == (3, 1.5)
+    if model.info.video is not None:  # sampling.frames left at 0: the model's own length, written as an MP4
+        assert empty["num_frames"] == defaults.frames and list((tmp_path / "samples").glob("*.mp4"))
     if defaults.scheduler:  # a DDPM family's default sampler
         assert own_sampler == SAMPLERS[defaults.scheduler]
     if model.objective.__class__.__name__ == "DDPMObjective":  # sampling.scheduler applies to the DDPM families

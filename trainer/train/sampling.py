@@ -35,7 +35,7 @@ def sample(state: RunState) -> List[str]:
     pipe = state.model.pipeline(defaults.sampler_for(state.cfg.sampling.scheduler))
     paths, path_prompts, weights, videos = [], [], [], []
     video = state.model.info.video  # a video family: samples of sampling.frames frames (0: the model's default)
-    frames_kw = {"num_frames": defaults.frames_for(state.cfg.sampling.get("frames", 0))} if video else {}
+    frames_kw = {"num_frames": defaults.frames_for(getattr(state.cfg.sampling, "frames", 0))} if video else {}
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
             with state.ema.applied() if use_ema else nullcontext():
