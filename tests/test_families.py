@@ -113,6 +113,9 @@ ROWS = [
     # video: the demo images as one-frame clips; samples are 5-frame videos; the file in the original Wan layout
     Row("wan", "tiny-wan21", "demo-wan", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    # Wan 2.2 TI2V-5B: the 2.2 VAE (48 channels, 16x) and a timestep per latent token
+    Row("wan", "tiny-wan22-5b", "demo-wan22-5b", settings=("lora.unet_targets=all",),
+        prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

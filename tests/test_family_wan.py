@@ -1,6 +1,7 @@
-"""Wan 2.1 beyond the family contract: UMT5 features zero-padded as WanPipeline makes them, the transformer's inputs
-equal to the pipeline's own call on non-square latents with several frames (σ·1000 in fp32), images as one-frame
-clips and clips as they come, the single file back and forth, and what detection refuses by name."""
+"""Wan beyond the family contract: UMT5 features zero-padded as WanPipeline makes them, the transformer's inputs
+equal to the pipeline's own call on non-square latents with several frames (σ·1000 in fp32; Wan 2.2 TI2V-5B's
+timestep per token), images as one-frame clips and clips as they come, the single file back and forth, what detection
+tells apart and refuses by name, and samples written as MP4."""
 
 from __future__ import annotations
 
@@ -32,10 +33,19 @@ def test_text_features_are_the_pipelines_zero_padded(wan):
     assert 0 < n < features.shape[1] and features[0, n:].abs().max() == 0
 
 
-def test_predict_hands_the_transformer_what_the_pipeline_does(wan):
-    """One denoising call of WanPipeline at 48×64 px × 9 frames (latents [1, 16, 3, 6, 8]) against predict on the same
-    latents, σ and caption: the same keyword inputs, the timestep σ·1000 in fp32, the same output."""
-    ws, paths = wan
+@pytest.fixture(scope="module")
+def wan22(wan):
+    from trainer.families import build_tiny
+    ws, _ = wan
+    return ws, build_tiny("tiny-wan22-5b", ws / "models")
+
+
+@pytest.mark.parametrize("which", ["wan21", "wan22-5b"])
+def test_predict_hands_the_transformer_what_the_pipeline_does(which, request):
+    """One denoising call of WanPipeline at 96×128 px × 9 frames against predict on the same latents, σ and caption:
+    the same keyword inputs, the timestep σ·1000 in fp32 (TI2V-5B: one per latent token, [1, F'·H'/2·W'/2]), the same
+    output. Wan 2.1's latents are [1, 16, 3, 12, 16]; the 5B's VAE compresses 16× in space: [1, 48, 3, 6, 8]."""
+    ws, paths = request.getfixturevalue("wan" if which == "wan21" else "wan22")
     model = load_tiny(ws, paths["diffusers"])
     pipe = model.pipeline(None)
     seen = {}
@@ -47,14 +57,18 @@ def test_predict_hands_the_transformer_what_the_pipeline_does(wan):
     handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
     try:
         with torch.no_grad():
-            pipe("a red square", num_inference_steps=2, height=48, width=64, num_frames=9, guidance_scale=1.0,
+            pipe("a red square", num_inference_steps=2, height=96, width=128, num_frames=9, guidance_scale=1.0,
                  generator=torch.Generator().manual_seed(0), output_type="latent")
     finally:
         handle.remove()
     theirs = seen["kw"]
     x = theirs["hidden_states"]
-    assert tuple(x.shape) == (1, 16, 3, 6, 8)
-    sigma = theirs["timestep"].float() / 1000.0
+    assert tuple(x.shape) == ((1, 16, 3, 12, 16) if which == "wan21" else (1, 48, 3, 6, 8))
+    if which == "wan21":
+        sigma = theirs["timestep"].float() / 1000.0
+    else:  # a timestep per token, all equal in text-to-video
+        assert tuple(theirs["timestep"].shape) == (1, 3 * 3 * 4) and theirs["timestep"].unique().numel() == 1
+        sigma = theirs["timestep"][:, 0].float() / 1000.0
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     ours = transformer_inputs(model, x, sigma, cond)
     assert ours["timestep"].dtype == torch.float32
@@ -120,8 +134,8 @@ def test_wan_models_not_trained_yet_are_refused_by_name():
     with pytest.raises(ValueError, match="image-to-video"):
         claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
                                                    "img_emb.proj.1.weight": (32, 1280)}))
-    with pytest.raises(ValueError, match="TI2V-5B"):
-        claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)}))
+    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)})) \
+        == "wan22-ti2v-5b"
     assert claim(Evidence("single_file", "x", shapes={"blocks.0.self_attn.q.weight": (32, 32)})) is None
 
 
@@ -152,10 +166,21 @@ def test_a_run_samples_short_videos_as_mp4_with_a_png_of_the_first_frame(wan, tm
 def test_validate_refuses_a_frame_count_the_vae_cannot_take():
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
-    with pytest.raises(ConfigError, match="sampling.frames = 6: Wan 2.1's VAE takes 4k\\+1 frames") as err:
+    with pytest.raises(ConfigError, match="sampling.frames = 6: Wan 2.x's VAE takes 4k\\+1 frames") as err:
         load_config(None, ["model.path=builtin:tiny-wan21", "sampling.frames=6"])
     assert err.value.key == "sampling.frames"
     with pytest.raises(ConfigError, match="draws images") as err:
         load_config(None, ["model.path=builtin:tiny-sd", "sampling.frames=5"])
     assert err.value.key == "sampling.frames"
     load_config(None, ["model.path=builtin:tiny-wan21", "sampling.frames=9"])
+
+
+def test_the_5b_model_is_told_apart_with_its_vae_shift_and_frame_rate(wan22):
+    ws, paths = wan22
+    for path in (paths["diffusers"], paths["single_file"]):
+        extra = () if path == paths["diffusers"] else (f"model.config_path={paths['diffusers']}",)
+        model = load_tiny(ws, path, *extra)
+        assert model.family == "wan22-ti2v-5b" and model.expand_timesteps and model.fps == 24.0
+        assert model.objective.shift == pytest.approx(5.0)
+        assert model.latent_shape(64, 32, frames=5) == (48, 2, 2, 4)
+        assert tuple(model.encode_pixels(torch.zeros(1, 3, 5, 32, 64))["mean"].shape) == (1, 48, 2, 2, 4)

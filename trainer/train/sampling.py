@@ -57,7 +57,8 @@ def sample(state: RunState) -> List[str]:
                         continue
                     if clip is not None:
                         mp4 = path.with_suffix(".mp4")
-                        write_video(mp4, clip[0], video.fps if video else 16.0)
+                        # the loaded model's own frame rate (a variant's may differ from its family's)
+                        write_video(mp4, clip[0], getattr(state.model, "fps", None) or (video.fps if video else 16.0))
                         videos.append(str(mp4))
                     tmp = path.with_name(path.stem + ".tmp.png")
                     image.save(tmp)

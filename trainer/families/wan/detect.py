@@ -1,6 +1,7 @@
-"""Claim Wan 2.1 text-to-video weights: the original single file (``patch_embedding``, ``blocks.N.self_attn``,
-``head.modulation``; bare or under ComfyUI's ``model.diffusion_model.``), a diffusers ``WanPipeline`` folder or hub
-repo. Image-to-video and Wan 2.2 weights are recognised and refused by name (not trained yet)."""
+"""Claim Wan 2.1 text-to-video and Wan 2.2 TI2V-5B weights: the original single file (``patch_embedding``,
+``blocks.N.self_attn``, ``head.modulation``; bare or under ComfyUI's ``model.diffusion_model.``; the 5B by its 48
+latent channels), a diffusers ``WanPipeline`` folder or hub repo (the 5B by ``expand_timesteps``). Image-to-video,
+VACE/Animate and A14B weights are recognised and refused by name (not trained yet)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ T2V_CHANNELS = 16  # latent channels of Wan 2.1 T2V (36 for I2V: noise ‖ mask 
 
 def _refuse(ev: Evidence, what: str) -> None:
     raise ValueError(f"{ev.where} is {what}, which Atelier does not train yet: it trains Wan 2.1 text-to-video "
-                     "(1.3B and 14B). Point model.path at one of those (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+                     "(1.3B and 14B) and Wan 2.2 TI2V-5B. Point model.path at one of those (e.g. "
+                     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
 
 
 def _by_channels(ev: Evidence, channels: int, image: bool) -> str:
     if channels == T2V_CHANNELS and not image:
         return "wan21-t2v"
-    if channels == 48:
-        _refuse(ev, "Wan 2.2 TI2V-5B")
+    if channels == 48 and not image:
+        return "wan22-ti2v-5b"
     _refuse(ev, "a Wan image-to-video model")
     return ""
 
@@ -43,10 +45,8 @@ def claim(ev: Evidence) -> Optional[str]:
     if name == "WanPipeline" or (transformer and transformer.get("_class_name") == "WanTransformer3DModel"):
         if index.get("transformer_2") not in (None, [None, None]) or index.get("boundary_ratio") is not None:
             _refuse(ev, "Wan 2.2 A14B (two experts)")
-        if index.get("expand_timesteps"):
-            _refuse(ev, "Wan 2.2 TI2V-5B")
-        if transformer is None:
-            return "wan21-t2v"  # a hub repo whose configs cannot be read now: the folder check runs at load
+        if transformer is None:  # a hub repo whose configs cannot be read now: the folder check runs at load
+            return "wan22-ti2v-5b" if index.get("expand_timesteps") else "wan21-t2v"
         return _by_channels(ev, int(transformer.get("in_channels", T2V_CHANNELS)),
                             transformer.get("image_dim") is not None)
     return None

@@ -1,5 +1,5 @@
-"""Wan 2.1 text-to-video on diffusers' ``WanPipeline`` classes: a DiT over 3-D patches of video latents,
-cross-attending to UMT5 features.
+"""Wan 2.1 text-to-video and Wan 2.2 TI2V-5B on diffusers' ``WanPipeline`` classes: a DiT over 3-D patches of video
+latents, cross-attending to UMT5 features.
 
 What differs, and where it lives here:
 
@@ -18,6 +18,9 @@ What differs, and where it lives here:
   file (keys.py). Single files in: the transformer, with VAE, UMT5 and tokenizer from ``model.config_path`` (a
   diffusers Wan folder or hub id; default Wan-AI/Wan2.1-T2V-1.3B-Diffusers).
 - Samples are videos (``WanPipeline`` at the training size, ``sampling.frames`` frames).
+- Wan 2.2 TI2V-5B (``wan22-ti2v-5b``): the 2.2 VAE (48 channels, 16× in space), the pipeline's ``expand_timesteps``:
+  the transformer gets one timestep per latent token ([B, F'·H'/2·W'/2], all equal in text-to-video), as the
+  pipeline passes them; 24 fps (its samples are written at that rate).
 """
 
 from __future__ import annotations
@@ -47,18 +50,23 @@ from trainer.families.wan.keys import (
 )
 from trainer.objectives import FlowMatchingObjective
 
-OFFICIAL = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+# model.config_path's default for a single file of each variant
+OFFICIAL = {"wan21-t2v": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
+FPS = {"wan22-ti2v-5b": 24.0}  # the frame rate a variant was trained at, where it is not the family's 16
+MODELSPEC = {"wan21-t2v": ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v"),
+             "wan22-ti2v-5b": ("wan-2.2-ti2v-5b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_ti2v_5b")}
 MAX_TOKENS = 512  # WanPipeline's max_sequence_length
 LORA_PREFIX = "diffusion_model"  # ComfyUI's key map for Wan (and diffusers' converter) read this prefix
 ATTN = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
         "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
 FFN = ["ffn.net.0.proj", "ffn.net.2"]
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + FFN,
-           # the shared time/text embedders and the time projection too (diffusers' converter and ComfyUI map them)
+           # the shared time/text embedders, the time projection and the output head too (diffusers' converter and
+           # ComfyUI map them)
            "all": ATTN + FFN + ["condition_embedder.time_proj", "condition_embedder.time_embedder.linear_1",
                                 "condition_embedder.time_embedder.linear_2",
                                 "condition_embedder.text_embedder.linear_1",
-                                "condition_embedder.text_embedder.linear_2"]}
+                                "condition_embedder.text_embedder.linear_2", "proj_out"]}
 
 
 def flow_shift_of(scheduler_config: Dict[str, Any]) -> float:
@@ -74,19 +82,25 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     fp8_skip = ("norm", "patch_embedding", "condition_embedder", "proj_out", "scale_shift_table")
     swap_blocks = ("blocks",)
     targets = TARGETS
-    modelspec = ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v")
+    modelspec = MODELSPEC["wan21-t2v"]
+    expand_timesteps = False  # Wan 2.2 TI2V-5B: a timestep per latent token
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         self.source = classify_source(mcfg.path, workspace)
-        detect_source_family(self.source, mcfg)
+        found = detect_source_family(self.source, mcfg)
+        chosen = getattr(mcfg, "family", "auto")
+        self.family = found or (chosen if chosen in OFFICIAL else "wan21-t2v")
+        self.modelspec = MODELSPEC[self.family]
+        self.fps = FPS.get(self.family, self.info.video.fps)
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         if self.source.kind == "single_file":
             pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=WanPipeline,
                                                   transformer_cls=WanTransformer3DModel, config=config_from_original,
-                                                  to_diffusers=original_to_diffusers, official=OFFICIAL,
+                                                  to_diffusers=original_to_diffusers, official=OFFICIAL[self.family],
                                                   layout="the original Wan layout")
         else:
             pipe = sources.load_pipeline(WanPipeline, self.source, mcfg, workspace, family=self.family, dtype=dtypes)
+        self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
@@ -150,14 +164,18 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         embeds = embeds * conditioning.prompt_mask.to(device).unsqueeze(-1).to(dtype)  # zeros after the tokens
         # σ·1000 in fp32, as the pipeline's scheduler timesteps (the transformer embeds it in fp32)
         t = timesteps.to(device, torch.float32) * 1000.0
+        if self.expand_timesteps:  # TI2V-5B: one per latent token, as WanPipeline's expand_timesteps builds them
+            p_t, p_h, p_w = self.transformer.config.patch_size
+            tokens = (video.shape[2] // p_t) * (video.shape[3] // p_h) * (video.shape[4] // p_w)
+            t = t.view(-1, 1).expand(-1, tokens)
         out = self.transformer(hidden_states=video, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
         return out if model_input.ndim == 5 else out.squeeze(2)
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                           transformer=self.transformer,
-                           scheduler=self._sched_class.from_config(self._sched_config))
+                           transformer=self.transformer, scheduler=self._sched_class.from_config(self._sched_config),
+                           expand_timesteps=self.expand_timesteps)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -1,5 +1,5 @@
-"""Full-size configs of Wan 2.1 T2V (Wan-AI/Wan2.1-T2V-1.3B-Diffusers; the 14B differs in its transformer): see
-:mod:`trainer.families.common.full_size`."""
+"""Full-size configs of Wan 2.1 T2V (Wan-AI/Wan2.1-T2V-1.3B-Diffusers; the 14B differs in its transformer) and Wan
+2.2 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers): see :mod:`trainer.families.common.full_size`."""
 
 from trainer.families.common.full_size import T5_MAX_LENGTH
 from trainer.families.wan.keys import CONFIG_13B
@@ -13,7 +13,21 @@ UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_la
 WAN21_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
              "temperal_downsample": [False, True, True], "dropout": 0.0}
 
-FULL_SIZE = {"wan21-t2v": {
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers transformer/config.json
+TRANSFORMER_22_5B = dict({k: v for k, v in CONFIG_13B.items() if k != "_class_name"}, num_attention_heads=24,
+                         in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30)
+# its vae/config.json: the 2.2 VAE (residual, pixels patchified 2×2, 16× in space, 48 channels); the latent statistics
+# (48 values each) only scale the latents and stay the tiny model's in a config used for memory estimates
+WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+             "attn_scales": [], "temperal_downsample": [False, True, True], "dropout": 0.0, "is_residual": True,
+             "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
+             "scale_factor_temporal": 4}
+
+FULL_SIZE = {"wan22-ti2v-5b": {
+    "tiny": "tiny-wan22-5b",
+    "configs": {"transformer": TRANSFORMER_22_5B, "vae": WAN22_VAE, "text_encoder": UMT5_XXL},
+    "max_length": {"tokenizer": T5_MAX_LENGTH},
+}, "wan21-t2v": {
     "tiny": "tiny-wan21",
     "configs": {"transformer": {k: v for k, v in CONFIG_13B.items() if k != "_class_name"},
                 "vae": WAN21_VAE, "text_encoder": UMT5_XXL},

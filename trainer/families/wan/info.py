@@ -1,12 +1,13 @@
-"""Registry entry of Wan 2.x (torch-free): Wan 2.1 text-to-video (1.3B and 14B: one architecture, two sizes)."""
+"""Registry entry of Wan 2.x (torch-free): Wan 2.1 text-to-video (1.3B and 14B: one architecture, two sizes) and
+Wan 2.2 TI2V-5B (its own VAE, a timestep per token)."""
 
 from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults, VideoSpec
 
-VARIANTS = ("wan21-t2v",)
+VARIANTS = ("wan21-t2v", "wan22-ti2v-5b")
 
 INFO = FamilyInfo(
     name="wan",
-    label="Wan 2.1",
+    label="Wan 2.x",
     choices=VARIANTS,
     variants=VARIANTS,
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
@@ -14,7 +15,8 @@ INFO = FamilyInfo(
     objective="flow",
     family_class="trainer.families.wan.family:Wan",
     detect="trainer.families.wan.detect",
-    tiny={"tiny-wan21": "trainer.families.wan.tiny:ensure_tiny"},
+    tiny={"tiny-wan21": "trainer.families.wan.tiny:ensure_tiny",
+          "tiny-wan22-5b": "trainer.families.wan.tiny:ensure_tiny"},
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Wan LoRA files carry the transformer (ComfyUI's Wan nodes and diffusers' WanPipeline load no UMT5 "
@@ -24,8 +26,10 @@ INFO = FamilyInfo(
               "(lora_A/lora_B per module), which has no place for DoRA's magnitudes or LoHa/LoKr factors"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("wan21-t2v", "Wan 2.1 text-to-video (1.3B / 14B; clips and images)",
-                             {"lora": "wan21-t2v-lora"}),),
+                             {"lora": "wan21-t2v-lora"}),
+                 QuickChoice("wan22-ti2v-5b", "Wan 2.2 TI2V-5B (text-to-video; clips and images)",
+                             {"lora": "wan22-ti2v-5b-lora"})),
     # WanPipeline's __call__ defaults: 50 steps, CFG 5, 81 frames (5 s at 16 fps)
-    sample_defaults={"wan21-t2v": SampleDefaults(50, 5.0, "", "WanPipeline", frames=81)},
+    sample_defaults={v: SampleDefaults(50, 5.0, "", "WanPipeline", frames=81) for v in VARIANTS},
     video=VideoSpec(frame_multiple=4, fps=16.0, max_frames=81),
 )

@@ -1,5 +1,12 @@
-"""Tiny Wan 2.1 text-to-video model (``builtin:tiny-wan21``) with seeded random weights, in the layouts people
-download: a diffusers ``WanPipeline`` folder and the transformer as the original single file. The real topology
+"""Tiny Wan models with seeded random weights, in the layouts people download: a diffusers ``WanPipeline`` folder and
+the transformer as the original single file.
+
+- ``builtin:tiny-wan21``: Wan 2.1 text-to-video.
+- ``builtin:tiny-wan22-5b``: Wan 2.2 TI2V-5B: the pipeline's ``expand_timesteps`` (a timestep per token), the 2.2 VAE
+  (48 latent channels, residual blocks, pixels patchified 2×2 first: 16× in space) with its 48 latent statistics,
+  the scheduler's flow shift 5.
+
+The real topology
 (a 3-D patch embedding over (1, 2, 2) patches, blocks with self-attention under 3-axis RoPE, cross-attention to UMT5
 features with q/k RMSNorm across heads, per-block modulation tables; the causal 3-D VAE with its four levels, 8×
 spatial and 4× temporal compression and per-channel latent statistics; a UMT5 encoder with its own relative-position
@@ -33,25 +40,46 @@ SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "beta_end": 0.02, "beta_s
              "use_karras_sigmas": False}
 
 
-def build_tiny_pipeline(folder: Path, seed: int = 0) -> WanPipeline:
+# Wan-AI/Wan2.2-TI2V-5B-Diffusers: its scheduler's shift; the VAE's 48 channel statistics are drawn here (the tiny
+# VAE is random: any per-channel values exercise the normalisation)
+SHIFT_22_5B = 5.0
+
+
+def _vae(wan22: bool) -> AutoencoderKLWan:
+    if not wan22:
+        return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                                temperal_downsample=[False, True, True])
+    stats = torch.rand(2, 48)
+    return AutoencoderKLWan(base_dim=8, decoder_base_dim=16, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                            attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                            latents_mean=[round(float(v) - 0.5, 4) for v in stats[0]],
+                            latents_std=[round(float(v) + 0.5, 4) for v in stats[1]])
+
+
+def build_tiny_pipeline(folder: Path, seed: int = 0, wan22: bool = False) -> WanPipeline:
+    """``wan22``: the TI2V-5B layout (48-channel latents, the 2.2 VAE, a timestep per token)."""
     write_tiny_t5_tokenizer(folder / "tokenizer", max_length=MAX_LENGTH)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
+    channels = 48 if wan22 else 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
+            out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
-        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-                               temperal_downsample=[False, True, True])
+        vae = _vae(wan22)
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
             relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    scheduler = dict(SCHEDULER, flow_shift=SHIFT_22_5B) if wan22 else dict(SCHEDULER)
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=UniPCMultistepScheduler.from_config(dict(SCHEDULER)))
+                       scheduler=UniPCMultistepScheduler.from_config(scheduler), expand_timesteps=wan22)
 
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <WanPipeline folder>, "single_file": <original .safetensors>}``."""
-    return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, diffusers_to_original)
+    wan22 = kind == "tiny-wan22-5b"
+    return store_tiny(kind, root, TINY_VERSION, lambda folder: build_tiny_pipeline(folder, wan22=wan22),
+                      diffusers_to_original)
