@@ -116,6 +116,11 @@ ROWS = [
     # Wan 2.2 TI2V-5B: the 2.2 VAE (48 channels, 16x) and a timestep per latent token
     Row("wan", "tiny-wan22-5b", "demo-wan22-5b", settings=("lora.unet_targets=all",),
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    # Wan 2.2 A14B: the high-noise expert (the preset's model.wan_expert) trains on σ above the pipeline's boundary and
+    # loads as the pipeline's transformer; its single file is that expert's, the other expert from the folder
+    Row("wan", "tiny-wan22-a14b", "demo-wan22-a14b", settings=("lora.unet_targets=all",),
+        single_file_settings=("model.config_path={diffusers}", "model.family=wan22-t2v-a14b"),
+        prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

@@ -184,3 +184,58 @@ def test_the_5b_model_is_told_apart_with_its_vae_shift_and_frame_rate(wan22):
         assert model.objective.shift == pytest.approx(5.0)
         assert model.latent_shape(64, 32, frames=5) == (48, 2, 2, 4)
         assert tuple(model.encode_pixels(torch.zeros(1, 3, 5, 32, 64))["mean"].shape) == (1, 48, 2, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def a14b(wan):
+    from trainer.families import build_tiny
+    ws, _ = wan
+    return ws, build_tiny("tiny-wan22-a14b", ws / "models")
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_an_a14b_expert_trains_on_its_own_noise_range_and_samples_use_both(a14b, expert):
+    """musubi-tuner's --timestep_boundary: the high-noise expert sees σ ≥ the pipeline's boundary_ratio, the low-noise
+    one σ below it; the other expert waits, frozen, and the sampling pipeline switches between the two as WanPipeline
+    does (transformer = high, transformer_2 = low)."""
+    from omegaconf import OmegaConf
+    ws, paths = a14b
+    model = load_tiny(ws, paths["diffusers"], f"model.wan_expert={expert}")
+    assert model.family == "wan22-t2v-a14b" and model.boundary_ratio == pytest.approx(0.875)
+    assert not any(p.requires_grad for p in model.other.parameters())
+    lc = OmegaConf.create({"timestep_min": 0, "timestep_max": 1000, "timestep_distribution": "uniform",
+                           "flow_shift": 0.0})
+    sigmas = model.objective.sample_timesteps(4096, lc, torch.Generator().manual_seed(0))
+    if expert == "high":
+        assert sigmas.min() >= 0.875 - 1e-6 and sigmas.max() <= 1.0
+    else:
+        assert sigmas.max() < 0.875 and sigmas.min() >= 0.0
+    pipe = model.pipeline(None)
+    high, low = (pipe.transformer, pipe.transformer_2)
+    assert (high is model.transformer) == (expert == "high") and (low is model.transformer) == (expert == "low")
+    called = []
+    for name, module in (("high", high), ("low", low)):
+        module.register_forward_pre_hook(lambda m, a, kw, name=name: called.append(name), with_kwargs=True)
+    with torch.no_grad():
+        pipe("a red square", num_inference_steps=4, height=32, width=32, num_frames=1, guidance_scale=1.0,
+             generator=torch.Generator().manual_seed(0), output_type="latent")
+    assert "high" in called and "low" in called and called.index("low") > called.index("high")
+
+
+def test_an_a14b_low_expert_file_loads_in_its_place(a14b, tmp_path):
+    """One expert's original-layout file (ComfyUI's split files have Wan 2.1 14B's keys) with model.family telling
+    what it is: with model.wan_expert = low it becomes the pipeline's transformer_2, the high expert from the folder."""
+    from safetensors.torch import save_file
+    from trainer.families.wan.keys import diffusers_to_original
+    ws, paths = a14b
+    folder = load_tiny(ws, paths["diffusers"], "model.wan_expert=low")
+    low = folder.transformer
+    file = tmp_path / "low.safetensors"
+    save_file({k: v.contiguous() for k, v in diffusers_to_original(low.state_dict()).items()}, str(file))
+    model = load_tiny(ws, file, "model.family=wan22-t2v-a14b", "model.wan_expert=low",
+                      f"model.config_path={paths['diffusers']}")
+    assert model.family == "wan22-t2v-a14b"
+    for k, v in low.state_dict().items():
+        torch.testing.assert_close(model.transformer.state_dict()[k], v, msg=k)
+    for k, v in folder.other.state_dict().items():  # the high expert comes from the folder
+        torch.testing.assert_close(model.other.state_dict()[k], v, msg=k)

@@ -26,7 +26,7 @@ one would.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from trainer.errors import ConfigError
 from trainer.loss import cfg_value, huber_delta, sample_timesteps, timestep_weights
@@ -137,10 +137,18 @@ class FlowMatchingObjective:
     num_train_timesteps = 1000
 
     def __init__(self, shift: float = 1.0, dynamic_shift: Optional[Callable[[Any], float]] = None,
-                 default_distribution: str = "uniform"):
+                 default_distribution: str = "uniform", sigma_range: Optional[Tuple[float, float]] = None):
         self.shift = float(shift)
         self.dynamic_shift = dynamic_shift
         self.default_distribution = default_distribution  # what loss.timestep_distribution = auto draws
+        # [σ_lo, σ_hi): the only σ drawn (one expert of a two-expert model, Wan 2.2 A14B), a fixed shift only
+        self.sigma_range = sigma_range
+
+    def _u_of(self, sigma: float, lc: Any) -> float:
+        """The unshifted u whose fixed shift is ``sigma`` (the shift is monotonic: a σ range is a u range)."""
+        fixed = float(cfg_value(lc, "flow_shift", 0.0) or 0.0)
+        s = fixed if fixed > 0 else self.shift
+        return sigma / (s - (s - 1) * sigma)
 
     def _shifted(self, sigmas, lc: Any, latents):
         import torch  # torch inside: validate reads the objectives' rules without torch
@@ -161,6 +169,11 @@ class FlowMatchingObjective:
         if not 0 <= lo < hi:
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
+        if self.sigma_range is not None:  # the expert's σ range, as a range of u before the shift
+            lo, hi = max(lo, self._u_of(self.sigma_range[0], lc)), min(hi, self._u_of(self.sigma_range[1], lc))
+            if not lo < hi:
+                raise ConfigError(f"loss.timestep_min/max leave nothing of the trained expert's range (σ "
+                                  f"{self.sigma_range[0]:g}–{self.sigma_range[1]:g}).", key="loss.timestep_min")
         dist = cfg_value(lc, "timestep_distribution", "auto")
         dist = self.default_distribution if dist == "auto" else dist
         if dist == "uniform":

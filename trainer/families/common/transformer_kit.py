@@ -103,12 +103,13 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
                                    transformer_cls: Any, config: Callable[[Dict[str, Any], dict], dict],
                                    to_diffusers: Callable[[Dict[str, Any]], Dict[str, Any]] = dict,
                                    official: str, layout: str, by_component: bool = False,
-                                   **components: Any) -> Any:
+                                   component: str = "transformer", **components: Any) -> Any:
     """``model.path`` is the transformer alone (``layout`` names its key layout in messages): build it from the
     file (``config(state, base)`` with ``base`` the ``transformer/config.json`` of a local ``model.config_path``),
     load its weights strictly (``to_diffusers``: the file's keys → diffusers'), and the rest of the pipeline from
     ``model.config_path`` (default ``official``; ``by_component``: one component at a time, not through
-    ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`). ``components``: pipeline components
+    ``from_pretrained``: see :func:`trainer.families.sources.load_by_component`). ``component``: the pipeline
+    component the file is (``transformer_2``: Wan 2.2 A14B's low-noise expert). ``components``: pipeline components
     given instead of loaded (None: left out)."""
 
     source = family.source
@@ -118,7 +119,7 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
     except Exception as exc:
         raise ModelLoadError(f"model.path '{source.display}' could not be read as a .safetensors file: {exc}",
                              key="model.path", value=source.display) from None
-    local = Path(rest) / "transformer" / "config.json"
+    local = Path(rest) / component / "config.json"
     base = json.loads(local.read_text()) if local.is_file() else {}
     try:
         transformer = transformer_cls.from_config(config(state, base))
@@ -138,9 +139,9 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
     try:
         if by_component:
-            return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=("transformer", *components),
-                                     transformer=transformer, **components)
-        return pipeline_cls.from_pretrained(rest, transformer=transformer,
+            return load_by_component(pipeline_cls, rest, mcfg, kw["dtype"], skip=(component, *components),
+                                     **{component: transformer}, **components)
+        return pipeline_cls.from_pretrained(rest, **{component: transformer},
                                             local_files_only=Path(rest).is_dir() or hub_offline(mcfg), **components,
                                             **kw)
     except Exception as exc:

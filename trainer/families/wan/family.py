@@ -51,10 +51,13 @@ from trainer.families.wan.keys import (
 from trainer.objectives import FlowMatchingObjective
 
 # model.config_path's default for a single file of each variant
-OFFICIAL = {"wan21-t2v": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers"}
+A14B = "wan22-t2v-a14b"
+OFFICIAL = {"wan21-t2v": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+            A14B: "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
 FPS = {"wan22-ti2v-5b": 24.0}  # the frame rate a variant was trained at, where it is not the family's 16
 MODELSPEC = {"wan21-t2v": ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v"),
-             "wan22-ti2v-5b": ("wan-2.2-ti2v-5b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_ti2v_5b")}
+             "wan22-ti2v-5b": ("wan-2.2-ti2v-5b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_ti2v_5b"),
+             A14B: ("wan-2.2-t2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_t2v_a14b")}
 MAX_TOKENS = 512  # WanPipeline's max_sequence_length
 LORA_PREFIX = "diffusion_model"  # ComfyUI's key map for Wan (and diffusers' converter) read this prefix
 ATTN = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
@@ -75,6 +78,24 @@ def flow_shift_of(scheduler_config: Dict[str, Any]) -> float:
     return float(scheduler_config.get("flow_shift", scheduler_config.get("shift", 1.0)) or 1.0)
 
 
+class OtherExpertOnDevice:
+    """A Wan 2.2 A14B pipeline whose untrained expert waits in CPU RAM: on the device for the pipeline's call only.
+    Anything else (``load_lora_weights`` …) reaches the pipeline."""
+
+    def __init__(self, pipe: Any, other: Any, device: Any):
+        self.pipe, self.other, self.device = pipe, other, device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pipe, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.other.to(self.device)
+        try:
+            return self.pipe(*args, **kwargs)
+        finally:
+            self.other.to("cpu")
+
+
 class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     name = "wan"
     family = "wan21-t2v"
@@ -90,26 +111,47 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         found = detect_source_family(self.source, mcfg)
         chosen = getattr(mcfg, "family", "auto")
         self.family = found or (chosen if chosen in OFFICIAL else "wan21-t2v")
+        if chosen == A14B and found == "wan21-t2v" and self.source.kind == "single_file":
+            self.family = A14B  # one expert's file has Wan 2.1 14B's keys: only model.family tells
         self.modelspec = MODELSPEC[self.family]
         self.fps = FPS.get(self.family, self.info.video.fps)
+        self.expert = str(getattr(mcfg, "wan_expert", "low")) if self.family == A14B else ""
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
-        if self.source.kind == "single_file":
+        if self.source.kind == "single_file":  # an A14B expert's file: the one model.wan_expert trains
             pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=WanPipeline,
                                                   transformer_cls=WanTransformer3DModel, config=config_from_original,
                                                   to_diffusers=original_to_diffusers, official=OFFICIAL[self.family],
-                                                  layout="the original Wan layout")
+                                                  layout="the original Wan layout",
+                                                  component="transformer_2" if self.expert == "low" else "transformer")
         else:
             pipe = sources.load_pipeline(WanPipeline, self.source, mcfg, workspace, family=self.family, dtype=dtypes)
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
+        self.boundary_ratio = pipe.config.get("boundary_ratio")
+        self.other = None  # A14B: the expert that does not train (samples need it), kept in CPU RAM
         self.transformer, self.vae = pipe.transformer, pipe.vae
+        if self.family == A14B:
+            if self.boundary_ratio is None or getattr(pipe, "transformer_2", None) is None:
+                raise ModelLoadError(f"model.path '{self.source.display}': a Wan 2.2 A14B model needs both experts "
+                                     "(transformer/ and transformer_2/) and the pipeline's boundary_ratio; point "
+                                     "model.path (or model.config_path, for one expert's file) at its diffusers "
+                                     "folder.", key="model.path", value=self.source.display)
+            high, low = pipe.transformer, pipe.transformer_2
+            self.transformer, self.other = (high, low) if self.expert == "high" else (low, high)
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
-        self.objective = FlowMatchingObjective(shift=flow_shift_of(self._sched_config))
+        boundary = float(self.boundary_ratio) if self.family == A14B else None
+        # an A14B expert trains on its own σ range, split where the pipeline switches experts (t ≥ boundary·1000:
+        # the high-noise one), as musubi-tuner's --timestep_boundary; the shape of the distribution is kept
+        self.objective = FlowMatchingObjective(
+            shift=flow_shift_of(self._sched_config),
+            sigma_range=None if boundary is None else ((boundary, 1.0) if self.expert == "high" else (0.0, boundary)))
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS),
                                        int(self.tokenizer.model_max_length))
         self.device = torch.device(device)
         self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        if self.other is not None:  # frozen, in the trained expert's storage dtype, on the CPU until a sample
+            self.other.requires_grad_(False).eval().to("cpu", dtype=dtypes["transformer"])
         if getattr(mcfg, "attention", "sdpa") == "xformers":
             raise ModelLoadError("model.attention = xformers: Wan runs on PyTorch SDPA. Use sdpa.",
                                  key="model.attention")
@@ -173,11 +215,15 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
+        experts: Dict[str, Any] = {"transformer": self.transformer}
+        if self.other is not None:  # A14B: the high-noise expert is the pipeline's transformer
+            high, low = (self.transformer, self.other) if self.expert == "high" else (self.other, self.transformer)
+            experts = {"transformer": high, "transformer_2": low, "boundary_ratio": self.boundary_ratio}
         pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                           transformer=self.transformer, scheduler=self._sched_class.from_config(self._sched_config),
-                           expand_timesteps=self.expand_timesteps)
+                           scheduler=self._sched_class.from_config(self._sched_config),
+                           expand_timesteps=self.expand_timesteps, **experts)
         pipe.set_progress_bar_config(disable=True)
-        return pipe
+        return pipe if self.other is None else OtherExpertOnDevice(pipe, self.other, self.device)
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
@@ -204,6 +250,15 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         if extra:
             raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
         return len(used) // 2
+
+    def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
+                      ) -> Dict[str, str]:
+        """The common header; an A14B file also says which expert it is for (``wan.expert``: high or low)."""
+        meta = super().lora_metadata(title=title, resolution=resolution, extra=extra)
+        if self.expert:
+            meta["wan.expert"] = self.expert
+            meta["wan.boundary_ratio"] = str(self.boundary_ratio)
+        return meta
 
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:

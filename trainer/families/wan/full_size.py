@@ -2,7 +2,7 @@
 2.2 TI2V-5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers): see :mod:`trainer.families.common.full_size`."""
 
 from trainer.families.common.full_size import T5_MAX_LENGTH
-from trainer.families.wan.keys import CONFIG_13B
+from trainer.families.wan.keys import CONFIG_13B, CONFIG_14B
 
 # google/umt5-xxl encoder (Wan-AI's text_encoder/config.json)
 UMT5_XXL = {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 256384,
@@ -23,7 +23,15 @@ WAN22_VAE = {"base_dim": 160, "decoder_base_dim": 256, "z_dim": 48, "dim_mult": 
              "in_channels": 12, "out_channels": 12, "patch_size": 2, "scale_factor_spatial": 16,
              "scale_factor_temporal": 4}
 
-FULL_SIZE = {"wan22-ti2v-5b": {
+# Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts with Wan 2.1 14B's transformer config, the 2.1 VAE
+TRANSFORMER_14B = {k: v for k, v in CONFIG_14B.items() if k != "_class_name"}
+
+FULL_SIZE = {"wan22-t2v-a14b": {
+    "tiny": "tiny-wan22-a14b",
+    "configs": {"transformer": TRANSFORMER_14B, "transformer_2": TRANSFORMER_14B, "vae": WAN21_VAE,
+                "text_encoder": UMT5_XXL},
+    "max_length": {"tokenizer": T5_MAX_LENGTH},
+}, "wan22-ti2v-5b": {
     "tiny": "tiny-wan22-5b",
     "configs": {"transformer": TRANSFORMER_22_5B, "vae": WAN22_VAE, "text_encoder": UMT5_XXL},
     "max_length": {"tokenizer": T5_MAX_LENGTH},

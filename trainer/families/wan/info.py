@@ -1,9 +1,10 @@
-"""Registry entry of Wan 2.x (torch-free): Wan 2.1 text-to-video (1.3B and 14B: one architecture, two sizes) and
-Wan 2.2 TI2V-5B (its own VAE, a timestep per token)."""
+"""Registry entry of Wan 2.x (torch-free): Wan 2.1 text-to-video (1.3B and 14B: one architecture, two sizes),
+Wan 2.2 TI2V-5B (its own VAE, a timestep per token) and Wan 2.2 T2V A14B (two experts; ``model.wan_expert`` picks the
+one that trains)."""
 
 from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults, VideoSpec
 
-VARIANTS = ("wan21-t2v", "wan22-ti2v-5b")
+VARIANTS = ("wan21-t2v", "wan22-ti2v-5b", "wan22-t2v-a14b")
 
 INFO = FamilyInfo(
     name="wan",
@@ -16,7 +17,8 @@ INFO = FamilyInfo(
     family_class="trainer.families.wan.family:Wan",
     detect="trainer.families.wan.detect",
     tiny={"tiny-wan21": "trainer.families.wan.tiny:ensure_tiny",
-          "tiny-wan22-5b": "trainer.families.wan.tiny:ensure_tiny"},
+          "tiny-wan22-5b": "trainer.families.wan.tiny:ensure_tiny",
+          "tiny-wan22-a14b": "trainer.families.wan.tiny:ensure_tiny"},
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
               "Wan LoRA files carry the transformer (ComfyUI's Wan nodes and diffusers' WanPipeline load no UMT5 "
@@ -28,7 +30,10 @@ INFO = FamilyInfo(
     quick_start=(QuickChoice("wan21-t2v", "Wan 2.1 text-to-video (1.3B / 14B; clips and images)",
                              {"lora": "wan21-t2v-lora"}),
                  QuickChoice("wan22-ti2v-5b", "Wan 2.2 TI2V-5B (text-to-video; clips and images)",
-                             {"lora": "wan22-ti2v-5b-lora"})),
+                             {"lora": "wan22-ti2v-5b-lora"}),
+                 QuickChoice("wan22-t2v-a14b", "Wan 2.2 T2V A14B (one expert a run: model.wan_expert)",
+                             {"lora": "wan22-t2v-a14b-lora"})),
+    own_fields=("model.wan_expert",),
     # WanPipeline's __call__ defaults: 50 steps, CFG 5, 81 frames (5 s at 16 fps)
     sample_defaults={v: SampleDefaults(50, 5.0, "", "WanPipeline", frames=81) for v in VARIANTS},
     video=VideoSpec(frame_multiple=4, fps=16.0, max_frames=81),

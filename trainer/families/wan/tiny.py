@@ -5,6 +5,9 @@ the transformer as the original single file.
 - ``builtin:tiny-wan22-5b``: Wan 2.2 TI2V-5B: the pipeline's ``expand_timesteps`` (a timestep per token), the 2.2 VAE
   (48 latent channels, residual blocks, pixels patchified 2×2 first: 16× in space) with its 48 latent statistics,
   the scheduler's flow shift 5.
+- ``builtin:tiny-wan22-a14b``: Wan 2.2 T2V A14B: two experts of the 2.1 architecture (``transformer`` for high noise,
+  ``transformer_2`` for low noise, seeded apart) switched at ``boundary_ratio`` 0.875, the 2.1 VAE, flow shift 12
+  (the official T2V inference shift); its single file is the high-noise expert.
 
 The real topology
 (a 3-D patch embedding over (1, 2, 2) patches, blocks with self-attention under 3-axis RoPE, cross-attention to UMT5
@@ -43,6 +46,7 @@ SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "beta_end": 0.02, "beta_s
 # Wan-AI/Wan2.2-TI2V-5B-Diffusers: its scheduler's shift; the VAE's 48 channel statistics are drawn here (the tiny
 # VAE is random: any per-channel values exercise the normalisation)
 SHIFT_22_5B = 5.0
+SHIFT_22_A14B, BOUNDARY_A14B = 12.0, 0.875
 
 
 def _vae(wan22: bool) -> AutoencoderKLWan:
@@ -57,29 +61,37 @@ def _vae(wan22: bool) -> AutoencoderKLWan:
                             latents_std=[round(float(v) + 0.5, 4) for v in stats[1]])
 
 
-def build_tiny_pipeline(folder: Path, seed: int = 0, wan22: bool = False) -> WanPipeline:
-    """``wan22``: the TI2V-5B layout (48-channel latents, the 2.2 VAE, a timestep per token)."""
+def _transformer(channels: int) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
+        out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+
+
+def build_tiny_pipeline(folder: Path, seed: int = 0, wan22: bool = False, experts: bool = False) -> WanPipeline:
+    """``wan22``: the TI2V-5B layout (48-channel latents, the 2.2 VAE, a timestep per token); ``experts``: A14B's two
+    experts."""
     write_tiny_t5_tokenizer(folder / "tokenizer", max_length=MAX_LENGTH)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     channels = 48 if wan22 else 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
-            out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+        transformer = _transformer(channels)
         vae = _vae(wan22)
         text_encoder = UMT5EncoderModel(UMT5Config(
             vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2,
             relative_attention_num_buckets=8, relative_attention_max_distance=16, feed_forward_proj="gated-gelu",
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    scheduler = dict(SCHEDULER, flow_shift=SHIFT_22_5B) if wan22 else dict(SCHEDULER)
+        low = _transformer(channels) if experts else None
+    shift = SHIFT_22_5B if wan22 else SHIFT_22_A14B if experts else SCHEDULER["flow_shift"]
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                       scheduler=UniPCMultistepScheduler.from_config(scheduler), expand_timesteps=wan22)
+                       transformer_2=low, boundary_ratio=BOUNDARY_A14B if experts else None,
+                       scheduler=UniPCMultistepScheduler.from_config(dict(SCHEDULER, flow_shift=shift)),
+                       expand_timesteps=wan22)
 
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <WanPipeline folder>, "single_file": <original .safetensors>}``."""
-    wan22 = kind == "tiny-wan22-5b"
-    return store_tiny(kind, root, TINY_VERSION, lambda folder: build_tiny_pipeline(folder, wan22=wan22),
-                      diffusers_to_original)
+    wan22, experts = kind == "tiny-wan22-5b", kind == "tiny-wan22-a14b"
+    return store_tiny(kind, root, TINY_VERSION,
+                      lambda folder: build_tiny_pipeline(folder, wan22=wan22, experts=experts), diffusers_to_original)
