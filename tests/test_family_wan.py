@@ -239,3 +239,50 @@ def test_an_a14b_low_expert_file_loads_in_its_place(a14b, tmp_path):
         torch.testing.assert_close(model.transformer.state_dict()[k], v, msg=k)
     for k, v in folder.other.state_dict().items():  # the high expert comes from the folder
         torch.testing.assert_close(model.other.state_dict()[k], v, msg=k)
+
+
+def test_both_a14b_experts_each_sample_goes_to_the_expert_of_its_timestep(a14b):
+    ws, paths = a14b
+    model = load_tiny(ws, paths["diffusers"], "model.wan_expert=both")
+    two = model.transformer
+    assert model.other is None and model.objective.sigma_range is None
+    cond = model.batch_condition({"captions": ["a red square", "a blue circle"]}, lambda c: c, set())
+    x = torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.95, 0.3])  # the first sample is the high expert's, the second the low one's
+    with torch.no_grad():
+        both = model.predict(x, sigma, cond)
+        embeds = cond.prompt_embeds
+        for i, expert in ((0, two.high), (1, two.low)):
+            own = expert(hidden_states=x[i:i + 1], timestep=sigma[i:i + 1] * 1000, encoder_hidden_states=embeds[i:i + 1],
+                         return_dict=False)[0]
+            torch.testing.assert_close(both[i:i + 1], own)
+    pipe = model.pipeline(None)
+    assert pipe.transformer is two.high and pipe.transformer_2 is two.low
+
+
+@pytest.mark.slow
+def test_both_a14b_experts_train_into_two_files_each_loading_into_its_expert(a14b, tmp_path):
+    from safetensors import safe_open
+    from conftest import DEMO_DATA, train_quiet
+    ws, paths = a14b
+    run = train_quiet(ws, "wan-both", "demo-wan22-a14b", "model.wan_expert=both", "training.max_steps=4",
+                      "training.batch_size=2", "training.learning_rate=0.01", "sampling.prompts=[]",
+                      f"data.concepts=[{{path: {DEMO_DATA}}}]", "lora.unet_targets=attn_mlp")
+    high, low = run / f"{run.name}.safetensors", run / f"{run.name}_low_noise.safetensors"
+    for path, expert in ((high, "high"), (low, "low")):
+        with safe_open(str(path), framework="pt") as fh:
+            assert fh.metadata()["wan.expert"] == expert
+            keys = set(fh.keys())
+        assert keys and all(k.startswith("diffusion_model.blocks.") for k in keys), sorted(keys)[:3]
+    model = load_tiny(ws, paths["diffusers"], "model.wan_expert=both")
+    pipe = model.pipeline(None)
+
+    def video():
+        return pipe("a red square", num_inference_steps=4, height=32, width=32, num_frames=1,
+                    generator=torch.Generator().manual_seed(0), output_type="np").frames[0]
+    before = video()
+    pipe.load_lora_weights(str(low), adapter_name="low", load_into_transformer_2=True)
+    assert pipe.transformer_2.peft_config and not getattr(pipe.transformer, "peft_config", None)
+    with_low = video()
+    pipe.load_lora_weights(str(high), adapter_name="high")
+    assert abs(with_low - before).max() > 1e-4 and abs(video() - with_low).max() > 1e-4

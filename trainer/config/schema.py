@@ -109,9 +109,11 @@ class ModelConfig:
                        choices=["sdpa", "xformers"])
     wan_expert: str = f("low", "Wan 2.2 A14B (two experts split at the pipeline's boundary, σ 0.875 for text-to-video): "
                                "which expert trains, each on its own noise range — high (σ ≥ the boundary: layout "
-                               "and motion) or low (below it: detail). Each run's LoRA file is for that expert "
-                               "(ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
-                               "load_into_transformer_2=True). Other models ignore it.", choices=["high", "low"])
+                               "and motion), low (below it: detail) or both (each sample trains the expert of its "
+                               "σ; the result is two files, the low expert's named …_low_noise). A LoRA file is for "
+                               "one expert (ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
+                               "load_into_transformer_2=True). Other models ignore it.",
+                        choices=["high", "low", "both"])
     guidance_scale: float = f(3.5, "Guidance-distilled models (Flux.1 dev, FLUX.1 Kontext [dev], Flux.2 [dev]): the "
                                     "guidance their transformer's guidance embedding gets while training, as "
                                     "diffusers' and kohya's trainers feed it (3.5; OneTrainer, ai-toolkit and musubi "

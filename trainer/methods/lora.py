@@ -173,7 +173,9 @@ class LoraMethod(MethodBase):
 
     def _load_init_weights(self, path: str) -> None:
         try:
-            state = {k: v for k, v in load_file(path).items() if not k.startswith("bundle_emb.")}
+            read = getattr(self.model, "read_lora_files", None)  # a result in several files (Wan 2.2 A14B's experts)
+            state = {k: v for k, v in (read(path) if read is not None else load_file(path)).items()
+                     if not k.startswith("bundle_emb.")}
             own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
             if own is not None and self.cfg.lora.type not in LYCORIS_TYPES:
                 own(state, self._adapted())
@@ -243,7 +245,10 @@ class LoraMethod(MethodBase):
                 args.update(factor=lcfg.factor, decompose_both=bool(lcfg.decompose_both))
             save_lycoris(path, sd, meta, dtype, algo=lcfg.type, network_args=args)
         else:
-            save_lora_kohya(path, sd, meta, dtype)
+            split = getattr(self.model, "split_lora_file", None)  # a result in several files (Wan 2.2 A14B's experts)
+            for suffix, part, part_meta in (split(sd, meta) if split is not None else [("", sd, meta)]):
+                save_lora_kohya(Path(path).with_name(Path(path).stem + suffix + Path(path).suffix), part, part_meta,
+                                dtype)
         self._save_alongside_embedding(Path(path), dtype, metadata)
 
 

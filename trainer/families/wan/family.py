@@ -25,9 +25,11 @@ What differs, and where it lives here:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from safetensors.torch import load_file
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
@@ -42,6 +44,7 @@ from trainer.families.common.transformer_kit import (
     save_transformer_file,
 )
 from trainer.families.sources import classify_source, detect_source_family
+from trainer.families.wan.experts import LOW_FILE_PREFIX, LOW_SUFFIX, TwoExperts, split_experts
 from trainer.families.wan.keys import (
     config_from_original,
     diffusers_to_original,
@@ -60,6 +63,7 @@ MODELSPEC = {"wan21-t2v": ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1",
              A14B: ("wan-2.2-t2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_t2v_a14b")}
 MAX_TOKENS = 512  # WanPipeline's max_sequence_length
 LORA_PREFIX = "diffusion_model"  # ComfyUI's key map for Wan (and diffusers' converter) read this prefix
+LOW_MARK = "@low@"  # both A14B experts: marks the low expert's module paths on their way to LOW_FILE_PREFIX keys
 ATTN = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
         "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
 FFN = ["ffn.net.0.proj", "ffn.net.2"]
@@ -136,11 +140,14 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
                                      "model.path (or model.config_path, for one expert's file) at its diffusers "
                                      "folder.", key="model.path", value=self.source.display)
             high, low = pipe.transformer, pipe.transformer_2
-            self.transformer, self.other = (high, low) if self.expert == "high" else (low, high)
+            if self.expert == "both":  # one module: each sample goes to the expert of its timestep
+                self.transformer = TwoExperts(high, low, float(self.boundary_ratio) * 1000.0)
+            else:
+                self.transformer, self.other = (high, low) if self.expert == "high" else (low, high)
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
-        boundary = float(self.boundary_ratio) if self.family == A14B else None
+        boundary = float(self.boundary_ratio) if self.family == A14B and self.expert != "both" else None
         # an A14B expert trains on its own σ range, split where the pipeline switches experts (t ≥ boundary·1000:
         # the high-noise one), as musubi-tuner's --timestep_boundary; the shape of the distribution is kept
         self.objective = FlowMatchingObjective(
@@ -216,7 +223,10 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         experts: Dict[str, Any] = {"transformer": self.transformer}
-        if self.other is not None:  # A14B: the high-noise expert is the pipeline's transformer
+        if isinstance(self.transformer, TwoExperts):
+            experts = {"transformer": self.transformer.high, "transformer_2": self.transformer.low,
+                       "boundary_ratio": self.boundary_ratio}
+        elif self.other is not None:  # A14B: the high-noise expert is the pipeline's transformer
             high, low = (self.transformer, self.other) if self.expert == "high" else (self.other, self.transformer)
             experts = {"transformer": high, "transformer_2": low, "boundary_ratio": self.boundary_ratio}
         pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
@@ -238,25 +248,63 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     def peft_file_names(self):
         return {"unet": (LORA_PREFIX, module_to_original)}
 
+    @staticmethod
+    def _expert_path(path: str) -> str:
+        """A module path of the trained transformer as a key after ``diffusion_model.``; both A14B experts training
+        (``high.…``/``low.…``): the low expert's under :data:`LOW_FILE_PREFIX` (its own file once saved)."""
+        if path.startswith("high."):
+            return module_to_original(path[len("high."):])
+        if path.startswith("low."):
+            return LOW_MARK + module_to_original(path[len("low."):])  # moved under LOW_FILE_PREFIX by _file_key
+        return module_to_original(path)
+
+    @staticmethod
+    def _file_key(key: str) -> str:
+        """``diffusion_model.<LOW_MARK>X`` → ``low_noise.diffusion_model.X``."""
+        mark = f"{LORA_PREFIX}.{LOW_MARK}"
+        return LOW_FILE_PREFIX + LORA_PREFIX + "." + key[len(mark):] if key.startswith(mark) else key
+
     def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
-        out = peft_layout_state_dict(modules, {"unet": LORA_PREFIX}, adapter_name, {"unet": module_to_original})
+        out = peft_layout_state_dict(modules, {"unet": LORA_PREFIX}, adapter_name, {"unet": self._expert_path})
         if not out:
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return out
+        return {self._file_key(k): v for k, v in out.items()}
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
-        used = load_peft_layout(state, modules, {"unet": LORA_PREFIX}, adapter_name, {"unet": module_to_original})
-        extra = sorted(set(state) - used)
+        ours = {(f"{LORA_PREFIX}.{LOW_MARK}" + k[len(LOW_FILE_PREFIX + LORA_PREFIX) + 1:]
+                 if k.startswith(LOW_FILE_PREFIX) else k): k for k in state}
+        used = load_peft_layout({k: state[v] for k, v in ours.items()}, modules, {"unet": LORA_PREFIX}, adapter_name,
+                                {"unet": self._expert_path})
+        extra = sorted(ours[k] for k in set(ours) - used)
         if extra:
             raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
         return len(used) // 2
+
+    def split_lora_file(self, state: Dict[str, Any], meta: Dict[str, str]):
+        """The result's files: [(name suffix, tensors, header)] — both A14B experts: the high expert's file and the
+        low expert's beside it (``…_low_noise.safetensors``), each in the original layout."""
+        if not isinstance(self.transformer, TwoExperts):
+            return [("", state, meta)]
+        high, others = split_experts(state)
+        return [("", high, dict(meta, **{"wan.expert": "high"}))] + \
+            [(suffix, low, dict(meta, **{"wan.expert": "low"})) for suffix, low in others.items()]
+
+    def read_lora_files(self, path: Any) -> Dict[str, Any]:
+        """A result as :meth:`split_lora_file` wrote it, back in one state dict (``lora.init_weights``)."""
+        state = dict(load_file(str(path)))
+        if isinstance(self.transformer, TwoExperts):
+            low = Path(path).with_name(Path(path).stem + LOW_SUFFIX + Path(path).suffix)
+            if not low.is_file():
+                raise ValueError(f"both Wan experts train, but the low-noise expert's file {low.name} is not beside it")
+            state.update({LOW_FILE_PREFIX + k: v for k, v in load_file(str(low)).items()})
+        return state
 
     def lora_metadata(self, *, title: str, resolution: Any = None, extra: Optional[Dict[str, str]] = None
                       ) -> Dict[str, str]:
         """The common header; an A14B file also says which expert it is for (``wan.expert``: high or low)."""
         meta = super().lora_metadata(title=title, resolution=resolution, extra=extra)
         if self.expert:
-            meta["wan.expert"] = self.expert
+            meta["wan.expert"] = self.expert  # "both": split_lora_file writes each file's own
             meta["wan.boundary_ratio"] = str(self.boundary_ratio)
         return meta
 
