@@ -286,3 +286,18 @@ def test_both_a14b_experts_train_into_two_files_each_loading_into_its_expert(a14
     with_low = video()
     pipe.load_lora_weights(str(high), adapter_name="high")
     assert abs(with_low - before).max() > 1e-4 and abs(video() - with_low).max() > 1e-4
+
+
+@pytest.mark.slow
+def test_the_sample_tool_writes_a_video_model_sample_as_mp4_beside_its_first_frame(wan, tmp_path, capsys):
+    import av
+
+    from trainer.__main__ import main
+    ws, _ = wan
+    out = tmp_path / "out"
+    assert main(["sample", "builtin:tiny-wan21", "--prompt", "a red square", "--steps", "2", "--width", "64",
+                 "--height", "64", "--out", str(out), "--workspace", str(ws)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert str(out / "000-42.mp4") in printed and str(out / "000-42.png") in printed
+    with av.open(str(out / "000-42.mp4")) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 81  # WanPipeline's own length

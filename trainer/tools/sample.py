@@ -3,7 +3,8 @@
 LoRAs are merged into the loaded weights in memory (the ``merge`` arithmetic), so what this draws is
 what a merged model draws. ``--config`` takes a run config's model and its ``sampling.prompts`` (each
 with its own seed, steps, size …); its LoRA training settings play no part. Images are written as
-``<index>-<seed>.png`` atomically, and their paths printed, one a line."""
+``<index>-<seed>.png`` atomically, and their paths printed, one a line; a video model's samples also as
+``<index>-<seed>.mp4`` (the PNG is their first frame)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from trainer.io import atomic_path
 from trainer.tools import ToolError, check_out, split_weight
 from trainer.tools.common import apply_loras, load_family, read_lora, tool_config
+from trainer.train.sampling import frame_image, write_video
 
 
 def pick_device(name: str) -> str:
@@ -83,14 +85,22 @@ def run(args: Any) -> int:
     pipe = model.pipeline(defaults.sampler_for(args.sampler or (cfg.sampling.scheduler if cfg is not None else None)))
     autocast = torch.autocast("cuda", dtype=torch.float16) if device == "cuda" else torch.autocast("cpu", enabled=False)
     folder.mkdir(parents=True, exist_ok=True)
+    video = model.info.video  # a video model: a clip of the config's sampling.frames (0: its own), MP4 beside the PNG
+    frames = {"num_frames": defaults.frames_for(getattr(cfg.sampling, "frames", 0) if cfg is not None else 0)} \
+        if video else {}
     for job, path in zip(jobs, paths):
         gen = torch.Generator(device="cpu").manual_seed(int(job.seed))
         with torch.no_grad(), autocast:
-            image = pipe(job.prompt, **({"negative_prompt": job.negative_prompt} if job.negative_prompt else {}),
-                         num_inference_steps=defaults.steps_for(job.steps),
-                         guidance_scale=defaults.guidance_for(job.cfg_scale),
-                         width=int(job.width), height=int(job.height), generator=gen,
-                         **model.sampling_kwargs(), **model.prompt_kwargs(job)).images[0]
+            out = pipe(job.prompt, **({"negative_prompt": job.negative_prompt} if job.negative_prompt else {}),
+                       num_inference_steps=defaults.steps_for(job.steps),
+                       guidance_scale=defaults.guidance_for(job.cfg_scale),
+                       width=int(job.width), height=int(job.height), generator=gen, **frames,
+                       **model.sampling_kwargs(), **model.prompt_kwargs(job))
+        clip = getattr(out, "frames", None)
+        image = out.images[0] if clip is None else frame_image(clip[0][0])
+        if clip is not None:
+            write_video(path.with_suffix(".mp4"), clip[0], getattr(model, "fps", None) or video.fps)
+            print(path.with_suffix(".mp4"), flush=True)
         with atomic_path(path) as tmp:
             image.save(tmp, format="PNG")
         print(path, flush=True)
