@@ -182,7 +182,12 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
                 cls = getattr(transformers, (cfg.get("architectures") or ["CLIPTextModel"])[0])
             parts[name] = (build_model(cls, sub, dt) if build_model is not None
                            else cls.from_pretrained(str(folder), subfolder=name, **dkw))
-    return pipeline_cls(**parts, **{k: v for k, v in common.items() if k in optional})
+    # the pipeline's own settings (not components) that model_index.json records: Wan's boundary_ratio and
+    # expand_timesteps tell which model it is
+    index = folder / "model_index.json"
+    settings = {k: v for k, v in (sd_configs.read_json(index) if index.is_file() else {}).items()
+                if k in optional and not isinstance(v, list) and not k.startswith("_")}
+    return pipeline_cls(**parts, **{**settings, **{k: v for k, v in common.items() if k in optional}})
 
 
 def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = None,
