@@ -301,3 +301,20 @@ def test_the_sample_tool_writes_a_video_model_sample_as_mp4_beside_its_first_fra
     assert str(out / "000-42.mp4") in printed and str(out / "000-42.png") in printed
     with av.open(str(out / "000-42.mp4")) as container:
         assert sum(1 for _ in container.decode(video=0)) == 81  # WanPipeline's own length
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, settings", [
+    ("demo-wan", ("parts.denoiser.fp8=true", "data.offload_text_encoders=true")),
+    ("demo-wan22-5b", ("parts.denoiser.nf4=true",)),
+    ("demo-wan22-a14b", ("model.wan_expert=both", "parts.denoiser.blocks_to_swap=1",
+                         "training.gradient_checkpointing=true")),
+], ids=["fp8-offload", "5b-nf4", "a14b-both-swap"])
+def test_the_memory_features_train_wan(preset, settings, wan, a14b, wan22):
+    """Frozen weights in fp8/NF4, UMT5 offloaded, block swapping (over both A14B experts' blocks) with gradient
+    checkpointing: a few steps run and the LoRA file is written (the GPU numbers are bench/'s)."""
+    from conftest import DEMO_DATA, train_quiet
+    ws, _ = wan
+    run = train_quiet(ws, f"wan-mem-{preset}", preset, "training.max_steps=2", "sampling.prompts=[]",
+                      f"data.concepts=[{{path: {DEMO_DATA}}}]", *settings)
+    assert (run / f"{run.name}.safetensors").is_file()
