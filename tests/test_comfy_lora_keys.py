@@ -62,7 +62,8 @@ WAN21 = "|".join([rf"blocks\.{N}\.((self_attn|cross_attn)\.(q|k|v|o)|ffn\.[02])"
 ROWS = [("builtin:tiny-flux", FLUX), ("builtin:tiny-flux-kontext", FLUX), ("builtin:tiny-chroma", FLUX),
         ("builtin:tiny-flux2-klein", FLUX2_BFL), ("builtin:tiny-sd3", SD3), ("builtin:tiny-zimage", ZIMAGE),
         ("builtin:tiny-qwen-image", QWEN), ("builtin:tiny-wan21", WAN21)]
-PREFIX = {"builtin:tiny-flux2-klein": "diffusion_model.", "builtin:tiny-wan21": "diffusion_model."}  # the file's key prefix where it is not "transformer."
+# the file's key prefix where it is not "transformer."
+PREFIX = {"builtin:tiny-flux2-klein": "diffusion_model.", "builtin:tiny-wan21": "diffusion_model."}
 
 
 @pytest.mark.parametrize("path, mapped", ROWS, ids=[r[0].split("tiny-")[1] for r in ROWS])

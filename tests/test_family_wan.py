@@ -253,8 +253,8 @@ def test_both_a14b_experts_each_sample_goes_to_the_expert_of_its_timestep(a14b):
         both = model.predict(x, sigma, cond)
         embeds = cond.prompt_embeds
         for i, expert in ((0, two.high), (1, two.low)):
-            own = expert(hidden_states=x[i:i + 1], timestep=sigma[i:i + 1] * 1000, encoder_hidden_states=embeds[i:i + 1],
-                         return_dict=False)[0]
+            own = expert(hidden_states=x[i:i + 1], timestep=sigma[i:i + 1] * 1000,
+                         encoder_hidden_states=embeds[i:i + 1], return_dict=False)[0]
             torch.testing.assert_close(both[i:i + 1], own)
     pipe = model.pipeline(None)
     assert pipe.transformer is two.high and pipe.transformer_2 is two.low

@@ -338,7 +338,7 @@ def _vae_latent(model, size: Tuple[int, int]):
     """A latent in the VAE's own layout (before the family packs or normalises it) for ``size``."""
     w, h = size
     pixels = torch.zeros(1, 3, h, w, dtype=model.vae.dtype)
-    if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan's, Qwen-Image's): one frame
+    if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan, Qwen-Image): one frame
         pixels = pixels.unsqueeze(2)
     with torch.no_grad():
         return model.vae.encode(pixels).latent_dist.mean

@@ -270,7 +270,8 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return {self._file_key(k): v for k, v in out.items()}
 
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
+                             adapter_name: str = "default") -> int:
         ours = {(f"{LORA_PREFIX}.{LOW_MARK}" + k[len(LOW_FILE_PREFIX + LORA_PREFIX) + 1:]
                  if k.startswith(LOW_FILE_PREFIX) else k): k for k in state}
         used = load_peft_layout({k: state[v] for k, v in ours.items()}, modules, {"unet": LORA_PREFIX}, adapter_name,

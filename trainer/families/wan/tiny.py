@@ -32,7 +32,7 @@ from trainer.families.wan.keys import diffusers_to_original
 
 TINY_VERSION = 1
 MAX_LENGTH = 512  # google/umt5-xxl's tokenizer, as Wan-AI's diffusers folders ship it
-# WanPipeline's scheduler as diffusers' Wan docs configure it: UniPC over flow sigmas, flow_shift 3 (Wan's default, 480p)
+# WanPipeline's scheduler as diffusers' Wan docs configure it: UniPC over flow sigmas, flow_shift 3 (Wan's default)
 SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "beta_end": 0.02, "beta_schedule": "linear",
              "beta_start": 0.0001, "disable_corrector": [], "dynamic_thresholding_ratio": 0.995,
              "final_sigmas_type": "zero", "flow_shift": 3.0, "lower_order_final": True, "num_train_timesteps": 1000,
