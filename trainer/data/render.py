@@ -1,6 +1,8 @@
 """Decoding images for the data pipeline: a cache job's loader (:class:`Renderer`: decode once, render every wanted
 variant) and, when samples are rendered every step, an epoch's decoded images shared between the samples that use
-them (:class:`DecodeMemo`), kept small (:func:`shrink`). Pillow; the tensors come from ``trainer.data.images``."""
+them (:class:`DecodeMemo`), kept small (:func:`shrink`). A video family's window of a clip (:func:`render_clip`)
+is decoded frame by frame (only its own frames, ``trainer.data.clips``) and every frame gets the same crop, flip
+and colour as one image would. Pillow and torch; the tensors come from ``trainer.data.images``."""
 
 from __future__ import annotations
 
@@ -8,12 +10,31 @@ import threading
 from collections import Counter
 from typing import Any, Callable, Dict, List, Tuple
 
+import torch
 from PIL import Image
 
-from trainer.data import images  # decode/render_sample looked up at call time (tests count the decodes)
+from trainer.data import clips, images  # looked up at call time (tests count the decodes)
 from trainer.data.augment import AugmentParams
 from trainer.data.buckets import Size
 from trainer.data.concepts import ImageItem
+
+
+def render_clip(item: ImageItem, mask_path: Any, size: Size, params: AugmentParams) -> Tuple[Any, Any]:
+    """A window of a clip (or an image, a one-frame clip) as pixels [3, F, H, W] in [-1, 1] with the item's mask
+    [1, H, W] (a mask image applies to every frame) or None. Each frame is rendered as an image is, with the same
+    ``params`` (one crop, flip and colour for the whole window); only the window's frames are decoded."""
+    window = item.window
+    mask = images.open_mask(mask_path) if mask_path is not None else None
+    if item.clip is None:
+        img, mask = images.decode(item.path, mask_path)
+        frames = [img] * (window.count if window is not None else 1)
+    else:
+        arrays = clips.read_frames(item.path, item.clip, window.sources)
+        frames = [Image.fromarray(a) for a in arrays]
+        if mask is not None and mask.size != frames[0].size:
+            mask = mask.resize(frames[0].size, Image.Resampling.BILINEAR)
+    rendered = [images.render_sample(f, mask, size, params) for f in frames]
+    return torch.stack([px for px, _ in rendered], dim=1), rendered[0][1]
 
 
 class Renderer:
@@ -23,6 +44,8 @@ class Renderer:
         self.item, self.specs, self.min_side = item, specs, min_side
 
     def __call__(self) -> List[Tuple[Any, Any]]:
+        if self.item.window is not None:  # a video family's window: [3, F, H, W]
+            return [render_clip(self.item, self.item.mask, size, params) for size, params in self.specs]
         img, mask = images.decode(self.item.path, self.item.mask, self.min_side)
         return [images.render_sample(img, mask, size, params) for size, params in self.specs]
 
