@@ -39,7 +39,8 @@ def frame_number(rgb) -> int:
     return r // 16 + 16 * (g // 16)
 
 
-def make_clip(path: Path, n: int, fps: int = 30, pts_ms=None, codec: str = "mpeg4", size=(16, 16)) -> Path:
+def make_clip(path: Path, n: int, fps: int = 30, pts_ms=None, codec: str = "mpeg4", size=(16, 16),
+              paint=None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as out:
         stream = out.add_stream(codec, rate=fps)
@@ -51,7 +52,7 @@ def make_clip(path: Path, n: int, fps: int = 30, pts_ms=None, codec: str = "mpeg
             stream.codec_context.time_base = Fraction(1, 1000)
         for i in range(n):
             arr = np.zeros((size[1], size[0], 3), np.uint8)
-            arr[:] = colour(i)
+            arr[:] = (paint or colour)(i)
             frame = av.VideoFrame.from_ndarray(arr, format="rgb24")
             if pts_ms is not None:
                 frame.pts, frame.time_base = pts_ms[i], Fraction(1, 1000)
@@ -264,7 +265,7 @@ def test_video_batches_hold_one_bucket_of_5d_latents(tmp_path, cached):
     assert len(batches) == 3  # six windows (3 per clip), two a batch
     batch = pipe.batch(batches[0], 0)
     assert batch["latent_dist"]["mean"].shape == (2, 3, 3, 8, 8) and batch["frames"] == 9
-    assert batch["mask"].shape == (2, 1, 1, 8, 8)
+    assert batch["mask"].shape == (2, 1, 3, 8, 8) and torch.allclose(batch["mask"], torch.ones(2, 1, 3, 8, 8))
     assert (2, 3, 9, 64, 64) in vae.shapes  # pixel clips [B, 3, F, H, W]
     assert set(vae.shapes) <= {(2, 3, 9, 64, 64), (1, 3, 1, 64, 64)}  # the still is cached as a one-frame clip
     first = next(it for it in pipe.items if it.path.name == "a.mp4" and it.window.start == 9)
@@ -279,6 +280,35 @@ def test_video_batches_hold_one_bucket_of_5d_latents(tmp_path, cached):
         assert got == [9, 13, 17]
     else:
         assert torch.isfinite(batch["latent_dist"]["mean"]).all()
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_mask_clip_masks_each_frame(tmp_path, cached):
+    import torch
+
+    from trainer.data.pipeline import DataPipeline
+
+    folder = tmp_path / "c"
+    for name in ("a", "b"):
+        make_clip(folder / f"{name}.mp4", 18, fps=16)
+    white_from_16 = lambda i: (255, 255, 255) if i >= 16 else (0, 0, 0)  # noqa: E731
+    make_clip(folder / "a-masklabel.mp4", 18, fps=16, paint=white_from_16)
+    cfg = _cfg(tmp_path, {"path": str(folder), "target_frames": "9", "frame_extraction": "slide",
+                          "frame_stride": 9}, batch_size=2, masks=True, cache_latents=cached)
+    pipe = DataPipeline(cfg, warn=lambda m: None, video=WAN)
+    assert sorted(it.path.name for it in pipe.items) == ["a.mp4", "a.mp4", "b.mp4", "b.mp4"]  # the mask trains not
+    assert pipe.report.concepts[0].masks_found == 1
+    pipe.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32")
+    seen = {}
+    for plan in pipe.epoch_batches(0):
+        batch = pipe.batch(plan, 0)
+        for row, index in enumerate(plan.indices):
+            item = pipe.items[index]
+            seen[(item.path.name, item.window.start)] = batch["mask"][row, 0, :, 4, 4]
+    # latent frame 0 is the window's first frame, then groups of four: frames 10-13 and 14-17 (16 and 17 white)
+    assert torch.allclose(seen[("a.mp4", 9)], torch.tensor([0.0, 0.0, 0.5]), atol=0.05)
+    assert torch.allclose(seen[("a.mp4", 0)], torch.zeros(3), atol=0.05)
+    assert torch.allclose(seen[("b.mp4", 9)], torch.ones(3))
 
 
 def test_clip_modules_stay_torch_free(tmp_path):

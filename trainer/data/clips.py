@@ -181,6 +181,32 @@ def read_frames(path: Path, info: ClipInfo, indices: Sequence[int],
     return [held[i] for i in indices]
 
 
+def clip_mask(clip: Path, image_mask: Path) -> Path:
+    """A clip's mask: its mask image (``<stem>-masklabel.png``, for every frame) when there, else a mask clip
+    ``<stem>-masklabel.<clip extension>`` (white = focus, frame by frame); ``image_mask`` when neither is."""
+    if image_mask.is_file():
+        return image_mask
+    for ext in VIDEO_EXTENSIONS:
+        candidate = clip.with_name(clip.stem + "-masklabel" + ext)
+        if candidate.is_file():
+            return candidate
+    return image_mask
+
+
+def is_mask_clip(name: str) -> bool:
+    """``walk-masklabel.mp4``: a clip's mask, never a training clip."""
+    low = name.lower()
+    return "-masklabel." in low and low.endswith(VIDEO_EXTENSIONS)
+
+
+def probe_mask_clip(path: Path, info: ClipInfo) -> Tuple[Tuple[int, int], Optional[str]]:
+    """A mask clip's size, or why it cannot mask ``info``'s clip (unreadable, or another number of frames)."""
+    size, problem, mask = probe_clip(path)
+    if problem is None and mask.frames != info.frames:
+        problem = f"its {mask.frames} frames do not match the clip's {info.frames}"
+    return size, problem
+
+
 def describe(info: ClipInfo) -> str:
     """One line about a clip for the dataset report: frames, rate, length, size."""
     rate = "variable" if info.variable else f"{info.fps:g}"
@@ -188,4 +214,4 @@ def describe(info: ClipInfo) -> str:
 
 
 __all__ = ["VIDEO_EXTENSIONS", "ClipInfo", "Window", "DecodeStats", "is_clip", "probe_clip", "resample",
-           "read_frames", "describe"]
+           "read_frames", "clip_mask", "is_mask_clip", "probe_mask_clip", "describe"]

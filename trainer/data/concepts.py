@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from trainer.data.clips import VIDEO_EXTENSIONS, ClipInfo, Window, probe_clip
+from trainer.data.clips import VIDEO_EXTENSIONS, ClipInfo, Window, clip_mask, is_mask_clip, probe_clip, probe_mask_clip
 from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
 from trainer.data.probe import mask_is_blank, probe_image
 from trainer.errors import DataError
@@ -439,11 +439,12 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
     """Pair each image with its mask. A missing mask trains the whole image (all focus); an
     unreadable mask, or one whose shape differs from its image's, is reported and ignored; one
     with the image's aspect but another size is used, scaled to the image."""
-    candidates = [mask_path(it.path) for it in items]
+    candidates = [mask_path(it.path) if it.clip is None else clip_mask(it.path, mask_path(it.path)) for it in items]
     present = [(it, m) for it, m in zip(items, candidates) if m.is_file()]
     workers = max(1, min(8, (os.cpu_count() or 1), len(present) or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        checks = list(pool.map(lambda pair: probe_image(pair[1]), present))
+        checks = list(pool.map(lambda pair: probe_mask_clip(pair[1], pair[0].clip) if is_mask_clip(pair[1].name)
+                               else probe_image(pair[1]), present))
     by_item = {id(it): (m, chk) for (it, m), chk in zip(present, checks)}
     for item in items:
         rel = rel_path(item.path, folder)
@@ -510,7 +511,7 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
                 continue
             p = directory / name
             low = name.lower()
-            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX)
+            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX) and not is_mask_clip(low)
             reason = _entry_problem(p, confined)
             is_dir = reason is None and p.is_dir()
             if is_dir and recursive:

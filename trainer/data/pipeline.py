@@ -31,7 +31,7 @@ A batch is a dict::
                            prediction; only when such a concept is enabled)
     frames                 a video family's batch: the frame count F of its one (width, height, frames) bucket;
                            its latents are 5-D [B, C, f, h, w] (from pixel clips [B, 3, F, H, W] in [-1, 1]) and
-                           its mask [B, 1, 1, h, w] (a mask image applies to every frame)
+                           its mask [B, 1, f, h, w] (a mask image applies to every frame, a mask clip frame by frame)
 
 Latents come from the latent cache (``data.cache_latents``) or, when augmentations are on with
 ``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. For an
@@ -72,7 +72,7 @@ from trainer.data.concepts import ImageItem
 from trainer.data.dataset import build_dataset
 from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
-from trainer.data.render import DecodeMemo, Renderer, render_clip, shrink
+from trainer.data.render import DecodeMemo, Renderer, latent_frames, render_clip, shrink
 from trainer.errors import DataError
 from trainer.families import VideoSpec
 
@@ -446,9 +446,11 @@ class DataPipeline:
             raw["latent_dist"] = {k: torch.stack([e[k] for e in dists]) for k in ("mean", "std")}
             if self.masks:
                 h, w = raw["latent_dist"]["mean"].shape[-2:]
+                if raw["latent_dist"]["mean"].dim() == 5:  # clips: [1, f, h, w] each (an image mask on every frame)
+                    f = raw["latent_dist"]["mean"].shape[2]
+                    masks = [latent_frames(m if m.dim() == 4 else m.unsqueeze(1), f).expand(1, f, h, w)
+                             if m is not None else torch.ones(1, f, h, w) for m in masks]
                 raw["mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in masks])
-                if raw["latent_dist"]["mean"].dim() == 5:  # clips: one mask for every frame
-                    raw["mask"] = raw["mask"].unsqueeze(2)
             if self.inpaint_fn is not None and all("pixels_u8" in e for e in dists):
                 raw["inpaint_pixels"] = uint8_to_pixels(torch.stack([e["pixels_u8"] for e in dists]))
                 if self.masks and all("masked_mean" in e for e in dists):
@@ -457,6 +459,9 @@ class DataPipeline:
             raw["pixels"] = torch.stack(pixels)
             if self.masks:
                 h, w = raw["pixels"].shape[-2:]
+                if raw["pixels"].dim() == 5:  # clips: every row's mask over all F frames
+                    f = raw["pixels"].shape[2]
+                    pixel_masks = [m if m is not None else torch.ones(1, f, h, w) for m in pixel_masks]
                 raw["pixel_mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in pixel_masks])
         if texts:
             for key in texts[0]:
@@ -489,10 +494,11 @@ class DataPipeline:
             raw["latent_dist"] = {"mean": out["mean"], "std": out["std"]}
             if self.inpaint_fn is not None:
                 raw["inpaint_pixels"] = pixels
-            if "pixel_mask" in raw:
+            if "pixel_mask" in raw and out["mean"].dim() == 5:  # clips: [B, 1, F, H, W] -> [B, 1, f, h, w]
+                latent = mask_to_latent(raw.pop("pixel_mask")[:, 0], tuple(out["mean"].shape[-2:]))
+                raw["mask"] = latent_frames(latent, out["mean"].shape[2]).unsqueeze(1)
+            elif "pixel_mask" in raw:
                 raw["mask"] = mask_to_latent(raw.pop("pixel_mask"), tuple(out["mean"].shape[-2:]))
-                if out["mean"].dim() == 5:  # clips: one mask for every frame
-                    raw["mask"] = raw["mask"].unsqueeze(2)
         if "control_pixels" in raw:
             with torch.no_grad():
                 encoded = [self.encode_fn(px) for px in raw.pop("control_pixels")]  # type: ignore[misc]

@@ -20,21 +20,45 @@ from trainer.data.concepts import ImageItem
 
 
 def render_clip(item: ImageItem, mask_path: Any, size: Size, params: AugmentParams) -> Tuple[Any, Any]:
-    """A window of a clip (or an image, a one-frame clip) as pixels [3, F, H, W] in [-1, 1] with the item's mask
-    [1, H, W] (a mask image applies to every frame) or None. Each frame is rendered as an image is, with the same
-    ``params`` (one crop, flip and colour for the whole window); only the window's frames are decoded."""
+    """A window of a clip (or an image, a one-frame clip) as pixels [3, F, H, W] in [-1, 1] with its mask
+    [1, F, H, W] or None: a mask image applies to every frame, a mask clip gives each frame its own. Each frame is
+    rendered as an image is, with the same ``params`` (one crop, flip and colour for the whole window); only the
+    window's frames are decoded."""
     window = item.window
-    mask = images.open_mask(mask_path) if mask_path is not None else None
+    count = window.count if window is not None else 1
+    masks: List[Any] = []
     if item.clip is None:
         img, mask = images.decode(item.path, mask_path)
-        frames = [img] * (window.count if window is not None else 1)
+        frames, masks = [img] * count, [mask] * count
     else:
-        arrays = clips.read_frames(item.path, item.clip, window.sources)
-        frames = [Image.fromarray(a) for a in arrays]
-        if mask is not None and mask.size != frames[0].size:
-            mask = mask.resize(frames[0].size, Image.Resampling.BILINEAR)
-    rendered = [images.render_sample(f, mask, size, params) for f in frames]
-    return torch.stack([px for px, _ in rendered], dim=1), rendered[0][1]
+        frames = [Image.fromarray(a) for a in clips.read_frames(item.path, item.clip, window.sources)]
+        if mask_path is not None and clips.is_mask_clip(mask_path.name):
+            info = clips.probe_clip(mask_path)[2]
+            masks = [Image.fromarray(a).convert("L") for a in clips.read_frames(mask_path, info, window.sources)]
+        else:
+            masks = [images.open_mask(mask_path) if mask_path is not None else None] * count
+        masks = [m.resize(frames[0].size, Image.Resampling.BILINEAR) if m is not None and m.size != frames[0].size
+                 else m for m in masks]
+    rendered = [images.render_sample(f, m, size, params) for f, m in zip(frames, masks)]
+    pixels = torch.stack([px for px, _ in rendered], dim=1)
+    if rendered[0][1] is None:
+        return pixels, None
+    return pixels, torch.stack([m for _, m in rendered], dim=1)
+
+
+def latent_frames(mask: Any, frames: int) -> Any:
+    """A mask over a clip's frames [..., F, h, w] at the latent frame count ``frames``: the VAE keeps the first frame
+    and compresses each following group of (F - 1) / (frames - 1) into one, so latent frame 0 is mask frame 0 and
+    latent frame k the mean of its group."""
+    count = mask.shape[-3]
+    if count == frames:
+        return mask
+    if frames == 1:
+        return mask.mean(dim=-3, keepdim=True)
+    group = (count - 1) // (frames - 1)
+    rest = mask[..., 1:1 + group * (frames - 1), :, :]
+    rest = rest.unflatten(-3, (frames - 1, group)).mean(dim=-3)
+    return torch.cat([mask[..., :1, :, :], rest], dim=-3)
 
 
 class Renderer:
