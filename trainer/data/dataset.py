@@ -30,9 +30,9 @@ from trainer.data.buckets import (
 from trainer.data.cache import file_sha256
 from trainer.data.concepts import DataReport, ImageItem, concept_label, rel_path, scan_concepts, short_list
 from trainer.data.frames import cut_windows, video_spec
-from trainer.families import VideoSpec
 from trainer.data.order import concept_repeats, epoch_order, item_repeats
 from trainer.errors import DataError
+from trainer.families import VideoSpec
 
 Warn = Callable[[str], None]
 
@@ -110,6 +110,7 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
     kept_buckets: List[List[Size]] = []
     by_concept = {c.index: c for c in report.concepts}
     too_small: Dict[int, List[str]] = {}
+    small_clips: set = set()
     for item in items:
         concept = concepts[item.concept_index]
         targets = resolution_targets(d, concept)
@@ -122,7 +123,8 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
         if not usable:
             reason = (f"too small ({item.width}x{item.height}): even a {step}x{step} bucket would enlarge it "
                       f"more than data.max_upscale = {max_upscale:g}x")
-            if item.path.name not in too_small.get(item.concept_index, []):  # a clip's windows: named once
+            if item.path not in small_clips:  # a clip's windows: named once
+                small_clips.add(item.path)
                 crep.skipped.append((rel_path(item.path, Path(crep.path)), reason))
                 crep.images_used -= 1
                 too_small.setdefault(item.concept_index, []).append(item.path.name)
