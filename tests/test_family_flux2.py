@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import load_tiny, transformer_inputs
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -317,3 +317,36 @@ def _default_loss():
 
     from trainer.config.schema import AtelierConfig
     return OmegaConf.structured(AtelierConfig).loss
+
+
+def test_klein_predict_is_the_transformer_call_of_flux2_klein_pipeline(klein):
+    """Flux2KleinPipeline's denoising step (no CFG at guidance 1, no guidance embedding): the patchified latents'
+    tokens in row order with ids (0, row, column, 0), text ids (0, 0, 0, k), ``timestep = t / 1000`` (σ of its
+    shifted schedule). ``predict`` on the same noisy latents, the scheduler's σ and the caption's features gives the
+    same velocity; on 8×12 patchified latents, so ids with height and width swapped would show."""
+    from trainer.families.flux2.family import Flux2Conditioning
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    h, w = 8, 12
+    noise = torch.randn(1, 128, h, w, generator=torch.Generator().manual_seed(0))
+    inner = getattr(pipe, "pipe", pipe)  # the diffusers pipeline inside the prompt-first wrapper
+    vsf = 2 * inner.vae_scale_factor  # pixels per patchified latent
+    calls, remove = denoiser_calls(model.transformer)
+    try:
+        with torch.no_grad():
+            pipe("a red square", latents=noise.clone(), num_inference_steps=2, width=w * vsf, height=h * vsf,
+                 guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+            ref = calls[1]["kwargs"]
+            sigma = inner.scheduler.sigmas[1:2]
+            assert 0 < float(sigma) < 1 and ref["guidance"] is None
+            torch.testing.assert_close(ref["timestep"], sigma)
+            rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(1, -1, 4)
+            torch.testing.assert_close(ref["img_ids"], ids, rtol=0, atol=0)
+            noisy = ref["hidden_states"].permute(0, 2, 1).reshape(1, 128, h, w)
+            embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+            pred = model.predict(noisy, sigma, Flux2Conditioning(embeds))
+    finally:
+        remove()
+    torch.testing.assert_close(pred, calls[1]["out"].permute(0, 2, 1).reshape(1, 128, h, w))
