@@ -4,10 +4,10 @@ Fine-tunes are written in BFL's layout (``img_in``, ``double_blocks.N.img_attn.q
 no prefix), as BFL's released files are: ComfyUI's model detection (``comfy/model_detection.py``) tells Flux.2 by
 ``double_stream_modulation_img.lin.weight`` and sizes it from ``img_in``/``txt_in`` and the block counts, and
 diffusers' ``Flux2Transformer2DModel.from_single_file`` converts it
-(``convert_flux2_transformer_checkpoint_to_diffusers``).
-A file under diffusers' names fails ComfyUI's detection. Files in either layout load here; :func:`to_diffusers`
-is diffusers' own converter, :func:`diffusers_to_bfl` its inverse (the Linear names of ``lora_keys.bfl_module``,
-the q/k/v norms' ``.scale``, q/k/v fused by rows, the final norm's (scale, shift) halves swapped to (shift, scale))."""
+(``convert_flux2_transformer_checkpoint_to_diffusers``). A file under diffusers' names fails ComfyUI's detection.
+Files in either layout load here; :func:`to_diffusers` is diffusers' own converter, :func:`diffusers_to_bfl` its
+inverse (the Linear names of ``lora_keys.bfl_module``, the q/k/v norms' ``.scale``, q/k/v fused by rows, the final
+norm's (scale, shift) halves swapped to (shift, scale))."""
 
 from __future__ import annotations
 
