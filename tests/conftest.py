@@ -136,6 +136,26 @@ def transformer_inputs(model: Any, x: Any, sigma: Any, cond: Any) -> dict:
     return seen
 
 
+def denoiser_calls(module: Any) -> Tuple[list, Any]:
+    """Every call of ``module`` (a family's transformer, UNet or prior) from now on, as dicts of its positional
+    ``args``, its keyword ``kwargs`` and its first output ``out``; and a function that removes the hooks. A pipeline's
+    own call, caught this way, is the reference a family's ``predict`` must reproduce."""
+    calls: list = []
+
+    def first(out: Any) -> Any:
+        out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+        return out.detach().clone()
+
+    pre = module.register_forward_pre_hook(lambda m, a, kw: calls.append({"args": a, "kwargs": dict(kw)}),
+                                           with_kwargs=True)
+    post = module.register_forward_hook(lambda m, a, out: calls[-1].update(out=first(out)))
+
+    def remove() -> None:
+        pre.remove()
+        post.remove()
+    return calls, remove
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow tier first (in its own order), then the fast one: with two workers the long browser, training and
     several-process tests start early and the short ones fill in at the end, so both workers finish together

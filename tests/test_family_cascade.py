@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import DEMO_DATA, load_tiny_fp32
+from tests.conftest import DEMO_DATA, denoiser_calls, load_tiny_fp32
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,3 +219,33 @@ def test_comfyuis_stage_c_checkpoint_loads_with_the_text_encoder_it_carries(tiny
     torch.testing.assert_close(loaded.text_encoder.state_dict()["text_projection.weight"], text["text_projection.weight"])
     for k, v in model.prior.state_dict().items():
         torch.testing.assert_close(loaded.prior.state_dict()[k], v, msg=k)
+
+
+@pytest.mark.parametrize("name", ["cascade", "wuerstchen"])
+def test_predict_is_the_prior_call_of_the_prior_pipelines(tiny, name):
+    """StableCascadePriorPipeline / WuerstchenPriorPipeline's denoising step (no CFG at guidance 1): latents of
+    ceil(size / 42.67) per side, the DDPMWuerstchenScheduler's t as the ratio (``timestep_ratio`` / ``r``), the
+    caption's CLIP features, and for Cascade the pooled text and zero image embeddings. ``predict`` on the same
+    noisy latents, ratio and the caption's conditioning gives the same output; on 3×6 latents (128×256 px)."""
+    ws, cascade_paths, w_paths = tiny
+    model = load_tiny_fp32(ws, (cascade_paths if name == "cascade" else w_paths)["diffusers"])
+    prior_pipe = model.pipeline(None).prior_pipe
+    channels = model.prior.config.get("in_channels") or model.prior.config.get("c_in")  # Cascade / Würstchen 2
+    noise = torch.randn(1, channels, 3, 6, generator=torch.Generator().manual_seed(0))
+    calls, remove = denoiser_calls(model.prior)
+    try:
+        with torch.no_grad():
+            prior_pipe(prompt="a red square", height=128, width=256, latents=noise.clone(), num_inference_steps=2,
+                       guidance_scale=1.0, output_type="pt")
+            ref = calls[1]  # the second step: a ratio below 1
+            if name == "cascade":
+                x, ratio = ref["kwargs"]["sample"], ref["kwargs"]["timestep_ratio"]
+                assert not ref["kwargs"]["clip_img"].any()
+            else:
+                x, ratio = ref["args"][0], ref["kwargs"]["r"]
+            assert 0 < float(ratio) < 1
+            cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+            pred = model.predict(x, ratio, cond)
+    finally:
+        remove()
+    torch.testing.assert_close(pred, ref["out"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_tiny, transformer_inputs
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,3 +92,38 @@ def test_the_transformer_sees_sigma_in_fp32_as_the_flux_trainers_pass_it(chroma)
     cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
     seen = transformer_inputs(model, torch.zeros(1, 16, 8, 12, dtype=torch.bfloat16), torch.tensor([0.93796]), cond)
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
+
+
+def test_predict_is_the_transformer_call_of_chroma_pipeline(chroma):
+    """ChromaPipeline's denoising step (no CFG at guidance 1): 2×2 patches packed in row order, image ids
+    (0, row, column) of the packed grid, text ids zero, ``timestep = t / 1000`` (σ of its shifted schedule), the text
+    mask followed by the image tokens' ones. ``predict`` on the same noisy latents (unpacked), the scheduler's σ and
+    the caption's conditioning gives the same velocity; on 8×12 latents, so image ids with height and width swapped
+    would show."""
+    ws, paths = chroma
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    vsf = model.vae_scale_factor
+    h, w = 8, 12
+    noise = torch.randn(1, 16, h, w, generator=torch.Generator().manual_seed(0))
+    packed = noise.view(1, 16, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, h * w // 4, 64)
+    calls, remove = denoiser_calls(model.transformer)
+    try:
+        with torch.no_grad():
+            pipe("a red square", height=h * vsf, width=w * vsf, latents=packed, num_inference_steps=2,
+                 guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+            ref = calls[1]  # the second step: a σ below 1
+            sigma = pipe.scheduler.sigmas[1:2]
+            assert 0 < float(sigma) < 1
+            torch.testing.assert_close(ref["kwargs"]["timestep"], sigma)
+            rows, cols = torch.meshgrid(torch.arange(h // 2), torch.arange(w // 2), indexing="ij")
+            ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3).float()
+            torch.testing.assert_close(ref["kwargs"]["img_ids"], ids)
+            noisy = (ref["kwargs"]["hidden_states"].view(1, h // 2, w // 2, 16, 2, 2).permute(0, 3, 1, 4, 2, 5)
+                     .reshape(1, 16, h, w))
+            cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+            pred = model.predict(noisy, sigma, cond)
+    finally:
+        remove()
+    out = ref["out"].view(1, h // 2, w // 2, 16, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, 16, h, w)
+    torch.testing.assert_close(pred, out)

@@ -6,6 +6,7 @@ samples from a control image, a LoRA trained on pairs in the Kontext pipeline, a
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -52,6 +53,7 @@ def test_bfl_single_file_is_the_same_transformer_and_fine_tunes_save_back_to_it(
 
 
 def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
+    """(The shift follows the resolution under loss.resolution_shift; the default draw is unshifted, see below.)"""
     ws, paths = flux
     m = load_tiny_fp32(ws, paths["diffusers"])
     cond = m.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
@@ -59,7 +61,7 @@ def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
     with torch.no_grad():
         pred = m.predict(x, torch.tensor([0.5]), cond)
     assert pred.shape == x.shape
-    lc = type("L", (), {"timestep_distribution": "uniform"})()
+    lc = type("L", (), {"timestep_distribution": "uniform", "resolution_shift": True})()
     small = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(1, 16, 16, 16).expand(512, -1, -1, -1))
     large = m.objective.sample_timesteps(512, lc, torch.Generator().manual_seed(1), torch.zeros(1, 16, 128, 128).expand(512, -1, -1, -1))
     assert large.mean() > small.mean()
@@ -541,3 +543,52 @@ def test_validate_says_guidance_scale_is_ignored_without_a_guidance_embedding():
         assert "no guidance embedding" in message and "ignores it" in message
     for path in ("builtin:tiny-flux", "builtin:tiny-flux-kontext", "builtin:tiny-flux2-dev"):
         assert warned(path, "model.guidance_scale=1") == []
+
+
+def _loss(**settings):
+    """The default ``loss`` section with ``settings``, as the loop hands it to the objective."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.schema import AtelierConfig
+    lc = OmegaConf.structured(AtelierConfig).loss
+    for k, v in settings.items():
+        OmegaConf.update(lc, k, v)
+    return lc
+
+
+def _quantiles_match(ours, anchor, tol=0.015):
+    for q in (0.1, 0.25, 0.5, 0.75, 0.9):
+        assert abs(float(ours.quantile(q)) - float(anchor.quantile(q))) < tol, q
+
+
+def test_training_sigma_is_drawn_as_diffusers_flux_trainer_draws_it_and_kohyas_on_request(flux):
+    """Default: train_dreambooth_lora_flux.py (huggingface/diffusers 58eb52c0, ``--weighting_scheme none``):
+    ``u = compute_density_for_timestep_sampling("none")`` (uniform), ``indices = (u · 1000).long()``,
+    ``timesteps = noise_scheduler_copy.timesteps[indices]``, σ = the scheduler's σ at those indices — the scheduler
+    from the model's config, which leaves σ unshifted under ``use_dynamic_shifting`` (dev): median 0.50 at every size.
+    kohya's sd-scripts (library/flux_train_utils.py at 48d368fa) on request: its default ``--timestep_sampling sigma``
+    draws the same uniform u over its scheduler built with ``--discrete_flow_shift`` 3.0 (loss.flow_shift=3), and its
+    documented ``flux_shift``, ``sigmoid(N(0, 1))`` shifted by μ = lin(256 → 0.5, 4096 → 1.15) of (h/2)·(w/2)
+    tokens, ``e^μ / (e^μ + 1/σ − 1)`` (loss.timestep_distribution=logit_normal, loss.resolution_shift=true)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    ws, paths = flux
+    model = load_tiny_fp32(ws, paths["diffusers"])
+    assert model.family == "flux-dev" and model._sched_config["use_dynamic_shifting"]
+    n = 20000
+    gen = torch.Generator().manual_seed(0)
+    u = torch.rand(n, generator=gen)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(model._sched_config)
+    diffusers_draw = scheduler.sigmas[(u * 1000).long()]
+    kohya_default = 3 * (1 - (u * 1000).long() / 1000) / (1 + 2 * (1 - (u * 1000).long() / 1000))
+    logits = torch.sigmoid(torch.randn(n, generator=gen))
+    for side in (128, 32):  # 1024² px and 256² px for the released VAE
+        latents = torch.zeros(1, 16, side, side).expand(n, -1, -1, -1)
+
+        def ours(**settings):
+            return model.objective.sample_timesteps(n, _loss(**settings), torch.Generator().manual_seed(1), latents)
+        _quantiles_match(ours(), diffusers_draw)
+        _quantiles_match(ours(**{"flow_shift": 3.0}), kohya_default)
+        mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * ((side // 2) * (side // 2) - 256)
+        flux_shift = math.exp(mu) / (math.exp(mu) + (1 / logits - 1))
+        _quantiles_match(ours(**{"timestep_distribution": "logit_normal", "resolution_shift": True}), flux_shift)
+    assert float(diffusers_draw.median()) == pytest.approx(0.5, abs=0.01)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import load_tiny, transformer_inputs
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -317,3 +317,84 @@ def _default_loss():
 
     from trainer.config.schema import AtelierConfig
     return OmegaConf.structured(AtelierConfig).loss
+
+
+def test_klein_predict_is_the_transformer_call_of_flux2_klein_pipeline(klein):
+    """Flux2KleinPipeline's denoising step (no CFG at guidance 1, no guidance embedding): the patchified latents'
+    tokens in row order with ids (0, row, column, 0), text ids (0, 0, 0, k), ``timestep = t / 1000`` (σ of its
+    shifted schedule). ``predict`` on the same noisy latents, the scheduler's σ and the caption's features gives the
+    same velocity; on 8×12 patchified latents, so ids with height and width swapped would show."""
+    from trainer.families.flux2.family import Flux2Conditioning
+    ws, paths = klein
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    h, w = 8, 12
+    noise = torch.randn(1, 128, h, w, generator=torch.Generator().manual_seed(0))
+    inner = getattr(pipe, "pipe", pipe)  # the diffusers pipeline inside the prompt-first wrapper
+    vsf = 2 * inner.vae_scale_factor  # pixels per patchified latent
+    calls, remove = denoiser_calls(model.transformer)
+    try:
+        with torch.no_grad():
+            pipe("a red square", latents=noise.clone(), num_inference_steps=2, width=w * vsf, height=h * vsf,
+                 guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+            ref = calls[1]["kwargs"]
+            sigma = inner.scheduler.sigmas[1:2]
+            assert 0 < float(sigma) < 1 and ref["guidance"] is None
+            torch.testing.assert_close(ref["timestep"], sigma)
+            rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            ids = torch.stack([torch.zeros_like(rows), rows, cols, torch.zeros_like(rows)], -1).reshape(1, -1, 4)
+            torch.testing.assert_close(ref["img_ids"], ids, rtol=0, atol=0)
+            noisy = ref["hidden_states"].permute(0, 2, 1).reshape(1, 128, h, w)
+            embeds = model.encode_captions(["a red square"])["prompt_embeds"]
+            pred = model.predict(noisy, sigma, Flux2Conditioning(embeds))
+    finally:
+        remove()
+    torch.testing.assert_close(pred, calls[1]["out"].permute(0, 2, 1).reshape(1, 128, h, w))
+
+
+@pytest.mark.parametrize("variant", ["klein", "dev"])
+def test_fine_tunes_are_bfls_single_file_that_comfyui_detects_and_diffusers_reads(klein, variant, tmp_path):
+    """A fine-tune is saved in BFL's layout (the released files'): ComfyUI's ``detect_unet_config``
+    (comfy/model_detection.py, upstream 2026-01-07) takes a file for Flux.2 on ``double_blocks.0.img_attn.norm.
+    key_norm.scale`` (or ``.weight``), ``img_in.weight`` and ``double_stream_modulation_img.lin.weight``, reads
+    in_channels and the width from ``img_in.weight``, the text width from ``txt_in.weight``, the depths by counting
+    ``double_blocks.N.`` / ``single_blocks.N.``, and [dev]'s guidance from ``guidance_in.in_layer.weight``; under
+    diffusers' names it found none of them. ``Flux2Transformer2DModel.from_single_file`` (diffusers' converter) and
+    Atelier load the file back to the very weights."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    from trainer.families import build_tiny
+    if variant == "klein":
+        ws, paths = klein
+    else:
+        ws, paths = tmp_path, build_tiny("tiny-flux2-dev", tmp_path / "models")
+    model = load_tiny(ws, paths["diffusers"])
+    with torch.no_grad():
+        model.transformer.transformer_blocks[0].attn.to_k.weight.add_(0.5)
+        model.transformer.norm_out.linear.weight[:4].add_(1.0)  # (scale, shift) halves: BFL swaps them
+    out = tmp_path / "ft.safetensors"
+    model.save_single_file(out, "fp32", {})
+    state = load_file(str(out))
+    cfg = model.transformer.config
+    assert {"double_blocks.0.img_attn.norm.key_norm.scale", "img_in.weight",
+            "double_stream_modulation_img.lin.weight", "txt_in.weight"} <= set(state)
+    assert tuple(state["img_in.weight"].shape) == (cfg.num_attention_heads * cfg.attention_head_dim, cfg.in_channels)
+    assert state["txt_in.weight"].shape[1] == cfg.joint_attention_dim
+
+    def count(prefix):
+        return len({k.split(".")[1] for k in state if k.startswith(prefix)})
+    assert (count("double_blocks."), count("single_blocks.")) == (cfg.num_layers, cfg.num_single_layers)
+    assert ("guidance_in.in_layer.weight" in state) == (variant == "dev") == cfg.guidance_embeds
+    assert not [k for k in state if k.startswith(("transformer_blocks.", "single_transformer_blocks.", "x_embedder"))]
+
+    ours = model.transformer.state_dict()
+    theirs = Flux2Transformer2DModel.from_single_file(str(out), config=str(paths["diffusers"]), subfolder="transformer",
+                                                      local_files_only=True).state_dict()
+    assert set(theirs) == set(ours)
+    for k, v in ours.items():
+        torch.testing.assert_close(theirs[k], v, rtol=0, atol=0, msg=k)
+    again = load_tiny(ws, out, f"model.config_path={paths['diffusers']}")
+    assert again.family == model.family
+    for k, v in ours.items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, rtol=0, atol=0, msg=k)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_tiny_fp32
+from conftest import denoiser_calls, load_tiny_fp32
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -279,3 +279,35 @@ def test_the_learned_variance_trains_with_the_variational_bound_as_onetrainer_do
         steps[strength] = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
     assert len(steps[1]) == len(steps[0]) == 2
     assert steps[1][0] > steps[0][0]  # same batch and noise at step 1: the bound is added on top
+
+
+@pytest.mark.parametrize("variant", ["sigma", "alpha"])
+def test_predict_is_the_transformer_call_of_the_pixart_pipelines(pixart, pixart_alpha, variant):
+    """PixArtSigmaPipeline / PixArtAlphaPipeline's denoising step (no CFG at guidance 1, no resolution binning):
+    ``transformer(latents, encoder_hidden_states, encoder_attention_mask, timestep=t, added_cond_kwargs)`` with α
+    1024's ``resolution`` = [height, width] in pixels and ``aspect_ratio`` = height / width, then the ε half of the
+    learned-σ output. ``predict`` on the same noisy latents, t and the caption's conditioning gives the same ε; on
+    8×12 latents, so a swapped height and width would show."""
+    ws, paths = pixart if variant == "sigma" else pixart_alpha
+    model = load_tiny_fp32(ws, paths["diffusers"])
+    assert bool(model.transformer.config.get("use_additional_conditions")) == (variant == "alpha")
+    pipe = model.pipeline(None)
+    vsf = model.vae_scale_factor
+    c = model.transformer.config.in_channels
+    noise = torch.randn(1, c, 8, 12, generator=torch.Generator().manual_seed(0))
+    calls, remove = denoiser_calls(model.transformer)
+    try:
+        with torch.no_grad():
+            pipe("a red square", height=8 * vsf, width=12 * vsf, latents=noise.clone(), num_inference_steps=2,
+                 guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+            ref = calls[1]
+            added = ref["kwargs"]["added_cond_kwargs"]
+            if variant == "alpha":
+                assert added["resolution"].tolist() == [[8.0 * vsf, 12.0 * vsf]]
+                torch.testing.assert_close(added["aspect_ratio"], torch.tensor([[8 / 12]]))
+            cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+            pred = model.predict(ref["args"][0], ref["kwargs"]["timestep"], cond)
+    finally:
+        remove()
+    assert ref["out"].shape[1] == 2 * c  # learned σ: ε ‖ variance
+    torch.testing.assert_close(pred, ref["out"][:, :c])

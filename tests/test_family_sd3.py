@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import load_tiny
+from conftest import denoiser_calls, load_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,3 +157,29 @@ def test_preconditioned_outputs_train_the_sigma_squared_velocity_loss(sd3, sigma
         with torch.no_grad():
             losses.append(float(forward_loss(state, batch)))
     assert losses[1] == pytest.approx(sigma ** 2 * losses[0], rel=1e-4)
+
+
+def test_predict_is_the_transformer_call_of_stable_diffusion_3_pipeline(sd3):
+    """StableDiffusion3Pipeline's denoising step (no CFG at guidance 1): ``transformer(hidden_states=latents,
+    timestep=t, encoder_hidden_states, pooled_projections)`` with t = σ·1000 of its shifted schedule, the latents
+    unpacked (SD3 patches them itself). ``predict`` on the same noisy latents, the scheduler's σ and the caption's
+    conditioning gives the same velocity; non-square latents (8×12), so a swapped axis would show."""
+    ws, paths = sd3
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    noise = torch.randn(1, model.transformer.config.in_channels, 8, 12, generator=torch.Generator().manual_seed(0))
+    vsf = pipe.vae_scale_factor
+    calls, remove = denoiser_calls(model.transformer)
+    try:
+        with torch.no_grad():
+            pipe("a red square", height=8 * vsf, width=12 * vsf, latents=noise.clone(), num_inference_steps=2,
+                 guidance_scale=1.0, output_type="latent", **model.sampling_kwargs())
+            ref = calls[1]  # the second step: a σ below 1
+            sigma = pipe.scheduler.sigmas[1:2]
+            assert 0 < float(sigma) < 1
+            torch.testing.assert_close(ref["kwargs"]["timestep"], sigma * 1000)
+            cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+            pred = model.predict(ref["kwargs"]["hidden_states"], sigma, cond)
+    finally:
+        remove()
+    torch.testing.assert_close(pred, ref["out"])

@@ -28,7 +28,7 @@ def test_text_features_and_the_velocity_are_the_pipelines(zimage):
     cond = model.batch_condition({"captions": [caption, "x"]}, lambda c: c, set())
     torch.testing.assert_close(cond.prompt_embeds[0][cond.prompt_mask[0]], features[0])
     # the pipeline's velocity at σ: −transformer(latents, 1 − σ); the loop's target is ε − x at σ
-    latents, sigma = torch.randn(1, 16, 8, 8), torch.tensor([0.7])
+    latents, sigma = torch.randn(1, 16, 8, 12), torch.tensor([0.7])  # non-square: a swapped axis would show
     out = model.transformer([latents[0].unsqueeze(1)], 1.0 - sigma, [features[0]], return_dict=False)[0]
     from trainer.families.common.transformer_kit import MaskedText
     first = MaskedText(cond.prompt_embeds[:1], cond.prompt_mask[:1])

@@ -14,6 +14,7 @@ from trainer.events import read_events
 from trainer.errors import ModelLoadError
 from trainer.families.sd.family import StableDiffusion
 
+from conftest import denoiser_calls
 from test_train import cli, image, overrides, tiny_pipe
 
 pytestmark = pytest.mark.slow
@@ -179,3 +180,27 @@ def test_xformers_when_not_installed_is_a_clear_error(tiny_workspace):
         pass
     with pytest.raises(ModelLoadError, match="model.attention = xformers.*Use sdpa"):
         StableDiffusion(model_cfg(path="builtin:tiny-sd", attention="xformers"), str(tiny_workspace))
+
+
+def test_predict_is_the_unet_call_of_stable_diffusion_pipeline(tiny_workspace):
+    """StableDiffusionPipeline's denoising step (no CFG at guidance 1, DDIM leaves the input unscaled):
+    ``unet(latents, t, encoder_hidden_states=prompt_embeds)``. ``predict`` on the same noisy latents, t and the
+    caption's conditioning gives the same output; on 8×12 latents."""
+    ws = tiny_workspace
+    model = StableDiffusion(model_cfg(path=str(ws / "models" / "tiny-sd")), str(ws))
+    pipe = model.pipeline("ddim")
+    vsf = pipe.vae_scale_factor
+    noise = torch.randn(1, model.unet.config.in_channels, 8, 12, generator=torch.Generator().manual_seed(0))
+    calls, remove = denoiser_calls(model.unet)
+    try:
+        with torch.no_grad():
+            pipe("a red square", height=8 * vsf, width=12 * vsf, latents=noise.clone(), num_inference_steps=2,
+                 guidance_scale=1.0, output_type="latent")
+            ref = calls[1]
+            x, t = ref["args"][:2]
+            assert 0 < int(t) < 999
+            cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+            pred = model.predict(x, t, cond)
+    finally:
+        remove()
+    torch.testing.assert_close(pred, ref["out"])

@@ -23,6 +23,8 @@ from trainer.families.sources import load_model
 from trainer.errors import ModelLoadError
 from trainer.families.sdxl.family import SDXLConditioning, StableDiffusionXL
 
+from conftest import denoiser_calls
+
 TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2",
                 "conv1", "conv2", "conv_shortcut", "conv", "time_emb_proj"]
@@ -213,6 +215,34 @@ def test_condition_time_ids_match_each_crop(model):
 
     half = cond.to(torch.bfloat16)
     assert half.prompt_embeds.dtype == half.time_ids.dtype == torch.bfloat16
+
+
+def test_predict_is_the_unet_call_of_stable_diffusion_xl_pipeline(model):
+    """StableDiffusionXLPipeline's denoising step (no CFG at guidance 1): ``unet(latents, t, encoder_hidden_states,
+    added_cond_kwargs={"text_embeds": pooled CLIP-G, "time_ids": original_size + crops_coords_top_left +
+    target_size})``, each pair (height, width) / (top, left). ``predict`` on the same noisy latents and t, with the
+    conditioning of the same sizes and crop, gives the same output; on 8×12 latents, with every size and offset
+    different, so a swapped height and width or crop top and left would show."""
+    pipe = model.pipeline("ddim")
+    vsf = pipe.vae_scale_factor
+    height, width = 8 * vsf, 12 * vsf
+    original, crop = (1000, 1500), (37, 211)
+    noise = torch.randn(1, model.unet.config.in_channels, 8, 12, generator=torch.Generator().manual_seed(0))
+    calls, remove = denoiser_calls(model.unet)
+    try:
+        with torch.no_grad():
+            pipe(PROMPT, height=height, width=width, latents=noise.clone(), num_inference_steps=2,
+                 guidance_scale=1.0, original_size=original, crops_coords_top_left=crop, output_type="latent")
+            ref = calls[1]
+            x, t = ref["args"][:2]
+            assert ref["kwargs"]["added_cond_kwargs"]["time_ids"].tolist() == [[1000, 1500, 37, 211, height, width]]
+            cond = model.batch_condition({"captions": [PROMPT], "original_sizes": [original],
+                                          "crop_top_lefts": [crop], "target_sizes": [(height, width)]},
+                                         lambda c: c, set())
+            pred = model.predict(x, t, cond)
+    finally:
+        remove()
+    torch.testing.assert_close(pred, ref["out"])
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ registry and peft), and stays importable when an 8-bit optimizer needs it."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,20 +18,54 @@ from trainer.host.startup import unneeded_packages
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
+# One fresh process answers both start-up trims, in the CLI's order (skip_unused_imports, then speed_up_imports):
+# three processes for the two tests below instead of six (each imports torch, diffusers, transformers and peft).
 PROBE = """
-import sys
+import os, sys
 from trainer.config.checks import load_config
-from trainer.host.startup import skip_unused_imports
+from trainer.host.startup import skip_unused_imports, speed_up_imports
 cfg = load_config(None, ["training.optimizer.name=%s"], preset="demo")
 print("skipped", skip_unused_imports(cfg))
+print("patched", speed_up_imports())
 import diffusers, peft
 from diffusers import UNet2DConditionModel, StableDiffusionPipeline
 import peft.tuners.lora
 from diffusers.utils import is_bitsandbytes_available
 print("bnb imported", sys.modules.get("bitsandbytes") is not None, "diffusers sees bnb", is_bitsandbytes_available())
 print("inductor", "torch._inductor.compile_fx" in sys.modules)
+import transformers, transformers.models
+from transformers import CLIPTextModel
+from transformers.utils import import_utils as iu
+info = iu.create_import_structure_from_path.cache_info()
+print("maxsize", info.maxsize, "misses", info.misses)
+models = os.path.join(os.path.dirname(transformers.__file__), "models")
+fresh = getattr(iu.create_import_structure_from_path, "__wrapped__")(models)
+ref = iu.spread_import_structure(fresh)
+used = iu.define_import_structure(os.path.join(models, "__init__.py"))
+print("same", used == ref, len(ref))
 """
+
+
+def _probe(optimizer: str, cache_home: Path, **env) -> str:
+    out = subprocess.run([sys.executable, "-c", PROBE % optimizer], cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache_home), **env),
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Three fresh processes sharing one cache folder: AdamW with an empty import cache, an 8-bit optimizer with the
+    cache the first wrote, and AdamW with the escape hatch."""
+    cache = tmp_path_factory.mktemp("cache")
+    first = _probe("adamw", cache)
+    written = sorted(p.name for p in (cache / "atelier").glob("transformers-*-import-structure.json"))
+    eight_bit = "adamw8bit" if HAS_BNB else "adamw"  # the cache test reads the second alone
+    return dict(first=first, written=written, second=_probe(eight_bit, cache),
+                off=_probe("adamw", cache, ATELIER_IMPORT_ALL="1"))
 
 
 @pytest.mark.parametrize("name,skipped", [("adamw", ["bitsandbytes"]), ("prodigy", ["bitsandbytes"]),
@@ -40,21 +75,14 @@ def test_only_configs_without_8bit_optimizers_skip_bitsandbytes(name, skipped):
     assert unneeded_packages(cfg) == skipped
 
 
-def _probe(optimizer: str, **env) -> str:
-    out = subprocess.run([sys.executable, "-c", PROBE % optimizer], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), **env), timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
-@pytest.mark.skipif(__import__("importlib").util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes")
-def test_a_fresh_process_imports_diffusers_and_peft_without_bitsandbytes():
-    out = _probe("adamw")
+@pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes")
+def test_a_fresh_process_imports_diffusers_and_peft_without_bitsandbytes(probes):
+    out = probes["first"]
     assert "skipped ['bitsandbytes']" in out
     assert "bnb imported False diffusers sees bnb False" in out and "inductor False" in out
-    out = _probe("adamw8bit")  # an 8-bit optimizer: untouched
+    out = probes["second"]  # an 8-bit optimizer: untouched
     assert "skipped []" in out and "bnb imported True diffusers sees bnb True" in out
-    out = _probe("adamw", ATELIER_IMPORT_ALL="1")  # the escape hatch
+    out = probes["off"]  # the escape hatch
     assert "skipped []" in out and "bnb imported True" in out
 
 
@@ -76,44 +104,19 @@ def test_gc_is_paused_for_start_up_and_resumed_once():
 
 
 # --- import-time caches (speed_up_imports) -----------------------------------------------------------
-STRUCTURE_PROBE = """
-import os, sys
-from trainer.host.startup import speed_up_imports
-print("patched", speed_up_imports())
-import transformers, transformers.models, peft
-from transformers import CLIPTextModel
-from transformers.utils import import_utils as iu
-info = iu.create_import_structure_from_path.cache_info()
-print("maxsize", info.maxsize, "misses", info.misses)
-models = os.path.join(os.path.dirname(transformers.__file__), "models")
-fresh = getattr(iu.create_import_structure_from_path, "__wrapped__")(models)
-ref = iu.spread_import_structure(fresh)
-used = iu.define_import_structure(os.path.join(models, "__init__.py"))
-print("same", used == ref, len(ref))
-"""
-
-
-def _structure_probe(cache_home: Path, **env) -> str:
-    out = subprocess.run([sys.executable, "-c", STRUCTURE_PROBE], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache_home), **env),
-                         timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
-
-
 def _misses(out: str) -> int:
     return int(out.split("misses ")[1].split()[0])
 
 
-def test_transformers_scans_its_models_folder_once_and_then_reads_the_disk_cache(tmp_path):
-    first = _structure_probe(tmp_path)
+def test_transformers_scans_its_models_folder_once_and_then_reads_the_disk_cache(probes):
+    first = probes["first"]
     assert "patched True" in first and "maxsize None" in first and "same True" in first
     # one scan of ~550 folders (without the fix: two, each missing the 128-entry cache every time)
     assert 500 < _misses(first) < 700, first
-    assert list((tmp_path / "atelier").glob("transformers-*-import-structure.json"))
-    second = _structure_probe(tmp_path)  # a new process: the structure comes from disk, no folder is read
+    assert probes["written"]
+    second = probes["second"]  # a new process: the structure comes from disk, no folder is read
     assert "same True" in second and _misses(second) < 50, second
-    off = _structure_probe(tmp_path, ATELIER_IMPORT_ALL="1")  # the escape hatch leaves transformers alone
+    off = probes["off"]  # the escape hatch leaves transformers alone
     assert "patched False" in off and "maxsize 128" in off and _misses(off) > 1000
 
 

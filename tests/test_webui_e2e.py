@@ -513,3 +513,43 @@ def test_the_mask_painter_saves_what_was_painted(page_url):
     assert mask.shape == (150, 200) and set(np.unique(mask)) == {0, 255}  # the image's size, black and white
     assert mask[75, 100] == 255 and mask[0, 0] == 0 and mask[149, 199] == 0  # painted the middle, not the corners
     assert 0.01 < (mask == 255).mean() < 0.5
+
+
+def write_clip(path: Path, frames: int = 9, size: int = 32, fps: int = 16) -> None:
+    """An H.264 MP4 (what a video family's sample is) whose frames go from red to blue."""
+    import av
+    import numpy as np
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            rgb = np.zeros((size, size, 3), np.uint8)
+            rgb[..., 0], rgb[..., 2] = 255 - 255 * i // (frames - 1), 255 * i // (frames - 1)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
+
+
+def test_a_sample_video_plays_in_the_run_tab(page_url):
+    """A video family's sample (an MP4 with its first frame as a PNG beside it) is shown as the video, which the
+    browser decodes and plays; the PNG is not listed twice."""
+    from PIL import Image
+
+    from trainer.events import EventWriter
+    url, ctx = page_url
+    run = ctx.workspace / "runs" / "a-video-run"
+    (run / "samples").mkdir(parents=True)
+    write_clip(run / "samples" / "step000004-p0.mp4")
+    Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
+    EventWriter(run / "events.jsonl").emit("started", total_steps=4)
+    with open_page(url) as page:
+        page.get_by_role("tab", name="Run", exact=True).click()
+        page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
+                               timeout=15000)
+        video = page.locator("#sample-gallery video").first
+        video.wait_for(state="attached", timeout=15000)
+        assert page.locator("#sample-gallery img").count() == 0  # the first-frame PNG is not a second tile
+        page.wait_for_function("document.querySelector('#sample-gallery video').readyState >= 2", timeout=15000)
+        assert video.evaluate("v => v.duration") == pytest.approx(9 / 16, abs=0.1)
+        video.evaluate("v => { v.muted = true; return v.play(); }")
+        page.wait_for_function("document.querySelector('#sample-gallery video').currentTime > 0", timeout=15000)

@@ -14,9 +14,10 @@ and the loop calls only these methods, as diffusers' training examples do::
   s = 0.008, clamped to [1e-4, 0.9999]), ε-prediction, the P2 loss weight (1 + SNR)^-1 = 1 − ᾱ(t) that the
   Würstchen training code (``p2_weight``) and kohya's Stable Cascade trainer (``P2LossWeight``) use.
 - :class:`FlowMatchingObjective` (rectified flow, SD3/Flux): σ ∈ (0, 1) from a uniform, logit-normal
-  or mode density (diffusers' ``compute_density_for_timestep_sampling``), shifted by a fixed shift or,
-  for models trained that way (Flux.1 dev), by the resolution-dependent shift μ(image tokens)
-  (``FluxPipeline``'s ``calculate_shift`` and the scheduler's exponential time shift);
+  or mode density (diffusers' ``compute_density_for_timestep_sampling``), shifted by a fixed shift or, on
+  request (``loss.resolution_shift``, kohya's ``flux_shift``), by the resolution-dependent shift μ(image tokens)
+  the sampler of Flux.1 dev, Chroma and Qwen-Image uses (``FluxPipeline``'s ``calculate_shift`` and the scheduler's
+  exponential time shift); unshifted there by default, as diffusers' trainers draw;
   noisy = (1 − σ)·x + σ·ε, target = ε − x; SD3's loss weightings (``compute_loss_weighting_for_sd3``).
 
 Every draw comes from the trainer's generator, so a resumed run draws exactly what an uninterrupted
@@ -42,6 +43,7 @@ DDPM_ONLY = (
 FLOW_ONLY = (
     ("flow_weighting", "none", "SD3-style loss weighting is defined on flow-matching σ"),
     ("flow_shift", 0.0, "the timestep shift is a flow-matching option"),
+    ("resolution_shift", False, "the resolution-dependent shift is a flow-matching option"),
     ("precondition_outputs", False, "preconditioned outputs (x̂0 = x_σ − σ·v̂) are defined for flow matching"),
 )
 COSINE_ONLY = (
@@ -112,8 +114,9 @@ def flux_shift_mu(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int 
 
 def flow_objective_for(scheduler_config: dict, patch: int = 2) -> "FlowMatchingObjective":
     """The flow objective a ``FlowMatchEulerDiscreteScheduler`` config describes: its fixed shift, or (with
-    ``use_dynamic_shifting``, Flux.1 dev and Chroma) the resolution-dependent shift μ of the image-token count
-    (latents packed ``patch``×``patch``) that their pipelines sample with."""
+    ``use_dynamic_shifting``: Flux.1 dev, Chroma, Qwen-Image) none, as diffusers' trainers draw — the scheduler skips
+    its shift there, and the pipeline shifts by μ at sampling — with the pipeline's resolution-dependent μ of the
+    image-token count (latents packed ``patch``×``patch``) kept for ``loss.resolution_shift``."""
     cfg = scheduler_config
     if not cfg.get("use_dynamic_shifting", False):
         return FlowMatchingObjective(shift=float(cfg.get("shift", 1.0)))
@@ -129,8 +132,9 @@ class FlowMatchingObjective:
     """Rectified flow: x_σ = (1 − σ)·x + σ·ε, target ε − x; ``timesteps`` are σ ∈ (0, 1) (float).
 
     ``shift``: a fixed shift s (σ' = s·σ / (1 + (s − 1)·σ)), 1 = none. ``dynamic_shift``: a function
-    latents → μ (resolution-dependent, e.g. Flux.1 dev), used when ``loss.flow_shift`` is 0 (auto);
-    σ' = e^μ / (e^μ + 1/σ − 1). ``loss.flow_shift`` > 0 overrides both with a fixed shift."""
+    latents → μ (resolution-dependent, e.g. Flux.1 dev), used when ``loss.resolution_shift`` is on and
+    ``loss.flow_shift`` is 0 (auto): σ' = e^μ / (e^μ + 1/σ − 1), kohya's ``flux_shift``. ``loss.flow_shift`` > 0
+    overrides both with a fixed shift."""
 
     kind = "flow"
     prediction_type = "flow"
@@ -153,7 +157,8 @@ class FlowMatchingObjective:
     def _shifted(self, sigmas, lc: Any, latents):
         import torch  # torch inside: validate reads the objectives' rules without torch
         fixed = float(cfg_value(lc, "flow_shift", 0.0) or 0.0)
-        if fixed > 0 or self.dynamic_shift is None or latents is None:
+        by_size = bool(cfg_value(lc, "resolution_shift", False))
+        if fixed > 0 or self.dynamic_shift is None or not by_size or latents is None:
             s = fixed if fixed > 0 else self.shift
             return sigmas if s == 1.0 else s * sigmas / (1 + (s - 1) * sigmas)
         mu = float(self.dynamic_shift(latents))  # σ' = e^μ / (e^μ + 1/σ − 1)

@@ -20,7 +20,8 @@ from trainer.events import TERMINAL, EventTail
 from webui import runner
 
 # step<STEP>-p<PROMPT>[-ema][-<N>].png: -ema for the EMA weights' sample, -N for a second one at the same step
-SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)(-ema)?(?:-(\d+))?\.(png|jpg|jpeg|webp)$", re.I)
+SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)(-ema)?(?:-(\d+))?\.(png|jpg|jpeg|webp|mp4|webm)$", re.I)
+VIDEO_SUFFIXES = (".mp4", ".webm")  # a video family's sample: the page's galleries play it
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
                "memoryerror", "oom-kill", "killed process")
 OOM_ADVICE = ("To use less memory: lower the batch size (training.batch_size), turn on gradient "
@@ -218,17 +219,21 @@ def _active_within(run_dir: Path, seconds: float) -> bool:
 
 
 def scan_samples(run_dir: Path, prompts: Dict[int, str]) -> List[Sample]:
-    """Sample images in ``samples/`` (``step{STEP:06d}-p{INDEX}[-ema][-N].png``), oldest step first."""
+    """Samples in ``samples/`` (``step{STEP:06d}-p{INDEX}[-ema][-N].png``), oldest step first. A video family's
+    sample is an ``.mp4`` with a ``.png`` of its first frame beside it: the video stands for both."""
     out = []
     folder = run_dir / "samples"
     if not folder.is_dir():
         return out
-    for p in folder.iterdir():
-        m = SAMPLE_RE.search(p.name)
-        if m:
-            idx = int(m.group(2))
-            caption = prompts.get(idx, "") + (" (EMA weights)" if m.group(3) else "")
-            out.append(Sample(str(p), int(m.group(1)), idx, caption))
+    names = {p.name: p for p in folder.iterdir()}
+    videos = {Path(n).stem for n in names if Path(n).suffix.lower() in VIDEO_SUFFIXES}
+    for name, p in names.items():
+        m = SAMPLE_RE.search(name)
+        if not m or (p.suffix.lower() not in VIDEO_SUFFIXES and p.stem in videos):
+            continue
+        idx = int(m.group(2))
+        caption = prompts.get(idx, "") + (" (EMA weights)" if m.group(3) else "")
+        out.append(Sample(str(p), int(m.group(1)), idx, caption))
     return sorted(out, key=lambda s: (s.step, s.prompt_index, s.path))
 
 

@@ -23,6 +23,7 @@ from trainer.config.fields import inner_type
 from trainer.config.load import compose, compose_dict
 from trainer.config.schema import AtelierConfig
 from trainer.data.buckets import check_resolutions, training_side
+from trainer.data.frames import check_clip_settings
 from trainer.errors import ConfigError, Issue
 from trainer.families.checks import check_family_options, guidance_warnings, part_warnings
 from trainer.host import devices
@@ -104,6 +105,7 @@ def validate(cfg: DictConfig) -> None:
                               f"data.concepts.{i}.caption_file is empty.",
                               key=f"data.concepts.{i}.caption_file")
     check_resolutions(cfg)  # data.resolution and the concepts' own
+    check_clip_settings(cfg)  # frame counts the family's VAE takes; no clips for an image family
     check_output_format(cfg)  # what the method can write
     for i, s in enumerate(cfg.sampling.prompts):
         for dim in ("width", "height"):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from trainer.data.concepts import concept_caption_file, concept_controls, concept_folder
+from trainer.data.frames import concept_extensions, video_spec
 from trainer.data.order import concept_repeats
 from trainer.errors import DataError
 from trainer.families import tiny_models
@@ -104,12 +105,13 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
         add("model.config_path", f"model.config_path '{config_path}' is not a folder. Give a diffusers model "
                                  "folder whose configs describe the single file, or leave it empty.")
     per_epoch, readable, roles = 0.0, True, []
+    extensions = concept_extensions(video_spec(cfg))  # a video family's concepts hold clips too
     for i, concept in enumerate(cfg.data.concepts or []):
         if not concept.enabled:
             continue
         roles.append(str(getattr(concept, "role", "train") or "train"))
         try:
-            folder, files = concept_folder(i, concept, base)
+            folder, files = concept_folder(i, concept, base, extensions=extensions)
             if concept.caption_source == "concept_file":
                 concept_caption_file(i, concept, folder, base)
             concept_controls(i, concept, folder, files, base)  # every image with its controls, every control paired

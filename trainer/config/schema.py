@@ -161,6 +161,20 @@ class ConceptConfig:
     tag_dropout_keep: str = f("", "Tags never dropped, separated by tag_delimiter.")
     caption_dropout: float = f(0.0, "Probability of training an image with an empty caption "
                                     "(helps classifier-free guidance).", min=0.0, max=1.0)
+    # clips (video families; musubi-tuner's dataset names). Frames are counted at the model's frame rate.
+    target_frames: str = f("33", "Video families: frame counts to take from each clip, one or a comma list (17,33); "
+                                 "each a count the VAE takes (4k+1 for Wan: 1, 5, 9 … 81). A clip shorter than the "
+                                 "smallest is skipped. Images train as one frame.")
+    frame_extraction: str = f("head", "Video families: which windows of a clip train: head (its first frames), chunk "
+                                      "(back-to-back windows), slide (a window every frame_stride frames), uniform "
+                                      "(frame_sample windows evenly spaced), full (the whole clip up to max_frames, "
+                                      "rounded down to a count the VAE takes).",
+                              choices=["head", "chunk", "slide", "uniform", "full"])
+    frame_stride: int = f(1, "Video families, frame_extraction slide: frames between window starts.", min=1,
+                          max=100000)
+    frame_sample: int = f(1, "Video families, frame_extraction uniform: how many windows per clip.", min=1, max=10000)
+    max_frames: int = f(0, "Video families, frame_extraction full: the longest window; 0 = the model's longest "
+                           "(81 for Wan).", min=0, max=100000)
 
 
 @dataclass
@@ -189,6 +203,10 @@ class DataConfig:
                                  "per image; 0 = augmented images skip the cache (encoded every step).",
                               min=0, max=256)
     masks: bool = f(False, "Masked training: read <image>-masklabel.png (white = focus) next to each image.")
+    variable_frame_rate: str = f("resample", "Video families: a clip whose frame rate varies (phone recordings, "
+                                             "GIFs) is resampled to the model's rate by its frames' timestamps, "
+                                             "or skipped (and listed in the dataset report).",
+                                 choices=["resample", "skip"])
     control_resolution: str = f("", "Control and reference images: a pixel budget (1024, or WxH) they are resized to, "
                                     "with their target's aspect ratio; empty = the target's own bucket size (the same "
                                     "crop and flip as the target either way).")

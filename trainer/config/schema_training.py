@@ -175,7 +175,13 @@ class LossConfig:
     mode_scale: float = f(1.29, "mode: how strongly the middle is favoured (−1 to 1.75; 0 = uniform).",
                           min=-1.0, max=1.75)
     flow_shift: float = f(0.0, "Flow-matching families (Flux …): timestep shift s (σ' = sσ/(1+(s−1)σ); 3 is "
-                               "common); 0 = the model's own (Flux.1 dev: resolution-dependent).", min=0.0, max=100.0)
+                               "kohya's default); 0 = the model's own fixed shift (SD3, Z-Image), none for the models "
+                               "whose sampler shifts by the image size (as diffusers' trainers draw).",
+                          min=0.0, max=100.0)
+    resolution_shift: bool = f(False, "Flux.1 dev/Kontext, Chroma, Qwen-Image: shift the training σ by the image "
+                                      "size's μ, as their pipelines sample (kohya's --timestep_sampling flux_shift, "
+                                      "with timestep_distribution logit_normal); off = unshifted, as diffusers' Flux "
+                                      "and Qwen-Image trainers draw. loss.flow_shift > 0 wins.")
     precondition_outputs: bool = f(False, "Flow-matching families: compare x̂0 = x_σ − σ·v̂ with the clean latents "
                                           "instead of v̂ with ε − x (the velocity loss weighted by σ²), as diffusers' "
                                           "SD3 trainer (--precondition_outputs, its default) and kohya's do; off = "

@@ -3,6 +3,8 @@ torch-free ones stay torch-free:
 
 - ``concepts``  scan concept folders: images, captions, masks, bad files          (no torch)
 - ``probe``     does an image decode whole, and its displayed size                 (Pillow)
+- ``clips``     video clips: probe, resample to the model's rate, windowed decode (PyAV)
+- ``frames``    frame extraction modes, frame-count buckets, clips cut into windows (no torch)
 - ``captions``  caption files; caption/tag dropout, tag shuffling, placeholders    (no torch)
 - ``order``     repeats and each epoch's seeded order                               (no torch)
 - ``buckets``   resolutions, aspect buckets, an epoch's batches                    (no torch)

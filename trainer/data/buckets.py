@@ -62,8 +62,9 @@ def parse_resolution(text: object, min_side: int = MIN_SIDE, max_side: int = MAX
     return out
 
 
-def format_size(size: Size) -> str:
-    return f"{size[0]}x{size[1]}"
+def format_size(size: Tuple[int, ...]) -> str:
+    """``512x768``; a video family's bucket ``(width, height, frames)`` as ``512x768x33f``."""
+    return f"{size[0]}x{size[1]}" + (f"x{size[2]}f" if len(size) > 2 else "")
 
 
 def snap(value: float, step: int) -> int:

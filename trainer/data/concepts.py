@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from trainer.data.clips import VIDEO_EXTENSIONS, ClipInfo, Window, clip_mask, is_mask_clip, probe_clip, probe_mask_clip
 from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
 from trainer.data.probe import mask_is_blank, probe_image
 from trainer.errors import DataError
@@ -49,6 +50,8 @@ class ImageItem:
     validation: bool = False     # from a validation concept: loss is measured, never trained on
     role: str = "train"          # the concept's role: train | validation | regularisation | prior_prediction
     controls: Tuple[Path, ...] = ()  # its control/reference images, one from each of the concept's control folders
+    clip: Optional[ClipInfo] = None  # a video clip (a video family's concept): what probing it found
+    window: Optional[Window] = None  # a video family's sample: which frames of the clip (an image: Window(0, 1))
 
 
 @dataclass
@@ -117,6 +120,7 @@ class DataReport:
     dropped: List[str] = field(default_factory=list)         # in a bucket too small for a batch: never trained
     small_images: List[dict] = field(default_factory=list)   # {"file", "size", "bucket", "upscale"}
     duplicates: List[List[str]] = field(default_factory=list)  # files with identical content
+    clips: List[dict] = field(default_factory=list)  # a video family's clips: each with its windows or why skipped
     leftover_per_epoch: int = 0                              # samples of unfilled batches in epoch 1
     batches_per_epoch: int = 0
 
@@ -152,6 +156,7 @@ class DataReport:
             "duplicates": self.duplicates[:listed], "duplicates_count": len(self.duplicates),
             "masks_missing": self.masks_missing[:listed], "masks_missing_count": len(self.masks_missing),
             "leftover_per_epoch": self.leftover_per_epoch,
+            "clips": list(self.clips),
             "concepts": [c.to_dict() for c in self.concepts],
             "warnings": list(self.warnings),
         }
@@ -165,8 +170,8 @@ def _default_warn(message: str) -> None:
     log.warning(message)
 
 
-def scan_concepts(data_cfg: Any, warn: Warn = _default_warn,
-                  base_dir: Optional[Path] = None) -> Tuple[List[ImageItem], DataReport]:
+def scan_concepts(data_cfg: Any, warn: Warn = _default_warn, base_dir: Optional[Path] = None,
+                  clips: bool = False) -> Tuple[List[ImageItem], DataReport]:
     """Find every usable image of every enabled concept, with its caption candidates.
 
     ``data_cfg`` is the ``data`` section (an OmegaConf node or a ``DataConfig``). Relative concept
@@ -174,7 +179,8 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn,
     Unreadable images are skipped with a warning rather than failing the run, because one bad file
     in a folder of hundreds should not cost a user their evening; a concept left with *no* image,
     a missing folder or no enabled concept at all raises :class:`DataError`.
-    Every warning goes to ``warn`` and into ``report.warnings``.
+    Every warning goes to ``warn`` and into ``report.warnings``. ``clips`` (a video family): a concept folder's
+    clips are training items too, each with its :class:`ClipInfo`.
     """
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     report = DataReport()
@@ -192,7 +198,7 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn,
     items: List[ImageItem] = []
     for index, concept in enabled:
         concept_items, concept_report = _scan_one(index, concept, base, _warn,
-                                                  masks=bool(getattr(data_cfg, "masks", False)))
+                                                  masks=bool(getattr(data_cfg, "masks", False)), clips=clips)
         items += concept_items
         report.concepts.append(concept_report)
     return items, report
@@ -207,8 +213,8 @@ def _resolve(path_str: str, base: Path) -> Path:
     return p if p.is_absolute() else base / p
 
 
-def concept_folder(index: int, concept: Any, base: Path,
-                   passed_over: Optional[List[Tuple[str, str]]] = None) -> Tuple[Path, List[Path]]:
+def concept_folder(index: int, concept: Any, base: Path, passed_over: Optional[List[Tuple[str, str]]] = None,
+                   extensions: Tuple[str, ...] = IMAGE_EXTENSIONS) -> Tuple[Path, List[Path]]:
     """The folder of an enabled concept and its image files, or DataError naming the field: empty,
     missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too.
     ``passed_over`` receives what carries an image's name but is no image file (see :func:`find_images`)."""
@@ -225,7 +231,7 @@ def concept_folder(index: int, concept: Any, base: Path,
         raise DataError(f"{key}: '{folder}' is a file, not a folder. Point {label} at the folder "
                         "that holds the images.", key=key, value=str(concept.path))
     passed: List[Tuple[str, str]] = []
-    files = find_images(folder, bool(concept.recursive), passed_over=passed)
+    files = find_images(folder, bool(concept.recursive), extensions, passed_over=passed)
     if passed_over is not None:
         passed_over.extend(passed)
     if not files:
@@ -234,7 +240,7 @@ def concept_folder(index: int, concept: Any, base: Path,
             hint = f" Passed over: {short_list([f'{f} ({r})' for f, r in passed], 3)}."
         if not concept.recursive and find_images(folder, True):
             hint += f" Its sub-folders do hold images: turn on data.concepts.{index}.recursive."
-        raise DataError(f"{key}: folder '{folder}' has no images ({' '.join(IMAGE_EXTENSIONS)}).{hint} "
+        raise DataError(f"{key}: folder '{folder}' has no images ({' '.join(extensions)}).{hint} "
                         f"Add images, fix the path, or disable {label}.", key=key, value=str(concept.path))
     return folder, files
 
@@ -338,12 +344,13 @@ def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> 
     return path
 
 
-def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
-              masks: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
+def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = False,
+              clips: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
     key = f"data.concepts.{index}.path"
     label = concept_label(index, concept)
     passed: List[Tuple[str, str]] = []
-    folder, files = concept_folder(index, concept, base, passed)
+    extensions = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS if clips else IMAGE_EXTENSIONS
+    folder, files = concept_folder(index, concept, base, passed, extensions)
 
     role = str(getattr(concept, "role", "train") or "train")
     controls = concept_controls(index, concept, folder, files, base)
@@ -357,7 +364,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     for rel, why in passed:
         report.skipped.append((rel, why))
         warn(f"Skipping '{folder / rel}' ({label}): {why}.")
-    report.unused_files = find_images(folder, bool(concept.recursive), UNUSED_IMAGE_EXTENSIONS, relative=True)
+    unused = tuple(e for e in UNUSED_IMAGE_EXTENSIONS if e not in extensions)
+    report.unused_files = find_images(folder, bool(concept.recursive), unused, relative=True)
     if report.unused_files:
         warn(f"{label}: {len(report.unused_files)} files are in a format Atelier does not train on and are "
              f"not used ({short_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
@@ -369,12 +377,13 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
     workers = max(1, min(8, (os.cpu_count() or 1), len(files)))
     control_files = sorted({c for pair in controls.values() for c in pair})
     with ThreadPoolExecutor(max_workers=workers) as pool:  # decoding releases the GIL
-        checks = list(pool.map(probe_image, files))
+        checks = list(pool.map(lambda p: probe_clip(p) if p.suffix.lower() in VIDEO_EXTENSIONS else probe_image(p),
+                               files)) if clips else list(pool.map(probe_image, files))
         control_problems = {c: chk[1] for c, chk in zip(control_files, pool.map(probe_image, control_files))}
 
     items: List[ImageItem] = []
     missing: List[str] = []
-    for path, (size, problem) in zip(files, checks):
+    for path, (size, problem, *clip) in zip(files, checks):
         rel = rel_path(path, folder)
         bad_control = next((c for c in controls.get(path, ()) if control_problems.get(c)), None)
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
@@ -399,7 +408,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn,
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
                                loss_weight=float(concept.loss_weight), width=size[0], height=size[1],
-                               validation=report.validation, role=role, controls=controls.get(path, ())))
+                               validation=report.validation, role=role, controls=controls.get(path, ()),
+                               clip=clip[0] if clip else None))
 
     if masks:
         _attach_masks(items, folder, report, label, warn)
@@ -429,11 +439,12 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
     """Pair each image with its mask. A missing mask trains the whole image (all focus); an
     unreadable mask, or one whose shape differs from its image's, is reported and ignored; one
     with the image's aspect but another size is used, scaled to the image."""
-    candidates = [mask_path(it.path) for it in items]
+    candidates = [mask_path(it.path) if it.clip is None else clip_mask(it.path, mask_path(it.path)) for it in items]
     present = [(it, m) for it, m in zip(items, candidates) if m.is_file()]
     workers = max(1, min(8, (os.cpu_count() or 1), len(present) or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        checks = list(pool.map(lambda pair: probe_image(pair[1]), present))
+        checks = list(pool.map(lambda pair: probe_mask_clip(pair[1], pair[0].clip) if is_mask_clip(pair[1].name)
+                               else probe_image(pair[1]), present))
     by_item = {id(it): (m, chk) for (it, m), chk in zip(present, checks)}
     for item in items:
         rel = rel_path(item.path, folder)
@@ -500,7 +511,7 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
                 continue
             p = directory / name
             low = name.lower()
-            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX)
+            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX) and not is_mask_clip(low)
             reason = _entry_problem(p, confined)
             is_dir = reason is None and p.is_dir()
             if is_dir and recursive:

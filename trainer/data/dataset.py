@@ -29,8 +29,10 @@ from trainer.data.buckets import (
 )
 from trainer.data.cache import file_sha256
 from trainer.data.concepts import DataReport, ImageItem, concept_label, rel_path, scan_concepts, short_list
+from trainer.data.frames import cut_windows, video_spec
 from trainer.data.order import concept_repeats, epoch_order, item_repeats
 from trainer.errors import DataError
+from trainer.families import VideoSpec
 
 Warn = Callable[[str], None]
 
@@ -67,20 +69,28 @@ def resolution_targets(data_cfg: Any, concept: Any) -> List[Size]:
 
 
 def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
-                  find_duplicates: bool = True) -> Dataset:
+                  find_duplicates: bool = True, video: Optional[VideoSpec] = None) -> Dataset:
     """Scan, bucket and plan. ``cfg`` is the whole run config (``data``, ``training.batch_size``,
     ``general.seed``). Raises :class:`DataError` for a concept with no usable image or a run with
-    no training concept; everything else is a warning (also listed in ``report.warnings``)."""
+    no training concept; everything else is a warning (also listed in ``report.warnings``).
+
+    ``video``: the family trains on clips (default: the VideoSpec of ``cfg.model``'s family when it can be told
+    without loading it). Concept folders then hold clips and images; each clip is cut into windows
+    (``trainer.data.frames``) and every item's buckets are ``(width, height, frames)``."""
     d = cfg.data
     batch_size = int(cfg.training.batch_size)
     seed = int(cfg.general.seed)
-    items, report = scan_concepts(d, warn=lambda m: None, base_dir=base_dir)
+    video = video if video is not None else video_spec(cfg)
+    items, report = scan_concepts(d, warn=lambda m: None, base_dir=base_dir, clips=video is not None)
     for message in report.warnings:  # scan_concepts' warnings, forwarded once
         warn(message)
 
     def _warn(message: str) -> None:
         report.warnings.append(message)
         warn(message)
+
+    if video is not None:
+        items = cut_windows(items, report, d, video, _warn)
 
     step = int(getattr(d, "bucket_step", 64) or 64)
     max_aspect = float(getattr(d, "max_aspect_ratio", 2.0) or 2.0)
@@ -100,6 +110,7 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
     kept_buckets: List[List[Size]] = []
     by_concept = {c.index: c for c in report.concepts}
     too_small: Dict[int, List[str]] = {}
+    small_clips: set = set()
     for item in items:
         concept = concepts[item.concept_index]
         targets = resolution_targets(d, concept)
@@ -112,21 +123,23 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
         if not usable:
             reason = (f"too small ({item.width}x{item.height}): even a {step}x{step} bucket would enlarge it "
                       f"more than data.max_upscale = {max_upscale:g}x")
-            crep.skipped.append((rel_path(item.path, Path(crep.path)), reason))
-            crep.images_used -= 1
-            too_small.setdefault(item.concept_index, []).append(item.path.name)
+            if item.path not in small_clips:  # a clip's windows: named once
+                small_clips.add(item.path)
+                crep.skipped.append((rel_path(item.path, Path(crep.path)), reason))
+                crep.images_used -= 1
+                too_small.setdefault(item.concept_index, []).append(item.path.name)
             continue
         largest = max(targets, key=lambda t: t[0] * t[1])
         full = nearest_bucket(item.width, item.height, buckets_for(largest))
         need = cover_scale(item.width, item.height, full)
-        if need > 1.0 + 1e-9:
+        if need > 1.0 + 1e-9 and not any(s["file"] == str(item.path) for s in report.small_images[-1:]):  # a clip once
             chosen = usable[targets.index(largest)] if options[targets.index(largest)] is not None else usable[0]
             report.small_images.append({"file": str(item.path), "size": f"{item.width}x{item.height}",
                                         "bucket": format_size(chosen),
                                         "upscale": round(cover_scale(item.width, item.height, chosen), 3),
                                         "training_size": format_size(full)})
         kept.append(item)
-        kept_buckets.append(usable)
+        kept_buckets.append([(w, h, item.window.count) for w, h in usable] if item.window is not None else usable)
     for index, names in too_small.items():
         _warn(f"Skipping {len(names)} image(s) of {concept_label(index, concepts[index])} that are too small "
               f"to train ({short_list(names)}): raise data.max_upscale (0 = no limit) or use larger images.")
@@ -136,6 +149,8 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
             raise DataError(f"{key}: none of the {crep.images_found} images in '{crep.path}' is usable "
                             f"({short_list([f'{f}: {r}' for f, r in crep.skipped], 5)}).", key=key)
     report.resolutions = [format_size(t) for t in all_targets]
+    if video is not None:
+        _clip_buckets(report, kept, kept_buckets)
     report.batch_size = batch_size
 
     train_idx = [i for i, it in enumerate(kept) if not it.validation]
@@ -179,7 +194,7 @@ def _bucket_report(report: DataReport, items: Sequence[ImageItem], buckets: Sequ
             images[b] = images.get(b, 0) + 1
     report.buckets = [{"size": format_size(b), "images": images[b], "per_epoch": round(populations[b], 3),
                        "trains": populations[b] >= batch_size}
-                      for b in sorted(images, key=lambda s: (s[0] * s[1], s[0] / s[1]))]
+                      for b in sorted(images, key=lambda s: (s[0] * s[1], s[0] / s[1], tuple(s[2:])))]
     dropped = [str(it.path) for it, options in zip(items, buckets)
                if all(populations[b] < batch_size for b in options)]
     report.dropped = dropped
@@ -189,6 +204,20 @@ def _bucket_report(report: DataReport, items: Sequence[ImageItem], buckets: Sequ
              f"({batch_size}) and will never train: {short_list([Path(p).name for p in dropped], 10)} "
              f"(buckets {', '.join(small[:8])}{' …' if len(small) > 8 else ''}). Lower training.batch_size, "
              "add images of similar shape, raise the concept's repeats, or crop them to a common shape.")
+
+
+def _clip_buckets(report: DataReport, items: Sequence[ImageItem], buckets: Sequence[Sequence[Size]]) -> None:
+    """Each window in the report's clip list with its bucket (``WxHxF``, at its first resolution)."""
+    windows: Dict[Tuple[str, int, int], Size] = {}
+    for item, options in zip(items, buckets):
+        if item.clip is not None and item.window is not None:
+            windows[(str(item.path), item.window.start, item.window.count)] = options[0]
+    for entry in report.clips:
+        crep = next(c for c in report.concepts if c.index == entry["concept"])
+        path = str(Path(crep.path) / entry["file"])
+        for w in entry["windows"]:
+            bucket = windows.get((path, w["start"], w["count"]))
+            w["bucket"] = format_size(bucket) if bucket else "too small to bucket"
 
 
 def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn) -> None:

@@ -29,6 +29,9 @@ A batch is a dict::
     control_paths          list of B tuples: each row's control image files (for encoders that see the images)
     prior                  bool [B]: rows of prior_prediction concepts (their target is the base model's own
                            prediction; only when such a concept is enabled)
+    frames                 a video family's batch: the frame count F of its one (width, height, frames) bucket;
+                           its latents are 5-D [B, C, f, h, w] (from pixel clips [B, 3, F, H, W] in [-1, 1]) and
+                           its mask [B, 1, f, h, w] (a mask image applies to every frame, a mask clip frame by frame)
 
 Latents come from the latent cache (``data.cache_latents``) or, when augmentations are on with
 ``augment_variants = 0`` (or caching is off), from ``encode_fn`` on freshly rendered pixels. For an
@@ -69,8 +72,9 @@ from trainer.data.concepts import ImageItem
 from trainer.data.dataset import build_dataset
 from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
-from trainer.data.render import DecodeMemo, Renderer, shrink
+from trainer.data.render import DecodeMemo, Renderer, latent_frames, render_clip, shrink
 from trainer.errors import DataError
+from trainer.families import VideoSpec
 
 log = logging.getLogger("atelier")
 
@@ -87,13 +91,14 @@ class DataPipeline:
     Call :meth:`prepare` once the model is loaded, then :meth:`iter_batches` per epoch.
     """
 
-    def __init__(self, cfg: Any, warn: Callable[[str], None], base_dir: Optional[Path] = None):
+    def __init__(self, cfg: Any, warn: Callable[[str], None], base_dir: Optional[Path] = None,
+                 video: Optional[VideoSpec] = None):
         self.cfg = cfg
         self.data_cfg = d = cfg.data
         self.seed = int(cfg.general.seed)
         self.batch_size = int(cfg.training.batch_size)
         self.workers = int(getattr(cfg.general, "dataloader_workers", 0) or 0)
-        self.dataset = build_dataset(cfg, warn, base_dir=base_dir)
+        self.dataset = build_dataset(cfg, warn, base_dir=base_dir, video=video)  # video: the family trains on clips
         self.report = self.dataset.report
         if self.report.batches_per_epoch == 0:
             raise DataError(f"No aspect bucket holds enough images for one batch of {self.batch_size}, so "
@@ -248,7 +253,8 @@ class DataPipeline:
     def _entry(self, item: ImageItem, size: Size, params: AugmentParams) -> Tuple[str, str]:
         """(variant tag, extra key) of a cache entry: bucket size + exact transform, mask hash."""
         extra = f"mask:{file_sha256(item.mask)}" if (self.masks and item.mask is not None) else ""
-        return f"{size[0]}x{size[1]}|{params.tag()}", extra
+        window = f"|{item.window.tag()}" if item.window is not None else ""  # a clip's frames and their rate
+        return f"{size[0]}x{size[1]}|{params.tag()}{window}", extra
 
     def _controls_cached(self, item: ImageItem, size: Size, params: AugmentParams) -> List[Dict[str, Any]]:
         csize = self.control_size(size)
@@ -343,11 +349,11 @@ class DataPipeline:
         wanted: List[Tuple[ImageItem, List[Tuple[Size, AugmentParams]]]] = []
         if not self._renders_pixels():
             for item, options in zip(self.items, self.dataset.buckets):
-                specs = [(size, self.variant_params(item, k)) for size in dict.fromkeys(options)
+                specs = [(size, self.variant_params(item, k)) for size in dict.fromkeys(o[:2] for o in options)
                          for k in range(self.n_variants())]
                 wanted.append((item, specs))
         for item, size in zip(self.validation_items, self.dataset.validation_buckets):
-            wanted.append((item, [(size, AugmentParams())]))
+            wanted.append((item, [(size[:2], AugmentParams())]))
         for item, specs in list(wanted):
             for control in item.controls:  # rendered with its target's transform, at the control size
                 wanted.append((self._control_item(control), [(self.control_size(size), params) for size, params in specs]))
@@ -380,6 +386,7 @@ class DataPipeline:
         """Everything of one batch that needs no model: runs in a loader thread."""
 
         pool = self.validation_items if validation else self.items
+        size = plan.size[:2]  # a video family's bucket is (width, height, frames)
         captions, weights, sizes, crops = [], [], [], []
         dists, masks, pixels, pixel_masks, texts = [], [], [], [], []
         controls: List[List[Any]] = []  # per row: its control latents (cached) or pixels (rendered)
@@ -392,7 +399,7 @@ class DataPipeline:
                 caption = self.captions.process(pick_caption(item, rng), self.caption_options[item.concept_index], rng)
             captions.append(caption)
             weights.append(item.loss_weight)
-            sizes.append(plan.size)
+            sizes.append(size)
             if self.text_cache is not None:
                 texts.append(self.text_cache.get(caption, item.controls if self.text_controls else ()))
             cached = self.cache is not None and (validation or not self._renders_pixels())
@@ -403,27 +410,34 @@ class DataPipeline:
                     rng = sample_rng(self.seed, epoch, pos, "variant")
                     n = self.n_variants()
                     params = self.variant_params(item, rng.randrange(n) if n > 1 else 0)
-                entry = self.cache.get(item, *self._entry(item, plan.size, params))  # type: ignore[union-attr]
-                crops.append(crop_top_left((item.width, item.height), plan.size, params))
+                entry = self.cache.get(item, *self._entry(item, size, params))  # type: ignore[union-attr]
+                crops.append(crop_top_left((item.width, item.height), size, params))
                 dists.append(entry)
                 masks.append(entry.get("mask"))
-                controls.append(self._controls_cached(item, plan.size, params))
+                controls.append(self._controls_cached(item, size, params))
             else:
                 params = AugmentParams() if validation else \
                     draw_params(self.augment, sample_rng(self.seed, epoch, pos, "augment"))
                 mask_path = item.mask if self.masks else None
-                min_side = self._min_side([(plan.size, params)])
+                min_side = self._min_side([(size, params)])
+                if item.window is not None:  # a video family's window: pixels [3, F, H, W]
+                    px, mpx = render_clip(item, mask_path, size, params)
+                    crops.append(crop_top_left((item.width, item.height), size, params))
+                    pixels.append(px)
+                    pixel_masks.append(mpx)
+                    controls.append([])
+                    continue
                 if memo is not None:  # decoded for the largest size this item can need in the epoch
                     side = self._worst_side(self.dataset.buckets[idx])
                     img, mask = memo.get(idx, lambda it=item, m=mask_path, s=side:
                                          shrink(images.decode(it.path, m, s), s))
                 else:
                     img, mask = images.decode(item.path, mask_path, min_side)
-                px, mpx = images.render_sample(img, mask, plan.size, params)
-                crops.append(crop_top_left((item.width, item.height), plan.size, params))
+                px, mpx = images.render_sample(img, mask, size, params)
+                crops.append(crop_top_left((item.width, item.height), size, params))
                 pixels.append(px)
                 pixel_masks.append(mpx)
-                controls.append(self._controls_rendered(item, plan.size, params))
+                controls.append(self._controls_rendered(item, size, params))
         raw: Dict[str, Any] = {"captions": captions, "loss_weights": torch.tensor(weights, dtype=torch.float32),
                                "sizes": sizes, "crop_top_lefts": crops,
                                "original_sizes": [(pool[i].height, pool[i].width) for i in plan.indices],
@@ -432,6 +446,10 @@ class DataPipeline:
             raw["latent_dist"] = {k: torch.stack([e[k] for e in dists]) for k in ("mean", "std")}
             if self.masks:
                 h, w = raw["latent_dist"]["mean"].shape[-2:]
+                if raw["latent_dist"]["mean"].dim() == 5:  # clips: [1, f, h, w] each (an image mask on every frame)
+                    f = raw["latent_dist"]["mean"].shape[2]
+                    masks = [latent_frames(m if m.dim() == 4 else m.unsqueeze(1), f).expand(1, f, h, w)
+                             if m is not None else torch.ones(1, f, h, w) for m in masks]
                 raw["mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in masks])
             if self.inpaint_fn is not None and all("pixels_u8" in e for e in dists):
                 raw["inpaint_pixels"] = uint8_to_pixels(torch.stack([e["pixels_u8"] for e in dists]))
@@ -441,6 +459,9 @@ class DataPipeline:
             raw["pixels"] = torch.stack(pixels)
             if self.masks:
                 h, w = raw["pixels"].shape[-2:]
+                if raw["pixels"].dim() == 5:  # clips: every row's mask over all F frames
+                    f = raw["pixels"].shape[2]
+                    pixel_masks = [m if m is not None else torch.ones(1, f, h, w) for m in pixel_masks]
                 raw["pixel_mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in pixel_masks])
         if texts:
             for key in texts[0]:
@@ -458,6 +479,8 @@ class DataPipeline:
                 raw["control_pixels"] = [torch.stack([row[j] for row in controls]) for j in range(n)]
         if self.priors:
             raw["prior"] = torch.tensor([pool[i].role == "prior_prediction" for i in plan.indices])
+        if len(plan.size) > 2:
+            raw["frames"] = int(plan.size[2])
         return raw
 
     def _finish(self, raw: Dict[str, Any]) -> Dict[str, Any]:
@@ -471,7 +494,10 @@ class DataPipeline:
             raw["latent_dist"] = {"mean": out["mean"], "std": out["std"]}
             if self.inpaint_fn is not None:
                 raw["inpaint_pixels"] = pixels
-            if "pixel_mask" in raw:
+            if "pixel_mask" in raw and out["mean"].dim() == 5:  # clips: [B, 1, F, H, W] -> [B, 1, f, h, w]
+                latent = mask_to_latent(raw.pop("pixel_mask")[:, 0], tuple(out["mean"].shape[-2:]))
+                raw["mask"] = latent_frames(latent, out["mean"].shape[2]).unsqueeze(1)
+            elif "pixel_mask" in raw:
                 raw["mask"] = mask_to_latent(raw.pop("pixel_mask"), tuple(out["mean"].shape[-2:]))
         if "control_pixels" in raw:
             with torch.no_grad():

@@ -3,7 +3,8 @@
 The report is built by the same code as training (``trainer.data.dataset.build_dataset``: scan,
 buckets, epoch plan), without torch: images per concept, caption coverage, the bucket histogram,
 images in a bucket too small for the batch size (never trained: listed), images smaller than the
-training size, duplicates, missing and unusable masks, skipped files and every warning.
+training size, duplicates, missing and unusable masks, skipped files and every warning; for a video family each
+clip with the windows taken from it (start frame, frame count, bucket) or the reason it was skipped.
 :func:`concept_pairs` lists each concept's role, control folders and pairs (the page shows them side by side).
 """
 
@@ -17,12 +18,14 @@ from typing import Any, List, Optional
 from trainer.data.concepts import concept_controls, concept_folder, control_folders, pair_listing
 from trainer.data.dataset import build_dataset
 from trainer.errors import ConfigError, DataError
+from trainer.families import VideoSpec
 
 
-def build_report(cfg: Any, base_dir: Optional[Path] = None) -> dict:
-    """Scan and plan (no model, no torch) and return the report as a dict with the warnings."""
+def build_report(cfg: Any, base_dir: Optional[Path] = None, video: Optional[VideoSpec] = None) -> dict:
+    """Scan and plan (no model, no torch) and return the report as a dict with the warnings. ``video``: the
+    family trains on clips (default: told from ``cfg.model`` as training does)."""
     warnings: List[str] = []
-    dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir)
+    dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir, video=video)
     out = dataset.report.to_dict()
     out["warnings"] = warnings
     return out
@@ -92,6 +95,7 @@ def format_report(rep: dict) -> str:
             lines.append(f"  empty caption file: {name}")
         for name in c.get("unused_files", []):
             lines.append(f"  not used (format not trained on): {name}")
+    lines += clip_lines(rep)
     bs = rep.get("batch_size")
     lines.append(f"resolutions: {', '.join(rep.get('resolutions', []))}; batch size {bs}; "
                  f"{rep.get('batches_per_epoch')} batches per epoch"
@@ -119,6 +123,22 @@ def format_report(rep: dict) -> str:
     lines.append(f"total: {rep.get('total_images')} images, {rep.get('total_skipped')} skipped, "
                  f"{rep.get('images_per_epoch', 0):g} samples per epoch")
     return "\n".join(lines)
+
+
+def clip_lines(rep: dict) -> List[str]:
+    """A video family's clips: each with its frames and rate, the windows taken (start frame at the model's rate,
+    frame count, bucket), or why it was skipped."""
+    lines: List[str] = []
+    for c in rep.get("clips", []):
+        head = f"clip {c['file']} (concept {c['concept']}): {c['clip']}"
+        if c.get("skipped"):
+            lines.append(f"{head}; skipped: {c['skipped']}")
+            continue
+        lines.append(f"{head}; {c['frames_at_fps']} frames at {c['fps']:g} fps"
+                     + (f" ({c['note']})" if c.get("note") else ""))
+        for w in c["windows"]:
+            lines.append(f"  window: start {w['start']}, {w['count']} frames, bucket {w.get('bucket', '?')}")
+    return lines
 
 
 def print_report(cfg: Any, as_json: bool = False) -> int:

@@ -8,8 +8,9 @@ What differs from Flux.1, and where it lives here:
   token (``_prepare_attention_mask``). Caption dropout gives the empty caption's encoding and mask.
 - No guidance embedding and no pooled vector: samples use true CFG with a negative prompt (the pipeline's
   ``guidance_scale``).
-- Flow matching with the scheduler config's shift (``trainer.objectives.flow_objective_for``: the resolution-
-  dependent μ when it says ``use_dynamic_shifting``); packed 2×2 latents as Flux.
+- Flow matching with the scheduler config's shift (``trainer.objectives.flow_objective_for``: unshifted when it says
+  ``use_dynamic_shifting``, the pipeline's resolution-dependent μ with ``loss.resolution_shift``); packed 2×2
+  latents as Flux.
 - Files: LoRA in the diffusers/peft layout (``transformer.<module>``), which ``ChromaPipeline.load_lora_weights``
   (diffusers' Flux LoRA loader) reads; fine-tunes as the original single file (families/common/bfl_keys.py, shared
   with Flux). Single files in: the transformer, with the VAE and T5 from ``model.config_path`` (a diffusers Chroma

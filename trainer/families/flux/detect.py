@@ -32,6 +32,8 @@ def claim(ev: Evidence) -> Optional[str]:
             return None
         if any(k.startswith("distilled_guidance_layer.") for k in keys):
             return None  # Chroma: Flux-shaped, its own family
+        if "double_stream_modulation_img.lin.weight" in keys:
+            return None  # Flux.2 in BFL's layout: the same block names, its own family
         img_in = next((s for k, s in ev.shapes.items() if k.endswith("img_in.weight")), None)
         if img_in is not None and len(img_in) == 2 and int(img_in[1]) in _IN_CHANNELS:
             raise _refuse(ev.where, _IN_CHANNELS[int(img_in[1])])

@@ -2,9 +2,10 @@
 
 What differs from the SD lineage, and where it lives here:
 
-- Flow matching (``trainer.objectives.FlowMatchingObjective``): dev with the resolution-dependent shift
-  its scheduler config declares (μ from the packed image-token count, as ``FluxPipeline`` samples),
-  schnell without. The transformer takes σ as its timestep.
+- Flow matching (``trainer.objectives.FlowMatchingObjective``): σ uniform and unshifted, as diffusers'
+  ``train_dreambooth_lora_flux.py`` draws it (dev's scheduler skips its shift under ``use_dynamic_shifting``);
+  ``loss.resolution_shift`` shifts it by the μ of the packed image-token count ``FluxPipeline`` samples with
+  (kohya's ``flux_shift``), ``loss.flow_shift`` by a fixed shift (kohya's default 3). The transformer takes σ.
 - Packed latents: 16-channel VAE latents, ``(z − shift_factor) · scaling_factor``, packed 2×2 into
   64-wide tokens with 3-axis position ids; :meth:`predict` packs, runs and unpacks, so the loop sees
   [B, 16, h, w] like any family.

@@ -51,7 +51,7 @@ from trainer.families.common.transformer_kit import (
     save_transformer_file,
 )
 from trainer.families.flux2 import lora_keys
-from trainer.families.flux2.keys import config_from_state
+from trainer.families.flux2.keys import config_from_state, diffusers_to_bfl, to_diffusers
 from trainer.families.flux2.references import Flux2Input, load_images, normalise, reference_tokens
 from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
 from trainer.formats.kohya import lora_layers
@@ -201,8 +201,9 @@ class Flux2(PeftLayoutLora, Family):
     def _from_single_file(self, mcfg: Any, dtypes: Dict[str, Any], pipeline_cls: Any):
         return pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
                                               transformer_cls=Flux2Transformer2DModel, config=config_from_state,
-                                              to_diffusers=dict, official=OFFICIAL_DEV if self.dev else OFFICIAL,
-                                              layout="diffusers' layout", by_component=self.dev)
+                                              to_diffusers=to_diffusers,
+                                              official=OFFICIAL_DEV if self.dev else OFFICIAL,
+                                              layout="BFL's or diffusers' layout", by_component=self.dev)
 
     # --- latents ----------------------------------------------------------------------------
     def encode_pixels(self, pixels) -> Dict[str, Any]:
@@ -346,5 +347,6 @@ class Flux2(PeftLayoutLora, Family):
 
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
-        """The fine-tuned transformer's weights in one file under diffusers' names."""
-        save_transformer_file(path, self.transformer.state_dict(), dtype, metadata)
+        """The fine-tuned transformer as BFL's single file (flux2/keys.py says why): what ComfyUI's UNET loader and
+        ``Flux2Transformer2DModel.from_single_file`` read, and model.path here."""
+        save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)

@@ -34,8 +34,9 @@ from transformers import (
 
 from trainer.families.common.tiny_store import store_tiny
 from trainer.families.common.tiny_text import write_tiny_mistral_tokenizer, write_tiny_qwen_tokenizer
+from trainer.families.flux2.keys import diffusers_to_bfl
 
-TINY_VERSION = 1
+TINY_VERSION = 2  # 2: the single file in BFL's layout, as the released files
 # black-forest-labs/FLUX.2-klein-4B scheduler/scheduler_config.json: shift by resolution (the pipeline's μ)
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "time_shift_type": "exponential"}
 
@@ -89,10 +90,10 @@ def build_tiny_dev_pipeline(folder: Path, seed: int = 0):
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <Flux2KleinPipeline / Flux2Pipeline folder>, "single_file": <transformer
-    .safetensors>}``."""
+    .safetensors in BFL's layout, as BFL releases it>}``."""
     if kind == "tiny-flux2-dev":
-        return store_tiny(kind, root, TINY_VERSION, build_tiny_dev_pipeline, dict, extras=_processor_layout)
-    return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, dict)
+        return store_tiny(kind, root, TINY_VERSION, build_tiny_dev_pipeline, diffusers_to_bfl, extras=_processor_layout)
+    return store_tiny(kind, root, TINY_VERSION, build_tiny_pipeline, diffusers_to_bfl)
 
 
 def _processor_layout(folder: Path) -> None:

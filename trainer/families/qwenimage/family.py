@@ -9,7 +9,8 @@ What differs, and where it lives here:
   changes no position: text RoPE positions start after the image's). Caption dropout gives the empty caption's.
 - Latents: the VAE works on video ([B, C, T, H, W]); images are one frame, normalised per channel with the VAE's
   ``latents_mean``/``latents_std`` as the pipeline inverts them; packed 2×2 into tokens for the transformer.
-- Flow matching with the scheduler config's shift (the resolution-dependent μ of its config); the transformer takes σ.
+- Flow matching: σ unshifted, as diffusers' Qwen-Image trainer draws it (the resolution-dependent μ of its scheduler
+  config with ``loss.resolution_shift``); the transformer takes σ.
 - Samples: true classifier-free guidance (the pipeline's ``true_cfg_scale``, with a negative prompt: " " when none
   is set, as the model card does) is what ``sampling.prompts.*.cfg_scale`` drives.
 - Files: LoRA in the diffusers/peft layout (``transformer.<module>``) that ``QwenImagePipeline.load_lora_weights``
