@@ -6,7 +6,6 @@ placeholder rules warn or fail before training."""
 from __future__ import annotations
 
 import copy
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from trainer.__main__ import main as cli
 from trainer.config.checks import cross_field_warnings, load_config
 from trainer.errors import ConfigError
 from conftest import train_quiet
