@@ -318,3 +318,38 @@ def test_the_memory_features_train_wan(preset, settings, wan, a14b, wan22):
     run = train_quiet(ws, f"wan-mem-{preset}", preset, "training.max_steps=2", "sampling.prompts=[]",
                       f"data.concepts=[{{path: {DEMO_DATA}}}]", *settings)
     assert (run / f"{run.name}.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("told", [True, False], ids=["family-from-path", "family-told-by-loading"])
+def test_a_folder_of_clips_trains_wan_on_5_frame_windows(told, wan, tmp_path, monkeypatch):
+    """What a user does: a concept folder of clips with captions beside them. Each clip is cut into 5-frame windows at
+    16 fps and the transformer trains on 5-D latents of 2 latent frames (1 + 4/4). Where the family is told only by
+    loading the model (a hub id), the clips count once it has loaded."""
+    from conftest import train_quiet
+    from test_data_clips import make_clip
+
+    import trainer.train.setup as setup
+    from trainer.events import read_events
+    from trainer.families.wan.family import Wan
+    folder = tmp_path / "clips"
+    for i, name in enumerate(("waves", "trees")):
+        make_clip(folder / f"{name}.mp4", 24, fps=16, size=(64, 64), paint=lambda f, i=i: (40 * i + 8 * f, 90, 200))
+        (folder / f"{name}.txt").write_text(f"a clip of {name}\n")
+    if not told:
+        monkeypatch.setattr(setup, "family_without_loading", lambda *a, **k: None)
+    frames = []
+    original = Wan.predict
+
+    def spy(self, model_input, timesteps, conditioning):
+        frames.append(tuple(model_input.shape))
+        return original(self, model_input, timesteps, conditioning)
+
+    monkeypatch.setattr(Wan, "predict", spy)
+    ws, _ = wan
+    run = train_quiet(ws, f"wan-clips-{told}", "demo-wan", "training.max_steps=3", "sampling.prompts=[]",
+                      f"data.concepts=[{{path: {folder}, target_frames: '5', frame_extraction: chunk}}]")
+    assert frames and all(len(s) == 5 and s[2] == 2 and s[3:] == (8, 8) for s in frames), frames
+    losses = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    assert (run / f"{run.name}.safetensors").is_file()

@@ -109,7 +109,7 @@ def video_spec(cfg: Any) -> Optional[VideoSpec]:
     if not variant:
         return None
     try:
-        return info_for(variant).video
+        return info_for(variant).video_for(variant)
     except KeyError:
         return None
 

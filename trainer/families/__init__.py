@@ -14,7 +14,7 @@ is loaded.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer.families.common.describe import describe_non_checkpoint
@@ -161,10 +161,18 @@ class FamilyInfo:
     sample_defaults: Dict[str, SampleDefaults] = field(default_factory=dict)
     # it trains on video clips (None: an image family, which refuses clip concepts)
     video: Optional[VideoSpec] = None
+    # variant -> the frame rate it was trained at, where it is not ``video.fps`` (Wan 2.2 TI2V-5B: 24)
+    video_fps: Dict[str, float] = field(default_factory=dict)
 
     def control_range(self, variant: str) -> Tuple[int, int]:
         """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""
         return self.controls.get(variant, (0, 0))
+
+    def video_for(self, variant: str) -> Optional[VideoSpec]:
+        """The clip rules of ``variant``: ``video`` at the variant's own frame rate (None for an image family)."""
+        if self.video is None or variant not in self.video_fps:
+            return self.video
+        return replace(self.video, fps=self.video_fps[variant])
 
     def sample_defaults_for(self, variant: str) -> SampleDefaults:
         """The sample defaults of ``variant`` (a detected variant or a ``model.family`` choice)."""

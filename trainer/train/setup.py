@@ -20,7 +20,8 @@ from accelerate.utils import set_seed
 from omegaconf import OmegaConf
 
 from trainer.data.pipeline import DataPipeline
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DataError
+from trainer.families.checks import family_without_loading
 from trainer.families.sources import ModelSettings, load_model
 from trainer.host.devices import device_problems, resolve_device
 from trainer.loss import prepare_noise_schedule
@@ -76,12 +77,31 @@ def setup(state: RunState) -> None:
     state.global_micro_batch = plan_global_batch(state)
 
     data_cfg = state.par.data_config(cfg, state.global_micro_batch)  # every process plans the global batches
-    state.data = DataPipeline(data_cfg, warn=state.warn)
-    state.report = state.data.report
+    # the data is read before the model loads (a bad folder fails in seconds, not after a download); where the family
+    # is told only by loading (a hub id), a video family's clips count once it is known
+    told = family_without_loading(cfg.model, g.workspace)
+    pending: list = []
+    try:
+        state.data = DataPipeline(data_cfg, warn=state.warn if told else pending.append)
+        early_error = None
+    except DataError as exc:
+        if told:
+            raise
+        state.data, early_error = None, exc
 
     log.info("loading model %s", cfg.model.path)
     with state.accelerator.main_process_first():  # builds built-in models / fills the hub cache once
         state.model = load_model(cfg, g.workspace, state.device)
+    if not told:
+        video = state.model.info.video_for(state.model.family)
+        if video is not None:
+            state.data = DataPipeline(data_cfg, warn=state.warn, video=video)
+        elif early_error is not None:
+            raise early_error
+        else:
+            for message in pending:
+                state.warn(message)
+    state.report = state.data.report
     state.method = make_method(state.model, cfg)
     state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit

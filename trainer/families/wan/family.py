@@ -57,7 +57,6 @@ from trainer.objectives import FlowMatchingObjective
 A14B = "wan22-t2v-a14b"
 OFFICIAL = {"wan21-t2v": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
             A14B: "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
-FPS = {"wan22-ti2v-5b": 24.0}  # the frame rate a variant was trained at, where it is not the family's 16
 MODELSPEC = {"wan21-t2v": ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v"),
              "wan22-ti2v-5b": ("wan-2.2-ti2v-5b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_ti2v_5b"),
              A14B: ("wan-2.2-t2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_t2v_a14b")}
@@ -118,7 +117,7 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         if chosen == A14B and found == "wan21-t2v" and self.source.kind == "single_file":
             self.family = A14B  # one expert's file has Wan 2.1 14B's keys: only model.family tells
         self.modelspec = MODELSPEC[self.family]
-        self.fps = FPS.get(self.family, self.info.video.fps)
+        self.fps = self.info.video_for(self.family).fps
         self.expert = str(getattr(mcfg, "wan_expert", "low")) if self.family == A14B else ""
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
         if self.source.kind == "single_file":  # an A14B expert's file: the one model.wan_expert trains

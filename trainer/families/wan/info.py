@@ -37,4 +37,5 @@ INFO = FamilyInfo(
     # WanPipeline's __call__ defaults: 50 steps, CFG 5, 81 frames (5 s at 16 fps)
     sample_defaults={v: SampleDefaults(50, 5.0, "", "WanPipeline", frames=81) for v in VARIANTS},
     video=VideoSpec(frame_multiple=4, fps=16.0, max_frames=81),
+    video_fps={"wan22-ti2v-5b": 24.0},  # the 5B was trained (and samples) at 24 fps
 )
