@@ -227,12 +227,14 @@ def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
     is a warning at its field naming the card; unchanged or cheaper settings are not; an unknown preset is named."""
     from trainer.config.checks import cross_field_warnings
 
-    def tier(preset, *overrides):
-        return {i.key: i.message for i in cross_field_warnings(load_config(preset=preset, overrides=list(overrides)))
+    def tier(preset, *overrides, cfg=None):
+        cfg = cfg if cfg is not None else load_config(preset=preset, overrides=list(overrides))
+        return {i.key: i.message for i in cross_field_warnings(cfg)
                 if i.key == "general.sized_for" or "sized for" in i.message}
     for name in preset_names():
         if name.endswith("gb"):
-            assert load_config(preset=name).general.sized_for == name and not tier(name), name
+            cfg = load_config(preset=name)
+            assert cfg.general.sized_for == name and not tier(name, cfg=cfg), name
     got = tier("flux-lora-16gb", "parts.denoiser.nf4=false", "training.batch_size=4", "data.resolution=1536",
                "data.offload_text_encoders=false", "training.optimizer.name=adamw", "lora.rank=8")
     assert set(got) == {"parts.denoiser.nf4", "training.batch_size", "data.resolution", "data.offload_text_encoders",

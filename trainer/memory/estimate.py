@@ -78,8 +78,10 @@ from omegaconf import OmegaConf
 
 from trainer.config.checks import load_config
 from trainer.config.load import preset_names
+from trainer.config.schema import ConceptConfig
 from trainer.data.buckets import control_budget, control_size, parse_resolution
 from trainer.data.cache import as_text_dict
+from trainer.data.frames import parse_frames
 from trainer.errors import ConfigError
 from trainer.families.sources import classify_source, load_model
 from trainer.memory.estimate_report import (
@@ -165,27 +167,54 @@ def train_size(cfg, resolution: Optional[str] = None) -> Tuple[int, int]:
     return max(sizes, key=lambda s: (s[0] * s[1], s))
 
 
-def latent_shape(model, size: Tuple[int, int]) -> Tuple[int, ...]:
-    """The cached posterior's shape for one image of ``size`` (w, h), as the family's ``encode_pixels``
-    makes it (packed, patchified or per-frame in some families): one encode, free on fake tensors."""
+def latent_shape(model, size: Tuple[int, int], frames: int = 1) -> Tuple[int, ...]:
+    """The cached posterior's shape for one image (or a ``frames``-frame clip) of ``size`` (w, h), as the
+    family's ``encode_pixels`` makes it (packed, patchified or per-frame in some families): one encode, free on fake
+    tensors."""
     with torch.no_grad():
-        return model.latent_shape(*size)
+        return model.latent_shape(*size, frames=frames) if frames > 1 else model.latent_shape(*size)
+
+
+def train_frames(model, cfg) -> int:
+    """The longest window a video family's training batch holds: the largest of the enabled concepts'
+    ``target_frames`` (``frame_extraction: full``: their ``max_frames``, else the model's longest); 1 for an image
+    family."""
+    video = getattr(model.info, "video", None)
+    if video is None:
+        return 1
+    concepts = [c for c in cfg.data.concepts or [] if c.get("enabled", True)]
+    if not concepts:  # a preset without data: the clips a concept of the schema's defaults takes
+        return max(parse_frames(ConceptConfig().target_frames))
+    longest = 1
+    for concept in concepts:
+        if concept.get("frame_extraction") == "full":
+            longest = max(longest, int(concept.get("max_frames") or 0) or video.max_frames)
+        else:
+            longest = max(longest, *parse_frames(concept.get("target_frames") or "1"))
+    return longest
+
+
+def sample_frames(model, cfg) -> int:
+    """How many frames a video family's sample draws (``sampling.frames``, 0: the model's own); 1 for images."""
+    if getattr(model.info, "video", None) is None:
+        return 1
+    return model.sample_defaults().frames_for(int(cfg.sampling.get("frames", 0) or 0))
 
 
 def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, rows: Optional[int] = None,
-               caption: str = "a photo of sks") -> Dict[str, Any]:
+               caption: str = "a photo of sks", frames: int = 1) -> Dict[str, Any]:
     """One data batch as ``trainer.data.pipeline`` hands it to the loop (cached latents' posterior;
-    cached text outputs when the text cache serves this run)."""
+    cached text outputs when the text cache serves this run); a video family's of ``frames``-frame clips."""
     b = int(cfg.training.batch_size) if rows is None else rows
     w, h = size
-    lat = (b,) + latent_shape(model, size)
+    lat = (b,) + latent_shape(model, size, frames)
     captions = [caption] * b
     batch: Dict[str, Any] = {"latent_dist": {"mean": torch.zeros(lat), "std": torch.ones(lat)},
                              "loss_weights": torch.ones(b), "captions": captions, "sizes": [size] * b,
                              "original_sizes": [(h, w)] * b, "crop_top_lefts": [(0, 0)] * b,
                              "target_sizes": [(h, w)] * b}
-    if cfg.data.masks:
-        batch["mask"] = torch.ones(b, 1, lat[-2], lat[-1])
+    if cfg.data.masks:  # a video batch's mask has the latent frame count: [B, 1, f, h, w]
+        batch["mask"] = torch.ones(b, 1, *lat[2:]) if len(lat) == 5 else torch.ones(b, 1, lat[-2], lat[-1])
     if text_cached:
         with torch.no_grad():
             out = as_text_dict(model.encode_captions(method.expand_text(captions)))
@@ -278,7 +307,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             w, h = size
             mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, torch.no_grad(), around("encode"):
-                model.encode_pixels(torch.zeros(int(t.batch_size), 3, h, w))
+                clip = (train_frames(model, cfg),) if getattr(model.info, "video", None) is not None else ()
+                model.encode_pixels(torch.zeros(int(t.batch_size), 3, *clip, h, w))
                 if text_cached and not offloaded:
                     model.encode_captions(["a photo of sks"] * 16)
             if text_cached and offloaded:  # the encoders in, the denoiser out (trainer.memory.offload)
@@ -292,7 +322,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             est.phases["encode"] = mt.breakdown()
             est.details.update(encode_peak_at=mt.peak_where, encode_start=mt.start)
 
-        batch = make_batch(model, method, cfg, size, text_cached)
+        batch = make_batch(model, method, cfg, size, text_cached, frames=train_frames(model, cfg))
+        est.details["frames"] = train_frames(model, cfg)
         autocast = cpu_autocast(t.mixed_precision)
         # for the whole phase, not only inside autocast: checkpointed blocks recompute in backward, under
         # the autocast state torch.utils.checkpoint restores, and must cast as the forward did
@@ -334,12 +365,13 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
     return est
 
 
-def _vae_latent(model, size: Tuple[int, int]):
-    """A latent in the VAE's own layout (before the family packs or normalises it) for ``size``."""
+def _vae_latent(model, size: Tuple[int, int], frames: int = 1):
+    """A latent in the VAE's own layout (before the family packs or normalises it) for ``size`` (and ``frames``
+    frames of a video VAE)."""
     w, h = size
     pixels = torch.zeros(1, 3, h, w, dtype=model.vae.dtype)
-    if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan, Qwen-Image): one frame
-        pixels = pixels.unsqueeze(2)
+    if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan, Qwen-Image)
+        pixels = pixels.unsqueeze(2).expand(-1, -1, frames, -1, -1)
     with torch.no_grad():
         return model.vae.encode(pixels).latent_dist.mean
 
@@ -353,8 +385,9 @@ def _sample_phase(model, method, optimizer, cfg, sp, autocast, extra, around,
     guidance = model.sample_defaults().guidance_for(sp.cfg_scale)  # empty: the model's own
     n = 2 if guidance > 1 and model.true_cfg else 1  # embedded guidance: one pass
     size = (int(sp.width), int(sp.height))
-    batch = make_batch(model, method, cfg, size, text_cached=False, rows=n, caption=sp.prompt)
-    vae_latent = _vae_latent(model, size)
+    frames = sample_frames(model, cfg)
+    batch = make_batch(model, method, cfg, size, text_cached=False, rows=n, caption=sp.prompt, frames=frames)
+    vae_latent = _vae_latent(model, size, frames)
     dtype = model.denoiser.dtype
     for m in method.modules.values():
         m.eval()
