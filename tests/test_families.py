@@ -145,8 +145,15 @@ def test_the_quick_start_offers_every_family_with_a_preset_and_each_preset_it_na
     from trainer.families import info_for, infos, quick_choices, tiny_models
     from trainer.memory.tiers import card_gib
 
+    composed: dict = {}
+
+    def composed_preset(preset: str):
+        if preset not in composed:
+            composed[preset] = compose(preset=preset)
+        return composed[preset]
+
     def family_of(preset: str) -> str:
-        model = compose(preset=preset).model
+        model = composed_preset(preset).model
         if str(model.family) != "auto":
             return info_for(str(model.family)).name
         assert str(model.path).startswith("builtin:"), f"{preset}: model.family auto and no built-in model"
@@ -160,12 +167,12 @@ def test_the_quick_start_offers_every_family_with_a_preset_and_each_preset_it_na
         for method, preset in choice.presets.items():
             assert preset in names, f"{family}'s Quick start choice {choice.key} names {preset}: no such preset"
             assert family_of(preset) == family, f"{preset} is not a preset of {family}"
-            assert compose(preset=preset).training.method == method, f"{preset} does not train {method}"
+            assert composed_preset(preset).training.method == method, f"{preset} does not train {method}"
     offered = {family for family, _ in declared}
     for preset in names:
         assert family_of(preset) in offered, f"{preset} ships, but its family offers nothing in the Quick start"
     for preset in (name for name in names if card_gib(name)):  # a memory tier: its name says the card it fits
-        assert compose(preset=preset).general.sized_for == preset, f"{preset} does not say general.sized_for: {preset}"
+        assert composed_preset(preset).general.sized_for == preset, f"{preset} does not say general.sized_for: {preset}"
 
 
 def _events(run: Path):
