@@ -165,8 +165,9 @@ def optimizer_kwargs(spec: OptimizerSpec, cls: Any, o) -> Dict[str, Any]:
 
 
 def _on_cpu(groups: List[Dict[str, Any]]) -> bool:
+    """Every weight is a plain tensor on the CPU (FSDP's sharded DTensors have no fused kernels: left alone)."""
     params = [p for g in groups for p in g["params"]]
-    return bool(params) and all(p.device.type == "cpu" for p in params)
+    return bool(params) and all(p.device.type == "cpu" and not hasattr(p, "device_mesh") for p in params)
 
 
 def _parameters(cls: Any) -> set:
