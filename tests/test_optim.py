@@ -516,3 +516,16 @@ def test_torch_optimizers_step_cpu_weights_with_their_fused_kernel_unless_told(n
     cfg.training.optimizer.extra_args = {"foreach": False}
     opt = build_optimizer(param_groups(FakeMethod(tiny_model()), make_cfg(learning_rate=lr)), cfg)
     assert opt.defaults["foreach"] is False and not opt.defaults.get("fused")
+
+
+def test_a_backup_leaves_out_the_kernel_choice_and_a_resumed_optimizer_keeps_its_own():
+    """One CPU process fuses, FSDP's sharded weights cannot: a backup resumes under either, so its optimizer state
+    carries no fused/foreach, and the loaded optimizer steps with the kernels it was built with."""
+    cfg, lr = cfg_for("adamw")
+    opt = build_optimizer(param_groups(FakeMethod(tiny_model()), make_cfg(learning_rate=lr)), cfg)
+    saved = optim_build.portable_state(opt.state_dict())
+    assert all("fused" not in g and "foreach" not in g for g in saved["param_groups"])
+    assert all(g["fused"] is True for g in opt.state_dict()["param_groups"])  # the live optimizer's choice is kept
+    opt.load_state_dict(saved)
+    optim_build.restore_kernels(opt)
+    assert all(g["fused"] is True for g in opt.param_groups)

@@ -69,3 +69,14 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         effnet.wait_for(state="visible", timeout=20000)
         assert "Prior (stage C)" in page.locator("#family-parts").inner_text()
         assert "cosine" in page.locator("#family-parts").inner_text()
+        # a concept's clip settings (what a folder of clips is cut into) show for a video family alone
+        page.get_by_role("tab", name="Concepts", exact=True).click()
+        page.get_by_text("Add or edit one concept").click()
+        frames = page.locator("#cfg-data-concepts-item-target-frames")
+        page.locator("#cfg-data-concepts-item-name").first.wait_for(state="visible", timeout=20000)
+        assert not frames.is_visible()  # Stable Cascade trains on images
+        choose(page, "demo-wan")
+        frames.wait_for(state="visible", timeout=20000)
+        assert page.locator("#cfg-data-concepts-item-frame-extraction").is_visible()
+        choose(page, "demo")
+        frames.wait_for(state="hidden", timeout=20000)

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Tuple
 import gradio as gr
 
 from trainer.config.fields import PART_OF_SLOT, all_keys, part_key
+from trainer.data.frames import CONCEPT_CLIP_SETTINGS, DATA_CLIP_SETTINGS
 from trainer.families import family_only_fields, info_for
 from trainer.families.checks import family_without_loading
 from trainer.objectives import OBJECTIVE_NAMES
@@ -24,6 +25,8 @@ def _slot_fields() -> Dict[str, Tuple[str, ...]]:
 
 
 SLOT_FIELDS: Dict[str, Tuple[str, ...]] = _slot_fields()
+# shown only for a video family: the concept editor's clip fields and the data section's
+CLIP_KEYS: Tuple[str, ...] = tuple(f"data.concepts.{k}" for k in CONCEPT_CLIP_SETTINGS) + DATA_CLIP_SETTINGS
 
 
 def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, str]]:
@@ -41,6 +44,7 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
              + ", ".join(f"{p.label} (`{part_key(p.slot, 'train')}`)" for p in info.parts)]
     shown = {key: slot in parts for slot, keys in SLOT_FIELDS.items() for key in keys}
     shown.update({key: key in info.own_fields for key in family_only_fields()})  # e.g. Cascade's model.effnet_path
+    shown.update({key: info.video is not None for key in CLIP_KEYS})  # what a folder of clips is cut into
     labels = {key: parts[slot].label for slot, keys in SLOT_FIELDS.items() for key in keys if slot in parts}
     return "\n".join(lines), shown, labels
 
@@ -53,7 +57,11 @@ def wire(form: Any) -> Any:
         return None
     keys: List[str] = [k for keys in SLOT_FIELDS.values() for k in keys if k in form.widgets]
     keys += [k for k in family_only_fields() if k in form.widgets]
+    keys += [k for k in DATA_CLIP_SETTINGS if k in form.widgets]
     base_labels = {s.key: s.label for s in form.specs}
+    concepts = getattr(form, "editors", {}).get("data.concepts")  # the concept row editor's clip fields
+    items = [(f"data.concepts.{c.key}", w) for c, w in zip(concepts.spec.items, concepts.items)
+             if c.key in CONCEPT_CLIP_SETTINGS] if concepts is not None else []
 
     def update(path: Any, family: Any = "auto") -> list:
         text, shown, labels = describe(path, family)
@@ -63,9 +71,11 @@ def wire(form: Any) -> Any:
             if key in labels:
                 label = f"{label} — {labels[key]}"
             out.append(gr.update(visible=shown.get(key, True), label=label))
+        out += [gr.update(visible=shown.get(key, True)) for key, _ in items]
         return out
 
     inputs = [form.widgets["model.path"]] + ([form.widgets["model.family"]] if "model.family" in form.widgets else [])
     for widget in inputs:
-        widget.change(update, inputs, [note] + [form.widgets[k] for k in keys], show_progress="hidden")
+        widget.change(update, inputs, [note] + [form.widgets[k] for k in keys] + [w for _, w in items],
+                      show_progress="hidden")
     return update

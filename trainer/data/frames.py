@@ -33,6 +33,9 @@ from trainer.families import VideoSpec, info_for
 from trainer.families.checks import family_without_loading
 
 EXTRACTION_MODES = ("head", "chunk", "slide", "uniform", "full")
+# the settings only a video family reads (the page shows them for one): a concept's, and the data section's
+CONCEPT_CLIP_SETTINGS = ("target_frames", "frame_extraction", "frame_stride", "frame_sample", "max_frames")
+DATA_CLIP_SETTINGS = ("data.variable_frame_rate",)
 # A GIF in an image family's concept stays a file it does not train on (listed, as it always was); these make a
 # concept a clip concept there, which is refused.
 _CLIP_ONLY = tuple(e for e in VIDEO_EXTENSIONS if e != ".gif")

@@ -164,6 +164,27 @@ def optimizer_kwargs(spec: OptimizerSpec, cls: Any, o) -> Dict[str, Any]:
     return kwargs
 
 
+KERNEL_KEYS = ("fused", "foreach")  # how an optimizer steps, not what it learned: chosen per machine and layout
+
+
+def portable_state(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state for a backup without its kernel choice (``fused``/``foreach`` depend on the device and
+    the process layout that resumes it: one CPU process fuses, FSDP's sharded weights cannot)."""
+    groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+    if not isinstance(groups, list):
+        return state_dict
+    return {**state_dict, "param_groups": [{k: v for k, v in g.items() if k not in KERNEL_KEYS} for g in groups]}
+
+
+def restore_kernels(optimizer: Any) -> None:
+    """After ``load_state_dict`` of a backup: each group steps with the kernels this optimizer was built with."""
+    defaults = getattr(optimizer, "defaults", None) or {}
+    for group in getattr(optimizer, "param_groups", []):
+        for key in KERNEL_KEYS:
+            if key in defaults:
+                group[key] = defaults[key]
+
+
 def _on_cpu(groups: List[Dict[str, Any]]) -> bool:
     """Every weight is a plain tensor on the CPU (FSDP's sharded DTensors have no fused kernels: left alone)."""
     params = [p for g in groups for p in g["params"]]

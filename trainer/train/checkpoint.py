@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from trainer.config.load import migrate, to_container, to_yaml
 from trainer.errors import ConfigError, TrainingError
 from trainer.io import atomic_dir, write_failure
-from trainer.optim.build import on_eval, on_train
+from trainer.optim.build import on_eval, on_train, portable_state, restore_kernels
 from trainer.parallel.fsdp import full_tensor, load_full_into
 from trainer.train.run_folder import RunFolder, list_backups, portable_paths
 from trainer.train.state import Position, RunState
@@ -96,7 +96,8 @@ def write_backup(state: RunState, target: Path, weights, optimizer_state) -> Non
         safetensors.torch.save_file(weights if weights is not None else trainable_state(state), str(tmp / "trainable.safetensors"))
         if state.ema is not None:
             state.ema.save(tmp)  # ema.safetensors + ema.json
-        torch.save({"optimizer": optimizer_state if optimizer_state is not None else state.optimizer.state_dict(),
+        optimizer_state = optimizer_state if optimizer_state is not None else state.optimizer.state_dict()
+        torch.save({"optimizer": portable_state(optimizer_state),
                     "scheduler": state.scheduler.state_dict(),
                     "grad_scaler": None if state.accelerator.scaler is None else state.accelerator.scaler.state_dict(),
                     "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
@@ -149,6 +150,7 @@ def load_backup(state: RunState, path: Path) -> None:
     ts = torch.load(path / "training_state.pt", weights_only=False)
     try:
         state.optimizer.load_state_dict(ts["optimizer"])
+        restore_kernels(state.optimizer)
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"Backup {path}: its optimizer state does not fit this config's optimizer ({exc}). "
                           "Resume with the same training.optimizer and training.fused_backward settings.",
