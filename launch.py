@@ -451,9 +451,11 @@ def main(argv: list) -> int:
     if "--tests" in argv:
         rest = [a for a in argv if a != "--tests"]
         if not any(a.startswith(("-n", "--numprocesses")) for a in rest):
-            # two workers (pytest-xdist): the suite waits on processes and browsers a lot; a worker that runs out of
-            # tests takes some of the other's (worksteal) instead of idling while it finishes its share
-            rest = ["-n", "2", "--dist", "worksteal", *rest]
+            # three workers (pytest-xdist) on a 2-core machine: the browser tests and the several-process runs wait
+            # more than they compute, and a third worker fills those waits (the whole suite here: 614 s with two,
+            # 576 s with three, 562 s with four but one timing-sensitive queue test failed); a worker that runs out
+            # of tests takes some of another's (worksteal) instead of idling while it finishes its share
+            rest = ["-n", "3", "--dist", "worksteal", *rest]
         py = install("[test]", cpu_torch=True)
         env = dict(os.environ, GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1",
                    TRANSFORMERS_VERBOSITY="error", DIFFUSERS_VERBOSITY="error")

@@ -157,7 +157,7 @@ def denoiser_calls(module: Any) -> Tuple[list, Any]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slow tier first (in its own order), then the fast one: with two workers the long browser, training and
+    """The slow tier first (in its own order), then the fast one: with several workers the long browser, training and
     several-process tests start early and the short ones fill in at the end, so both workers finish together
     instead of one waiting on a minute-long test collected last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
