@@ -27,12 +27,15 @@ from pathlib import Path
 from typing import Any, Iterator, List, Optional
 
 TERMINAL = ("finished", "stopped", "failed")
+DURABLE = ("error", *TERMINAL)  # fsync'd: how a run ended survives a crash of the machine
 
 
 class EventWriter:
     """Appends events, one whole line each: a line is written with one ``os.write`` on an append-only
-    descriptor and fsync'd, so a reader never sees half a line and a crash never loses an announced
-    event; a write that fails part-way (a full disk) is cut back to the previous end. Opening repairs a
+    descriptor, so a reader never sees half a line; a write that fails part-way (a full disk) is cut back to the
+    previous end. The terminal and error events are fsync'd, so a crash of the machine never loses how a run ended;
+    the others (a step event every step) are not: an fsync costs a disk flush (milliseconds) per step, and a
+    process that dies still leaves them in the page cache for the readers. Opening repairs a
     torn last line left by a process that died mid-write, so the next event starts on a line of its own."""
 
     RESERVE_BYTES = 256 * 1024  # room for the last error and ``failed`` events when the disk fills
@@ -65,14 +68,14 @@ class EventWriter:
         if self.enabled:
             data = (json.dumps(event, default=_default) + "\n").encode("utf-8")
             try:
-                self._append(data)
+                self._append(data, sync=type in DURABLE)
             except OSError:
                 if not self.reserve.exists():
                     raise
                 self.reserve.unlink()  # a full disk: free the room the run's last events need
                 if type not in ("error", *TERMINAL):
                     raise  # the run ends on this error; its error and failed events go into the freed room
-                self._append(data)
+                self._append(data, sync=True)
             if type in TERMINAL:
                 try:
                     self.reserve.unlink()
@@ -80,8 +83,8 @@ class EventWriter:
                     pass
         return event
 
-    def _append(self, data: bytes) -> None:
-        """One whole line or nothing."""
+    def _append(self, data: bytes, sync: bool = True) -> None:
+        """One whole line or nothing; flushed to the disk when ``sync``."""
         if True:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -90,7 +93,8 @@ class EventWriter:
                     written = os.write(fd, data)
                     if written != len(data):
                         raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
-                    os.fsync(fd)
+                    if sync:
+                        os.fsync(fd)
                 except OSError:
                     try:  # take the partial line back out, so the stream stays one event a line
                         os.ftruncate(fd, end)
