@@ -49,14 +49,22 @@ def cfg_value(cfg: Any, name: str, default: Any) -> Any:
 # noise and timesteps
 # ------------------------------------------------------------------------------------------
 
+def generator_device(generator):
+    """Where ``generator`` draws (None: torch's default, the CPU). The training loop draws its tensors with a
+    generator on the training device, so noise, timesteps and posterior samples are made there, not copied."""
+    return None if generator is None else generator.device
+
+
 def make_noise(shape, generator, noise_offset: float = 0.0):
-    """Gaussian noise for the latents, plus the per-channel noise offset (Guttenberg 2023)."""
+    """Gaussian noise for the latents, plus the per-channel noise offset (Guttenberg 2023); on ``generator``'s
+    device."""
     import torch  # torch inside: validate reads this module's rules without torch
-    noise = torch.randn(shape, generator=generator)
+    device = generator_device(generator)
+    noise = torch.randn(shape, generator=generator, device=device)
     if noise_offset > 0:
         # one offset per channel, the same over every frame and pixel (video latents are [B, C, F, H, W])
         noise = noise + noise_offset * torch.randn((shape[0], shape[1]) + (1,) * (len(shape) - 2),
-                                                   generator=generator)
+                                                   generator=generator, device=device)
     return noise
 
 
@@ -65,7 +73,8 @@ def perturb_noise(noise, gamma: float, generator):
     import torch  # torch inside: validate reads this module's rules without torch
     if gamma <= 0:
         return noise
-    return noise + gamma * torch.randn(noise.shape, generator=generator).to(noise.device)
+    return noise + gamma * torch.randn(noise.shape, generator=generator,
+                                       device=generator_device(generator)).to(noise.device)
 
 
 def timestep_range(cfg: Any, num_train_timesteps: int) -> tuple[int, int]:
@@ -79,7 +88,7 @@ def timestep_range(cfg: Any, num_train_timesteps: int) -> tuple[int, int]:
 
 
 def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, generator):
-    """Integer timesteps in [timestep_min, timestep_max), drawn with ``generator``.
+    """Integer timesteps in [timestep_min, timestep_max), drawn with ``generator`` (on its device).
 
     ``uniform`` is ``torch.randint`` (the same draws as before these options existed);
     ``logit_normal`` and ``mode`` draw u ∈ [0, 1] with diffusers' SD3 helper
@@ -89,7 +98,7 @@ def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, genera
     lo, hi = timestep_range(cfg, num_train_timesteps)
     dist = cfg_value(cfg, "timestep_distribution", "auto")
     if dist in ("uniform", "auto"):  # auto: a DDPM model's own draw is uniform
-        return torch.randint(lo, hi, (batch_size,), generator=generator)
+        return torch.randint(lo, hi, (batch_size,), generator=generator, device=generator_device(generator))
     if dist not in TIMESTEP_DISTRIBUTIONS:
         raise ValueError(f"unknown timestep distribution {dist!r}; one of {TIMESTEP_DISTRIBUTIONS}")
     # torch inside: validate reads this module's rules without torch
@@ -97,7 +106,7 @@ def sample_timesteps(batch_size: int, num_train_timesteps: int, cfg: Any, genera
     u = compute_density_for_timestep_sampling(
         weighting_scheme=dist, batch_size=batch_size, logit_mean=float(cfg_value(cfg, "logit_mean", 0.0)),
         logit_std=float(cfg_value(cfg, "logit_std", 1.0)), mode_scale=float(cfg_value(cfg, "mode_scale", 1.29)),
-        device="cpu", generator=generator)
+        device=generator_device(generator) or "cpu", generator=generator)
     t = lo + (u.clamp(0.0, 1.0) * (hi - lo)).long()
     return t.clamp(lo, hi - 1)
 

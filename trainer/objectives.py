@@ -30,7 +30,7 @@ import math
 from typing import Any, Callable, Optional, Tuple
 
 from trainer.errors import ConfigError
-from trainer.loss import cfg_value, huber_delta, sample_timesteps, timestep_weights
+from trainer.loss import cfg_value, generator_device, huber_delta, sample_timesteps, timestep_weights
 
 FLOW_WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
 
@@ -182,14 +182,14 @@ class FlowMatchingObjective:
         dist = cfg_value(lc, "timestep_distribution", "auto")
         dist = self.default_distribution if dist == "auto" else dist
         if dist == "uniform":
-            u = torch.rand((batch_size,), generator=generator)
+            u = torch.rand((batch_size,), generator=generator, device=generator_device(generator))
         else:
             # torch inside: validate reads the objectives' rules without torch
             from diffusers.training_utils import compute_density_for_timestep_sampling
             u = compute_density_for_timestep_sampling(
                 weighting_scheme=dist, batch_size=batch_size, logit_mean=float(cfg_value(lc, "logit_mean", 0.0)),
                 logit_std=float(cfg_value(lc, "logit_std", 1.0)), mode_scale=float(cfg_value(lc, "mode_scale", 1.29)),
-                device="cpu", generator=generator)
+                device=generator_device(generator) or "cpu", generator=generator)
         u = lo + u.clamp(0.0, 1.0) * (hi - lo)
         sigmas = self._shifted(u.float().clamp(1e-5, 1.0), lc, latents)
         return sigmas.to(latents.device if latents is not None else "cpu")
@@ -253,7 +253,7 @@ class CosineObjective:
         if not 0 <= lo < hi:
             raise ConfigError(f"loss.timestep_min ({cfg_value(lc, 'timestep_min', 0)}) must be below loss.timestep_max.",
                               key="loss.timestep_min")
-        t = lo + torch.rand((batch_size,), generator=generator) * (hi - lo)
+        t = lo + torch.rand((batch_size,), generator=generator, device=generator_device(generator)) * (hi - lo)
         if cfg_value(lc, "cosine_timesteps", "uniform") == "original":  # OneTrainer's and the original trainers' draw
             t = (t * self.original_stretch + 0.001).clamp(0.001, 1.0)
         return t.to(latents.device if latents is not None else "cpu")

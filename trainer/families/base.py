@@ -143,7 +143,8 @@ class Family:
         """A latent drawn from the cached posterior, in the denoiser's scale: (z - shift) * scale."""
         mean = dist["mean"].to(self.device)
         std = dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
+                          device=None if generator is None else generator.device).to(self.device)
         shift = getattr(self.vae.config, "shift_factor", None) or 0.0
         return (mean + std * eps - shift) * self.vae.config.scaling_factor
 

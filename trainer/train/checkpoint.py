@@ -101,6 +101,7 @@ def write_backup(state: RunState, target: Path, weights, optimizer_state) -> Non
                     "scheduler": state.scheduler.state_dict(),
                     "grad_scaler": None if state.accelerator.scaler is None else state.accelerator.scaler.state_dict(),
                     "generator": state.generator.get_state(), "torch_rng": torch.get_rng_state(),
+                    "device_generator": _device_generator_state(state),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                     "mps_rng": torch.mps.get_rng_state() if state.device.type == "mps" else None,
                     "python_rng": random.getstate()}, tmp / "training_state.pt")
@@ -112,6 +113,12 @@ def write_backup(state: RunState, target: Path, weights, optimizer_state) -> Non
                                                     "gradient_accumulation_steps":
                                                         state.cfg.training.gradient_accumulation_steps,
                                                     "model": state.cfg.model.path}))
+
+
+def _device_generator_state(state: RunState):
+    """The state of the generator the step draws its tensors with, when it is not the CPU one (a GPU's)."""
+    gen = state.device_generator
+    return None if gen is None or gen is state.generator else gen.get_state()
 
 
 def resolve_resume(run: RunFolder, resume: str) -> Path:
@@ -162,6 +169,12 @@ def load_backup(state: RunState, path: Path) -> None:
     if ts.get("grad_scaler") and state.accelerator.scaler is not None:  # fp16: the loss scale reached
         state.accelerator.scaler.load_state_dict(ts["grad_scaler"])
     state.generator.set_state(ts["generator"])
+    if ts.get("device_generator") is not None and _device_generator_state(state) is not None:
+        try:
+            state.device_generator.set_state(ts["device_generator"])
+        except RuntimeError:  # a backup made on another kind of device: its draws go on from this seed
+            state.warn(f"Backup {path.name} was made on another kind of device: the noise and timesteps drawn "
+                       "from here on differ from an uninterrupted run's.")
     torch.set_rng_state(ts["torch_rng"])
     if ts.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(ts["cuda_rng"])

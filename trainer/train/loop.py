@@ -45,6 +45,7 @@ from trainer.train.sampling import sample
 from trainer.train.setup import setup
 from trainer.train.state import RunState
 from trainer.train.step import apply_component_schedule, forward_loss, optimizer_step, validate
+from trainer.train.transfer import LateRead, to_device
 
 log = logging.getLogger("atelier")
 _PROCESS_START = time.time()
@@ -74,48 +75,61 @@ def train(state: RunState) -> str:
     steps_at_start = state.pos.step
     bar = _progress_bar(state)
     loss_sum = None  # the current optimizer step's loss, summed on the device
+    # one process: a step's loss (its event, the finite check) is read when the next step has been queued, so the
+    # host never waits for the device; several processes read it at once (their all-reduce carries it)
+    late = LateRead(state.device)
+
+    def report() -> None:  # the pending step's event, after its finite check
+        ready = late.take()
+        if ready is not None:
+            _check_finite(state, ready[0], ready[1])
+            _report_step(state, ready[0], ready[1], t_start, steps_at_start, bar)
+
     while state.pos.step < state.total_steps:
         usable = (len(state.data.epoch_batches(state.pos.epoch)) // accum) * accum
         for _, batch in par.batches(state.data, state.pos.epoch, state.pos.batch_in_epoch, usable):
             if state.pos.step >= state.total_steps:
                 break
             last_of_step = (state.pos.batch_in_epoch + 1) % accum == 0
+            batch = to_device(batch, state.device)  # pinned, non-blocking on CUDA
             with par.micro_batch(last_of_step):  # DDP: no_sync unless last; its all-reduce runs in backward
                 loss = forward_loss(state, batch)
                 state.accelerator.backward(loss / accum)
-            # the step's loss stays on the device until the step ends: one host-device sync per optimizer
-            # step (the step event carries the loss), not two per micro-batch
-            part = loss.detach().float() / accum
+            part = loss.detach().float() / accum  # the step's loss stays on the device
             loss_sum = part if loss_sum is None else loss_sum + part
             state.pos.batch_in_epoch += 1
             if not last_of_step:
                 continue
-            # every process: the step's mean loss and whether any was asked to stop
-            loss_acc, stop = par.end_step(float(loss_sum), state.stop_wanted)
-            loss_sum = None
+            where = {"step": state.pos.step + 1, "epoch": state.pos.epoch}
+            if state.world > 1:  # every process: the step's mean loss and whether any was asked to stop
+                loss_sum, stop = par.end_step(float(loss_sum), state.stop_wanted)
+                _check_finite(state, loss_sum, where)  # before the optimizer touches the weights
+            else:
+                stop = state.stop_wanted
             state.stop_requested = state.stop_requested or stop
-            if not math.isfinite(loss_acc):  # before the optimizer touches the weights
-                kept = list_backups(state.run.path)
-                raise TrainingError(
-                    f"The loss became {loss_acc} at step {state.pos.step + 1} (epoch {state.pos.epoch + 1}). "
-                    + (f"Training stopped; the last backup ({kept[-1].name}) is intact. " if kept else
-                       "Training stopped before any backup was written. ")
-                    + "Try a lower learning rate, model.vae_dtype = fp32, or bf16 instead of fp16.")
             optimizer_step(state)
             state.pos.step += 1
             if state.ema is not None:
                 state.ema.after_optimizer_step(state.pos.step)
-            _after_step(state, loss_acc, t_start, steps_at_start, bar)
+            report()  # the step before (one process), its work long done
+            late.put(loss_sum, **where)
+            loss_sum = None
+            if state.world > 1:
+                report()
+            _after_step(state, report)  # a backup or sample never follows an unchecked loss
             resume_gc()  # paused during a fresh process's start-up (trainer/host/startup.py); no-op after
             fault_injection(state.rank, state.pos.step)
             if state.stop_requested:
+                report()
                 return _stop(state, bar)
         if state.pos.batch_in_epoch >= usable:
             state.pos.epoch += 1
             state.pos.batch_in_epoch = 0
-            _after_epoch(state)
+            _after_epoch(state, report)
             if state.stop_requested:
+                report()
                 return _stop(state, bar)
+    report()
     if bar is not None:
         bar.close()
     if cfg.sampling.at_end and cfg.sampling.prompts:
@@ -142,11 +156,23 @@ def _progress_bar(state: RunState):
                 file=sys.stderr, disable=not sys.stderr.isatty())
 
 
-def _after_step(state: RunState, loss: float, t_start: float, steps_at_start: int, bar) -> None:
-    """The step event, TensorBoard, the log line; then validation, samples and backups due at this step."""
-    apply_component_schedule(state)
-    step = state.pos.step
-    elapsed = time.time() - t_start
+def _check_finite(state: RunState, loss: float, where: dict) -> None:
+    """A non-finite loss ends the run. One process reads it a step late (the weights have taken one more step, so
+    nothing is saved from them: every backup and sample reads the pending loss first)."""
+    if math.isfinite(loss):
+        return
+    kept = list_backups(state.run.path)
+    raise TrainingError(
+        f"The loss became {loss} at step {where['step']} (epoch {where['epoch'] + 1}). "
+        + (f"Training stopped; the last backup ({kept[-1].name}) is intact. " if kept else
+           "Training stopped before any backup was written. ")
+        + "Try a lower learning rate, model.vae_dtype = fp32, or bf16 instead of fp16.")
+
+
+def _report_step(state: RunState, loss: float, where: dict, t_start: float, steps_at_start: int, bar) -> None:
+    """The step event, TensorBoard, the log line of the step ``where`` names (its loss read now)."""
+    step = where["step"]
+    elapsed = where["time"] - t_start
     done = step - steps_at_start
     it_s = done / elapsed if elapsed > 0 else 0.0
     eta = (state.total_steps - step) / it_s if it_s > 0 else None
@@ -157,7 +183,7 @@ def _after_step(state: RunState, loss: float, t_start: float, steps_at_start: in
     if state.compiled and done == 1:  # the first step of this process compiled the blocks
         extra["first_step_s"] = round(elapsed, 2)
         log.info("training.compile: the first step, compiles included, took %.1f s", extra["first_step_s"])
-    state.run.events.emit("step", step=step, total_steps=state.total_steps, epoch=state.pos.epoch + 1,
+    state.run.events.emit("step", step=step, total_steps=state.total_steps, epoch=where["epoch"] + 1,
                           loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1),
                           **extra)
     if state.tb is not None:
@@ -166,18 +192,30 @@ def _after_step(state: RunState, loss: float, t_start: float, steps_at_start: in
             state.tb.add_scalar(f"lr/{name}", lr, step)
     if bar is not None:
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4f}", epoch=state.pos.epoch + 1)
+        bar.set_postfix(loss=f"{loss:.4f}", epoch=where["epoch"] + 1)
     if step % 10 == 0 or step == state.total_steps:
-        log.info("step %d/%d epoch %d loss %.5f lr %s", step, state.total_steps, state.pos.epoch + 1, loss,
+        log.info("step %d/%d epoch %d loss %.5f lr %s", step, state.total_steps, where["epoch"] + 1, loss,
                  {k: f"{v:.3g}" for k, v in lrs.items()})
+
+
+def _after_step(state: RunState, before_any) -> None:
+    """The component schedule; then validation, samples and backups due at this step (``before_any`` first:
+    the pending loss is read, and checked, before anything is made from the weights)."""
+    apply_component_schedule(state)
+    step = state.pos.step
     s, b = state.cfg.sampling, state.cfg.backup
     v = state.cfg.training.validation_every_n_steps
-    if v and step % v == 0:
+    validating = bool(v and step % v == 0)
+    sampling = bool((s.every_n_steps and step % s.every_n_steps == 0 and step < state.total_steps)
+                    or _requested(state, "sample"))
+    backing_up = bool((b.every_n_steps and step % b.every_n_steps == 0) or _requested(state, "backup"))
+    if validating or sampling or backing_up:
+        before_any()
+    if validating:
         validate(state)
-    if (s.every_n_steps and step % s.every_n_steps == 0 and step < state.total_steps) \
-            or _requested(state, "sample"):
+    if sampling:
         sample(state)
-    if (b.every_n_steps and step % b.every_n_steps == 0) or _requested(state, "backup"):
+    if backing_up:
         backup(state)
 
 
@@ -187,17 +225,24 @@ def _requested(state: RunState, what: str) -> bool:
     return state.par.agree(state.run.control_requested(what))
 
 
-def _after_epoch(state: RunState) -> None:
+def _after_epoch(state: RunState, before_any) -> None:
+    """Validation, samples, backups and saves due at the end of an epoch (``before_any`` first, as after a step)."""
     e = state.pos.epoch
     s, b, o = state.cfg.sampling, state.cfg.backup, state.cfg.output
     last = state.pos.step >= state.total_steps
-    if not state.cfg.training.validation_every_n_steps:
+    validating = not state.cfg.training.validation_every_n_steps and bool(state.data.validation_batches())
+    sampling = bool(s.every_n_epochs and e % s.every_n_epochs == 0 and not (last and s.at_end))
+    backing_up = bool(b.every_n_epochs and e % b.every_n_epochs == 0 and state.last_backup_step != state.pos.step)
+    saving = bool(o.save_every_n_epochs and e % o.save_every_n_epochs == 0 and not last)
+    if validating or sampling or backing_up or saving:
+        before_any()
+    if validating:
         validate(state)
-    if s.every_n_epochs and e % s.every_n_epochs == 0 and not (last and s.at_end):
+    if sampling:
         sample(state)
-    if b.every_n_epochs and e % b.every_n_epochs == 0 and state.last_backup_step != state.pos.step:
+    if backing_up:
         backup(state)
-    if o.save_every_n_epochs and e % o.save_every_n_epochs == 0 and not last:
+    if saving:
         save_result(state, suffix=f"-epoch{e:04d}")
 
 

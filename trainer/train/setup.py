@@ -119,6 +119,9 @@ def setup(state: RunState) -> None:
     state.total_steps = t.max_steps if t.max_steps > 0 else t.epochs * state.steps_per_epoch
     state.scheduler = build_scheduler(state.optimizer, cfg, state.total_steps)
     state.generator = torch.Generator().manual_seed(g.seed)
+    # the step's tensors are drawn on the device (no copies); on the CPU that is the one generator, as before
+    state.device_generator = state.generator if state.device.type == "cpu" else \
+        torch.Generator(state.device).manual_seed(g.seed)
     setup_loss_ema_precision(state)
     state.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
     if t.get("compile", False):

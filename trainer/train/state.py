@@ -69,7 +69,8 @@ class RunState:
     steps_per_epoch: int
     total_steps: int
     scheduler: Optional[LRScheduler]
-    generator: Optional[torch.Generator]
+    generator: Optional[torch.Generator]  # the host's draws (caption dropout, mask choices)
+    device_generator: Optional[torch.Generator]  # the step's tensors (noise, timesteps …): ``generator`` on the CPU
     ema: Optional[TrainableEMA]
     rounding: Optional[StochasticRounding]  # precision.stochastic_rounding's optimizer hooks
     compiled: bool  # training.compile: the denoiser's blocks compile at their first call
@@ -105,6 +106,7 @@ class RunState:
         self.total_steps = 0
         self.scheduler = None
         self.generator = None
+        self.device_generator = None
         self.ema = None
         self.rounding = None
         self.compiled = False

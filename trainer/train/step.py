@@ -12,27 +12,37 @@ from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise
 from trainer.optim.schedule import ComponentSchedule
 from trainer.parallel.distributed import expand_rows, take_rows
 from trainer.train.state import RunState
+from trainer.train.transfer import to_device
 
 log = logging.getLogger("atelier")
 
 
-def forward_loss(state: RunState, batch, gen=None):
-    """The loss of one micro-batch: latents, noise and timesteps drawn from the run's generator (``gen``:
-    validation's own), the family's conditioning and prediction, the objective's target and weighting."""
+def forward_loss(state: RunState, batch, gen=None, device_gen=None):
+    """The loss of one micro-batch: latents, noise and timesteps drawn from the run's generators (``gen`` and
+    ``device_gen``: validation's own), the family's conditioning and prediction, the objective's target and
+    weighting.
+
+    Two generators, so that nothing of a step waits for the host: the tensors (posterior samples, noise,
+    timesteps, input perturbation) come from ``device_gen``, on the training device; the choices the host makes
+    (caption dropout, whether a mask is used, an inpainting mask's pick) from ``gen``, on the CPU. On the CPU
+    they are one generator, drawn in the order they always were: a CPU run draws the numbers it drew before."""
 
     model = state.model
     objective = model.objective  # DDPM or flow matching, chosen by the family
     lc = state.cfg.loss
-    gen = state.generator if gen is None else gen  # all randomness of a step comes from here: exact resume
+    if gen is None:  # all randomness of a step comes from these: exact resume
+        gen, device_gen = state.generator, getattr(state, "device_generator", None)
+    device_gen = gen if device_gen is None else device_gen
     # several processes: every draw is made for the whole global micro-batch (the same on every
     # process), each keeps its rows; so N processes equal one process with N x the batch
     rows = batch.get("global_rows")
-    latents = model.sample_latents(expand_rows(batch["latent_dist"], rows), gen)
-    noise = make_noise(latents.shape, gen, state.cfg.training.noise_offset).to(latents.device)
-    timesteps = objective.sample_timesteps(latents.shape[0], lc, gen, latents).to(latents.device)
+    latents = model.sample_latents(expand_rows(batch["latent_dist"], rows), device_gen)
+    noise = make_noise(latents.shape, device_gen, state.cfg.training.noise_offset).to(latents.device)
+    timesteps = objective.sample_timesteps(latents.shape[0], lc, device_gen, latents).to(latents.device)
     noisy, target = objective.noisy_and_target(latents, noise, timesteps)
     if lc.input_perturbation > 0:  # the input gets extra noise; the target stays that of `noise`
-        noisy, _ = objective.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, gen), timesteps)
+        noisy, _ = objective.noisy_and_target(latents, perturb_noise(noise, lc.input_perturbation, device_gen),
+                                              timesteps)
     mask = choose_mask(batch.get("mask"), lc, gen)
     noisy_latents, clean = noisy, latents  # before the model's own input channels (loss.precondition_outputs)
     noisy = model.model_input(noisy, batch, gen, state.warn)  # inpainting: noisy ‖ mask ‖ masked-image latents
@@ -95,12 +105,14 @@ def validate(state: RunState) -> Optional[float]:
     for m in state.method.modules.values():
         m.eval()
     gen = torch.Generator().manual_seed(int(state.cfg.general.seed) + 7919)
+    device_gen = None if state.device.type == "cpu" else \
+        torch.Generator(state.device).manual_seed(int(state.cfg.general.seed) + 7919)
     total, count = 0.0, 0
     try:
         with torch.no_grad():
             for batch in state.data.iter_validation():
                 n = len(batch["captions"])
-                total += forward_loss(state, batch, gen).item() * n
+                total += forward_loss(state, to_device(batch, state.device), gen, device_gen).item() * n
                 count += n
     finally:
         for n, m in state.method.modules.items():

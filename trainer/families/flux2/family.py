@@ -216,7 +216,8 @@ class Flux2(PeftLayoutLora, Family):
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, normalised by the VAE's BatchNorm statistics."""
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
+                          device=None if generator is None else generator.device).to(self.device)
         return normalise(self.vae, mean + std * eps)
 
     # --- text -------------------------------------------------------------------------------

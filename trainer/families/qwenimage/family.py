@@ -127,7 +127,8 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
+                          device=None if generator is None else generator.device).to(self.device)
         c = self.vae.config
         shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
         scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)

@@ -185,7 +185,8 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     def sample_latents(self, dist: Dict[str, Any], generator=None):
         """A latent drawn from the cached posterior, normalised per channel as ``WanPipeline`` inverts it."""
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype).to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
+                          device=None if generator is None else generator.device).to(self.device)
         c = self.vae.config
         view = (1, -1) + (1,) * (mean.ndim - 2)
         shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(view)

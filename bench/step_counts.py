@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Count the host work of one optimizer step on the CPU: aten ops, device syncs, blocking host-to-device copies and
+Python calls, each by call site.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo demo-sdxl demo-flux
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py sd15        # real-size SD 1.5 topology, random weights
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo --sites 15 --set training.batch_size=4
+
+A step's GPU time is only as good as the host's ability to queue it: every aten op is a kernel launch (or host work
+around one), every device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``)
+waits for the copy. These counts do not depend on the machine, so they are taken here, on the CPU, through the
+trainer's own ``python -m trainer train`` in this process: steps after the warm-up ones are counted one by one
+(the boundary is the loop's end-of-step hook) and the median is printed.
+
+On the CPU the training device *is* the host, so "on the device" is tracked, as CUDA would have it:
+
+- a tensor is on the device when it is a weight or buffer of the model, the result of ``.to(<a torch.device>)``
+  (or ``copy_`` into a device tensor), a factory given ``device=<a torch.device>`` (a ``torch.Generator``'s
+  ``.device`` included), or computed from one of those; everything else (the data pipeline's batches, draws
+  without ``device=``, ``torch.tensor`` of Python numbers) is on the host;
+- a **sync** is an op that must read a device tensor's value on the host: ``item``/``_local_scalar_dense``,
+  ``is_nonzero`` (``bool(t)``), ``nonzero``, ``masked_select``, ``unique``, boolean indexing, ``equal``, and
+  ``tolist``/``cpu``/``numpy`` of a device tensor;
+- a **blocking copy** is a host tensor moved to the device without ``non_blocking=True`` (on CUDA the trainer pins
+  what it moves with ``non_blocking``), and ``torch.tensor(<Python data>, device=…)``.
+
+Python calls are counted in separate steps (``sys.setprofile``, 'call' events; the counter's own frames left out),
+so the op counting's hooks do not inflate them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=<another checkout> counts that checkout's trainer
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+from torch.utils.weak import WeakTensorKeyDictionary  # noqa: E402
+
+THIS = os.path.abspath(__file__)
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+DEMO_DATA = ROOT / "presets" / "demo-data"
+
+# what each case trains: a preset and its settings (the data: the demo images, one repeat, no samples, no backups)
+COMMON = ["sampling.prompts=[]", "sampling.every_n_epochs=0", "sampling.at_end=false",
+          "backup.every_n_epochs=0", "backup.every_n_steps=0", "output.save_every_n_epochs=0",
+          "general.tensorboard=false", "general.dataloader_workers=0"]
+CASES: Dict[str, Dict[str, Any]] = {
+    "demo": {"preset": "demo", "sets": []},
+    "demo-sdxl": {"preset": "demo-sdxl", "sets": []},
+    "demo-flux": {"preset": "demo-flux", "sets": []},
+    # SD 1.5's real topology and widths (the shipped full-size configs, random weights) at 64 px: the ops, syncs and
+    # copies of a 512 px step, at a CPU's pace. bf16 autocast, batch 4, LoRA rank 16, no checkpointing
+    "sd15": {"preset": "sd15-lora", "random_weights": True,
+             "sets": ["data.resolution=64", "training.batch_size=4", "training.mixed_precision=bf16",
+                      "parts.denoiser.dtype=bf16", "parts.text_encoder_1.dtype=bf16", "model.vae_dtype=bf16",
+                      "training.gradient_checkpointing=false", "lora.rank=16", "training.lr_warmup_steps=0"]},
+}
+CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
+                               + ["training.gradient_checkpointing=true", "lora.rank=16",
+                                  "training.lr_warmup_steps=0"]}
+
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "_unique2", "unique_dim",
+            "unique_consecutive", "equal", "nonzero_static"}
+FACTORIES = {"randn", "rand", "randint", "normal", "randperm", "zeros", "ones", "empty", "full", "arange",
+             "linspace", "logspace", "eye", "tensor", "as_tensor", "zeros_like", "ones_like", "empty_like",
+             "full_like", "rand_like", "randn_like", "randint_like", "scalar_tensor"}
+FROM_PYTHON = {"tensor", "as_tensor"}  # data copied from Python objects (pageable): a blocking copy to a device
+
+
+def call_site() -> str:
+    """The first frame outside torch and this file: who asked."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if name != THIS and not name.startswith(TORCH_DIR) and "contextlib" not in name:
+            short = name
+            for anchor in ("site-packages" + os.sep, str(ROOT) + os.sep):
+                if anchor in short:
+                    short = short.split(anchor, 1)[1]
+            return f"{short}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return "?"
+
+
+class Tally:
+    """What the counted steps did (every counter is cumulative; the steps' boundaries take snapshots)."""
+
+    def __init__(self) -> None:
+        self.ops = 0
+        self.op_names: Counter = Counter()
+        self.syncs: Counter = Counter()  # (what, site)
+        self.copies: Counter = Counter()  # (blocking?, site)
+        self.late: Counter = Counter()  # non-blocking copies to the host (read a step later)
+        self.calls = 0
+
+    def snapshot(self) -> dict:
+        return {"ops": self.ops, "syncs": sum(self.syncs.values()),
+                "blocking_copies": sum(n for (blocking, _), n in self.copies.items() if blocking),
+                "async_copies": sum(n for (blocking, _), n in self.copies.items() if not blocking),
+                "late_reads": sum(self.late.values()),
+                "python_calls": self.calls, "sync_sites": Counter(self.syncs), "copy_sites": Counter(self.copies),
+                "op_names": Counter(self.op_names)}
+
+
+class DeviceTracker(TorchFunctionMode):
+    """Which tensors are on the (pretend) device, the host reads of device tensors and the copies to it, at the
+    level of torch's Python functions (``tolist``/``cpu`` do not reach the dispatcher on the CPU)."""
+
+    def __init__(self, tally: Tally, on_device: WeakTensorKeyDictionary) -> None:
+        super().__init__()
+        self.tally = tally
+        self.dev = on_device
+
+    def is_dev(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t in self.dev
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        from_dev = any(self.is_dev(t) for t in tensors)
+        target = None  # where a move goes: True device, False host, None not a move
+        if name in ("to", "cuda", "cpu", "copy_") and tensors:
+            src = tensors[0] if name != "copy_" else (args[1] if len(args) > 1 else kwargs.get("src"))
+            if name == "cpu":
+                target = False
+            elif name == "cuda":
+                target = True
+            elif name == "copy_":
+                target = self.is_dev(args[0])
+            else:
+                for a in list(args[1:]) + [kwargs.get("device"), kwargs.get("other")]:
+                    if isinstance(a, torch.device):
+                        target = True
+                    elif isinstance(a, str):
+                        target = a != "cpu"
+                    elif isinstance(a, torch.Tensor):
+                        target = self.is_dev(a)
+            blocking = not (kwargs.get("non_blocking") or (len(args) > 3 and args[3] is True and name == "to")
+                            or (name == "copy_" and (kwargs.get("non_blocking") or (len(args) > 2 and args[2]))))
+            if target is True and isinstance(src, torch.Tensor) and not self.is_dev(src):
+                self.tally.copies[(blocking, call_site())] += 1
+            elif target is False and self.is_dev(src):
+                if blocking:
+                    self.tally.syncs[(name, call_site())] += 1
+                else:  # into host memory without blocking: read later, after waiting for its own step's event
+                    self.tally.late[call_site()] += 1
+        elif name in ("tolist", "numpy") and from_dev:
+            self.tally.syncs[(name, call_site())] += 1
+        out = func(*args, **kwargs)
+        if name in FACTORIES and not from_dev:
+            device = kwargs.get("device")
+            gen = kwargs.get("generator")
+            made_on_dev = isinstance(device, torch.device) or (isinstance(device, str) and device != "cpu") \
+                or (device is None and isinstance(gen, torch.Generator) and gen.device.type != "cpu")
+            if made_on_dev and name in FROM_PYTHON and not tensors:
+                self.tally.copies[(True, call_site())] += 1
+            mark = made_on_dev
+        elif target is not None:
+            mark = target
+        else:
+            mark = from_dev
+        if mark:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self.dev[o] = True
+        return out
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten op, and the ones that read a device tensor's value on the host."""
+
+    def __init__(self, tally: Tally, on_device: WeakTensorKeyDictionary) -> None:
+        super().__init__()
+        self.tally = tally
+        self.dev = on_device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.tally.ops += 1
+        name = func.overloadpacket.__name__
+        self.tally.op_names[name] += 1
+        first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
+        sync = name in SYNC_OPS
+        if name in ("index", "index_put_", "index_put") and len(args) > 1:  # x[mask]: a nonzero inside
+            sync = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
+        if sync and first is not None and first in self.dev:
+            self.tally.syncs[(name, call_site())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Counting:
+    """The loop's end-of-step hook: steps 1..warmup run plain, the next ``count`` steps under the op and device
+    counters, the next ``count`` under ``sys.setprofile``; a snapshot at every boundary."""
+
+    def __init__(self, warmup: int, count: int) -> None:
+        self.warmup, self.count = warmup, count
+        self.tally = Tally()
+        self.dev = WeakTensorKeyDictionary()
+        self.step = 0
+        self.snaps: List[dict] = []
+        self.modes: List[Any] = []
+        self.state = None
+
+    def seed_device(self) -> None:
+        """The model's weights and buffers are on the device (found through the live RunState)."""
+        import gc
+        from trainer.train.state import RunState
+        for obj in gc.get_objects():
+            if isinstance(obj, RunState) and obj.model is not None:
+                self.state = obj
+        if self.state is None:
+            return
+        for name in dir(self.state.model):
+            m = getattr(self.state.model, name, None)
+            if isinstance(m, torch.nn.Module):
+                for t in list(m.parameters()) + list(m.buffers()):
+                    self.dev[t] = True
+
+    def profile(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_filename != THIS:
+            self.tally.calls += 1
+
+    def __call__(self) -> None:
+        self.step += 1
+        if self.step == self.warmup:
+            self.seed_device()
+            self.modes = [DeviceTracker(self.tally, self.dev), OpCounter(self.tally, self.dev)]
+            for m in self.modes:
+                m.__enter__()
+        elif self.step == self.warmup + self.count:
+            for m in reversed(self.modes):
+                m.__exit__(None, None, None)
+            self.modes = []
+            sys.setprofile(self.profile)
+        elif self.step == self.warmup + 2 * self.count:
+            sys.setprofile(None)
+        if self.warmup <= self.step <= self.warmup + 2 * self.count:
+            self.snaps.append(self.tally.snapshot())
+
+
+def per_step(snaps: List[dict], count: int) -> dict:
+    """Medians over the counted steps (op steps: snapshots 0..count, Python steps: count..2·count)."""
+    def diffs(key, lo, hi):
+        return [snaps[i + 1][key] - snaps[i][key] for i in range(lo, hi)]
+    out = {k: statistics.median(diffs(k, 0, count)) for k in ("ops", "syncs", "blocking_copies", "async_copies",
+                                                                  "late_reads")}
+    out["python_calls"] = statistics.median(diffs("python_calls", count, 2 * count))
+    first, last = snaps[0], snaps[count]
+    for key in ("sync_sites", "copy_sites", "op_names"):
+        out[key] = {(k if isinstance(k, str) else " ".join(str(x) for x in k)): v / count
+                    for k, v in (last[key] - first[key]).most_common()}
+    return out
+
+
+def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path) -> dict:
+    from trainer import __main__ as cli
+    from trainer.train import loop
+    spec = CASES[case]
+    hook = Counting(warmup, count)
+    steps = warmup + 2 * count + 1
+    sets = [*COMMON, f"data.concepts=[{{path: {DEMO_DATA}}}]", f"training.max_steps={steps}", *spec["sets"], *extra]
+    argv = ["train", "--preset", spec["preset"], "--no-progress", "--set", f"general.workspace={workspace}",
+            "--set", f"general.run_name={case}", *[x for s in sets for x in ("--set", s)]]
+    original = loop.resume_gc
+    loop.resume_gc = lambda: (original(), hook())
+    try:
+        ctx = contextlib.nullcontext()
+        if spec.get("random_weights"):
+            from trainer.memory import estimate_session
+            ctx = estimate_session.session(fake=False)
+        with ctx:
+            rc = cli.main(argv)
+    finally:
+        loop.resume_gc = original
+        sys.setprofile(None)
+    if rc != 0 or len(hook.snaps) < 2 * count + 1:
+        log = workspace / "runs" / case / "train.log"
+        raise SystemExit(f"{case}: the run failed (rc {rc}, {len(hook.snaps)} boundaries)\n"
+                         + (log.read_text()[-3000:] if log.exists() else ""))
+    return per_step(hook.snaps, count)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted(CASES))
+    ap.add_argument("--set", action="append", default=[], help="one more setting for every case (key=value)")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before counting")
+    ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
+    ap.add_argument("--sites", type=int, default=8, help="call sites shown for syncs and copies")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases:
+            try:
+                rows[case] = run_case(case, args.set, args.warmup, args.count, Path(tmp))
+            except SystemExit as exc:
+                print(exc, file=sys.stderr)
+                traceback.print_exc()
+                return 1
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for case, r in rows.items():
+        print(f"\n== {case}: per optimizer step (median of {args.count})")
+        print(f"aten ops {r['ops']:.0f}  device syncs {r['syncs']:g}  blocking H2D copies {r['blocking_copies']:g}  "
+              f"non-blocking copies {r['async_copies']:g}  late reads {r['late_reads']:g}  Python calls {r['python_calls']:.0f}")
+        for title, key in (("syncs", "sync_sites"), ("copies (blocking? site)", "copy_sites")):
+            for site, n in list(r[key].items())[:args.sites]:
+                print(f"  {title}: {n:g} x {site}")
+        print("  top ops: " + ", ".join(f"{k} {v:g}" for k, v in list(r["op_names"].items())[:8]))
+    print("\n| case | aten ops | syncs | blocking copies | late reads | Python calls |\n|---|---|---|---|---|---|")
+    for case, r in rows.items():
+        print(f"| {case} | {r['ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
+              f"| {r['python_calls']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
