@@ -191,6 +191,13 @@ def _on_cpu(groups: List[Dict[str, Any]]) -> bool:
     return bool(params) and all(p.device.type == "cpu" and not hasattr(p, "device_mesh") for p in params)
 
 
+def _on_cuda(groups: List[Dict[str, Any]]) -> bool:
+    """Every weight is a plain floating tensor on a CUDA device (what torch's fused kernels take)."""
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.device.type == "cuda" and not hasattr(p, "device_mesh") and p.is_floating_point()
+                                for p in params)
+
+
 def _parameters(cls: Any) -> set:
     try:
         return set(inspect.signature(cls.__init__).parameters)
@@ -227,6 +234,11 @@ def build_optimizer(groups: List[Dict[str, Any]], cfg):
             kwargs["fused"] = True
         elif "foreach" in takes:
             kwargs["foreach"] = True
+    elif not {"foreach", "fused"} & set(kwargs) and _on_cuda(groups) and cls.__module__.startswith("torch.optim") \
+            and "fused" in _parameters(cls):
+        # on CUDA torch defaults to foreach (a few kernels per group of tensors); fused is one kernel per group and
+        # takes the GradScaler's scale and inf flag on the device (bitsandbytes' 8-bit optimizers are fused already)
+        kwargs["fused"] = True
     if o.name == "adafactor" and kwargs.get("relative_step", True):
         kwargs["lr"] = None  # transformers refuses a manual LR with relative_step
     else:
