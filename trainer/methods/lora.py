@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer, check_target_module_exists
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
@@ -141,6 +142,25 @@ def _add_adapter(model, config, what: str, key: str) -> None:
         raise ConfigError(f"Could not add the {what} adapter: {exc}. Check {key}.", key=key) from None
 
 
+def autocasts(cfg, device) -> bool:
+    """The training forward runs under autocast (bf16 anywhere; fp16 on a GPU, where accelerate turns it on)."""
+    mp = cfg.training.get("mixed_precision", "no")
+    return mp == "bf16" or (mp == "fp16" and device is not None and torch.device(device).type in ("cuda", "mps"))
+
+
+def skip_input_casts(modules) -> None:
+    """peft casts a plain LoRA layer's input to the adapter's dtype (fp32 master weights) before its two matmuls,
+    and autocast casts it back to the compute dtype: two copies of every adapted layer's input per forward (and two
+    in backward) that change no value. Under autocast they are switched off (peft's ``cast_input_dtype_enabled``,
+    what ``peft.helpers.disable_input_dtype_casting`` sets); the adapters keep their fp32 weights, cast once per
+    forward by autocast's cache. DoRA and the other variants keep peft's casts (their weight norms are computed
+    outside the matmuls)."""
+    for m in modules:
+        for layer in m.modules():
+            if isinstance(layer, LoraLayer) and not getattr(layer, "lora_variant", None):
+                layer.cast_input_dtype_enabled = False
+
+
 class LoraMethod(MethodBase):
     """Adds adapters to the chosen components; only adapter weights (and an alongside embedding) train."""
 
@@ -167,6 +187,8 @@ class LoraMethod(MethodBase):
             for p in m.parameters():
                 if p.requires_grad:
                     p.data = p.data.float()  # adapters train in fp32 whatever the base dtype
+        if autocasts(cfg, getattr(model, "device", None)):
+            skip_input_casts(self.modules.values())
         if lcfg.init_weights:
             self._load_init_weights(lcfg.init_weights)
         self._add_alongside_embedding(model, cfg)

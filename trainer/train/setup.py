@@ -28,6 +28,7 @@ from trainer.loss import prepare_noise_schedule
 from trainer.memory.block_swap import plan_block_swap
 from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
 from trainer.memory.precision import apply_precision, apply_storage, place_text_encoders
+from trainer.methods.lora import autocasts
 from trainer.methods.make import make_method
 from trainer.optim.build import build_optimizer, param_groups
 from trainer.optim.schedule import build_scheduler
@@ -175,6 +176,7 @@ def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
     optimizer, then what several processes attach to them (DDP)."""
     cfg = state.cfg
     apply_storage(state.model, state.method, cfg)
+    frozen_in_compute_dtype(state)
     if cfg.training.gradient_checkpointing:
         for m in state.method.modules.values():
             m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
@@ -185,6 +187,31 @@ def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
     state.groups = param_groups(state.method, cfg)
     state.optimizer = build_optimizer(state.groups, cfg)
     state.par.attach(state.method, state.optimizer, state.groups, state.device)  # several processes: DDP …
+
+
+def frozen_in_compute_dtype(state: RunState) -> None:
+    """A LoRA's frozen denoiser kept in fp32 under autocast: its Linear and Conv weights stored in the autocast
+    dtype. Autocast casts a frozen fp32 weight again at every call (its cast cache keeps only trained leaves), so
+    storing the cast gives the same matmuls without the casts, in half the memory. Norms, embeddings and the
+    denoiser's input dtype stay as they were; fp8/NF4 storage and block swapping (which place the weights
+    themselves) are left alone."""
+    cfg = state.cfg
+    denoiser = state.model.denoiser
+    if cfg.training.method != "lora" or not autocasts(cfg, state.device) or denoiser is None \
+            or int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0) > 0:
+        return
+    dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float16
+    layers = [m for m in denoiser.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d,
+                                                              torch.nn.Conv3d))]
+    if any(getattr(m, "lora_variant", None) for m in denoiser.modules()):  # DoRA: its norms read the base weight
+        return
+    weights = [p for m in layers for p in m.parameters(recurse=False) if not p.requires_grad and p.dtype == torch.float32]
+    if not weights:
+        return
+    if state.unet_dtype is None:  # the denoiser's input dtype, read before its first weight changes dtype
+        state.unet_dtype = denoiser.dtype
+    for p in weights:
+        p.data = p.data.to(dtype)
 
 
 def plan_global_batch(state: RunState) -> int:
