@@ -207,8 +207,9 @@ class OpCounter(TorchDispatchMode):
 
 
 class Counting:
-    """The loop's end-of-step hook: steps 1..warmup run plain, the next ``count`` steps under the op and device
-    counters, the next ``count`` under ``sys.setprofile``; a snapshot at every boundary."""
+    """The loop's end-of-step hook: steps 1..warmup run plain (the last of them tracked, not counted), the next
+    ``count`` steps under the op and device counters, the next ``count`` under ``sys.setprofile``; a snapshot at
+    every boundary."""
 
     def __init__(self, warmup: int, count: int) -> None:
         self.warmup, self.count = warmup, count
@@ -240,8 +241,8 @@ class Counting:
 
     def __call__(self) -> None:
         self.step += 1
-        if self.step == self.warmup:
-            self.seed_device()
+        if self.step == self.warmup - 1:  # one step tracked before counting: what it caches on the device (a
+            self.seed_device()  # scheduler's table moved at its first use) is known to be there when counting starts
             self.modes = [DeviceTracker(self.tally, self.dev), OpCounter(self.tally, self.dev)]
             for m in self.modes:
                 m.__enter__()
@@ -270,7 +271,8 @@ def per_step(snaps: List[dict], count: int) -> dict:
     return out
 
 
-def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path) -> dict:
+def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path, run_name: str = "") -> dict:
+    """Train ``case`` in this process and count its steps after ``warmup``: per-step medians and per-site means."""
     from trainer import __main__ as cli
     from trainer.train import loop
     spec = CASES[case]
@@ -278,7 +280,7 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
     steps = warmup + 2 * count + 1
     sets = [*COMMON, f"data.concepts=[{{path: {DEMO_DATA}}}]", f"training.max_steps={steps}", *spec["sets"], *extra]
     argv = ["train", "--preset", spec["preset"], "--no-progress", "--set", f"general.workspace={workspace}",
-            "--set", f"general.run_name={case}", *[x for s in sets for x in ("--set", s)]]
+            "--set", f"general.run_name={run_name or case}", *[x for s in sets for x in ("--set", s)]]
     original = loop.resume_gc
     loop.resume_gc = lambda: (original(), hook())
     try:
@@ -292,7 +294,7 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
         loop.resume_gc = original
         sys.setprofile(None)
     if rc != 0 or len(hook.snaps) < 2 * count + 1:
-        log = workspace / "runs" / case / "train.log"
+        log = workspace / "runs" / (run_name or case) / "train.log"
         raise SystemExit(f"{case}: the run failed (rc {rc}, {len(hook.snaps)} boundaries)\n"
                          + (log.read_text()[-3000:] if log.exists() else ""))
     return per_step(hook.snaps, count)
@@ -302,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted(CASES))
     ap.add_argument("--set", action="append", default=[], help="one more setting for every case (key=value)")
-    ap.add_argument("--warmup", type=int, default=3, help="steps before counting")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before counting (at least 2)")
     ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
     ap.add_argument("--sites", type=int, default=8, help="call sites shown for syncs and copies")
     ap.add_argument("--json", action="store_true")
