@@ -257,6 +257,56 @@ class Counting:
             self.snaps.append(self.tally.snapshot())
 
 
+class Profiling:
+    """The loop's end-of-step hook for ``--profile``: one step after the warm-up under ``torch.profiler`` (CPU and,
+    on a GPU, CUDA activity): the top kernels (or CPU ops) by time and, on a GPU, how long it sat idle between
+    kernels in that step (host gaps: the GPU waiting for the host to queue work)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.step = 0
+        self.prof = None
+        self.result: Dict[str, Any] = {}
+
+    def __call__(self) -> None:
+        self.step += 1
+        cuda = torch.cuda.is_available()
+        if self.step == self.warmup:
+            if cuda:
+                torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+        elif self.step == self.warmup + 1 and self.prof is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.result = summarise(self.prof, cuda)
+            self.prof = None
+
+
+def summarise(prof: Any, cuda: bool, top: int = 15) -> Dict[str, Any]:
+    """Top kernels (CUDA) or ops (CPU) by total time, and the GPU's busy and idle time over the profiled step."""
+    key = "cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=top)
+    out: Dict[str, Any] = {"table": table}
+    if cuda:
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        busy, end = 0.0, None
+        for a, b in spans:
+            if end is None or a > end:
+                busy += b - a
+                end = b
+            elif b > end:
+                busy += b - end
+                end = b
+        window = (spans[-1][1] - spans[0][0]) if spans else 0.0
+        out.update(kernels=len(spans), gpu_window_ms=round(window / 1000, 2), gpu_busy_ms=round(busy / 1000, 2),
+                   gpu_idle_ms=round((window - busy) / 1000, 2))
+    return out
+
+
 def per_step(snaps: List[dict], count: int) -> dict:
     """Medians over the counted steps (op steps: snapshots 0..count, Python steps: count..2·count)."""
     def diffs(key, lo, hi):
@@ -271,12 +321,14 @@ def per_step(snaps: List[dict], count: int) -> dict:
     return out
 
 
-def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path, run_name: str = "") -> dict:
-    """Train ``case`` in this process and count its steps after ``warmup``: per-step medians and per-site means."""
+def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path, run_name: str = "",
+             profile: bool = False) -> dict:
+    """Train ``case`` in this process and count its steps after ``warmup``: per-step medians and per-site means
+    (``profile``: one step under torch.profiler instead, see :class:`Profiling`)."""
     from trainer import __main__ as cli
     from trainer.train import loop
     spec = CASES[case]
-    hook = Counting(warmup, count)
+    hook = Profiling(warmup) if profile else Counting(warmup, count)
     steps = warmup + 2 * count + 1
     sets = [*COMMON, f"data.concepts=[{{path: {DEMO_DATA}}}]", f"training.max_steps={steps}", *spec["sets"], *extra]
     argv = ["train", "--preset", spec["preset"], "--no-progress", "--set", f"general.workspace={workspace}",
@@ -293,6 +345,10 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
     finally:
         loop.resume_gc = original
         sys.setprofile(None)
+    if profile:
+        if rc != 0 or not hook.result:
+            raise SystemExit(f"{case}: the profiled run failed (rc {rc})")
+        return hook.result
     if rc != 0 or len(hook.snaps) < 2 * count + 1:
         log = workspace / "runs" / (run_name or case) / "train.log"
         raise SystemExit(f"{case}: the run failed (rc {rc}, {len(hook.snaps)} boundaries)\n"
@@ -308,19 +364,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
     ap.add_argument("--sites", type=int, default=8, help="call sites shown for syncs and copies")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one step after the warm-up with torch.profiler instead of counting (on a GPU: top "
+                         "kernels and the GPU's idle time between kernels)")
+    ap.add_argument("--workspace", help="workspace to train in (default: a temporary folder)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             try:
-                rows[case] = run_case(case, args.set, args.warmup, args.count, Path(tmp))
+                rows[case] = run_case(case, args.set, args.warmup, args.count, Path(args.workspace or tmp),
+                                      profile=args.profile)
             except SystemExit as exc:
                 print(exc, file=sys.stderr)
                 traceback.print_exc()
                 return 1
     if args.json:
         print(json.dumps(rows, indent=1))
+        return 0
+    if args.profile:
+        for case, r in rows.items():
+            gaps = {k: v for k, v in r.items() if k != "table"}
+            print(f"\n== {case}: one step under torch.profiler {json.dumps(gaps)}\n{r['table']}")
         return 0
     for case, r in rows.items():
         print(f"\n== {case}: per optimizer step (median of {args.count})")
