@@ -1,0 +1,312 @@
+#!/usr/bin/env bash
+# Atelier against diffusers' own example scripts on one GPU, same model, data and settings, in one run: real-size
+# random-weight SD 1.5 LoRA (512 px, batch 4, bf16), SDXL LoRA (1024 px, batch 2, bf16) and Flux.1 [dev] LoRA
+# (1024 px, batch 1, fp8 base), Atelier eager and compiled (training.compile), then the example scripts; one step of
+# Atelier's SD 1.5 under torch.profiler (top kernels, the GPU's idle time between them); a table with steps/s,
+# images/s, peak memory, time to first step, MFU and the ratio to the example script, with the card's name.
+#
+#   bash bench/gpu_side_by_side.sh                          # every case (results in $OUT, default bench-side-by-side/)
+#   bash bench/gpu_side_by_side.sh sd15 sdxl                # some of them: sd15 sdxl flux (each: eager, compiled,
+#                                                           # the example script), profile
+#   TINY=1 bash bench/gpu_side_by_side.sh                   # a dry run on the CPU: the tiny models at 64 px, eager only
+#
+# diffusers' example scripts are not in the diffusers wheel. Get them from a clone of huggingface/diffusers at the tag
+# of the installed version, and carry the wheels they need (torchvision, datasets) to the GPU machine:
+#
+#   git clone --depth 1 --branch v$(python -c 'import diffusers; print(diffusers.__version__)') \
+#       https://github.com/huggingface/diffusers /opt/diffusers
+#   pip download torchvision datasets -d wheels/      # on a machine with the same Python; then on the GPU machine:
+#   pip install --no-index --find-links wheels/ torchvision datasets
+#   DIFFUSERS_EXAMPLES=/opt/diffusers/examples bash bench/gpu_side_by_side.sh
+#
+# Without DIFFUSERS_EXAMPLES (or without torchvision/datasets) the example scripts are skipped, and said so.
+# The examples train on random-weight diffusers folders this script writes from the shipped full-size configs
+# (SD 1.5 ~2 GB, SDXL ~7 GB, Flux.1 ~34 GB of disk in bf16); Atelier trains the same models with
+# bench/random_weights.py (no disk). The example scripts differ where they cannot match (said in the table's notes):
+# they encode every batch with the VAE (SD/SDXL scripts: no latent cache), and the Flux script has no fp8 base (bf16).
+#
+# Env: PYTHON (default .venv/bin/python), OUT (results), STEPS (12; TINY 4), CASE_TIMEOUT (s, 200), PEAK_TFLOPS
+# (the card's dense bf16 peak, 989 = H100 SXM), COMPILE (1; TINY 0), DIFFUSERS_PYTHON (default PYTHON).
+# Budget on an H100: about 8 minutes for the default cases (first steps ~30-70 s each, compiled +1-2 min).
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+DPY=${DIFFUSERS_PYTHON:-$PY}
+TINY=${TINY:-0}
+OUT=${OUT:-bench-side-by-side}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+WS=${WORKSPACE:-$OUT/work}
+mkdir -p "$WS"
+RESULTS=$OUT/side_by_side.jsonl
+if [ "$TINY" = 1 ]; then STEPS=${STEPS:-4}; COMPILE=${COMPILE:-0}; else STEPS=${STEPS:-12}; COMPILE=${COMPILE:-1}; fi
+CASE_TIMEOUT=${CASE_TIMEOUT:-200}
+PEAK_TFLOPS=${PEAK_TFLOPS:-989}
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TINY WS PEAK_TFLOPS
+: > "$RESULTS"
+
+helper() { "$PY" "$OUT/side_by_side_helper.py" "$@"; }
+cat > "$OUT/side_by_side_helper.py" <<'EOF'
+"""The side-by-side's Python parts: noise images, random-weight diffusers folders, one example-script run, FLOPs
+of a Flux step, and the table."""
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path.cwd()
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+TINY = os.environ.get("TINY") == "1"
+VARIANT = {"sd15": "sd15", "sdxl": "sdxl", "flux": "flux-dev"}
+TINY_KIND = {"sd15": "tiny-sd", "sdxl": "tiny-sdxl", "flux": "tiny-flux"}
+
+
+def images(dest, side, metadata):
+    """Four noise images with one caption: .txt files (Atelier, the Flux script) and an imagefolder's
+    metadata.jsonl (the SD/SDXL scripts' --train_data_dir)."""
+    import numpy as np
+    from PIL import Image
+    d, side = Path(dest), int(side)
+    d.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(4):
+        Image.fromarray(np.random.RandomState(i).randint(0, 255, (side, side, 3), dtype=np.uint8)).save(d / f"{i}.png")
+        (d / f"{i}.txt").write_text("a photo of sks", encoding="utf-8")
+        rows.append(json.dumps({"file_name": f"{i}.png", "text": "a photo of sks"}))
+    if metadata == "1":
+        (d / "metadata.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    print(d)
+
+
+def folder(case, dest):
+    """A diffusers folder of the case's model: the built-in tiny one (TINY), else the shipped full-size configs with
+    random weights (initialised on the GPU), saved in bf16 (the VAE in fp32, as the scripts load it)."""
+    import importlib
+    import shutil
+    import torch
+    from trainer.families.common import full_size
+    dest = Path(dest)
+    if TINY:
+        from trainer.families.common.sd_kit.tiny import ensure_tiny_model
+        if case != "flux":
+            ensure_tiny_model(TINY_KIND[case], dest.parent / "models")
+            print(dest.parent / "models" / TINY_KIND[case])
+            return
+    src = full_size.config_folder(VARIANT[case], dest.parent / "cache")
+    if TINY:  # the tiny Flux's folder is the configs' source: its configs are the full-size ones
+        src = next(p for p in (dest.parent / "cache" / "models").rglob("model_index.json")
+                   if "flux" in str(p).lower()).parent
+        print(src)
+        return
+    if (dest / ".done").exists():
+        print(dest)
+        return
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"), dirs_exist_ok=True)
+    index = json.loads((src / "model_index.json").read_text())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec[0] is None or not (src / name / "config.json").exists():
+            continue
+        cls = getattr(importlib.import_module(spec[0]), spec[1])
+        dtype = torch.float32 if name == "vae" else torch.bfloat16
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            model = cls.from_config(cls.load_config(str(src / name))) if hasattr(cls, "load_config") \
+                else cls(cls.config_class.from_pretrained(str(src / name)))
+        torch.set_default_dtype(torch.float32)
+        model.to(dtype).save_pretrained(str(dest / name), safe_serialization=True)
+        del model
+        torch.cuda.empty_cache() if device == "cuda" else None
+    (dest / ".done").write_text("")
+    print(dest)
+
+
+def diffusers_run(case, script, model, data, steps, workdir, result_path):
+    """One run of an example script on ``model`` and ``data`` with the case's settings; its figures as one JSON."""
+    from diffusers_compare import measure_diffusers
+    side, batch = {"sd15": (512, 4), "sdxl": (1024, 2), "flux": (1024, 1)}[case]
+    if TINY:
+        side = 64
+    work = Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--pretrained_model_name_or_path", model, "--resolution", str(side), "--train_batch_size", str(batch),
+              "--max_train_steps", str(steps), "--learning_rate", "1e-4", "--lr_scheduler", "constant",
+              "--lr_warmup_steps", "0", "--rank", "16", "--mixed_precision", "bf16", "--seed", "0",
+              "--dataloader_num_workers", "0", "--checkpointing_steps", str(steps + 1),
+              "--output_dir", str(work / "out"), "--report_to", "tensorboard"]
+    if case == "flux":
+        args = common + ["--instance_data_dir", data, "--instance_prompt", "a photo of sks", "--guidance_scale", "1",
+                         "--gradient_checkpointing", "--cache_latents"]
+    else:
+        args = common + ["--train_data_dir", data, "--image_column", "image", "--caption_column", "text",
+                         "--cache_dir", str(work / "hf-cache")]
+    r = measure_diffusers(os.environ.get("DPY", sys.executable), Path(script), args, work, f"diffusers-{case}")
+    r["batch_size"] = batch
+    Path(result_path).write_text(json.dumps(r))
+
+
+def flux_step_tflops(side=1024, batch=1):
+    """A Flux.1 [dev] LoRA step's FLOPs: 2x one transformer forward at ``side`` px (the frozen weights get no weight
+    gradients), counted on the meta device from the shipped full-size config (512 text tokens)."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from torch.utils.flop_counter import FlopCounterMode
+    from trainer.families.common import full_size
+    src = full_size.config_folder("flux-dev", Path(os.environ.get("WS", "/tmp")) / "cache")
+    config = FluxTransformer2DModel.load_config(str(src / "transformer"))
+    tokens = (side // 16) ** 2
+    with torch.device("meta"):
+        model = FluxTransformer2DModel.from_config(config).to(torch.bfloat16)
+        x = torch.empty(batch, tokens, config["in_channels"], dtype=torch.bfloat16)
+        text = torch.empty(batch, 512, config["joint_attention_dim"], dtype=torch.bfloat16)
+        pooled = torch.empty(batch, config["pooled_projection_dim"], dtype=torch.bfloat16)
+        ids = torch.zeros(tokens, 3)
+        txt_ids = torch.zeros(512, 3)
+        t = torch.ones(batch)
+        g = torch.ones(batch) if config.get("guidance_embeds") else None
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(hidden_states=x, encoder_hidden_states=text, pooled_projections=pooled, timestep=t, img_ids=ids,
+              txt_ids=txt_ids, guidance=g, return_dict=False)
+    return 2 * counter.get_total_flops() / 1e12
+
+
+def table(results, card, out_md):
+    """The markdown table (appended to docs/performance.md by whoever runs this): one row per run, the ratio of each
+    Atelier row's steady steps/s to the example script's."""
+    rows = [json.loads(line) for line in Path(results).read_text().splitlines() if line.strip()]
+    peak = float(os.environ.get("PEAK_TFLOPS", "989"))
+    batch = {"sd15": 4, "sdxl": 2, "flux": 1}
+    tflops = {}
+    for r in rows:
+        res = r.get("result") or {}
+        if res.get("step_tflops"):
+            tflops[r["case"]] = res["step_tflops"]
+    if "flux" in {r["case"] for r in rows} and not TINY:
+        try:
+            tflops["flux"] = flux_step_tflops()
+        except Exception as exc:  # the table still comes out
+            print(f"flux FLOPs not counted: {exc}", file=sys.stderr)
+    peer = {r["case"]: (r.get("result") or {}).get("steady_steps_per_s") for r in rows if r["mode"] == "diffusers"}
+    lines = [f"Card: {card}", "",
+             "| model | trainer | steady steps/s | images/s | peak VRAM alloc / reserved | first step | MFU | vs example |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        res = r.get("result") or {}
+        if r.get("failed") or not res:
+            lines.append(f"| {r['case']} | {r['mode']} | failed (see the log) | | | | | |")
+            continue
+        sps = res.get("steady_steps_per_s") or res.get("loop_steps_per_s")
+        ips = round(sps * batch[r["case"]], 2) if sps else None
+        mfu = round(100 * tflops[r["case"]] * sps / peak, 2) if sps and r["case"] in tflops else None
+        ratio = round(sps / peer[r["case"]], 2) if sps and peer.get(r["case"]) and r["mode"] != "diffusers" else None
+        mem = f"{res.get('peak_vram_mib')} / {res.get('peak_vram_reserved_mib')} MiB"
+        lines.append(f"| {r['case']} | {r['mode']} | {sps} | {ips} | {mem} | {res.get('time_to_first_step_s')} s | "
+                     f"{'' if mfu is None else f'{mfu} %'} | {'' if ratio is None else f'{ratio}x'} |")
+    text = "\n".join(lines) + "\n"
+    Path(out_md).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    what, args = sys.argv[1], sys.argv[2:]
+    {"images": images, "folder": folder, "diffusers": diffusers_run, "table": table}[what](*args)
+EOF
+
+case_setup() {  # case_setup <case>: PRESET SIDE SETS (Atelier's settings for the case)
+  case $1 in
+    sd15) PRESET=sd15-lora; SIDE=512
+          SETS=(training.batch_size=4 training.mixed_precision=bf16 parts.denoiser.dtype=bf16
+                parts.text_encoder_1.dtype=bf16 training.gradient_checkpointing=false) ;;
+    sdxl) PRESET=sdxl-lora; SIDE=1024
+          SETS=(training.batch_size=2 training.mixed_precision=bf16 training.gradient_checkpointing=false) ;;
+    flux) PRESET=flux-lora-24gb; SIDE=1024; SETS=(training.batch_size=1) ;;
+  esac
+  SETS+=(lora.rank=16 lora.alpha=16 training.learning_rate=1e-4 training.lr_scheduler=constant training.lr_warmup_steps=0
+         training.optimizer.name=adamw)
+  if [ "$TINY" = 1 ]; then
+    SIDE=64
+    local tiny; tiny=$(case $1 in sd15) echo builtin:tiny-sd ;; sdxl) echo builtin:tiny-sdxl ;; flux) echo builtin:tiny-flux ;; esac)
+    SETS+=("model.path=$tiny")
+    [ "$1" = flux ] && SETS+=(parts.denoiser.fp8=false)  # fp8 storage is a CUDA feature
+  fi
+  SETS+=("data.resolution=$SIDE")
+}
+
+atelier() {  # atelier <case> <mode: eager|compiled>
+  local name=$1 mode=$2 imgs line
+  case_setup "$name"
+  imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
+  local extra=()
+  [ "$mode" = compiled ] && extra+=(--set training.compile=true)
+  [ "$TINY" = 1 ] || extra+=(--random-weights)
+  echo "=== atelier $name $mode" >&2
+  line=$(timeout "$CASE_TIMEOUT" "$PY" bench/bench_train.py --no-warmup --workspace "$WS/atelier-$name-$mode" \
+      --preset "$PRESET" --peak-tflops "$PEAK_TFLOPS" "${extra[@]}" \
+      --set "data.concepts=[{path: $imgs}]" --set training.max_steps="$STEPS" --set training.epochs=1000 \
+      --set backup.every_n_epochs=0 --set sampling.every_n_epochs=0 --set sampling.prompts=[] \
+      --set general.tensorboard=false $(printf -- '--set %s ' "${SETS[@]}") 2> "$WS/atelier-$name-$mode.err" | head -1)
+  if [ -n "$line" ] && [ "${line:0:1}" = "{" ]; then
+    echo "{\"case\": \"$name\", \"mode\": \"atelier $mode\", \"result\": $line}" >> "$RESULTS"
+  else
+    echo "{\"case\": \"$name\", \"mode\": \"atelier $mode\", \"failed\": true}" >> "$RESULTS"
+    tail -30 "$WS/atelier-$name-$mode.err" >&2
+  fi
+  echo "=== done: ${line:0:300}" >&2
+}
+
+example() {  # example <case>: diffusers' example script for the case
+  local name=$1 script
+  case $name in
+    sd15) script=text_to_image/train_text_to_image_lora.py ;;
+    sdxl) script=text_to_image/train_text_to_image_lora_sdxl.py ;;
+    flux) script=dreambooth/train_dreambooth_lora_flux.py ;;
+  esac
+  if [ -z "${DIFFUSERS_EXAMPLES:-}" ] || [ ! -f "$DIFFUSERS_EXAMPLES/$script" ]; then
+    echo "=== diffusers $name: skipped (set DIFFUSERS_EXAMPLES to a diffusers checkout's examples/ folder; see the header)" >&2
+    return
+  fi
+  if ! "$DPY" -c "import torchvision, datasets" 2>/dev/null; then
+    echo "=== diffusers $name: skipped ($DPY lacks torchvision or datasets; see the header)" >&2
+    return
+  fi
+  case_setup "$name"
+  local model imgs
+  model=$(helper folder "$name" "$WS/random-$name" | tail -1)
+  imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
+  echo "=== diffusers $name ($script)" >&2
+  if DPY=$DPY timeout "$CASE_TIMEOUT" "$PY" "$OUT/side_by_side_helper.py" diffusers "$name" "$DIFFUSERS_EXAMPLES/$script" \
+      "$model" "$imgs" "$STEPS" "$WS/diffusers-$name" "$WS/diffusers-$name.json" 2> "$WS/diffusers-$name.err"; then
+    echo "{\"case\": \"$name\", \"mode\": \"diffusers\", \"result\": $(cat "$WS/diffusers-$name.json")}" >> "$RESULTS"
+  else
+    echo "{\"case\": \"$name\", \"mode\": \"diffusers\", \"failed\": true}" >> "$RESULTS"
+    tail -30 "$WS/diffusers-$name.err" >&2
+  fi
+}
+
+profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.py --profile; TINY: the demo's)
+  local which=(sd15 --set data.resolution=512)
+  [ "$TINY" = 1 ] && which=(demo --set training.mixed_precision=bf16)
+  echo "=== profile: one SD 1.5 step" >&2
+  timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/profile" \
+      > "$OUT/profile_sd15.txt" 2> "$WS/profile.err" || tail -20 "$WS/profile.err" >&2
+  grep -A22 "^== " "$OUT/profile_sd15.txt" >&2
+}
+
+cases=("$@")
+[ ${#cases[@]} -eq 0 ] && cases=(sd15 sdxl flux profile)
+for c in "${cases[@]}"; do
+  case $c in
+    sd15|sdxl|flux)
+      atelier "$c" eager
+      [ "$COMPILE" = 1 ] && atelier "$c" compiled
+      example "$c" ;;
+    profile) profile ;;
+    *) echo "unknown case $c (sd15 sdxl flux profile)" >&2 ;;
+  esac
+done
+card=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ if torch.cuda.is_available() else 'CPU (dry run), torch ' + torch.__version__)")
+helper table "$RESULTS" "$card" "$OUT/side_by_side.md"
+echo "results: $RESULTS, $OUT/side_by_side.md, $OUT/profile_sd15.txt; logs under $WS" >&2
