@@ -14,7 +14,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-HOST_KEYS = ("prior",)  # read on the host (which rows need the base model's prediction): stays there
+# what stays on the host: ``prior`` is read there (which rows need the base model's prediction); the masks and the
+# inpainting pixels meet masks drawn on the host (sd_kit.inpaint) and move where they are used
+HOST_KEYS = ("prior", "mask", "inpaint_pixels", "masked_mean")
 
 
 def to_device(batch: Any, device: torch.device, key: str = "") -> Any:
