@@ -99,6 +99,45 @@ class VlmCaptioner(Captioner):
         return [" ".join(t.split()) for t in self.processor.batch_decode(new, skip_special_tokens=True)]
 
 
+PROCESSOR_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
+
+
+def image_only_processor_class(model_type: str) -> Any:
+    """The Qwen processor class without its video processor. Captions never pass videos, and the only video
+    processor (``Qwen2VLVideoProcessor``) imports torchvision, which this install does not have: the class keeps
+    the image processor (its PIL backend when torchvision is missing) and the tokenizer, and saves and loads under
+    the original class name (``processor_config.json`` stays as the checkpoints have it)."""
+    # inside: --help and the UI import this module for its defaults, without torch
+    import transformers
+    from transformers.processing_utils import ProcessorMixin
+    base = getattr(transformers, PROCESSOR_CLASSES[model_type])
+
+    def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
+                 **kwargs: Any) -> None:
+        for name, default in (("image", "<|image_pad|>"), ("video", "<|video_pad|>"),
+                              ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>")):
+            token = getattr(tokenizer, f"{name}_token", None) or default
+            setattr(self, f"{name}_token", token)
+            setattr(self, f"{name}_token_id", getattr(tokenizer, f"{name}_token_id", None)
+                    or tokenizer.convert_tokens_to_ids(token))
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def load_processor(src: ModelSource, model_type: str, name: str) -> Any:
+    """The checkpoint's processor (chat template, image processor, tokenizer); the Qwen ones without their video
+    processor when that cannot be built (no torchvision)."""
+    # inside: --help and the UI import this module for its defaults, without torch
+    from transformers import AutoProcessor
+    if model_type not in PROCESSOR_CLASSES:
+        return load_pretrained(src, AutoProcessor.from_pretrained, f"a {name} processor")
+    try:
+        return AutoProcessor.from_pretrained(src.path, **src.kwargs())
+    except Exception:  # no torchvision for the video processor, or a processor_config naming it: images only
+        return load_pretrained(src, image_only_processor_class(model_type).from_pretrained, f"a {name} processor")
+
+
 def model_class(model_type: str) -> Any:
     # inside: --help and the UI import this module for its defaults, without torch
     import transformers
@@ -154,10 +193,9 @@ def load_vlm(src: ModelSource, model_type: str, device: str, *, style: str, prom
                                 "a 7B model on an 8 GB card).")
             say(f"{line}; starting (--yes).")
     import torch  # inside: --help and the UI import this module for its defaults, without torch
-    from transformers import AutoProcessor  # inside: as torch
     dtype = torch.float32 if device != "cuda" else (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16)
     say(f"loading {src.spec} ({name}) on {device}{f' in {bits}-bit' if bits else ''} …")
-    processor = load_pretrained(src, AutoProcessor.from_pretrained, f"a {name} processor")
+    processor = load_processor(src, model_type, name)
     if not (getattr(processor, "chat_template", None) or getattr(getattr(processor, "tokenizer", None),
                                                                     "chat_template", None)):
         raise ToolError(f"--model '{src.spec}' has no chat template (chat_template.json or the tokenizer's); caption "

@@ -120,6 +120,13 @@ class WdTagger(Captioner):
         self.input = inp.name
         self.size = shape[1] if isinstance(shape[1], int) and shape[1] > 0 else DEFAULT_SIZE
         self.fixed_batch = shape[0] if isinstance(shape[0], int) and shape[0] > 0 else 0
+        outputs = list(session.get_outputs()[0].shape)
+        if outputs and isinstance(outputs[-1], int) and outputs[-1] != len(table.names):
+            raise ToolError(self.mismatch(outputs[-1]))
+
+    def mismatch(self, scores: int) -> str:
+        return (f"the tagger gives {scores} scores per image but its {TAGS_FILE} lists {len(self.table.names)} "
+                "tags; the two files are not of one model.")
 
     def scores(self, images: List[Any]) -> np.ndarray:
         batch = np.stack([prepare(im, self.size) for im in images])
@@ -137,8 +144,7 @@ class WdTagger(Captioner):
     def caption(self, images: List[Any]) -> List[str]:
         probs = self.scores(images)
         if probs.ndim != 2 or probs.shape[1] != len(self.table.names):
-            raise ToolError(f"the tagger gives {probs.shape[-1]} scores per image but its {TAGS_FILE} lists "
-                            f"{len(self.table.names)} tags; the two files are not of one model.")
+            raise ToolError(self.mismatch(probs.shape[-1]))
         return [self.opts.separator.join(wd_tags(row, self.table, self.opts)) for row in probs]
 
 
