@@ -24,6 +24,7 @@ from trainer.tools.captioners.shared import Captioner, ModelSource, format_durat
 # model_type → the transformers class that runs it
 VLM_CLASSES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration",
                "llava": "LlavaForConditionalGeneration"}
+DEFAULT_VLM = "Qwen/Qwen2.5-VL-7B-Instruct"
 VLM_NAMES = {"qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL", "llava": "JoyCaption (LLaVA)"}
 STYLES = {
     "short": "Write a short caption for this image: one sentence naming the subject, what it does and the setting.",

@@ -34,6 +34,7 @@ from trainer.tools.captioners.shared import (
 from trainer.tools.captioners.tags import TagOptions, TagTable, read_tag_table, wd_tags
 
 ONNX_FILE, TAGS_FILE = "model.onnx", "selected_tags.csv"
+DEFAULT_WD_TAGGER = "SmilingWolf/wd-eva02-large-tagger-v3"  # the most accurate of the v3 taggers
 DEFAULT_SIZE = 448  # the v3 taggers' input when the ONNX file leaves it open
 
 
