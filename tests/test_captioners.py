@@ -1,7 +1,7 @@
 """``python -m trainer caption`` with the WD taggers (ONNX) and the vision-language captioners, on tiny models built
-here offline: a WD tagger exported with torch's ONNX exporter beside its ``selected_tags.csv`` (scores set by its
-biases, two of them computed from the prepared image, so the thresholds, the order, the replacements and the
-preprocessing are asserted exactly), and tiny random Qwen2.5-VL / Qwen3-VL / LLaVA checkpoints with their processors
+here offline: a WD tagger exported with torch's ONNX exporter beside its ``selected_tags.csv`` (``tests/tiny_wd.py``:
+scores set by its biases, two of them computed from the prepared image, so the thresholds, the order, the
+replacements and the preprocessing are asserted exactly), and tiny random Qwen2.5-VL / Qwen3-VL / LLaVA checkpoints with their processors
 (greedy decoding: the written caption is what the model says for the template and the images)."""
 
 from __future__ import annotations
@@ -18,42 +18,38 @@ import pytest
 import torch
 from PIL import Image
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+from tiny_wd import SIZE, weights, write_tags, write_tiny_wd_onnx
 
-# selected_tags.csv: (name, category, logit); category 9 rating, 0 general, 4 character. Two general tags depend on
-# the image (the BGR channel means of the model's input, 0-1): bgr_red = 12 (R - B) - 6, white_pad = 12 G - 6.
-TABLE = [("general", 9, 2.0), ("sensitive", 9, 3.0), ("questionable", 9, -1.0), ("explicit", 9, -3.0),
-         ("1girl", 0, 3.0), ("long_hair", 0, 1.0), ("bgr_red", 0, None), ("white_pad", 0, None), ("^_^", 0, 0.0),
-         ("shirt_(red)", 0, -0.2), ("solo", 0, 2.0), ("low_score", 0, -3.0), ("hatsune_miku", 4, 1.5),
-         ("lowchar", 4, -1.0)]
-SIZE = 16  # the tagger's input side, read from the ONNX input shape
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 class TinyWd(torch.nn.Module):
+    """tests/tiny_wd.py's tagger as a torch module, for torch's ONNX exporter."""
+
     def __init__(self):
         super().__init__()
-        weight, bias = torch.zeros(3, len(TABLE)), torch.zeros(len(TABLE))
-        for i, (name, _, logit) in enumerate(TABLE):
-            bias[i] = -6.0 if logit is None else logit
-        weight[2, 6], weight[0, 6] = 12.0, -12.0  # bgr_red: channel 2 is red when the input is BGR
-        weight[1, 7] = 12.0  # white_pad: green, which only the white padding of a red image has
-        self.register_buffer("weight", weight)
-        self.register_buffer("bias", bias)
+        weight, bias = weights()
+        self.register_buffer("weight", torch.from_numpy(weight))
+        self.register_buffer("bias", torch.from_numpy(bias))
 
     def forward(self, x):  # [N, H, W, 3], 0-255
         return torch.sigmoid((x.mean(dim=(1, 2)) / 255.0) @ self.weight + self.bias)
 
 
-@pytest.fixture(scope="module")
-def wd(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("wd-tagger")
+def write_tiny_wd(folder: Path) -> Path:
+    """The tiny WD tagger in the published layout: ``model.onnx`` (input [batch, 16, 16, 3]) + ``selected_tags.csv``."""
+    folder.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation note
         torch.onnx.export(TinyWd(), (torch.zeros(1, SIZE, SIZE, 3),), str(folder / "model.onnx"), input_names=["input"],
                           output_names=["output"], dynamic_axes={"input": {0: "batch"}}, dynamo=False)
-    rows = ["tag_id,name,category,count"] + [f"{1000 + i},{n},{c},{10}" for i, (n, c, _) in enumerate(TABLE)]
-    (folder / "selected_tags.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    write_tags(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def wd(tmp_path_factory) -> Path:
+    return write_tiny_wd(tmp_path_factory.mktemp("wd-tagger"))
 
 
 def cli(*args: object) -> int:
@@ -90,6 +86,9 @@ def test_wd_tagger_writes_kohyas_order_with_thresholds_replacements_and_preproce
     assert _text(data / "sq.txt") == "1girl, bgr red, solo\n"
     assert cli(*base, "--overwrite", "--threshold", 0.99, "--use-mcut") == 0  # MCut replaces the fixed thresholds
     assert _text(data / "sq.txt") == "1girl, long hair, bgr red, ^_^, shirt (red), solo, hatsune miku\n"
+    # the same network written with onnx's helpers (the browser test's, no torch there) tags the same
+    assert cli("caption", data, "--model", write_tiny_wd_onnx(tmp_path / "helper-built"), "--overwrite") == 0
+    assert _text(data / "wide.txt") == "1girl, long hair, white pad, ^_^, shirt (red), solo, hatsune miku\n"
 
 
 def test_mcut_and_the_tag_rules():

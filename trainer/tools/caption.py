@@ -70,16 +70,19 @@ def tag_options(args: Any) -> TagOptions:
         escape_brackets=args.escape_brackets, exclude=exclude, replace=replace, limit=args.tag_limit)
 
 
-def load_captioner(args: Any, device: str, images: int) -> Captioner:
-    """The captioner ``--model`` names, chosen from what it holds; ToolError when it is of no kind handled."""
+def load_captioner(args: Any, images: int) -> Captioner:
+    """The captioner ``--model`` names, chosen from what it holds, on ``--device``; ToolError when it is of no kind
+    handled. A WD tagger runs without torch (onnxruntime picks its own device)."""
     spec = args.model
     src = model_source(spec)
     if src.local and not (Path(src.path) / "config.json").is_file():
-        return load_wd_tagger(src, device, tag_options(args))  # model_source: a folder with .onnx/selected_tags.csv
+        # model_source: a folder with .onnx/selected_tags.csv
+        return load_wd_tagger(src, args.device, tag_options(args))
     cfg = config_dict(src)
     kind = str(cfg.get("model_type") or "")
     if timm_or_onnx(src, cfg):
-        return load_wd_tagger(src, device, tag_options(args))
+        return load_wd_tagger(src, args.device, tag_options(args))
+    device = pick_device(args.device)
     if kind in VLM_CLASSES:
         if args.task:
             raise ToolError(f"--task applies to Florence-2 models; --model '{spec}' is {VLM_NAMES[kind]}: use --style.")
@@ -193,8 +196,7 @@ def run(args: Any) -> int:
     if kept:
         say(f"{kept} of {len(pairs)} images already have captions and are left as they are "
             "(--overwrite replaces them, --append adds to them).")
-    device = pick_device(args.device)
-    captioner = load_captioner(args, device, len(todo))
+    captioner = load_captioner(args, len(todo))
 
     progress, written = Progress("captioned", len(todo)), Written()
     skipped: List[Tuple[Path, str]] = []

@@ -76,10 +76,13 @@ def wd_files(src: ModelSource) -> Tuple[Path, Path]:
 
 
 def onnx_providers(device: str) -> List[str]:
-    """CUDA when asked for (or auto-picked) and this onnxruntime build has it, else the CPU."""
+    """CUDA when asked for (``--device cuda``, or ``auto``) and this onnxruntime build has it, else the CPU."""
     # inside: onnxruntime is loaded only when a WD tagger runs (--help and the page stay light)
     import onnxruntime as ort
     available = ort.get_available_providers()
+    if device == "auto":
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in available \
+            else ["CPUExecutionProvider"]
     if device == "cuda":
         if "CUDAExecutionProvider" in available:
             return ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -150,7 +153,8 @@ class WdTagger(Captioner):
 
 
 def load_wd_tagger(src: ModelSource, device: str, opts: TagOptions) -> WdTagger:
-    """The WD tagger ``--model`` names, ready to run; ToolError for missing files or a file that is no model."""
+    """The WD tagger ``--model`` names, ready to run on ``device`` (``--device``: auto, cpu, cuda; mps runs on the
+    CPU); ToolError for missing files or a file that is no model."""
     onnx, tags = wd_files(src)
     table = read_tag_table(tags)
     # inside: onnxruntime is loaded only when a WD tagger runs (--help and the page stay light)
