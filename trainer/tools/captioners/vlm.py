@@ -211,5 +211,7 @@ def load_vlm(src: ModelSource, model_type: str, device: str, *, style: str, prom
     if quant is None:
         model.to(device)
     model.eval()
-    return VlmCaptioner(model_type, model, processor, device, prompt.strip() or STYLES[style], new_tokens,
-                        pairs=style == "edit")
+    captioner = VlmCaptioner(model_type, model, processor, device, prompt.strip() or STYLES[style], new_tokens,
+                             pairs=style == "edit")
+    captioner.tags = style == "booru"  # --append merges tags into a file's tags
+    return captioner
