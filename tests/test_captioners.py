@@ -238,6 +238,26 @@ def _greedy(folder: Path, model_type: str, images, instruction: str, new_tokens:
     return " ".join(proc.batch_decode(ids[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0].split())
 
 
+def test_a_chat_template_that_takes_the_turn_as_a_string_gets_the_image_token_before_the_instruction():
+    from trainer.tools.captioners.vlm import VlmCaptioner
+
+    class StringTemplate:  # as a Llama template that adds message['content'] to a string
+        image_token = "<image>"
+
+        def __init__(self, places_image: bool):
+            self.places_image = places_image
+
+        def apply_chat_template(self, turns, tokenize, add_generation_prompt):
+            text = turns[-1]["content"]
+            if not isinstance(text, str):
+                raise TypeError("can only concatenate str (not 'list') to str")
+            return ("<image>" if self.places_image else "") + f"[{turns[0]['content']}] {text}"
+    own = VlmCaptioner("llava", None, StringTemplate(False), "cpu", "Describe it.", 8, False)
+    assert own.prompt(1) == "[You are a helpful image captioner.] <image>\nDescribe it."
+    placed = VlmCaptioner("llava", None, StringTemplate(True), "cpu", "Describe it.", 8, False)
+    assert placed.prompt(1) == "<image>[You are a helpful image captioner.] Describe it."
+
+
 @pytest.mark.slow
 def test_vlm_captioners_write_what_the_model_says_for_the_template_and_images(vlms, tmp_path, capsys, monkeypatch):
     from trainer.data.images import open_rgb

@@ -73,19 +73,36 @@ class VlmCaptioner(Captioner):
         self.model_type, self.model, self.processor, self.device = model_type, model, processor, device
         self.instruction, self.max_new_tokens, self.pairs = instruction, max_new_tokens, pairs
 
-    def messages(self, n_images: int) -> List[Dict[str, Any]]:
-        content: List[Dict[str, Any]] = [{"type": "image"} for _ in range(n_images)]
-        content.append({"type": "text", "text": self.instruction})
+    def messages(self, n_images: int, as_text: str = "") -> List[Dict[str, Any]]:
+        """The chat: image parts then the instruction (``as_text``: the user turn as one string instead)."""
+        content: Any = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": self.instruction}]
         turns: List[Dict[str, Any]] = []
         if self.model_type == "llava":  # JoyCaption is trained with this system turn
             turns.append({"role": "system", "content": JOYCAPTION_SYSTEM})
-        return turns + [{"role": "user", "content": content}]
+        return turns + [{"role": "user", "content": as_text or content}]
+
+    def prompt(self, n_images: int) -> str:
+        """The prompt through the checkpoint's chat template, with one image token per image: templates that take
+        image parts (Qwen's) get them; one that takes the user turn as a string (JoyCaption's Llama template) gets
+        the instruction, after the image tokens when the template does not place them itself."""
+        render = self.processor.apply_chat_template
+        token = getattr(self.processor, "image_token", None)
+        try:
+            text = render(self.messages(n_images), tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that reads the turn as a string
+            text = None
+        if text is not None and (not token or text.count(token) == n_images):
+            return text
+        text = render(self.messages(n_images, self.instruction), tokenize=False, add_generation_prompt=True)
+        if token and text.count(token) < n_images:
+            text = render(self.messages(n_images, token * n_images + "\n" + self.instruction), tokenize=False,
+                          add_generation_prompt=True)
+        return text
 
     def caption(self, images: List[Any]) -> List[str]:
         import torch  # inside: --help and the UI import this module for its defaults, without torch
         groups: List[Sequence[Any]] = [tuple(im) if self.pairs else (im,) for im in images]
-        prompt = self.processor.apply_chat_template(self.messages(len(groups[0])), tokenize=False,
-                                                    add_generation_prompt=True)
+        prompt = self.prompt(len(groups[0]))
         flat = [shrink(im) for group in groups for im in group]
         inputs = self.processor(text=[prompt] * len(groups), images=flat, padding=True, return_tensors="pt")
         dtype = next(self.model.parameters()).dtype
