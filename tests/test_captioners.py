@@ -168,6 +168,24 @@ def _template(image: str) -> str:
             "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
+def _qwen_tokenizer(folder: Path) -> None:
+    """A byte-level BPE tokenizer in Qwen2's format (every byte a token, Qwen's special tokens, the vision tokens),
+    built with the tokenizers library (as trainer.families.common.tiny_text does, without its diffusers imports)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>", *VISION])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "model_max_length": 4096, "pad_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>"}), encoding="utf-8")
+
+
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory) -> dict:
     from transformers import (AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor,
@@ -176,10 +194,9 @@ def vlms(tmp_path_factory) -> dict:
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
     from trainer.tools.captioners.vlm import image_only_processor_class
     root = tmp_path_factory.mktemp("vlms")
-    write_tiny_qwen_tokenizer(root / "tokenizer", max_length=4096, extra_special=VISION)
+    _qwen_tokenizer(root / "tokenizer")
     tok = AutoTokenizer.from_pretrained(root / "tokenizer")
     ids = dict(zip(VISION, tok.convert_tokens_to_ids(list(VISION))))
     eos = tok.convert_tokens_to_ids("<|im_end|>")
