@@ -150,6 +150,8 @@ def test_wd_tagger_bad_input_is_one_line(wd, tmp_path, capsys):
         assert cli("caption", data, "--model", model, "--device", "cpu") == 2
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("loading ")]
         assert len(err) == 1 and said in err[0], err
+    assert cli("caption", data, "--model", wd, "--style", "short") == 2
+    assert "--style applies to the vision-language models" in capsys.readouterr().err
     assert not (data / "a.txt").exists()
 
 

@@ -45,10 +45,6 @@ from trainer.tools.captioners.tags import TagOptions, compose, merge_tags
 from trainer.tools.captioners.vlm import STYLES, VLM_CLASSES, VLM_NAMES, load_vlm
 from trainer.tools.captioners.wd import load_wd_tagger
 
-SUPPORTED = ("WD taggers (model.onnx + selected_tags.csv), " + ", ".join(f"{VLM_NAMES[t]} ({t})" for t in VLM_CLASSES)
-             + ", BLIP, Florence-2 and image classifiers whose labels are tags")
-
-
 def caption_path(image: Path, extension: str) -> Path:
     """Where training reads the caption of ``image`` (``<stem><extension>`` next to it)."""
     return image.with_name(image.stem + caption_ext(extension))
@@ -75,12 +71,16 @@ def load_captioner(args: Any, images: int) -> Captioner:
     handled. A WD tagger runs without torch (onnxruntime picks its own device)."""
     spec = args.model
     src = model_source(spec)
-    if src.local and not (Path(src.path) / "config.json").is_file():
-        # model_source: a folder with .onnx/selected_tags.csv
-        return load_wd_tagger(src, args.device, tag_options(args))
-    cfg = config_dict(src)
+    wd_folder = src.local and not (Path(src.path) / "config.json").is_file()  # model.onnx/selected_tags.csv
+    cfg = {} if wd_folder else config_dict(src)
     kind = str(cfg.get("model_type") or "")
-    if timm_or_onnx(src, cfg):
+    if kind not in VLM_CLASSES:
+        used = [f for f, v in (("--style", args.style), ("--prompt", args.prompt), ("--control", args.control),
+                               ("--load-in-4bit", args.load_in_4bit), ("--load-in-8bit", args.load_in_8bit)) if v]
+        if used:
+            raise ToolError(f"{used[0]} applies to the vision-language models ({', '.join(VLM_CLASSES)}); --model "
+                            f"'{spec}' is {'a WD tagger' if wd_folder or timm_or_onnx(src, cfg) else f'a {kind} model'}.")
+    if wd_folder or timm_or_onnx(src, cfg):
         return load_wd_tagger(src, args.device, tag_options(args))
     device = pick_device(args.device)
     if kind in VLM_CLASSES:
@@ -89,11 +89,6 @@ def load_captioner(args: Any, images: int) -> Captioner:
         bits = 4 if args.load_in_4bit else 8 if args.load_in_8bit else 0
         return load_vlm(src, kind, device, style=args.style or "detailed", prompt=args.prompt or "",
                         max_new_tokens=args.max_tokens, bits=bits, images=images, yes=args.yes)
-    if args.style or args.prompt or args.load_in_4bit or args.load_in_8bit:
-        used = next(f for f, v in (("--style", args.style), ("--prompt", args.prompt),
-                                   ("--load-in-4bit", args.load_in_4bit), ("--load-in-8bit", args.load_in_8bit)) if v)
-        raise ToolError(f"{used} applies to the vision-language models ({', '.join(VLM_CLASSES)}); --model '{spec}' "
-                        f"is a {kind or 'timm'} model.")
     if cfg.get("auto_map") and (not kind or kind == "florence2"):
         raise ToolError(f"--model '{spec}' needs the repository's own code (trust_remote_code), which Atelier does "
                         "not run. For Florence-2 use a transformers-native checkpoint such as "
