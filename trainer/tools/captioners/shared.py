@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
-from huggingface_hub import try_to_load_from_cache
-
 from trainer.data.concepts import IMAGE_EXTENSIONS, find_images
 from trainer.data.images import open_rgb
 from trainer.data.probe import probe_image
@@ -168,7 +166,9 @@ def not_downloaded(src: ModelSource) -> str:
 
 def config_dict(src: ModelSource) -> Dict[str, Any]:
     """The model's config.json as a dict (downloaded for a hub id), or ToolError saying why not."""
-    # inside: --help and the UI import this module for its defaults, without torch
+    # inside: --help and the UI import this module for its defaults, without torch (transformers) and without the
+    # hub client (0.4 s), which only loading a model needs
+    from huggingface_hub import try_to_load_from_cache
     from transformers import PretrainedConfig
     if not src.local and not isinstance(try_to_load_from_cache(src.spec, "config.json"), str) and not hub_reachable():
         raise ToolError(not_downloaded(src))

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, List, Tuple
 
 import numpy as np
-from huggingface_hub import hf_hub_download
 from PIL import Image
 
 from trainer.tools import ToolError
@@ -56,6 +55,8 @@ def wd_files(src: ModelSource) -> Tuple[Path, Path]:
                             f"{TAGS_FILE} --local-dir FOLDER`), or give a transformers image-classification export "
                             "of the tagger.")
         return onnx, tags
+    # inside: the hub client (0.4 s) only when a tagger is fetched; --help imports this module for its defaults
+    from huggingface_hub import hf_hub_download
     paths = []
     for name in (ONNX_FILE, TAGS_FILE):
         try:
