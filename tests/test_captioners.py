@@ -135,6 +135,29 @@ def test_batch_skips_appends_resumes_and_names_unreadable_images(wd, tmp_path, c
     assert _text(data / "c.txt") == "old tag, 1girl, long hair, bgr red, ^_^, shirt (red), hatsune miku\n"
 
 
+def test_a_hub_id_tags_from_the_local_cache_offline_and_says_how_to_download_what_is_not_there(wd, tmp_path, capsys,
+                                                                                              monkeypatch):
+    from huggingface_hub import constants
+    cache = tmp_path / "hub"
+    for repo, files in (("SmilingWolf/wd-tiny-tagger-v3", ("model.onnx", "selected_tags.csv")),
+                        ("SmilingWolf/wd-half-tagger-v3", ())):  # only its config.json was fetched
+        snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / "abc123"
+        snapshot.mkdir(parents=True)
+        (snapshot.parent.parent / "refs").mkdir()
+        (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+        (snapshot / "config.json").write_text('{"architecture": "vit_base_patch16_448", "num_classes": 14}')
+        for name in files:
+            (snapshot / name).write_bytes((wd / name).read_bytes())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    data = tmp_path / "data"
+    _red(data / "sq.png", (24, 24))
+    assert cli("caption", data, "--model", "SmilingWolf/wd-tiny-tagger-v3") == 0  # HF_HUB_OFFLINE is set
+    assert _text(data / "sq.txt") == "1girl, long hair, bgr red, ^_^, shirt (red), solo, hatsune miku\n"
+    assert cli("caption", data, "--model", "SmilingWolf/wd-half-tagger-v3", "--overwrite") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "is not downloaded yet" in err[-1] and "hf download SmilingWolf/wd-half-tagger-v3" in err[-1]
+
+
 def test_wd_tagger_bad_input_is_one_line(wd, tmp_path, capsys):
     data = tmp_path / "data"
     _red(data / "a.png", (20, 20))
