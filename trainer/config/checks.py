@@ -1,9 +1,12 @@
 """Checking a config: the field checks (choices, ranges) and each area's rules, called from here — the floor
 above the areas (data, families, methods, optimizers, memory, processes, devices, paths).
 
-- :func:`validate`: errors that stop a run before any model loads (a ConfigError naming the field);
+- :func:`validate`: errors that stop a run before any model loads (a ConfigError naming the field; all of them
+  at once, :class:`trainer.errors.ConfigErrors`, when there are several);
 - :func:`cross_field_warnings`: the rules the community learned the hard way, shown before launch;
-- :func:`load_config` / :func:`config_from_dict`: compose a config (``trainer.config.load``) and validate it.
+- :func:`load_config` / :func:`config_from_dict`: compose a config (``trainer.config.load``) and validate it;
+- :func:`check_config`: every problem and warning of a config in one pass (the CLI's ``validate``, the page's
+  Check settings).
 
 Torch-free: the CLI's ``validate`` and the UI's Check run it without torch.
 """
@@ -12,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import typing
-from typing import Any, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig
 
@@ -24,7 +28,7 @@ from trainer.config.load import compose, compose_dict
 from trainer.config.schema import AtelierConfig
 from trainer.data.buckets import check_resolutions, training_side
 from trainer.data.frames import check_clip_settings
-from trainer.errors import ConfigError, Issue
+from trainer.errors import ConfigError, Issue, every_error, raise_all
 from trainer.families.checks import check_family_options, guidance_warnings, part_warnings
 from trainer.host import devices
 from trainer.loss import check_loss, loss_warnings
@@ -50,73 +54,145 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
                               key=key, value=value)
 
 
-def _walk(node: Any, cls: type, prefix: str) -> None:
+def _walk(node: Any, cls: type, prefix: str, errors: List[ConfigError]) -> None:
     hints = typing.get_type_hints(cls)
     for fld in dataclasses.fields(cls):
         key = f"{prefix}{fld.name}"
         value = node[fld.name] if fld.name in node else None
         tp = inner_type(hints[fld.name])
         if dataclasses.is_dataclass(tp):
-            _walk(value, tp, key + ".")
+            _walk(value, tp, key + ".", errors)
             continue
         origin = getattr(tp, "__origin__", None)
         if origin in (list, List):
             item_tp = tp.__args__[0]
             if dataclasses.is_dataclass(item_tp) and value is not None:
                 for i, item in enumerate(value):
-                    _walk(item, item_tp, f"{key}.{i}.")
+                    _walk(item, item_tp, f"{key}.{i}.", errors)
             continue
-        _check_value(key, value, fld.metadata)
+        try:
+            _check_value(key, value, fld.metadata)
+        except ConfigError as exc:
+            errors.append(exc)
 
 
 def load_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
                 preset: Optional[str] = None) -> DictConfig:
-    """Preset ⊕ user file ⊕ --set overrides, merged into the schema and validated."""
-    cfg = compose(path, overrides, preset)
-    validate(cfg)
+    """Preset ⊕ user file ⊕ --set overrides, merged into the schema and validated; every problem found is
+    raised together (:class:`ConfigErrors` for several)."""
+    problems: List[ConfigError] = []
+    cfg = compose(path, overrides, preset, problems=problems)
+    raise_all(_unique(problems + validation_errors(cfg, after=problems)))
     return cfg
 
 
 def config_from_dict(data: dict | DictConfig) -> DictConfig:
-    """Merge a plain mapping (e.g. from the web UI's form) into the schema and validate it."""
-    cfg = compose_dict(data)
-    validate(cfg)
+    """Merge a plain mapping (e.g. from the web UI's form) into the schema and validate it (errors as
+    :func:`load_config`)."""
+    problems: List[ConfigError] = []
+    cfg = compose_dict(data, problems=problems)
+    raise_all(_unique(problems + validation_errors(cfg, after=problems)))
     return cfg
 
 
+def check_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
+                 preset: Optional[str] = None, data: Optional[dict | DictConfig] = None
+                 ) -> Tuple[Optional[DictConfig], List[Issue]]:
+    """Every problem of a config in one pass — ``validate``'s and the page's Check settings: what composing
+    refused (unknown keys, wrong types and shapes), the field and cross-field rules, and the warnings with the
+    files and folders a run would reject. Returns (the config, or None when it has errors; the issues).
+    A file that cannot be read at all raises ConfigError."""
+    problems: List[ConfigError] = []
+    cfg = compose_dict(data, problems=problems) if data is not None else \
+        compose(path, overrides, preset, problems=problems)
+    errors = _unique(problems + validation_errors(cfg, after=problems))
+    issues = [Issue(e.key or "", str(e), "error") for e in errors]
+    try:
+        issues += cross_field_warnings(cfg)
+    except ConfigError as exc:
+        issues += [Issue(e.key or "", str(e), "error") for e in every_error(exc)]
+    except Exception:  # a rule tripped on a value already named above
+        if not errors:
+            raise
+    return (None if errors else cfg), issues
+
+
 def validate(cfg: DictConfig) -> None:
-    """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError."""
-    _walk(cfg, AtelierConfig, "")
-    check_path_fields(cfg)  # paths a file system takes, plain run and result names
-    check_family_options(cfg)  # options the model's family or its objective cannot use
+    """Field checks (choices, ranges) and the hard cross-field rules. Raises ConfigError (:class:`ConfigErrors`
+    naming each problem when there are several)."""
+    raise_all(validation_errors(cfg))
+
+
+def validation_errors(cfg: DictConfig, after: Sequence[ConfigError] = ()) -> List[ConfigError]:
+    """Every problem :func:`validate` finds, in order, each once. Each rule runs even when an earlier one failed;
+    ``after``: problems already found (composing), with which a rule may trip on a value left out or already named
+    (only a ConfigError of such a rule counts then)."""
+    errors: List[ConfigError] = []
+    _walk(cfg, AtelierConfig, "", errors)
+    for rule in _RULES:
+        try:
+            rule(cfg)
+        except ConfigError as exc:
+            errors += every_error(exc)
+        except Exception:
+            if not (errors or after):
+                raise
+    return _unique(errors)
+
+
+def _unique(errors: Iterable[ConfigError]) -> List[ConfigError]:
+    seen, out = set(), []
+    for e in errors:
+        if (e.key, str(e)) not in seen:
+            seen.add((e.key, str(e)))
+            out.append(e)
+    return out
+
+
+def _check_gpu_ids(cfg: DictConfig) -> None:
     ids = [i.strip() for i in str(cfg.general.gpu_ids or "").split(",") if i.strip()]
     for gpu in ids:
         if not gpu.isdigit():
             raise ConfigError(f"general.gpu_ids = {cfg.general.gpu_ids!r}: {gpu!r} is not a GPU number. List GPU "
                               "numbers separated by commas (0,1), or leave it empty for the first GPUs.",
                               key="general.gpu_ids", value=cfg.general.gpu_ids)
-    t = cfg.training
-    if t.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):
+
+
+def _check_something_trains(cfg: DictConfig) -> None:
+    if cfg.training.method in ("lora", "finetune") and not any(part.train for part in cfg.parts.values()):
         raise ConfigError("Nothing to train: turn on parts.denoiser.train and/or a text encoder's train "
                           "(parts.text_encoder_1.train …).", key="parts.denoiser.train", value=False)
-    for i, c in enumerate(cfg.data.concepts):
-        if c.caption_source == "concept_file" and not c.caption_file:
-            raise ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "
-                              f"data.concepts.{i}.caption_file is empty.",
-                              key=f"data.concepts.{i}.caption_file")
-    check_resolutions(cfg)  # data.resolution and the concepts' own
-    check_clip_settings(cfg)  # frame counts the family's VAE takes; no clips for an image family
-    check_output_format(cfg)  # what the method can write
-    for i, s in enumerate(cfg.sampling.prompts):
-        for dim in ("width", "height"):
-            if s[dim] % 8:
-                raise ConfigError(f"sampling.prompts.{i}.{dim} = {s[dim]} must be a multiple of 8.",
-                                  key=f"sampling.prompts.{i}.{dim}", value=s[dim])
-    check_loss(cfg)  # timestep range, Huber schedule
-    check_storage(cfg)  # fp8/NF4 storage and block swapping
-    validate_method(cfg)  # LoRA variants and embeddings
-    validate_optim(cfg)
-    validate_fsdp(cfg)  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
+
+
+def _check_concept_caption_files(cfg: DictConfig) -> None:
+    raise_all([ConfigError(f"Concept {i} ('{c.name or c.path}') reads captions from one file, but "
+                           f"data.concepts.{i}.caption_file is empty.", key=f"data.concepts.{i}.caption_file")
+               for i, c in enumerate(cfg.data.concepts) if c.caption_source == "concept_file" and not c.caption_file])
+
+
+def _check_sample_sizes(cfg: DictConfig) -> None:
+    raise_all([ConfigError(f"sampling.prompts.{i}.{dim} = {s[dim]} must be a multiple of 8.",
+                           key=f"sampling.prompts.{i}.{dim}", value=s[dim])
+               for i, s in enumerate(cfg.sampling.prompts) for dim in ("width", "height") if s[dim] % 8])
+
+
+# validate's rules after the field checks, in the order their messages are shown
+_RULES: Tuple[Callable[[DictConfig], None], ...] = (
+    check_path_fields,  # paths a file system takes, plain run and result names
+    check_family_options,  # options the model's family or its objective cannot use
+    _check_gpu_ids,
+    _check_something_trains,
+    _check_concept_caption_files,
+    check_resolutions,  # data.resolution and the concepts' own
+    check_clip_settings,  # frame counts the family's VAE takes; no clips for an image family
+    check_output_format,  # what the method can write
+    _check_sample_sizes,
+    check_loss,  # timestep range, Huber schedule
+    check_storage,  # fp8/NF4 storage and block swapping
+    validate_method,  # LoRA variants and embeddings
+    validate_optim,
+    validate_fsdp,  # what cannot work on FSDP's sharded weights (EMA, stochastic rounding, ...)
+)
 
 
 def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
@@ -151,6 +227,14 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += guidance_warnings(cfg)  # model.guidance_scale on a model without a guidance embedding
     out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
+
+
+def issue_line(issue: Issue) -> str:
+    """One line for the terminal, ``level: key: message``, the key left out when the message names it already
+    (most do: "data.concepts.0.path: folder … does not exist"), so each field is named once."""
+    if issue.key and not re.search(rf"(?<![\w.]){re.escape(issue.key)}(?!\w|\.\w)", issue.message):
+        return f"{issue.level}: {issue.key}: {issue.message}"
+    return f"{issue.level}: {issue.message}"
 
 
 def _ema_warnings(cfg: DictConfig) -> List[Issue]:
