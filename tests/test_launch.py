@@ -395,3 +395,17 @@ def test_tests_without_chromium_stop_before_installing_anything(monkeypatch, cap
     monkeypatch.setattr(launch, "ensure_chromium", lambda env: "install chromium")
     assert launch.main(["--tests"]) == 1 and "install chromium" in capsys.readouterr().err
     assert launch.main(["--help"]) == 0 and "--demo-cli" in capsys.readouterr().out
+
+
+# --- the README -------------------------------------------------------------------------------------------
+
+def test_readme_names_the_two_commands_and_its_model_table_is_the_registrys():
+    """The README's set-up and test commands are the launcher's, and its table of models, methods and memory tiers
+    is what tools/family_table.py makes from the registry and the presets (run it with --write after adding one)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "```\npython3 launch.py\n```" in readme and "```\npython3 launch.py --tests\n```" in readme
+    spec = importlib.util.spec_from_file_location("family_table", ROOT / "tools" / "family_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.with_table(readme) == readme, "README.md's model table is stale: python3 tools/family_table.py --write"
+    assert "| SDXL (and Pony" in readme and "8 GB, 12 GB, 16 GB" in readme
