@@ -295,3 +295,19 @@ def test_load_config_raises_every_problem_and_one_problem_as_before():
         config_from_dict(form)
     assert [e.key for e in every_error(err.value)] == ["training.learning_rat", "training.batch_size"]
     assert form["training"] == {"learning_rat": 1, "batch_size": "two"}  # the caller's data is left as it was
+
+
+def test_resolution_shift_on_a_model_with_a_fixed_shift_is_named_as_ignored():
+    """loss.resolution_shift only changes the draw where the scheduler shifts by the image size
+    (use_dynamic_shifting: Flux.1 dev/Kontext, Chroma, Qwen-Image); elsewhere, or under a fixed loss.flow_shift,
+    the objective keeps its fixed shift (trainer.objectives.FlowMatchingObjective._shifted), and validate says so."""
+    def warned(preset, *overrides):
+        issues = cross_field_warnings(load_config(preset=preset, overrides=["loss.resolution_shift=true", *overrides]))
+        return [i.message for i in issues if i.key == "loss.resolution_shift"]
+    for preset in ("demo-sd3", "demo-zimage", "demo-flux2-klein"):
+        [line] = warned(preset)
+        assert "is ignored" in line and "fixed shift" in line and "\n" not in line, line
+    assert not warned("demo-flux") and not warned("demo-chroma") and not warned("demo-qwen-image")
+    [line] = warned("demo-flux", "loss.flow_shift=3")
+    assert "loss.flow_shift = 3" in line
+    assert not any(i.key == "loss.resolution_shift" for i in cross_field_warnings(load_config(preset="demo-sd3")))

@@ -29,7 +29,8 @@ from trainer.config.schema import AtelierConfig
 from trainer.data.buckets import check_resolutions, training_side
 from trainer.data.frames import check_clip_settings
 from trainer.errors import ConfigError, Issue, every_error, raise_all
-from trainer.families.checks import check_family_options, guidance_warnings, part_warnings
+from trainer.families.checks import (check_family_options, guidance_warnings, part_warnings,
+                                     resolution_shift_warnings)
 from trainer.host import devices
 from trainer.loss import check_loss, loss_warnings
 from trainer.memory.rules import check_storage, precision_warnings
@@ -225,6 +226,7 @@ def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
     out += precision_warnings(cfg)  # stochastic rounding, fp16 weights trained directly
     out += part_warnings(cfg)  # settings of parts this family does not have
     out += guidance_warnings(cfg)  # model.guidance_scale on a model without a guidance embedding
+    out += resolution_shift_warnings(cfg)  # loss.resolution_shift on a model whose scheduler has a fixed shift
     out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
     return out
 
