@@ -295,6 +295,15 @@ def test_load_config_raises_every_problem_and_one_problem_as_before():
         config_from_dict(form)
     assert [e.key for e in every_error(err.value)] == ["training.learning_rat", "training.batch_size"]
     assert form["training"] == {"learning_rat": 1, "batch_size": "two"}  # the caller's data is left as it was
+    # the page's Check settings (webui/context.py) asks check_config: every problem, warnings included, no config
+    from trainer.config.checks import check_config
+    form["data"] = {"concepts": [{"path": "/no/such/folder"}]}
+    form["lora"] = {"alpha": 64}
+    cfg, issues = check_config(data=form)
+    assert cfg is None
+    assert [i.key for i in issues if i.level == "error"] == ["training.learning_rat", "training.batch_size",
+                                                             "data.concepts.0.path"]
+    assert "lora.alpha" in [i.key for i in issues if i.level == "warning"]
 
 
 def test_resolution_shift_on_a_model_with_a_fixed_shift_is_named_as_ignored():

@@ -302,7 +302,7 @@ def _validate(args) -> int:
         print(json.dumps({"errors": [i.__dict__ for i in errors],
                           "warnings": [i.__dict__ for i in issues if i.level != "error"]}))
         return 1 if errors else 0
-    for i in issues:
+    for i in sorted(issues, key=lambda i: i.level != "error"):  # the errors first
         print(issue_line(i))
     if cfg is not None:
         print(_effective_batch(cfg))

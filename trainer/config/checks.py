@@ -108,13 +108,7 @@ def check_config(path: Optional[str | os.PathLike] = None, overrides: Iterable[s
         compose(path, overrides, preset, problems=problems)
     errors = _unique(problems + validation_errors(cfg, after=problems))
     issues = [Issue(e.key or "", str(e), "error") for e in errors]
-    try:
-        issues += cross_field_warnings(cfg)
-    except ConfigError as exc:
-        issues += [Issue(e.key or "", str(e), "error") for e in every_error(exc)]
-    except Exception:  # a rule tripped on a value already named above
-        if not errors:
-            raise
+    issues += cross_field_warnings(cfg, tolerant=bool(errors))
     return (None if errors else cfg), issues
 
 
@@ -196,39 +190,57 @@ _RULES: Tuple[Callable[[DictConfig], None], ...] = (
 )
 
 
-def cross_field_warnings(cfg: DictConfig) -> List[Issue]:
-    """The rules the community learned the hard way: shown before launch, never blocking."""
+def cross_field_warnings(cfg: DictConfig, tolerant: bool = False) -> List[Issue]:
+    """The rules the community learned the hard way: shown before launch, never blocking. ``tolerant`` (a config
+    with errors already named): a rule that trips on a value named there is skipped and the others still run."""
     out: List[Issue] = []
-    t = cfg.training
-    out += method_warnings(cfg)  # alpha ≤ rank, adapter dropouts, embedding placeholder in prompts, ...
-    res = training_side(cfg)
-    for i, s in enumerate(cfg.sampling.prompts):
-        if max(s.width, s.height) < 0.6 * res or min(s.width, s.height) > 1.6 * res:
-            out.append(Issue(f"sampling.prompts.{i}.width",
-                             f"Sample size {s.width}x{s.height} is far from the training resolution {res}: "
-                             "samples may look like noise even when training works."))
-    enabled = [c for c in cfg.data.concepts if c.enabled]
-    if not enabled:
-        out.append(Issue("data.concepts", "No enabled concept: add a folder of images to train on.",
-                         level="error"))
-    # files and folders train would reject
-    out += [Issue(key, message, level="error") for key, message in preflight.path_problems(cfg)]
-    out += optim_warnings(cfg)  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
-    out += [Issue(key, message) for key, message in tier_warnings(cfg)]  # a memory tier's settings undone
-    if cfg.general.device == "mps" or (cfg.general.device == "auto" and devices.is_apple_silicon()):
-        out += [Issue(key, message, level=level) for key, message, level in devices.device_problems(cfg, "mps")]
-    te1 = cfg.parts.text_encoder_1
-    if te1.train and t.method == "lora" and te1.learning_rate is None and t.learning_rate > 5e-4:
-        out.append(Issue("parts.text_encoder_1.learning_rate",
-                         "The text encoder usually wants a lower LR than the denoiser (e.g. 5e-5)."))
-    out += loss_warnings(cfg)  # zero terminal SNR without v-prediction, min-SNR with debiasing, ...
-    out += _ema_warnings(cfg)
-    out += precision_warnings(cfg)  # stochastic rounding, fp16 weights trained directly
-    out += part_warnings(cfg)  # settings of parts this family does not have
-    out += guidance_warnings(cfg)  # model.guidance_scale on a model without a guidance embedding
-    out += resolution_shift_warnings(cfg)  # loss.resolution_shift on a model whose scheduler has a fixed shift
-    out += fsdp_warnings(cfg)  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
+    for rule in _WARNING_RULES:
+        try:
+            out += rule(cfg)
+        except ConfigError as exc:
+            if not tolerant:
+                raise
+            out += [Issue(e.key or "", str(e), "error") for e in every_error(exc)]
+        except Exception:
+            if not tolerant:
+                raise
     return out
+
+
+def _sample_size_warnings(cfg: DictConfig) -> List[Issue]:
+    res = training_side(cfg)
+    return [Issue(f"sampling.prompts.{i}.width", f"Sample size {s.width}x{s.height} is far from the training "
+                  f"resolution {res}: samples may look like noise even when training works.")
+            for i, s in enumerate(cfg.sampling.prompts)
+            if max(s.width, s.height) < 0.6 * res or min(s.width, s.height) > 1.6 * res]
+
+
+def _concept_warnings(cfg: DictConfig) -> List[Issue]:
+    if not any(c.enabled for c in cfg.data.concepts):
+        return [Issue("data.concepts", "No enabled concept: add a folder of images to train on.", level="error")]
+    return []
+
+
+def _path_warnings(cfg: DictConfig) -> List[Issue]:  # files and folders train would reject
+    return [Issue(key, message, level="error") for key, message in preflight.path_problems(cfg)]
+
+
+def _tier_warnings(cfg: DictConfig) -> List[Issue]:  # a memory tier's settings undone
+    return [Issue(key, message) for key, message in tier_warnings(cfg)]
+
+
+def _device_warnings(cfg: DictConfig) -> List[Issue]:
+    if cfg.general.device == "mps" or (cfg.general.device == "auto" and devices.is_apple_silicon()):
+        return [Issue(key, message, level=level) for key, message, level in devices.device_problems(cfg, "mps")]
+    return []
+
+
+def _text_encoder_lr_warnings(cfg: DictConfig) -> List[Issue]:
+    t, te1 = cfg.training, cfg.parts.text_encoder_1
+    if te1.train and t.method == "lora" and te1.learning_rate is None and t.learning_rate > 5e-4:
+        return [Issue("parts.text_encoder_1.learning_rate",
+                      "The text encoder usually wants a lower LR than the denoiser (e.g. 5e-5).")]
+    return []
 
 
 def issue_line(issue: Issue) -> str:
@@ -249,3 +261,24 @@ def _ema_warnings(cfg: DictConfig) -> List[Issue]:
                                        f"run makes only {updates}: the EMA result will lag far behind "
                                        "training. Lower the decay (e.g. 0.99).")]
     return []
+
+
+# the warning rules, in the order their lines are shown
+_WARNING_RULES: Tuple[Callable[[DictConfig], List[Issue]], ...] = (
+    method_warnings,  # alpha ≤ rank, adapter dropouts, embedding placeholder in prompts, ...
+    _sample_size_warnings,
+    _concept_warnings,
+    _path_warnings,
+    optim_warnings,  # optimizer and LR-schedule rules (Prodigy LR 1, REX warm-up, ...)
+    _tier_warnings,
+    _device_warnings,
+    _text_encoder_lr_warnings,
+    loss_warnings,  # zero terminal SNR without v-prediction, min-SNR with debiasing, ...
+    _ema_warnings,
+    precision_warnings,  # stochastic rounding, fp16 weights trained directly
+    part_warnings,  # settings of parts this family does not have
+    guidance_warnings,  # model.guidance_scale on a model without a guidance embedding
+    resolution_shift_warnings,  # loss.resolution_shift on a model whose scheduler has a fixed shift
+    fsdp_warnings,  # general.distributed = fsdp on a LoRA/embedding run, optimizers on sharded weights
+)
+
