@@ -538,7 +538,7 @@ def ensure_chromium(env: Mapping[str, str], runner=None, exists=os.path.exists, 
     print(f"Chromium for the browser tests is missing: installing Debian's chromium ({path}).", flush=True)
     try:
         runner(["apt-get", "update", "-qq"])
-        runner(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"])
+        runner(["apt-get", "install", "-y", "-qq", "chromium"])
     except (OSError, subprocess.CalledProcessError) as exc:
         return f"Installing chromium with apt-get failed ({exc}). " + chromium_missing_line(path)
     return None if exists(path) else chromium_missing_line(path)
