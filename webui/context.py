@@ -70,17 +70,16 @@ class AppContext:
         assert self.form is not None
         data, errors = self.form.collect(values)
         result = Checked(data=data, issues=list(errors))
-        if errors:
-            return result
-        try:  # every problem at once: unknown keys, values, rules, files
+        try:  # every problem at once: the fields the form could not read, then the config's own (keys, rules, files)
             cfg, issues = check_config(data=data)
         except ConfigError as exc:  # a preset that cannot be read
             result.issues += [FieldError(e.key or "", str(e)) for e in every_error(exc)]
             return result
-        result.cfg = cfg
-        if cfg is not None and self.manager.confinement is not None:  # the trainer refuses them too (--allowed-root)
+        result.cfg = None if errors else cfg
+        if result.cfg is not None and self.manager.confinement is not None:  # the trainer refuses them too
             issues = outside(self.as_run(cfg), runner.REPO_ROOT, self.manager.confinement) + issues
-        result.issues += [FieldError(i.key, i.message, i.level) for i in issues]
+        named = {e.key for e in errors}  # a field the form could not read is named once, by the form
+        result.issues += [FieldError(i.key, i.message, i.level) for i in issues if i.key not in named]
         return result
 
     def allowed_path(self, text: str, what: str) -> tuple[str, str]:
