@@ -479,7 +479,8 @@ def help_text() -> str:
         "Atelier's launcher: makes .venv, installs torch (the build this machine can use) and the project the first",
         "time, then starts the web UI on http://127.0.0.1:7860 (or runs the tests, or the demo in the terminal).", "",
         "launcher flags:", *rows(LAUNCHER_FLAGS), "",
-        "UI flags (passed to the web UI; `python -m webui --help` in the venv describes them too):", *rows(UI_FLAGS), "",
+        "UI flags (passed to the web UI; `python -m webui --help` in the venv describes them too):",
+        *rows(UI_FLAGS), "",
         "environment: ATELIER_TORCH_INDEX_URL (a torch wheel index), ATELIER_VENV (the venv folder),",
         "ATELIER_CHROMIUM (the Chromium the browser tests drive; default /usr/bin/chromium).",
     ])
