@@ -154,6 +154,9 @@ class FamilyInfo:
     clip_skip: bool = False
     # variants whose transformer embeds a guidance scale (guidance-distilled: model.guidance_scale feeds it)
     guidance_variants: Tuple[str, ...] = ()
+    # variants whose scheduler shifts σ by the image size (``use_dynamic_shifting``): loss.resolution_shift applies to
+    # them alone; the others' schedulers have a fixed shift
+    dynamic_shift_variants: Tuple[str, ...] = ()
     # variant -> (fewest, most) control/reference images an example takes (edit models, references); absent = none
     controls: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     # variant -> what its samples use where a prompt leaves steps/cfg_scale empty (every variant has one; a family

@@ -267,3 +267,25 @@ def guidance_warnings(cfg: Any) -> list:
                   f"model.guidance_scale = {value}: {info.label} ({variant}) has no guidance embedding, so training "
                   f"ignores it (only the guidance-distilled {', '.join(takes)} read it). The guidance of samples is "
                   "each sample prompt's cfg_scale.")]
+
+
+def resolution_shift_warnings(cfg: Any) -> list:
+    """``loss.resolution_shift`` on a flow-matching model whose scheduler has a fixed shift (SD3, Z-Image, Flux.1
+    schnell, Flux.2, Wan: told without loading it), or under a fixed ``loss.flow_shift``: ignored, and said so."""
+    loss = cfg.loss
+    if not loss.get("resolution_shift", False):
+        return []
+    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    info = info_for(variant) if variant else None
+    if info is not None and info.objective != "flow":
+        return []  # the other objectives refuse it (validate)
+    if float(loss.get("flow_shift", 0.0) or 0.0) > 0:
+        return [Issue("loss.resolution_shift", f"loss.resolution_shift is ignored: loss.flow_shift = "
+                                               f"{loss.flow_shift:g} sets a fixed shift, which wins.")]
+    if info is None or variant in info.dynamic_shift_variants:
+        return []
+    takes = [i.label + (f" ({', '.join(i.dynamic_shift_variants)})" if set(i.dynamic_shift_variants) != set(i.variants)
+                        else "") for i in infos().values() if i.dynamic_shift_variants]
+    return [Issue("loss.resolution_shift",
+                  f"loss.resolution_shift is ignored: {info.label} ({variant}) samples with a fixed shift, not one "
+                  f"by the image size (only {', '.join(takes)} do); loss.flow_shift sets the training shift.")]
