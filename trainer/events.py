@@ -232,8 +232,8 @@ class Series:
     """A chart's points in at most ``size`` buckets of equal step width: the width doubles (neighbouring buckets
     merge pairwise) as the run grows, so memory stays the same at any length. A bucket keeps its first and last
     point by step (a repeated step keeps its latest value, as a resumed run overwrites), its lowest and highest
-    value with their steps, a count, and the smoothed value at its first and last step. Until the width passes
-    4 steps every point is kept, so short runs chart exactly as they logged."""
+    value with their steps, a count, and the smoothed value at its first and last step. While a bucket spans at
+    most 2 steps every point is kept, so a run of up to ``2 * size - 1`` steps charts exactly as it logged."""
 
     def __init__(self, size: int = 128):
         self.size = size
