@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainer.events import SUMMARY, EventWriter, RunFold, Series, read_events, summary_path
+from trainer.events import read_events
+from trainer.run_summary import SUMMARY, RunFold, Series, SummaryWriter, summary_path
 from webui.monitor import RunMonitor, build_view
 
 
@@ -108,7 +109,7 @@ def test_a_file_truncated_rewritten_in_place_or_replaced_is_read_again_from_the_
 
 def test_a_fresh_monitor_starts_from_the_trainers_summary_and_reads_only_what_came_after(run):
     path = run / "events.jsonl"
-    writer = EventWriter(path, summary=True)
+    writer = SummaryWriter(path)
     events = run_events(300)
     for ev in events[:-40]:
         writer.emit(**{k: v for k, v in ev.items() if k != "time"})
@@ -121,7 +122,7 @@ def test_a_fresh_monitor_starts_from_the_trainers_summary_and_reads_only_what_ca
     assert monitor._runs[str(run)].tail.offset == path.stat().st_size - len(b'{"type": "step", "st')
     assert comparable(monitor.row(run)) == {**full_read(run), "loss_points": [], "smooth_points": [],
                                             "lr_points": [], "samples": []}
-    resumed = EventWriter(path, summary=True)  # a resume: the torn line is cut, the fold carries on
+    resumed = SummaryWriter(path)  # a resume: the torn line is cut, the fold carries on
     resumed.emit("finished", step=300)
     fresh = RunMonitor()
     assert comparable(fresh.view(run)) == full_read(run) and fresh.view(run).state == "finished"
@@ -131,7 +132,7 @@ def test_a_fresh_monitor_starts_from_the_trainers_summary_and_reads_only_what_ca
 
 def test_the_summary_of_another_file_is_not_trusted(run):
     path = run / "events.jsonl"
-    writer = EventWriter(path, summary=True)
+    writer = SummaryWriter(path)
     for ev in run_events(60):
         writer.emit(**{k: v for k, v in ev.items() if k != "time"})
     path.write_bytes(lines(run_events(100)[:20]))  # rewritten: the summary describes what was there before
@@ -203,3 +204,16 @@ def test_the_change_check_makes_no_output(run, monkeypatch):
         monkeypatch.setattr(run_tab, name, lambda *a, **k: pytest.fail("an output was made"))
     sigs = [sig for _, _, sig in run_tab.parts(SimpleNamespace(), view, "newest first")]
     assert len(sigs) == 9 and all(sigs)
+
+
+def test_the_trainers_summary_covers_lines_another_writer_appended_while_it_was_open(run):
+    from trainer.events import EventWriter
+    path = run / "events.jsonl"
+    writer = SummaryWriter(path)
+    writer.emit("started", total_steps=3)
+    EventWriter(path).emit("warning", message="from another process")
+    writer.emit("step", step=1, total_steps=3, loss=0.5)
+    writer.emit("saved", step=1, path="r.safetensors")
+    assert json.loads(summary_path(path).read_text())["offset"] == path.stat().st_size
+    assert comparable(RunMonitor().view(run)) == full_read(run)
+    assert RunMonitor().view(run).warnings == ["from another process"]

@@ -1,6 +1,6 @@
 """What a run folder says about its run: state, progress, curves, samples, problems.
 
-Reads ``events.jsonl`` incrementally (one :class:`trainer.events.RunTail` per run, shared by all browser sessions)
+Reads ``events.jsonl`` incrementally (one :class:`trainer.run_summary.RunTail` per run, shared by all browser sessions)
 into running aggregates and bounded curves, never a list of every event: a request costs what changed since the
 last one, and a run costs kilobytes however long it is. Also reads the samples folder (listed again only when its
 mtime moves), the logs and the runner's ``launch.json``/``exit.json``.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from trainer.events import TERMINAL, RunFold, RunTail
+from trainer.events import TERMINAL
+from trainer.run_summary import RunFold, RunTail
 from webui import runner
 
 # step<STEP>-p<PROMPT>[-ema][-<N>].png: -ema for the EMA weights' sample, -N for a second one at the same step
@@ -49,7 +50,7 @@ class Sample:
 @dataclass
 class RunView:
     """Everything the Run and Runs tabs show about one run. The curves are a bounded digest of the run's
-    (:class:`trainer.events.Series`): every point of a short run, first/last/lowest/highest per bucket of a long one."""
+    (:class:`trainer.run_summary.Series`): every point of a short run, first/last/lowest/highest per bucket of a long one."""
     name: str
     path: Path
     state: str = "new"            # new|starting|running|stopping|finished|stopped|failed|died
