@@ -217,3 +217,18 @@ def test_the_trainers_summary_covers_lines_another_writer_appended_while_it_was_
     assert json.loads(summary_path(path).read_text())["offset"] == path.stat().st_size
     assert comparable(RunMonitor().view(run)) == full_read(run)
     assert RunMonitor().view(run).warnings == ["from another process"]
+
+
+def test_a_long_run_from_before_summaries_gets_one_after_its_first_read(run, monkeypatch):
+    import webui.monitor as monitor_module
+    monkeypatch.setattr(monitor_module, "SAVE_SUMMARY_BYTES", 10_000)
+    path = run / "events.jsonl"
+    path.write_bytes(lines(run_events(200)))
+    assert not summary_path(path).exists()
+    RunMonitor().row(run)  # the Runs table's read leaves a summary without curves
+    assert json.loads(summary_path(path).read_text())["fold"]["loss"] is None
+    first = RunMonitor()
+    assert comparable(first.view(run)) == full_read(run)  # curves wanted: read in full, a summary with curves left
+    again = RunMonitor()
+    assert comparable(again.view(run)) == full_read(run)
+    assert again._runs[str(run)].tail.saved == path.stat().st_size  # started from the summary

@@ -262,6 +262,7 @@ class RunTail:
         self.head = b""  # the file's first bytes (up to HEAD_BYTES) as last read
         self.inode: Optional[int] = None
         self.stat_key: Optional[tuple] = None
+        self.saved = 0  # the offset of the summary on disk (0: none of this file)
 
     def catch_up(self) -> bool:
         """Fold what was appended since the last call; True when the fold changed."""
@@ -333,7 +334,21 @@ class RunTail:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return  # none, torn or of another version: read the stream itself
         if fold.charts == self.charts:
-            self.fold, self.offset, self.head = fold, offset, head
+            self.fold, self.offset, self.head, self.saved = fold, offset, head, offset
+
+    def save_summary(self, past: int) -> bool:
+        """Leave the summary beside the stream when this reader has read ``past`` bytes or more beyond the one
+        there (a run from before summaries, or a trainer that could not write one), so the next reader, in this
+        process or another, does not read them again. Any summary of a prefix of this file is right, whoever
+        wrote it last. False when there was nothing to save or the folder is not writable."""
+        if self.offset - self.saved < past or self.inode is None:
+            return False
+        try:
+            atomic_write_bytes(summary_path(self.path), json.dumps(self.summary()).encode("utf-8"))
+        except (OSError, ValueError):
+            return False
+        self.saved = self.offset
+        return True
 
     def summary(self) -> dict:
         return {"offset": self.offset, "inode": self.inode, "head": self.head.hex(), "fold": self.fold.to_dict()}
@@ -347,6 +362,7 @@ class SummaryWriter(EventWriter):
 
     def __init__(self, path: str | os.PathLike, enabled: bool = True, reserve: bool = False):
         super().__init__(path, enabled=enabled, reserve=reserve)
+        self.reserving = reserve
         self.tail: Optional[RunTail] = None
         self.unsaved = 0  # events folded since the summary was last written
         if enabled:
@@ -367,7 +383,9 @@ class SummaryWriter(EventWriter):
                 tail.stat_key = None
                 tail.catch_up()
             self.unsaved += 1
-            if type != "step" or self.unsaved >= SUMMARY_EVERY:
+            # a full disk: the room the reserve freed is for the run's last events, not for a summary
+            short_of_room = type == "error" or (self.reserving and not self.reserve.exists() and type not in TERMINAL)
+            if (type != "step" or self.unsaved >= SUMMARY_EVERY) and not short_of_room:
                 atomic_write_bytes(summary_path(self.path), json.dumps(tail.summary()).encode("utf-8"))
                 self.unsaved = 0
         except (OSError, ValueError, TypeError):

@@ -26,6 +26,8 @@ from webui import runner
 # step<STEP>-p<PROMPT>[-ema][-<N>].png: -ema for the EMA weights' sample, -N for a second one at the same step
 SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)(-ema)?(?:-(\d+))?\.(png|jpg|jpeg|webp|mp4|webm)$", re.I)
 VIDEO_SUFFIXES = (".mp4", ".webm")  # a video family's sample: the page's galleries play it
+#: a run read this far past its summary (one from before summaries) gets a new one, so it is read once, not per UI
+SAVE_SUMMARY_BYTES = 4 << 20
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
                "memoryerror", "oom-kill", "killed process")
 OOM_ADVICE = ("To use less memory: lower the batch size (training.batch_size), turn on gradient "
@@ -140,7 +142,8 @@ class RunMonitor:
             while len(cache) > cap:
                 cache.popitem(last=False)
         cache.move_to_end(key)
-        run.tail.catch_up()
+        if run.tail.catch_up():
+            run.tail.save_summary(SAVE_SUMMARY_BYTES)
         return run
 
     def view(self, run_dir: Path) -> RunView:
@@ -158,7 +161,8 @@ class RunMonitor:
         with self._lock:
             run = self._runs.get(str(run_dir))
             if run is not None:
-                run.tail.catch_up()
+                if run.tail.catch_up():
+                    run.tail.save_summary(SAVE_SUMMARY_BYTES)
             else:
                 run = self._get(self._rows, run_dir, False, self.keep_rows)
             view, facts = view_from(run_dir, run.tail.fold, run.tail.version, charts=False)
