@@ -175,9 +175,9 @@ def parts(ctx: AppContext, view: Optional[RunView], order: str) -> List[tuple]:
         return [(name, make, "none") for name, make in none]
     sig = (view.name, view.version, view.state)
     return [("status", lambda: status_html(view), (sig, view.step, view.message)),
-            ("loss", lambda: chart_frames(view)[0],
+            ("loss", lambda: loss_frame(view),
              (view.name, view.loss_count, view.loss_points[-1:] if view.loss_points else 0)),
-            ("lr", lambda: chart_frames(view)[1], (view.name, view.lr_count)),
+            ("lr", lambda: lr_frame(view), (view.name, view.lr_count)),
             ("gallery", lambda: gallery_items(view, order), (view.name, order, view.samples_key)),
             ("problems", lambda: problems_md(view), (sig, view.message, view.warning_count)),
             ("log", lambda: log_html(log_tail(view.path)), (view.name, log_key(view.path))),
@@ -244,13 +244,20 @@ def chart_frames(view: RunView) -> tuple[Optional[pd.DataFrame], Optional[pd.Dat
     """Loss (raw + smoothed) and LR frames for gr.LinePlot, from the view's bounded curves (a few hundred points
     whatever the run's length); None while there is no data, because a plot first given an empty frame types its
     colour column wrongly and never draws lines."""
-    loss = lr = None
-    if view.loss_points:
-        rows = [(s, v, "loss") for s, v in view.loss_points] + [(s, v, "smoothed") for s, v in view.smooth_points]
-        loss = pd.DataFrame(rows, columns=["step", "value", "series"])
-    if view.lr_points:
-        lr = pd.DataFrame([(s, v, g) for s, g, v in view.lr_points], columns=["step", "value", "series"])
-    return loss, lr
+    return loss_frame(view), lr_frame(view)
+
+
+def loss_frame(view: RunView) -> Optional[pd.DataFrame]:
+    if not view.loss_points:
+        return None
+    rows = [(s, v, "loss") for s, v in view.loss_points] + [(s, v, "smoothed") for s, v in view.smooth_points]
+    return pd.DataFrame(rows, columns=["step", "value", "series"])
+
+
+def lr_frame(view: RunView) -> Optional[pd.DataFrame]:
+    if not view.lr_points:
+        return None
+    return pd.DataFrame([(s, v, g) for s, g, v in view.lr_points], columns=["step", "value", "series"])
 
 
 def gallery_items(view: RunView, order: str, limit: int = 48) -> List[tuple]:
