@@ -110,7 +110,7 @@ def test_a_file_truncated_rewritten_in_place_or_replaced_is_read_again_from_the_
 def test_a_fresh_monitor_starts_from_the_trainers_summary_and_reads_only_what_came_after(run):
     path = run / "events.jsonl"
     writer = SummaryWriter(path)
-    events = run_events(300)
+    events = run_events(120)
     for ev in events[:-40]:
         writer.emit(**{k: v for k, v in ev.items() if k != "time"})
     saved = json.loads(summary_path(path).read_text())
@@ -123,7 +123,7 @@ def test_a_fresh_monitor_starts_from_the_trainers_summary_and_reads_only_what_ca
     assert comparable(monitor.row(run)) == {**full_read(run), "loss_points": [], "smooth_points": [],
                                             "lr_points": [], "samples": []}
     resumed = SummaryWriter(path)  # a resume: the torn line is cut, the fold carries on
-    resumed.emit("finished", step=300)
+    resumed.emit("finished", step=120)
     fresh = RunMonitor()
     assert comparable(fresh.view(run)) == full_read(run) and fresh.view(run).state == "finished"
     summary_path(path).write_text("{torn")
