@@ -200,7 +200,8 @@ def test_the_change_check_makes_no_output(run, monkeypatch):
     from webui.tabs import run as run_tab
     (run / "events.jsonl").write_bytes(lines(run_events(60)))
     view = RunMonitor().view(run)
-    for name in ("loss_frame", "lr_frame", "gallery_items", "log_tail", "status_html", "problems_md", "download_button"):
+    for name in ("loss_frame", "lr_frame", "gallery_items", "log_tail", "status_html", "problems_md",
+                 "download_button"):
         monkeypatch.setattr(run_tab, name, lambda *a, **k: pytest.fail("an output was made"))
     sigs = [sig for _, _, sig in run_tab.parts(SimpleNamespace(), view, "newest first")]
     assert len(sigs) == 9 and all(sigs)

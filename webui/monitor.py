@@ -10,6 +10,7 @@ it looks like the machine ran out of memory. Imports neither Gradio nor torch.
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import threading
@@ -52,7 +53,8 @@ class Sample:
 @dataclass
 class RunView:
     """Everything the Run and Runs tabs show about one run. The curves are a bounded digest of the run's
-    (:class:`trainer.run_summary.Series`): every point of a short run, first/last/lowest/highest per bucket of a long one."""
+    (:class:`trainer.run_summary.Series`): every point of a short run, first, last, lowest and highest point per
+    bucket of a long one."""
     name: str
     path: Path
     state: str = "new"            # new|starting|running|stopping|finished|stopped|failed|died
@@ -120,6 +122,15 @@ class _Run:
     def __init__(self, run_dir: Path, charts: bool):
         self.tail = RunTail(run_dir / "events.jsonl", charts=charts)
         self.samples = _Samples()
+        # versions of a run read again after it was dropped from the cache never repeat one a page has seen
+        self.base = next(_GENERATIONS) << 32
+
+    @property
+    def version(self) -> int:
+        return self.base + self.tail.version
+
+
+_GENERATIONS = itertools.count(1)
 
 
 class RunMonitor:
@@ -151,7 +162,7 @@ class RunMonitor:
         run_dir = Path(run_dir)
         with self._lock:
             run = self._get(self._runs, run_dir, True, self.keep)
-            view, facts = view_from(run_dir, run.tail.fold, run.tail.version)
+            view, facts = view_from(run_dir, run.tail.fold, run.version)
             view.samples, view.samples_key = run.samples.get(run_dir, _prompts(run.tail.fold))
         return finish_view(view, facts)
 
@@ -165,7 +176,7 @@ class RunMonitor:
                     run.tail.save_summary(SAVE_SUMMARY_BYTES)
             else:
                 run = self._get(self._rows, run_dir, False, self.keep_rows)
-            view, facts = view_from(run_dir, run.tail.fold, run.tail.version, charts=False)
+            view, facts = view_from(run_dir, run.tail.fold, run.version, charts=False)
         return finish_view(view, facts)
 
 
