@@ -9,7 +9,7 @@
 Makes one synthetic run folder per size in a fresh workspace: the step lines of a real run (by default a short
 demo run, trained here first, about half a minute on CPU) replicated and renumbered up to N step events, a sample
 pair every 1,000 steps, a backup, and an "alive" trainer (a sleeping child whose command line names it), so the
-page treats the run as active. Unless ``--no-summary``, the trainer's summary (``.events.summary.json``) is left
+page treats the run as active. Unless ``--no-summary``, the trainer's summary (``events.summary.json``) is left
 beside the stream as the trainer leaves it. Then, in this process, as the served page does:
 
 - page build: ``build_app`` on the workspace holding all the runs, and the Runs table a page load fills;

@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 from trainer.events import TERMINAL, EventWriter
 from trainer.io import atomic_write_bytes
 
-SUMMARY = ".events.summary.json"  # beside events.jsonl: the fold of the stream up to a byte offset
+SUMMARY = "events.summary.json"  # beside events.jsonl: the fold of the stream up to a byte offset
 SUMMARY_EVERY = 100  # the trainer's writer rewrites the summary after this many events (and at every non-step one)
 WARNINGS_KEPT = 50  # a run may warn every step; the view shows the last few, counts all
 PATHS_KEPT = 64  # backups and outputs named by events (the page checks which still exist)
