@@ -65,14 +65,15 @@ class EventWriter:
         if self.enabled:
             data = (json.dumps(event, default=_default) + "\n").encode("utf-8")
             try:
-                self._append(data)
+                end = self._append(data)
             except OSError:
                 if not self.reserve.exists():
                     raise
                 self.reserve.unlink()  # a full disk: free the room the run's last events need
                 if type not in ("error", *TERMINAL):
                     raise  # the run ends on this error; its error and failed events go into the freed room
-                self._append(data)
+                end = self._append(data)
+            self.written(data, end, type)
             if type in TERMINAL:
                 try:
                     self.reserve.unlink()
@@ -80,8 +81,11 @@ class EventWriter:
                     pass
         return event
 
-    def _append(self, data: bytes) -> None:
-        """One whole line or nothing."""
+    def written(self, data: bytes, end: int, type: str) -> None:
+        """Called with each line once it is in the file at offset ``end`` (a subclass keeps a summary)."""
+
+    def _append(self, data: bytes) -> int:
+        """One whole line or nothing; returns where it begins."""
         if True:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -99,6 +103,7 @@ class EventWriter:
                     raise
             finally:
                 os.close(fd)
+            return end
 
 
 def repair_torn_tail(path: str | os.PathLike) -> bool:
