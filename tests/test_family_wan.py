@@ -353,3 +353,59 @@ def test_a_folder_of_clips_trains_wan_on_5_frame_windows(told, wan, tmp_path, mo
     losses = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     assert (run / f"{run.name}.safetensors").is_file()
+
+
+# --- image-to-video ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def i2v(wan):
+    from trainer.families import build_tiny
+    ws, _ = wan
+    return ws, {k: build_tiny(k, ws / "models") for k in ("tiny-wan21-i2v", "tiny-wan22-i2v-a14b")}
+
+
+@pytest.mark.parametrize("which", ["tiny-wan21-i2v", "tiny-wan22-i2v-a14b"])
+def test_i2v_predict_hands_the_transformer_what_the_pipeline_builds_from_a_start_image(which, i2v):
+    """WanImageToVideoPipeline's first call at 64×96 px × 9 frames from a start image against model_input + predict
+    on the same noisy latents, σ, caption and start frame (as a training window's first frame): the 36 channels
+    noise ‖ mask ‖ first-frame latents, the CLIP features of Wan 2.1 (none for 2.2), the same output."""
+    import numpy as np
+    from PIL import Image
+    ws, paths = i2v
+    model = load_tiny(ws, paths[which]["diffusers"], *(("model.wan_expert=high",) if "a14b" in which else ()))
+    assert model.family == ("wan21-i2v" if which == "tiny-wan21-i2v" else "wan22-i2v-a14b")
+    pipe = model.pipeline(None)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    seen = {}
+
+    def first_call(module, args, kwargs, output):
+        if "kw" not in seen:
+            seen.update(kw=kwargs, o=output[0])
+
+    handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe("a red square", image=image, num_inference_steps=2, height=64, width=96, num_frames=9,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        handle.remove()
+    theirs = seen["kw"]
+    x = theirs["hidden_states"]
+    assert tuple(x.shape) == (1, 36, 3, 8, 12)
+    # the start frame as a training window's first frame: pixels in [-1, 1], the other frames anything
+    frame = torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1.0
+    window = torch.rand(1, 3, 9, 64, 96) * 2 - 1
+    window[:, :, 0] = frame
+    batch = {"captions": ["a red square"], "first_frame": model.encode_first_frames(window)}
+    ours_x = model.model_input(x[:, :16], batch)
+    torch.testing.assert_close(ours_x, x)
+    sigma = theirs["timestep"].float() / 1000.0
+    cond = model.batch_condition(batch, lambda c: c, set())
+    ours = transformer_inputs(model, ours_x, sigma, cond)
+    if which == "tiny-wan21-i2v":
+        torch.testing.assert_close(ours["encoder_hidden_states_image"], theirs["encoder_hidden_states_image"])
+    else:
+        assert theirs["encoder_hidden_states_image"] is None and "encoder_hidden_states_image" not in ours
+    torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.predict(ours_x, sigma, cond), seen["o"])

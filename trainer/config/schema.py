@@ -235,7 +235,7 @@ class SamplePromptConfig:
     width: int = f(512, "Width in pixels (multiple of 8).", min=64, max=4096)
     height: int = f(512, "Height in pixels (multiple of 8).", min=64, max=4096)
     image: str = f("", "Inpainting models: the image to repaint (resized to width × height); empty = a "
-                       "blank image.", ui="path")
+                       "blank image. Image-to-video models (Wan I2V): the start frame (required).", ui="path")
     mask: str = f("", "Inpainting models: the mask (white = repaint); empty = repaint everything.", ui="path")
     control_images: List[str] = f(help="Edit and reference models: the image(s) the sample edits or refers to, one "
                                        "per control folder of the concepts, in the same order.", factory=list,
