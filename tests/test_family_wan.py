@@ -125,21 +125,49 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(wan, tmp_path):
         torch.testing.assert_close(theirs.state_dict()[k], v, msg=k)
 
 
-def test_wan_models_not_trained_yet_are_refused_by_name():
+def test_detection_tells_the_wan_models_apart_and_refuses_those_not_trained_by_name():
     from trainer.families import Evidence
     from trainer.families.wan.detect import claim
     base = {"head.modulation": (1, 2, 32), "blocks.0.self_attn.q.weight": (32, 32)}
-    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 16, 1, 2, 2)})) \
-        == "wan21-t2v"
-    with pytest.raises(ValueError, match="image-to-video"):
-        claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
-                                                   "img_emb.proj.1.weight": (32, 1280)}))
-    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)})) \
-        == "wan22-ti2v-5b"
+
+    def file(channels, **more):
+        return claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, channels, 1, 2, 2),
+                                                          **more}))
+    assert file(16) == "wan21-t2v" and file(48) == "wan22-ti2v-5b"
+    # image-to-video: 36 channels (noise ‖ mask ‖ first frame); CLIP features: Wan 2.1 I2V, none: a 2.2 I2V expert
+    assert file(36, **{"img_emb.proj.1.weight": (32, 1280)}) == "wan21-i2v"
+    assert file(36) == "wan22-i2v-a14b"
+    with pytest.raises(ValueError, match="first-last-frame"):
+        file(36, **{"img_emb.proj.1.weight": (32, 1280), "img_emb.emb_pos": (1, 514, 1280)})
+    with pytest.raises(ValueError, match="VACE"):
+        file(16, **{"vace_blocks.0.before_proj.weight": (32, 32)})
     assert claim(Evidence("single_file", "x", shapes={"blocks.0.self_attn.q.weight": (32, 32)})) is None
 
+    def folder(index, transformer=None):
+        return claim(Evidence("hub", "x", read_json=lambda rel: {"model_index.json": index,
+                                                                  "transformer/config.json": transformer}.get(rel)))
+    i2v = {"_class_name": "WanImageToVideoPipeline"}
+    # a hub repo whose configs cannot be read now: told by its index (the folder check runs at load)
+    assert folder(dict(i2v, image_encoder=["transformers", "CLIPVisionModel"])) == "wan21-i2v"
+    assert folder(dict(i2v, image_encoder=[None, None], boundary_ratio=0.9)) == "wan22-i2v-a14b"
+    assert folder(dict(i2v, boundary_ratio=0.9), {"in_channels": 36, "image_dim": None}) == "wan22-i2v-a14b"
+    assert folder(i2v, {"in_channels": 36, "image_dim": 1280}) == "wan21-i2v"
+    with pytest.raises(ValueError, match="first-last-frame"):
+        folder(i2v, {"in_channels": 36, "image_dim": 1280, "pos_embed_seq_len": 514})
+    with pytest.raises(ValueError, match="WanVACEPipeline"):
+        folder({"_class_name": "WanVACEPipeline"})
 
-@pytest.mark.slow
+
+def test_validate_wants_a_start_image_for_each_sample_of_an_i2v_model():
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="start image required") as err:
+        load_config(None, ["model.path=builtin:tiny-wan21-i2v", "sampling.prompts=[{prompt: a clip}]"])
+    assert err.value.key == "sampling.prompts.0.image" and "\n" not in str(err.value)
+    load_config(None, ["model.path=builtin:tiny-wan22-i2v-a14b", "sampling.prompts=[{prompt: a clip, image: x.png}]"])
+    load_config(None, ["model.path=builtin:tiny-wan21", "sampling.prompts=[{prompt: a clip}]"])
+
+
 def test_a_run_samples_short_videos_as_mp4_with_a_png_of_the_first_frame(wan, tmp_path):
     import json
 

@@ -59,7 +59,7 @@ from trainer.families.wan.first_frame import (
     first_frame_mask,
     frames_as_images,
 )
-from trainer.families.wan.info import IMAGE_TO_VIDEO
+from trainer.families.wan.info import IMAGE_TO_VIDEO, T2V_14B
 from trainer.families.wan.keys import (
     config_from_original,
     diffusers_to_original,
@@ -154,8 +154,10 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
                                                   layout="the original Wan layout",
                                                   component="transformer_2" if self.expert == "low" else "transformer")
         else:
-            pipe = sources.load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=self.family,
-                                         dtype=dtypes)
+            # family: which full-size configs the VRAM estimate builds for a hub id (the 14B's where it names 14B)
+            sized = T2V_14B if self.family == "wan21-t2v" and self.source.kind == "hub" \
+                and "14b" in str(self.source.location).lower() else self.family
+            pipe = sources.load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=sized, dtype=dtypes)
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self.boundary_ratio = pipe.config.get("boundary_ratio")
         self.other = None  # A14B: the expert that does not train (samples need it), kept in CPU RAM

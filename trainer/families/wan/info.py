@@ -8,12 +8,15 @@ from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults, Vide
 
 VARIANTS = ("wan21-t2v", "wan22-ti2v-5b", "wan22-t2v-a14b", "wan21-i2v", "wan22-i2v-a14b")
 IMAGE_TO_VIDEO = ("wan21-i2v", "wan22-i2v-a14b")
+# not a model.family value: the name of Wan 2.1 T2V 14B's full-size configs (the VRAM estimate of a hub id naming
+# 14B; the 1.3B and the 14B load and train as wan21-t2v)
+T2V_14B = "wan21-t2v-14b"
 
 INFO = FamilyInfo(
     name="wan",
     label="Wan 2.x",
     choices=VARIANTS,
-    variants=VARIANTS,
+    variants=VARIANTS + (T2V_14B,),
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
            Part("text_encoder", "text_encoder", "text_encoder", "UMT5-XXL")),
     objective="flow",
@@ -46,7 +49,7 @@ INFO = FamilyInfo(
     # WanPipeline's __call__ defaults: 50 steps, CFG 5, 81 frames (5 s at 16 fps)
     # (WanImageToVideoPipeline's are the same)
     sample_defaults={v: SampleDefaults(50, 5.0, "", "WanImageToVideoPipeline" if v in IMAGE_TO_VIDEO else "WanPipeline",
-                                       frames=81) for v in VARIANTS},
+                                       frames=81) for v in VARIANTS + (T2V_14B,)},
     video=VideoSpec(frame_multiple=4, fps=16.0, max_frames=81),
     video_fps={"wan22-ti2v-5b": 24.0},  # the 5B was trained (and samples) at 24 fps
     start_image=IMAGE_TO_VIDEO,  # WanImageToVideoPipeline's image: each sample prompt names its start frame
