@@ -437,3 +437,44 @@ def test_i2v_predict_hands_the_transformer_what_the_pipeline_builds_from_a_start
     torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
     with torch.no_grad():
         torch.testing.assert_close(model.predict(ours_x, sigma, cond), seen["o"])
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_each_window_brings_its_own_first_frame_cached_beside_its_latents(tmp_path, cached):
+    """An image-to-video model's condition comes from each training window's first frame (rendered as the window is):
+    batches carry ``first_frame_fn``'s output for it; with cached latents it sits in entries of its own, keyed like
+    the latents (another settings key), filled once and reused."""
+    from test_data_clips import WAN, FakeWanVae, _cfg, frame_number, make_clip
+
+    from trainer.data.pipeline import DataPipeline
+    folder = tmp_path / "c"
+    for name in ("a", "b"):
+        make_clip(folder / f"{name}.mp4", 27, fps=16)
+    calls = []
+
+    def first_frame_fn(pixels):
+        calls.append(tuple(pixels.shape))
+        return {"latents": pixels[:, :, 0, :8, :8].float().clone()}
+
+    cfg = _cfg(tmp_path, {"path": str(folder), "target_frames": "9", "frame_extraction": "chunk"}, batch_size=2,
+               cache_latents=cached)
+    pipe = DataPipeline(cfg, warn=lambda m: None, video=WAN)
+    summary = pipe.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32", first_frame_fn=first_frame_fn)
+    seen = {}
+    for plan in pipe.epoch_batches(0):
+        batch = pipe.batch(plan, 0)
+        for row, index in enumerate(plan.indices):
+            item = pipe.items[index]
+            seen[(item.path.name, item.window.start)] = frame_number(
+                ((batch["first_frame"]["latents"][row, :, 4, 4] + 1) * 127.5).round().tolist())
+    assert seen == {(n, s): s for n in ("a.mp4", "b.mp4") for s in (0, 9, 18)}
+    assert all(shape[2] == 9 for shape in calls)  # the whole window: its frame count sets the condition's length
+    if cached:
+        assert summary["first_frames_encoded"] == 3  # the two clips have the same bytes: one entry per window
+        item = pipe.items[0]
+        entry = pipe._entry(item, (64, 64), pipe.variant_params(item, 0))
+        assert pipe.cache.entry_path(item, *entry) != pipe.first_frame_cache.entry_path(item, *entry)
+        assert pipe.first_frame_cache.entry_path(item, *entry).is_file()
+        again = DataPipeline(cfg, warn=lambda m: None, video=WAN)
+        assert again.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32",
+                             first_frame_fn=first_frame_fn)["first_frames_encoded"] == 0
