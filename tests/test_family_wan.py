@@ -478,3 +478,26 @@ def test_each_window_brings_its_own_first_frame_cached_beside_its_latents(tmp_pa
         again = DataPipeline(cfg, warn=lambda m: None, video=WAN)
         assert again.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32",
                              first_frame_fn=first_frame_fn)["first_frames_encoded"] == 0
+
+
+@pytest.mark.slow
+def test_an_i2v_run_samples_videos_that_start_from_the_prompts_image(i2v, tmp_path, capsys):
+    """A run of the I2V demo draws its sample from the prompt's start image (an MP4 beside the PNG of its first
+    frame); the sample tool wants --image for such a model, in one line."""
+    import json
+
+    from conftest import DEMO_DATA, train_quiet
+    from trainer.__main__ import main
+    ws, _ = i2v
+    run = train_quiet(ws, "wan-i2v-sample", "demo-wan21-i2v", "training.max_steps=1", "sampling.every_n_epochs=0",
+                      "sampling.frames=5", f"data.concepts=[{{path: {DEMO_DATA}}}]",
+                      f"sampling.prompts=[{{prompt: a red square, image: {DEMO_DATA / '00-red-square.png'}, "
+                      "steps: 1, width: 64, height: 64}]")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    videos = [v for e in events if e["type"] == "sample" for v in e.get("videos", [])]
+    assert videos and all(v.endswith(".mp4") and (run / "samples" / v.split("/")[-1]).is_file() for v in videos)
+    capsys.readouterr()
+    assert main(["sample", "builtin:tiny-wan21-i2v", "--prompt", "a red square", "--steps", "1", "--width", "32",
+                 "--height", "32", "--out", str(tmp_path / "out"), "--workspace", str(ws)]) != 0
+    err = capsys.readouterr().err
+    assert "--image: start image required" in err and len(err.strip().splitlines()) == 1
