@@ -80,5 +80,9 @@ def first_frame_mask(condition: torch.Tensor, temporal: int) -> torch.Tensor:
 def frames_as_images(first: torch.Tensor) -> List[Image.Image]:
     """Start frames [B, 3, H, W] in [-1, 1] as RGB images for the CLIP processor (exact for frames rendered from
     8-bit images: the pipeline's PIL start image gives the same values)."""
-    arr = ((first.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(np.ascontiguousarray(a.permute(1, 2, 0).numpy())) for a in arr]
+    arr = ((first.detach().float().cpu().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    try:
+        data = arr.numpy()
+    except RuntimeError:  # a tensor without values (the VRAM estimate's fake tensors): blank frames of its size
+        data = np.zeros(tuple(arr.shape), np.uint8)
+    return [Image.fromarray(np.ascontiguousarray(a)) for a in data]

@@ -37,6 +37,8 @@ TRANSFORMER_A14B_I2V = {k: v for k, v in CONFIG_A14B_I2V.items() if k != "_class
 CLIP_VIT_H14 = {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
                 "image_size": 224, "patch_size": 14, "projection_dim": 1024, "hidden_act": "gelu",
                 "layer_norm_eps": 1e-05}
+# its image_processor/preprocessor_config.json: 224 px (short side, then a centre crop)
+CLIP_224 = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}}
 
 FULL_SIZE = {"wan21-t2v-14b": {
     "tiny": "tiny-wan21",
@@ -45,7 +47,7 @@ FULL_SIZE = {"wan21-t2v-14b": {
 }, "wan21-i2v": {
     "tiny": "tiny-wan21-i2v",
     "configs": {"transformer": TRANSFORMER_14B_I2V, "vae": WAN21_VAE, "text_encoder": UMT5_XXL,
-                "image_encoder": CLIP_VIT_H14},
+                "image_encoder": CLIP_VIT_H14, "image_processor": CLIP_224},
     "max_length": {"tokenizer": T5_MAX_LENGTH},
 }, "wan22-i2v-a14b": {
     "tiny": "tiny-wan22-i2v-a14b",
