@@ -17,7 +17,7 @@
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
 # Edit models (kontext-24gb, qwen-edit-2509-24gb; demo-pairs checks them on the tiny Kontext on any machine) train
 # on pairs: the four images with four control images of the same names, and sample by editing a control.
-# Wan cases (wan21-12gb, wan21-24gb, wan22-5b-24gb/-16gb/-12gb, wan22-a14b-24gb/-16gb/-12gb, the image-to-video
+# Wan cases (wan21-12gb, wan21-24gb, wan21-14b-24gb, wan22-5b-24gb/-16gb/-12gb, wan22-a14b-24gb/-16gb/-12gb, the image-to-video
 # wan21-i2v-24gb and wan22-i2v-a14b-24gb; demo-wan and demo-wan-i2v on any machine) train on four noise clips of
 # FRAMES frames (default 49) at the preset's size, 16 fps H.264; an image-to-video case samples from a noise image.
 set -u
@@ -147,6 +147,8 @@ run_case() {
     wan22-a14b-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # one expert (the high-noise one)
                      bench wan22-a14b-24gb wan22-t2v-a14b-lora-24gb 832 \
                        --set "model.path=$(configs wan22-t2v-a14b)" "${c[@]}" ;;
+    wan21-14b-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # Wan 2.1 T2V 14B
+                bench wan21-14b-24gb wan21-t2v-14b-lora-24gb 832 --set "model.path=$(configs wan21-t2v-14b)" "${c[@]}" ;;
     wan21-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")
                 bench wan21-24gb wan21-t2v-lora-24gb 832 --set "model.path=$(configs wan21-t2v)" "${c[@]}" ;;
     wan22-5b-16gb|wan22-5b-12gb) mapfile -t c < <(clips 1280 704 "${FRAMES:-49}")  # samples: the bench's own one
