@@ -108,7 +108,7 @@ class ModelConfig:
     attention: str = f("sdpa", "Attention backend: PyTorch SDPA, or xformers when installed.",
                        choices=["sdpa", "xformers"])
     wan_expert: str = f("low", "Wan 2.2 A14B (two experts split at the pipeline's boundary, σ 0.875 for "
-                               "text-to-video): which expert trains, each on its own noise range — high (σ ≥ the boundary: layout "
+                               "text-to-video, 0.9 for image-to-video): which expert trains, each on its own noise range — high (σ ≥ the boundary: layout "
                                "and motion), low (below it: detail) or both (each sample trains the expert of its "
                                "σ; the result is two files, the low expert's named …_low_noise). A LoRA file is for "
                                "one expert (ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
