@@ -496,6 +496,13 @@ def test_an_i2v_run_samples_videos_that_start_from_the_prompts_image(i2v, tmp_pa
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     videos = [v for e in events if e["type"] == "sample" for v in e.get("videos", [])]
     assert videos and all(v.endswith(".mp4") and (run / "samples" / v.split("/")[-1]).is_file() for v in videos)
+    # the image key/value of the cross-attention train too (k_img/v_img), and diffusers' loader maps them
+    from safetensors import safe_open
+    with safe_open(str(run / f"{run.name}.safetensors"), framework="pt") as fh:
+        assert "diffusion_model.blocks.0.cross_attn.k_img.lora_A.weight" in set(fh.keys())
+    pipe = load_tiny(ws, "builtin:tiny-wan21-i2v").pipeline(None)
+    pipe.load_lora_weights(str(run / f"{run.name}.safetensors"))
+    assert hasattr(pipe.transformer.blocks[0].attn2.add_k_proj, "lora_A")
     capsys.readouterr()
     assert main(["sample", "builtin:tiny-wan21-i2v", "--prompt", "a red square", "--steps", "1", "--width", "32",
                  "--height", "32", "--out", str(tmp_path / "out"), "--workspace", str(ws)]) != 0
