@@ -37,8 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from safetensors.torch import load_file
 from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
-from PIL import Image
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from PIL import Image
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
