@@ -137,6 +137,9 @@ def test_detection_tells_the_wan_models_apart_and_refuses_those_not_trained_by_n
     # image-to-video: 36 channels (noise ‖ mask ‖ first frame); CLIP features: Wan 2.1 I2V, none: a 2.2 I2V expert
     assert file(36, **{"img_emb.proj.1.weight": (32, 1280)}) == "wan21-i2v"
     assert file(36) == "wan22-i2v-a14b"
+    comfy = {"model.diffusion_model." + k: v for k, v in {**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
+                                                          "img_emb.proj.1.weight": (32, 1280)}.items()}
+    assert claim(Evidence("single_file", "x", shapes=comfy)) == "wan21-i2v"  # ComfyUI's repackaged layout
     with pytest.raises(ValueError, match="first-last-frame"):
         file(36, **{"img_emb.proj.1.weight": (32, 1280), "img_emb.emb_pos": (1, 514, 1280)})
     with pytest.raises(ValueError, match="VACE"):
