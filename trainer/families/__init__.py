@@ -166,6 +166,8 @@ class FamilyInfo:
     video: Optional[VideoSpec] = None
     # variant -> the frame rate it was trained at, where it is not ``video.fps`` (Wan 2.2 TI2V-5B: 24)
     video_fps: Dict[str, float] = field(default_factory=dict)
+    # variants whose samples start from an image (image-to-video): every sample prompt needs sampling.prompts.N.image
+    start_image: Tuple[str, ...] = ()
 
     def control_range(self, variant: str) -> Tuple[int, int]:
         """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""

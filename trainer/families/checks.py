@@ -118,6 +118,17 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
                               "edit (e.g. one of the concept's control images).", key=key)
 
 
+def check_start_images(cfg: Any, info: Any, variant: str) -> None:
+    """An image-to-video model's samples start from an image: every sample prompt names one (``image``)."""
+    if variant not in info.start_image:
+        return
+    for i, prompt in enumerate(cfg.sampling.prompts or []):
+        if not str(prompt.get("image", "") or "").strip():
+            key = f"sampling.prompts.{i}.image"
+            raise ConfigError(f"{key}: start image required: {variant} is an image-to-video model, its samples start "
+                              "from an image (e.g. the first frame of a training clip).", key=key)
+
+
 def check_family_options(cfg: Any) -> None:
     """Raise ConfigError for the first option the family of ``cfg.model`` cannot use (a ``model.family`` the
     model's files contradict first, as the loader would)."""
@@ -143,6 +154,7 @@ def check_family_options(cfg: Any) -> None:
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
                           value=cfg.model.prediction_type)
     check_controls(cfg, info, variant)
+    check_start_images(cfg, info, variant)
     t = cfg.training
     slots = {p.slot for p in info.parts}
     for slot in PART_OF_SLOT:

@@ -69,6 +69,7 @@ def add_parsers(sub: Any) -> None:
                    help="Apply a kohya LoRA at a weight (default 1); repeatable.")
     s.add_argument("--prompt", help="The prompt (with --config: replaces its sampling.prompts).")
     s.add_argument("--negative", default="", help="Negative prompt.")
+    s.add_argument("--image", default="", help="Image-to-video models (Wan I2V): the start image of the video.")
     s.add_argument("--steps", type=int, default=None, help="Denoising steps (default: the model's own, e.g. 20 for SD, "
                    "28 for Flux.1 [dev]).")
     s.add_argument("--cfg", type=float, default=None, help="Guidance scale (default: the model's own, e.g. 7 for SD, "
