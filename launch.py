@@ -5,11 +5,14 @@
     python3 launch.py --tests    # install torch + the test extras, then run pytest
     python3 launch.py --demo-cli # install and train the offline demo preset from the command line
     python3 launch.py --doctor   # say what this machine has and what torch build it gets; installs nothing
+    python3 launch.py --help     # every flag (the launcher's and the UI's); installs nothing
 
 On Windows, double-click ``launch.bat`` (or run ``launch.bat --doctor`` in a terminal): it runs this file
 with the ``py`` launcher or ``python`` and keeps the window open when something fails.
 
 Every other argument goes to the web UI (``--listen``, ``--port``, ``--share``, ``--auth user:pass`` …).
+``--tests`` needs Chromium for the browser tests: it installs Debian's ``chromium`` with apt-get when it runs as
+root, and otherwise stops with one line saying what to install (the browser tests are never skipped).
 
 Why a bootstrap: torch must be installed *before* the project, in the build this machine can use, and
 PyPI's wheel is not always that build (on Windows PyPI has only the CPU build). So the launcher looks
@@ -441,15 +444,124 @@ def doctor() -> int:
     return subprocess.call([str(py), "-m", "trainer.host.doctor"], cwd=str(ROOT))
 
 
+# --- --help and the browser for the tests (stdlib only, nothing installed) ------------------------------
+
+LAUNCHER_FLAGS: Tuple[Tuple[str, str], ...] = (
+    ("-h, --help", "show this help and exit (installs nothing)"),
+    ("--tests [PYTEST ARGS]", "install torch, the test extras and (as root, with apt-get) Debian's chromium for\n"
+                              "                          the browser tests, then run pytest with the arguments that "
+                              "follow"),
+    ("--doctor", "say what this machine has and which torch build it gets; installs nothing"),
+    ("--demo-cli", "install, then train the offline demo preset in the terminal"),
+)
+# The web UI's own flags (webui/app.py's parse_args, which imports gradio: not installed before the first start).
+# tests/test_launch.py checks this list against that parser.
+UI_FLAGS: Tuple[Tuple[str, str], ...] = (
+    ("--workspace DIR", "folder for runs, queue and caches (default: $ATELIER_WORKSPACE or ./workspace)"),
+    ("--listen", "serve on 0.0.0.0 (all interfaces) instead of 127.0.0.1"),
+    ("--port N", "port to serve on (default 7860)"),
+    ("--share", "also open a public gradio.live link (needs --auth)"),
+    ("--share-without-auth-i-understand-anyone-with-the-link-can-run-code", "allow --share with no password"),
+    ("--auth USER:PASS", "require a login (repeat for several users)"),
+    ("--auth-file FILE", "a file of USER:PASS lines"),
+    ("--root-path PREFIX", "URL prefix when served behind a reverse proxy"),
+    ("--inbrowser", "open the page in the default browser"),
+    ("--browse-root FOLDER", "another folder the file browser may show (repeatable)"),
+)
+
+
+def help_text() -> str:
+    """``launch.py --help``: every flag, without installing or importing anything."""
+    def rows(flags: Sequence[Tuple[str, str]]) -> List[str]:
+        return [f"  {flag}\n      {text}" if len(flag) > 24 else f"  {flag:<24}{text}" for flag, text in flags]
+    return "\n".join([
+        "usage: python3 launch.py [--tests [PYTEST ARGS] | --doctor | --demo-cli] [UI FLAGS]", "",
+        "Atelier's launcher: makes .venv, installs torch (the build this machine can use) and the project the first",
+        "time, then starts the web UI on http://127.0.0.1:7860 (or runs the tests, or the demo in the terminal).", "",
+        "launcher flags:", *rows(LAUNCHER_FLAGS), "",
+        "UI flags (passed to the web UI; `python -m webui --help` in the venv describes them too):",
+        *rows(UI_FLAGS), "",
+        "environment: ATELIER_TORCH_INDEX_URL (a torch wheel index), ATELIER_VENV (the venv folder),",
+        "ATELIER_CHROMIUM (the Chromium the browser tests drive; default /usr/bin/chromium).",
+    ])
+
+
+CHROMIUM_DEFAULT = "/usr/bin/chromium"  # where Debian's package puts it; tests/test_webui_e2e.py reads the same
+
+
+_VALUED = ("-m", "-k", "-n", "-p", "-c", "-o", "--dist", "--numprocesses", "--durations", "--maxfail", "--rootdir")
+
+
+def selects_browser_tests(pytest_args: Sequence[str]) -> bool:
+    """Whether a pytest command line may run the browser tests: not when it deselects the slow tier
+    (``-m "not slow"``, where they are) or names only test files that are not theirs."""
+    paths, marks = [], []
+    args = iter(pytest_args)
+    for arg in args:
+        if arg in _VALUED:
+            value = next(args, "")
+            marks += [value] if arg == "-m" else []
+        elif arg.startswith("-m") and not arg.startswith("--"):
+            marks.append(arg[2:])
+        elif not arg.startswith("-"):
+            paths.append(arg)
+    if any(re.search(r"\bnot\s+slow\b", m) for m in marks):
+        return False
+    return not paths or any(Path(p.split("::")[0]).name in ("", "tests", "test_webui_e2e.py") for p in paths)
+
+
+def chromium_decision(found: bool, is_root: bool, has_apt: bool) -> str:
+    """``"ready"`` (found), ``"install"`` (root with apt-get: install Debian's chromium) or ``"missing"``."""
+    if found:
+        return "ready"
+    return "install" if is_root and has_apt else "missing"
+
+
+def chromium_missing_line(path: str) -> str:
+    return (f"The browser tests need Chromium, and {path} does not exist: install Debian's chromium "
+            "(sudo apt-get install chromium) or set ATELIER_CHROMIUM to a Chromium binary, then run "
+            "`python3 launch.py --tests` again.")
+
+
+def ensure_chromium(env: Mapping[str, str], runner=None, exists=os.path.exists, which=shutil.which,
+                    euid: Optional[int] = None) -> Optional[str]:
+    """Make the tests' Chromium present: None when it is (installed now with apt-get when missing and this
+    process is root), else the one line saying what to install. ``runner`` runs a command (``run``)."""
+    path = env.get("ATELIER_CHROMIUM") or CHROMIUM_DEFAULT
+    if euid is None:
+        euid = os.geteuid() if hasattr(os, "geteuid") else -1
+    decision = chromium_decision(exists(path), euid == 0, which("apt-get") is not None)
+    if decision == "ready":
+        return None
+    if decision == "missing" or env.get("ATELIER_CHROMIUM"):  # a binary the user named is theirs to install
+        return chromium_missing_line(path)
+    runner = runner or (lambda cmd: run(cmd, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive")))
+    print(f"Chromium for the browser tests is missing: installing Debian's chromium ({path}).", flush=True)
+    try:
+        runner(["apt-get", "update", "-qq"])
+        runner(["apt-get", "install", "-y", "-qq", "chromium"])
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"Installing chromium with apt-get failed ({exc}). " + chromium_missing_line(path)
+    return None if exists(path) else chromium_missing_line(path)
+
+
 def main(argv: list) -> int:
     if sys.version_info < (3, 10):
         raise SystemExit(f"Atelier needs Python 3.10 or newer; this is {platform.python_version()} "
                          f"({sys.executable}). Install a newer one from https://www.python.org/downloads/")
     os.chdir(ROOT)
+    if ("-h" in argv or "--help" in argv) and "--tests" not in argv:  # after --tests: pytest's own help
+        print(help_text())
+        return 0
     if "--doctor" in argv:
         return doctor()
     if "--tests" in argv:
         rest = [a for a in argv if a != "--tests"]
+        if selects_browser_tests(rest):
+            problem = ensure_chromium(os.environ)
+            if problem:
+                print(problem, file=sys.stderr, flush=True)
+                return 1
         if not any(a.startswith(("-n", "--numprocesses")) for a in rest):
             # three workers (pytest-xdist) on a 2-core machine: the browser tests and the several-process runs wait
             # more than they compute, and a third worker fills those waits (the whole suite here: 614 s with two,

@@ -17,8 +17,10 @@
 # sample's VAE decode counts in the peak, as in the presets' estimates. Per-case limit: CASE_TIMEOUT seconds.
 # Edit models (kontext-24gb, qwen-edit-2509-24gb; demo-pairs checks them on the tiny Kontext on any machine) train
 # on pairs: the four images with four control images of the same names, and sample by editing a control.
-# Wan cases (wan21-12gb, wan22-5b-24gb, wan22-a14b-24gb; demo-wan on any machine) train on four noise clips of
-# FRAMES frames (default 49) at the preset's size, 16 fps H.264.
+# Wan cases (wan21-12gb, wan21-24gb, wan21-14b-24gb, wan22-5b-24gb/-16gb/-12gb, wan22-a14b-24gb/-16gb/-12gb,
+# the image-to-video wan21-i2v-24gb and wan22-i2v-a14b-24gb; demo-wan and demo-wan-i2v on any machine) train on four
+# noise clips of FRAMES frames (default 49) at the preset's size, 16 fps H.264; an image-to-video case samples from a
+# noise image.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -146,6 +148,30 @@ run_case() {
     wan22-a14b-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # one expert (the high-noise one)
                      bench wan22-a14b-24gb wan22-t2v-a14b-lora-24gb 832 \
                        --set "model.path=$(configs wan22-t2v-a14b)" "${c[@]}" ;;
+    wan21-14b-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")  # Wan 2.1 T2V 14B
+                bench wan21-14b-24gb wan21-t2v-14b-lora-24gb 832 \
+                  --set "model.path=$(configs wan21-t2v-14b)" "${c[@]}" ;;
+    wan21-24gb) mapfile -t c < <(clips 832 480 "${FRAMES:-49}")
+                bench wan21-24gb wan21-t2v-lora-24gb 832 --set "model.path=$(configs wan21-t2v)" "${c[@]}" ;;
+    wan22-5b-16gb|wan22-5b-12gb) mapfile -t c < <(clips 1280 704 "${FRAMES:-49}")  # samples: the bench's own
+                   bench "$1" "wan22-ti2v-5b-lora-${1##*-}" 1280 \
+                     --set "model.path=$(configs wan22-ti2v-5b)" "${c[@]}" ;;
+    wan22-a14b-16gb) mapfile -t c < <(clips 640 368 "${FRAMES:-49}")
+                     bench wan22-a14b-16gb wan22-t2v-a14b-lora-16gb 640 \
+                       --set "model.path=$(configs wan22-t2v-a14b)" "${c[@]}" ;;
+    wan22-a14b-12gb) mapfile -t c < <(clips 480 272 "${FRAMES:-49}")
+                     bench wan22-a14b-12gb wan22-t2v-a14b-lora-12gb 480 \
+                       --set "model.path=$(configs wan22-t2v-a14b)" "${c[@]}" ;;
+    wan21-i2v-24gb|wan22-i2v-a14b-24gb)  # image-to-video: each clip's first frame is its condition
+              mapfile -t c < <(clips 832 480 "${FRAMES:-49}")
+              v=${1%-24gb}  # the variant: wan21-i2v or wan22-i2v-a14b
+              bench "$1" "$v-lora-24gb" 832 --set "model.path=$(configs "$v")" "${c[@]}" \
+                --set "sampling.prompts=[{prompt: a clip of sks, image: $(images 832)/0.png, width: 832, height: 480,
+                       steps: 4}]" ;;
+    demo-wan-i2v) mapfile -t c < <(clips 64 64 9)  # the tiny Wan 2.1 I2V on any machine
+              bench demo-wan-i2v demo-wan21-i2v 64 "${c[@]}" --set sampling.frames=5 \
+                --set "sampling.prompts=[{prompt: a clip of sks, image: $(images 64)/0.png, width: 64, height: 64,
+                       steps: 4}]" ;;
     demo-wan) mapfile -t c < <(clips 64 64 9)  # the tiny Wan on any machine: checks the clip cases
               bench demo-wan demo-wan 64 "${c[@]}" --set sampling.frames=5 ;;
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,66 @@ def test_dora_on_a_family_whose_lora_layout_cannot_hold_it_is_refused_by_validat
         load_config(preset=preset, overrides=["lora.type=dora"])
     assert err.value.key == "lora.type" and "fail at save" in str(err.value)
     load_config(preset=preset, overrides=["lora.type=dora", "training.method=finetune"])  # no adapter: no refusal
+
+
+def test_validate_names_every_mistake_of_a_config_in_one_run_each_field_once(tmp_path):
+    """Three different mistakes (an unknown key, a wrong type, a missing folder): three error lines, each naming
+    its field once, and a non-zero exit. Before, validate stopped at the first and named the folder's field twice."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: demo\ntraining:\n  learning_rat: 0.001\n  max_steps: lots\ndata:\n  concepts:\n"
+                   f"    - path: {tmp_path / 'no-such-folder'}\n", encoding="utf-8")
+    r = subprocess.run([sys.executable, "-m", "trainer", "validate", str(bad)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3, r.stdout
+    for line, key in zip(errors, ["training.learning_rat", "training.max_steps", "data.concepts.0.path"]):
+        assert len(re.findall(rf"{re.escape(key)}(?!\w)", line)) == 1, line
+    assert "Did you mean 'training.learning_rate'" in errors[0] and "'lots'" in errors[1]
+    assert "does not exist" in errors[2] and r.stdout.rstrip().endswith("config has errors")
+
+
+def test_load_config_raises_every_problem_and_one_problem_as_before():
+    """Composing and the rules each collect: the error carries every problem with its own key (a key inside a
+    list item by its full path); a single problem is raised as it always was."""
+    from trainer.errors import ConfigErrors, every_error
+    with pytest.raises(ConfigErrors) as err:
+        load_config(preset="demo", overrides=["training.epoch=3", "data.concepts.0.repeats=many", "lora.dropout=1.5",
+                                              "training.epochs=0", "sampling.prompts=[{prompt: x, width: 65}]"])
+    keys = [e.key for e in every_error(err.value)]
+    assert keys == ["training.epoch", "data.concepts.0.repeats", "training.epochs", "lora.dropout",
+                    "sampling.prompts.0.width"], keys
+    assert len(str(err.value).splitlines()) == 5
+    with pytest.raises(ConfigError) as one:
+        load_config(preset="demo", overrides=["training.epochs=0"])
+    assert type(one.value) is ConfigError and one.value.key == "training.epochs"
+    form = {"base": "demo", "training": {"learning_rat": 1, "batch_size": "two"}}
+    with pytest.raises(ConfigErrors) as err:
+        config_from_dict(form)
+    assert [e.key for e in every_error(err.value)] == ["training.learning_rat", "training.batch_size"]
+    assert form["training"] == {"learning_rat": 1, "batch_size": "two"}  # the caller's data is left as it was
+    # the page's Check settings (webui/context.py) asks check_config: every problem, warnings included, no config
+    from trainer.config.checks import check_config
+    form["data"] = {"concepts": [{"path": "/no/such/folder"}]}
+    form["lora"] = {"alpha": 64}
+    cfg, issues = check_config(data=form)
+    assert cfg is None
+    assert [i.key for i in issues if i.level == "error"] == ["training.learning_rat", "training.batch_size",
+                                                             "data.concepts.0.path"]
+    assert "lora.alpha" in [i.key for i in issues if i.level == "warning"]
+
+
+def test_resolution_shift_on_a_model_with_a_fixed_shift_is_named_as_ignored():
+    """loss.resolution_shift only changes the draw where the scheduler shifts by the image size
+    (use_dynamic_shifting: Flux.1 dev/Kontext, Chroma, Qwen-Image); elsewhere, or under a fixed loss.flow_shift,
+    the objective keeps its fixed shift (trainer.objectives.FlowMatchingObjective._shifted), and validate says so."""
+    def warned(preset, *overrides):
+        issues = cross_field_warnings(load_config(preset=preset, overrides=["loss.resolution_shift=true", *overrides]))
+        return [i.message for i in issues if i.key == "loss.resolution_shift"]
+    for preset in ("demo-sd3", "demo-zimage", "demo-flux2-klein"):
+        [line] = warned(preset)
+        assert "is ignored" in line and "fixed shift" in line and "\n" not in line, line
+    assert not warned("demo-flux") and not warned("demo-chroma") and not warned("demo-qwen-image")
+    [line] = warned("demo-flux", "loss.flow_shift=3")
+    assert "loss.flow_shift = 3" in line
+    assert not any(i.key == "loss.resolution_shift" for i in cross_field_warnings(load_config(preset="demo-sd3")))

@@ -280,7 +280,7 @@ def test_tagger_keeps_the_tags_above_the_threshold_best_first(models, tmp_path, 
 
 
 def test_caption_helpers():
-    from trainer.tools.caption import compose, pick_tags, tag_text
+    from trainer.tools.captioners.tags import compose, pick_tags, tag_text
     assert compose("a cat\non a mat", "sks", "photo") == "sks, a cat on a mat, photo"
     assert compose("a cat", "photo of sks,", ", 4k") == "photo of sks, a cat, 4k"
     assert compose("a cat", "sks:", ". Studio") == "sks: a cat. Studio"

@@ -601,3 +601,46 @@ def test_a_folder_cast_to_another_dtype_keeps_files_readable_for_other_users(tmp
         os.umask(mask)
     assert load_file(str(weights))["w"].dtype == torch.float16
     assert stat.S_IMODE(weights.stat().st_mode) == 0o644
+
+
+def test_sdxl_text_encoder_2_dora_in_a1111_format_is_exact_in_a1111s_attention_layout():
+    """A1111 runs SDXL's second text encoder as OpenCLIP: one nn.MultiheadAttention per layer (fused in_proj, out_proj).
+    Its Lora extension (v1.10, networks.py ``network_apply_weights``) finds q/k/v/out_proj by name, decomposes q, k and
+    v against their chunk of in_proj_weight and out_proj against out_proj.weight (network.py ``finalize_updown``:
+    ΔW·α/r, then ``apply_weight_decompose``, the input-axis norm). Restated here: every module is the weight peft
+    trained, out_proj included."""
+    import copy
+
+    from peft import LoraConfig
+    from peft.tuners.lora import LoraLayer
+    pipe = _tiny_sdxl()
+    te2 = pipe.text_encoder_2
+    te2.add_adapter(LoraConfig(r=4, lora_alpha=2, target_modules=TE_TARGETS, init_lora_weights="gaussian",
+                               use_dora=True))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in te2.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + ("magnitude" in name))
+    sd = kohya_lora_state_dict(None, None, te2, family="sdxl", dora_format="a1111")
+    base = {n: m.get_base_layer().weight.detach().clone() for n, m in te2.named_modules() if isinstance(m, LoraLayer)}
+    merged = copy.deepcopy(te2)
+    trained = {}
+    for name, module in merged.named_modules():
+        if isinstance(module, LoraLayer):
+            module.merge(adapter_names=["default"])
+            trained[name] = module.get_base_layer().weight.detach()
+
+    def updown(key, orig):
+        f = {"up": sd[f"{key}.lora_up.weight"], "down": sd[f"{key}.lora_down.weight"],
+             "alpha": float(sd[f"{key}.alpha"]), "dora_scale": sd[f"{key}.dora_scale"]}
+        return _a1111(orig, f) - orig
+
+    for i in range(len(te2.text_model.encoder.layers)):
+        path, key = f"text_model.encoder.layers.{i}.self_attn.", f"lora_te2_text_model_encoder_layers_{i}_self_attn_"
+        in_proj = torch.cat([base[path + p] for p in ("q_proj", "k_proj", "v_proj")])
+        chunks = in_proj.chunk(3, 0)
+        in_proj = in_proj + torch.vstack([updown(key + p, w) for p, w in zip(("q_proj", "k_proj", "v_proj"), chunks)])
+        out_proj = base[path + "out_proj"] + updown(key + "out_proj", base[path + "out_proj"])
+        for p, weight in zip(("q_proj", "k_proj", "v_proj", "out_proj"), (*in_proj.chunk(3, 0), out_proj)):
+            torch.testing.assert_close(weight, trained[path + p], atol=1e-6, rtol=1e-5, msg=path + p)

@@ -45,6 +45,8 @@ class Row:
     # (module, attribute, value) set for step 4's samples only: a pipeline's fixed working size that costs seconds on
     # the CPU and that the contract does not check
     sample_patches: Tuple[Tuple[str, str, object], ...] = ()
+    # image-to-video: samples start from an image (the first memorised image's control colour, as an edit's)
+    start_image: bool = False
 
 
 def edit_dimensions_at_64px(area: int, ratio: float):
@@ -125,6 +127,11 @@ ROWS = [
     Row("wan", "tiny-wan22-a14b", "demo-wan22-a14b", settings=("lora.unet_targets=all", "model.wan_expert=both"),
         single_file_settings=("model.config_path={diffusers}", "model.family=wan22-t2v-a14b"), controls=0,
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    # image-to-video: each image (a one-frame clip) is also its own first-frame condition; samples start from an image
+    Row("wan", "tiny-wan21-i2v", "demo-wan21-i2v", settings=("lora.unet_targets=attn_mlp",), start_image=True,
+        prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    Row("wan", "tiny-wan22-i2v-a14b", "demo-wan22-i2v-a14b", settings=("lora.unet_targets=all",), start_image=True,
+        prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),
@@ -196,6 +203,8 @@ def _sample(pipe, row: Row):
     control = Image.open(DEMO_DATA / f"{CONTROLS['00-red-square']}.png").convert("RGB")
     # one control image as itself; several as the list the reference pipelines take (the same image each time)
     image = {"image": control if row.controls == 1 else [control] * row.controls} if row.controls else {}
+    if row.start_image:
+        image = {"image": control}
     out = pipe("a red square on a white background", num_inference_steps=2, width=64, height=64,
                generator=torch.Generator().manual_seed(0), output_type="np", **image, **row.prompt_kwargs)
     return out.frames[0] if hasattr(out, "frames") else out.images[0]  # a video model: every frame

@@ -105,6 +105,48 @@ def test_cascade_fine_tune_is_comfyuis_stage_c_checkpoint(tiny, tmp_path):
     torch.testing.assert_close(loaded.text_encoder.text_projection.weight, model.text_encoder.text_projection.weight)
 
 
+def _comfy_detects_stage_c(state: dict) -> bool:
+    """ComfyUI's checkpoint and UNET loaders on a state dict (comfy/model_detection.py at Comfy-Org/ComfyUI a125cd84,
+    restated): ``unet_prefix_from_state_dict`` takes the prefix more than five keys start with ("model.diffusion_model."
+    first), and ``detect_unet_config`` calls a model with ``clf.1.weight`` and ``clip_txt_mapper.weight`` under it
+    Stable Cascade stage C (``Stable_Cascade_C``)."""
+    counts = {c: sum(k.startswith(c) for k in state) for c in ("model.diffusion_model.", "model.model.", "net.")}
+    top = max(counts, key=counts.get)
+    prefix = top if counts[top] > 5 else "model."
+    return f"{prefix}clf.1.weight" in state and f"{prefix}clip_txt_mapper.weight" in state
+
+
+def test_cascade_fine_tune_in_the_layout_each_tool_reads(tiny, tmp_path):
+    """diffusers' single-file converter cannot read ComfyUI's stage C checkpoint whole, so a fine-tune offers both:
+    output.format = diffusers writes a prior pipeline folder that StableCascadePriorPipeline and StableCascadeUNet
+    load with the trained weights; the single file is the checkpoint ComfyUI's loaders detect as stage C."""
+    from diffusers import StableCascadePriorPipeline, StableCascadeUNet
+    from safetensors.torch import load_file
+
+    from trainer.config.checks import load_config
+    from trainer.methods.finetune import FinetuneMethod
+    ws, paths, _ = tiny
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", "training.method=finetune", "output.format=diffusers"])
+    model = load_tiny_fp32(ws, paths["diffusers"])
+    method = FinetuneMethod(model, cfg)
+    with torch.no_grad():
+        next(model.prior.parameters()).add_(0.5)  # "fine-tuned"
+    folder = tmp_path / "result"
+    method.save(folder, "fp32", {})
+    assert method.result_suffix(cfg.output.format) == ""  # a folder, not a file
+    assert json.loads((folder / "model_index.json").read_text())["_class_name"] == "StableCascadePriorPipeline"
+    mine = model.prior.state_dict()
+    pipe = StableCascadePriorPipeline.from_pretrained(folder)
+    unet = StableCascadeUNet.from_pretrained(folder / "prior")
+    for k, v in mine.items():
+        torch.testing.assert_close(pipe.prior.state_dict()[k], v, msg=k)
+        torch.testing.assert_close(unet.state_dict()[k], v, msg=k)
+    torch.testing.assert_close(pipe.text_encoder.text_projection.weight, model.text_encoder.text_projection.weight)
+    single = tmp_path / "stage_c.safetensors"
+    method.save(single, "fp32", {})
+    assert _comfy_detects_stage_c(load_file(str(single)))
+
+
 def test_decoders_given_as_the_model_are_refused_naming_the_fix(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -125,21 +125,52 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(wan, tmp_path):
         torch.testing.assert_close(theirs.state_dict()[k], v, msg=k)
 
 
-def test_wan_models_not_trained_yet_are_refused_by_name():
+def test_detection_tells_the_wan_models_apart_and_refuses_those_not_trained_by_name():
     from trainer.families import Evidence
     from trainer.families.wan.detect import claim
     base = {"head.modulation": (1, 2, 32), "blocks.0.self_attn.q.weight": (32, 32)}
-    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 16, 1, 2, 2)})) \
-        == "wan21-t2v"
-    with pytest.raises(ValueError, match="image-to-video"):
-        claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
-                                                   "img_emb.proj.1.weight": (32, 1280)}))
-    assert claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, 48, 1, 2, 2)})) \
-        == "wan22-ti2v-5b"
+
+    def file(channels, **more):
+        return claim(Evidence("single_file", "x", shapes={**base, "patch_embedding.weight": (32, channels, 1, 2, 2),
+                                                          **more}))
+    assert file(16) == "wan21-t2v" and file(48) == "wan22-ti2v-5b"
+    # image-to-video: 36 channels (noise ‖ mask ‖ first frame); CLIP features: Wan 2.1 I2V, none: a 2.2 I2V expert
+    assert file(36, **{"img_emb.proj.1.weight": (32, 1280)}) == "wan21-i2v"
+    assert file(36) == "wan22-i2v-a14b"
+    comfy = {"model.diffusion_model." + k: v for k, v in {**base, "patch_embedding.weight": (32, 36, 1, 2, 2),
+                                                          "img_emb.proj.1.weight": (32, 1280)}.items()}
+    assert claim(Evidence("single_file", "x", shapes=comfy)) == "wan21-i2v"  # ComfyUI's repackaged layout
+    with pytest.raises(ValueError, match="first-last-frame"):
+        file(36, **{"img_emb.proj.1.weight": (32, 1280), "img_emb.emb_pos": (1, 514, 1280)})
+    with pytest.raises(ValueError, match="VACE"):
+        file(16, **{"vace_blocks.0.before_proj.weight": (32, 32)})
     assert claim(Evidence("single_file", "x", shapes={"blocks.0.self_attn.q.weight": (32, 32)})) is None
 
+    def folder(index, transformer=None):
+        return claim(Evidence("hub", "x", read_json=lambda rel: {"model_index.json": index,
+                                                                  "transformer/config.json": transformer}.get(rel)))
+    i2v = {"_class_name": "WanImageToVideoPipeline"}
+    # a hub repo whose configs cannot be read now: told by its index (the folder check runs at load)
+    assert folder(dict(i2v, image_encoder=["transformers", "CLIPVisionModel"])) == "wan21-i2v"
+    assert folder(dict(i2v, image_encoder=[None, None], boundary_ratio=0.9)) == "wan22-i2v-a14b"
+    assert folder(dict(i2v, boundary_ratio=0.9), {"in_channels": 36, "image_dim": None}) == "wan22-i2v-a14b"
+    assert folder(i2v, {"in_channels": 36, "image_dim": 1280}) == "wan21-i2v"
+    with pytest.raises(ValueError, match="first-last-frame"):
+        folder(i2v, {"in_channels": 36, "image_dim": 1280, "pos_embed_seq_len": 514})
+    with pytest.raises(ValueError, match="WanVACEPipeline"):
+        folder({"_class_name": "WanVACEPipeline"})
 
-@pytest.mark.slow
+
+def test_validate_wants_a_start_image_for_each_sample_of_an_i2v_model():
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError, match="start image required") as err:
+        load_config(None, ["model.path=builtin:tiny-wan21-i2v", "sampling.prompts=[{prompt: a clip}]"])
+    assert err.value.key == "sampling.prompts.0.image" and "\n" not in str(err.value)
+    load_config(None, ["model.path=builtin:tiny-wan22-i2v-a14b", "sampling.prompts=[{prompt: a clip, image: x.png}]"])
+    load_config(None, ["model.path=builtin:tiny-wan21", "sampling.prompts=[{prompt: a clip}]"])
+
+
 def test_a_run_samples_short_videos_as_mp4_with_a_png_of_the_first_frame(wan, tmp_path):
     import json
 
@@ -353,3 +384,130 @@ def test_a_folder_of_clips_trains_wan_on_5_frame_windows(told, wan, tmp_path, mo
     losses = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     assert (run / f"{run.name}.safetensors").is_file()
+
+
+# --- image-to-video ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def i2v(wan):
+    from trainer.families import build_tiny
+    ws, _ = wan
+    return ws, {k: build_tiny(k, ws / "models") for k in ("tiny-wan21-i2v", "tiny-wan22-i2v-a14b")}
+
+
+@pytest.mark.parametrize("which", ["tiny-wan21-i2v", "tiny-wan22-i2v-a14b"])
+def test_i2v_predict_hands_the_transformer_what_the_pipeline_builds_from_a_start_image(which, i2v):
+    """WanImageToVideoPipeline's first call at 64×96 px × 9 frames from a start image against model_input + predict
+    on the same noisy latents, σ, caption and start frame (as a training window's first frame): the 36 channels
+    noise ‖ mask ‖ first-frame latents, the CLIP features of Wan 2.1 (none for 2.2), the same output."""
+    import numpy as np
+    from PIL import Image
+    ws, paths = i2v
+    model = load_tiny(ws, paths[which]["diffusers"], *(("model.wan_expert=high",) if "a14b" in which else ()))
+    assert model.family == ("wan21-i2v" if which == "tiny-wan21-i2v" else "wan22-i2v-a14b")
+    pipe = model.pipeline(None)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    seen = {}
+
+    def first_call(module, args, kwargs, output):
+        if "kw" not in seen:
+            seen.update(kw=kwargs, o=output[0])
+
+    handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe("a red square", image=image, num_inference_steps=2, height=64, width=96, num_frames=9,
+                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
+    finally:
+        handle.remove()
+    theirs = seen["kw"]
+    x = theirs["hidden_states"]
+    assert tuple(x.shape) == (1, 36, 3, 8, 12)
+    # the start frame as a training window's first frame: pixels in [-1, 1], the other frames anything
+    frame = torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1.0
+    window = torch.rand(1, 3, 9, 64, 96) * 2 - 1
+    window[:, :, 0] = frame
+    batch = {"captions": ["a red square"], "first_frame": model.encode_first_frames(window)}
+    ours_x = model.model_input(x[:, :16], batch)
+    torch.testing.assert_close(ours_x, x)
+    sigma = theirs["timestep"].float() / 1000.0
+    cond = model.batch_condition(batch, lambda c: c, set())
+    ours = transformer_inputs(model, ours_x, sigma, cond)
+    if which == "tiny-wan21-i2v":
+        torch.testing.assert_close(ours["encoder_hidden_states_image"], theirs["encoder_hidden_states_image"])
+    else:
+        assert theirs["encoder_hidden_states_image"] is None and "encoder_hidden_states_image" not in ours
+    torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.predict(ours_x, sigma, cond), seen["o"])
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_each_window_brings_its_own_first_frame_cached_beside_its_latents(tmp_path, cached):
+    """An image-to-video model's condition comes from each training window's first frame (rendered as the window is):
+    batches carry ``first_frame_fn``'s output for it; with cached latents it sits in entries of its own, keyed like
+    the latents (another settings key), filled once and reused."""
+    from test_data_clips import WAN, FakeWanVae, _cfg, frame_number, make_clip
+
+    from trainer.data.pipeline import DataPipeline
+    folder = tmp_path / "c"
+    for name in ("a", "b"):
+        make_clip(folder / f"{name}.mp4", 27, fps=16)
+    calls = []
+
+    def first_frame_fn(pixels):
+        calls.append(tuple(pixels.shape))
+        return {"latents": pixels[:, :, 0, :8, :8].float().clone()}
+
+    cfg = _cfg(tmp_path, {"path": str(folder), "target_frames": "9", "frame_extraction": "chunk"}, batch_size=2,
+               cache_latents=cached)
+    pipe = DataPipeline(cfg, warn=lambda m: None, video=WAN)
+    summary = pipe.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32", first_frame_fn=first_frame_fn)
+    seen = {}
+    for plan in pipe.epoch_batches(0):
+        batch = pipe.batch(plan, 0)
+        for row, index in enumerate(plan.indices):
+            item = pipe.items[index]
+            seen[(item.path.name, item.window.start)] = frame_number(
+                ((batch["first_frame"]["latents"][row, :, 4, 4] + 1) * 127.5).round().tolist())
+    assert seen == {(n, s): s for n in ("a.mp4", "b.mp4") for s in (0, 9, 18)}
+    assert all(shape[2] == 9 for shape in calls)  # the whole window: its frame count sets the condition's length
+    if cached:
+        assert summary["first_frames_encoded"] == 3  # the two clips have the same bytes: one entry per window
+        item = pipe.items[0]
+        entry = pipe._entry(item, (64, 64), pipe.variant_params(item, 0))
+        assert pipe.cache.entry_path(item, *entry) != pipe.first_frame_cache.entry_path(item, *entry)
+        assert pipe.first_frame_cache.entry_path(item, *entry).is_file()
+        again = DataPipeline(cfg, warn=lambda m: None, video=WAN)
+        assert again.prepare(FakeWanVae(), fingerprint="wan-test", vae_dtype="fp32",
+                             first_frame_fn=first_frame_fn)["first_frames_encoded"] == 0
+
+
+@pytest.mark.slow
+def test_an_i2v_run_samples_videos_that_start_from_the_prompts_image(i2v, tmp_path, capsys):
+    """A run of the I2V demo draws its sample from the prompt's start image (an MP4 beside the PNG of its first
+    frame); the sample tool wants --image for such a model, in one line."""
+    import json
+
+    from conftest import DEMO_DATA, train_quiet
+    from trainer.__main__ import main
+    ws, _ = i2v
+    run = train_quiet(ws, "wan-i2v-sample", "demo-wan21-i2v", "training.max_steps=1", "sampling.every_n_epochs=0",
+                      "sampling.frames=5", f"data.concepts=[{{path: {DEMO_DATA}}}]",
+                      f"sampling.prompts=[{{prompt: a red square, image: {DEMO_DATA / '00-red-square.png'}, "
+                      "steps: 1, width: 64, height: 64}]")
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    videos = [v for e in events if e["type"] == "sample" for v in e.get("videos", [])]
+    assert videos and all(v.endswith(".mp4") and (run / "samples" / v.split("/")[-1]).is_file() for v in videos)
+    # the image key/value of the cross-attention train too (k_img/v_img), and diffusers' loader maps them
+    from safetensors import safe_open
+    with safe_open(str(run / f"{run.name}.safetensors"), framework="pt") as fh:
+        assert "diffusion_model.blocks.0.cross_attn.k_img.lora_A.weight" in set(fh.keys())
+    pipe = load_tiny(ws, "builtin:tiny-wan21-i2v").pipeline(None)
+    pipe.load_lora_weights(str(run / f"{run.name}.safetensors"))
+    assert hasattr(pipe.transformer.blocks[0].attn2.add_k_proj, "lora_A")
+    capsys.readouterr()
+    assert main(["sample", "builtin:tiny-wan21-i2v", "--prompt", "a red square", "--steps", "1", "--width", "32",
+                 "--height", "32", "--out", str(tmp_path / "out"), "--workspace", str(ws)]) != 0
+    err = capsys.readouterr().err
+    assert "--image: start image required" in err and len(err.strip().splitlines()) == 1

@@ -316,3 +316,96 @@ def test_launch_bat():
     assert 'cd /d "%~dp0"' in text
     assert "py -3 launch.py %*" in text and "python launch.py %*" in text
     assert "pause" in text and "python.org" in text
+
+
+# --- --help and the tests' browser -------------------------------------------------------------------------
+
+def _ui_flags_of_the_web_ui() -> set:
+    """The flags webui/app.py's parse_args declares, read from its source (importing it needs gradio)."""
+    import ast
+    tree = ast.parse((ROOT / "webui" / "app.py").read_text(encoding="utf-8"))
+    consts = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+              and isinstance(node.value, ast.Constant) for t in node.targets if isinstance(t, ast.Name)}
+    [parse] = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "parse_args"]
+    flags = set()
+    for call in ast.walk(parse):
+        if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "add_argument":
+            first = call.args[0]
+            flags.add(first.value if isinstance(first, ast.Constant) else consts[first.id])
+    return flags
+
+
+def test_help_lists_every_flag_and_installs_nothing(tmp_path):
+    ui = _ui_flags_of_the_web_ui()
+    assert {flag.split()[0] for flag, _ in launch.UI_FLAGS} == ui and "--port" in ui
+    venv_dir = tmp_path / "venv"
+    env = dict(os.environ, ATELIER_VENV=str(venv_dir), PATH=str(tmp_path))  # no pip, no nvidia-smi to reach
+    r = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--help"], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    for flag in ["--tests", "--doctor", "--demo-cli", "--help", *ui]:
+        assert flag in r.stdout, flag
+    assert "python -m webui --help" in r.stdout and not venv_dir.exists()
+
+
+def test_browser_tests_are_selected_unless_deselected():
+    sel = launch.selects_browser_tests
+    assert sel([]) and sel(["-x"]) and sel(["tests"]) and sel(["tests/test_webui_e2e.py::test_x"])
+    assert sel(["-m", "slow"]) and sel(["-k", "not_slow_thing"]) and sel(["-n", "2", "tests/"])
+    assert not sel(["-m", "not slow"]) and not sel(["-mnot slow"]) and not sel(["tests/test_config.py"])
+    assert not sel(["-m", "not slow and not gpu", "tests"])
+
+
+def test_chromium_is_installed_with_apt_as_root_and_named_otherwise():
+    assert launch.chromium_decision(True, False, False) == "ready"
+    assert launch.chromium_decision(False, True, True) == "install"
+    assert launch.chromium_decision(False, False, True) == launch.chromium_decision(False, True, False) == "missing"
+    installed, calls = set(), []
+
+    def apt(cmd):
+        calls.append(cmd)
+        if "install" in cmd:
+            installed.add(launch.CHROMIUM_DEFAULT)
+    apt_get = lambda name: "/usr/bin/apt-get" if name == "apt-get" else None  # noqa: E731
+    got = launch.ensure_chromium({}, runner=apt, exists=installed.__contains__, which=apt_get, euid=0)
+    assert got is None and calls[0][:2] == ["apt-get", "update"] and calls[1][:2] == ["apt-get", "install"]
+    assert "chromium" in calls[1]
+    calls.clear()
+    assert launch.ensure_chromium({}, runner=apt, exists=installed.__contains__, which=apt_get, euid=0) is None
+    assert not calls  # present: nothing to do
+    for kwargs in ({"euid": 1000, "which": apt_get}, {"euid": 0, "which": lambda name: None}):
+        line = launch.ensure_chromium({}, runner=apt, exists=lambda p: False, **kwargs)
+        assert "apt-get install chromium" in line and "ATELIER_CHROMIUM" in line and "\n" not in line
+    assert not calls
+    line = launch.ensure_chromium({"ATELIER_CHROMIUM": "/opt/chrome"}, runner=apt, exists=lambda p: False,
+                                  which=apt_get, euid=0)
+    assert "/opt/chrome does not exist" in line and not calls  # a binary the user named is not apt's
+
+    def failing(cmd):
+        raise subprocess.CalledProcessError(100, cmd)
+    line = launch.ensure_chromium({}, runner=failing, exists=lambda p: False, which=apt_get, euid=0)
+    assert line.startswith("Installing chromium with apt-get failed") and "\n" not in line
+
+
+def test_tests_without_chromium_stop_before_installing_anything(monkeypatch, capsys):
+    def boom(*a, **k):
+        raise AssertionError("installed")
+    monkeypatch.chdir(ROOT)  # main changes to the project folder; put it back afterwards
+    monkeypatch.setattr(launch, "install", boom)
+    monkeypatch.setattr(launch, "ensure_chromium", lambda env: "install chromium")
+    assert launch.main(["--tests"]) == 1 and "install chromium" in capsys.readouterr().err
+    assert launch.main(["--help"]) == 0 and "--demo-cli" in capsys.readouterr().out
+
+
+# --- the README -------------------------------------------------------------------------------------------
+
+def test_readme_names_the_two_commands_and_its_model_table_is_the_registrys():
+    """The README's set-up and test commands are the launcher's, and its table of models, methods and memory tiers
+    is what tools/family_table.py makes from the registry and the presets (run it with --write after adding one)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "```\npython3 launch.py\n```" in readme and "```\npython3 launch.py --tests\n```" in readme
+    spec = importlib.util.spec_from_file_location("family_table", ROOT / "tools" / "family_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.with_table(readme) == readme, "README.md's model table is stale: python3 tools/family_table.py --write"
+    assert "| SDXL (and Pony" in readme and "8 GB, 12 GB, 16 GB" in readme

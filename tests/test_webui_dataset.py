@@ -143,6 +143,20 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
                                    ".innerText.includes('control 1: cat_01.jpg')", timeout=30000)
             assert "image: cat_01.png" in page.locator("#cap-pair").first.inner_text()
             page.screenshot(path=str(tmp_path / "pairs-captions.png"), full_page=True)
+
+            # a WD tagger run from the dataset tools adds its tags to the captions; they open in the caption editor
+            from tiny_wd import write_tiny_wd_onnx
+            tagger = write_tiny_wd_onnx(ctx.workspace / "tagger")
+            page.get_by_text("Dataset tools: captions and masks", exact=True).click()
+            page.locator("#tools-data-folder textarea, #tools-data-folder input").first.fill(str(root / "targets"))
+            page.locator("#tools-data-model textarea, #tools-data-model input").first.fill(str(tagger))
+            page.locator("#tools-data-append input").check()
+            page.locator("#tools-data-run").click()
+            page.wait_for_function("document.querySelector('#tools-data-msg').innerText.includes('Done')",
+                                   timeout=60000)
+            page.wait_for_function("(document.querySelector('#cap-gallery') || {innerText: ''})"
+                                   ".innerText.includes('make it blue, 1girl, long hair')", timeout=30000)
+            assert (root / "targets" / "cat_02.txt").read_text().startswith("make it blue, 1girl, long hair, ")
         except Exception:
             page.screenshot(path=str(tmp_path / "pairs-failure.png"), full_page=True)
             raise

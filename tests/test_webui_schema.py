@@ -215,6 +215,23 @@ def test_bad_table_cell_names_row_and_column(app):
     assert "data.concepts.0.repeats" in message and "not a number" in message
 
 
+def test_check_settings_names_every_problem_at_once(app):
+    """A cell the form cannot read, a value out of range, a missing folder and a warning: Check settings names each
+    (it stopped at the first), the cell's field once."""
+    values = set_value(app, form_values(app, load_config(preset="demo", overrides=["lora.alpha=64"])),
+                       "training.batch_size", 0)
+    idx = [s.key for s in app.form.specs].index("data.concepts")
+    columns = [c.key for c in app.form.specs[idx].items]
+    table = [list(r) for r in values[idx]]
+    table[0][columns.index("repeats")] = "lots"
+    table[0][columns.index("path")] = "/no/such/folder"
+    values[idx] = table
+    message = app.handlers["validate"](*values)[-1]
+    for key in ("data.concepts.0.repeats", "training.batch_size", "data.concepts.0.path", "lora.alpha"):
+        assert f"`{key}`" in message, (key, message)
+    assert message.count("`data.concepts.0.repeats`") == 1 and "does not exist" in message
+
+
 def test_unknown_key_in_a_loaded_yaml_is_named_and_the_form_kept(app, tmp_path):
     bad = app.workspace / "bad.yaml"
     bad.write_text("training:\n  learning_rat: 0.1\n")

@@ -19,12 +19,12 @@ from typing import List, Optional
 
 from omegaconf import OmegaConf
 
-from trainer.config.checks import cross_field_warnings, load_config
+from trainer.config.checks import check_config, cross_field_warnings, issue_line, load_config
 from trainer.config.fields import all_keys, field_info
 from trainer.config.load import preset_names, resolve_preset
 from trainer.config.paths import outside
 from trainer.data.report import print_report
-from trainer.errors import ConfigError, Issue
+from trainer.errors import ConfigError, Issue, every_error
 from trainer.events import EventWriter, read_events, run_state
 from trainer.host.devices import enable_mps_fallback
 from trainer.host.paths import Confinement, confine
@@ -212,15 +212,15 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
     if args.command in TOOL_COMMANDS:
         return run_tool(args)
 
+    if args.command == "validate":
+        return _validate(args)
     try:
         if getattr(args, "num_processes", None):
             args.overrides.append(f"general.num_processes={args.num_processes}")
         cfg = _load(args)
     except ConfigError as exc:
-        if args.command == "validate" and args.json:
-            print(json.dumps({"errors": [{"key": exc.key, "message": str(exc)}], "warnings": []}))
-        else:
-            print(f"Config error: {exc}", file=sys.stderr)
+        for error in every_error(exc):
+            print(f"Config error: {error}", file=sys.stderr)
         return 2 if args.command == "train" else 1
     if args.command == "data-report":
         return print_report(cfg, as_json=args.json)
@@ -234,24 +234,6 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
             issues.insert(0, Issue("general.run_name", f"the run folder '{args.run_dir}' is outside the folders this "
                                    f"run may write ({confinement.describe(True)}).", "error"))
     errors = [i for i in issues if i.level == "error"]
-    if args.command == "validate" and not errors and class_check_needed(cfg):
-        from trainer.optim.schedule import check_classes  # torch: only for a config naming classes or their args
-        try:
-            check_classes(cfg)
-        except ConfigError as exc:
-            issues.append(Issue(exc.key or "", str(exc), "error"))
-            errors = [i for i in issues if i.level == "error"]
-    if args.command == "validate":
-        if args.json:
-            print(json.dumps({"errors": [i.__dict__ for i in errors],
-                              "warnings": [i.__dict__ for i in issues if i.level != "error"]}))
-        else:
-            for i in issues:
-                print(f"{i.level}: {i.key}: {i.message}")
-            print(_effective_batch(cfg))
-            print("config is valid" if not errors else "config has errors")
-        return 1 if errors else 0
-
     if args.command == "cache":
         OmegaConf.update(cfg, "data.only_cache", True)
         if not args.run_dir:
@@ -293,6 +275,39 @@ def main(argv: Optional[List[str]] = None, fresh_process: bool = False) -> int:
         finally:
             release(run_dir)
     return _train_locked(args, argv, cfg, issues, run_dir, rank, fresh_process)
+
+
+def _validate(args) -> int:
+    """``validate``: every problem of the config in one run (unknown keys, types, values, rules, files), one line
+    each naming its field once; exit status 1 when any is an error."""
+    if not args.config and not args.preset:
+        raise SystemExit("error: give a config file or --preset NAME (see 'python -m trainer presets').")
+    try:
+        cfg, issues = check_config(args.config, args.overrides, preset=args.preset)
+    except ConfigError as exc:  # the file cannot be read at all
+        issues, cfg = [Issue(e.key or "", str(e), "error") for e in every_error(exc)], None
+    if cfg is not None and args.allowed_root:  # from the page: nothing outside its folders
+        confinement = Confinement(args.allowed_root, args.read_only_root)
+        confine(confinement)
+        issues = outside(cfg, Path.cwd(), confinement) + issues
+    errors = [i for i in issues if i.level == "error"]
+    if cfg is not None and not errors and class_check_needed(cfg):
+        from trainer.optim.schedule import check_classes  # torch: only for a config naming classes or their args
+        try:
+            check_classes(cfg)
+        except ConfigError as exc:
+            issues.append(Issue(exc.key or "", str(exc), "error"))
+            errors = [i for i in issues if i.level == "error"]
+    if args.json:
+        print(json.dumps({"errors": [i.__dict__ for i in errors],
+                          "warnings": [i.__dict__ for i in issues if i.level != "error"]}))
+        return 1 if errors else 0
+    for i in sorted(issues, key=lambda i: i.level != "error"):  # the errors first
+        print(issue_line(i))
+    if cfg is not None:
+        print(_effective_batch(cfg))
+    print("config is valid" if not errors else "config has errors")
+    return 1 if errors else 0
 
 
 def _restartable(run_dir: Path) -> bool:

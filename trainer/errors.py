@@ -8,7 +8,7 @@ events show each the same way: the message says what is wrong and what to do; ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, List, Sequence
 
 
 class ConfigError(ValueError):
@@ -18,6 +18,29 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.key = key
         self.value = value
+
+
+class ConfigErrors(ConfigError):
+    """Several config problems found in one pass (validate reports them all at once): ``errors`` holds each with
+    its own key; the message is theirs, one a line; ``key`` is the first one's."""
+
+    def __init__(self, errors: Sequence[ConfigError]):
+        self.errors: List[ConfigError] = list(errors)
+        first = self.errors[0]
+        super().__init__("\n".join(str(e) for e in self.errors), key=first.key, value=first.value)
+
+
+def every_error(exc: ConfigError) -> List[ConfigError]:
+    """The single problems a ConfigError carries: its ``errors`` for :class:`ConfigErrors`, else itself."""
+    return list(getattr(exc, "errors", None) or [exc])
+
+
+def raise_all(errors: Sequence[ConfigError]) -> None:
+    """Raise what was collected: nothing for none, one error as itself, several as :class:`ConfigErrors`."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
 
 
 @dataclass
@@ -44,4 +67,5 @@ class TrainingError(RuntimeError):
     """A failure during training with a message a user can act on."""
 
 
-__all__ = ["ConfigError", "DataError", "Issue", "ModelLoadError", "TrainingError"]
+__all__ = ["ConfigError", "ConfigErrors", "DataError", "Issue", "ModelLoadError", "TrainingError", "every_error",
+           "raise_all"]

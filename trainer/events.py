@@ -68,14 +68,15 @@ class EventWriter:
         if self.enabled:
             data = (json.dumps(event, default=_default) + "\n").encode("utf-8")
             try:
-                self._append(data, sync=type in DURABLE)
+                end = self._append(data, sync=type in DURABLE)
             except OSError:
                 if not self.reserve.exists():
                     raise
                 self.reserve.unlink()  # a full disk: free the room the run's last events need
                 if type not in ("error", *TERMINAL):
                     raise  # the run ends on this error; its error and failed events go into the freed room
-                self._append(data, sync=True)
+                end = self._append(data, sync=True)
+            self.written(data, end, type)
             if type in TERMINAL:
                 try:
                     self.reserve.unlink()
@@ -83,8 +84,11 @@ class EventWriter:
                     pass
         return event
 
-    def _append(self, data: bytes, sync: bool = True) -> None:
-        """One whole line or nothing; flushed to the disk when ``sync``."""
+    def written(self, data: bytes, end: int, type: str) -> None:
+        """Called with each line once it is in the file at offset ``end`` (a subclass keeps a summary)."""
+
+    def _append(self, data: bytes, sync: bool = True) -> int:
+        """One whole line or nothing, flushed to the disk when ``sync``; returns where it begins."""
         if True:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -103,6 +107,7 @@ class EventWriter:
                     raise
             finally:
                 os.close(fd)
+            return end
 
 
 def repair_torn_tail(path: str | os.PathLike) -> bool:

@@ -5,7 +5,7 @@ component tree for each one; a CDP profile of the idle Queue tab spent most of i
 so a ``gr.Timer`` ticking every 1-5 s kept an idle page at 5-10 % of a core. Instead, a few lines of the page's
 first script (:data:`WATCH_SCRIPT`) ask ``<page>/atelier/changes`` — a plain request, no Gradio event — what the
 shown tab would display now, as one short signature, and click the tab's hidden refresh button only when it
-differs from the last one. The signature is computed by the same code that renders the tab (``render`` of
+differs from the last one. The signature is computed by the same code that renders the tab (``parts`` of
 ``webui.tabs.run``, the queue's table), so nothing that would change the page is missed: a new step, sample or
 log line, a run that ended or died, another run started from the CLI, a job queued in another browser.
 

@@ -13,12 +13,12 @@ from typing import Any, List, Optional, Sequence
 import gradio as gr
 from omegaconf import OmegaConf
 
-from trainer.config.checks import config_from_dict, cross_field_warnings
+from trainer.config.checks import check_config, config_from_dict
 from trainer.config.load import PRESETS_DIR, to_yaml
 from trainer.config.paths import outside
 from trainer.config.preflight import looks_like_hub_id
 from trainer.config.schema import GeneralConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, every_error
 from trainer.host.paths import path_name
 from webui import runner
 from webui.filebrowser import FileBrowser, Roots
@@ -70,18 +70,16 @@ class AppContext:
         assert self.form is not None
         data, errors = self.form.collect(values)
         result = Checked(data=data, issues=list(errors))
-        if errors:
+        try:  # every problem at once: the fields the form could not read, then the config's own (keys, rules, files)
+            cfg, issues = check_config(data=data)
+        except ConfigError as exc:  # a preset that cannot be read
+            result.issues += [FieldError(e.key or "", str(e)) for e in every_error(exc)]
             return result
-        try:
-            cfg = config_from_dict(data)
-        except ConfigError as exc:
-            result.issues.append(FieldError(exc.key or "", str(exc)))
-            return result
-        result.cfg = cfg
-        issues = cross_field_warnings(cfg)
-        if self.manager.confinement is not None:  # the trainer refuses them too (--allowed-root)
+        result.cfg = None if errors else cfg
+        if result.cfg is not None and self.manager.confinement is not None:  # the trainer refuses them too
             issues = outside(self.as_run(cfg), runner.REPO_ROOT, self.manager.confinement) + issues
-        result.issues += [FieldError(i.key, i.message, i.level) for i in issues]
+        named = {e.key for e in errors}  # a field the form could not read is named once, by the form
+        result.issues += [FieldError(i.key, i.message, i.level) for i in issues if i.key not in named]
         return result
 
     def allowed_path(self, text: str, what: str) -> tuple[str, str]:

@@ -1,27 +1,34 @@
 """What a run folder says about its run: state, progress, curves, samples, problems.
 
-Reads ``events.jsonl`` incrementally (one :class:`trainer.events.EventTail` per run, shared by all
-browser sessions), the samples folder, the logs and the runner's ``launch.json``/``exit.json``.
+Reads ``events.jsonl`` incrementally (one :class:`trainer.run_summary.RunTail` per run, shared by all browser sessions)
+into running aggregates and bounded curves, never a list of every event: a request costs what changed since the
+last one, and a run costs kilobytes however long it is. Also reads the samples folder (listed again only when its
+mtime moves), the logs and the runner's ``launch.json``/``exit.json``.
 A trainer that vanished without a ``failed`` event is explained in plain words, with advice when
 it looks like the machine ran out of memory. Imports neither Gradio nor torch.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from trainer.events import TERMINAL, EventTail
+from trainer.events import TERMINAL
+from trainer.run_summary import RunFold, RunTail
 from webui import runner
 
 # step<STEP>-p<PROMPT>[-ema][-<N>].png: -ema for the EMA weights' sample, -N for a second one at the same step
 SAMPLE_RE = re.compile(r"step(\d+)-p(\d+)(-ema)?(?:-(\d+))?\.(png|jpg|jpeg|webp|mp4|webm)$", re.I)
 VIDEO_SUFFIXES = (".mp4", ".webm")  # a video family's sample: the page's galleries play it
+#: a run read this far past its summary (one from before summaries) gets a new one, so it is read once, not per UI
+SAVE_SUMMARY_BYTES = 4 << 20
 OOM_MARKERS = ("out of memory", "outofmemoryerror", "can't allocate memory", "cannot allocate memory",
                "memoryerror", "oom-kill", "killed process")
 OOM_ADVICE = ("To use less memory: lower the batch size (training.batch_size), turn on gradient "
@@ -45,7 +52,9 @@ class Sample:
 
 @dataclass
 class RunView:
-    """Everything the Run and Runs tabs show about one run."""
+    """Everything the Run and Runs tabs show about one run. The curves are a bounded digest of the run's
+    (:class:`trainer.run_summary.Series`): every point of a short run, first, last, lowest and highest point per
+    bucket of a long one."""
     name: str
     path: Path
     state: str = "new"            # new|starting|running|stopping|finished|stopped|failed|died
@@ -61,12 +70,17 @@ class RunView:
     message: str = ""             # end message, error message or death explanation
     traceback: str = ""
     advice: str = ""
-    warnings: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)  # the last ones (WARNINGS_KEPT each side of "started")
+    warning_count: int = 0        # all of this launch's warnings
     backups: List[str] = field(default_factory=list)
     outputs: List[str] = field(default_factory=list)
     loss_points: List[tuple] = field(default_factory=list)   # (step, loss)
+    smooth_points: List[tuple] = field(default_factory=list)  # (step, smoothed loss)
     lr_points: List[tuple] = field(default_factory=list)     # (step, group, lr)
+    loss_count: int = 0           # step events with a loss, all segments
+    lr_count: int = 0
     samples: List[Sample] = field(default_factory=list)
+    samples_key: tuple = ()       # changes when the samples folder does
     version: int = 0              # grows whenever new events arrived
 
     @property
@@ -78,99 +92,144 @@ class RunView:
         return min(1.0, self.step / self.total_steps) if self.total_steps else 0.0
 
 
-class _Cache:
-    def __init__(self, path: Path):
-        self.tail = EventTail(path / "events.jsonl")
-        self.events: List[dict] = []
-        self.version = 0
+class _Samples:
+    """The samples folder's listing, kept while the folder's mtime says nothing was added or removed."""
+
+    FRESH_S = 2.0  # a folder changed this recently is listed again (coarse file-system clocks)
+
+    def __init__(self) -> None:
+        self.key: Optional[tuple] = None
+        self.samples: List[Sample] = []
+        self.digest: tuple = ()
+
+    def get(self, run_dir: Path, prompts: Dict[int, str]) -> tuple[List[Sample], tuple]:
+        """(samples, a key that changes when they do)."""
+        try:
+            mtime = (run_dir / "samples").stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        key = (mtime, tuple(sorted(prompts.items())))
+        if key != self.key or (mtime is not None and time.time() - mtime / 1e9 < self.FRESH_S):
+            self.samples = scan_samples(run_dir, prompts)
+            self.key = key
+            self.digest = (mtime, hash(tuple(s.path for s in self.samples)), hash(key[1]))
+        return self.samples, self.digest
+
+
+class _Run:
+    """What the monitor keeps of one run: its stream's reader (fold and offset) and its samples' listing."""
+
+    def __init__(self, run_dir: Path, charts: bool):
+        self.tail = RunTail(run_dir / "events.jsonl", charts=charts)
+        self.samples = _Samples()
+        # versions of a run read again after it was dropped from the cache never repeat one a page has seen
+        self.base = next(_GENERATIONS) << 32
+
+    @property
+    def version(self) -> int:
+        return self.base + self.tail.version
+
+
+_GENERATIONS = itertools.count(1)
 
 
 class RunMonitor:
-    """Per-process cache of run event streams, read incrementally."""
+    """Per-process cache of runs, each read incrementally and folded (kilobytes per run whatever its length).
 
-    def __init__(self) -> None:
-        self._cache: Dict[str, _Cache] = {}
+    ``view`` keeps the runs last looked at with their curves (at most ``keep``, least recently used dropped);
+    ``row`` keeps a curve-less fold of every run for the Runs table, started from the trainer's summary."""
+
+    def __init__(self, keep: int = 8, keep_rows: int = 512) -> None:
+        self._runs: "OrderedDict[str, _Run]" = OrderedDict()
+        self._rows: "OrderedDict[str, _Run]" = OrderedDict()
+        self.keep, self.keep_rows = keep, keep_rows
         self._lock = threading.Lock()
 
-    def events(self, run_dir: Path) -> tuple[List[dict], int]:
-        run_dir = Path(run_dir)
-        with self._lock:
-            cache = self._cache.get(str(run_dir))
-            if cache is None:
-                cache = self._cache[str(run_dir)] = _Cache(run_dir)
-            new = list(cache.tail.read_new())
-            if new:
-                cache.events.extend(new)
-                cache.version += 1
-            return cache.events, cache.version
+    def _get(self, cache: "OrderedDict[str, _Run]", run_dir: Path, charts: bool, cap: int) -> _Run:
+        key = str(run_dir)
+        run = cache.get(key)
+        if run is None:
+            run = cache[key] = _Run(run_dir, charts)
+            while len(cache) > cap:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
+        if run.tail.catch_up():
+            run.tail.save_summary(SAVE_SUMMARY_BYTES)
+        return run
 
     def view(self, run_dir: Path) -> RunView:
+        """The run as the Run tab shows it, curves and samples included."""
         run_dir = Path(run_dir)
-        events, version = self.events(run_dir)
-        return build_view(run_dir, events, version)
+        with self._lock:
+            run = self._get(self._runs, run_dir, True, self.keep)
+            view, facts = view_from(run_dir, run.tail.fold, run.version)
+            view.samples, view.samples_key = run.samples.get(run_dir, _prompts(run.tail.fold))
+        return finish_view(view, facts)
+
+    def row(self, run_dir: Path) -> RunView:
+        """The run as the Runs table lists it: state, progress, loss, backups and outputs, no curves or samples."""
+        run_dir = Path(run_dir)
+        with self._lock:
+            run = self._runs.get(str(run_dir))
+            if run is not None:
+                if run.tail.catch_up():
+                    run.tail.save_summary(SAVE_SUMMARY_BYTES)
+            else:
+                run = self._get(self._rows, run_dir, False, self.keep_rows)
+            view, facts = view_from(run_dir, run.tail.fold, run.version, charts=False)
+        return finish_view(view, facts)
 
 
-def _segment(run_dir: Path, events: List[dict]) -> tuple[List[dict], Optional[dict]]:
-    """The events of the latest launch (a resumed run appends a new segment) and launch.json."""
-    launch = runner.read_json(run_dir / runner.LAUNCH)
-    starts = [i for i, ev in enumerate(events) if ev.get("type") == "started"]
-    if not starts:
-        return events, launch
-    last = starts[-1]
-    if launch and events[last].get("time", 0) < launch.get("started", 0) - 1:
-        return [], launch  # relaunched, the new process has not said "started" yet
-    return events[last:], launch
+def _prompts(fold: RunFold) -> Dict[int, str]:
+    return {int(k): v for k, v in fold.prompts.items()}
 
 
 def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
-    view = RunView(name=run_dir.name, path=run_dir, version=version)
-    segment, launch = _segment(run_dir, events)
-    losses: Dict[int, float] = {}
-    lrs: Dict[tuple, float] = {}
-    prompts: Dict[int, str] = {}
-    for ev in events:  # curves, samples, backups and outputs span all segments
-        kind = ev.get("type")
-        if kind == "step" and ev.get("loss") is not None:
-            losses[int(ev.get("step", 0))] = float(ev["loss"])
-            for group, value in (ev.get("lr") or {}).items():
-                lrs[(int(ev.get("step", 0)), str(group))] = float(value)
-        elif kind == "sample":
-            for i, text in enumerate(ev.get("prompts") or []):
-                prompts[i] = str(text)
-        elif kind == "backup" and ev.get("path"):
-            view.backups.append(str(ev["path"]))
-        elif kind == "saved" and ev.get("path"):
-            view.outputs.append(str(ev["path"]))
-    # warnings the trainer emits before "started" (dataset problems found while planning) belong to this launch
-    start = len(events) - len(segment)
-    previous_end = max((i for i, ev in enumerate(events[:start]) if ev.get("type") in TERMINAL), default=-1)
-    view.warnings += [str(ev.get("message", "")) for ev in events[previous_end + 1:start] if ev.get("type") == "warning"]
-    for ev in segment:
-        kind = ev.get("type")
-        if kind == "started":
-            view.started_at = ev.get("time")
-            view.total_steps = int(ev.get("total_steps") or 0)
-            view.step = int(ev.get("resumed_from_step") or 0)
-        elif kind == "step":
-            view.step = int(ev.get("step", view.step))
-            view.total_steps = int(ev.get("total_steps") or view.total_steps)
-            view.epoch = int(ev.get("epoch", view.epoch) or 0)
-            view.loss, view.it_s, view.eta_s = ev.get("loss"), ev.get("it_s"), ev.get("eta_s")
-            view.lr = dict(ev.get("lr") or {})
-        elif kind == "warning":
-            view.warnings.append(str(ev.get("message", "")))
-        elif kind == "error":
-            view.message = str(ev.get("message", ""))
-            view.traceback = str(ev.get("traceback", "") or "")
-        elif kind in TERMINAL:
-            view.state = kind
-            view.ended_at = ev.get("time")
-            view.step = int(ev.get("step") or view.step)
-            if kind != "failed" or not view.message:
-                view.message = str(ev.get("message", "") or view.message)
-    view.loss_points = sorted(losses.items())
-    view.lr_points = sorted((s, g, v) for (s, g), v in lrs.items())
-    view.samples = scan_samples(run_dir, prompts)
+    """The view of a list of events (all of a run's): the fold the monitor keeps, made in one go."""
+    fold = RunFold()
+    for ev in events:
+        fold.add(ev)
+    view, facts = view_from(run_dir, fold, version)
+    view.samples = scan_samples(run_dir, _prompts(fold))
+    return finish_view(view, facts)
+
+
+@dataclass
+class _Facts:
+    """What the state needs besides the fold: the runner's launch record, whether this launch said "started", and
+    whether the stream has any event."""
+    launch: Optional[dict]
+    started: bool
+    empty: bool
+
+
+def view_from(run_dir: Path, fold: RunFold, version: int = 0, charts: bool = True) -> tuple[RunView, _Facts]:
+    """The fold's numbers as a view of the latest launch (the state is :func:`finish_view`'s)."""
+    view = RunView(name=run_dir.name, path=run_dir, version=version, loss_count=fold.loss_count,
+                   lr_count=fold.lr_count)
+    seg = fold.seg
+    launch = runner.read_json(run_dir / runner.LAUNCH)
+    if seg["started"] and launch and (seg["started_at"] or 0) < launch.get("started", 0) - 1:
+        seg = fold.next_segment()  # relaunched, the new process has not said "started" yet
+    view.started_at, view.total_steps, view.step, view.epoch = (seg["started_at"], seg["total_steps"], seg["step"],
+                                                                seg["epoch"])
+    view.loss, view.it_s, view.eta_s, view.lr = seg["loss"], seg["it_s"], seg["eta_s"], dict(seg["lr"])
+    view.warnings = list(seg["pre_warnings"]) + list(seg["warnings"])
+    view.warning_count = seg["pre_count"] + seg["warning_count"]
+    view.message, view.traceback, view.ended_at = seg["message"], seg["traceback"], seg["ended_at"]
+    if seg["end"]:
+        view.state = seg["end"]
+    view.backups, view.outputs = list(fold.backups), list(fold.outputs)
+    if charts and fold.charts:
+        view.loss_points = list(fold.loss.points())
+        view.smooth_points = fold.loss.smoothed()
+        view.lr_points = sorted((s, g, v) for g, series in fold.lr.items() for s, v in series.points())
+    return view, _Facts(launch, bool(seg["started"]), fold.count == 0)
+
+
+def finish_view(view: RunView, facts: _Facts) -> RunView:
+    """Backups that still exist, and the state: ended, alive (running, stopping) or gone without a word."""
+    run_dir, launch, started = view.path, facts.launch, facts.started
     on_disk = {p.name: str(p) for p in runner.list_backups(run_dir)}  # pruned or half-written ones do not count
     view.backups = [b for b in view.backups if Path(b).name in on_disk] or list(on_disk.values())
     if view.state in TERMINAL:
@@ -184,9 +243,9 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
         if req and req.get("time", 0) >= launched - 1:
             view.state = "stopping"
         else:
-            view.state = "running" if any(ev.get("type") == "started" for ev in segment) else "starting"
+            view.state = "running" if started else "starting"
         return view
-    if not launch and not (run_dir / runner.PIDFILE).exists() and not events:
+    if not launch and not (run_dir / runner.PIDFILE).exists() and facts.empty:
         view.state = "new"
         return view
     req = runner.stop_requested(run_dir) or {}
@@ -194,8 +253,7 @@ def build_view(run_dir: Path, events: List[dict], version: int = 0) -> RunView:
             _active_within(run_dir, EXIT_GRACE_S):
         # the trainer has just ended and its supervisor is still writing down how (or a busy machine has not yet
         # let it): not "gone without an exit code" yet; the next refresh tells (a forced stop writes none)
-        view.state = "stopping" if req else \
-            ("running" if any(ev.get("type") == "started" for ev in segment) else "starting")
+        view.state = "stopping" if req else ("running" if started else "starting")
         return view
     view.state = "died"
     view.message, view.advice = explain_death(run_dir)
@@ -329,24 +387,6 @@ def format_duration(seconds: Optional[float]) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-def downsample(points: List[tuple], limit: int = 400) -> List[tuple]:
-    """At most ``limit`` points, keeping the last one (charts do not need every step)."""
-    if len(points) <= limit:
-        return points
-    stride = -(-len(points) // limit)
-    out = points[::stride]
-    return out if out[-1] == points[-1] else out + [points[-1]]
-
-
-def smooth(values: List[float], weight: float = 0.9) -> List[float]:
-    """Exponential moving average with TensorBoard's debiasing, for the loss chart."""
-    out, avg = [], 0.0
-    for i, v in enumerate(values, 1):
-        avg = weight * avg + (1 - weight) * v
-        out.append(avg / (1 - weight ** i))
-    return out
 
 
 def age(ts: Optional[float]) -> str:

@@ -7,6 +7,7 @@ Loading does not check values beyond their types: ``trainer.config.checks`` (``l
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 import re
@@ -16,9 +17,9 @@ from typing import Any, Iterable, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from trainer.config.fields import allowed, suggest
+from trainer.config.fields import allowed, field_info, suggest
 from trainer.config.schema import CONFIG_VERSION, AtelierConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, raise_all
 
 ATELIER_ROOT = Path(__file__).resolve().parent.parent.parent
 PRESETS_DIR = ATELIER_ROOT / "presets"
@@ -173,11 +174,12 @@ def migrate_concept(concept: Any) -> Any:
     return concept
 
 
-def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]:
-    """(key, message) for the first place where ``layer`` has a value of the wrong shape for the schema:
+def _shape_problems(schema: Any, layer: Any, prefix: str = "") -> List[tuple]:
+    """(key, message) for every place where ``layer`` has a value of the wrong shape for the schema:
     a section (mapping) given as a list or a scalar, a list (concepts, prompts) given as a mapping."""
     if not isinstance(layer, DictConfig) or not isinstance(schema, DictConfig):
-        return None
+        return []
+    found: List[tuple] = []
     for key in layer.keys():
         if key not in schema:
             continue  # unknown keys get their own message from the merge
@@ -189,17 +191,15 @@ def _shape_problem(schema: Any, layer: Any, prefix: str = "") -> Optional[tuple]
         if isinstance(target, DictConfig) and not isinstance(value, DictConfig):
             if hasattr(value, "_is_interpolation") and value._is_interpolation():
                 continue
-            return full, (f"'{full}' is a section of settings and must be a mapping ('{key}:' followed by indented "
-                          f"'<setting>: <value>' lines), not {_shape_name(value)}.")
-        if isinstance(target, ListConfig) and not isinstance(value, ListConfig):
+            found.append((full, f"'{full}' is a section of settings and must be a mapping ('{key}:' followed by "
+                                f"indented '<setting>: <value>' lines), not {_shape_name(value)}."))
+        elif isinstance(target, ListConfig) and not isinstance(value, ListConfig):
             if hasattr(value, "_is_interpolation") and value._is_interpolation():
                 continue
-            return full, (f"'{full}' must be a list (one '- ' item per entry), not {_shape_name(value)}.")
-        if isinstance(target, DictConfig):
-            found = _shape_problem(target, value, full + ".")
-            if found:
-                return found
-    return None
+            found.append((full, f"'{full}' must be a list (one '- ' item per entry), not {_shape_name(value)}."))
+        elif isinstance(target, DictConfig):
+            found += _shape_problems(target, value, full + ".")
+    return found
 
 
 def _shape_name(node: Any) -> str:
@@ -211,24 +211,103 @@ def _shape_name(node: Any) -> str:
     return f"the value {value!r}"
 
 
-def _merge_into_schema(schema: DictConfig, layer: DictConfig, source: str) -> DictConfig:
-    problem = _shape_problem(schema, layer)
-    if problem:
-        raise ConfigError(f"{source}: {problem[1]}", key=problem[0])
+def _merge_into_schema(schema: DictConfig, layer: DictConfig, source: str,
+                       errors: Optional[List[ConfigError]] = None) -> DictConfig:
+    """``layer`` merged into ``schema``. Every key of the wrong shape, unknown or of the wrong type is a ConfigError
+    naming it: raised at once without ``errors``; with it, each is added there and the merge goes on without that
+    key, so one pass names them all."""
+    if errors is None:
+        collected: List[ConfigError] = []
+        merged = _merge_into_schema(schema, layer, source, collected)
+        raise_all(collected)
+        return merged
+    problems = _shape_problems(schema, layer)
+    copied = bool(problems)
+    if copied:
+        layer = copy.deepcopy(layer)  # the caller's layer (a form's data) stays as it was
+    for key, message in problems:
+        errors.append(ConfigError(f"{source}: {message}", key=key))
+        _drop(layer, key.split("."))
+    for _ in range(1000):  # each round drops one bad key
+        try:
+            return OmegaConf.merge(schema, layer)  # type: ignore[return-value]
+        except ConfigKeyError as exc:
+            path = _bad_path(layer, exc)
+            key = ".".join(path) if path else exc.full_key or str(exc.key)
+            errors.append(ConfigError(f"{source}: unknown setting '{key}'.{suggest(key)}", key=key))
+        except ValidationError as exc:
+            path = _bad_path(layer, exc)
+            key = ".".join(path) if path else exc.full_key or ""
+            errors.append(ConfigError(f"{source}: '{key}' = {exc.value!r} is not allowed: {allowed(key)}",
+                                      key=key, value=exc.value))
+        except OmegaConfBaseException as exc:
+            errors.append(ConfigError(f"{source}: {str(exc).splitlines()[0]}",
+                                      key=getattr(exc, "full_key", "") or ""))
+            return schema
+        except (TypeError, ValueError) as exc:  # merge of incompatible shapes the check above did not foresee
+            errors.append(ConfigError(f"{source}: a setting has the wrong shape ({exc}); compare the file with "
+                                      "`python -m trainer config-help`."))
+            return schema
+        if not path:
+            return schema  # the bad key cannot be found to leave out: this layer is left out
+        if not copied:
+            layer, copied = copy.deepcopy(layer), True
+        _drop(layer, path)
+    return schema
+
+
+def _layer_paths(node: Any, prefix: tuple = ()) -> Iterable[tuple]:
+    """(path, value) of every leaf and section of a layer, depth first; list items by their index."""
+    if isinstance(node, DictConfig):
+        items = [(str(k), node._get_node(k)) for k in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(str(i), node._get_node(i)) for i in range(len(node))]
+    else:
+        return
+    for name, child in items:
+        yield prefix + (name,), child
+        yield from _layer_paths(child, prefix + (name,))
+
+
+def _bad_path(layer: DictConfig, exc: OmegaConfBaseException) -> List[str]:
+    """Where in ``layer`` the key a merge refused sits. OmegaConf names a key inside a list item (a concept's) by its
+    leaf only, so that one is looked up: the item's key of that name the schema does not know (or whose value
+    was refused)."""
+    full = str(getattr(exc, "full_key", "") or "")
+    path = [p for p in re.split(r"[.\[\]]+", full) if p]
     try:
-        return OmegaConf.merge(schema, layer)  # type: ignore[return-value]
-    except ConfigKeyError as exc:
-        key = exc.full_key or str(exc.key)
-        raise ConfigError(f"{source}: unknown setting '{key}'.{suggest(key)}", key=key) from None
-    except ValidationError as exc:
-        key = exc.full_key or ""
-        raise ConfigError(f"{source}: '{key}' = {exc.value!r} is not allowed: {allowed(key)}",
-                          key=key, value=exc.value) from None
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"{source}: {str(exc).splitlines()[0]}", key=getattr(exc, "full_key", "") or "") from None
-    except (TypeError, ValueError) as exc:  # merge of incompatible shapes the check above did not foresee
-        raise ConfigError(f"{source}: a setting has the wrong shape ({exc}); compare the file with "
-                          "`python -m trainer config-help`.") from None
+        if path and OmegaConf.select(layer, ".".join(path), default=_MISSING) is not _MISSING:
+            return path
+    except OmegaConfBaseException:  # an interpolation on the way
+        pass
+    leaf = str(getattr(exc, "key", "") or "")
+    for where, node in _layer_paths(layer):
+        if where[-1] != leaf or not any(p.isdigit() for p in where[:-1]):
+            continue
+        if isinstance(exc, ValidationError):
+            value = node._value() if hasattr(node, "_value") else node
+            if value == exc.value:
+                return list(where)
+        else:
+            try:
+                field_info(".".join(where))
+            except KeyError:
+                return list(where)
+    return []
+
+
+_MISSING = object()
+
+
+def _drop(layer: DictConfig, path: List[str]) -> None:
+    """Take the key at ``path`` out of a layer (to merge the rest)."""
+    node: Any = layer
+    for part in path[:-1]:
+        node = node[int(part)] if isinstance(node, ListConfig) else node[part]
+    if isinstance(node, ListConfig):
+        node.pop(int(path[-1]))
+    else:
+        node.pop(path[-1])
 
 
 def _check_interpolations(cfg: DictConfig) -> None:
@@ -293,18 +372,30 @@ def _concept_v2(key: str, value: Any) -> tuple:
     return key, value
 
 
-def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
+def _apply_overrides(cfg: DictConfig, overrides: Iterable[str],
+                     errors: Optional[List[ConfigError]] = None) -> DictConfig:
     """Apply --set overrides in order; list items are addressed by index (data.concepts.0.path).
-    Runs of plain keys are merged in one step (each merge copies the whole config)."""
+    Runs of plain keys are merged in one step (each merge copies the whole config). A bad override raises, or
+    without raising joins ``errors`` (the others still apply)."""
+    if errors is None:
+        collected: List[ConfigError] = []
+        cfg = _apply_overrides(cfg, overrides, collected)
+        raise_all(collected)
+        return cfg
     pending: dict = {}
 
     def flush(cfg: DictConfig) -> DictConfig:
         if pending:
-            cfg = _merge_into_schema(cfg, OmegaConf.create(pending), "--set")
+            cfg = _merge_into_schema(cfg, OmegaConf.create(pending), "--set", errors)
             pending.clear()
         return cfg
 
-    for old_key, value in parse_overrides(overrides):
+    for override in overrides:
+        try:
+            [(old_key, value)] = parse_overrides([override])
+        except ConfigError as exc:
+            errors.append(exc)
+            continue
         old_key, value = _concept_v2(old_key, value)  # version-2 concept settings keep working too
         keys = renamed_key(old_key)  # version-1 names keep working on the command line
         if len(keys) > 1 or keys[0] != old_key:
@@ -316,54 +407,81 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str]) -> DictConfig:
             _merge_plain(pending, key, value)
             continue
         cfg = flush(cfg)
-        parent_key, _, leaf = key.rpartition(".")
         try:
-            parent = OmegaConf.select(cfg, parent_key, throw_on_missing=True) if parent_key else cfg
-        except Exception:
-            parent = None
-        if parent is None:
-            raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
-        if isinstance(parent, ListConfig):
-            if not leaf.isdigit() or int(leaf) >= len(parent):
-                raise ConfigError(f"--set: '{key}': {parent_key} has {len(parent)} items; index {leaf} "
-                                  "does not exist.", key=key)
-        elif leaf not in parent:
-            raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
-        try:
-            OmegaConf.update(cfg, key, value, merge=False)
-        except ValidationError:
-            raise ConfigError(f"--set: '{key}' = {value!r} is not allowed: {allowed(key)}",
-                              key=key, value=value) from None
-        except OmegaConfBaseException as exc:
-            raise ConfigError(f"--set {key}: {exc}", key=key) from None
+            _set_indexed(cfg, key, value)
+        except ConfigError as exc:
+            errors.append(exc)
     return flush(cfg)
 
 
+def _set_indexed(cfg: DictConfig, key: str, value: Any) -> None:
+    """One ``--set`` of a key inside a list item (``data.concepts.0.path``), in place."""
+    parent_key, _, leaf = key.rpartition(".")
+    try:
+        parent = OmegaConf.select(cfg, parent_key, throw_on_missing=True) if parent_key else cfg
+    except Exception:
+        parent = None
+    if parent is None:
+        raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
+    if isinstance(parent, ListConfig):
+        if not leaf.isdigit() or int(leaf) >= len(parent):
+            raise ConfigError(f"--set: '{key}': {parent_key} has {len(parent)} items; index {leaf} "
+                              "does not exist.", key=key)
+    elif leaf not in parent:
+        raise ConfigError(f"--set: unknown setting '{key}'.{suggest(key)}", key=key)
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except ValidationError:
+        raise ConfigError(f"--set: '{key}' = {value!r} is not allowed: {allowed(key)}",
+                          key=key, value=value) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"--set {key}: {exc}", key=key) from None
+
+
 def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
-            preset: Optional[str] = None) -> DictConfig:
+            preset: Optional[str] = None, problems: Optional[List[ConfigError]] = None) -> DictConfig:
     """Preset ⊕ user file ⊕ --set overrides, merged into the schema (types checked; values are
-    ``trainer.config.checks``' business: its ``load_config`` is this, validated)."""
+    ``trainer.config.checks``' business: its ``load_config`` is this, validated).
+
+    Every unknown key, wrong type or wrong shape is named: raised together (:class:`ConfigErrors` for several), or,
+    with ``problems``, added there and left out of the config returned, so ``validate`` can check the rest too.
+    A file that cannot be read at all (missing, not YAML, an unknown preset) raises at once."""
+    errors: List[ConfigError] = []
     schema = OmegaConf.structured(AtelierConfig)
     cfg = schema
     layers = _load_layers(resolve_preset(preset), "Preset") if preset else []
     if path is not None:
         layers += _load_layers(Path(path), "Config file")
     for layer, source in layers:
-        cfg = _merge_into_schema(cfg, layer, source)
-    cfg = _apply_overrides(cfg, overrides)
-    _check_interpolations(cfg)
+        cfg = _merge_into_schema(cfg, layer, source, errors)
+    cfg = _apply_overrides(cfg, overrides, errors)
+    try:
+        _check_interpolations(cfg)
+    except ConfigError as exc:
+        errors.append(exc)
+    if problems is None:
+        raise_all(errors)
+    else:
+        problems.extend(errors)
     return cfg
 
 
-def compose_dict(data: dict | DictConfig) -> DictConfig:
-    """Merge a plain mapping (e.g. from the web UI's form) into the schema (``config_from_dict`` validates it)."""
+def compose_dict(data: dict | DictConfig, problems: Optional[List[ConfigError]] = None) -> DictConfig:
+    """Merge a plain mapping (e.g. from the web UI's form) into the schema (``config_from_dict`` validates it);
+    ``problems`` as for :func:`compose`."""
+    errors: List[ConfigError] = []
     layer = OmegaConf.create(data) if not isinstance(data, DictConfig) else data
     base = layer.pop("base", None) if "base" in layer else None
     cfg = OmegaConf.structured(AtelierConfig)
     if base:
         for lower, source in _load_layers(resolve_preset(str(base)), "Preset"):
-            cfg = _merge_into_schema(cfg, lower, source)
-    return _merge_into_schema(cfg, migrate(layer, "form"), "config")
+            cfg = _merge_into_schema(cfg, lower, source, errors)
+    cfg = _merge_into_schema(cfg, migrate(layer, "form"), "config", errors)
+    if problems is None:
+        raise_all(errors)
+    else:
+        problems.extend(errors)
+    return cfg
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -108,7 +108,7 @@ class ModelConfig:
     attention: str = f("sdpa", "Attention backend: PyTorch SDPA, or xformers when installed.",
                        choices=["sdpa", "xformers"])
     wan_expert: str = f("low", "Wan 2.2 A14B (two experts split at the pipeline's boundary, σ 0.875 for "
-                               "text-to-video): which expert trains, each on its own noise range — high (σ ≥ the boundary: layout "
+                               "text-to-video, 0.9 for image-to-video): which expert trains, each on its own noise range — high (σ ≥ the boundary: layout "
                                "and motion), low (below it: detail) or both (each sample trains the expert of its "
                                "σ; the result is two files, the low expert's named …_low_noise). A LoRA file is for "
                                "one expert (ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
@@ -235,7 +235,7 @@ class SamplePromptConfig:
     width: int = f(512, "Width in pixels (multiple of 8).", min=64, max=4096)
     height: int = f(512, "Height in pixels (multiple of 8).", min=64, max=4096)
     image: str = f("", "Inpainting models: the image to repaint (resized to width × height); empty = a "
-                       "blank image.", ui="path")
+                       "blank image. Image-to-video models (Wan I2V): the start frame (required).", ui="path")
     mask: str = f("", "Inpainting models: the mask (white = repaint); empty = repaint everything.", ui="path")
     control_images: List[str] = f(help="Edit and reference models: the image(s) the sample edits or refers to, one "
                                        "per control folder of the concepts, in the same order.", factory=list,

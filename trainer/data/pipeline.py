@@ -29,6 +29,9 @@ A batch is a dict::
     control_paths          list of B tuples: each row's control image files (for encoders that see the images)
     prior                  bool [B]: rows of prior_prediction concepts (their target is the base model's own
                            prediction; only when such a concept is enabled)
+    first_frame            an image-to-video model's batch: what each row's first frame conditions (its
+                           ``first_frame_fn`` output: e.g. {"latents", "image_embeds"}), from its own cache entries
+                           keyed like the latents (another settings key), or computed from the rendered pixels
     frames                 a video family's batch: the frame count F of its one (width, height, frames) bucket;
                            its latents are 5-D [B, C, f, h, w] (from pixel clips [B, 3, F, H, W] in [-1, 1]) and
                            its mask [B, 1, f, h, w] (a mask image applies to every frame, a mask clip frame by frame)
@@ -81,6 +84,7 @@ log = logging.getLogger("atelier")
 ProgressFn = Callable[[str, int, int], None]  # (stage: "latents" | "text", done, total)
 _PROBE_CAPTION = "a photo of a cat, atelier text cache probe"
 _INPAINT_CACHE = 1  # inpainting entries' extra layout (pixels_u8, masked_mean); bump when it changes
+_FIRST_FRAME_CACHE = 1  # image-to-video first-frame entries (what first_frame_fn returns); bump when it changes
 
 
 class DataPipeline:
@@ -115,6 +119,8 @@ class DataPipeline:
         self.text_cache: Optional[TextCache] = None
         self.encode_fn: Optional[Callable] = None
         self.inpaint_fn: Optional[Callable] = None
+        self.first_frame_fn: Optional[Callable] = None  # an image-to-video model's first-frame condition
+        self.first_frame_cache: Optional[LatentCache] = None
         self.control_budget = control_budget(d)
         self.step = int(getattr(d, "bucket_step", 64) or 64)
         self.priors = any(it.role == "prior_prediction" for it in self.items)
@@ -273,7 +279,8 @@ class DataPipeline:
                 encode_text_fn: Optional[Callable[[List[str]], Any]] = None,
                 text_fingerprint: Optional[str] = None,
                 progress: Optional[ProgressFn] = None,
-                inpaint_fn: Optional[Callable] = None, text_controls: bool = False) -> Dict[str, Any]:
+                inpaint_fn: Optional[Callable] = None, text_controls: bool = False,
+                first_frame_fn: Optional[Callable] = None) -> Dict[str, Any]:
         """Attach the VAE encoder and fill every cache; returns what was encoded and reused.
 
         ``encode_fn(pixels [B,3,H,W] in [-1,1]) -> {"mean", "std"}``; ``fingerprint`` identifies
@@ -293,10 +300,16 @@ class DataPipeline:
         ``text_controls``: the text encoder sees each example's control images (an edit model's VL encoder):
         the text cache holds every (caption, control files) pair, encoded as ``encode_text_fn(captions,
         controls)``, and batches read the entry of their own pair.
+
+        ``first_frame_fn(pixels [B, 3, F, H, W]) -> {name: [B, ...]}`` (an image-to-video model's condition from
+        each window's first frame): batches carry its output as ``first_frame``; with cached latents it is cached
+        too, in entries of its own beside the latents' (same image, bucket, transform and window; its own settings
+        key), so the latents' entries stay those of any model with the same VAE fingerprint.
         """
         d = self.data_cfg
         self.encode_fn = encode_fn
         self.inpaint_fn = inpaint_fn
+        self.first_frame_fn = first_frame_fn
         summary: Dict[str, Any] = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0,
                                    "text_reused": 0, "text_cache": "off"}
         t0 = time.time()
@@ -313,6 +326,14 @@ class DataPipeline:
                                     extras_fn=self._inpaint_extras if inpaint_fn is not None else None)
             summary.update(latents_encoded=n, latents_reused=total - n)
             log.info("latent cache: %d encoded, %d reused (%.1fs)", n, total - n, time.time() - t0)
+            if first_frame_fn is not None:  # the same entries' windows again, through the first-frame encoder
+                self.first_frame_cache = LatentCache(self.cache_dir(),
+                                                     make_settings_key(**key, first_frame=_FIRST_FRAME_CACHE))
+                jobs = self._cache_jobs(self.first_frame_cache, controls=False)
+                n = self.first_frame_cache.run_jobs(jobs, first_frame_fn, batch_size=max(1, self.batch_size),
+                                                    workers=self.workers)
+                summary.update(first_frames_encoded=n)
+                log.info("first-frame cache: %d encoded", n)
         if encode_text_fn is not None and d.cache_text:
             if not self.captions_cacheable():
                 summary["text_cache"] = "off: tag shuffling or tag dropout makes captions vary"
@@ -343,9 +364,11 @@ class DataPipeline:
             out["masked_mean"] = self.inpaint_fn(pixels, masks)
         return out
 
-    def _cache_jobs(self) -> List[CacheJob]:
-        assert self.cache is not None
-        cache = self.cache
+    def _cache_jobs(self, cache: Optional[LatentCache] = None, controls: bool = True) -> List[CacheJob]:
+        """The entries ``cache`` (the latent cache by default) needs: every (item, bucket, variant) a run reads,
+        the validation items' and (``controls``) the control images'."""
+        cache = cache or self.cache
+        assert cache is not None
         wanted: List[Tuple[ImageItem, List[Tuple[Size, AugmentParams]]]] = []
         if not self._renders_pixels():
             for item, options in zip(self.items, self.dataset.buckets):
@@ -354,7 +377,7 @@ class DataPipeline:
                 wanted.append((item, specs))
         for item, size in zip(self.validation_items, self.dataset.validation_buckets):
             wanted.append((item, [(size[:2], AugmentParams())]))
-        for item, specs in list(wanted):
+        for item, specs in list(wanted) if controls else ():
             for control in item.controls:  # rendered with its target's transform, at the control size
                 wanted.append((self._control_item(control), [(self.control_size(size), params) for size, params in specs]))
         jobs: List[CacheJob] = []
@@ -388,7 +411,7 @@ class DataPipeline:
         pool = self.validation_items if validation else self.items
         size = plan.size[:2]  # a video family's bucket is (width, height, frames)
         captions, weights, sizes, crops = [], [], [], []
-        dists, masks, pixels, pixel_masks, texts = [], [], [], [], []
+        dists, masks, pixels, pixel_masks, texts, firsts = [], [], [], [], [], []
         controls: List[List[Any]] = []  # per row: its control latents (cached) or pixels (rendered)
         for idx, pos in zip(plan.indices, plan.positions):
             item = pool[idx]
@@ -414,6 +437,8 @@ class DataPipeline:
                 crops.append(crop_top_left((item.width, item.height), size, params))
                 dists.append(entry)
                 masks.append(entry.get("mask"))
+                if self.first_frame_cache is not None:  # image-to-video: the window's first-frame condition
+                    firsts.append(self.first_frame_cache.get(item, *self._entry(item, size, params)))
                 controls.append(self._controls_cached(item, size, params))
             else:
                 params = AugmentParams() if validation else \
@@ -463,6 +488,8 @@ class DataPipeline:
                     f = raw["pixels"].shape[2]
                     pixel_masks = [m if m is not None else torch.ones(1, f, h, w) for m in pixel_masks]
                 raw["pixel_mask"] = torch.stack([m if m is not None else torch.ones(1, h, w) for m in pixel_masks])
+        if firsts:
+            raw["first_frame"] = {k: torch.stack([e[k] for e in firsts]) for k in firsts[0] if k != "mask"}
         if texts:
             for key in texts[0]:
                 raw[key] = _stack_padded([t[key] for t in texts])
@@ -492,6 +519,9 @@ class DataPipeline:
             with torch.no_grad():
                 out = self.encode_fn(pixels)
             raw["latent_dist"] = {"mean": out["mean"], "std": out["std"]}
+            if self.first_frame_fn is not None:
+                with torch.no_grad():
+                    raw["first_frame"] = self.first_frame_fn(pixels)
             if self.inpaint_fn is not None:
                 raw["inpaint_pixels"] = pixels
             if "pixel_mask" in raw and out["mean"].dim() == 5:  # clips: [B, 1, F, H, W] -> [B, 1, f, h, w]

@@ -154,6 +154,9 @@ class FamilyInfo:
     clip_skip: bool = False
     # variants whose transformer embeds a guidance scale (guidance-distilled: model.guidance_scale feeds it)
     guidance_variants: Tuple[str, ...] = ()
+    # variants whose scheduler shifts σ by the image size (``use_dynamic_shifting``): loss.resolution_shift applies to
+    # them alone; the others' schedulers have a fixed shift
+    dynamic_shift_variants: Tuple[str, ...] = ()
     # variant -> (fewest, most) control/reference images an example takes (edit models, references); absent = none
     controls: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     # variant -> what its samples use where a prompt leaves steps/cfg_scale empty (every variant has one; a family
@@ -163,6 +166,8 @@ class FamilyInfo:
     video: Optional[VideoSpec] = None
     # variant -> the frame rate it was trained at, where it is not ``video.fps`` (Wan 2.2 TI2V-5B: 24)
     video_fps: Dict[str, float] = field(default_factory=dict)
+    # variants whose samples start from an image (image-to-video): every sample prompt needs sampling.prompts.N.image
+    start_image: Tuple[str, ...] = ()
 
     def control_range(self, variant: str) -> Tuple[int, int]:
         """(fewest, most) control images ``variant`` takes: (0, 0) for a plain text-to-image model."""

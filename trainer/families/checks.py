@@ -118,6 +118,17 @@ def check_controls(cfg: Any, info: Any, variant: str) -> None:
                               "edit (e.g. one of the concept's control images).", key=key)
 
 
+def check_start_images(cfg: Any, info: Any, variant: str) -> None:
+    """An image-to-video model's samples start from an image: every sample prompt names one (``image``)."""
+    if variant not in info.start_image:
+        return
+    for i, prompt in enumerate(cfg.sampling.prompts or []):
+        if not str(prompt.get("image", "") or "").strip():
+            key = f"sampling.prompts.{i}.image"
+            raise ConfigError(f"{key}: start image required: {variant} is an image-to-video model, its samples start "
+                              "from an image (e.g. the first frame of a training clip).", key=key)
+
+
 def check_family_options(cfg: Any) -> None:
     """Raise ConfigError for the first option the family of ``cfg.model`` cannot use (a ``model.family`` the
     model's files contradict first, as the loader would)."""
@@ -143,6 +154,7 @@ def check_family_options(cfg: Any) -> None:
                           "model (it predicts the velocity ε − x). Set it to auto.", key="model.prediction_type",
                           value=cfg.model.prediction_type)
     check_controls(cfg, info, variant)
+    check_start_images(cfg, info, variant)
     t = cfg.training
     slots = {p.slot for p in info.parts}
     for slot in PART_OF_SLOT:
@@ -267,3 +279,25 @@ def guidance_warnings(cfg: Any) -> list:
                   f"model.guidance_scale = {value}: {info.label} ({variant}) has no guidance embedding, so training "
                   f"ignores it (only the guidance-distilled {', '.join(takes)} read it). The guidance of samples is "
                   "each sample prompt's cfg_scale.")]
+
+
+def resolution_shift_warnings(cfg: Any) -> list:
+    """``loss.resolution_shift`` on a flow-matching model whose scheduler has a fixed shift (SD3, Z-Image, Flux.1
+    schnell, Flux.2, Wan: told without loading it), or under a fixed ``loss.flow_shift``: ignored, and said so."""
+    loss = cfg.loss
+    if not loss.get("resolution_shift", False):
+        return []
+    variant = family_without_loading(cfg.model, str(cfg.general.get("workspace", "") or ""))
+    info = info_for(variant) if variant else None
+    if info is not None and info.objective != "flow":
+        return []  # the other objectives refuse it (validate)
+    if float(loss.get("flow_shift", 0.0) or 0.0) > 0:
+        return [Issue("loss.resolution_shift", f"loss.resolution_shift is ignored: loss.flow_shift = "
+                                               f"{loss.flow_shift:g} sets a fixed shift, which wins.")]
+    if info is None or variant in info.dynamic_shift_variants:
+        return []
+    takes = [i.label + (f" ({', '.join(i.dynamic_shift_variants)})" if set(i.dynamic_shift_variants) != set(i.variants)
+                        else "") for i in infos().values() if i.dynamic_shift_variants]
+    return [Issue("loss.resolution_shift",
+                  f"loss.resolution_shift is ignored: {info.label} ({variant}) samples with a fixed shift, not one "
+                  f"by the image size (only {', '.join(takes)} do); loss.flow_shift sets the training shift.")]

@@ -166,6 +166,8 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
         if (sub / "scheduler_config.json").is_file():
             cls_name = sd_configs.read_json(sub / "scheduler_config.json").get("_class_name", "")
             parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
+        elif (sub / "preprocessor_config.json").is_file():  # an image processor (Wan 2.1 I2V's CLIP's)
+            parts[name] = transformers.AutoImageProcessor.from_pretrained(str(folder), subfolder=name)
         elif name.startswith("tokenizer"):
             tok_cfg = sub / "tokenizer_config.json"
             cls_name = (sd_configs.read_json(tok_cfg).get("tokenizer_class") if tok_cfg.is_file() else None)

@@ -221,6 +221,9 @@ def make_batch(model, method, cfg, size: Tuple[int, int], text_cached: bool, row
         batch.update({k: v.detach().clone() for k, v in out.items()})
     if getattr(model, "inpainting", False):
         batch["inpaint_pixels"] = torch.zeros(b, 3, h, w)
+    if getattr(model, "image_to_video", False):  # each clip's first-frame condition, as the latent cache serves it
+        with torch.no_grad():
+            batch["first_frame"] = model.encode_first_frames(torch.zeros(b, 3, frames, h, w))
     controls = max((len(c.get("control_paths", None) or []) for c in cfg.data.concepts or [] if c.enabled), default=0)
     if controls:  # edit pairs and references: their latents lengthen the denoiser's sequence
         csize = control_size(size, control_budget(cfg.data), int(cfg.data.bucket_step))
@@ -309,6 +312,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             with mt, torch.no_grad(), around("encode"):
                 clip = (train_frames(model, cfg),) if getattr(model.info, "video", None) is not None else ()
                 model.encode_pixels(torch.zeros(int(t.batch_size), 3, *clip, h, w))
+                if getattr(model, "image_to_video", False):  # the first frames' condition, cached with the latents
+                    model.encode_first_frames(torch.zeros(int(t.batch_size), 3, *clip, h, w))
                 if text_cached and not offloaded:
                     model.encode_captions(["a photo of sks"] * 16)
             if text_cached and offloaded:  # the encoders in, the denoiser out (trainer.memory.offload)

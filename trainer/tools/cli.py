@@ -9,13 +9,10 @@ from typing import Any
 
 from trainer.errors import ConfigError
 from trainer.tools import DTYPES, ToolError
-from trainer.tools.caption import (
-    DEFAULT_CAPTION_MODEL,
-    DEFAULT_THRESHOLD,
-    FLORENCE_TASKS,
-    KNOWN_TAGGER,
-    run as run_caption,
-)
+from trainer.tools.caption import run as run_caption
+from trainer.tools.captioners.classic import DEFAULT_CAPTION_MODEL, FLORENCE_TASKS, KNOWN_TAGGER
+from trainer.tools.captioners.tags import DEFAULT_THRESHOLD
+from trainer.tools.captioners.vlm import STYLES, VLM_CLASSES
 from trainer.tools.mask import (
     DEFAULT_MASK_MODEL,
     DEFAULT_MASK_THRESHOLD,
@@ -72,6 +69,7 @@ def add_parsers(sub: Any) -> None:
                    help="Apply a kohya LoRA at a weight (default 1); repeatable.")
     s.add_argument("--prompt", help="The prompt (with --config: replaces its sampling.prompts).")
     s.add_argument("--negative", default="", help="Negative prompt.")
+    s.add_argument("--image", default="", help="Image-to-video models (Wan I2V): the start image of the video.")
     s.add_argument("--steps", type=int, default=None, help="Denoising steps (default: the model's own, e.g. 20 for SD, "
                    "28 for Flux.1 [dev]).")
     s.add_argument("--cfg", type=float, default=None, help="Guidance scale (default: the model's own, e.g. 7 for SD, "
@@ -101,34 +99,72 @@ def add_dataset_parsers(sub: Any) -> None:
                         help="Where the model runs (default auto: a CUDA GPU when there is one).")
         sp.add_argument("--batch", type=int, default=4, metavar="N", help="Images per model call (default 4).")
 
-    c = sub.add_parser("caption", help="Write <image>.txt captions with a captioning or tagging model.",
-                       description="Write a caption file next to every image (the names training reads), with a "
-                                   "captioning model (BLIP, Florence-2) or a tagger (booru-style tags). Existing "
-                                   "captions are kept unless --overwrite.")
+    c = sub.add_parser("caption", help="Write <image>.txt captions with a tagger, a vision-language model or a "
+                                       "captioning model.",
+                       description="Write a caption file next to every image (the names training reads), with a WD "
+                                   "tagger (booru tags, ONNX), a vision-language model (Qwen2.5-VL, Qwen3-VL, "
+                                   "JoyCaption) or BLIP/Florence-2. Images that have a caption are skipped unless "
+                                   "--overwrite or --append, so running it again resumes a stopped run.")
     images(c, "writes <image name>.txt")
     c.add_argument("--model", default=DEFAULT_CAPTION_MODEL,
-                   help=f"Hub id (downloaded on first use, then cached) or a local folder saved with save_pretrained "
-                        f"(default {DEFAULT_CAPTION_MODEL}: natural language). Also: Florence-2 in the transformers "
-                        "format (florence-community/Florence-2-base), and taggers exported to transformers image "
-                        f"classification (id2label = the tags). {KNOWN_TAGGER}, the tagger people know, is "
-                        "published as ONNX/timm weights only: it needs such an export. Offline: give a folder.")
+                   help=f"Hub id (downloaded on first use, then cached) or a local folder (default "
+                        f"{DEFAULT_CAPTION_MODEL}). WD taggers as published: {KNOWN_TAGGER}, "
+                        "SmilingWolf/wd-eva02-large-tagger-v3 … or a folder with model.onnx + selected_tags.csv. "
+                        f"Vision-language models ({', '.join(VLM_CLASSES)}): Qwen/Qwen2.5-VL-7B-Instruct, "
+                        "Qwen/Qwen3-VL-8B-Instruct, fancyfeast/llama-joycaption-beta-one-hf-llava. Also BLIP, "
+                        "Florence-2 (florence-community/Florence-2-base) and taggers exported to transformers image "
+                        "classification. Offline: give a folder.")
     c.add_argument("--prefix", default="", help="Text before every caption, e.g. the trigger word "
                    "(joined with ', ').")
     c.add_argument("--suffix", default="", help="Text after every caption (joined with ', ').")
     keep = c.add_mutually_exclusive_group()
     keep.add_argument("--overwrite", action="store_true", help="Replace existing caption files.")
+    keep.add_argument("--append", action="store_true",
+                      help="Add to existing caption files: tags merged into theirs (the new ones after), a "
+                           "sentence as one more line (training picks one line per step).")
     keep.add_argument("--only-missing", dest="overwrite", action="store_false",
-                      help="Caption only the images without a caption file (the default).")
+                      help="Caption only the images without a caption file (the default; a stopped run resumes).")
     c.add_argument("--extension", default=".txt",
                    help="Caption file extension, as the concept's caption_extension (default .txt).")
-    c.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="Longest caption in tokens (default 40 for BLIP, 256 for Florence-2).")
+    c.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=None, metavar="N",
+                   help="Longest caption in tokens (default 40 for BLIP, 256 for Florence-2; vision-language models: "
+                        "64 short, 320 detailed, 160 booru, 96 edit).")
     c.add_argument("--task", choices=tuple(FLORENCE_TASKS), default=None,
                    help="Florence-2 only: how long a description (default detailed).")
-    c.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"Taggers: keep the tags scoring above this (default {DEFAULT_THRESHOLD}).")
-    c.add_argument("--tag-limit", type=int, default=0, metavar="N",
-                   help="Taggers: at most N tags, the best first (default 0: no limit).")
+    tags = c.add_argument_group("taggers")
+    tags.add_argument("--threshold", "--general-threshold", dest="threshold", type=float, default=DEFAULT_THRESHOLD,
+                      help=f"Keep the (general) tags scoring at least this (default {DEFAULT_THRESHOLD}).")
+    tags.add_argument("--character-threshold", type=float, default=None,
+                      help="WD taggers: the same for character tags (default: --threshold).")
+    tags.add_argument("--use-mcut", action="store_true",
+                      help="WD taggers: thresholds from each image's scores (MCut: the widest gap; characters at "
+                           "least 0.15) instead of the fixed ones.")
+    tags.add_argument("--rating-tags", action="store_true",
+                      help="WD taggers: the best rating tag (general, sensitive, questionable, explicit) first.")
+    tags.add_argument("--character-tags-first", action="store_true",
+                      help="WD taggers: character tags before the general ones (default: after, as listed).")
+    tags.add_argument("--keep-underscores", action="store_true",
+                      help="WD taggers: write long_hair, not long hair (kaomoji such as ^_^ always keep theirs).")
+    tags.add_argument("--escape-brackets", action="store_true",
+                      help="WD taggers: write \\( \\) for brackets, as prompt syntax reads them as plain text.")
+    tags.add_argument("--exclude-tags", default="", metavar="TAGS",
+                      help="WD taggers: tags never written, separated by commas (e.g. 'solo, simple background').")
+    tags.add_argument("--replace-tag", action="append", default=[], metavar="OLD=NEW",
+                      help="WD taggers: write NEW for OLD (as listed or as written); repeatable.")
+    tags.add_argument("--tag-limit", type=int, default=0, metavar="N",
+                      help="At most N tags, the best scoring (default 0: no limit).")
+    vlm = c.add_argument_group("vision-language models")
+    vlm.add_argument("--style", choices=tuple(STYLES), default=None,
+                     help="What to write (default detailed): short (one sentence), detailed (a paragraph), booru "
+                          "(tags), edit (the change from the --control image to the image).")
+    vlm.add_argument("--prompt", default="", help="Your own instruction instead of the style's.")
+    vlm.add_argument("--control", default=None, metavar="FOLDER",
+                     help="With --style edit: the folder of the images before the edit, paired by name.")
+    bits = vlm.add_mutually_exclusive_group()
+    bits.add_argument("--load-in-4bit", action="store_true", help="4-bit weights (bitsandbytes NF4; CUDA only).")
+    bits.add_argument("--load-in-8bit", action="store_true", help="8-bit weights (bitsandbytes; CUDA only).")
+    vlm.add_argument("--yes", action="store_true",
+                     help="Start a large model on the CPU after its time estimate, without asking.")
     run_on(c)
 
     m = sub.add_parser("mask", help="Write <image>-masklabel.png training masks from a text prompt (CLIPSeg) or "

@@ -29,19 +29,9 @@ from PIL import Image
 from trainer.data.concepts import mask_path
 from trainer.io import atomic_path, write_failure
 from trainer.tools import ToolError
-from trainer.tools.caption import (
-    Progress,
-    Written,
-    config_dict,
-    folder_images,
-    load_pretrained,
-    model_dtype,
-    model_source,
-    open_batch,
-    pick_device,
-    say,
-    unique_outputs,
-)
+from trainer.tools.captioners.shared import (
+    Progress, Written, config_dict, folder_images, load_pretrained, model_dtype, model_source, open_batch,
+    pick_device, say, unique_outputs)
 
 DEFAULT_MASK_MODEL = "CIDAS/clipseg-rd64-refined"
 DEFAULT_SUBJECT_MODEL = "facebook/sam-vit-base"

@@ -40,7 +40,8 @@ def _jobs(args: Any, cfg: Any, default_size: int) -> List[Any]:
             raise ToolError(f"--count {args.count}: give at least 1.")
         return [SimpleNamespace(prompt=args.prompt, negative_prompt=args.negative or "", seed=args.seed + i,
                                 steps=args.steps, cfg_scale=args.cfg, width=size(args.width),
-                                height=size(args.height), image="", mask="") for i in range(args.count)]
+                                height=size(args.height), image=getattr(args, "image", "") or "", mask="")
+                for i in range(args.count)]
     prompts = list(cfg.sampling.prompts)
     if not prompts:
         raise ToolError(f"--config {args.config} has no sampling.prompts; add some there or give --prompt TEXT.")
@@ -81,6 +82,9 @@ def run(args: Any) -> int:
     paths = [folder / f"{i:03d}-{job.seed}.png" for i, job in enumerate(jobs)]
     for p in paths:  # all refused before the first image is drawn
         check_out(p, args.overwrite, folder=False)
+    if model.family in model.info.start_image and not all(job.image for job in jobs):
+        raise ToolError(f"--image: start image required: {model.family} is an image-to-video model; give --image "
+                        "START.png (with --config: an image in each of its sampling.prompts).")
     defaults = model.sample_defaults()  # what neither the options nor the config's prompt set: the model's own
     pipe = model.pipeline(defaults.sampler_for(args.sampler or (cfg.sampling.scheduler if cfg is not None else None)))
     autocast = torch.autocast("cuda", dtype=torch.float16) if device == "cuda" else torch.autocast("cpu", enabled=False)

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any, List
 
-from trainer.events import EventWriter
 from trainer.host.paths import is_absolute_path, path_name
 from trainer.io import remove_stale_temps
+from trainer.run_summary import SummaryWriter
 
 log = logging.getLogger("atelier")
 
@@ -41,7 +41,7 @@ class RunFolder:
         self.main = main  # several processes: only rank 0 writes events and answers control requests
         for sub in ("samples", "backups", "control"):
             (self.path / sub).mkdir(parents=True, exist_ok=True)
-        self.events = EventWriter(self.path / "events.jsonl", enabled=main, reserve=True)
+        self.events = SummaryWriter(self.path / "events.jsonl", enabled=main, reserve=True)
         if main:  # a save killed half-way (kill -9, power loss) left temporaries: this trainer holds the folder
             for folder in (self.path, self.path / "backups", self.path / "samples"):
                 for name in remove_stale_temps(folder):

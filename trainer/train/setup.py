@@ -142,7 +142,9 @@ def setup(state: RunState) -> None:
             text_fingerprint=state.model.text_fingerprint(ModelSettings(cfg)),
             text_controls=state.model.text_sees_controls,  # its text features depend on the control images
             # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
-            inpaint_fn=state.model.encode_masked_images if getattr(state.model, "inpainting", False) else None)
+            inpaint_fn=state.model.encode_masked_images if getattr(state.model, "inpainting", False) else None,
+            # image-to-video: each window's first frame conditions the model (cached beside the latents)
+            first_frame_fn=state.model.encode_first_frames if getattr(state.model, "image_to_video", False) else None)
     if state.text_offload is not None:
         state.text_offload.encoders_out()  # the denoiser back on the device for training
     state.tb = None

@@ -3,7 +3,8 @@
 The tab shows the run folder (through the shared :class:`~webui.monitor.RunMonitor`), so the page holds no
 state of its own: a reload, a second browser or a restarted UI shows the same run. It is refreshed when what it
 would show changed (:mod:`webui.changes` asks for :func:`signature` and clicks the hidden refresh button), and
-each output is only re-sent when it changed (``gr.skip()``), which keeps the gallery still.
+each output is only made and re-sent when its signature changed (``gr.skip()``), which keeps the gallery still; the
+signatures are a few numbers and file stats, so asking for them costs the same at step 100 and at step 500,000.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from webui import runner
 from webui.context import AUTO, AppContext
 from webui.downloads import human_size, result_file, zip_for_page
 from webui.mdtext import md_escape, md_fence
-from webui.monitor import RunView, downsample, format_duration, log_tail, smooth
+from webui.monitor import RunView, format_duration, log_tail
 
 STATE_WORDS = {"new": "Not started", "starting": "Starting…", "running": "Running", "stopping": "Stopping…",
                "finished": "Finished", "stopped": "Stopped", "failed": "Failed", "died": "Ended unexpectedly"}
@@ -68,13 +69,12 @@ def build(ctx: AppContext) -> None:
         run_dir = ctx.resolve_watched(selected)
         view = ctx.monitor.view(run_dir) if run_dir else None
         new = dict(last or {})
-        parts = render(ctx, view, run_dir, sample_order)
         out: List[Any] = []
-        for name, value, sig in parts:
+        for name, make, sig in parts(ctx, view, sample_order):  # an output is made only when it is sent
             if name == "action":
                 clicked = new.get("action")
                 if _click_settling(clicked, sig):
-                    out.append(value)  # see with_fresh_action: cleared on every tick until the click is old
+                    out.append(make())  # see with_fresh_action: cleared on every tick until the click is old
                     continue
                 if isinstance(clicked, tuple) and len(clicked) == 3 and clicked[:2] == sig:
                     out.append(gr.skip())  # the run the click was for still runs: its message stays
@@ -83,7 +83,7 @@ def build(ctx: AppContext) -> None:
                 out.append(gr.skip())
             else:
                 new[name] = sig
-                out.append(value)
+                out.append(make())
         names = ctx.run_names()
         if new.get("names") != names:
             new["names"] = names
@@ -101,7 +101,7 @@ def build(ctx: AppContext) -> None:
         selected = params.get("run") or AUTO
         run_dir = ctx.resolve_watched(selected)
         view = ctx.monitor.view(run_dir) if run_dir else None
-        sigs = [sig for _, _, sig in render(ctx, view, run_dir, params.get("order") or "newest first")]
+        sigs = [sig for _, _, sig in parts(ctx, view, params.get("order") or "newest first")]  # nothing is made
         return (sigs, ctx.run_names()), bool(view is not None and view.active)
 
     ctx.handlers["watch_run"] = watch
@@ -164,30 +164,42 @@ def _click_settling(seen_action: Any, sig: Any) -> bool:
             and time.time() - float(seen_action[2]) < ACTION_SETTLE_S)
 
 
-def render(ctx: AppContext, view: Optional[RunView], run_dir: Optional[Path], order: str) -> List[tuple]:
-    """(name, value, signature) for each live output."""
+def parts(ctx: AppContext, view: Optional[RunView], order: str) -> List[tuple]:
+    """(name, function making the value, signature) for each live output. The signatures cost a few numbers and
+    file stats (the change check asks for them every second); a value is made only when its signature changed."""
     if view is None:
-        return [("status", status_html(None), "none"), ("loss", None, "none"), ("lr", None, "none"),
-                ("gallery", [], "none"), ("problems", "", "none"), ("log", "", "none"),
-                ("download", gr.DownloadButton(visible=False), "none"),
-                ("stop", gr.Button(variant="secondary", interactive=False), "none"), ("action", "", "none")]
+        none = [("status", lambda: status_html(None)), ("loss", lambda: None), ("lr", lambda: None),
+                ("gallery", lambda: []), ("problems", lambda: ""), ("log", lambda: ""),
+                ("download", lambda: gr.DownloadButton(visible=False)),
+                ("stop", lambda: gr.Button(variant="secondary", interactive=False)), ("action", lambda: "")]
+        return [(name, make, "none") for name, make in none]
     sig = (view.name, view.version, view.state)
-    loss, lr = chart_frames(view)
-    samples = gallery_items(view, order)
-    log = log_tail(view.path)
-    return [("status", status_html(view), (sig, view.step, view.message)),
-            ("loss", loss, (view.name, len(view.loss_points), view.loss_points[-1:] if view.loss_points else 0)),
-            ("lr", lr, (view.name, len(view.lr_points))),
-            ("gallery", samples, (view.name, order, tuple(p for p, _ in samples))),
-            ("problems", problems_md(view), (sig, view.message, len(view.warnings))),
-            ("log", log_html(log), (view.name, hash(log))),
-            ("download", download_button(view, ctx.roots.allowed), (view.name, tuple(view.outputs))),
+    return [("status", lambda: status_html(view), (sig, view.step, view.message)),
+            ("loss", lambda: loss_frame(view),
+             (view.name, view.loss_count, view.loss_points[-1:] if view.loss_points else 0)),
+            ("lr", lambda: lr_frame(view), (view.name, view.lr_count)),
+            ("gallery", lambda: gallery_items(view, order), (view.name, order, view.samples_key)),
+            ("problems", lambda: problems_md(view), (sig, view.message, view.warning_count)),
+            ("log", lambda: log_html(log_tail(view.path)), (view.name, log_key(view.path))),
+            ("download", lambda: download_button(view, ctx.roots.allowed), (view.name, tuple(view.outputs))),
             # Stop is red and clickable only while there is something to stop
-            ("stop", gr.Button(variant="stop" if view.active else "secondary", interactive=view.active),
+            ("stop", lambda: gr.Button(variant="stop" if view.active else "secondary", interactive=view.active),
              (view.name, view.active)),
             # "Stopping… press Stop again" and the like belong to one run while it runs: cleared when it ends or
             # another run is shown
-            ("action", "", (view.name, view.state in TERMINAL or view.state in ("died", "new")))]
+            ("action", lambda: "", (view.name, view.state in TERMINAL or view.state in ("died", "new")))]
+
+
+def log_key(run_dir: Path) -> tuple:
+    """Size and mtime of the logs the tab shows the end of: they change when a line is written."""
+    out = []
+    for name in ("train.log", runner.PROCESS_LOG):
+        try:
+            st = (run_dir / name).stat()
+            out.append((st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def download_button(view: RunView, served=lambda p: True) -> Any:
@@ -229,21 +241,23 @@ def status_html(view: Optional[RunView]) -> str:
 
 
 def chart_frames(view: RunView) -> tuple[Optional[pd.DataFrame], Optional[pd.DataFrame]]:
-    """Loss (raw + smoothed) and LR frames for gr.LinePlot; None while there is no data, because
-    a plot first given an empty frame types its colour column wrongly and never draws lines."""
-    pts = view.loss_points
-    loss = lr = None
-    if pts:
-        steps = [s for s, _ in pts]
-        values = [v for _, v in pts]
-        rows = [(s, v, "loss") for s, v in zip(steps, values)]
-        rows += [(s, v, "smoothed") for s, v in zip(steps, smooth(values))]
-        loss = pd.DataFrame(downsample(rows[:len(pts)], 500) + downsample(rows[len(pts):], 500),
-                            columns=["step", "value", "series"])
-    if view.lr_points:
-        lr = pd.DataFrame([(s, v, g) for s, g, v in downsample(view.lr_points, 800)],
-                          columns=["step", "value", "series"])
-    return loss, lr
+    """Loss (raw + smoothed) and LR frames for gr.LinePlot, from the view's bounded curves (a few hundred points
+    whatever the run's length); None while there is no data, because a plot first given an empty frame types its
+    colour column wrongly and never draws lines."""
+    return loss_frame(view), lr_frame(view)
+
+
+def loss_frame(view: RunView) -> Optional[pd.DataFrame]:
+    if not view.loss_points:
+        return None
+    rows = [(s, v, "loss") for s, v in view.loss_points] + [(s, v, "smoothed") for s, v in view.smooth_points]
+    return pd.DataFrame(rows, columns=["step", "value", "series"])
+
+
+def lr_frame(view: RunView) -> Optional[pd.DataFrame]:
+    if not view.lr_points:
+        return None
+    return pd.DataFrame([(s, v, g) for s, g, v in view.lr_points], columns=["step", "value", "series"])
 
 
 def gallery_items(view: RunView, order: str, limit: int = 48) -> List[tuple]:

@@ -17,7 +17,7 @@ from webui.context import AUTO, AppContext
 from webui.downloads import DOWNLOADS, human_size, zip_for_page
 from webui.form import load_outputs, load_updates
 from webui.jobqueue import Job
-from webui.monitor import age, downsample, smooth
+from webui.monitor import age
 from webui.tabs.config_bar import write_draft
 from webui.tabs.run import STATE_WORDS, chart_frames, download_button, gallery_items
 
@@ -25,9 +25,11 @@ COLUMNS = ["run", "state", "steps", "last loss", "started", "backups", "outputs"
 
 
 def runs_table(ctx: AppContext) -> pd.DataFrame:
+    """One row a run, from each run's kept summary (the trainer's, then only the events since): never a whole
+    events file once a run has been read, however long it is."""
     rows = []
     for d in runner.list_run_dirs(ctx.workspace):
-        v = ctx.monitor.view(d)
+        v = ctx.monitor.row(d)
         rows.append([v.name, STATE_WORDS.get(v.state, v.state), f"{v.step}/{v.total_steps or '?'}",
                      "" if v.loss is None else f"{v.loss:.4g}", age(v.started_at), len(v.backups),
                      ", ".join(Path(p).name for p in v.outputs)])
@@ -37,7 +39,8 @@ def runs_table(ctx: AppContext) -> pd.DataFrame:
 def build(ctx: AppContext) -> None:
     with gr.Row():
         refresh = gr.Button("Refresh", size="sm", scale=0, elem_id="runs-refresh")
-    table = gr.Dataframe(runs_table(ctx), interactive=False, elem_id="runs-table", wrap=True)
+    # filled when a page loads and when the tab is chosen (app.py): building the page reads no run
+    table = gr.Dataframe(pd.DataFrame([], columns=COLUMNS), interactive=False, elem_id="runs-table", wrap=True)
     with gr.Row(equal_height=True):
         pick = gr.Dropdown(ctx.run_names(), label="Run", elem_id="runs-pick", scale=3)
         watch = gr.Button("Watch in Run tab", scale=1, elem_id="runs-watch")
@@ -203,11 +206,7 @@ def build(ctx: AppContext) -> None:
 
 def compare_frame(views: List[Any]) -> Optional[pd.DataFrame]:
     """Each run's smoothed loss on one chart (one colour per run); None while no run has a loss yet."""
-    rows = []
-    for v in views:
-        if v.loss_points:
-            steps = [s for s, _ in v.loss_points]
-            rows += downsample([(s, val, v.name) for s, val in zip(steps, smooth([x for _, x in v.loss_points]))], 500)
+    rows = [(s, val, v.name) for v in views for s, val in v.smooth_points]
     return pd.DataFrame(rows, columns=["step", "value", "series"]) if rows else None
 
 

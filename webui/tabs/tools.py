@@ -18,6 +18,8 @@ from trainer.config.load import compose_dict, to_yaml
 from trainer.data.report import build_report, concept_pairs, format_report
 from trainer.errors import ConfigError
 from trainer.host import procs
+from trainer.tools.captioners.vlm import DEFAULT_VLM, STYLES
+from trainer.tools.captioners.wd import DEFAULT_WD_TAGGER
 from webui import captions, maskpaint, pairs, runner
 from webui.context import AppContext, issues_md
 from webui.runner import runs_root
@@ -355,13 +357,52 @@ def model_tools(ctx: AppContext) -> None:
 
 
 MASK_METHODS = {"what the prompt names (CLIPSeg)": "clipseg", "the subject: remove the background (SAM)": "subject"}
+# the page's captioner choice → the model used when the Model box is empty ("" = the command's default, BLIP)
+CAPTIONERS = {"WD tagger: booru tags (ONNX)": DEFAULT_WD_TAGGER,
+              "vision-language model: sentences (Qwen2.5-VL, Qwen3-VL, JoyCaption)": DEFAULT_VLM,
+              "the model given (BLIP when empty), Florence-2": ""}
+# after a caption run: the folder opens in the caption editor below (a click on its Open button, in the browser)
+OPEN_IN_EDITOR_JS = """(tool, folder) => {
+  if (tool !== 'caption' || !folder) return;
+  const box = document.querySelector('#cap-folder textarea, #cap-folder input');
+  const open = document.querySelector('#cap-open');
+  if (!box || !open) return;
+  box.value = folder;
+  box.dispatchEvent(new Event('input', {bubbles: true}));
+  const editor = document.querySelector('#caption-editor');
+  const closed = editor && editor.querySelector('.label-wrap:not(.open)');
+  if (closed) closed.click();
+  setTimeout(() => open.click(), 300);
+}"""
+
+
+def caption_flags(*, style: str = "", max_new_tokens: Optional[float] = None, four_bit: bool = False,
+                  control: str = "", character_threshold: Optional[float] = None, mcut: bool = False,
+                  ratings: bool = False, exclude: str = "", append: bool = False, yes: bool = False) -> List[str]:
+    """The caption command's options the page sets (tagger, vision-language model, batch)."""
+    argv: List[str] = []
+    if control.strip():
+        argv += ["--style", "edit", "--control", control.strip()]
+    elif style:
+        argv += ["--style", style]
+    if max_new_tokens:
+        argv += ["--max-new-tokens", str(int(max_new_tokens))]
+    if four_bit:
+        argv.append("--load-in-4bit")
+    if character_threshold:
+        argv += ["--character-threshold", f"{float(character_threshold):g}"]
+    argv += (["--use-mcut"] if mcut else []) + (["--rating-tags"] if ratings else [])
+    if exclude.strip():
+        argv += ["--exclude-tags", exclude.strip()]
+    return argv + (["--append"] if append else []) + (["--yes"] if yes else [])
 
 
 def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = "", suffix: str = "",
                     overwrite: bool = False, recursive: bool = False, prompt: str = "",
                     threshold: Optional[float] = None, invert: bool = False,
-                    method: str = "clipseg") -> Tuple[List[str], str]:
-    """The arguments after ``python -m trainer`` for caption/mask, or ([], what is missing)."""
+                    method: str = "clipseg", extra: Optional[List[str]] = None) -> Tuple[List[str], str]:
+    """The arguments after ``python -m trainer`` for caption/mask, or ([], what is missing); ``extra``: more of
+    the caption command's options (:func:`caption_flags`)."""
     if tool not in ("caption", "mask"):
         return [], "pick caption or mask"
     if not folder:
@@ -371,6 +412,7 @@ def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = ""
         argv += ["--model", model.strip()]
     if tool == "caption":
         argv += (["--prefix", prefix] if prefix.strip() else []) + (["--suffix", suffix] if suffix.strip() else [])
+        argv += list(extra or [])
     else:
         prompts = [p.strip() for p in prompt.split(",") if p.strip()]
         if method == "subject":
@@ -386,7 +428,7 @@ def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = ""
         argv += ["--threshold", f"{float(threshold):g}"]
     if recursive:
         argv.append("--recursive")
-    if overwrite:
+    if overwrite and "--append" not in argv:
         argv.append("--overwrite")
     return argv, ""
 
@@ -394,16 +436,23 @@ def dataset_command(tool: str, folder: str, *, model: str = "", prefix: str = ""
 def dataset_tools(ctx: AppContext) -> None:
     """Caption a folder of images, or make masks from a text prompt (python -m trainer caption|mask)."""
     with gr.Accordion("Dataset tools: captions and masks", open=False, elem_id="tools-dataset"):
-        gr.Markdown("Write `<image>.txt` captions with a captioning model (BLIP, Florence-2) or a tagger, or "
+        gr.Markdown("Write `<image>.txt` captions with a WD tagger (booru tags), a vision-language model "
+                    "(sentences; edit pairs: the change from each control image to its image) or BLIP/Florence-2, or "
                     "`<image>-masklabel.png` masks (white = train) from a text prompt with CLIPSeg, or around "
-                    "each image's subject with Segment Anything (background removal). Existing "
-                    "files are kept unless *Overwrite* is ticked. The model is downloaded on first use.")
+                    "each image's subject with Segment Anything (background removal). Images that have a file "
+                    "are skipped unless *Overwrite* or *Append* is ticked, so running again resumes a stopped run. "
+                    "The model is downloaded on first use; the captions open in the caption editor below.")
         with gr.Row():
             tool = gr.Radio(["caption", "mask"], value="caption", label="Tool", elem_id="tools-data-tool")
             recursive = gr.Checkbox(label="Sub-folders too", value=False, elem_id="tools-data-recursive")
             overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-data-overwrite")
-        folder = gr.Textbox(label="Folder of images", elem_id="tools-data-folder")
-        model = gr.Textbox(label="Model (hub id or folder; empty = the tool's default)", elem_id="tools-data-model")
+            append = gr.Checkbox(label="Caption: append to existing captions", value=False,
+                                 elem_id="tools-data-append")
+        folder = gr.Textbox(label="Folder of images (a concept's folder)", elem_id="tools-data-folder")
+        captioner = gr.Radio(list(CAPTIONERS), value=next(iter(CAPTIONERS)), label="Caption with",
+                             elem_id="tools-data-captioner")
+        model = gr.Textbox(label="Model (hub id or folder; empty = the captioner's default)",
+                           placeholder=DEFAULT_WD_TAGGER, elem_id="tools-data-model")
         with gr.Row():
             prefix = gr.Textbox(label="Caption: prefix (e.g. the trigger word)", elem_id="tools-data-prefix")
             suffix = gr.Textbox(label="Caption: suffix", elem_id="tools-data-suffix")
@@ -412,27 +461,56 @@ def dataset_tools(ctx: AppContext) -> None:
             prompt = gr.Textbox(label="Mask: what to keep (e.g. dog)", elem_id="tools-data-prompt")
             threshold = gr.Number(label="Threshold (empty = default)", value=None, elem_id="tools-data-threshold")
             invert = gr.Checkbox(label="Mask: invert", value=False, elem_id="tools-data-invert")
+        with gr.Accordion("Captioner options", open=False, elem_id="tools-data-options"):
+            with gr.Row():
+                character = gr.Number(label="Tagger: character threshold (empty = the threshold)", value=None,
+                                      elem_id="tools-data-character")
+                mcut = gr.Checkbox(label="Tagger: MCut thresholds", value=False, elem_id="tools-data-mcut")
+                ratings = gr.Checkbox(label="Tagger: rating tag first", value=False, elem_id="tools-data-ratings")
+                exclude = gr.Textbox(label="Tagger: never write these tags (commas)", elem_id="tools-data-exclude")
+            with gr.Row():
+                style = gr.Dropdown(list(STYLES), value="detailed", label="Vision-language: style",
+                                    elem_id="tools-data-style")
+                new_tokens = gr.Number(label="Vision-language: longest caption in tokens (empty = the style's)",
+                                       value=None, precision=0, elem_id="tools-data-tokens")
+                four_bit = gr.Checkbox(label="Vision-language: 4-bit (CUDA)", value=False, elem_id="tools-data-4bit")
+                yes = gr.Checkbox(label="Start a large model on the CPU anyway", value=False, elem_id="tools-data-yes")
+            control = gr.Textbox(label="Edit pairs: folder of the images before the edit (paired by name; sets the "
+                                       "edit style)", elem_id="tools-data-control")
         go, cancel, msg, tail = run_controls("tools-data", "Run")
 
     def run(tool_v, folder_v, model_v, prefix_v, suffix_v, prompt_v, threshold_v, invert_v, recursive_v,
-            overwrite_v, method_v=next(iter(MASK_METHODS))) -> List[Any]:
+            overwrite_v, method_v=next(iter(MASK_METHODS)), captioner_v="", append_v=False, character_v=None,
+            mcut_v=False, ratings_v=False, exclude_v="", style_v="", tokens_v=None, four_bit_v=False, yes_v=False,
+            control_v="") -> List[Any]:
         confine = ctx.allowed_path
         folder_v, why = confine(folder_v, "The folder")
         model_v, why_model = confine(model_v, "The model")
-        if why or why_model:
-            yield [f"⛔ {why or why_model}", ""]
+        control_v, why_control = confine(control_v, "The control folder") if (control_v or "").strip() else ("", "")
+        if why or why_model or why_control:
+            yield [f"⛔ {why or why_model or why_control}", ""]
             return
+        if tool_v == "caption" and not (model_v or "").strip():
+            model_v = CAPTIONERS.get(captioner_v or "", "")
+        vlm = tool_v == "caption" and captioner_v and CAPTIONERS.get(captioner_v) == DEFAULT_VLM
+        extra = caption_flags(style=style_v if vlm else "", max_new_tokens=tokens_v if vlm else None,
+                              four_bit=bool(four_bit_v) and bool(vlm), control=control_v or "",
+                              character_threshold=character_v, mcut=bool(mcut_v), ratings=bool(ratings_v),
+                              exclude=exclude_v or "", append=bool(append_v), yes=bool(yes_v))
         argv, missing = dataset_command(tool_v, folder_v, model=model_v, prefix=prefix_v or "", suffix=suffix_v or "",
                                         overwrite=bool(overwrite_v), recursive=bool(recursive_v),
                                         prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v),
-                                        method=MASK_METHODS.get(method_v, "clipseg"))
+                                        method=MASK_METHODS.get(method_v, "clipseg"), extra=extra)
         if not argv:
             yield [f"⛔ {tool_v}: {missing}.", ""]
             return
         yield from progress_updates(argv)
 
     ctx.handlers["tools_dataset_run"] = run
-    job = go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite, method],
-                   [msg, tail])
+    job = go.click(run, [tool, folder, model, prefix, suffix, prompt, threshold, invert, recursive, overwrite, method,
+                         captioner, append, character, mcut, ratings, exclude, style, new_tokens, four_bit, yes,
+                         control], [msg, tail])
+    job.then(None, [tool, folder], None, js=OPEN_IN_EDITOR_JS)
+    captioner.change(lambda c: gr.update(placeholder=CAPTIONERS.get(c) or "Salesforce/blip-image-captioning-base"),
+                     [captioner], [model])
     cancel.click(lambda: "Cancelled: the tool was stopped (files it finished are kept).", None, [msg], cancels=[job])
-

@@ -24,4 +24,5 @@ INFO = FamilyInfo(
     quick_start=(QuickChoice("chroma", "Chroma", {"lora": "chroma-lora"}),),
     # ChromaPipeline's own: 35 steps at CFG 5
     sample_defaults={"chroma": SampleDefaults(35, 5.0, "", "ChromaPipeline")},
+    dynamic_shift_variants=("chroma",),  # the scheduler shifts by the image size (use_dynamic_shifting)
 )

@@ -133,6 +133,8 @@ def config_folder(variant: str, cache_root: Path, prediction_type: Optional[str]
                 shutil.copyfile(src, dst)
         for component, values in spec["configs"].items():
             path = tmp / component / "config.json"
+            if not path.is_file():  # an image processor's settings
+                path = tmp / component / "preprocessor_config.json"
             path.write_text(json.dumps(_merge(json.loads(path.read_text(encoding="utf-8")), values), indent=2) + "\n",
                             encoding="utf-8")
         for tokenizer, length in spec.get("max_length", {}).items():

@@ -27,6 +27,7 @@ INFO = FamilyInfo(
     finetune_slots=("unet",),
     # dev and Kontext are guidance-distilled (guidance_embeds); schnell has no guidance embedding
     guidance_variants=("flux-dev", "flux-kontext"),
+    dynamic_shift_variants=("flux-dev", "flux-kontext"),  # schnell's scheduler: a fixed shift of 1
     own_fields=("model.guidance_scale",),
     # Kontext edits one image: each target pairs with one control image (the source it was edited from)
     controls={"flux-kontext": (1, 1)},

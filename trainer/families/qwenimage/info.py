@@ -47,4 +47,5 @@ INFO = FamilyInfo(
         **{v: SampleDefaults(40, 4.0, "", "QwenImageEditPlusPipeline", guidance_arg="true_cfg_scale",
                              differs=("steps",), why="the Qwen-Image-Edit-2509/2511 model cards: 40 steps")
            for v in ("qwen-image-edit-2509", "qwen-image-edit-2511")}},
+    dynamic_shift_variants=VARIANTS,  # the scheduler shifts by the image size (use_dynamic_shifting)
 )

@@ -18,6 +18,12 @@ What differs, and where it lives here:
   file (keys.py). Single files in: the transformer, with VAE, UMT5 and tokenizer from ``model.config_path`` (a
   diffusers Wan folder or hub id; default Wan-AI/Wan2.1-T2V-1.3B-Diffusers).
 - Samples are videos (``WanPipeline`` at the training size, ``sampling.frames`` frames).
+- Image-to-video (Wan 2.1 I2V 14B, Wan 2.2 I2V A14B: ``WanImageToVideoPipeline``): each window's first frame becomes
+  the condition the pipeline builds from a start image (first_frame.py), computed once with the latents
+  (``encode_first_frames``: the data pipeline caches it in its own entries beside the latents), concatenated to the
+  noisy latents (``model_input``) and, for Wan 2.1, its CLIP features passed to the transformer (``predict``).
+  Neither diffusers nor musubi-tuner drops the image condition (their unconditional pass keeps it), so no
+  conditioning dropout here beyond the captions'. Samples start from ``sampling.prompts.N.image``.
 - Wan 2.2 TI2V-5B (``wan22-ti2v-5b``): the 2.2 VAE (48 channels, 16× in space), the pipeline's ``expand_timesteps``:
   the transformer gets one timestep per latent token ([B, F'·H'/2·W'/2], all equal in text-to-video), as the
   pipeline passes them; 24 fps (its samples are written at that rate).
@@ -30,8 +36,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file
-from diffusers import WanPipeline, WanTransformer3DModel
+from diffusers import WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from PIL import Image
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -45,6 +52,14 @@ from trainer.families.common.transformer_kit import (
 )
 from trainer.families.sources import classify_source, detect_source_family
 from trainer.families.wan.experts import LOW_FILE_PREFIX, LOW_SUFFIX, TwoExperts, split_experts
+from trainer.families.wan.first_frame import (
+    ImageText,
+    PromptFirst,
+    condition_video,
+    first_frame_mask,
+    frames_as_images,
+)
+from trainer.families.wan.info import IMAGE_TO_VIDEO, T2V_14B
 from trainer.families.wan.keys import (
     config_from_original,
     diffusers_to_original,
@@ -55,16 +70,22 @@ from trainer.objectives import FlowMatchingObjective
 
 # model.config_path's default for a single file of each variant
 A14B = "wan22-t2v-a14b"
+I2V_A14B = "wan22-i2v-a14b"
+EXPERTS = (A14B, I2V_A14B)  # two experts split at the pipeline's boundary_ratio
 OFFICIAL = {"wan21-t2v": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan22-ti2v-5b": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-            A14B: "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
+            A14B: "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "wan21-i2v": "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+            I2V_A14B: "Wan-AI/Wan2.2-I2V-A14B-Diffusers"}
 MODELSPEC = {"wan21-t2v": ("wan-2.1-t2v", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_t2v"),
              "wan22-ti2v-5b": ("wan-2.2-ti2v-5b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_ti2v_5b"),
-             A14B: ("wan-2.2-t2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_t2v_a14b")}
+             A14B: ("wan-2.2-t2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_t2v_a14b"),
+             "wan21-i2v": ("wan-2.1-i2v-14b", "https://github.com/Wan-Video/Wan2.1", "wan_2_1_i2v_14b"),
+             I2V_A14B: ("wan-2.2-i2v-a14b", "https://github.com/Wan-Video/Wan2.2", "wan_2_2_i2v_a14b")}
 MAX_TOKENS = 512  # WanPipeline's max_sequence_length
 LORA_PREFIX = "diffusion_model"  # ComfyUI's key map for Wan (and diffusers' converter) read this prefix
 LOW_MARK = "@low@"  # both A14B experts: marks the low expert's module paths on their way to LOW_FILE_PREFIX keys
 ATTN = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-        "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
+        "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
+        "attn2.add_k_proj", "attn2.add_v_proj"]  # Wan 2.1 I2V's image key/value (k_img/v_img), as musubi-tuner's LoRA
 FFN = ["ffn.net.0.proj", "ffn.net.2"]
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + FFN,
            # the shared time/text embedders, the time projection and the output head too (diffusers' converter and
@@ -108,6 +129,8 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
     targets = TARGETS
     modelspec = MODELSPEC["wan21-t2v"]
     expand_timesteps = False  # Wan 2.2 TI2V-5B: a timestep per latent token
+    image_to_video = False  # the transformer takes a start frame's condition (first_frame.py)
+    image_encoder: Any = None  # Wan 2.1 I2V: CLIP ViT-H/14
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         self.source = classify_source(mcfg.path, workspace)
@@ -118,21 +141,35 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
             self.family = A14B  # one expert's file has Wan 2.1 14B's keys: only model.family tells
         self.modelspec = MODELSPEC[self.family]
         self.fps = self.info.video_for(self.family).fps
-        self.expert = str(getattr(mcfg, "wan_expert", "low")) if self.family == A14B else ""
+        self.expert = str(getattr(mcfg, "wan_expert", "low")) if self.family in EXPERTS else ""
+        self.image_to_video = self.family in IMAGE_TO_VIDEO
+        pipeline_cls = WanImageToVideoPipeline if self.image_to_video else WanPipeline
         dtypes = self._storage_dtypes(mcfg, transformer="unet", text_encoder="text_encoder")
+        if self.image_to_video:  # Wan 2.1 I2V's CLIP: frozen, in the text encoder's dtype
+            dtypes["image_encoder"] = dtypes["text_encoder"]
         if self.source.kind == "single_file":  # an A14B expert's file: the one model.wan_expert trains
-            pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=WanPipeline,
+            pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=pipeline_cls,
                                                   transformer_cls=WanTransformer3DModel, config=config_from_original,
                                                   to_diffusers=original_to_diffusers, official=OFFICIAL[self.family],
                                                   layout="the original Wan layout",
                                                   component="transformer_2" if self.expert == "low" else "transformer")
         else:
-            pipe = sources.load_pipeline(WanPipeline, self.source, mcfg, workspace, family=self.family, dtype=dtypes)
+            # family: which full-size configs the VRAM estimate builds for a hub id (the 14B's where it names 14B)
+            sized = T2V_14B if self.family == "wan21-t2v" and self.source.kind == "hub" \
+                and "14b" in str(self.source.location).lower() else self.family
+            pipe = sources.load_pipeline(pipeline_cls, self.source, mcfg, workspace, family=sized, dtype=dtypes)
         self.expand_timesteps = bool(pipe.config.get("expand_timesteps", False))
         self.boundary_ratio = pipe.config.get("boundary_ratio")
         self.other = None  # A14B: the expert that does not train (samples need it), kept in CPU RAM
         self.transformer, self.vae = pipe.transformer, pipe.vae
-        if self.family == A14B:
+        self.image_encoder = getattr(pipe, "image_encoder", None)
+        self.image_processor = getattr(pipe, "image_processor", None)
+        if self.family == "wan21-i2v" and (self.image_encoder is None or self.image_processor is None):
+            raise ModelLoadError(f"model.path '{self.source.display}': Wan 2.1 I2V needs its CLIP image encoder "
+                                 "(image_encoder/ and image_processor/ of a WanImageToVideoPipeline folder); point "
+                                 "model.path (or model.config_path, for a single file) at its diffusers folder.",
+                                 key="model.path", value=self.source.display)
+        if self.family in EXPERTS:
             if self.boundary_ratio is None or getattr(pipe, "transformer_2", None) is None:
                 raise ModelLoadError(f"model.path '{self.source.display}': a Wan 2.2 A14B model needs both experts "
                                      "(transformer/ and transformer_2/) and the pipeline's boundary_ratio; point "
@@ -146,7 +183,7 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
-        boundary = float(self.boundary_ratio) if self.family == A14B and self.expert != "both" else None
+        boundary = float(self.boundary_ratio) if self.family in EXPERTS and self.expert != "both" else None
         # an A14B expert trains on its own σ range, split where the pipeline switches experts (t ≥ boundary·1000:
         # the high-noise one), as musubi-tuner's --timestep_boundary; the shape of the distribution is kept
         self.objective = FlowMatchingObjective(
@@ -155,7 +192,8 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS),
                                        int(self.tokenizer.model_max_length))
         self.device = torch.device(device)
-        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
+        self._place_frozen(dtypes, ("transformer", "text_encoder", "vae")
+                           + (("image_encoder",) if self.image_encoder is not None else ()))
         if self.other is not None:  # frozen, in the trained expert's storage dtype, on the CPU until a sample
             self.other.requires_grad_(False).eval().to("cpu", dtype=dtypes["transformer"])
         if getattr(mcfg, "attention", "sdpa") == "xformers":
@@ -193,6 +231,26 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(view)
         return (mean + std * eps - shift) / scale
 
+    def encode_first_frames(self, pixels) -> Dict[str, Any]:
+        """Image-to-video: what each clip's first frame conditions (first_frame.py), for the data cache: the
+        condition latents [B, 16, F', h, w] (normalised), and for Wan 2.1 the CLIP image features [B, N, D]; on the
+        CPU in fp32."""
+        clip = pixels if pixels.ndim == 5 else pixels.unsqueeze(2)
+        with torch.no_grad():
+            dist = self.vae.encode(condition_video(clip).to(self.device, dtype=self.vae.dtype)).latent_dist
+            mean = dist.mean.float()
+            c = self.vae.config
+            view = (1, -1, 1, 1, 1)
+            shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=mean.device).view(view)
+            scale = 1.0 / torch.tensor(c.latents_std, dtype=mean.dtype, device=mean.device).view(view)
+            out = {"latents": ((mean - shift) * scale).cpu()}
+            if self.image_encoder is not None:  # WanImageToVideoPipeline.encode_image
+                inputs = self.image_processor(images=frames_as_images(clip[:, :, 0]), return_tensors="pt")
+                pixel_values = inputs["pixel_values"].to(self.device, dtype=self.image_encoder.dtype)
+                hidden = self.image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
+                out["image_embeds"] = hidden.float().cpu()
+        return out
+
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
         """As ``WanPipeline._get_t5_prompt_embeds``: (features [B, L, D] zero after the real tokens, their mask)."""
@@ -205,7 +263,32 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         keep = mask.gt(0)
         return hidden * keep.unsqueeze(-1).to(hidden.dtype), keep
 
+    def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        """The text conditioning; Wan 2.1 I2V adds the start frames' CLIP features (never dropped: the pipelines'
+        unconditional pass keeps them too)."""
+        text = super().batch_condition(batch, expand, train_text, drop_te1, drop_te2)
+        if self.image_encoder is None:
+            return text
+        embeds = self._first_frame(batch)["image_embeds"].to(self.device)
+        return ImageText(text.prompt_embeds, text.prompt_mask, embeds)
+
+    def _first_frame(self, batch: Dict[str, Any]) -> Dict[str, Any]:
+        first = batch.get("first_frame")
+        if first is None:
+            raise ValueError("an image-to-video Wan model trains on batches with their first frames' condition "
+                             "(batch['first_frame']: DataPipeline.prepare(first_frame_fn=encode_first_frames))")
+        return first
+
     # --- the denoiser -------------------------------------------------------------------------
+    def model_input(self, noisy_latents, batch: Dict[str, Any], generator=None, warn=None):
+        """Image-to-video: noisy latents ‖ mask ‖ first-frame latents (36 channels), as the pipeline's each step."""
+        if not self.image_to_video:
+            return noisy_latents
+        video = noisy_latents if noisy_latents.ndim == 5 else noisy_latents.unsqueeze(2)
+        condition = self._first_frame(batch)["latents"].to(video.device, video.dtype)
+        mask = first_frame_mask(condition, self.temporal_factor)
+        return torch.cat([video, mask, condition], dim=1)
+
     def predict(self, model_input, timesteps, conditioning):
         dtype, device = model_input.dtype, model_input.device
         video = model_input if model_input.ndim == 5 else model_input.unsqueeze(2)
@@ -217,7 +300,11 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
             p_t, p_h, p_w = self.transformer.config.patch_size
             tokens = (video.shape[2] // p_t) * (video.shape[3] // p_h) * (video.shape[4] // p_w)
             t = t.view(-1, 1).expand(-1, tokens)
-        out = self.transformer(hidden_states=video, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
+        extra = {}
+        if getattr(conditioning, "image_embeds", None) is not None:  # Wan 2.1 I2V: the start frame's CLIP features
+            extra["encoder_hidden_states_image"] = conditioning.image_embeds.to(device, dtype)
+        out = self.transformer(hidden_states=video, timestep=t, encoder_hidden_states=embeds, return_dict=False,
+                               **extra)[0]
         return out if model_input.ndim == 5 else out.squeeze(2)
 
     # --- sampling ---------------------------------------------------------------------------
@@ -229,14 +316,30 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         elif self.other is not None:  # A14B: the high-noise expert is the pipeline's transformer
             high, low = (self.transformer, self.other) if self.expert == "high" else (self.other, self.transformer)
             experts = {"transformer": high, "transformer_2": low, "boundary_ratio": self.boundary_ratio}
-        pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
-                           scheduler=self._sched_class.from_config(self._sched_config),
-                           expand_timesteps=self.expand_timesteps, **experts)
+        if self.image_to_video:
+            experts.update(image_encoder=self.image_encoder, image_processor=self.image_processor)
+        pipeline_cls = WanImageToVideoPipeline if self.image_to_video else WanPipeline
+        pipe = pipeline_cls(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=self.vae,
+                            scheduler=self._sched_class.from_config(self._sched_config),
+                            expand_timesteps=self.expand_timesteps, **experts)
         pipe.set_progress_bar_config(disable=True)
+        if self.image_to_video:
+            pipe = PromptFirst(pipe, lambda texts: self._encode(texts)[0])
         return pipe if self.other is None else OtherExpertOnDevice(pipe, self.other, self.device)
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
+
+    def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
+        """Image-to-video: the prompt's start image (``image``; validate refuses a prompt without one)."""
+        if not self.image_to_video:
+            return {}
+        path = str(getattr(sample_prompt, "image", "") or "")
+        if not path:
+            raise ValueError(f"{self.family} samples start from an image: start image required "
+                             "(sampling.prompts.N.image)")
+        with Image.open(path) as img:
+            return {"image": img.convert("RGB")}
 
     def text_fingerprint(self, mcfg: Any) -> str:
         return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:umt5-zero-padded"

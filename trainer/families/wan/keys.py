@@ -18,6 +18,11 @@ CONFIG_13B: Dict[str, Any] = {"_class_name": "WanTransformer3DModel", "patch_siz
                               "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
                               "image_dim": None, "added_kv_proj_dim": None, "rope_max_seq_len": 1024}
 CONFIG_14B: Dict[str, Any] = dict(CONFIG_13B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+# Wan-AI/Wan2.1-I2V-14B-480P-Diffusers (and -720P): 36 input channels (noise ‖ mask ‖ first-frame latents), CLIP
+# ViT-H/14 image features (1280 wide) through their own key/value projections in every cross-attention
+CONFIG_14B_I2V: Dict[str, Any] = dict(CONFIG_14B, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+# Wan-AI/Wan2.2-I2V-A14B-Diffusers: each expert 36 input channels, no image features
+CONFIG_A14B_I2V: Dict[str, Any] = dict(CONFIG_14B, in_channels=36)
 
 # diffusers module path → original, applied in order to a dotted path (whole parts only)
 _TOP = (("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
@@ -90,4 +95,6 @@ def config_from_original(state: Mapping[str, Any], base: Mapping[str, Any]) -> D
                freq_dim=int(state["time_embedding.0.weight"].shape[1]), patch_size=list(patch.shape[2:]))
     if "img_emb.proj.1.weight" in state:
         cfg.update(image_dim=int(state["img_emb.proj.1.weight"].shape[1]), added_kv_proj_dim=dim)
+    else:  # text-to-video, or a Wan 2.2 I2V expert: no image features whatever the base config says
+        cfg.update(image_dim=None, added_kv_proj_dim=None)
     return cfg

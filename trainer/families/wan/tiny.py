@@ -8,6 +8,12 @@ the transformer as the original single file.
 - ``builtin:tiny-wan22-a14b``: Wan 2.2 T2V A14B: two experts of the 2.1 architecture (``transformer`` for high noise,
   ``transformer_2`` for low noise, seeded apart) switched at ``boundary_ratio`` 0.875, the 2.1 VAE, flow shift 12
   (the official T2V inference shift); its single file is the high-noise expert.
+- ``builtin:tiny-wan21-i2v``: Wan 2.1 I2V 14B: ``WanImageToVideoPipeline`` with a 36-channel transformer (noise ‖
+  mask ‖ first-frame latents) that cross-attends to CLIP image features too (``image_dim``, ``add_k_proj``/
+  ``add_v_proj``: ``img_emb``, ``k_img``/``v_img`` in its single file), a ``CLIPVisionModel`` image encoder and its
+  ``CLIPImageProcessor`` (32 px here, 224 in the real one).
+- ``builtin:tiny-wan22-i2v-a14b``: Wan 2.2 I2V A14B: two 36-channel experts without image features or image
+  encoder, ``boundary_ratio`` 0.9, flow shift 5 (Wan2.2's i2v_A14B config: boundary 0.900, sample_shift 5.0).
 
 The real topology
 (a 3-D patch embedding over (1, 2, 2) patches, blocks with self-attention under 3-axis RoPE, cross-attention to UMT5
@@ -23,8 +29,21 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import (
+    AutoTokenizer,
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
 
 from trainer.families.common.tiny_store import store_tiny
 from trainer.families.common.tiny_text import write_tiny_t5_tokenizer
@@ -47,6 +66,9 @@ SCHEDULER = {"_class_name": "UniPCMultistepScheduler", "beta_end": 0.02, "beta_s
 # VAE is random: any per-channel values exercise the normalisation)
 SHIFT_22_5B = 5.0
 SHIFT_22_A14B, BOUNDARY_A14B = 12.0, 0.875
+SHIFT_I2V_A14B, BOUNDARY_I2V_A14B = 5.0, 0.9
+I2V_CHANNELS = 36  # noise 16 ‖ mask 4 ‖ first-frame latents 16
+CLIP_SIDE = 32  # the tiny image encoder's input size (ViT-H/14's is 224)
 
 
 def _vae(wan22: bool) -> AutoencoderKLWan:
@@ -61,11 +83,39 @@ def _vae(wan22: bool) -> AutoencoderKLWan:
                             latents_std=[round(float(v) + 0.5, 4) for v in stats[1]])
 
 
-def _transformer(channels: int) -> WanTransformer3DModel:
+def _transformer(channels: int, out_channels: int = 0, image_dim: int = 0) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=channels,
-        out_channels=channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+        out_channels=out_channels or channels, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64, image_dim=image_dim or None,
+        added_kv_proj_dim=32 if image_dim else None)
+
+
+def _image_encoder() -> CLIPVisionModel:
+    """CLIP ViT-H/14's layout (the penultimate layer's features feed the transformer) at width 32."""
+    return CLIPVisionModel(CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                            num_attention_heads=2, image_size=CLIP_SIDE, patch_size=16,
+                                            hidden_act="gelu", projection_dim=32))
+
+
+def build_tiny_i2v(folder: Path, seed: int = 0, experts: bool = False) -> WanImageToVideoPipeline:
+    """Wan 2.1 I2V 14B's layout (CLIP image features), or with ``experts`` Wan 2.2 I2V A14B's (two experts, no image
+    encoder)."""
+    t2v = build_tiny_pipeline(folder, seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        transformer = _transformer(I2V_CHANNELS, 16, image_dim=0 if experts else 32)
+        low = _transformer(I2V_CHANNELS, 16) if experts else None
+        encoder = None if experts else _image_encoder()
+    processor = None if experts else CLIPImageProcessor(
+        size={"shortest_edge": CLIP_SIDE}, crop_size={"height": CLIP_SIDE, "width": CLIP_SIDE}, do_center_crop=True,
+        resample=3, image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+    shift = SHIFT_I2V_A14B if experts else SCHEDULER["flow_shift"]
+    return WanImageToVideoPipeline(
+        tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder, vae=t2v.vae, transformer=transformer,
+        transformer_2=low, image_encoder=encoder, image_processor=processor,
+        boundary_ratio=BOUNDARY_I2V_A14B if experts else None,
+        scheduler=UniPCMultistepScheduler.from_config(dict(SCHEDULER, flow_shift=shift)))
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0, wan22: bool = False, experts: bool = False) -> WanPipeline:
@@ -92,6 +142,9 @@ def build_tiny_pipeline(folder: Path, seed: int = 0, wan22: bool = False, expert
 
 def ensure_tiny(kind: str, root: str | os.PathLike) -> Dict[str, Path]:
     """Build (once) ``{"diffusers": <WanPipeline folder>, "single_file": <original .safetensors>}``."""
-    wan22, experts = kind == "tiny-wan22-5b", kind == "tiny-wan22-a14b"
+    wan22, experts = kind == "tiny-wan22-5b", kind in ("tiny-wan22-a14b", "tiny-wan22-i2v-a14b")
+    if kind.endswith("-i2v") or kind.endswith("-i2v-a14b"):
+        return store_tiny(kind, root, TINY_VERSION, lambda folder: build_tiny_i2v(folder, experts=experts),
+                          diffusers_to_original)
     return store_tiny(kind, root, TINY_VERSION,
                       lambda folder: build_tiny_pipeline(folder, wan22=wan22, experts=experts), diffusers_to_original)
