@@ -64,8 +64,9 @@ TINY_KIND = {"sd15": "tiny-sd", "sdxl": "tiny-sdxl", "flux": "tiny-flux"}
 
 
 def images(dest, side, metadata):
-    """Four noise images with one caption: .txt files (Atelier, the Flux script) and an imagefolder's
-    metadata.jsonl (the SD/SDXL scripts' --train_data_dir)."""
+    """Four noise images with one caption: .txt files (Atelier) and an imagefolder's metadata.jsonl (the SD/SDXL
+    scripts' --train_data_dir); ``metadata`` "bare": the images alone (the Flux DreamBooth script opens every file of
+    its --instance_data_dir as an image, and takes the caption as --instance_prompt)."""
     import numpy as np
     from PIL import Image
     d, side = Path(dest), int(side)
@@ -73,7 +74,8 @@ def images(dest, side, metadata):
     rows = []
     for i in range(4):
         Image.fromarray(np.random.RandomState(i).randint(0, 255, (side, side, 3), dtype=np.uint8)).save(d / f"{i}.png")
-        (d / f"{i}.txt").write_text("a photo of sks", encoding="utf-8")
+        if metadata != "bare":
+            (d / f"{i}.txt").write_text("a photo of sks", encoding="utf-8")
         rows.append(json.dumps({"file_name": f"{i}.png", "text": "a photo of sks"}))
     if metadata == "1":
         (d / "metadata.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
@@ -275,7 +277,8 @@ example() {  # example <case>: diffusers' example script for the case
   case_setup "$name"
   local model imgs
   model=$(helper folder "$name" "$WS/random-$name" | tail -1)
-  imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
+  if [ "$name" = flux ]; then imgs=$(helper images "$WS/images-$SIDE-bare" "$SIDE" bare)
+  else imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1); fi
   echo "=== diffusers $name ($script)" >&2
   if DPY=$DPY timeout "$CASE_TIMEOUT" "$PY" "$OUT/side_by_side_helper.py" diffusers "$name" "$DIFFUSERS_EXAMPLES/$script" \
       "$model" "$imgs" "$STEPS" "$WS/diffusers-$name" "$WS/diffusers-$name.json" 2> "$WS/diffusers-$name.err"; then
