@@ -32,7 +32,9 @@ set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-DPY=${DIFFUSERS_PYTHON:-$PY}
+absolute() { case $1 in */*) echo "$(cd "$(dirname "$1")" && pwd)/$(basename "$1")" ;; *) echo "$1" ;; esac; }
+PY=$(absolute "$PY")  # the example scripts run in their own folders
+DPY=$(absolute "${DIFFUSERS_PYTHON:-$PY}")
 TINY=${TINY:-0}
 OUT=${OUT:-bench-side-by-side}
 mkdir -p "$OUT"
@@ -128,6 +130,7 @@ def folder(case, dest):
 def diffusers_run(case, script, model, data, steps, workdir, result_path):
     """One run of an example script on ``model`` and ``data`` with the case's settings; its figures as one JSON."""
     from diffusers_compare import measure_diffusers
+    steps = int(steps)
     side, batch = {"sd15": (512, 4), "sdxl": (1024, 2), "flux": (1024, 1)}[case]
     if TINY:
         side = 64
