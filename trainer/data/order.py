@@ -4,6 +4,7 @@ another number of dataloader workers, sees exactly the same samples without savi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from fractions import Fraction
@@ -58,9 +59,11 @@ def item_repeats(items: Sequence[ImageItem], data_cfg: Any) -> List[float]:
     counts: dict = {}
     for it in items:
         counts[it.concept_index] = counts.get(it.concept_index, 0) + 1
-    return [concept_repeats(concepts[it.concept_index], counts[it.concept_index]) for it in items]
+    per_concept = {index: concept_repeats(concepts[index], n) for index, n in counts.items()}  # settings read once
+    return [per_concept[it.concept_index] for it in items]
 
 
+@functools.lru_cache(maxsize=1024)  # one value per concept, asked once per item and epoch
 def _exact(value: float) -> Fraction:
     # Fraction of the decimal the user typed (0.3 → 3/10), so floor(0.3 * 10) is 3, not 2.
     return Fraction(repr(float(value))).limit_denominator(10**6)
