@@ -124,8 +124,7 @@ class ScanIndex(probe.Prober):
             atomic_write_bytes(self.path, blob.encode("utf-8"))
             self.dirty = False
         except OSError as exc:
-            log.warning("could not write the dataset scan index %s (%s): the next launch scans again", self.path,
-                        exc)
+            log.info("could not write the dataset scan index %s (%s): the next launch scans again", self.path, exc)
 
     # -- looking up -------------------------------------------------------------------------------------------
 
