@@ -8,7 +8,7 @@ import functools
 import hashlib
 import random
 from fractions import Fraction
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 from trainer.data.concepts import ImageItem
 
@@ -69,6 +69,14 @@ def _exact(value: float) -> Fraction:
     return Fraction(repr(float(value))).limit_denominator(10**6)
 
 
+@functools.lru_cache(maxsize=1024)
+def _split(value: float) -> Tuple[int, Fraction]:
+    """(whole repeats, fraction) of a repeats value: worked out once per value, not per item."""
+    exact = _exact(value)
+    whole = int(exact)  # floor for non-negative
+    return whole, exact - whole
+
+
 def epoch_order(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int, seed: int) -> List[int]:
     """The shuffled item indices of one epoch, repeats applied; a pure function of its arguments.
 
@@ -86,10 +94,8 @@ def epoch_order(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int, s
     for i, (item, r) in enumerate(zip(items, reps)):
         if r < 0:
             raise ValueError(f"repeats must be >= 0, got {r} for item {i}")
-        exact = _exact(r)
-        whole = int(exact)  # floor for non-negative
+        whole, frac = _split(r)
         order += [i] * whole
-        frac = exact - whole
         if frac:
             groups.setdefault((item.concept_index, frac), []).append(i)
     for (concept_index, frac), members in sorted(groups.items()):
