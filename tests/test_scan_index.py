@@ -149,11 +149,13 @@ def test_entries_of_a_wrong_shape_are_dropped_and_removed_files_forgotten(tmp_pa
     stored = json.loads(index_path(cfg).read_text())
     key_a = next(k for k in stored["entries"] if k.endswith("a.png"))
     stored["entries"][key_a] = ["x"]
+    key_b = next(k for k in stored["entries"] if k.endswith("b.png"))
+    stored["entries"][key_b][4] = "64"  # its stamp still matches, its width is no number
     stored["entries"][str(tmp_path / "elsewhere" / "z.png")] = [1, 2, 3, 4, 5, 6, None, ""]  # another dataset
     index_path(cfg).write_text(json.dumps(stored))
     (data / "c.png").unlink()
     probed.clear()
     _scan(cfg)
-    assert probed == ["a.png"]
+    assert sorted(probed) == ["a.png", "b.png"]
     entries = json.loads(index_path(cfg).read_text())["entries"]
     assert sorted(Path(k).name for k in entries) == ["a.png", "b.png", "z.png"]  # c.png gone, z.png kept

@@ -393,7 +393,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     missing: List[str] = []
     for path, (size, problem, *clip) in zip(files, checks):
         rel = rel_path(path, folder)
-        bad_control = next((c for c in controls.get(path, ()) if control_problems.get(c)), None)
+        pair = controls.get(path, ()) if controls else ()
+        bad_control = next((c for c in pair if control_problems.get(c)), None)
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
             problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
@@ -415,7 +416,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
                                loss_weight=loss_weight, width=size[0], height=size[1],
-                               validation=report.validation, role=role, controls=controls.get(path, ()),
+                               validation=report.validation, role=role, controls=pair,
                                clip=clip[0] if clip else None))
 
     if masks:

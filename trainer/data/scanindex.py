@@ -92,8 +92,7 @@ class ScanIndex(probe.Prober):
             entries = data.get("entries")
             if not isinstance(entries, dict):
                 raise ValueError("no entries")
-            index.entries = {k: v for k, v in entries.items()
-                             if isinstance(v, list) and len(v) == 8 and all(isinstance(x, int) for x in v[:6])}
+            index.entries = {k: v for k, v in entries.items() if type(v) is list and len(v) == 8}  # noqa: E721
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             log.warning("dataset scan index %s cannot be read (%s): scanning afresh, it is rebuilt", path, exc)
             index.entries = {}
@@ -144,7 +143,7 @@ class ScanIndex(probe.Prober):
         except OSError:
             return key, None, None
         entry = self.entries.get(key)
-        if entry is not None and entry[_STAMP] == _file_stamp(st):
+        if entry is not None and entry[_STAMP] == _file_stamp(st) and _sound(entry):
             self.used.add(key)
             self.stats[key] = st
             return key, st, entry
@@ -209,6 +208,12 @@ class ScanIndex(probe.Prober):
                 entry[7] = digest
                 self.dirty = True
         return digest
+
+
+def _sound(entry: list) -> bool:
+    """Whether a matching entry holds what a probe gives (a hand-edited index may hold anything)."""
+    return (type(entry[4]) is int and type(entry[5]) is int and (entry[6] is None or type(entry[6]) is str)  # noqa: E721
+            and type(entry[7]) is str)  # noqa: E721
 
 
 def _key(path: Path) -> str:
