@@ -16,7 +16,7 @@ process so nothing is remembered in memory:
   the wall time also holds the waits for a core);
 - data-report: ``python -m trainer data-report`` (wall time of the command, interpreter start included);
 - the caption editor (in one process on the page's own handlers, page built without a server): opening the
-  folder, saving one caption, Replace-in-all that changes one caption in a thousand.
+  folder, saving one caption, Replace-in-all that changes one caption in two thousand.
 
 Prints one table (seconds; ``*_cpu``: CPU seconds of the process, all threads). Goals (issue 36): relaunch of 50k images under 3 s before the model loads, saving one
 caption under 100 ms at 50k images. Linux or macOS; no GPU.
