@@ -195,3 +195,11 @@ def test_the_caption_editor_shows_an_images_controls_and_names_one_without(ui_ap
     gallery, note = ctx.handlers["captions_pair"](str(root / "targets"), controls, "cat_09.png")
     assert note.startswith("⛔ `cat_09.png` has no control image") and "it would not train" in note
     assert "outside the folders" in ctx.handlers["captions_pair"](str(root / "targets"), "/etc", "cat_02.png")[1]
+
+
+def test_the_dataset_check_runs_on_a_thread_of_its_own_and_ends_with_the_report(ui_app):
+    _, ctx = ui_app
+    values = ctx.form.values_for(load_config(preset="demo"))
+    steps = list(ctx.handlers["concepts_dataset_checking"](*values))
+    assert all(text.startswith("⏳ Checking the dataset") for text, _ in steps[:-1])
+    assert steps[-1] == ctx.handlers["concepts_dataset_pairs"](*values) and steps[-1][0].startswith("✅")

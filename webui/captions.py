@@ -2,14 +2,23 @@
 search and replace across the folder; how often each tag occurs. For a concept with control folders (an edit
 pair: the caption is the instruction), the image's control images show beside it, and an image without one is
 named. Torch-free; writes atomically.
+
+An opened folder is kept as a :class:`FolderView` (its listing, every caption, the tag counts and the shown tiles),
+so saving one caption writes that file and updates its tile and the tag counts from the old and new text: at 50k
+images a save costs what one file costs, not a re-listing of the folder. The view is checked against the folder's
+own mtime (a file added, removed or renamed by anything else makes the next action re-open the folder), and
+Replace-in-all first re-reads the captions whose file changed since (a stat each), then rewrites only the captions
+that change.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import gradio as gr
 from PIL import Image
@@ -24,6 +33,8 @@ from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
 
 EXTENSION = ".txt"
+SHOWN = 200          # tiles in the grid
+VIEWS_KEPT = 4       # opened folders remembered (per page process)
 
 
 def folder_images(ctx: AppContext, folder: Path) -> Tuple[List[Path], List[Tuple[str, str]]]:
@@ -81,13 +92,144 @@ def grid_item(image: Path, size: int = 192) -> Tuple[Any, str]:
         return grey_tile(size), str(exc)
 
 
+def tags_of(text: str, delimiter: str = ",") -> set:
+    """The tags of one caption (split at the delimiter, stripped, each once)."""
+    return {t.strip() for t in text.split(delimiter) if t.strip()}
+
+
+def tag_table(counts: Counter) -> List[Tuple[str, int]]:
+    """Tags with how many captions hold them, most common first (ties by name)."""
+    return sorted(((tag, n) for tag, n in counts.items() if n > 0), key=lambda kv: (-kv[1], kv[0]))
+
+
 def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]]:
     """Each tag (caption split at the delimiter) with how many captions hold it, most common first."""
     counts: Counter = Counter()
     for image in images:
-        tags = {t.strip() for t in read_caption(image).split(delimiter) if t.strip()}
-        counts.update(tags)
-    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        counts.update(tags_of(read_caption(image), delimiter))
+    return tag_table(counts)
+
+
+def tile_label(image: Path, caption: str, why: str = "") -> str:
+    """The grid's label under a tile: the caption's start (and "· mask"), or why the image cannot be shown."""
+    if why:
+        return f"⛔ cannot be shown (see above): {why}"[:80]
+    return (caption[:60] or "(no caption)") + (" · mask" if mask_of(image).exists() else "")
+
+
+def _stamp(path: Path) -> Optional[Tuple[int, int]]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+class FolderView:
+    """One opened folder as the editor shows it: its images (the page's listing), every caption with its file's
+    stamp, the tag counts, and the tiles of the first :data:`SHOWN` images. Edits update it in place."""
+
+    def __init__(self, root: Path, allowed: Callable[[Path], bool]):
+        self.root = root
+        self.allowed = allowed
+        self.lock = threading.Lock()
+        self.images, self.left_out = page_images(root, allowed, caption_ext=EXTENSION)
+        self.by_name: Dict[str, Path] = {i.name: i for i in self.images}
+        self.stamps = {i: _stamp(caption_file(i)) for i in self.images}
+        self.captions = {i: read_caption(i) if self.stamps[i] is not None else "" for i in self.images}
+        self.counts: Counter = Counter()
+        for text in self.captions.values():
+            self.counts.update(tags_of(text))
+        self.shown: Dict[Path, int] = {i: k for k, i in enumerate(self.images[:SHOWN])}
+        self.tiles: List[Tuple[Any, str]] = []
+        self.unreadable: List[Tuple[str, str]] = []
+        for image in self.images[:SHOWN]:
+            tile, why = grid_item(image)
+            if why:
+                self.unreadable.append((image.name, why))
+            self.tiles.append((tile, tile_label(image, self.captions[image], why)))
+        self.folder_stamp = _stamp(root)
+
+    def stale(self) -> bool:
+        """Whether anything else added, removed or renamed a file of the folder since the view was made."""
+        return _stamp(self.root) != self.folder_stamp
+
+    def image(self, name: str) -> Optional[Path]:
+        """The image ``name`` when the listing holds it and it still is what the listing let in: a regular file
+        whose links, caption file and mask stay inside the page's folders (checked again, a few stats)."""
+        image = self.by_name.get(name or "")
+        if image is None or not image.is_file():
+            return None
+        companions = [image, mask_of(image), caption_file(image)]
+        if any((c == image or c.is_symlink() or c.exists()) and not self.allowed(c) for c in companions):
+            return None
+        return image
+
+    def _set(self, image: Path, text: str) -> None:
+        self.counts.subtract(tags_of(self.captions.get(image, "")))
+        self.counts.update(tags_of(text))
+        self.captions[image] = text
+        self.stamps[image] = _stamp(caption_file(image))
+
+    def save(self, image: Path, text: str) -> None:
+        """Write one caption and update the view: that caption's tags in the counts, its tile (made again: the
+        image or its mask may have changed too) and label."""
+        write_caption(image, text)
+        with self.lock:
+            self._set(image, text.strip())
+            if image in self.shown:
+                tile, why = grid_item(image)
+                self.tiles[self.shown[image]] = (tile, tile_label(image, self.captions[image], why))
+            self.folder_stamp = _stamp(self.root)  # our own write renamed a file in
+
+    def refresh(self) -> int:
+        """Read again the captions whose file changed since they were read (one stat each); how many."""
+        changed = 0
+        for image in self.images:
+            stamp = _stamp(caption_file(image))
+            if stamp != self.stamps.get(image):
+                with self.lock:
+                    self._set(image, read_caption(image) if stamp is not None else "")
+                changed += 1
+        return changed
+
+    def replace(self, find: str, replace: str, regex: bool = False) -> List[Path]:
+        """Replace ``find`` in every caption (plain text or a regular expression), reading again first the
+        captions changed elsewhere; only the captions that change are written. The images whose caption
+        changed."""
+        if not find:
+            return []
+        pattern = re.compile(find) if regex else None
+        self.refresh()
+        changed = []
+        for image in self.images:
+            old = self.captions[image]
+            if not (pattern.search(old) if pattern else find in old):
+                continue
+            new = pattern.sub(replace, old) if pattern else old.replace(find, replace)
+            if new != old:
+                self.save(image, new)
+                changed.append(image)
+        return changed
+
+    def note(self) -> str:
+        """The line above the grid: counts, files left out, tiles that cannot be shown."""
+        missing = sum(1 for stamp in self.stamps.values() if stamp is None)
+        masked = sum(1 for i in self.images if mask_of(i).exists())
+        head = f"{len(self.images)} images in `{self.root}`, {missing} without a caption, {masked} with a mask " \
+            "(the darkened part of a thumbnail is masked out)" + \
+            (f" (showing {SHOWN})" if len(self.images) > SHOWN else "")
+        if self.left_out:
+            head += "\n\n" + skipped_md(self.left_out)
+        if self.unreadable:
+            head += "\n\n" + skipped_md(self.unreadable, "image(s) cannot be shown (grey tiles)")
+        return head
+
+    def gallery(self) -> List[Tuple[Any, str]]:
+        return list(self.tiles)
+
+    def tag_table(self) -> List[Tuple[str, int]]:
+        return tag_table(self.counts)
 
 
 def replace_all(images: List[Path], find: str, replace: str, regex: bool = False) -> List[Path]:
@@ -184,33 +326,33 @@ def build(ctx: AppContext) -> None:
     def where(text: str) -> Tuple[Optional[Path], str]:
         return image_folder(ctx, text)
 
+    views: "OrderedDict[str, FolderView]" = ctx.components.setdefault("caption_views", OrderedDict())
+
+    def view_of(root: Path, fresh: bool = False) -> FolderView:
+        """The folder's view: the one kept from the last action unless ``fresh`` or the folder changed since."""
+        key = str(root)
+        view = views.get(key)
+        if view is None or fresh or view.stale():
+            view = FolderView(root, ctx.roots.allowed)
+            views[key] = view
+        views.move_to_end(key)
+        while len(views) > VIEWS_KEPT:
+            views.popitem(last=False)
+        return view
+
     def show(text: str) -> List[Any]:
         root, why = where(text)
         if root is None:
             return [why, [], "", "", None]
-        images, left_out = folder_images(ctx, root)
-        missing = sum(1 for i in images if not caption_file(i).exists())
-        items, unreadable = [], []
-        for i in images[:200]:
-            tile, why = grid_item(i)
-            if why:
-                unreadable.append((i.name, why))
-            items.append((tile, f"⛔ cannot be shown (see above): {why}"[:80] if why else
-                          (read_caption(i)[:60] or "(no caption)") + (" · mask" if mask_of(i).exists() else "")))
-        masked = sum(1 for i in images if mask_of(i).exists())
-        head = f"{len(images)} images in `{root}`, {missing} without a caption, {masked} with a mask (the " \
-            "darkened part of a thumbnail is masked out)" + (" (showing 200)" if len(images) > 200 else "")
-        if left_out:
-            head += "\n\n" + skipped_md(left_out)
-        if unreadable:
-            head += "\n\n" + skipped_md(unreadable, "image(s) cannot be shown (grey tiles)")
+        view = view_of(root, fresh=True)  # Open reads the folder afresh
+        head = view.note()
         if read_only_folder(ctx, root):
             head += "\n\n" + read_only_folder(ctx, root).replace("⛔", "🔒", 1)
-        return [head, items, "", "", tag_counts(images) or None]
+        return [head, view.gallery(), "", "", view.tag_table() or None]
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:
         root, _ = where(text)
-        images = folder_images(ctx, root)[0] if root else []
+        images = view_of(root).images[:SHOWN] if root else []
         i = evt.index if isinstance(evt.index, int) else (evt.index or [0])[0]
         if not 0 <= i < len(images):
             return ["", ""]
@@ -220,17 +362,17 @@ def build(ctx: AppContext) -> None:
         root, why = where(text)
         if root is None or not name:
             return [why or "Click an image first.", gr.skip(), gr.skip()]
-        image = image_of(ctx, root, name)
+        view = view_of(root)
+        image = view.image(name)
         if image is None:
             return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
         if read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         try:
-            write_caption(image, new)
+            view.save(image, new)
         except OSError as exc:
             return [f"⛔ Could not write `{caption_file(image).name}`: {exc.strerror or exc}", gr.skip(), gr.skip()]
-        out = show(text)
-        return [f"Saved `{caption_file(image).name}`.", out[1], out[4]]
+        return [f"Saved `{caption_file(image).name}`.", view.gallery(), view.tag_table() or None]
 
     def replace(text: str, f: str, r: str, rx: bool) -> List[Any]:
         root, why = where(text)
@@ -238,14 +380,15 @@ def build(ctx: AppContext) -> None:
             return [why, gr.skip(), gr.skip()]
         if f and read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
+        view = view_of(root)
         try:
-            changed = replace_all(folder_images(ctx, root)[0], f, r, bool(rx))
+            changed = view.replace(f, r, bool(rx))
         except re.error as exc:
             return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
         except OSError as exc:
             return [f"⛔ Could not write a caption: {exc}", gr.skip(), gr.skip()]
-        out = show(text)
-        return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", out[1], out[4]]
+        return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", view.gallery(),
+                view.tag_table() or None]
 
     def find_controls(text: str, table: Any) -> List[Any]:
         root, _ = where(text)
@@ -282,5 +425,5 @@ def build(ctx: AppContext) -> None:
     go.click(replace, [folder, find, repl, regex], [note, gallery, tags])
 
 
-__all__ = ["build", "folder_images", "image_folder", "read_caption", "read_only_folder", "replace_all", "tag_counts",
+__all__ = ["FolderView", "build", "folder_images", "image_folder", "read_caption", "read_only_folder", "replace_all", "tag_counts",
            "write_caption"]

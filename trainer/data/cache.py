@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from trainer.data.concepts import ImageItem
 from trainer.data.images import mask_to_latent
@@ -39,18 +39,23 @@ CACHE_FORMAT = 1  # bump when the stored layout changes: old entries are then si
 _RACY_SECONDS = 2.0  # a file modified this recently may change again within the same mtime tick
 _TMP_MAX_AGE_S = 3600.0
 
-_hash_memo: Dict[Tuple[str, int, int, int, int], str] = {}
+_hash_memo: Dict[Tuple[int, int, int, int, int], str] = {}
+
+
+def _memo_key(st: os.stat_result) -> Tuple[int, int, int, int, int]:
+    """The file's identity and version: device, inode, size, mtime and ctime (no ``resolve()``: one syscall per
+    path is what a 50k-image scan cannot afford, and the inode already names the file whatever path reached it)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes, memoised per process by (path, inode, size, mtime, ctime).
+    """sha256 of a file's bytes, memoised per process by (device, inode, size, mtime, ctime).
 
     A file modified within the last two seconds is hashed again on every call (git's "racy clean"
     rule): filesystem timestamps are coarse, so an edit in the same tick could keep size and mtime.
     """
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    st = os.stat(path)
+    key = _memo_key(st)
     digest = _hash_memo.get(key)
     if digest is None:
         with open(path, "rb") as fh:
@@ -58,6 +63,19 @@ def file_sha256(path: Path) -> str:
         if time.time() - max(st.st_mtime, st.st_ctime) > _RACY_SECONDS:
             _hash_memo[key] = digest
     return digest
+
+
+def remember_sha256(st: os.stat_result, digest: str) -> None:
+    """Hand :func:`file_sha256` a digest known for the file of stat ``st`` (the dataset scan index remembers
+    them between launches), under the same racy rule."""
+    if time.time() - max(st.st_mtime, st.st_ctime) > _RACY_SECONDS:
+        _hash_memo[_memo_key(st)] = digest
+
+
+def cache_folder(cfg: Any) -> Path:
+    """The caches' folder of a run config: ``data.cache_dir``, else ``<general.workspace>/cache``."""
+    d = cfg.data
+    return Path(d.cache_dir) if getattr(d, "cache_dir", "") else Path(cfg.general.workspace or ".") / "cache"
 
 
 def make_settings_key(**parts: object) -> str:

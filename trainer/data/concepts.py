@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from trainer.data.clips import VIDEO_EXTENSIONS, ClipInfo, Window, clip_mask, is_mask_clip, probe_clip, probe_mask_clip
 from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
-from trainer.data.probe import mask_is_blank, probe_image
+from trainer.data.probe import Prober, mask_is_blank
 from trainer.errors import DataError
 from trainer.host.paths import confinement
 
@@ -171,7 +171,7 @@ def _default_warn(message: str) -> None:
 
 
 def scan_concepts(data_cfg: Any, warn: Warn = _default_warn, base_dir: Optional[Path] = None,
-                  clips: bool = False) -> Tuple[List[ImageItem], DataReport]:
+                  clips: bool = False, prober: Optional[Prober] = None) -> Tuple[List[ImageItem], DataReport]:
     """Find every usable image of every enabled concept, with its caption candidates.
 
     ``data_cfg`` is the ``data`` section (an OmegaConf node or a ``DataConfig``). Relative concept
@@ -180,7 +180,8 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn, base_dir: Optional[
     in a folder of hundreds should not cost a user their evening; a concept left with *no* image,
     a missing folder or no enabled concept at all raises :class:`DataError`.
     Every warning goes to ``warn`` and into ``report.warnings``. ``clips`` (a video family): a concept folder's
-    clips are training items too, each with its :class:`ClipInfo`.
+    clips are training items too, each with its :class:`ClipInfo`. ``prober`` checks each image, control and mask
+    (default: every file decoded afresh; ``trainer.data.scanindex.ScanIndex``: the remembered scan).
     """
     base = Path(base_dir) if base_dir is not None else Path.cwd()
     report = DataReport()
@@ -196,9 +197,11 @@ def scan_concepts(data_cfg: Any, warn: Warn = _default_warn, base_dir: Optional[
                         "(or turn 'enabled' on for one).", key="data.concepts")
 
     items: List[ImageItem] = []
+    prober = prober if prober is not None else Prober()
+    masks = bool(getattr(data_cfg, "masks", False))
     for index, concept in enabled:
-        concept_items, concept_report = _scan_one(index, concept, base, _warn,
-                                                  masks=bool(getattr(data_cfg, "masks", False)), clips=clips)
+        concept_items, concept_report = _scan_one(index, concept, base, _warn, masks=masks, clips=clips,
+                                                  prober=prober)
         items += concept_items
         report.concepts.append(concept_report)
     return items, report
@@ -345,12 +348,17 @@ def concept_caption_file(index: int, concept: Any, folder: Path, base: Path) -> 
 
 
 def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = False,
-              clips: bool = False) -> Tuple[List[ImageItem], ConceptReport]:
+              clips: bool = False, prober: Optional[Prober] = None) -> Tuple[List[ImageItem], ConceptReport]:
+    prober = prober if prober is not None else Prober()
     key = f"data.concepts.{index}.path"
     label = concept_label(index, concept)
     passed: List[Tuple[str, str]] = []
     extensions = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS if clips else IMAGE_EXTENSIONS
     folder, files = concept_folder(index, concept, base, passed, extensions)
+    prober.scanning(folder)
+    # the concept's settings read once as plain values: an OmegaConf attribute read costs microseconds, per image
+    source, caption_extension = str(concept.caption_source), str(concept.caption_extension)
+    ext, loss_weight = caption_ext(caption_extension), float(concept.loss_weight)
 
     role = str(getattr(concept, "role", "train") or "train")
     controls = concept_controls(index, concept, folder, files, base)
@@ -371,21 +379,22 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
              f"not used ({short_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
              "export the frames you want) to train on them.")
     shared_captions: Optional[List[str]] = None
-    if concept.caption_source == "concept_file":
+    if source == "concept_file":
         shared_captions = _read_concept_file(index, concept, folder, base, warn)
 
     workers = max(1, min(8, (os.cpu_count() or 1), len(files)))
     control_files = sorted({c for pair in controls.values() for c in pair})
     with ThreadPoolExecutor(max_workers=workers) as pool:  # decoding releases the GIL
-        checks = list(pool.map(lambda p: probe_clip(p) if p.suffix.lower() in VIDEO_EXTENSIONS else probe_image(p),
-                               files)) if clips else list(pool.map(probe_image, files))
-        control_problems = {c: chk[1] for c, chk in zip(control_files, pool.map(probe_image, control_files))}
+        checks = list(pool.map(lambda p: probe_clip(p) if p.suffix.lower() in VIDEO_EXTENSIONS else prober.probe(p),
+                               files)) if clips else prober.probe_all(files, pool)
+        control_problems = {c: chk[1] for c, chk in zip(control_files, prober.probe_all(control_files, pool))}
 
     items: List[ImageItem] = []
     missing: List[str] = []
     for path, (size, problem, *clip) in zip(files, checks):
         rel = rel_path(path, folder)
-        bad_control = next((c for c in controls.get(path, ()) if control_problems.get(c)), None)
+        pair = controls.get(path, ()) if controls else ()
+        bad_control = next((c for c in pair if control_problems.get(c)), None)
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
             problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
@@ -394,29 +403,27 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
             continue
         if shared_captions is not None:
             captions = list(shared_captions)
-        elif concept.caption_source == "filename":
+        elif source == "filename":
             captions = [caption_from_filename(path)]
         else:
-            captions = read_image_captions(path, concept.caption_extension, warn)
+            captions = read_image_captions(path, caption_extension, warn)
             if captions is None:
                 missing.append(rel)
                 captions = [""]
             elif not captions:
                 report.captions_empty += 1
-                report.captions_empty_files.append(rel_path(path.with_name(path.stem + caption_ext(concept.caption_extension)),
-                                                        folder))
+                report.captions_empty_files.append(rel_path(path.with_name(path.stem + ext), folder))
                 captions = [""]
         items.append(ImageItem(path=path, captions=captions, concept_index=index,
-                               loss_weight=float(concept.loss_weight), width=size[0], height=size[1],
-                               validation=report.validation, role=role, controls=controls.get(path, ()),
+                               loss_weight=loss_weight, width=size[0], height=size[1],
+                               validation=report.validation, role=role, controls=pair,
                                clip=clip[0] if clip else None))
 
     if masks:
-        _attach_masks(items, folder, report, label, warn)
+        _attach_masks(items, folder, report, label, warn, prober)
     report.images_used = len(items)
     report.captions_missing = len(missing)
     if missing:
-        ext = caption_ext(concept.caption_extension)
         warn(f"{label}: {len(missing)} of {report.images_found} images have no caption file "
              f"({short_list(missing)}); they train with an empty caption. Add <image name>{ext} next to "
              f"each image, or set data.concepts.{index}.caption_source to concept_file or filename.")
@@ -435,7 +442,8 @@ def mask_path(image: Path) -> Path:
     return image.with_name(image.stem + MASK_SUFFIX)
 
 
-def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, label: str, warn: Warn) -> None:
+def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, label: str, warn: Warn,
+                  prober: Prober) -> None:
     """Pair each image with its mask. A missing mask trains the whole image (all focus); an
     unreadable mask, or one whose shape differs from its image's, is reported and ignored; one
     with the image's aspect but another size is used, scaled to the image."""
@@ -444,7 +452,7 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
     workers = max(1, min(8, (os.cpu_count() or 1), len(present) or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         checks = list(pool.map(lambda pair: probe_mask_clip(pair[1], pair[0].clip) if is_mask_clip(pair[1].name)
-                               else probe_image(pair[1]), present))
+                               else prober.probe(pair[1]), present))
     by_item = {id(it): (m, chk) for (it, m), chk in zip(present, checks)}
     for item in items:
         rel = rel_path(item.path, folder)
@@ -488,51 +496,55 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
     to ``passed_over`` as (file, reason): a folder, a link to nothing or looping, a link leading outside the
     folders this process is confined to, a device or pipe.
     """
-    out: List[Path] = []
+    out: List[Tuple[str, Path]] = []  # (path relative to the folder, path)
     skipped: List[Tuple[str, str]] = []
     seen_dirs: set = set()
     confined = confinement()
 
-    def visit(directory: Path) -> None:
+    def visit(directory: Path, prefix: str) -> None:
         try:
             real_dir = directory.resolve()
-            names = sorted(os.listdir(directory))
+            with os.scandir(directory) as listing:  # entries know their type: no stat per file
+                entries = sorted(listing, key=lambda e: e.name)
         except (OSError, RuntimeError) as exc:
             if directory != folder:
-                skipped.append((rel_path(directory, folder) + "/", f"cannot be read ({_os_reason(exc)})"))
+                skipped.append((prefix, f"cannot be read ({_os_reason(exc)})"))
                 return
             raise
         if real_dir in seen_dirs:
-            skipped.append((rel_path(directory, folder) + "/", "a link back to a folder already read (a loop)"))
+            skipped.append((prefix, "a link back to a folder already read (a loop)"))
             return
         seen_dirs.add(real_dir)
-        for name in names:
+        for entry in entries:
+            name = entry.name
             if name.startswith("."):
                 continue
-            p = directory / name
             low = name.lower()
             image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX) and not is_mask_clip(low)
-            reason = _entry_problem(p, confined)
-            is_dir = reason is None and p.is_dir()
+            if not image_name and not recursive:
+                continue
+            p = directory / name
+            reason = _entry_problem(p, confined) if entry.is_symlink() else None
+            is_dir = reason is None and entry.is_dir()
             if is_dir and recursive:
-                visit(p)
+                visit(p, f"{prefix}{name}/")
                 continue
             if not image_name:
                 continue
             if reason is None and is_dir:
                 reason = "a folder named like an image (turn on recursive to read the images inside)"
-            elif reason is None and not p.is_file():
+            elif reason is None and not entry.is_file():
                 reason = "not a regular file (a device, pipe or socket)"
             if reason:
-                skipped.append((rel_path(p, folder), reason))
+                skipped.append((prefix + name, reason))
             else:
-                out.append(p)
+                out.append((prefix + name, p))
 
-    visit(folder)
-    out.sort(key=lambda p: rel_path(p, folder))
+    visit(folder, "")
+    out.sort(key=lambda pair: pair[0])
     if passed_over is not None:
         passed_over.extend(sorted(skipped))
-    return [rel_path(p, folder) for p in out] if relative else out
+    return [rel for rel, _ in out] if relative else [p for _, p in out]
 
 
 def _os_reason(exc: BaseException) -> str:
@@ -572,6 +584,10 @@ def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn:
 # --------------------------------------------------------------------------------------------
 
 def rel_path(path: Path, folder: Path) -> str:
+    """``path`` relative to ``folder`` with ``/`` separators (``str(path)`` when it is not inside)."""
+    p, f = str(path), str(folder)
+    if len(p) > len(f) + 1 and p.startswith(f) and p[len(f)] == os.sep:  # the common case, without pathlib's parsing
+        return p[len(f) + 1:].replace(os.sep, "/")
     try:
         return path.relative_to(folder).as_posix()
     except ValueError:

@@ -9,7 +9,6 @@ duplicates and which masks are missing.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -27,10 +26,10 @@ from trainer.data.buckets import (
     plan_epoch,
     snap,
 )
-from trainer.data.cache import file_sha256
 from trainer.data.concepts import DataReport, ImageItem, concept_label, rel_path, scan_concepts, short_list
 from trainer.data.frames import cut_windows, video_spec
 from trainer.data.order import concept_repeats, epoch_order, item_repeats
+from trainer.data.scanindex import ScanIndex, hashes, index_for
 from trainer.errors import DataError
 from trainer.families import VideoSpec
 
@@ -69,19 +68,25 @@ def resolution_targets(data_cfg: Any, concept: Any) -> List[Size]:
 
 
 def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
-                  find_duplicates: bool = True, video: Optional[VideoSpec] = None) -> Dataset:
+                  find_duplicates: bool = True, video: Optional[VideoSpec] = None,
+                  index: Optional[ScanIndex] = None) -> Dataset:
     """Scan, bucket and plan. ``cfg`` is the whole run config (``data``, ``training.batch_size``,
     ``general.seed``). Raises :class:`DataError` for a concept with no usable image or a run with
     no training concept; everything else is a warning (also listed in ``report.warnings``).
 
     ``video``: the family trains on clips (default: the VideoSpec of ``cfg.model``'s family when it can be told
     without loading it). Concept folders then hold clips and images; each clip is cut into windows
-    (``trainer.data.frames``) and every item's buckets are ``(width, height, frames)``."""
+    (``trainer.data.frames``) and every item's buckets are ``(width, height, frames)``.
+
+    ``index``: the remembered scan (default: the one in the config's cache folder, ``trainer.data.scanindex``):
+    only new and changed files are probed and hashed, and what they gave is saved for the next launch."""
     d = cfg.data
     batch_size = int(cfg.training.batch_size)
     seed = int(cfg.general.seed)
     video = video if video is not None else video_spec(cfg)
-    items, report = scan_concepts(d, warn=lambda m: None, base_dir=base_dir, clips=video is not None)
+    scans = index if index is not None else index_for(cfg)
+    items, report = scan_concepts(d, warn=lambda m: None, base_dir=base_dir, clips=video is not None, prober=scans)
+    scans.save()  # what was probed is kept even when the plan below refuses the dataset
     for message in report.warnings:  # scan_concepts' warnings, forwarded once
         warn(message)
 
@@ -111,13 +116,19 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
     by_concept = {c.index: c for c in report.concepts}
     too_small: Dict[int, List[str]] = {}
     small_clips: set = set()
+    concept_targets = {c.index: resolution_targets(d, concepts[c.index]) for c in report.concepts}  # read once
+    shapes: Dict[Any, Tuple[List[Optional[Size]], Size, Size]] = {}
     for item in items:
-        concept = concepts[item.concept_index]
-        targets = resolution_targets(d, concept)
+        targets = concept_targets[item.concept_index]
         for t in targets:
             if t not in all_targets:
                 all_targets.append(t)
-        options = [assign_bucket(item.width, item.height, buckets_for(t), step, max_upscale) for t in targets]
+        shape = (item.width, item.height, targets[0] if len(targets) == 1 else tuple(targets))
+        if shape not in shapes:  # images of one size in one concept bucket alike: worked out once
+            largest = max(targets, key=lambda t: t[0] * t[1])
+            shapes[shape] = ([assign_bucket(item.width, item.height, buckets_for(t), step, max_upscale)
+                              for t in targets], largest, nearest_bucket(item.width, item.height, buckets_for(largest)))
+        options, largest, full = shapes[shape]
         usable = [b for b in options if b is not None]
         crep = by_concept[item.concept_index]
         if not usable:
@@ -129,8 +140,6 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
                 crep.images_used -= 1
                 too_small.setdefault(item.concept_index, []).append(item.path.name)
             continue
-        largest = max(targets, key=lambda t: t[0] * t[1])
-        full = nearest_bucket(item.width, item.height, buckets_for(largest))
         need = cover_scale(item.width, item.height, full)
         if need > 1.0 + 1e-9 and not any(s["file"] == str(item.path) for s in report.small_images[-1:]):  # a clip once
             chosen = usable[targets.index(largest)] if options[targets.index(largest)] is not None else usable[0]
@@ -171,7 +180,8 @@ def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
     populations = bucket_populations(train_buckets, repeats)
     _bucket_report(report, train, train_buckets, populations, batch_size, _warn)
     if find_duplicates:
-        _duplicates(report, kept, _warn)
+        _duplicates(report, kept, _warn, scans)
+    scans.save()
 
     dataset = Dataset(items=train, buckets=train_buckets, repeats=repeats,
                       validation=[kept[i] for i in val_idx],
@@ -220,11 +230,10 @@ def _clip_buckets(report: DataReport, items: Sequence[ImageItem], buckets: Seque
             w["bucket"] = format_size(bucket) if bucket else "too small to bucket"
 
 
-def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn) -> None:
-    paths = sorted({it.path for it in items})
-    workers = max(1, min(8, os.cpu_count() or 1, len(paths)))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = list(pool.map(_safe_hash, paths))
+def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn, index: ScanIndex) -> None:
+    """Files of identical content, found by their sha256 (remembered in the scan index for unchanged files)."""
+    paths = sorted({it.path for it in items}, key=str)  # str: pathlib's own ordering is slow at 50k
+    digests = hashes(index, paths, min(8, os.cpu_count() or 1))
     groups: Dict[str, List[str]] = {}
     for path, digest in zip(paths, digests):
         if digest:
@@ -235,13 +244,6 @@ def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn) -> N
         more = f" and {len(report.duplicates) - 5} more groups" if len(report.duplicates) > 5 else ""
         warn(f"{len(report.duplicates)} group(s) of identical images ({shown}{more}): each copy trains as "
              "a separate image. Remove the copies unless the extra weight is intended.")
-
-
-def _safe_hash(path: Path) -> str:
-    try:
-        return file_sha256(path)
-    except OSError:
-        return ""
 
 
 __all__ = ["Dataset", "build_dataset", "resolution_targets"]

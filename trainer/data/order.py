@@ -4,10 +4,11 @@ another number of dataloader workers, sees exactly the same samples without savi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from fractions import Fraction
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 from trainer.data.concepts import ImageItem
 
@@ -58,12 +59,22 @@ def item_repeats(items: Sequence[ImageItem], data_cfg: Any) -> List[float]:
     counts: dict = {}
     for it in items:
         counts[it.concept_index] = counts.get(it.concept_index, 0) + 1
-    return [concept_repeats(concepts[it.concept_index], counts[it.concept_index]) for it in items]
+    per_concept = {index: concept_repeats(concepts[index], n) for index, n in counts.items()}  # settings read once
+    return [per_concept[it.concept_index] for it in items]
 
 
+@functools.lru_cache(maxsize=1024)  # one value per concept, asked once per item and epoch
 def _exact(value: float) -> Fraction:
     # Fraction of the decimal the user typed (0.3 → 3/10), so floor(0.3 * 10) is 3, not 2.
     return Fraction(repr(float(value))).limit_denominator(10**6)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(value: float) -> Tuple[int, Fraction]:
+    """(whole repeats, fraction) of a repeats value: worked out once per value, not per item."""
+    exact = _exact(value)
+    whole = int(exact)  # floor for non-negative
+    return whole, exact - whole
 
 
 def epoch_order(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int, seed: int) -> List[int]:
@@ -83,10 +94,8 @@ def epoch_order(items: Sequence[ImageItem], repeats_per_item: Any, epoch: int, s
     for i, (item, r) in enumerate(zip(items, reps)):
         if r < 0:
             raise ValueError(f"repeats must be >= 0, got {r} for item {i}")
-        exact = _exact(r)
-        whole = int(exact)  # floor for non-negative
+        whole, frac = _split(r)
         order += [i] * whole
-        frac = exact - whole
         if frac:
             groups.setdefault((item.concept_index, frac), []).append(i)
     for (concept_index, frac), members in sorted(groups.items()):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import struct
 import warnings
 import zlib
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from PIL import Image, UnidentifiedImageError
 
@@ -137,3 +138,18 @@ def exif_orientation(img: Any) -> int:
         return int(exif.get(0x0112, 1) or 1)
     except Exception:  # broken EXIF is not a reason to drop the image
         return 1
+
+
+class Prober:
+    """How a scan probes its images: this one probes every file afresh (:func:`probe_image`);
+    ``trainer.data.scanindex.ScanIndex`` answers from the remembered scan where a file is unchanged."""
+
+    def probe(self, path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
+        return probe_image(path)
+
+    def probe_all(self, paths: Sequence[Path], pool: Executor) -> List[Tuple[Tuple[int, int], Optional[str]]]:
+        """:meth:`probe` of every path, in order, decoding on ``pool``'s threads (decoding releases the GIL)."""
+        return list(pool.map(self.probe, paths))
+
+    def scanning(self, folder: Path) -> None:
+        """Told of each concept folder a scan reads whole (the index forgets the files no longer there)."""

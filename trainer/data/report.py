@@ -1,7 +1,8 @@
 """``python -m trainer data-report CONFIG``: what the trainer will do with the images, before any GPU time.
 
 The report is built by the same code as training (``trainer.data.dataset.build_dataset``: scan,
-buckets, epoch plan), without torch: images per concept, caption coverage, the bucket histogram,
+buckets, epoch plan; the scan remembered between launches in the cache folder, ``trainer.data.scanindex``),
+without torch: images per concept, caption coverage, the bucket histogram,
 images in a bucket too small for the batch size (never trained: listed), images smaller than the
 training size, duplicates, missing and unusable masks, skipped files and every warning; for a video family each
 clip with the windows taken from it (start frame, frame count, bucket) or the reason it was skipped.
@@ -17,15 +18,18 @@ from typing import Any, List, Optional
 
 from trainer.data.concepts import concept_controls, concept_folder, control_folders, pair_listing
 from trainer.data.dataset import build_dataset
+from trainer.data.scanindex import ScanIndex
 from trainer.errors import ConfigError, DataError
 from trainer.families import VideoSpec
 
 
-def build_report(cfg: Any, base_dir: Optional[Path] = None, video: Optional[VideoSpec] = None) -> dict:
+def build_report(cfg: Any, base_dir: Optional[Path] = None, video: Optional[VideoSpec] = None,
+                 index: Optional[ScanIndex] = None) -> dict:
     """Scan and plan (no model, no torch) and return the report as a dict with the warnings. ``video``: the
-    family trains on clips (default: told from ``cfg.model`` as training does)."""
+    family trains on clips (default: told from ``cfg.model`` as training does). ``index``: the remembered scan
+    (default: the config's cache folder's; the page passes its own to show how far the check is)."""
     warnings: List[str] = []
-    dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir, video=video)
+    dataset = build_dataset(cfg, warn=warnings.append, base_dir=base_dir, video=video, index=index)
     out = dataset.report.to_dict()
     out["warnings"] = warnings
     return out

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -16,6 +17,7 @@ import gradio as gr
 
 from trainer.config.load import compose_dict, to_yaml
 from trainer.data.report import build_report, concept_pairs, format_report
+from trainer.data.scanindex import ScanIndex, index_for
 from trainer.errors import ConfigError
 from trainer.host import procs
 from trainer.tools.captioners.vlm import DEFAULT_VLM, STYLES
@@ -26,14 +28,15 @@ from webui.runner import runs_root
 from webui.tensorboard import TensorBoard
 
 
-def dataset_report(cfg: Any) -> str:
+def dataset_report(cfg: Any, index: Optional[ScanIndex] = None) -> str:
     """The trainer's own dataset report (``python -m trainer data-report``): images and captions per
     concept, the bucket histogram, images that would never train (bucket smaller than the batch),
-    small images, duplicates, missing masks and skipped files — before any GPU time is spent."""
+    small images, duplicates, missing masks and skipped files — before any GPU time is spent. ``index``: the
+    remembered scan to use (default: the config's cache folder's)."""
     if not cfg.data.concepts:
         return "No concepts yet (Concepts tab)."
     try:
-        text = format_report(build_report(cfg))
+        text = format_report(build_report(cfg, index=index))
     except ConfigError as exc:
         return f"⛔ {exc}"
     flagged = ("never trains" in text or "never trained" in text or "skipped:" in text
@@ -74,12 +77,12 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
     def concept_view(items: List[dict]) -> None:
         pairs.render_report(items or [], elem_prefix, ctx.roots.allowed)
 
-    def check(*values: Any) -> List[Any]:
+    def check(*values: Any, index: Optional[ScanIndex] = None) -> List[Any]:
         cfg, note = data_config(ctx, values)
         if cfg is None:
             return [note, []]
         try:
-            text = dataset_report(cfg)
+            text = dataset_report(cfg, index if index is not None else index_for(cfg))
             found = concept_pairs(cfg)
         except (ValueError, TypeError, KeyError, OSError) as exc:  # settings no rule has checked (note says so)
             text, found = f"⛔ The report could not be made: {exc}", []
@@ -88,10 +91,27 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
     def run(*values: Any) -> str:
         return check(*values)[0]
 
+    def checking(*values: Any) -> Iterator[List[Any]]:
+        """The check on a thread of its own, saying every half second how many files it has looked at (a new or
+        changed image is decoded in full; the others come from the scan remembered in the cache folder)."""
+        cfg, _ = data_config(ctx, values)
+        index = index_for(cfg) if cfg is not None else ScanIndex()
+        result: List[Any] = []
+        worker = threading.Thread(target=lambda: result.extend(check(*values, index=index)), daemon=True)
+        started = time.monotonic()
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.5)
+            if worker.is_alive():
+                yield [f"⏳ Checking the dataset: {index.recalled + index.probed} files looked at, {index.probed} "
+                       f"decoded ({time.monotonic() - started:.0f} s) …", gr.skip()]
+        yield result if result else ["⛔ The check stopped without a report (see the log).", []]
+
     ctx.handlers[f"{elem_prefix}_dataset_check"] = run
     ctx.handlers[f"{elem_prefix}_dataset_pairs"] = check
+    ctx.handlers[f"{elem_prefix}_dataset_checking"] = checking
     # the form's inputs exist only once every tab is built
-    ctx.after_build.append(lambda: btn.click(check, form.inputs, [out, entries]))
+    ctx.after_build.append(lambda: btn.click(checking, form.inputs, [out, entries]))
 
 
 def build(ctx: AppContext) -> None:
