@@ -115,7 +115,7 @@ def _patched_split(monkeypatch, model):
     monkeypatch.setattr(conv, "torch", Torch())
 
 
-def load_lora_into_pipeline(pipe, path, monkeypatch=None):
+def load_lora_into_pipeline(pipe, path):
     """The contract row's loader: ``Lumina2Pipeline.load_lora_weights`` with diffusers' fused-qkv split at the tiny
     model's rows."""
     mp = pytest.MonkeyPatch()

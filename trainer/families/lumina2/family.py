@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -56,6 +57,25 @@ ATTN = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
 MLP = ["feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3"]
 # "all" adds the blocks' modulation Linear: exactly the modules diffusers' LoRA converter reads
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + MLP, "all": ATTN + MLP + ["norm1.linear"]}
+
+
+class _AllKept:
+    """What the transformer's RoPE embedder reads of a text mask (its shape and each row's token count), for a mask
+    without values (the VRAM estimate's fake tensors, whose ``.tolist()`` cannot run): every token kept."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+
+    def sum(self, dim: int) -> "_AllKept":
+        return self
+
+    def tolist(self) -> List[int]:
+        return [self.shape[1]] * self.shape[0]
+
+
+def _every_token_kept(_module, args):
+    hidden_states, mask = args
+    return hidden_states, _AllKept(mask.shape)
 
 
 class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
@@ -120,9 +140,16 @@ class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
         device, dtype = model_input.device, model_input.dtype
         embeds = conditioning.prompt_embeds.to(device, dtype)
         mask = conditioning.prompt_mask.to(device).bool()
-        # the timestep in fp32, as Lumina2Pipeline passes it (1 − t/1000): the time embedding is computed from it
-        out = self.transformer(hidden_states=model_input, timestep=1.0 - timesteps.to(device, torch.float32),
-                               encoder_hidden_states=embeds, encoder_attention_mask=mask, return_dict=False)[0]
+        hook = None
+        if is_fake(mask):  # the VRAM estimate: every caption token kept, the longest joint sequence
+            hook = self.transformer.rope_embedder.register_forward_pre_hook(_every_token_kept)
+        try:
+            # the timestep in fp32, as Lumina2Pipeline passes it (1 − t/1000): the time embedding is computed from it
+            out = self.transformer(hidden_states=model_input, timestep=1.0 - timesteps.to(device, torch.float32),
+                                   encoder_hidden_states=embeds, encoder_attention_mask=mask, return_dict=False)[0]
+        finally:
+            if hook is not None:
+                hook.remove()
         return -out  # the transformer predicts x − ε
 
     # --- sampling ---------------------------------------------------------------------------
