@@ -153,17 +153,16 @@ def test_the_lora_file_is_what_diffusers_and_comfyui_compute(lumina, tmp_path, m
     base = {k: v.clone() for k, v in diffusers_to_original(
         {k.replace(".base_layer", ""): v for k, v in model.transformer.state_dict().items() if "lora_" not in k}
     ).items()}
-    merged = model.transformer.merge_and_unload() if hasattr(model.transformer, "merge_and_unload") else None
-    if merged is None:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-        with torch.no_grad():
-            for module in model.transformer.modules():
-                if isinstance(module, BaseTunerLayer):
-                    module.merge()
-        wanted = diffusers_to_original({k.replace(".base_layer", ""): v for k, v in model.transformer.state_dict()
-                                        .items() if "lora_" not in k})
-    else:
-        wanted = diffusers_to_original(merged.state_dict())
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    with torch.no_grad():  # peft's merged weights: what the trained adapters mean
+        for module in model.transformer.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+    wanted = diffusers_to_original({k.replace(".base_layer", ""): v for k, v in model.transformer.state_dict().items()
+                                    if "lora_" not in k})
+    assert not torch.equal(wanted["layers.0.attention.qkv.weight"], base["layers.0.attention.qkv.weight"])
+    zero = [k for k in state if k.endswith("lora_B.weight") and not torch.count_nonzero(state[k])]
+    assert bool(zero) == (targets == "attn"), zero[:3]  # padding only for modules diffusers expects and `attn` leaves
     # ComfyUI: every diffusion_model.<module> key adds B·A to that weight of the original model
     comfy = dict(base)
     for key in state:
