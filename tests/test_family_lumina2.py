@@ -217,3 +217,32 @@ def test_the_full_size_configs_build_the_published_models(tmp_path):
                 cls = getattr(transformers, cfg["architectures"][0])
                 module = cls(cls.config_class.from_pretrained(str(sub)))
         assert sum(p.numel() for p in module.parameters()) / 1e9 == pytest.approx(billions, rel=0.005), component
+
+
+def test_at_the_released_sizes_diffusers_converters_read_both_files():
+    """On the meta device, at Lumina-Image-2.0's sizes (where diffusers' converters split qkv at 2304/768/768): the
+    fine-tune file converts back to every weight of the model with diffusers' ``convert_lumina2_to_diffusers`` (as
+    with keys.py), and a LoRA file (attention only: the rest is zero padding) converts to adapters of the model's
+    Linears with their shapes."""
+    from diffusers import Lumina2Transformer2DModel
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_lumina2_lora_to_diffusers
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+    from trainer.families.lumina2 import lora_keys
+    from trainer.families.lumina2.keys import CONFIG, diffusers_to_original, original_to_diffusers
+    with torch.device("meta"):
+        model = Lumina2Transformer2DModel(**{k: v for k, v in CONFIG.items() if k != "_class_name"})
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    original = diffusers_to_original(model.state_dict())
+    assert {k: tuple(v.shape) for k, v in convert_lumina2_to_diffusers(dict(original)).items()} == shapes
+    assert {k: tuple(v.shape) for k, v in original_to_diffusers(original).items()} == shapes
+    linears = {p: tuple(m.weight.shape) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    lora = {}
+    for path, (rows, cols) in linears.items():
+        if path.endswith(("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")):
+            lora[f"transformer.{path}.lora_A.weight"] = torch.empty(4, cols, device="meta")
+            lora[f"transformer.{path}.lora_B.weight"] = torch.empty(rows, 4, device="meta")
+    converted = _convert_non_diffusers_lumina2_lora_to_diffusers(lora_keys.to_original(lora, linears))
+    for key, tensor in converted.items():
+        rows, cols = linears[key[len("transformer."):].rsplit(".lora_", 1)[0]]
+        assert tensor.shape[1 if key.endswith("lora_A.weight") else 0] == (cols if "lora_A" in key else rows), key
+    assert {k.rsplit(".lora_", 1)[0] for k in lora} <= {k.rsplit(".lora_", 1)[0] for k in converted}

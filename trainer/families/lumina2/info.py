@@ -13,7 +13,7 @@ INFO = FamilyInfo(
     family_class="trainer.families.lumina2.family:Lumina2",
     detect="trainer.families.lumina2.detect",
     tiny={"tiny-lumina2": "trainer.families.lumina2.tiny:ensure_tiny"},
-    caption_limit=256,
+    caption_limit=256,  # Lumina2Pipeline's max_sequence_length, which the system prompt's tokens share
     refuses=(("parts.text_encoder_1.train", False,
               "Lumina 2 LoRA files carry the transformer (diffusers' Lumina2Pipeline loads no Gemma LoRA), and a "
               "fine-tune is saved as the transformer alone"),
