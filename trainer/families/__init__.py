@@ -29,6 +29,7 @@ REGISTERED: Tuple[str, ...] = (
     "wuerstchen",
     "sd3",
     "chroma",
+    "lumina2",
     "zimage",
     "qwenimage",
     "flux2",
