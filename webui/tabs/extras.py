@@ -151,7 +151,7 @@ def concepts(ctx: AppContext) -> None:
             gr.Markdown("*(outside the folders this page may show)*")
             return
         if not Path(folder).is_dir():
-            gr.Markdown(f"⛔ `{path}` does not exist")
+            gr.Markdown(f"Error: `{path}` does not exist")
             return
         images, left_out = concept_images(ctx, folder, bool(item.get("recursive")))
         gr.Markdown(f"{len(images)} images" + (f" ({len(left_out)} left out: see the preview)" if left_out else ""),
@@ -166,7 +166,7 @@ def concepts(ctx: AppContext) -> None:
         if not ctx.roots.allowed(where):
             return " (outside the folders this page may show)"
         if not Path(where).is_dir():
-            return " ⛔ does not exist"
+            return " — does not exist"
         return f" ({len(concept_images(ctx, where, recursive)[0])} images)"
 
     editor.card_extra = card_images
@@ -200,8 +200,8 @@ def concepts(ctx: AppContext) -> None:
         lines: List[str] = []
         notes = [skipped_md(left_out)] if left_out else []
         if source == "concept_file" and cap_file and not ctx.roots.allowed(resolve_path(cap_file)):
-            notes.append(f"⛔ The caption file `{cap_file}` is outside the folders this page may show: its captions "
-                         "are not shown.")
+            notes.append(f"Error: The caption file `{cap_file}` is outside the folders this page may show: its "
+                         "captions are not shown.")
         elif source == "concept_file" and cap_file:
             try:
                 text = Path(resolve_path(cap_file)).read_text(encoding="utf-8", errors="replace")

@@ -275,7 +275,7 @@ def problems_md(view: RunView) -> str:
     lines = []
     if view.state in ("failed", "died") and view.message:
         title = "The run failed" if view.state == "failed" else "The trainer stopped unexpectedly"
-        lines.append(f"### ⛔ {title}\n{md_escape(view.message)}")
+        lines.append(f"### Error: {title}\n{md_escape(view.message)}")
         if view.traceback:
             lines.append("<details><summary>Traceback</summary>\n\n" + md_fence(view.traceback[-4000:]) +
                          "\n</details>")
@@ -283,7 +283,7 @@ def problems_md(view: RunView) -> str:
     if view.advice:
         lines.append(f"**What to try:** {md_escape(view.advice)}")
     for w in view.warnings[-10:]:
-        lines.append(f"- ⚠️ {md_escape(w)}")
+        lines.append(f"- Warning: {md_escape(w)}")
     return "\n\n".join(lines)
 
 

@@ -169,7 +169,7 @@ def build(ctx: AppContext) -> None:
         try:
             cfg = load_config(run_dir / "config.yaml")
         except ConfigError as exc:
-            return [gr.skip()] * n + [f"⛔ {exc}", gr.skip()]
+            return [gr.skip()] * n + [f"Error: {exc}", gr.skip()]
         cfg.general.run_name = ""
         note = f"Loaded the config of **{name}** into the form (run name cleared)."
         values = form.values_for(cfg)
