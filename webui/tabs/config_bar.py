@@ -94,7 +94,7 @@ def wire(ctx: AppContext) -> None:
         except ConfigError as exc:
             return refuse(_named(exc))
 
-    # progress on the message line alone (see submit below)
+    # the wait shows on the message line alone (see submit below)
     c["preset"].input(load_preset, [c["preset"]], outs, show_progress_on=[c["messages"]])
     c["load_file"].click(load_file, [c["config_path"]], outs, show_progress_on=[c["messages"]])
     c["upload"].upload(upload, [c["upload"]], outs, show_progress_on=[c["messages"]])
@@ -140,14 +140,23 @@ def wire(ctx: AppContext) -> None:
                                             else "What it holds now:\n\n" + out[-1]))
         return out
 
-    failed = c.get("qs_failed")
-    if failed is not None:
-        c["validate"].click(validate_shown, [*form.inputs, failed], checked_outs, show_progress_on=[c["messages"]])
-        # the Quick start's note answered its last click: once the form is set or started another way, it is old
+    # which fields carry a problem note now (indices of form.annotated): the next check re-sends only those and the
+    # newly flagged ones, not an update of each of the form's few hundred fields
+    flagged = gr.State(frozenset())
+    n_notes = len(form.annotated)
+
+    def only_changed(out: List[Any], before: Any) -> List[Any]:
+        now = frozenset(i for i, note in enumerate(out[:n_notes]) if _flags(note))
+        kept = [note if i in now or i in (before or ()) else gr.skip() for i, note in enumerate(out[:n_notes])]
+        return kept + out[n_notes:] + [now]
+
+    failed = c.get("qs_failed") or gr.State("")
+    c["validate"].click(lambda *a: only_changed(validate_shown(*a[:-1]), a[-1]), [*form.inputs, failed, flagged],
+                        checked_outs + [flagged], show_progress_on=[c["messages"]])
+    # the Quick start's note answered its last click: once the form is set or started another way, it is old
+    if "qs_note" in c:
         gr.on([c["start"].click, c["enqueue"].click, c["preset"].input, c["load_file"].click, c["upload"].upload],
               lambda: ["", ""], None, [c["qs_note"], failed], show_progress="hidden", queue=False)
-    else:
-        c["validate"].click(validate, form.inputs, checked_outs, show_progress_on=[c["messages"]])
 
     def submit(values: tuple, queue_only: bool) -> List[Any]:
         checked = ctx.check(values)
@@ -169,12 +178,13 @@ def wire(ctx: AppContext) -> None:
         return notes + [f"A run is in progress: queued **{job.name}** behind it.{warn}",
                         gr.Tabs(selected="queue"), ctx.watch(AUTO)]
 
-    submit_outs = checked_outs + [c["tabs"], c["run_select"]]
-    # the click's progress shows on the message line alone: a tracker on each of the form's few hundred annotated
-    # fields made the page's answer to a click take seconds on a small machine
-    progress = {"show_progress_on": [c["messages"]]}
-    c["start"].click(lambda *v: submit(v, False), form.inputs, submit_outs, concurrency_limit=1, **progress)
-    c["enqueue"].click(lambda *v: submit(v, True), form.inputs, submit_outs, concurrency_limit=1, **progress)
+    submit_outs = checked_outs + [c["tabs"], c["run_select"], flagged]
+    # the wait shows on the message line, where the answer comes, not as an overlay on each annotated field
+    progress = {"show_progress_on": [c["messages"]], "concurrency_limit": 1}
+    c["start"].click(lambda *a: only_changed(submit(a[:-1], False), a[-1]), [*form.inputs, flagged], submit_outs,
+                     **progress)
+    c["enqueue"].click(lambda *a: only_changed(submit(a[:-1], True), a[-1]), [*form.inputs, flagged], submit_outs,
+                       **progress)
 
     # draft autosave: the form survives a page refresh and a UI restart. Only user edits
     # (.input) and code that edits the form trigger it: .change on every widget would fire a
@@ -254,6 +264,12 @@ def load_draft(ctx: AppContext) -> Optional[List[Any]]:
         return None
     assert ctx.form is not None
     return ctx.form.lenient_values_for(raw)
+
+
+def _flags(note: Any) -> bool:
+    """Whether an output of ``Form.annotate`` puts a problem on its field: a field's update with a highlight
+    class, or a table's non-empty note."""
+    return bool(note.get("elem_classes")) if isinstance(note, dict) else bool(note)
 
 
 def _named(exc: ConfigError) -> str:

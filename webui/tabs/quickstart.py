@@ -122,7 +122,8 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
                                label=f"{STEPS[0]} Model you train on", elem_id="qs-kind", scale=2)
             what = gr.Radio(list(METHODS), value="LoRA", label=f"{STEPS[1]} What to train",
                             elem_id="qs-what", scale=1)
-            card = gr.Number(value=card_gib, minimum=1, maximum=1024, elem_id="qs-card", scale=1,
+            # no minimum: an empty field reaches the server as 0, which Gradio would refuse (0 = no card known)
+            card = gr.Number(value=card_gib, maximum=1024, elem_id="qs-card", scale=1,
                              label=f"{STEPS[2]} GPU memory (GiB)" + ("" if card_gib else ": no GPU found here"),
                              info=None if card_gib else "Type your training card's memory to get its memory tier.")
         model = ctx.browser.path_field(lambda: gr.Textbox(label=f"{STEPS[3]} Model file, diffusers folder or hub id",
@@ -149,7 +150,8 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
         assert form is not None
 
         def do_fill(k: Optional[str], w: str, path: str, folder: str, gib: Any) -> List[Any]:
-            cfg, preset, message = fill(k or "", w, path, folder, float(gib) if gib else None, resolve_path)
+            gib = float(gib) if gib and float(gib) > 0 else None
+            cfg, preset, message = fill(k or "", w, path, folder, gib, resolve_path)
             if cfg is None:
                 return [gr.skip()] * len(load_outputs(form)) + [gr.skip(), message, gr.skip(), message]
             values = form.values_for(cfg)
