@@ -332,7 +332,7 @@ def test_tools_tab_runs_the_cli_and_names_the_output(made, tmp_path):
     assert result["rc"] == 0 and result["outputs"] == [str(out)], result
     assert load_file(out)[next(k for k in load_file(out) if k.endswith(".lora_down.weight"))].shape[0] == 2
     text = describe_tool_result(argv, result)
-    assert text.startswith("✅") and f"`{out}`" in text
+    assert text.startswith("OK:") and f"`{out}`" in text
     again = run_tool(argv, timeout=300)  # exists now: one clear line, exit code 2
     assert again["rc"] == 2 and "already exists" in describe_tool_result(argv, again)
     assert tool_command("merge", "builtin:tiny-sd", "", "")[1].startswith("give at least one LoRA")

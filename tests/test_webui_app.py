@@ -332,9 +332,9 @@ def test_the_vram_estimate_runs_the_trainers_estimator_on_the_form_and_says_whet
     ctx = build_app(tmp_path / "ws", start_scheduler=False).atelier
     values = ctx.form.values_for(load_config(preset="demo"))
     fits = ctx.handlers["vram_estimate"](8, *values)
-    assert fits.startswith("✅") and "Estimated peak" in fits and "Fits a 8 GiB card" in fits
+    assert fits.startswith("OK:") and "Estimated peak" in fits and "Fits a 8 GiB card" in fits
     tight = ctx.handlers["vram_estimate"](0.5, *values)  # the CUDA context alone is 0.75 GiB
-    assert tight.startswith("⛔") and "Does **not** fit a 0.5 GiB" in tight and "gradient_checkpointing" in tight
+    assert tight.startswith("Error:") and "Does **not** fit a 0.5 GiB" in tight and "gradient_checkpointing" in tight
     assert len(runs) == 1  # another card size: the same config's estimate, judged again
     peak = float(re.search(r"Estimated peak: ([0-9.]+) GiB", fits).group(1))
     spare = float(re.search(r"with ([0-9.]+) GiB to spare", fits).group(1))

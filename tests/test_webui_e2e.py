@@ -392,11 +392,18 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
     with open_page(url) as page:
         page.locator("#qs-kind input").click()
         page.get_by_role("option", name="SDXL (and Pony, Illustrious, … based on it)").click()
-        page.locator("#qs-model textarea, #qs-model input").first.fill(str(model))
+        set_number(page, "qs-card", "24")  # the card's memory (this machine has no GPU: the field starts empty)
+        page.locator("#qs-model textarea, #qs-model input").first.fill(str(model.with_name("missing.safetensors")))
         page.locator("#qs-images textarea, #qs-images input").first.fill(str(ctx.workspace / "no-such-folder"))
         page.locator("#qs-fill").click()
         page.wait_for_function("document.querySelector('#qs-note').innerText.includes('is not a folder')", timeout=15000)
+        assert "missing.safetensors" in page.locator("#qs-note").inner_text()  # every wrong input, in one answer
         assert page.locator("#preset-select input").input_value() == ""  # nothing filled from a wrong choice
+        page.locator("#validate-btn").click()  # checks the form as it is, and says the Quick start was not applied
+        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('not applied')",
+                               timeout=30000)
+        assert "looks good" not in page.locator("#form-messages").inner_text()
+        page.locator("#qs-model textarea, #qs-model input").first.fill(str(model))
         page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
         page.locator("#qs-fill").click()
         page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')", timeout=15000)

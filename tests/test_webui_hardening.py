@@ -95,10 +95,10 @@ def test_a_broken_image_is_named_and_skipped_in_the_caption_editor_preview_and_m
     assert "garbage.png" in [c[0] if isinstance(c, tuple) else c for c in choices.choices]
     for name in BAD:
         editor, message = ctx.handlers["mask_open"](str(folder), name)
-        assert editor is None and message.startswith(f"⛔ `{name}` cannot be opened: "), message
+        assert editor is None and message.startswith(f"Error: `{name}` cannot be opened: "), message
         assert "\n" not in message and "Traceback" not in message and "PIL." not in message, message
         stored = ctx.handlers["mask_store"](str(folder), name, {"layers": []})
-        assert stored.startswith(f"⛔ `{name}` cannot be opened: "), stored
+        assert stored.startswith(f"Error: `{name}` cannot be opened: "), stored
     assert not any(folder.glob("*-masklabel.png"))
     editor, message = ctx.handlers["mask_open"](str(folder), "a.png")  # the good ones still open
     assert editor["background"].size == (24, 24) and "(no mask yet)" in message

@@ -104,11 +104,11 @@ def test_the_report_view_shows_roles_pairs_side_by_side_and_the_unpaired(tmp_pat
     assert max(items[0][0].size) <= pairs.THUMB
     assert pairs.pairs_caption(edits, rows=2) == "3 pairs (target | control 1), showing 2"
     text = pairs.unpaired_md(edits)
-    assert text.startswith("⛔ data.concepts.0.control_paths.0: 1 control image(s)") and "`dog_01.png`" in text
+    assert text.startswith("Error: data.concepts.0.control_paths.0: 1 control image(s)") and "`dog_01.png`" in text
     assert "would not train" in text
     whole = concept_pairs(data_cfg({"path": str(make_pairs(tmp_path / "ok") / "targets"),
                                     "control_paths": [str(tmp_path / "ok" / "control")]}))[0]
-    assert pairs.unpaired_md(whole).startswith("✅ All 3 images")
+    assert pairs.unpaired_md(whole).startswith("OK: All 3 images")
     assert pairs.role_badge("train") == "" and "never trained on" in pairs.role_badge("validation")
 
 
@@ -126,7 +126,7 @@ def test_the_dataset_check_on_the_page_shows_pairs_even_when_the_model_takes_no_
     assert edits["role"] == "validation" and len(edits["pairs"]) == 3
     assert edits["unpaired_controls"] == [{"file": "dog_01.png", "folder": str(root / "control")}]
     ok, _ = ctx.handlers["concepts_dataset_pairs"](*ctx.form.values_for(load_config(preset="demo")))
-    assert ok.startswith("✅")
+    assert ok.startswith("OK:")
 
 
 def test_the_concept_role_dropdown_explains_each_role(ui_app):
@@ -193,7 +193,7 @@ def test_the_caption_editor_shows_an_images_controls_and_names_one_without(ui_ap
     assert [c for _, c in gallery["value"]] == ["image: cat_02.png", "control 1: cat_02.jpg"]
     assert gallery["visible"] and "instruction" in note
     gallery, note = ctx.handlers["captions_pair"](str(root / "targets"), controls, "cat_09.png")
-    assert note.startswith("⛔ `cat_09.png` has no control image") and "it would not train" in note
+    assert note.startswith("Error: `cat_09.png` has no control image") and "it would not train" in note
     assert "outside the folders" in ctx.handlers["captions_pair"](str(root / "targets"), "/etc", "cat_02.png")[1]
 
 
@@ -201,5 +201,5 @@ def test_the_dataset_check_runs_on_a_thread_of_its_own_and_ends_with_the_report(
     _, ctx = ui_app
     values = ctx.form.values_for(load_config(preset="demo"))
     steps = list(ctx.handlers["concepts_dataset_checking"](*values))
-    assert all(text.startswith("⏳ Checking the dataset") for text, _ in steps[:-1])
-    assert steps[-1] == ctx.handlers["concepts_dataset_pairs"](*values) and steps[-1][0].startswith("✅")
+    assert all(text.startswith("Checking the dataset") for text, _ in steps[:-1])
+    assert steps[-1] == ctx.handlers["concepts_dataset_pairs"](*values) and steps[-1][0].startswith("OK:")

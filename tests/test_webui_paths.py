@@ -40,7 +40,7 @@ def test_save_file_writes_only_inside_the_workspace_and_browse_roots(ui_app, tmp
     ws, ctx = ui_app
     outside = tmp_path / "evil.yaml"
     message = ctx.handlers["save_file"](str(outside), *_values(ctx))
-    assert message.startswith("⛔ Not saved") and "outside the folders this page may write" in message
+    assert message.startswith("Error: Not saved") and "outside the folders this page may write" in message
     assert not outside.exists()
     preset = PRESETS_DIR / "demo.yaml"
     before = preset.read_bytes()

@@ -30,7 +30,7 @@ from webui.filebrowser import FileBrowser, Roots
 from webui.form import Form, load_outputs, load_updates
 from webui.login import LoginGate, RateLimitedAuth
 from webui.tabs import config_bar, extras, queue, quickstart, run, runs, tools
-from webui.tensorboard import mount
+from webui.tensorboard import mount, stop_with_this_process
 
 DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
 SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
@@ -250,6 +250,8 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     if board is not None:  # <page>/tensorboard/, behind the same login
         mount(demo.server_app, board)
     if not prevent_thread_lock:
+        if board is not None:
+            stop_with_this_process(board)  # SIGTERM / SIGHUP too, not only Ctrl-C
         try:
             demo.block_thread()
         finally:

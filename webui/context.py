@@ -13,7 +13,7 @@ from typing import Any, List, Optional, Sequence
 import gradio as gr
 from omegaconf import OmegaConf
 
-from trainer.config.checks import check_config, config_from_dict
+from trainer.config.checks import check_config
 from trainer.config.load import PRESETS_DIR, to_yaml
 from trainer.config.paths import outside
 from trainer.config.preflight import looks_like_hub_id
@@ -106,8 +106,8 @@ class AppContext:
         return cfg
 
     def run_config_yaml(self, cfg: Any) -> str:
-        """The YAML a run starts with (:meth:`as_run`)."""
-        cfg = config_from_dict(OmegaConf.create(OmegaConf.to_container(cfg)))
+        """The YAML a run starts with (:meth:`as_run`), from a config :meth:`check` already built (building it again
+        cost half a second of every Start and Add to queue)."""
         return to_yaml(self.as_run(cfg))
 
     def run_name(self, cfg: Any) -> str:
@@ -173,10 +173,11 @@ class AppContext:
 
 
 def issues_md(issues: Sequence[FieldError], form: Optional[Form] = None) -> str:
-    """A list of problems that names each field (and its tab) for the message area."""
+    """A list of problems that names each field (and its tab) for the message area. Each is led by the word
+    "Error:" or "Warning:", not an emoji mark: a browser without an emoji font draws those as empty boxes."""
     lines = []
     for i in sorted(issues, key=lambda x: x.level != "error"):
-        icon = "⛔" if i.level == "error" else "⚠️"
+        icon = "Error:" if i.level == "error" else "Warning:"
         where = ""
         if form is not None and i.key:
             tab = form.tab_for(i.key)

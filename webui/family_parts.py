@@ -5,10 +5,12 @@ the family has no such part, and fields only some families read (``FamilyInfo.ow
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import gradio as gr
+import yaml
 
 from trainer.config.fields import PART_OF_SLOT, all_keys, part_key
 from trainer.data.frames import CONCEPT_CLIP_SETTINGS, DATA_CLIP_SETTINGS
@@ -47,6 +49,33 @@ def describe(path: Any, family: Any) -> Tuple[str, Dict[str, bool], Dict[str, st
     shown.update({key: info.video is not None for key in CLIP_KEYS})  # what a folder of clips is cut into
     labels = {key: parts[slot].label for slot, keys in SLOT_FIELDS.items() for key in keys if slot in parts}
     return "\n".join(lines), shown, labels
+
+
+_RUN_LABELS: Dict[Tuple[str, int], Dict[str, str]] = {}  # (config.yaml, its mtime) -> slot -> label
+
+
+def run_part_labels(run_dir: Path) -> Dict[str, str]:
+    """What a run's family calls each of its trained parts (``unet`` → "Transformer" for Flux, "UNet" for SD), from
+    the run's ``config.yaml`` without loading the model; {} when the family cannot be told that way (the page then
+    shows the trainer's own names). The trainer names its optimizer groups after the model's slots, so the
+    learning-rate chart labels its series with these."""
+    path = Path(run_dir) / "config.yaml"
+    try:
+        key = (str(path), path.stat().st_mtime_ns)
+    except OSError:
+        return {}
+    if key not in _RUN_LABELS:
+        labels: Dict[str, str] = {}
+        try:
+            model = (yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("model") or {}
+            variant = family_without_loading(SimpleNamespace(path=str(model.get("path") or ""),
+                                                             family=str(model.get("family") or "auto")))
+            if variant:
+                labels = {p.slot: p.label for p in info_for(variant).parts}
+        except Exception:  # an unreadable config or a detection that refuses the file: the trainer's names
+            labels = {}
+        _RUN_LABELS[key] = labels
+    return _RUN_LABELS[key]
 
 
 def wire(form: Any) -> Any:

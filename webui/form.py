@@ -260,7 +260,7 @@ def _chunks(specs: List[FieldSpec]) -> List[List[FieldSpec]]:
 
 
 def _error_md(errors: Sequence[FieldError]) -> str:
-    return "\n".join(f"- {'⛔' if e.level == 'error' else '⚠️'} `{e.key}` — {e.message}" for e in errors)
+    return "\n".join(f"- {'Error:' if e.level == 'error' else 'Warning:'} `{e.key}` — {e.message}" for e in errors)
 
 
 def tab_layout(specs: Sequence[FieldSpec]) -> List[tuple[str, str, List[str]]]:
@@ -430,7 +430,7 @@ class Form:
                 continue
             mine = by_key.get(s.key, [])
             level = "error" if any(i.level == "error" for i in mine) else "warning" if mine else ""
-            info = s.info() + "".join(f"\n{'⛔' if i.level == 'error' else '⚠️'} {i.message}" for i in mine)
+            info = s.info() + "".join(f"\n{'Error:' if i.level == 'error' else 'Warning:'} {i.message}" for i in mine)
             out.append(gr.update(info=info, elem_classes=[f"atl-field-{level}"] if level else []))
         for key in self.editors:
             out.append(_error_md(by_key.get(key, [])))

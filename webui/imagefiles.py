@@ -123,12 +123,12 @@ def size_of(path: Path) -> Tuple[Optional[Tuple[int, int]], str]:
 
 
 def skipped_md(skipped: Sequence[Tuple[str, str]], what: str = "file(s) left out", limit: int = NAMES_SHOWN) -> str:
-    """Markdown: "⛔ N file(s) left out: `name` — reason; …" ("" when none)."""
+    """Markdown: "Error: N file(s) left out: `name` — reason; …" ("" when none)."""
     if not skipped:
         return ""
     shown = "; ".join(f"{md_code(name)} — {md_escape(why)}" for name, why in skipped[:limit])
     more = f"; and {len(skipped) - limit} more" if len(skipped) > limit else ""
-    return f"⛔ {len(skipped)} {what}: {shown}{more}."
+    return f"Error: {len(skipped)} {what}: {shown}{more}."
 
 
 __all__ = ["NAMES_SHOWN", "OUTSIDE", "UnreadableImage", "grey_tile", "open_rgb", "page_images", "reason_for",

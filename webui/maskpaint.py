@@ -87,7 +87,7 @@ def build(ctx: AppContext) -> None:
         images, left_out = folder_images(ctx, root)
         names = [p.name for p in images]
         done = sum(1 for n in names if mask_file(root / n).exists())
-        note = f"{len(names)} images, {done} with a mask." if names else f"⛔ No images in `{root}`."
+        note = f"{len(names)} images, {done} with a mask." if names else f"Error: No images in `{root}`."
         return [gr.Dropdown(choices=names, value=names[0] if names else None),
                 note + ("\n\n" + skipped_md(left_out) if left_out else "")]
 
@@ -97,10 +97,10 @@ def build(ctx: AppContext) -> None:
             return [gr.skip(), why or "Pick an image."]
         path = image_of(ctx, root, name)
         if path is None:
-            return [gr.skip(), f"⛔ `{name}` is not an image of this folder."]
+            return [gr.skip(), f"Error: `{name}` is not an image of this folder."]
         background, why = open_rgb(path)
         if background is None:
-            return [None, f"⛔ `{name}` cannot be opened: {why}."]
+            return [None, f"Error: `{name}` cannot be opened: {why}."]
         existing = mask_file(path)
         layer = Image.new("RGBA", background.size, (255, 255, 255, 0))
         state = " (no mask yet)"
@@ -108,7 +108,7 @@ def build(ctx: AppContext) -> None:
             try:
                 layer, state = layer_from_mask(existing, background.size), " (its mask loaded)"
             except Exception as exc:  # Pillow raises many kinds on a damaged file; paint afresh instead
-                state = (f" ⛔ its mask `{existing.name}` cannot be read ({reason_for(existing, exc)}): painting "
+                state = (f" Error: its mask `{existing.name}` cannot be read ({reason_for(existing, exc)}): painting "
                          "starts blank, and Save mask replaces it")
         return [{"background": background, "layers": [layer], "composite": None}, f"Editing `{name}`{state}"]
 
@@ -118,16 +118,16 @@ def build(ctx: AppContext) -> None:
             return why or "Pick an image."
         path = image_of(ctx, root, name)
         if path is None:
-            return f"⛔ `{name}` is not an image of this folder."
+            return f"Error: `{name}` is not an image of this folder."
         if read_only_folder(ctx, root):
             return read_only_folder(ctx, root)
         layers = (value or {}).get("layers") or []
         try:
             target = save_mask(path, layers)
         except UnreadableImage as exc:
-            return f"⛔ `{name}` cannot be opened: {exc}."
+            return f"Error: `{name}` cannot be opened: {exc}."
         except OSError as exc:
-            return f"⛔ Could not write the mask: {exc}"
+            return f"Error: Could not write the mask: {exc}"
         return f"Saved `{target.name}`."
 
     ctx.handlers.update(mask_list=listing, mask_open=open_image, mask_store=store)

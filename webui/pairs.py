@@ -62,7 +62,7 @@ def concept_head(entry: dict) -> str:
     controls = entry.get("controls") or []
     missing = set(entry.get("missing_folders") or [])
     if controls:
-        shown = [_code(c) + (" ⛔ does not exist" if c in missing else "") for c in controls]
+        shown = [_code(c) + (" — does not exist" if c in missing else "") for c in controls]
         parts.append("control folders: " + ", ".join(shown))
     else:
         parts.append("no control folders")
@@ -92,7 +92,7 @@ def unpaired_md(entry: dict) -> str:
     """Markdown: the line validate gives for the concept, then every unpaired target and control by folder."""
     lines = []
     if entry.get("error"):
-        lines.append(f"⛔ {entry['error']}")
+        lines.append(f"Error: {entry['error']}")
     for key, what in (("unpaired_targets", "image(s) with no control of their name in"),
                       ("unpaired_controls", "control(s) with no image of their name in the concept, in")):
         by_folder: Dict[str, List[dict]] = {}
@@ -101,7 +101,7 @@ def unpaired_md(entry: dict) -> str:
         for folder, files in by_folder.items():
             lines.append(f"- {len(files)} {what} `{folder}`: {_named(files)} — they would not train.")
     if entry.get("controls") and not lines:
-        lines.append(f"✅ All {len(entry.get('pairs') or [])} images have their control in every folder.")
+        lines.append(f"OK: All {len(entry.get('pairs') or [])} images have their control in every folder.")
     return "\n".join(lines)
 
 
@@ -122,7 +122,7 @@ def render_report(entries: Sequence[dict], elem_prefix: str,
             gr.HTML(concept_head(entry), elem_id=f"{elem_prefix}-pairs-{entry['index']}-head")
             if not entry.get("controls"):
                 if entry.get("error"):
-                    gr.Markdown(f"⛔ {entry['error']}")
+                    gr.Markdown(f"Error: {entry['error']}")
                 continue
             items = pair_gallery(entry, allowed=allowed)
             with gr.Row():
@@ -179,10 +179,10 @@ def image_with_controls(image: Path, folder: Path, control_text: Any,
             unreadable.append(f"`{file.name}` cannot be shown: {why}.")
     missing = [folders[k] for k, c in enumerate(controls) if c is None]
     if unreadable:
-        return items, "⛔ " + " ".join(unreadable)
+        return items, "Error: " + " ".join(unreadable)
     if missing:
         where = ", ".join(f"`{m}`" for m in missing)
-        return items, (f"⛔ `{image.name}` has no control image of its name in {where}: it would not train. Add "
+        return items, (f"Error: `{image.name}` has no control image of its name in {where}: it would not train. Add "
                        f"`{image.stem}` (any image extension) there, or move the image out of the concept.")
     return items, f"The caption is the instruction from {'these controls' if len(controls) > 1 else 'the control'} " \
                   f"to `{image.name}`."

@@ -66,7 +66,7 @@ def add_path(text: Any, value: Any, kind: str, allowed: Any) -> Tuple[str, str]:
         return "\n".join(paths), "Type a path or pick one with Browse first."
     problem = path_problem(value, kind, allowed)
     if problem:
-        return "\n".join(paths), f"⛔ {problem}"
+        return "\n".join(paths), f"Error: {problem}"
     if value in paths:
         return "\n".join(paths), f"`{value}` is in the list already."
     return "\n".join(paths + [value]), f"Added `{value}` (number {len(paths) + 1})."
@@ -112,16 +112,16 @@ class PathList:
 
         def apply(result: Tuple[str, str], table_value: Any, index: Optional[int]) -> List[Any]:
             text, message = result
-            rows = write_row(table_value, index, self.column, text) if not message.startswith("⛔") else None
+            rows = write_row(table_value, index, self.column, text) if not message.startswith("Error:") else None
             if rows is None:
-                if index is None and not message.startswith(("⛔", "Pick", "Type")):
+                if index is None and not message.startswith(("Error:", "Pick", "Type")):
                     message += " Press **Add as new row** to keep it."
                 return [text, gr.skip(), message]
             return [text, rows, message + f" Saved into row {int(index)}."]
 
         def on_add(text: Any, value: Any, table_value: Any, index: Optional[int]) -> List[Any]:
             out = apply(self.adding(text, value), table_value, index)
-            return out + ["" if not out[2].startswith(("⛔", "Type")) else gr.skip()]
+            return out + ["" if not out[2].startswith(("Error:", "Type")) else gr.skip()]
 
         def on_remove(text: Any, value: Any, table_value: Any, index: Optional[int]) -> List[Any]:
             return apply(remove_path(text, value), table_value, index)

@@ -333,7 +333,9 @@ class RunManager:
             if job is None:
                 return None
             try:
-                return self._start_job(job)
+                started = self._start_job(job)
+                self.last_error = ""  # the failure to start an earlier job is over once one starts
+                return started
             except Exception as exc:  # a bad job must not stall the queue
                 self.last_error = f"Could not start queued job {job.name!r}: {exc}"
                 return None

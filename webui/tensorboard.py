@@ -8,6 +8,8 @@ Gradio route (the session cookie Gradio sets at login), so it opens nothing the 
 
 from __future__ import annotations
 
+import atexit
+import signal
 import socket
 import subprocess
 import sys
@@ -82,6 +84,25 @@ class TensorBoard:
                 self.proc.kill()
 
 
+def stop_with_this_process(board: TensorBoard) -> None:
+    """Stop ``board`` when the UI process ends, however it is told to. Ctrl-C ends the serving loop and the caller's
+    ``finally`` stops it, but SIGTERM (``kill``, systemd, a container's stop) and SIGHUP (a closed terminal) end a
+    Python process at once by default, with no ``finally`` and no ``atexit``: TensorBoard was left running. Here
+    they raise KeyboardInterrupt in the main thread instead, so the page shuts down as on Ctrl-C, and ``atexit``
+    stops the board on any ordinary exit. Handlers another part of the program set are left alone."""
+    atexit.register(board.stop)
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread
+
+    def interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) in (signal.SIG_DFL, None):
+            signal.signal(sig, interrupt)
+
+
 def mount(app: Any, board: TensorBoard) -> None:
     """Add ``/tensorboard/{path}`` to the served FastAPI app, first in line, behind the page's login."""
 
@@ -103,4 +124,4 @@ def mount(app: Any, board: TensorBoard) -> None:
     app.router.routes[0:0] = routes  # before Gradio's catch-all page route
 
 
-__all__ = ["PREFIX", "TensorBoard", "mount"]
+__all__ = ["PREFIX", "TensorBoard", "mount", "stop_with_this_process"]

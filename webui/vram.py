@@ -84,7 +84,7 @@ def run_estimator(config_yaml: str, timeout: float = TIMEOUT_S, python: str = sy
 def describe(result: dict, card_gib: Optional[float]) -> str:
     """Markdown for the page: the peak, its parts, fits or not, and what to change."""
     if "error" in result:
-        return (f"⚠️ No estimate for this config: {result['error']}\n\nThe estimator builds the model from its "
+        return (f"Warning: No estimate for this config: {result['error']}\n\nThe estimator builds the model from its "
                 "shipped configuration; families it cannot build yet get no estimate (the run itself is not affected).")
     peak = result.get("phases", {}).get(result.get("peak_phase", ""), {})
     parts = ", ".join(f"{k} {v:.2f}" for k, v in peak.items() if k != "total" and v >= 0.005)
@@ -95,8 +95,9 @@ def describe(result: dict, card_gib: Optional[float]) -> str:
     if not card_gib:
         return text + "\n\nGive a card size to check whether it fits."
     if result.get("fits"):
-        return f"✅ {text}\n\nFits a {card_gib:g} GiB card with {result.get('margin_gib', 0):.2f} GiB to spare."
-    return (f"⛔ {text}\n\nDoes **not** fit a {card_gib:g} GiB card (short by {-result.get('margin_gib', 0):.2f} GiB). "
+        return f"OK: {text}\n\nFits a {card_gib:g} GiB card with {result.get('margin_gib', 0):.2f} GiB to spare."
+    short = -result.get('margin_gib', 0)
+    return (f"Error: {text}\n\nDoes **not** fit a {card_gib:g} GiB card (short by {short:.2f} GiB). "
             "To need less: " + "; ".join(SAVINGS) + ".")
 
 

@@ -49,6 +49,10 @@ def build(ctx: AppContext) -> None:
     ctx.components["messages"] = gr.Markdown(elem_id="form-messages")
 
 
+QUICK_NOT_APPLIED = ("The Quick start above was **not applied** (see what it names), so the form still holds its "
+                     "earlier settings. ")
+
+
 def wire(ctx: AppContext) -> None:
     """Attach the handlers (after the form and the Run tab exist)."""
     form, c = ctx.form, ctx.components
@@ -61,7 +65,7 @@ def wire(ctx: AppContext) -> None:
         return load_updates(form, values) + [note]
 
     def refuse(message: str) -> List[Any]:
-        return [gr.skip()] * len(load_outputs(form)) + [f"⛔ {message}\n\nThe form was not changed."]
+        return [gr.skip()] * len(load_outputs(form)) + [f"Error: {message}\n\nThe form was not changed."]
 
     def load_preset(name: Optional[str]) -> List[Any]:
         if not name:
@@ -90,24 +94,25 @@ def wire(ctx: AppContext) -> None:
         except ConfigError as exc:
             return refuse(_named(exc))
 
-    c["preset"].input(load_preset, [c["preset"]], outs)
-    c["load_file"].click(load_file, [c["config_path"]], outs)
-    c["upload"].upload(upload, [c["upload"]], outs)
+    # the wait shows on the message line alone (see submit below)
+    c["preset"].input(load_preset, [c["preset"]], outs, show_progress_on=[c["messages"]])
+    c["load_file"].click(load_file, [c["config_path"]], outs, show_progress_on=[c["messages"]])
+    c["upload"].upload(upload, [c["upload"]], outs, show_progress_on=[c["messages"]])
 
     def save_file(path: str, *values: Any) -> str:
         target, why = ctx.confined(path, write=True)
         if target is None:
-            return f"⛔ Not saved: {why}"
+            return f"Error: Not saved: {why}"
         checked = ctx.check(values)
         if checked.cfg is None:
-            return "⛔ Not saved — fix these first:\n" + issues_md(checked.issues, form)
+            return "Error: Not saved — fix these first:\n" + issues_md(checked.issues, form)
         save_config(checked.cfg, target)
         return f"Saved `{target}`."
 
     def download(*values: Any) -> List[Any]:
         checked = ctx.check(values)
         if checked.cfg is None:
-            return [gr.File(visible=False), "⛔ Fix these first:\n" + issues_md(checked.issues, form)]
+            return [gr.File(visible=False), "Error: Fix these first:\n" + issues_md(checked.issues, form)]
         out = Path(tempfile.mkdtemp(prefix="atelier-")) / "atelier-config.yaml"
         out.write_text(to_yaml(checked.cfg), encoding="utf-8")
         return [gr.File(value=str(out), visible=True), "Your YAML is ready below."]
@@ -121,11 +126,37 @@ def wire(ctx: AppContext) -> None:
     def validate(*values: Any) -> List[Any]:
         checked = ctx.check(values)
         if not checked.issues:
-            return form.annotate([]) + ["✅ Settings look good."]
+            return form.annotate([]) + ["OK: Settings look good."]
         head = "**Fix these before starting:**" if not checked.ok else "**Settings are valid. Warnings:**"
         return form.annotate(checked.issues) + [head + "\n" + issues_md(checked.issues, form)]
 
-    c["validate"].click(validate, form.inputs, checked_outs)
+    def validate_shown(*args: Any) -> List[Any]:
+        """Check settings as the page calls it: with the last Quick start's refusal, if any. The form then still
+        holds what it held before that Quick start, and the message says so instead of a bare "looks good"."""
+        *values, quick_refused = args
+        out = validate(*values)
+        if quick_refused:
+            out[-1] = (QUICK_NOT_APPLIED + ("Those settings have no problems." if out[-1].startswith("OK:")
+                                            else "What it holds now:\n\n" + out[-1]))
+        return out
+
+    # which fields carry a problem note now (indices of form.annotated): the next check re-sends only those and the
+    # newly flagged ones, not an update of each of the form's few hundred fields
+    flagged = gr.State(frozenset())
+    n_notes = len(form.annotated)
+
+    def only_changed(out: List[Any], before: Any) -> List[Any]:
+        now = frozenset(i for i, note in enumerate(out[:n_notes]) if _flags(note))
+        kept = [note if i in now or i in (before or ()) else gr.skip() for i, note in enumerate(out[:n_notes])]
+        return kept + out[n_notes:] + [now]
+
+    failed = c.get("qs_failed") or gr.State("")
+    c["validate"].click(lambda *a: only_changed(validate_shown(*a[:-1]), a[-1]), [*form.inputs, failed, flagged],
+                        checked_outs + [flagged], show_progress_on=[c["messages"]])
+    # the Quick start's note answered its last click: once the form is set or started another way, it is old
+    if "qs_note" in c:
+        gr.on([c["start"].click, c["enqueue"].click, c["preset"].input, c["load_file"].click, c["upload"].upload],
+              lambda: ["", ""], None, [c["qs_note"], failed], show_progress="hidden", queue=False)
 
     def submit(values: tuple, queue_only: bool) -> List[Any]:
         checked = ctx.check(values)
@@ -139,8 +170,7 @@ def wire(ctx: AppContext) -> None:
         warn = ("\n\n**Warnings:**\n" + issues_md(checked.issues, form)) if checked.issues else ""
         if queue_only:
             ctx.manager.queue.add(job)
-            return notes + [f"Queued **{job.name}** (position {len(ctx.manager.queue.list())}).{warn}",
-                            gr.skip(), gr.skip()]
+            return notes + [queued_note(ctx, job) + warn, gr.skip(), gr.skip()]
         status, run_dir, job = ctx.manager.submit(job)
         if status == "started" and run_dir is not None:
             return notes + [f"Started **{run_dir.name}**.{warn}", gr.Tabs(selected="run"),
@@ -148,9 +178,13 @@ def wire(ctx: AppContext) -> None:
         return notes + [f"A run is in progress: queued **{job.name}** behind it.{warn}",
                         gr.Tabs(selected="queue"), ctx.watch(AUTO)]
 
-    submit_outs = checked_outs + [c["tabs"], c["run_select"]]
-    c["start"].click(lambda *v: submit(v, False), form.inputs, submit_outs, concurrency_limit=1)
-    c["enqueue"].click(lambda *v: submit(v, True), form.inputs, submit_outs, concurrency_limit=1)
+    submit_outs = checked_outs + [c["tabs"], c["run_select"], flagged]
+    # the wait shows on the message line, where the answer comes, not as an overlay on each annotated field
+    progress = {"show_progress_on": [c["messages"]], "concurrency_limit": 1}
+    c["start"].click(lambda *a: only_changed(submit(a[:-1], False), a[-1]), [*form.inputs, flagged], submit_outs,
+                     **progress)
+    c["enqueue"].click(lambda *a: only_changed(submit(a[:-1], True), a[-1]), [*form.inputs, flagged], submit_outs,
+                       **progress)
 
     # draft autosave: the form survives a page refresh and a UI restart. Only user edits
     # (.input) and code that edits the form trigger it: .change on every widget would fire a
@@ -159,11 +193,25 @@ def wire(ctx: AppContext) -> None:
         write_draft(ctx, form.raw_dict(values))
 
     ctx.handlers.update(load_preset=load_preset, load_file=load_file, upload=upload, save_file=save_file,
-                        download=download, validate=validate, submit=submit, save_draft=save_draft)
+                        download=download, validate=validate, validate_shown=validate_shown, submit=submit,
+                        save_draft=save_draft)
     gr.on([w.input for w in form.widgets.values()], save_draft, form.inputs, None,
           trigger_mode="always_last", show_progress="hidden", queue=False)
     for dep in [d for e in form.editors.values() for d in e.edits] + (ctx.browser.uses if ctx.browser else []):
         dep.then(save_draft, form.inputs, None, show_progress="hidden", queue=False)
+
+
+def queued_note(ctx: AppContext, job: Job) -> str:
+    """Where a job just added waits: its place in the queue and what runs before it (a job added while nothing
+    runs is started by the scheduler within a second, so the next one added is again first in the queue)."""
+    jobs = ctx.manager.queue.list()
+    place = next((i + 1 for i, j in enumerate(jobs) if j.id == job.id), None)
+    active = ctx.manager.active_runs()
+    if place is None:
+        return f"Queued **{job.name}**: it has already started (see the Run tab)."
+    ahead = f"behind the running **{active[0].name}**" if active else "it starts within a few seconds"
+    waiting = f" and {place - 1} queued job(s)" if place > 1 and active else ""
+    return f"Queued **{job.name}** — position {place} in the queue, {ahead}{waiting}."
 
 
 _draft_lock = threading.Lock()
@@ -216,6 +264,12 @@ def load_draft(ctx: AppContext) -> Optional[List[Any]]:
         return None
     assert ctx.form is not None
     return ctx.form.lenient_values_for(raw)
+
+
+def _flags(note: Any) -> bool:
+    """Whether an output of ``Form.annotate`` puts a problem on its field: a field's update with a highlight
+    class, or a table's non-empty note."""
+    return bool(note.get("elem_classes")) if isinstance(note, dict) else bool(note)
 
 
 def _named(exc: ConfigError) -> str:

@@ -151,7 +151,7 @@ def concepts(ctx: AppContext) -> None:
             gr.Markdown("*(outside the folders this page may show)*")
             return
         if not Path(folder).is_dir():
-            gr.Markdown(f"⛔ `{path}` does not exist")
+            gr.Markdown(f"Error: `{path}` does not exist")
             return
         images, left_out = concept_images(ctx, folder, bool(item.get("recursive")))
         gr.Markdown(f"{len(images)} images" + (f" ({len(left_out)} left out: see the preview)" if left_out else ""),
@@ -166,7 +166,7 @@ def concepts(ctx: AppContext) -> None:
         if not ctx.roots.allowed(where):
             return " (outside the folders this page may show)"
         if not Path(where).is_dir():
-            return " ⛔ does not exist"
+            return " — does not exist"
         return f" ({len(concept_images(ctx, where, recursive)[0])} images)"
 
     editor.card_extra = card_images
@@ -200,8 +200,8 @@ def concepts(ctx: AppContext) -> None:
         lines: List[str] = []
         notes = [skipped_md(left_out)] if left_out else []
         if source == "concept_file" and cap_file and not ctx.roots.allowed(resolve_path(cap_file)):
-            notes.append(f"⛔ The caption file `{cap_file}` is outside the folders this page may show: its captions "
-                         "are not shown.")
+            notes.append(f"Error: The caption file `{cap_file}` is outside the folders this page may show: its "
+                         "captions are not shown.")
         elif source == "concept_file" and cap_file:
             try:
                 text = Path(resolve_path(cap_file)).read_text(encoding="utf-8", errors="replace")
@@ -242,16 +242,42 @@ def _active_or_watched(ctx: AppContext) -> Optional[Path]:
     return active[0] if active else None
 
 
+def now_line(ctx: AppContext, action: str) -> str:
+    """What a Sample now / Backup now button of a settings tab would ask, as things are now."""
+    run_dir = _active_or_watched(ctx)
+    if run_dir is None:
+        return f"Nothing is running: a {action} can be asked of a run in progress."
+    return f"Asks the run in progress, **{run_dir.name}**, for a {action} at its next step."
+
+
+def follow_runs(ctx: AppContext, tab: str, btn: Any, msg: Any, action: str) -> None:
+    """The button is clickable, and its line says which run it asks, as of the moment its tab is opened (a run
+    that started or ended since the page was built is not claimed, nor missed)."""
+    assert ctx.form is not None
+    title = ctx.form.tab_titles.get(tab, tab)
+
+    def opened(evt: gr.SelectData) -> List[Any]:
+        if str(evt.value) != title:
+            return [gr.skip(), gr.skip()]
+        return [gr.Button(interactive=_active_or_watched(ctx) is not None), now_line(ctx, action)]
+
+    ctx.after_build.append(lambda: ctx["tabs"].select(opened, None, [btn, msg], show_progress="hidden",
+                                                      queue=False))
+    ctx.handlers[f"{tab}_opened"] = opened
+
+
 def sampling(ctx: AppContext) -> None:
     with gr.Row():
-        btn = gr.Button("Sample now (running run)", elem_id="sampling-now-btn", scale=0)
-        msg = gr.Markdown()
+        btn = gr.Button("Sample now", elem_id="sampling-now-btn", scale=0,
+                        interactive=_active_or_watched(ctx) is not None)
+        msg = gr.Markdown(now_line(ctx, "sample"), elem_id="sampling-now-msg")
 
     def go() -> str:
         run_dir = _active_or_watched(ctx)
         return runner.request_action(run_dir, "sample") if run_dir else "No run is in progress."
 
     btn.click(go, None, [msg])
+    follow_runs(ctx, "sampling", btn, msg, "sample")
 
 
 def all_backups(ctx: AppContext) -> List[tuple]:
@@ -264,8 +290,9 @@ def all_backups(ctx: AppContext) -> List[tuple]:
 
 def backup(ctx: AppContext) -> None:
     with gr.Row():
-        btn = gr.Button("Backup now (running run)", elem_id="backup-tab-now-btn", scale=0)
-        msg = gr.Markdown()
+        btn = gr.Button("Backup now", elem_id="backup-tab-now-btn", scale=0,
+                        interactive=_active_or_watched(ctx) is not None)
+        msg = gr.Markdown(now_line(ctx, "backup"), elem_id="backup-now-msg")
     gr.Markdown("### Resume from a backup\nContinues that run in its own folder with its own config.")
     with gr.Row(equal_height=True):
         pick = gr.Dropdown(all_backups(ctx), label="Backup", elem_id="backup-pick", scale=3)
@@ -291,5 +318,6 @@ def backup(ctx: AppContext) -> None:
                 gr.Tabs(selected="queue")]
 
     btn.click(now, None, [msg])
+    follow_runs(ctx, "backup", btn, msg, "backup")
     refresh.click(lambda: gr.Dropdown(choices=all_backups(ctx)), None, [pick])
     resume.click(do_resume, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)

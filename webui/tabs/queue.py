@@ -12,7 +12,8 @@ import gradio as gr
 import pandas as pd
 
 from webui.context import AppContext
-from webui.monitor import age
+from webui.monitor import age, format_duration
+from webui.tabs.run import STATE_WORDS
 
 
 def queue_frame(ctx: AppContext) -> pd.DataFrame:
@@ -25,10 +26,23 @@ def choices(ctx: AppContext) -> List[tuple]:
 
 
 def now_running(ctx: AppContext) -> str:
+    """The running job with its progress (from the run folder's summary: a few numbers), or that none runs; and
+    the scheduler's last failure to start a job, until a job starts again."""
     active = ctx.manager.active_runs()
-    text = f"Running now: **{active[0].name}**" if active else "Nothing is running."
+    if active:
+        v = ctx.monitor.row(active[0])
+        bits = [f"step {v.step} / {v.total_steps or '?'}"]
+        if v.total_steps:
+            bits[0] += f" ({100 * v.progress:.0f} %)"
+        if v.loss is not None:
+            bits.append(f"loss {v.loss:.4g}")
+        if v.eta_s is not None:
+            bits.append(f"ETA {format_duration(v.eta_s)}")
+        text = f"Running now: **{v.name}** — {STATE_WORDS.get(v.state, v.state)}, " + " · ".join(bits)
+    else:
+        text = "Nothing is running."
     if ctx.manager.last_error:
-        text += f"\n\n⚠️ {ctx.manager.last_error}"
+        text += f"\n\nWarning: {ctx.manager.last_error}"
     return text
 
 

@@ -22,6 +22,7 @@ from trainer.events import TERMINAL
 from webui import runner
 from webui.context import AUTO, AppContext
 from webui.downloads import human_size, result_file, zip_for_page
+from webui.family_parts import run_part_labels
 from webui.mdtext import md_escape, md_fence
 from webui.monitor import RunView, format_duration, log_tail
 
@@ -255,9 +256,12 @@ def loss_frame(view: RunView) -> Optional[pd.DataFrame]:
 
 
 def lr_frame(view: RunView) -> Optional[pd.DataFrame]:
+    """The learning rate of each optimizer group, named as the run's family names the part (a transformer's
+    group is "Transformer", not the trainer's slot name "unet")."""
     if not view.lr_points:
         return None
-    return pd.DataFrame([(s, v, g) for s, g, v in view.lr_points], columns=["step", "value", "series"])
+    names = run_part_labels(view.path)
+    return pd.DataFrame([(s, v, names.get(g, g)) for s, g, v in view.lr_points], columns=["step", "value", "series"])
 
 
 def gallery_items(view: RunView, order: str, limit: int = 48) -> List[tuple]:
@@ -275,7 +279,7 @@ def problems_md(view: RunView) -> str:
     lines = []
     if view.state in ("failed", "died") and view.message:
         title = "The run failed" if view.state == "failed" else "The trainer stopped unexpectedly"
-        lines.append(f"### ⛔ {title}\n{md_escape(view.message)}")
+        lines.append(f"### Error: {title}\n{md_escape(view.message)}")
         if view.traceback:
             lines.append("<details><summary>Traceback</summary>\n\n" + md_fence(view.traceback[-4000:]) +
                          "\n</details>")
@@ -283,7 +287,7 @@ def problems_md(view: RunView) -> str:
     if view.advice:
         lines.append(f"**What to try:** {md_escape(view.advice)}")
     for w in view.warnings[-10:]:
-        lines.append(f"- ⚠️ {md_escape(w)}")
+        lines.append(f"- Warning: {md_escape(w)}")
     return "\n\n".join(lines)
 
 

@@ -74,10 +74,12 @@ def build(ctx: AppContext) -> None:
     ctx.handlers["compare_runs"] = compare
 
     def refresh_all() -> List[Any]:
-        return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names()), gr.Dropdown(choices=ctx.run_names())]
+        """The table and the run lists as they are now; the last click's message ("Resuming …", "Deleted …")
+        goes: it answered that click, and the table and the details now show what came of it."""
+        return [runs_table(ctx), gr.Dropdown(choices=ctx.run_names()), gr.Dropdown(choices=ctx.run_names()), ""]
 
-    refresh_event = refresh.click(refresh_all, None, [table, pick, chosen])
-    ctx.components["runs_refresh"] = (refresh_all, [table, pick, chosen])
+    refresh_event = refresh.click(refresh_all, None, [table, pick, chosen, msg])
+    ctx.components["runs_refresh"] = (refresh_all, [table, pick, chosen, msg])
 
     def details(name: Optional[str]) -> List[Any]:
         run_dir = ctx.run_dir(name or "")
@@ -169,7 +171,7 @@ def build(ctx: AppContext) -> None:
         try:
             cfg = load_config(run_dir / "config.yaml")
         except ConfigError as exc:
-            return [gr.skip()] * n + [f"⛔ {exc}", gr.skip()]
+            return [gr.skip()] * n + [f"Error: {exc}", gr.skip()]
         cfg.general.run_name = ""
         note = f"Loaded the config of **{name}** into the form (run name cleared)."
         values = form.values_for(cfg)

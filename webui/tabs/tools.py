@@ -38,10 +38,10 @@ def dataset_report(cfg: Any, index: Optional[ScanIndex] = None) -> str:
     try:
         text = format_report(build_report(cfg, index=index))
     except ConfigError as exc:
-        return f"⛔ {exc}"
+        return f"Error: {exc}"
     flagged = ("never trains" in text or "never trained" in text or "skipped:" in text
                or "warning:" in text)
-    head = "⚠️ Check the lines marked below." if flagged else "✅ Every image will train."
+    head = "Warning: Check the lines marked below." if flagged else "OK: Every image will train."
     return f"{head}\n\n```\n{text}\n```"
 
 
@@ -53,7 +53,7 @@ def data_config(ctx: AppContext, values: Any) -> Tuple[Optional[Any], str]:
     checked = ctx.check(values)
     if checked.cfg is not None:
         return checked.cfg, ""
-    refused = "⛔ The form has errors:\n" + issues_md(checked.issues, ctx.form)
+    refused = "Error: The form has errors:\n" + issues_md(checked.issues, ctx.form)
     _, field_errors = ctx.form.collect(values)
     if field_errors:
         return None, refused
@@ -85,7 +85,7 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
             text = dataset_report(cfg, index if index is not None else index_for(cfg))
             found = concept_pairs(cfg)
         except (ValueError, TypeError, KeyError, OSError) as exc:  # settings no rule has checked (note says so)
-            text, found = f"⛔ The report could not be made: {exc}", []
+            text, found = f"Error: The report could not be made: {exc}", []
         return [f"{note}\n\n{text}" if note else text, found]
 
     def run(*values: Any) -> str:
@@ -103,9 +103,9 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
         while worker.is_alive():
             worker.join(0.5)
             if worker.is_alive():
-                yield [f"⏳ Checking the dataset: {index.recalled + index.probed} files looked at, {index.probed} "
+                yield [f"Checking the dataset: {index.recalled + index.probed} files looked at, {index.probed} "
                        f"decoded ({time.monotonic() - started:.0f} s) …", gr.skip()]
-        yield result if result else ["⛔ The check stopped without a report (see the log).", []]
+        yield result if result else ["Error: The check stopped without a report (see the log).", []]
 
     ctx.handlers[f"{elem_prefix}_dataset_check"] = run
     ctx.handlers[f"{elem_prefix}_dataset_pairs"] = check
@@ -125,7 +125,7 @@ def build(ctx: AppContext) -> None:
     def as_yaml(*values: Any) -> List[Any]:
         checked = ctx.check(values)
         if checked.cfg is None:
-            return ["⛔ The form has errors:\n" + issues_md(checked.issues, form), ""]
+            return ["Error: The form has errors:\n" + issues_md(checked.issues, form), ""]
         return [issues_md(checked.issues, form), to_yaml(checked.cfg)]
 
     show.click(as_yaml, form.inputs, [out_md, code])
@@ -147,7 +147,7 @@ def tensorboard_section(ctx: AppContext) -> None:
     def open_board() -> str:
         problem = board.start()
         if problem:
-            return f"⛔ {problem}"
+            return f"Error: {problem}"
         return ('<a href="tensorboard/" target="_blank" rel="noopener" id="tensorboard-open">Open TensorBoard ↗</a> '
                 "(every run of this workspace; served by this page, behind its login)")
 
@@ -283,7 +283,7 @@ def progress_updates(argv: List[str]) -> Iterator[List[Any]]:
     cmd = "python -m trainer " + " ".join(_quote(a) for a in argv)
     for result in stream_tool(argv):
         if result.get("rc") is None and "elapsed" in result:
-            yield [f"⏳ Running `{cmd}` ({result['elapsed']:.0f} s) — **Cancel** stops it.", result["tail"]]
+            yield [f"Running `{cmd}` ({result['elapsed']:.0f} s) — **Cancel** stops it.", result["tail"]]
         else:
             yield [describe_tool_result(argv, result), result["tail"]]
 
@@ -295,9 +295,9 @@ def describe_tool_result(argv: List[str], result: Dict[str, Any]) -> str:
         shown = result["outputs"][:8]
         more = f" (and {len(result['outputs']) - 8} more)" if len(result["outputs"]) > 8 else ""
         paths = ", ".join(f"`{p}`" for p in shown) + more
-        return f"✅ Done: `{cmd}`" + (f"\n\nWrote {paths}" if paths else "")
+        return f"OK: Done: `{cmd}`" + (f"\n\nWrote {paths}" if paths else "")
     last = (result["tail"].splitlines() or ["(no output)"])[-1]
-    return f"⛔ `{cmd}` failed: {last}"
+    return f"Error: `{cmd}` failed: {last}"
 
 
 def _quote(arg: str) -> str:
@@ -360,13 +360,13 @@ def model_tools(ctx: AppContext) -> None:
             out_v, why_out = confine(out_v, "The output")
             why = why or why_out
         if why:
-            yield [f"⛔ {why}", ""]
+            yield [f"Error: {why}", ""]
             return
         argv, missing = tool_command(tool_v, model_v, loras_v, out_v, to=to_v, dtype=dtype_v, rank=rank_v,
                                      prompt=prompt_v, steps=steps_v, seed=seed_v, count=count_v,
                                      overwrite=bool(overwrite_v), workspace=str(ctx.workspace))
         if not argv:
-            yield [f"⛔ {tool_v}: {missing}.", ""]
+            yield [f"Error: {tool_v}: {missing}.", ""]
             return
         yield from progress_updates(argv)
 
@@ -508,7 +508,7 @@ def dataset_tools(ctx: AppContext) -> None:
         model_v, why_model = confine(model_v, "The model")
         control_v, why_control = confine(control_v, "The control folder") if (control_v or "").strip() else ("", "")
         if why or why_model or why_control:
-            yield [f"⛔ {why or why_model or why_control}", ""]
+            yield [f"Error: {why or why_model or why_control}", ""]
             return
         if tool_v == "caption" and not (model_v or "").strip():
             model_v = CAPTIONERS.get(captioner_v or "", "")
@@ -522,7 +522,7 @@ def dataset_tools(ctx: AppContext) -> None:
                                         prompt=prompt_v or "", threshold=threshold_v, invert=bool(invert_v),
                                         method=MASK_METHODS.get(method_v, "clipseg"), extra=extra)
         if not argv:
-            yield [f"⛔ {tool_v}: {missing}.", ""]
+            yield [f"Error: {tool_v}: {missing}.", ""]
             return
         yield from progress_updates(argv)
 

@@ -1,0 +1,140 @@
+"""The page's messages belong to their cause: Quick start names every wrong input and is not followed by a "looks
+good" about the form it did not change; a queued job says where it waits; the Queue tab shows the running job's
+progress; the learning-rate chart names a family's parts; a TERM signal to the UI stops its TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gradio as gr
+import pytest
+
+from trainer.config.checks import load_config
+from webui.jobqueue import Job
+from webui.monitor import RunView
+from webui.tabs.config_bar import queued_note
+from webui.tabs.quickstart import STEPS, fill
+from webui.tabs.queue import now_running
+from webui.tabs.run import lr_frame
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _blocks(block):
+    yield block
+    for child in getattr(block, "children", None) or []:
+        yield from _blocks(child)
+
+
+def test_quick_start_names_every_wrong_input_and_check_settings_then_says_it_was_not_applied(ui_app, tmp_path):
+    ws, ctx = ui_app
+    message = fill("sd15", "LoRA", str(tmp_path / "nope.safetensors"), str(tmp_path / "no-folder"), None)[2]
+    assert "does not exist" in message and "is not a folder" in message, message  # both, in one answer
+    assert f"- Error: {STEPS[3]}" in message and f"- Error: {STEPS[4]}" in message and "Nothing was filled" in message
+    assert fill("", "LoRA", "", "", None)[2].count("- Error:") == 1  # no model kind: that alone (the demo's inputs)
+
+    out = ctx.handlers["quickstart_fill"]("sd15", "LoRA", str(tmp_path / "nope.safetensors"), "", None)
+    refused = out[-1]
+    assert refused == out[-3] and "Give the folder" in refused and "does not exist" in refused
+    assert all(isinstance(o, type(gr.skip())) for o in out[:-3])  # the form is as it was
+
+    values = ctx.form.values_for(load_config(preset="demo"))
+    plain = ctx.handlers["validate_shown"](*values, "")[-1]
+    assert plain.startswith("OK: Settings look good")
+    after = ctx.handlers["validate_shown"](*values, refused)[-1]
+    assert "not applied" in after and "looks good" not in after and "no problems" in after
+
+    # the steps are numbered in the order they are laid out, and no GPU memory is made up on a machine without one
+    fields = [b for b in _blocks(ctx["quickstart"]) if getattr(b, "elem_id", "") in
+              ("qs-kind", "qs-what", "qs-card", "qs-model", "qs-images")]
+    assert [f.label[0] for f in fields] == list(STEPS), [f.label for f in fields]
+    card = next(f for f in fields if f.elem_id == "qs-card")
+    from webui import devices
+    gpus, _ = devices.detect_gpus()
+    assert card.value == (round(gpus[0].memory_mib / 1024) if gpus else None)
+
+
+def _run(ws: Path, name: str, config: str, events: list) -> Path:
+    run = ws / "runs" / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(config)
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run
+
+
+def test_a_queued_job_says_where_it_waits_and_the_queue_shows_the_running_jobs_progress(ui_app, monkeypatch):
+    ws, ctx = ui_app
+    for job in ctx.manager.queue.list():
+        ctx.manager.queue.remove(job.id)
+    first, second = Job(name="first"), Job(name="second")
+    ctx.manager.queue.add(first)
+    assert "position 1 in the queue, it starts within a few seconds" in queued_note(ctx, first)
+    running = _run(ws, "busy", "model:\n  path: builtin:tiny-sd\n",
+                   [{"type": "started", "time": time.time(), "total_steps": 10}]
+                   + [{"type": "step", "step": i, "total_steps": 10, "loss": 0.5, "time": time.time()}
+                      for i in (1, 2, 3)])
+    monkeypatch.setattr(ctx.manager, "active_runs", lambda: [running])
+    ctx.manager.queue.remove(first.id)  # the scheduler started it
+    ctx.manager.queue.add(second)
+    note = queued_note(ctx, second)
+    assert "position 1" in note and "behind the running **busy**" in note, note
+    text = now_running(ctx)
+    assert "**busy**" in text and "step 3 / 10 (30 %)" in text and "loss 0.5" in text, text
+    ctx.manager.queue.remove(second.id)
+
+
+def test_the_learning_rate_chart_names_the_parts_as_the_family_does(tmp_path):
+    points = [(1, "unet", 1e-4), (1, "text_encoder", 5e-5), (1, "embedding", 1e-3)]
+    flux = _run(tmp_path, "flux", "model:\n  path: builtin:tiny-flux\n", [])
+    frame = lr_frame(RunView(name="flux", path=flux, lr_points=points))
+    assert set(frame["series"]) == {"Transformer", "CLIP-L", "embedding"}
+    sd = _run(tmp_path, "sd", "model:\n  path: builtin:tiny-sd\n", [])
+    assert "UNet" in set(lr_frame(RunView(name="sd", path=sd, lr_points=points))["series"])
+    unknown = _run(tmp_path, "unknown", "model:\n  path: org/some-model\n", [])  # told only when it loads
+    assert set(lr_frame(RunView(name="unknown", path=unknown, lr_points=points))["series"]) == \
+        {"unet", "text_encoder", "embedding"}
+
+
+STOPPED_BY_TERM = """
+import subprocess, sys, time
+from pathlib import Path
+from webui.tensorboard import TensorBoard, stop_with_this_process
+board = TensorBoard(Path(sys.argv[1]))
+board.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+stop_with_this_process(board)
+try:
+    print(board.proc.pid, flush=True)
+    while True:  # as the page's serving loop does
+        time.sleep(0.1)
+except KeyboardInterrupt:
+    pass
+finally:
+    board.stop()
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_a_term_signal_to_the_ui_stops_its_tensorboard(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    ui = subprocess.Popen([sys.executable, "-c", STOPPED_BY_TERM, str(tmp_path)], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, text=True)
+    board_pid = int(ui.stdout.readline())
+    ui.send_signal(signal.SIGTERM)
+    assert ui.wait(timeout=60) == 0
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(board_pid, 0)
+        except ProcessLookupError:
+            return
+        done = subprocess.run(["ps", "-o", "stat=", "-p", str(board_pid)], capture_output=True, text=True)
+        if done.stdout.strip().startswith("Z") or not done.stdout.strip():
+            return
+        time.sleep(0.1)
+    raise AssertionError("TensorBoard outlived the UI")
