@@ -232,12 +232,12 @@ def _clip_buckets(report: DataReport, items: Sequence[ImageItem], buckets: Seque
 
 def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn, index: ScanIndex) -> None:
     """Files of identical content, found by their sha256 (remembered in the scan index for unchanged files)."""
-    paths = sorted({it.path for it in items}, key=str)  # str: pathlib's own ordering is slow at 50k
+    paths = sorted({str(it.path) for it in items})  # strings: pathlib's hashing and ordering are slow at 50k
     digests = hashes(index, paths, min(8, os.cpu_count() or 1))
     groups: Dict[str, List[str]] = {}
     for path, digest in zip(paths, digests):
         if digest:
-            groups.setdefault(digest, []).append(str(path))
+            groups.setdefault(digest, []).append(path)
     report.duplicates = [g for g in groups.values() if len(g) > 1]
     if report.duplicates:
         shown = "; ".join(" = ".join(Path(p).name for p in g) for g in report.duplicates[:5])
