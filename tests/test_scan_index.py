@@ -15,6 +15,7 @@ from PIL import Image
 from trainer.config.checks import config_from_dict
 from trainer.data import probe
 from trainer.data.dataset import build_dataset
+from trainer.data.listing import find_images
 from trainer.data.scanindex import ScanIndex, index_path
 
 OLD = time.time() - 3600  # older than the index's "modified just now" window
@@ -195,3 +196,17 @@ def test_remembered_captions_are_never_stale(tmp_path):
     assert got["a.png"] == ["tag A, second", "other line a"] and got["b.png"] == [""] and got["c.png"] == [""]
     assert dataset.report.concepts[0].captions_missing == 1 and dataset.report.concepts[0].captions_empty == 1
     assert index.captions_read == 3  # a.txt, b.txt and d.txt read; c.txt found missing by its stat
+
+
+def test_one_listing_finds_images_and_unused_formats_past_broken_links(tmp_path):
+    data = tmp_path / "data"
+    _image(data / "a.png", 1)
+    _image(data / "sub" / "b.png", 2)
+    (data / "sub" / "anim.gif").write_bytes(b"GIF89a")
+    (data / "loop").symlink_to(data / "loop")        # not named like an image: passed over without a word
+    (data / "gone").symlink_to(tmp_path / "nowhere")
+    (data / "loop.png").symlink_to(data / "loop.png")
+    passed, unused = [], []
+    found = find_images(data, True, passed_over=passed, unused=unused)
+    assert [p.name for p in found] == ["a.png", "b.png"] and unused == ["sub/anim.gif"]
+    assert passed == [("loop.png", "a link that loops back on itself")]

@@ -389,13 +389,12 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     items: List[ImageItem] = []
     missing: List[str] = []
     for path, (size, problem, *clip) in zip(files, checks):
-        rel = rel_path(path, folder)
         pair = controls.get(path, ()) if controls else ()
         bad_control = next((c for c in pair if control_problems.get(c)), None)
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
             problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
-            report.skipped.append((rel, problem))
+            report.skipped.append((rel_path(path, folder), problem))
             warn(f"Skipping '{path}' ({label}): {problem}. Re-save or remove the file.")
             continue
         if shared_captions is not None:
@@ -405,7 +404,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
         else:
             captions = prober.captions(path, caption_extension, warn)
             if captions is None:
-                missing.append(rel)
+                missing.append(rel_path(path, folder))
                 captions = [""]
             elif not captions:
                 report.captions_empty += 1

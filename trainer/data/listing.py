@@ -46,7 +46,7 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
         try:
             real_dir = directory.resolve()
             with os.scandir(directory) as listing:  # entries know their type: no stat per file
-                entries = sorted(listing, key=lambda e: e.name)
+                entries = list(listing)
         except (OSError, RuntimeError) as exc:
             if directory != folder:
                 skipped.append((prefix, f"cannot be read ({_os_reason(exc)})"))
@@ -56,6 +56,7 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
             skipped.append((prefix, "a link back to a folder already read (a loop)"))
             return
         seen_dirs.add(real_dir)
+        kept = []
         for entry in entries:
             name = entry.name
             if name.startswith("."):
@@ -63,8 +64,10 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
             low = name.lower()
             image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX) and not is_mask_clip(low)
             other = not image_name and bool(other_extensions) and low.endswith(other_extensions)
-            if not (image_name or other or (recursive and entry.is_dir())):
-                continue  # a caption, a mask, ...: no path made, no link followed
+            if image_name or other or (recursive and _maybe_dir(entry)):  # not a caption, a mask, ...
+                kept.append((name, entry, image_name, other))
+        kept.sort(key=lambda k: k[0])  # every machine reads the folders in the same order
+        for name, entry, image_name, other in kept:
             p = directory / name
             reason = _entry_problem(p, confined) if entry.is_symlink() else None
             is_dir = reason is None and entry.is_dir()
@@ -92,6 +95,14 @@ def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMA
     if unused is not None:
         unused.extend(sorted(others))
     return [rel for rel, _ in out] if relative else [p for _, p in out]
+
+
+def _maybe_dir(entry: os.DirEntry) -> bool:
+    """Whether a folder entry may be a folder to read (a link that cannot be followed is judged by the caller)."""
+    try:
+        return entry.is_symlink() or entry.is_dir()
+    except OSError:
+        return True
 
 
 def _os_reason(exc: BaseException) -> str:
