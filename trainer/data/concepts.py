@@ -390,7 +390,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     missing: List[str] = []
     for path, (size, problem, *clip) in zip(files, checks):
         pair = controls.get(path, ()) if controls else ()
-        bad_control = next((c for c in pair if control_problems.get(c)), None)
+        bad_control = next((c for c in pair if control_problems.get(c)), None) if pair else None
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
             problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
