@@ -194,8 +194,8 @@ class ScanIndex(probe.Prober):
     def captions(self, image: Path, extension: str, warn: Warn) -> Optional[List[str]]:
         """The caption candidates of ``image`` (None: no caption file): remembered in the image's entry while the
         caption file's stamp is unchanged, else the file is read (and remembered unless it changed in the last
-        seconds or reading it warned). An image not answered from, or put into, the index this time is read as
-        without one."""
+        seconds or reading it warned). The caption of an image the index holds no entry for this time (one
+        modified in the last seconds) is read as without an index."""
         key = _key(image)
         entry = self.entries.get(key) if key in self.used else None
         if entry is None:
