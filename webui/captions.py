@@ -25,6 +25,7 @@ from PIL import Image
 
 from trainer.config.load import PRESETS_DIR
 from trainer.data.concepts import MASK_SUFFIX, pair_listing
+from trainer.data.dataset import gc_paused
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
 from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, page_images, skipped_md
@@ -145,6 +146,7 @@ class FolderView:
     """One opened folder as the editor shows it: its images (the page's listing), every caption with its file's
     stamp, the tag counts, and the tiles of the first :data:`SHOWN` images. Edits update it in place."""
 
+    @gc_paused()  # tens of thousands of paths and captions made at once (see trainer.data.dataset.gc_paused)
     def __init__(self, root: Path, allowed: Callable[[Path], bool]):
         self.root = root
         self.allowed = allowed
