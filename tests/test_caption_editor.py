@@ -86,3 +86,17 @@ def test_replace_in_all_rewrites_only_the_captions_that_change_and_recounts_from
     assert view.replace("absent", "x") == [] and view.replace("", "x") == []
     monkeypatch.undo()
     assert view.tag_table() == _recount(view) and ("kitten", 2) in view.tag_table()
+
+
+def test_opening_reads_each_caption_as_read_caption_does(tmp_path):
+    data = _folder(tmp_path)
+    Image.new("RGB", (8, 8)).save(data / "e.png")
+    (data / "e.txt").mkdir()                                     # a folder named like its caption: no text
+    Image.new("RGB", (8, 8)).save(data / "f.png")
+    (data / "f.txt").write_bytes("caf\xe9, \xa0 sofa \n\n".encode("cp1252"))  # not UTF-8
+    Image.new("L", (8, 8), 255).save(data / "f-masklabel.png")
+    view = _view(data)
+    assert view.captions == {image: captions.read_caption(image) for image in view.images}
+    assert view.tag_table() == _recount(view)
+    assert view.note().startswith("6 images") and "1 without a caption, 1 with a mask" in view.note()
+    assert view.refresh() == 0  # the stamps taken at opening are those of the files read

@@ -15,6 +15,7 @@ from PIL import Image
 from trainer.config.checks import config_from_dict
 from trainer.data import probe
 from trainer.data.dataset import build_dataset
+from trainer.data.listing import find_images
 from trainer.data.scanindex import ScanIndex, index_path
 
 OLD = time.time() - 3600  # older than the index's "modified just now" window
@@ -159,3 +160,53 @@ def test_entries_of_a_wrong_shape_are_dropped_and_removed_files_forgotten(tmp_pa
     assert sorted(probed) == ["a.png", "b.png"]
     entries = json.loads(index_path(cfg).read_text())["entries"]
     assert sorted(Path(k).name for k in entries) == ["a.png", "b.png", "z.png"]  # c.png gone, z.png kept
+
+
+def _captions(dataset) -> dict:
+    return {it.path.name: it.captions for it in dataset.items + dataset.validation}
+
+
+def test_remembered_captions_are_never_stale(tmp_path):
+    data = tmp_path / "data"
+    for k, name in enumerate("abcd"):
+        _image(data / f"{name}.png", 10 * k)
+        (data / f"{name}.txt").write_text(f"tag {name}, second\nother line {name}\n", encoding="utf-8")
+        os.utime(data / f"{name}.txt", (OLD, OLD))
+    (data / "d.txt").write_bytes("caf\xe9 au lait".encode("cp1252"))  # not UTF-8: read with a warning each time
+    os.utime(data / "d.txt", (OLD, OLD))
+    cfg = _config(tmp_path, data)
+    first = _scan(cfg)
+    assert _captions(first)["a.png"] == ["tag a, second", "other line a"]
+    index = ScanIndex.load(index_path(cfg))
+    warnings: list = []
+    assert _captions(build_dataset(cfg, warn=warnings.append, index=index)) == _captions(first)
+    assert index.captions_read == 1 and any("d.txt" in w and "cp1252" in w for w in warnings)  # d.txt only
+
+    a, b = data / "a.txt", data / "b.txt"
+    st = a.stat()
+    a.write_text("tag A, second\nother line a\n", encoding="utf-8")  # same size, old mtime put back: ctime tells
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert a.stat().st_size == st.st_size
+    b.write_text("", encoding="utf-8")                      # emptied
+    os.utime(b, (OLD, OLD))
+    (data / "c.txt").unlink()                                # removed
+    index = ScanIndex.load(index_path(cfg))
+    dataset = build_dataset(cfg, warn=lambda m: None, index=index)
+    got = _captions(dataset)
+    assert got["a.png"] == ["tag A, second", "other line a"] and got["b.png"] == [""] and got["c.png"] == [""]
+    assert dataset.report.concepts[0].captions_missing == 1 and dataset.report.concepts[0].captions_empty == 1
+    assert index.captions_read == 3  # a.txt, b.txt and d.txt read; c.txt found missing by its stat
+
+
+def test_one_listing_finds_images_and_unused_formats_past_broken_links(tmp_path):
+    data = tmp_path / "data"
+    _image(data / "a.png", 1)
+    _image(data / "sub" / "b.png", 2)
+    (data / "sub" / "anim.gif").write_bytes(b"GIF89a")
+    (data / "loop").symlink_to(data / "loop")        # not named like an image: passed over without a word
+    (data / "gone").symlink_to(tmp_path / "nowhere")
+    (data / "loop.png").symlink_to(data / "loop.png")
+    passed, unused = [], []
+    found = find_images(data, True, passed_over=passed, unused=unused)
+    assert [p.name for p in found] == ["a.png", "b.png"] and unused == ["sub/anim.gif"]
+    assert passed == [("loop.png", "a link that loops back on itself")]

@@ -25,6 +25,7 @@ from PIL import Image
 
 from trainer.config.load import PRESETS_DIR
 from trainer.data.concepts import MASK_SUFFIX, pair_listing
+from trainer.data.dataset import gc_paused
 from trainer.io import atomic_write_bytes
 from webui.context import AppContext
 from webui.imagefiles import UnreadableImage, grey_tile, open_rgb, page_images, skipped_md
@@ -125,21 +126,47 @@ def _stamp(path: Path) -> Optional[Tuple[int, int]]:
     return (st.st_mtime_ns, st.st_size)
 
 
+def _read_stamped(path: str) -> Tuple[Optional[Tuple[int, int]], str]:
+    """(the caption file's stamp as :func:`_stamp` gives it, its text as :func:`read_caption` gives it), from one
+    open: the stamp is that of the file read. ``(None, "")`` when there is no such file."""
+    try:
+        fh = open(path, "rb", buffering=0)
+    except OSError:
+        return _stamp(Path(path)), ""  # None, or a file that cannot be opened (read as no caption)
+    with fh:
+        st = os.fstat(fh.fileno())
+        try:
+            raw = fh.readall()
+        except OSError:  # a folder named like a caption
+            raw = b""
+    return (st.st_mtime_ns, st.st_size), raw.decode("utf-8", errors="replace").strip()
+
+
 class FolderView:
     """One opened folder as the editor shows it: its images (the page's listing), every caption with its file's
     stamp, the tag counts, and the tiles of the first :data:`SHOWN` images. Edits update it in place."""
 
+    @gc_paused()  # tens of thousands of paths and captions made at once (see trainer.data.dataset.gc_paused)
     def __init__(self, root: Path, allowed: Callable[[Path], bool]):
         self.root = root
         self.allowed = allowed
         self.lock = threading.Lock()
         self.images, self.left_out = page_images(root, allowed, caption_ext=EXTENSION)
         self.by_name: Dict[str, Path] = {i.name: i for i in self.images}
-        self.stamps = {i: _stamp(caption_file(i)) for i in self.images}
-        self.captions = {i: read_caption(i) if self.stamps[i] is not None else "" for i in self.images}
-        self.counts: Counter = Counter()
-        for text in self.captions.values():
-            self.counts.update(tags_of(text))
+        with os.scandir(root) as listing:  # which captions and masks exist: one listing, not a stat per image
+            names = {e.name for e in listing}
+        self.stamps: Dict[Path, Optional[Tuple[int, int]]] = {}
+        self.captions: Dict[Path, str] = {}
+        tags: List[str] = []
+        for image in self.images:
+            path, stem = os.fspath(image), image.stem
+            cap = path[:len(path) - len(image.suffix)] + EXTENSION  # caption_file(image), without pathlib's parsing
+            stamp, text = _read_stamped(cap) if stem + EXTENSION in names else (None, "")
+            self.stamps[image], self.captions[image] = stamp, text
+            if text:
+                tags.extend(tags_of(text))
+        self.counts: Counter = Counter(tags)
+        self.masked = sum(1 for i in self.images if i.stem + MASK_SUFFIX in names and mask_of(i).exists())
         self.shown: Dict[Path, int] = {i: k for k, i in enumerate(self.images[:SHOWN])}
         self.tiles: List[Tuple[Any, str]] = []
         self.unreadable: List[Tuple[str, str]] = []
@@ -215,7 +242,7 @@ class FolderView:
     def note(self) -> str:
         """The line above the grid: counts, files left out, tiles that cannot be shown."""
         missing = sum(1 for stamp in self.stamps.values() if stamp is None)
-        masked = sum(1 for i in self.images if mask_of(i).exists())
+        masked = self.masked
         head = f"{len(self.images)} images in `{self.root}`, {missing} without a caption, {masked} with a mask " \
             "(the darkened part of a thumbnail is masked out)" + \
             (f" (showing {SHOWN})" if len(self.images) > SHOWN else "")

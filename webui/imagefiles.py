@@ -15,8 +15,9 @@ dataset report and a run would say. Pillow and the standard library only.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from PIL import Image
 
@@ -70,12 +71,17 @@ def page_images(folder: Path, allowed: Callable[[Path], bool], recursive: bool =
     images: List[Path] = []
     skipped: List[Tuple[str, str]] = []
     seen: set = set()
+    plain: Dict[Path, set] = {}  # a folder inside the page's folders -> its entries that are links
+    cap = "." + caption_ext.lstrip(".") if caption_ext else ""
 
     def visit(directory: Path) -> None:
         here: List[Tuple[str, str]] = []
         try:
             seen.add(directory.resolve())
             found = find_images(directory, False, passed_over=here)
+            if found and allowed(directory):
+                with os.scandir(directory) as entries:  # a link's type is in the listing: no stat per file
+                    plain[directory] = {e.name for e in entries if e.is_symlink()}
             subfolders = sorted(e for e in directory.iterdir() if not e.name.startswith(".") and e.is_dir()) \
                 if recursive else []
         except (OSError, RuntimeError) as exc:
@@ -96,8 +102,12 @@ def page_images(folder: Path, allowed: Callable[[Path], bool], recursive: bool =
     visit(folder)
     shown: List[Path] = []
     for image in sorted(images, key=lambda p: rel_path(p, folder)):
-        companions = [image, image.with_name(image.stem + MASK_SUFFIX)]
-        companions += [image.with_suffix("." + caption_ext.lstrip("."))] if caption_ext else []
+        links, stem = plain.get(image.parent), image.stem
+        if links is not None and image.name not in links and stem + MASK_SUFFIX not in links and \
+                (not cap or stem + cap not in links):
+            shown.append(image)  # no link among them in an allowed folder: they resolve inside, no resolve() each
+            continue
+        companions = [image, image.with_name(stem + MASK_SUFFIX)] + ([image.with_suffix(cap)] if cap else [])
         leaving = [c for c in companions if (c == image or c.is_symlink() or c.exists()) and not allowed(c)]
         if not leaving:
             shown.append(image)

@@ -184,6 +184,11 @@ def read_image_captions(image: Path, extension: str, warn: Warn) -> Optional[Lis
     cap = image.with_name(image.stem + caption_ext(extension))
     if not cap.is_file():
         return None
+    return read_caption_file(cap, warn)
+
+
+def read_caption_file(cap: Path, warn: Warn) -> List[str]:
+    """The candidates of an existing caption file ([] with a warning when it cannot be read)."""
     try:
         return caption_lines(read_text(cap, warn))
     except OSError as exc:

@@ -12,7 +12,6 @@ bucketing (``buckets``/``dataset``) needs no second scan; ``mask`` is the image'
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,17 +20,13 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from trainer.data.clips import VIDEO_EXTENSIONS, ClipInfo, Window, clip_mask, is_mask_clip, probe_clip, probe_mask_clip
-from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_image_captions, read_text
+from trainer.data.captions import caption_ext, caption_from_filename, caption_lines, read_text
+from trainer.data.listing import IMAGE_EXTENSIONS, MASK_SUFFIX, find_images
 from trainer.data.probe import Prober, mask_is_blank
 from trainer.errors import DataError
-from trainer.host.paths import confinement
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-# Image files people drop into a dataset that are not trained on: named in the check, not silently ignored.
-UNUSED_IMAGE_EXTENSIONS = (".gif", ".avif", ".heic", ".heif", ".jxl", ".svg", ".psd", ".ico", ".apng", ".jp2")
-MASK_SUFFIX = "-masklabel.png"  # OneTrainer's mask naming; masks are paired with images later
 _LIST_LIMIT = 20  # how many file names a warning or report lists before "and N more"
 
 Warn = Callable[[str], None]
@@ -217,10 +212,12 @@ def _resolve(path_str: str, base: Path) -> Path:
 
 
 def concept_folder(index: int, concept: Any, base: Path, passed_over: Optional[List[Tuple[str, str]]] = None,
-                   extensions: Tuple[str, ...] = IMAGE_EXTENSIONS) -> Tuple[Path, List[Path]]:
+                   extensions: Tuple[str, ...] = IMAGE_EXTENSIONS,
+                   unused: Optional[List[str]] = None) -> Tuple[Path, List[Path]]:
     """The folder of an enabled concept and its image files, or DataError naming the field: empty,
     missing, a file, or holding no image. Cheap (a directory listing): ``validate`` runs it too.
-    ``passed_over`` receives what carries an image's name but is no image file (see :func:`find_images`)."""
+    ``passed_over`` receives what carries an image's name but is no image file, ``unused`` the files in a format
+    not trained on (see :func:`trainer.data.listing.find_images`)."""
     key = f"data.concepts.{index}.path"
     label = concept_label(index, concept)
     if not str(concept.path or "").strip():
@@ -234,7 +231,7 @@ def concept_folder(index: int, concept: Any, base: Path, passed_over: Optional[L
         raise DataError(f"{key}: '{folder}' is a file, not a folder. Point {label} at the folder "
                         "that holds the images.", key=key, value=str(concept.path))
     passed: List[Tuple[str, str]] = []
-    files = find_images(folder, bool(concept.recursive), extensions, passed_over=passed)
+    files = find_images(folder, bool(concept.recursive), extensions, passed_over=passed, unused=unused)
     if passed_over is not None:
         passed_over.extend(passed)
     if not files:
@@ -354,7 +351,8 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     label = concept_label(index, concept)
     passed: List[Tuple[str, str]] = []
     extensions = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS if clips else IMAGE_EXTENSIONS
-    folder, files = concept_folder(index, concept, base, passed, extensions)
+    unused_files: List[str] = []  # listed in the same pass as the images
+    folder, files = concept_folder(index, concept, base, passed, extensions, unused_files)
     prober.scanning(folder)
     # the concept's settings read once as plain values: an OmegaConf attribute read costs microseconds, per image
     source, caption_extension = str(concept.caption_source), str(concept.caption_extension)
@@ -372,8 +370,7 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     for rel, why in passed:
         report.skipped.append((rel, why))
         warn(f"Skipping '{folder / rel}' ({label}): {why}.")
-    unused = tuple(e for e in UNUSED_IMAGE_EXTENSIONS if e not in extensions)
-    report.unused_files = find_images(folder, bool(concept.recursive), unused, relative=True)
+    report.unused_files = unused_files
     if report.unused_files:
         warn(f"{label}: {len(report.unused_files)} files are in a format Atelier does not train on and are "
              f"not used ({short_list(report.unused_files)}). Convert them to PNG or JPEG (for an animation, "
@@ -392,13 +389,12 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
     items: List[ImageItem] = []
     missing: List[str] = []
     for path, (size, problem, *clip) in zip(files, checks):
-        rel = rel_path(path, folder)
         pair = controls.get(path, ()) if controls else ()
-        bad_control = next((c for c in pair if control_problems.get(c)), None)
+        bad_control = next((c for c in pair if control_problems.get(c)), None) if pair else None
         if problem is None and bad_control is not None:  # a pair trains whole or not at all
             problem = f"its control image '{bad_control}' cannot be used: {control_problems[bad_control]}"
         if problem is not None:
-            report.skipped.append((rel, problem))
+            report.skipped.append((rel_path(path, folder), problem))
             warn(f"Skipping '{path}' ({label}): {problem}. Re-save or remove the file.")
             continue
         if shared_captions is not None:
@@ -406,9 +402,9 @@ def _scan_one(index: int, concept: Any, base: Path, warn: Warn, masks: bool = Fa
         elif source == "filename":
             captions = [caption_from_filename(path)]
         else:
-            captions = read_image_captions(path, caption_extension, warn)
+            captions = prober.captions(path, caption_extension, warn)
             if captions is None:
-                missing.append(rel)
+                missing.append(rel_path(path, folder))
                 captions = [""]
             elif not captions:
                 report.captions_empty += 1
@@ -483,90 +479,6 @@ def _attach_masks(items: List[ImageItem], folder: Path, report: ConceptReport, l
         warn(f"{label}: {len(report.masks_missing)} of {len(items)} images have no mask "
              f"({short_list(report.masks_missing)}); they train as if all of the image were in focus. "
              f"Add <image name>{MASK_SUFFIX} (white = focus) next to each image.")
-
-
-def find_images(folder: Path, recursive: bool, extensions: Tuple[str, ...] = IMAGE_EXTENSIONS,
-                relative: bool = False, passed_over: Optional[List[Tuple[str, str]]] = None) -> List[Any]:
-    """Image files of a folder, sorted so every machine sees the same order (``relative``: as
-    strings relative to ``folder``).
-
-    Hidden files and folders (``.DS_Store``, macOS ``._name.png`` resource forks,
-    ``.ipynb_checkpoints``) and mask files (``*-masklabel.png``) are not training images. Links to files and (with
-    ``recursive``) to folders are followed once each. What carries an image's name but cannot be read as one goes
-    to ``passed_over`` as (file, reason): a folder, a link to nothing or looping, a link leading outside the
-    folders this process is confined to, a device or pipe.
-    """
-    out: List[Tuple[str, Path]] = []  # (path relative to the folder, path)
-    skipped: List[Tuple[str, str]] = []
-    seen_dirs: set = set()
-    confined = confinement()
-
-    def visit(directory: Path, prefix: str) -> None:
-        try:
-            real_dir = directory.resolve()
-            with os.scandir(directory) as listing:  # entries know their type: no stat per file
-                entries = sorted(listing, key=lambda e: e.name)
-        except (OSError, RuntimeError) as exc:
-            if directory != folder:
-                skipped.append((prefix, f"cannot be read ({_os_reason(exc)})"))
-                return
-            raise
-        if real_dir in seen_dirs:
-            skipped.append((prefix, "a link back to a folder already read (a loop)"))
-            return
-        seen_dirs.add(real_dir)
-        for entry in entries:
-            name = entry.name
-            if name.startswith("."):
-                continue
-            low = name.lower()
-            image_name = low.endswith(extensions) and not low.endswith(MASK_SUFFIX) and not is_mask_clip(low)
-            if not image_name and not recursive:
-                continue
-            p = directory / name
-            reason = _entry_problem(p, confined) if entry.is_symlink() else None
-            is_dir = reason is None and entry.is_dir()
-            if is_dir and recursive:
-                visit(p, f"{prefix}{name}/")
-                continue
-            if not image_name:
-                continue
-            if reason is None and is_dir:
-                reason = "a folder named like an image (turn on recursive to read the images inside)"
-            elif reason is None and not entry.is_file():
-                reason = "not a regular file (a device, pipe or socket)"
-            if reason:
-                skipped.append((prefix + name, reason))
-            else:
-                out.append((prefix + name, p))
-
-    visit(folder, "")
-    out.sort(key=lambda pair: pair[0])
-    if passed_over is not None:
-        passed_over.extend(sorted(skipped))
-    return [rel for rel, _ in out] if relative else [p for _, p in out]
-
-
-def _os_reason(exc: BaseException) -> str:
-    return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-
-
-def _entry_problem(p: Path, confined: Any) -> Optional[str]:
-    """Why a folder entry cannot be followed: a link to nothing, a looping link, a link out of the confinement."""
-    if not p.is_symlink():
-        return None
-    try:
-        target = os.readlink(p)
-        real = p.resolve(strict=True)
-    except RuntimeError:
-        return "a link that loops back on itself"
-    except OSError as exc:
-        if getattr(exc, "errno", None) == errno.ELOOP:
-            return "a link that loops back on itself"
-        return f"a link to '{target}', which does not exist"
-    if confined is not None and not confined.allows(real):
-        return f"a link to '{real}', outside the folders this run may read"
-    return None
 
 
 def _read_concept_file(index: int, concept: Any, folder: Path, base: Path, warn: Warn) -> List[str]:

@@ -8,10 +8,12 @@ duplicates and which masks are missing.
 
 from __future__ import annotations
 
+import gc
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from trainer.data.buckets import (
     PlannedBatch,
@@ -67,6 +69,23 @@ def resolution_targets(data_cfg: Any, concept: Any) -> List[Size]:
     return parse_resolution(own or data_cfg.resolution)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cycle collector off for a bulk build (also a decorator), back on after when it was on.
+
+    Why: a scan makes a few objects per image (the index's entries, items, paths), none in a cycle, and the
+    collector's full passes over a heap that keeps growing cost a third of a 50k-image relaunch; reference
+    counting frees what the build drops, and the next collection after it finds any cycle it left."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@gc_paused()
 def build_dataset(cfg: Any, warn: Warn, base_dir: Optional[Path] = None,
                   find_duplicates: bool = True, video: Optional[VideoSpec] = None,
                   index: Optional[ScanIndex] = None) -> Dataset:
@@ -232,12 +251,12 @@ def _clip_buckets(report: DataReport, items: Sequence[ImageItem], buckets: Seque
 
 def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn, index: ScanIndex) -> None:
     """Files of identical content, found by their sha256 (remembered in the scan index for unchanged files)."""
-    paths = sorted({it.path for it in items}, key=str)  # str: pathlib's own ordering is slow at 50k
+    paths = sorted({str(it.path) for it in items})  # strings: pathlib's hashing and ordering are slow at 50k
     digests = hashes(index, paths, min(8, os.cpu_count() or 1))
     groups: Dict[str, List[str]] = {}
     for path, digest in zip(paths, digests):
         if digest:
-            groups.setdefault(digest, []).append(str(path))
+            groups.setdefault(digest, []).append(path)
     report.duplicates = [g for g in groups.values() if len(g) > 1]
     if report.duplicates:
         shown = "; ".join(" = ".join(Path(p).name for p in g) for g in report.duplicates[:5])
@@ -246,4 +265,4 @@ def _duplicates(report: DataReport, items: Sequence[ImageItem], warn: Warn, inde
              "a separate image. Remove the copies unless the extra weight is intended.")
 
 
-__all__ = ["Dataset", "build_dataset", "resolution_targets"]
+__all__ = ["Dataset", "build_dataset", "gc_paused", "resolution_targets"]

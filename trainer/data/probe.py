@@ -12,6 +12,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from PIL import Image, UnidentifiedImageError
 
+from trainer.data.captions import Warn, read_image_captions
+
 # Pillow only warns on an image between its pixel limit (Image.MAX_IMAGE_PIXELS, ~89 MP) and twice that, then decodes
 # it (gigabytes for a crafted file): Atelier checks the size itself (too_large) and names and skips such a file as it
 # does the larger ones Pillow refuses, so the warning would only repeat that in the log.
@@ -141,8 +143,9 @@ def exif_orientation(img: Any) -> int:
 
 
 class Prober:
-    """How a scan probes its images: this one probes every file afresh (:func:`probe_image`);
-    ``trainer.data.scanindex.ScanIndex`` answers from the remembered scan where a file is unchanged."""
+    """How a scan probes its images and reads their caption files: this one probes and reads every file afresh
+    (:func:`probe_image`); ``trainer.data.scanindex.ScanIndex`` answers from the remembered scan where a file is
+    unchanged."""
 
     def probe(self, path: Path) -> Tuple[Tuple[int, int], Optional[str]]:
         return probe_image(path)
@@ -153,3 +156,8 @@ class Prober:
 
     def scanning(self, folder: Path) -> None:
         """Told of each concept folder a scan reads whole (the index forgets the files no longer there)."""
+
+    def captions(self, image: Path, extension: str, warn: Warn) -> Optional[List[str]]:
+        """The caption candidates of ``image`` from ``<stem><extension>`` next to it; None when there is no such
+        file (:func:`trainer.data.captions.read_image_captions`)."""
+        return read_image_captions(image, extension, warn)

@@ -9,6 +9,11 @@ full, so the damaged-file checks are as strict as without the index: a file dama
 new mtime (and usually a new size) and is named again. A file modified in the last two seconds is not remembered
 (git's "racy clean" rule: coarse timestamps could let a second edit in the same tick keep size and mtime).
 
+An image's entry also remembers its caption file's lines (``<stem>.txt``, or the concept's caption extension) under
+that file's own stamp, so a relaunch reads no caption that did not change: a caption whose size, mtime, ctime or
+inode differs is read again (any write changes its ctime), one modified in the last seconds is not remembered, and
+one that is not UTF-8 (read with a warning) is read, and warned about, on every launch.
+
 The whole index is also stamped with what the probe's answer depends on besides the file: this module's format,
 Pillow's version (its decoders) and Pillow's pixel limit (``Image.MAX_IMAGE_PIXELS``, the "too large" refusal).
 Another stamp starts an empty index. The file is ``<cache folder>/scan-index.json``, written atomically
@@ -26,13 +31,15 @@ import threading
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from stat import S_ISREG
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import PIL
 from PIL import Image
 
 from trainer.data import probe
 from trainer.data.cache import cache_folder, file_sha256, remember_sha256
+from trainer.data.captions import Warn, caption_ext, read_caption_file
 from trainer.io import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -44,7 +51,9 @@ MAX_ENTRIES = 500_000     # entries of folders this scan did not read are droppe
 
 Probed = Tuple[Tuple[int, int], Optional[str]]
 # an entry: [size, mtime_ns, ctime_ns, inode, width, height, problem or None, sha256 or ""]
+# and, once its caption file was read: + [[caption extension, size, mtime_ns, ctime_ns, inode], "its lines\n..."]
 _STAMP = slice(0, 4)
+_LENGTHS = (8, 10)
 
 
 def settings_stamp() -> Dict[str, Any]:
@@ -73,6 +82,7 @@ class ScanIndex(probe.Prober):
         self.probed = 0
         self.hashed = 0
         self.recalled = 0
+        self.captions_read = 0      # caption files this process read (the others came from the index)
         self._lock = threading.Lock()
 
     # -- reading and writing ------------------------------------------------------------------------------------
@@ -92,7 +102,7 @@ class ScanIndex(probe.Prober):
             entries = data.get("entries")
             if not isinstance(entries, dict):
                 raise ValueError("no entries")
-            index.entries = {k: v for k, v in entries.items() if type(v) is list and len(v) == 8}  # noqa: E721
+            index.entries = {k: v for k, v in entries.items() if type(v) is list and len(v) in _LENGTHS}  # noqa: E721
         except (OSError, ValueError, UnicodeDecodeError) as exc:
             log.warning("dataset scan index %s cannot be read (%s): scanning afresh, it is rebuilt", path, exc)
             index.entries = {}
@@ -181,6 +191,38 @@ class ScanIndex(probe.Prober):
             out[k] = found
         return out  # type: ignore[return-value]
 
+    def captions(self, image: Path, extension: str, warn: Warn) -> Optional[List[str]]:
+        """The caption candidates of ``image`` (None: no caption file): remembered in the image's entry while the
+        caption file's stamp is unchanged, else the file is read (and remembered unless it changed in the last
+        seconds or reading it warned). The caption of an image the index holds no entry for this time (one
+        modified in the last seconds) is read as without an index."""
+        key = _key(image)
+        entry = self.entries.get(key) if key in self.used else None
+        if entry is None:
+            return super().captions(image, extension, warn)
+        ext = caption_ext(extension)
+        text = os.fspath(image)
+        cap = text[:len(text) - len(os.path.splitext(text)[1])] + ext  # image.with_name(stem + ext), without pathlib
+        try:
+            st = os.stat(cap)
+        except (OSError, ValueError):
+            return None
+        if not S_ISREG(st.st_mode):
+            return None
+        stamp = [ext] + _file_stamp(st)
+        if len(entry) == 10 and entry[8] == stamp and type(entry[9]) is str:  # noqa: E721
+            return entry[9].split("\n") if entry[9] else []  # a caption's lines hold no line break
+        warned: List[str] = []
+        lines = read_caption_file(Path(cap), warned.append)
+        for message in warned:
+            warn(message)
+        with self._lock:
+            self.captions_read += 1
+            if not warned and not _racy(st):
+                entry[8:] = [stamp, "\n".join(lines)]
+                self.dirty = True
+        return lines
+
     def remembered_sha256(self, path: Path) -> Optional[str]:
         """The remembered sha256 of an unchanged file, or None (then :meth:`sha256` reads the file)."""
         _, st, entry = self._current(path)
@@ -219,7 +261,7 @@ def _sound(entry: list) -> bool:
 def _key(path: Path) -> str:
     """The file's absolute path as a string (a scan's paths are absolute already: no normalising per file)."""
     text = os.fspath(path)
-    return text if os.path.isabs(text) else os.path.abspath(text)
+    return text if text.startswith("/") or os.path.isabs(text) else os.path.abspath(text)
 
 
 def _racy(st: os.stat_result) -> bool:
@@ -239,7 +281,7 @@ def index_for(cfg: Any) -> ScanIndex:
         return ScanIndex()
 
 
-def hashes(index: ScanIndex, paths: Iterable[Path], workers: int) -> List[str]:
+def hashes(index: ScanIndex, paths: Iterable[Union[str, Path]], workers: int) -> List[str]:
     """Each file's sha256 through the index ("" for a file that cannot be read), in order: the remembered ones
     here, the others read on ``workers`` threads."""
     paths = list(paths)
