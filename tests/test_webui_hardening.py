@@ -82,7 +82,7 @@ def test_a_broken_image_is_named_and_skipped_in_the_caption_editor_preview_and_m
     for name in BAD:
         assert f"`{name}` — " in note, note
     assert "too large to open safely" in note and "not an image Pillow can read" in note, note
-    assert [label for _, label in items if not label.startswith("⛔")] == ["photo a", "photo b"]
+    assert [label for _, label in items if not label.startswith("Error:")] == ["photo a", "photo b"]
     assert ("photo a", 1) in tags
     assert ctx.handlers["captions_store"](str(folder), "garbage.png", "still captionable")[0] == "Saved `garbage.txt`."
 

@@ -114,7 +114,7 @@ def tag_counts(images: List[Path], delimiter: str = ",") -> List[Tuple[str, int]
 def tile_label(image: Path, caption: str, why: str = "") -> str:
     """The grid's label under a tile: the caption's start (and "· mask"), or why the image cannot be shown."""
     if why:
-        return f"⛔ cannot be shown (see above): {why}"[:80]
+        return f"Error: cannot be shown (see above): {why}"[:80]
     return (caption[:60] or "(no caption)") + (" · mask" if mask_of(image).exists() else "")
 
 
@@ -279,11 +279,11 @@ def image_folder(ctx: AppContext, text: str) -> Tuple[Optional[Path], str]:
     try:
         path, why = ctx.allowed_path(text, "The folder")
     except (OSError, RuntimeError):  # a link loop, a name the system refuses
-        return None, f"⛔ `{text}` is not a usable path."
+        return None, f"Error: `{text}` is not a usable path."
     if why:
-        return None, f"⛔ {why}"
+        return None, f"Error: {why}"
     if not path or not Path(path).is_dir():
-        return None, f"⛔ `{text}` is not a folder: pick the folder of your images."
+        return None, f"Error: `{text}` is not a folder: pick the folder of your images."
     return Path(path), ""
 
 
@@ -295,7 +295,7 @@ def read_only_folder(ctx: AppContext, root: Path) -> str:
     real = root.resolve()
     if real != presets and presets not in real.parents:
         return ""
-    return (f"⛔ `{root}` is part of Atelier's shipped presets, which this page only reads. Copy the folder into "
+    return (f"Error: `{root}` is part of Atelier's shipped presets, which this page only reads. Copy the folder into "
             f"the workspace (for example to `{ctx.workspace / root.name}`) and open the copy to edit its captions "
             "or masks.")
 
@@ -315,9 +315,9 @@ def control_summary(ctx: AppContext, root: Path, concepts: List[dict]) -> Tuple[
             f"{len(listing.pairs())} of {len(listing.targets)} have their control image(s), shown beside the image "
             "you caption (the caption is the instruction that turns the control into the image).")
     if missing:
-        line += " ⛔ Missing folder(s): " + ", ".join(f"`{m}`" for m in missing) + "."
+        line += " Error: missing folder(s): " + ", ".join(f"`{m}`" for m in missing) + "."
     if alone:
-        line += (" ⛔ Without a control (they would not train): " + ", ".join(f"`{a}`" for a in alone[:20])
+        line += (" Error: without a control (they would not train): " + ", ".join(f"`{a}`" for a in alone[:20])
                  + (f" and {len(alone) - 20} more" if len(alone) > 20 else "") + ".")
     return "\n".join(folders), line
 
@@ -374,7 +374,7 @@ def build(ctx: AppContext) -> None:
         view = view_of(root, fresh=True)  # Open reads the folder afresh
         head = view.note()
         if read_only_folder(ctx, root):
-            head += "\n\n" + read_only_folder(ctx, root).replace("⛔", "🔒", 1)
+            head += "\n\n" + read_only_folder(ctx, root).replace("Error:", "Read-only:", 1)
         return [head, view.gallery(), "", "", view.tag_table() or None]
 
     def pick(text: str, evt: gr.SelectData) -> List[Any]:
@@ -392,13 +392,13 @@ def build(ctx: AppContext) -> None:
         view = view_of(root)
         image = view.image(name)
         if image is None:
-            return [f"⛔ `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
+            return [f"Error: `{name}` is not an image of this folder.", gr.skip(), gr.skip()]
         if read_only_folder(ctx, root):
             return [read_only_folder(ctx, root), gr.skip(), gr.skip()]
         try:
             view.save(image, new)
         except OSError as exc:
-            return [f"⛔ Could not write `{caption_file(image).name}`: {exc.strerror or exc}", gr.skip(), gr.skip()]
+            return [f"Error: could not write `{caption_file(image).name}`: {exc.strerror or exc}", gr.skip(), gr.skip()]
         return [f"Saved `{caption_file(image).name}`.", view.gallery(), view.tag_table() or None]
 
     def replace(text: str, f: str, r: str, rx: bool) -> List[Any]:
@@ -411,9 +411,9 @@ def build(ctx: AppContext) -> None:
         try:
             changed = view.replace(f, r, bool(rx))
         except re.error as exc:
-            return [f"⛔ Find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
+            return [f"Error: find is not a valid regular expression: {exc}", gr.skip(), gr.skip()]
         except OSError as exc:
-            return [f"⛔ Could not write a caption: {exc}", gr.skip(), gr.skip()]
+            return [f"Error: could not write a caption: {exc}", gr.skip(), gr.skip()]
         return [f"Replaced in {len(changed)} caption(s)." if f else "Type what to find first.", view.gallery(),
                 view.tag_table() or None]
 
@@ -433,7 +433,7 @@ def build(ctx: AppContext) -> None:
         for folder in split_lines(control_text):
             if not ctx.roots.allowed(resolve_path(folder)):
                 return [gr.update(value=[], visible=False),
-                        f"⛔ `{folder}` is outside the folders this page may show."]
+                        f"Error: `{folder}` is outside the folders this page may show."]
         items, line = image_with_controls(image, root, control_text, ctx.roots.allowed)
         return [gr.update(value=items, visible=bool(items), columns=max(1, len(items))), line]
 
