@@ -61,7 +61,11 @@ def test_saving_one_caption_updates_its_file_tile_and_the_tag_counts(tmp_path, m
     assert ("cat", 1) in view.tag_table() and ("red", 1) in view.tag_table()
     assert "sofa" not in dict(view.tag_table())
     assert [label for _, label in view.gallery()] == ["dog, garden", "cat, window", "(no caption)", "dog, red, red"]
+    before = [tile for tile, _ in view.gallery()]
     view.save(data / "c.png", "cat")  # a caption file that did not exist
+    after = [tile for tile, _ in view.gallery()]  # tiles are files the page sends again as they are: only c's is new
+    assert [a == b for a, b in zip(before, after)] == [True, True, False, True]
+    assert Image.open(after[2]).size == Image.open(before[2]).size and all(Path(t).is_file() for t in after)
     assert view.tag_table() == _recount(view) and "0 without a caption" in view.note()
     assert not view.stale()  # its own writes do not make it stale
     Image.new("RGB", (8, 8)).save(data / "e.png")

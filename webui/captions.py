@@ -13,14 +13,18 @@ that change.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
+import shutil
+import tempfile
 import threading
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 from PIL import Image
 
 from trainer.config.load import PRESETS_DIR
@@ -142,6 +146,18 @@ def _read_stamped(path: str) -> Tuple[Optional[Tuple[int, int]], str]:
     return (st.st_mtime_ns, st.st_size), raw.decode("utf-8", errors="replace").strip()
 
 
+_TILE_NUMBERS = itertools.count()
+
+
+def tile_file(tile: Image.Image, folder: Path) -> str:
+    """``tile`` written once as a small file the page serves (in Gradio's own upload folder): a grid of file paths
+    costs Gradio a few milliseconds to send again, a grid of images an encode of every tile (~140 ms for 200 here),
+    so saving one caption re-encodes only its own tile."""
+    path = folder / f"{next(_TILE_NUMBERS)}.webp"
+    tile.save(path, format="WEBP", quality=90)
+    return str(path)
+
+
 class FolderView:
     """One opened folder as the editor shows it: its images (the page's listing), every caption with its file's
     stamp, the tag counts, and the tiles of the first :data:`SHOWN` images. Edits update it in place."""
@@ -170,12 +186,19 @@ class FolderView:
         self.shown: Dict[Path, int] = {i: k for k, i in enumerate(self.images[:SHOWN])}
         self.tiles: List[Tuple[Any, str]] = []
         self.unreadable: List[Tuple[str, str]] = []
+        folder = Path(get_upload_folder()) / "caption-tiles"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.tile_folder = Path(tempfile.mkdtemp(dir=folder))
         for image in self.images[:SHOWN]:
             tile, why = grid_item(image)
             if why:
                 self.unreadable.append((image.name, why))
-            self.tiles.append((tile, tile_label(image, self.captions[image], why)))
+            self.tiles.append((tile_file(tile, self.tile_folder), tile_label(image, self.captions[image], why)))
         self.folder_stamp = _stamp(root)
+
+    def close(self) -> None:
+        """Remove the view's tile files (the page keeps the copies Gradio served)."""
+        shutil.rmtree(self.tile_folder, ignore_errors=True)
 
     def stale(self) -> bool:
         """Whether anything else added, removed or renamed a file of the folder since the view was made."""
@@ -206,7 +229,8 @@ class FolderView:
             self._set(image, text.strip())
             if image in self.shown:
                 tile, why = grid_item(image)
-                self.tiles[self.shown[image]] = (tile, tile_label(image, self.captions[image], why))
+                self.tiles[self.shown[image]] = (tile_file(tile, self.tile_folder),
+                                                 tile_label(image, self.captions[image], why))
             self.folder_stamp = _stamp(self.root)  # our own write renamed a file in
 
     def refresh(self) -> int:
@@ -360,11 +384,13 @@ def build(ctx: AppContext) -> None:
         key = str(root)
         view = views.get(key)
         if view is None or fresh or view.stale():
+            if view is not None:
+                view.close()
             view = FolderView(root, ctx.roots.allowed)
             views[key] = view
         views.move_to_end(key)
         while len(views) > VIEWS_KEPT:
-            views.popitem(last=False)
+            views.popitem(last=False)[1].close()
         return view
 
     def show(text: str) -> List[Any]:
