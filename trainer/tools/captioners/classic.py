@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from PIL import Image
-
 from trainer.tools import ToolError
 from trainer.tools.captioners.shared import Captioner, ModelSource, load_pretrained, model_dtype, say
 from trainer.tools.captioners.tags import RATING_TAGS, pick_tags
+from trainer.tools.captioners.wd import square_on_white
 
 DEFAULT_CAPTION_MODEL = "Salesforce/blip-image-captioning-base"
 KNOWN_TAGGER = "SmilingWolf/wd-vit-tagger-v3"
@@ -59,18 +58,9 @@ class TagCaptioner(Captioner):
         names = set(self.labels.values())
         self.skip = RATING_TAGS if all(r in names for r in RATING_TAGS) else ()
 
-    @staticmethod
-    def square(image: Any) -> Any:
-        side = max(image.size)
-        if image.size == (side, side):
-            return image
-        canvas = Image.new("RGB", (side, side), (255, 255, 255))
-        canvas.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
-        return canvas
-
     def scores(self, images: List[Any]) -> Any:
         import torch  # inside: --help and the UI import this module for its defaults, without torch
-        inputs = self.processor(images=[self.square(im) for im in images], return_tensors="pt")
+        inputs = self.processor(images=[square_on_white(im) for im in images], return_tensors="pt")
         dtype = next(self.model.parameters()).dtype
         pixels = inputs["pixel_values"].to(self.device, dtype)
         with torch.inference_mode():
