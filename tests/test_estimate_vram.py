@@ -181,6 +181,7 @@ PUBLISHED = {
     "qwen-image": {"transformer": 20.43, "text_encoder": 8.29},  # 20B MMDiT, Qwen2.5-VL-7B
     "flux2-klein": {"transformer": 3.88, "text_encoder": 4.02},  # [klein] 4B, Qwen3-4B
     "flux2-dev": {"transformer": 32.22, "text_encoder": 24.01},  # [dev] 32B, Mistral Small 3.1 24B (with its vision tower)
+    "lumina2": {"transformer": 2.610, "text_encoder": 2.614},  # Lumina-Image-2.0 2.6B, Gemma-2-2B
 }
 
 

@@ -197,28 +197,6 @@ def test_validate_refuses_what_lumina2_cannot_use(setting, key):
     assert err.value.key == key, str(err.value)
 
 
-def test_the_full_size_configs_build_the_published_models(tmp_path):
-    """What the VRAM estimate builds: Lumina-Image-2.0's 2.61B transformer and Gemma-2-2B's 2.61B (model cards: 2.6B)."""
-    import json
-
-    import diffusers
-    import transformers
-
-    from trainer.families.common import full_size
-    folder = full_size.config_folder("lumina2", tmp_path)
-    for component, billions in {"transformer": 2.610, "text_encoder": 2.614}.items():
-        sub = folder / component
-        cfg = json.loads((sub / "config.json").read_text())
-        with torch.device("meta"):
-            if cfg.get("_class_name"):
-                cls = getattr(diffusers, cfg["_class_name"])
-                module = cls.from_config(cls.load_config(str(sub)))
-            else:
-                cls = getattr(transformers, cfg["architectures"][0])
-                module = cls(cls.config_class.from_pretrained(str(sub)))
-        assert sum(p.numel() for p in module.parameters()) / 1e9 == pytest.approx(billions, rel=0.005), component
-
-
 def test_at_the_released_sizes_diffusers_converters_read_both_files():
     """On the meta device, at Lumina-Image-2.0's sizes (where diffusers' converters split qkv at 2304/768/768): the
     fine-tune file converts back to every weight of the model with diffusers' ``convert_lumina2_to_diffusers`` (as

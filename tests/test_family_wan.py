@@ -40,14 +40,8 @@ def wan22(wan):
     return ws, build_tiny("tiny-wan22-5b", ws / "models")
 
 
-@pytest.mark.parametrize("which", ["wan21", "wan22-5b"])
-def test_predict_hands_the_transformer_what_the_pipeline_does(which, request):
-    """One denoising call of WanPipeline at 96×128 px × 9 frames against predict on the same latents, σ and caption:
-    the same keyword inputs, the timestep σ·1000 in fp32 (TI2V-5B: one per latent token, [1, F'·H'/2·W'/2]), the same
-    output. Wan 2.1's latents are [1, 16, 3, 12, 16]; the 5B's VAE compresses 16× in space: [1, 48, 3, 6, 8]."""
-    ws, paths = request.getfixturevalue("wan" if which == "wan21" else "wan22")
-    model = load_tiny(ws, paths["diffusers"])
-    pipe = model.pipeline(None)
+def first_transformer_call(model, run):
+    """The keyword inputs and the output of the transformer's first call while ``run()`` runs a pipeline."""
     seen = {}
 
     def first_call(module, args, kwargs, output):
@@ -57,11 +51,23 @@ def test_predict_hands_the_transformer_what_the_pipeline_does(which, request):
     handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
     try:
         with torch.no_grad():
-            pipe("a red square", num_inference_steps=2, height=96, width=128, num_frames=9, guidance_scale=1.0,
-                 generator=torch.Generator().manual_seed(0), output_type="latent")
+            run()
     finally:
         handle.remove()
-    theirs = seen["kw"]
+    return seen["kw"], seen["o"]
+
+
+@pytest.mark.parametrize("which", ["wan21", "wan22-5b"])
+def test_predict_hands_the_transformer_what_the_pipeline_does(which, request):
+    """One denoising call of WanPipeline at 96×128 px × 9 frames against predict on the same latents, σ and caption:
+    the same keyword inputs, the timestep σ·1000 in fp32 (TI2V-5B: one per latent token, [1, F'·H'/2·W'/2]), the same
+    output. Wan 2.1's latents are [1, 16, 3, 12, 16]; the 5B's VAE compresses 16× in space: [1, 48, 3, 6, 8]."""
+    ws, paths = request.getfixturevalue("wan" if which == "wan21" else "wan22")
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None)
+    theirs, out = first_transformer_call(model, lambda: pipe(
+        "a red square", num_inference_steps=2, height=96, width=128, num_frames=9, guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
     x = theirs["hidden_states"]
     assert tuple(x.shape) == ((1, 16, 3, 12, 16) if which == "wan21" else (1, 48, 3, 6, 8))
     if which == "wan21":
@@ -76,7 +82,7 @@ def test_predict_hands_the_transformer_what_the_pipeline_does(which, request):
     torch.testing.assert_close(ours["hidden_states"], x)
     torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
     with torch.no_grad():
-        torch.testing.assert_close(model.predict(x, sigma, cond), seen["o"])
+        torch.testing.assert_close(model.predict(x, sigma, cond), out)
 
 
 def test_the_transformer_sees_the_timestep_in_fp32_with_bf16_weights(wan):
@@ -407,20 +413,9 @@ def test_i2v_predict_hands_the_transformer_what_the_pipeline_builds_from_a_start
     assert model.family == ("wan21-i2v" if which == "tiny-wan21-i2v" else "wan22-i2v-a14b")
     pipe = model.pipeline(None)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
-    seen = {}
-
-    def first_call(module, args, kwargs, output):
-        if "kw" not in seen:
-            seen.update(kw=kwargs, o=output[0])
-
-    handle = model.transformer.register_forward_hook(first_call, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            pipe("a red square", image=image, num_inference_steps=2, height=64, width=96, num_frames=9,
-                 guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")
-    finally:
-        handle.remove()
-    theirs = seen["kw"]
+    theirs, out = first_transformer_call(model, lambda: pipe(
+        "a red square", image=image, num_inference_steps=2, height=64, width=96, num_frames=9, guidance_scale=1.0,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
     x = theirs["hidden_states"]
     assert tuple(x.shape) == (1, 36, 3, 8, 12)
     # the start frame as a training window's first frame: pixels in [-1, 1], the other frames anything
@@ -439,7 +434,7 @@ def test_i2v_predict_hands_the_transformer_what_the_pipeline_builds_from_a_start
         assert theirs["encoder_hidden_states_image"] is None and "encoder_hidden_states_image" not in ours
     torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
     with torch.no_grad():
-        torch.testing.assert_close(model.predict(ours_x, sigma, cond), seen["o"])
+        torch.testing.assert_close(model.predict(ours_x, sigma, cond), out)
 
 
 @pytest.mark.parametrize("cached", [True, False])
