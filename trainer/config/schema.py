@@ -114,6 +114,10 @@ class ModelConfig:
                                "one expert (ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
                                "load_into_transformer_2=True). Other models ignore it.",
                         choices=["high", "low", "both"])
+    system_prompt: str = f("", "Lumina 2 / Neta-Lumina: the system prompt put before every caption and sample prompt "
+                               "(joined with \" <Prompt Start> \", as Lumina2Pipeline does). Empty = the pipeline's own; "
+                               "Neta-Lumina's card and kohya's trainer name their own. Changing it re-encodes the "
+                               "cached captions. Other models ignore it.")
     guidance_scale: float = f(3.5, "Guidance-distilled models (Flux.1 dev, FLUX.1 Kontext [dev], Flux.2 [dev]): the "
                                     "guidance their transformer's guidance embedding gets while training, as "
                                     "diffusers' and kohya's trainers feed it (3.5; OneTrainer, ai-toolkit and musubi "
