@@ -96,6 +96,22 @@ def _fp8_base_problem(cfg: Any, base: Path) -> Optional[str]:
             "or fine-tune the model's bf16/fp16 release.")
 
 
+def _adapter_problem(value: str, base: Path) -> Optional[str]:
+    """``model.training_adapter``: a local .safetensors file, or a hub file (org/repo/file.safetensors)."""
+    if not value:
+        return None
+    p = _local(value, base)
+    if p.is_file():
+        if p.suffix.lower() != ".safetensors":
+            return (f"model.training_adapter '{value}' is a {p.suffix or 'extension-less'} file; a training adapter "
+                    "is a LoRA .safetensors file.")
+        return None
+    if value.count("/") >= 2 and not value.startswith((".", "/", "~")) and "\\" not in value and ":" not in value:
+        return None  # a hub file, read from the hub (or its cache) when the run starts
+    return (f"model.training_adapter '{value}' does not exist. Give the adapter's .safetensors file, or a hub file "
+            "as org/repo/file.safetensors.")
+
+
 def _writable_problem(key: str, value: str, base: Path) -> Optional[str]:
     """A folder Atelier must create or write: it must be a folder (or not exist yet) under a writable one."""
     p = _local(value, base)
@@ -124,6 +140,7 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
             out.append((key, message))
 
     add("model.path", model_path_problem(str(cfg.model.path or ""), base) or _fp8_base_problem(cfg, base))
+    add("model.training_adapter", _adapter_problem(str(cfg.model.get("training_adapter", "") or "").strip(), base))
     config_path = str(cfg.model.get("config_path", "") or "").strip()
     if config_path and not _local(config_path, base).is_dir():
         add("model.config_path", f"model.config_path '{config_path}' is not a folder. Give a diffusers model "
