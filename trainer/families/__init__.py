@@ -343,9 +343,9 @@ def unclaimed_message(ev: Evidence) -> str:
             "model.path to it.")
 
 
-# key endings of weights stored pre-quantised for inference: bitsandbytes NF4/FP4/int8, torchao/quanto, NVFP4 (its second
-# scale), GGUF-in-safetensors conversions; such a file cannot be trained from (its weights are not floats). fp8 files
-# (plain or with per-tensor scales: common/fp8_files.py) are not among them: they load as a LoRA's frozen base
+# key endings of weights stored pre-quantised for inference: bitsandbytes NF4/FP4/int8, torchao/quanto, NVFP4 (its
+# second scale), GGUF-in-safetensors conversions; such a file cannot be trained from (its weights are not floats). fp8
+# files (plain or with per-tensor scales: common/fp8_files.py) are not among them: they load as a LoRA's frozen base
 PREQUANTISED = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4",
                 ".nested_absmax", ".SCB", "._data", ".weight_scale_2")
 
