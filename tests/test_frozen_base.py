@@ -208,6 +208,14 @@ def test_an_adapter_of_another_family_or_layout_is_refused_naming_the_file(zimag
         attach_training_adapter(model, str(sd_lora), model)
     assert err.value.key == "model.training_adapter" and "sd15_lora.safetensors" in str(err.value)
     assert "another model family" in str(err.value) and "\n" not in str(err.value)
+    ranks = tmp_path / "rank_mismatch_adapter.safetensors"  # lora_A of rank 2, lora_B of rank 3
+    state = load_file(str(adapter))
+    key = next(k for k in state if k.endswith("lora_B.weight"))
+    state[key] = torch.zeros(state[key].shape[0], 3)
+    save_file(state, str(ranks))
+    with pytest.raises(ConfigError) as err:
+        attach_training_adapter(model, str(ranks), model)
+    assert "rank_mismatch_adapter.safetensors" in str(err.value) and "do not multiply" in str(err.value)
     lokr = tmp_path / "lokr_adapter.safetensors"  # LyCORIS LoKr, named as the family's LyCORIS files are
     q = model.transformer.layers[0].attention.to_q
     save_file({"lycoris_layers_0_attention_to_q.lokr_w1": torch.ones(2, 2),
