@@ -5,8 +5,10 @@
 - ``dora``: peft LoRA with ``use_dora=True`` → kohya file plus ``dora_scale`` (LyCORIS/A1111/ComfyUI
   convention; diffusers' ``load_lora_weights`` drops ``dora_scale`` with a warning).
 - ``loha`` / ``lokr``: peft ``LoHaConfig`` / ``LoKrConfig`` → LyCORIS file (``hada_*`` / ``lokr_*``,
-  ``alpha``). peft's parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into
-  LoKr layers with two full factors, where LyCORIS loaders use scale 1 (see trainer/formats/lycoris.py).
+  ``alpha``); ``lora.lokr_full_matrix`` keeps both LoKr factors full (LyCORIS' ``full_matrix``). peft's
+  parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into LoKr layers with two full
+  factors, where LyCORIS loaders use scale 1 (see trainer/formats/lycoris.py).
+- ``lora.loraplus_lr_ratio`` (LoRA+, LoRA/DoRA) changes only the optimizer's groups (trainer/optim/build.py).
   peft rather than lycoris-lora for training because peft layers sit inside the diffusers models
   (the loop, backups, EMA and the sampling pipeline see them without a second mechanism).
 """
@@ -35,6 +37,7 @@ from trainer.methods.base import MethodBase
 from trainer.methods.rules import block_of, custom_target_regex, parse_blocks
 
 LYCORIS_TYPES = ("loha", "lokr")
+FULL_RANK = 1 << 20  # lora.lokr_full_matrix: a peft LoKr rank above every layer's size
 
 
 def unet_targets(cfg, model=None) -> Union[List[str], str]:
@@ -117,13 +120,19 @@ def adapter_config(lcfg, targets: Union[List[str], str], model=None):
     elif kind == "loha":
         config = LoHaConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True)
+    elif kind == "lokr" and lcfg.get("lokr_full_matrix", False):
+        # peft keeps a factor full when r >= half its larger side: a rank no layer reaches keeps both full, and
+        # alpha = r gives LyCORIS' scale 1 of two full factors (the exporter writes alpha = rank)
+        config = LoKrConfig(r=FULL_RANK, alpha=FULL_RANK, rank_dropout=lcfg.rank_dropout,
+                            module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
+                            decompose_factor=int(lcfg.factor))
     elif kind == "lokr":
         config = LoKrConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
                             decompose_both=bool(lcfg.decompose_both), decompose_factor=int(lcfg.factor))
     else:
         raise ConfigError(f"lora.type = {kind} is not known.", key="lora.type", value=kind)
-    if model is not None:
+    if model is not None and config.r != FULL_RANK:
         ranks, alphas = _conv_patterns(model, config, lcfg)
         if ranks:
             config.rank_pattern, config.alpha_pattern = ranks, alphas
@@ -265,6 +274,8 @@ class LoraMethod(MethodBase):
                             conv_alpha=lcfg.conv_alpha if lcfg.conv_alpha is not None else lcfg.alpha)
             if lcfg.type == "lokr":
                 args.update(factor=lcfg.factor, decompose_both=bool(lcfg.decompose_both))
+                if lcfg.get("lokr_full_matrix", False):
+                    args.update(full_matrix=True)
             save_lycoris(path, sd, meta, dtype, algo=lcfg.type, network_args=args)
         else:
             split = getattr(self.model, "split_lora_file", None)  # a result in several files (Wan 2.2 A14B's experts)

@@ -107,6 +107,8 @@ def validate_method(cfg: Any) -> None:
                 except re.error as exc:
                     raise ConfigError(f"lora.custom_targets entry {e!r} is not a valid regular expression: {exc}.",
                                       key="lora.custom_targets", value=e) from None
+    if t.method == "lora":
+        check_adapter_options(lora)
     if uses_embedding(cfg):
         p = emb.placeholder
         if not p or not p.strip():
@@ -119,6 +121,23 @@ def validate_method(cfg: Any) -> None:
             raise ConfigError(f"embedding.placeholder = {p!r}: a bundled embedding's name cannot contain a dot "
                               "(A1111 splits bundle_emb keys at dots). Remove the dot or turn off embedding.bundle.",
                               key="embedding.placeholder", value=p)
+
+
+def check_adapter_options(lora: Any) -> None:
+    """The settings of one adapter kind given with another (LoRA+ for LoRA/DoRA, full-matrix LoKr for LoKr)."""
+    for key in ("loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if lora.get(key, None) and lora.type not in ("lora", "dora"):
+            raise ConfigError(f"lora.{key} = {lora[key]:g}: LoRA+ raises the learning rate of a LoRA's B "
+                              f"(lora_up) matrix, which lora.type = {lora.type} has not. Use lora.type = lora or "
+                              f"dora, or leave lora.{key} blank.", key=f"lora.{key}", value=lora[key])
+    if lora.get("lokr_full_matrix", False):
+        if lora.type != "lokr":
+            raise ConfigError(f"lora.lokr_full_matrix is on, but lora.type = {lora.type}: it shapes LoKr's factors. "
+                              "Use lora.type = lokr, or turn it off.", key="lora.lokr_full_matrix", value=True)
+        if lora.decompose_both:
+            raise ConfigError("lora.lokr_full_matrix and lora.decompose_both are both on: full-matrix LoKr keeps "
+                              "both Kronecker factors full. Turn one of them off.", key="lora.lokr_full_matrix",
+                              value=True)
 
 
 def method_warnings(cfg: Any) -> list:
