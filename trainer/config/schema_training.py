@@ -228,8 +228,9 @@ class LoraConfig:
                           "weight decomposition), LoHa (Hadamard product) or LoKr (Kronecker product). "
                           "LoRA/LoCon files load in ComfyUI, Forge, A1111 and diffusers; DoRA exactly in the "
                           "loader output.dora_format names; LoHa/LoKr (LyCORIS format) in ComfyUI, Forge and "
-                          "A1111 but not diffusers.",
-                  choices=["lora", "dora", "loha", "lokr"])
+                          "A1111 but not diffusers. OFT (orthogonal fine-tuning: each layer's outputs rotated in "
+                          "blocks of lora.rank, LyCORIS diag-OFT file) in ComfyUI.",
+                  choices=["lora", "dora", "loha", "lokr", "oft"])
     rank: int = f(16, "LoRA rank (dim): capacity of the adapter.", min=1, max=1024)
     alpha: float = f(16.0, "LoRA alpha: the update is scaled by alpha/rank.", min=0.0, max=4096.0)
     conv_rank: Optional[int] = f(None, "Rank of k×k conv layers (LoCon's conv_dim); blank = rank.",

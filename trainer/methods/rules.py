@@ -130,6 +130,12 @@ def check_adapter_options(lora: Any) -> None:
             raise ConfigError(f"lora.{key} = {lora[key]:g}: LoRA+ raises the learning rate of a LoRA's B "
                               f"(lora_up) matrix, which lora.type = {lora.type} has not. Use lora.type = lora or "
                               f"dora, or leave lora.{key} blank.", key=f"lora.{key}", value=lora[key])
+    if lora.type == "oft":
+        for key in ("dropout", "rank_dropout", "module_dropout", "conv_rank", "conv_alpha"):
+            if lora[key]:
+                raise ConfigError(f"lora.{key} = {lora[key]:g} with lora.type = oft: OFT here rotates every targeted "
+                                  f"layer in blocks of lora.rank, with no dropout or conv rank of its own. Leave "
+                                  f"lora.{key} blank/0.", key=f"lora.{key}", value=lora[key])
     if lora.get("lokr_full_matrix", False):
         if lora.type != "lokr":
             raise ConfigError(f"lora.lokr_full_matrix is on, but lora.type = {lora.type}: it shapes LoKr's factors. "
@@ -151,7 +157,7 @@ def method_warnings(cfg: Any) -> list:
                                           "prior_prediction) and none has role train: the run learns nothing new. "
                                           "Add the subject's images as a train concept."))
     if t.method == "lora":
-        if lora.alpha > lora.rank:
+        if lora.alpha > lora.rank and lora.type != "oft":  # OFT has no alpha scale
             out.append(Issue("lora.alpha", f"LoRA alpha ({lora.alpha:g}) is above rank ({lora.rank}): the update "
                                            "is scaled up, which often overcooks. Use alpha ≤ rank."))
         conv_rank = lora.conv_rank if lora.conv_rank is not None else lora.rank
