@@ -19,7 +19,7 @@ INFO = FamilyInfo(
               "fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "Z-Image LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),
                  QuickChoice("zimage-turbo-adapter", "Z-Image Turbo with its training adapter (keeps the distillation)",
