@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: E402
 
+import bare_diffusers_step  # noqa: E402  (bench/'s own module, beside this file)
 from trainer.train import compile as compile_counts  # noqa: E402
 
 THIS = os.path.abspath(__file__)
@@ -74,6 +75,7 @@ CASES: Dict[str, Dict[str, Any]] = {
                       "parts.denoiser.dtype=bf16", "parts.text_encoder_1.dtype=bf16", "model.vae_dtype=bf16",
                       "training.gradient_checkpointing=false", "lora.rank=16", "training.lr_warmup_steps=0"]},
 }
+BARE = "bare-sd15"  # not Atelier: diffusers' example step with peft at the sd15 case's settings (count_bare)
 CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
                                + ["training.gradient_checkpointing=true", "lora.rank=16",
                                   "training.lr_warmup_steps=0"]}
@@ -414,9 +416,24 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
     return per_step(hook.snaps, count)
 
 
+def count_bare(workspace: Path, warmup: int, count: int) -> dict:
+    """``bare-sd15``: the counts of bench/bare_diffusers_step.py's step (diffusers' example loop with peft, the
+    ``sd15`` case's settings), as :func:`run_case` counts Atelier's."""
+    step, resident = bare_diffusers_step.build(workspace / "bare-cache")
+    hook = Counting(warmup, count)
+    for _ in range(warmup + 2 * count + 1):
+        if hook.step == warmup - 1:  # the hook's seeding looks for a RunState; here the resident tensors are known
+            for t in resident():
+                hook.dev[t] = True
+        step()
+        hook()
+    sys.setprofile(None)
+    return per_step(hook.snaps, count)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted(CASES))
+    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted([*CASES, BARE]))
     ap.add_argument("--set", action="append", default=[], help="one more setting for every case (key=value)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before counting (at least 2)")
     ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
@@ -441,6 +458,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.compiled:
                     rows[case] = run_compiled(case, args.set, args.warmup + args.count, Path(args.workspace or tmp),
                                               backend=args.backend)
+                elif case == BARE:
+                    rows[case] = count_bare(Path(args.workspace or tmp), args.warmup, args.count)
                 else:
                     rows[case] = run_case(case, args.set, args.warmup, args.count, Path(args.workspace or tmp),
                                           profile=args.profile)
@@ -477,6 +496,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for case, r in rows.items():
         print(f"| {case} | {r['ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
               f"| {r['python_calls']:.0f} |")
+    if "sd15" in rows and BARE in rows:
+        ratio = rows["sd15"]["ops"] / rows[BARE]["ops"]
+        print(f"\nsd15 / {BARE}: aten ops {ratio:.3f}x (goal <= 0.85x), Python calls "
+              f"{rows['sd15']['python_calls'] / rows[BARE]['python_calls']:.3f}x")
     return 0
 
 
