@@ -98,6 +98,10 @@ class TrainingConfig:
                              "type): faster steps on a GPU (OneTrainer reports 25-35 %) after a compile of "
                              "tens of seconds at the first step. Needs Triton on NVIDIA GPUs (on Windows the "
                              "triton-windows package) and a C++ compiler on the CPU.")
+    compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
+                                     "record CUDA graphs (one per bucket shape and block; CUDA only, not with "
+                                     "gradient checkpointing); max-autotune-no-cudagraphs tunes kernels longer.",
+                          choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)
