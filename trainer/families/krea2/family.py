@@ -110,7 +110,8 @@ class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
         self.turbo = self.family == "krea2-turbo"
         self.objective = (FlowMatchingObjective(shift=math.exp(TURBO_MU)) if self.turbo
                           else flow_objective_for(self._sched_config, patch=PATCH))
-        self.max_sequence_length = int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS)
+        self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS),
+                                       int(self.tokenizer.model_max_length))
         self.device = torch.device(device)
         self._place_frozen(dtypes, ("transformer", "text_encoder", "vae"))
         if getattr(mcfg, "attention", "sdpa") == "xformers":

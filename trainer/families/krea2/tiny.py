@@ -21,7 +21,7 @@ from trainer.families.common.tiny_store import store_tiny
 from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
 from trainer.families.krea2.keys import diffusers_to_original
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 # the Krea2Pipeline docstring's scheduler: the resolution-aware exponential time shift
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
              "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 6400, "time_shift_type": "exponential"}
@@ -47,7 +47,7 @@ def _vae() -> AutoencoderKLQwenImage:
 
 
 def build_tiny_pipeline(folder: Path, distilled: bool = False, seed: int = 0) -> Krea2Pipeline:
-    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=1024)
+    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=256)  # the text length the tiny model trains at
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
