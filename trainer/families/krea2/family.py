@@ -25,6 +25,7 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_krea2
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -53,6 +54,9 @@ OFFICIAL = "krea/Krea-2-Raw"  # diffusers' single-file default repo for Krea 2
 MAX_TOKENS = 512  # Krea2Pipeline's max_sequence_length
 TURBO_MU = 1.15  # Krea2Pipeline's fixed time shift for the distilled checkpoint
 PATCH = 2
+# what Krea2Pipeline.get_text_hidden_states reads of its pipeline besides the tokenizer, text encoder and taps
+TEMPLATE = ("prompt_template_encode_prefix", "prompt_template_encode_suffix", "prompt_template_encode_start_idx",
+            "prompt_template_encode_num_suffix_tokens")
 PREFIX = "diffusion_model"
 _BLOCK = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_gate"]
 _FF = ["ff.gate", "ff.up", "ff.down"]
@@ -105,6 +109,7 @@ class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.select_layers = tuple(pipe.text_encoder_select_layers)
+        self._template = {k: getattr(pipe, k) for k in TEMPLATE}
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.turbo = self.family == "krea2-turbo"
@@ -139,9 +144,13 @@ class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
         """``Krea2Pipeline.get_text_hidden_states``: features flattened to [B, L, layers·D], mask [B, L] (bool)."""
+        # the pipeline's function on what it reads of the pipeline (a whole pipeline would build a scheduler, which
+        # the VRAM estimate's fake tensors cannot)
+        view = SimpleNamespace(tokenizer=self.tokenizer, text_encoder=self.text_encoder,
+                               text_encoder_select_layers=self.select_layers, **self._template)
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
-            hidden, mask = self.pipeline(None).get_text_hidden_states(list(captions), self.max_sequence_length,
-                                                                      self.device)
+            hidden, mask = Krea2Pipeline.get_text_hidden_states(view, list(captions), self.max_sequence_length,
+                                                                self.device)
         return hidden.flatten(2), mask.bool()
 
     # --- the denoiser -------------------------------------------------------------------------
