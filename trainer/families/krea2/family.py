@@ -153,6 +153,13 @@ class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
                                                                 self.device)
         return hidden.flatten(2), mask.bool()
 
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        """As :class:`MaskedTextConditioning`, but the features kept in the text encoder's dtype: 12 tapped layers of
+        2560 over 520 tokens are 64 MB a caption in fp32, 32 MB in the bf16 they come out in."""
+        with torch.no_grad():
+            embeds, mask = self._encode(list(captions))
+        return {"prompt_embeds": embeds.cpu(), "prompt_mask": mask.float().cpu()}
+
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
         b, c, h, w = model_input.shape
