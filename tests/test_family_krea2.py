@@ -116,9 +116,10 @@ def test_detection_and_what_is_refused():
     with pytest.raises(ValueError, match="diffusers' names"):
         claim(Evidence("single_file", "x", shapes={"text_fusion.projector.weight": (1, 2),
                                                    "transformer_blocks.0.scale_shift_table": (6, 32)}))
-    for index, want in (({"_class_name": "Krea2Pipeline"}, "krea2"),
-                        ({"_class_name": "Krea2Pipeline", "is_distilled": True}, "krea2-turbo")):
-        assert claim(Evidence("folder", "x", read_json=lambda rel, i=index: i if rel == "model_index.json"
+    for kind, index, want in (("folder", {"_class_name": "Krea2Pipeline"}, "krea2"),
+                              ("hub", {"_class_name": "Krea2Pipeline", "is_distilled": False}, "krea2"),
+                              ("hub", {"_class_name": "Krea2Pipeline", "is_distilled": True}, "krea2-turbo")):
+        assert claim(Evidence(kind, "krea/Krea-2", read_json=lambda rel, i=index: i if rel == "model_index.json"
                               else None)) == want
     with pytest.raises(ValueError, match="Krea 2 text-to-image"):
         claim(Evidence("folder", "x", read_json=lambda rel: {"_class_name": "Krea2Img2ImgPipeline"}
@@ -185,3 +186,19 @@ def test_validate_refuses_what_krea2_cannot_use(setting, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-krea2", setting])
     assert err.value.key == key, str(err.value)
+
+
+def test_at_the_released_sizes_the_original_layout_is_what_diffusers_converts():
+    """On the meta device, at Krea-2-Raw's sizes: the fine-tune file converts back to every weight with diffusers'
+    ``convert_krea2_transformer_checkpoint_to_diffusers``, and its tensors tell the released config back."""
+    from diffusers import Krea2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
+    from trainer.families.krea2.keys import CONFIG, config_from_original, diffusers_to_original
+    with torch.device("meta"):
+        model = Krea2Transformer2DModel(**{k: v for k, v in CONFIG.items() if k != "_class_name"})
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    original = diffusers_to_original(model.state_dict())
+    assert len(original) == 430  # the tensors of the released single file
+    assert {k: tuple(v.shape) for k, v in convert_krea2_transformer_checkpoint_to_diffusers(dict(original)).items()} \
+        == shapes
+    assert config_from_original(original, {}) == CONFIG
