@@ -60,32 +60,33 @@ def test_predict_is_the_pipelines_transformer_call(krea):
     torch.testing.assert_close(pack(pred), ref["out"])
 
 
-def test_turbo_is_its_own_variant_with_the_distilled_schedule_and_defaults(tmp_path):
+def test_turbo_is_its_own_variant_with_the_distilled_schedule_and_defaults(krea, tmp_path):
     from trainer.families import build_tiny
     from trainer.objectives import FlowMatchingObjective
+    ws, _, raw = krea
+    assert raw.family == "krea2" and raw.objective.dynamic_shift is not None
+    assert (raw.sample_defaults().steps, raw.sample_defaults().guidance) == (28, 4.5)
     paths = build_tiny("tiny-krea2-turbo", tmp_path / "models")
     turbo = load_tiny(tmp_path, paths["diffusers"])
     assert turbo.family == "krea2-turbo" and turbo.pipeline(None).config.is_distilled
     assert isinstance(turbo.objective, FlowMatchingObjective) and turbo.objective.dynamic_shift is None
     assert turbo.objective.shift == pytest.approx(math.exp(1.15))  # the pipeline's fixed μ at every size
-    d = turbo.sample_defaults()
-    assert (d.steps, d.guidance) == (8, 0.0)
-    # the single file holds Raw's tensors: model.family tells it
-    single = load_tiny(tmp_path, paths["single_file"], f"model.config_path={paths['diffusers']}",
-                       "model.family=krea2-turbo")
-    assert single.family == "krea2-turbo" and single.turbo
-    plain = tmp_path / "krea2.safetensors"  # a name that does not say turbo
+    assert (turbo.sample_defaults().steps, turbo.sample_defaults().guidance) == (8, 0.0)
+    # the single file holds Raw's tensors: model.family tells it (a file named for Turbo is read as Turbo anyway)
+    plain = tmp_path / "krea2.safetensors"
     plain.write_bytes(paths["single_file"].read_bytes())
-    raw = load_tiny(tmp_path, plain, f"model.config_path={paths['diffusers']}")
-    assert raw.family == "krea2" and raw.objective.dynamic_shift is not None
-    assert (raw.sample_defaults().steps, raw.sample_defaults().guidance) == (28, 4.5)
+    single = load_tiny(tmp_path, plain, f"model.config_path={paths['diffusers']}", "model.family=krea2-turbo")
+    assert single.family == "krea2-turbo" and single.turbo
 
 
 def test_single_file_loads_and_fine_tunes_save_back_to_it(krea, tmp_path):
     from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
     from safetensors.torch import load_file, save_file
     ws, paths, model = krea
-    single = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    # ComfyUI's layout: the original single file under model.diffusion_model.
+    comfy = tmp_path / "krea2-comfy.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in load_file(str(paths["single_file"])).items()}, str(comfy))
+    single = load_tiny(ws, comfy, f"model.config_path={paths['diffusers']}")
     for k, v in model.transformer.state_dict().items():
         torch.testing.assert_close(single.transformer.state_dict()[k], v, msg=k)
     with torch.no_grad():
@@ -97,14 +98,9 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(krea, tmp_path):
             "last.modulation.lin", "txtmlp.0.scale", "tproj.1.weight"} <= set(saved)
     # diffusers' own converter (what from_single_file runs) reads it back to the same weights
     converted = convert_krea2_transformer_checkpoint_to_diffusers(dict(saved))
+    assert set(converted) == set(single.transformer.state_dict())
     for k, v in single.transformer.state_dict().items():
         torch.testing.assert_close(converted[k], v, msg=k)
-    # ComfyUI's layout: the model.diffusion_model. prefix
-    comfy = tmp_path / "krea2-comfy.safetensors"
-    save_file({f"model.diffusion_model.{k}": v for k, v in saved.items()}, str(comfy))
-    again = load_tiny(ws, comfy, f"model.config_path={paths['diffusers']}")
-    for k, v in single.transformer.state_dict().items():
-        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
 
 
 def test_detection_and_what_is_refused():
