@@ -39,6 +39,7 @@ from trainer.train.checkpoint import resolve_resume
 from trainer.train.compile import compile_blocks, describe
 from trainer.train.ema import make_ema
 from trainer.train.state import RunState
+from trainer.train.training_adapter import attach_training_adapter
 
 log = logging.getLogger("atelier")
 
@@ -103,6 +104,9 @@ def setup(state: RunState) -> None:
             for message in pending:
                 state.warn(message)
     state.report = state.data.report
+    # a distilled model's de-distilling LoRA: on the base while training, hooked before the method wraps the layers
+    state.model.training_adapter = attach_training_adapter(state.model, cfg.model.get("training_adapter", ""),
+                                                           cfg.model)
     state.method = make_method(state.model, cfg)
     state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
