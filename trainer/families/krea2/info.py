@@ -22,7 +22,7 @@ INFO = FamilyInfo(
               "fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora",),
               "Krea 2 LoRA files are in the original layout ComfyUI and diffusers both read, which has no place for "
-              "LoHa/LoKr factors or DoRA's magnitudes")),
+              "LoHa/LoKr factors, DoRA's magnitudes or OFT's blocks")),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("krea2", "Krea 2 (Krea-2-Raw)", {"lora": "krea2-lora"}),),
     # Krea2Pipeline's __call__ defaults (28 steps, its guidance 4.5: cond + 4.5·(cond − uncond)); the turbo checkpoint
