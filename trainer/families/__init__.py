@@ -30,6 +30,7 @@ REGISTERED: Tuple[str, ...] = (
     "sd3",
     "chroma",
     "lumina2",
+    "krea2",
     "zimage",
     "qwenimage",
     "flux2",
