@@ -24,7 +24,9 @@ INFO = FamilyInfo(
               "Krea 2 LoRA files are in the original layout ComfyUI and diffusers both read, which has no place for "
               "LoHa/LoKr factors, DoRA's magnitudes or OFT's blocks")),
     finetune_slots=("unet",),
-    quick_start=(QuickChoice("krea2", "Krea 2 (Krea-2-Raw)", {"lora": "krea2-lora"}),),
+    quick_start=(QuickChoice("krea2", "Krea 2 (Krea-2-Raw)", {"lora": "krea2-lora"}),
+                 QuickChoice("krea2-turbo-adapter", "Krea 2 Turbo with its training adapter (keeps the distillation)",
+                             {"lora": "krea2-turbo-lora"})),
     # Krea2Pipeline's __call__ defaults (28 steps, its guidance 4.5: cond + 4.5·(cond − uncond)); the turbo checkpoint
     # samples with 8 steps and no guidance (the pipeline's docstring and the Krea2Turbo modular blocks' defaults)
     sample_defaults={
