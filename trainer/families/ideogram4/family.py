@@ -21,7 +21,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 - Latents: the Flux.2 VAE's 32 channels, patchified 2×2 with the patch before the channel (``(pi, pj, c)``, the
   pipeline's unpatchify order), normalised by the VAE's BatchNorm statistics, kept as [B, 128, h, w].
 - Guidance: the unconditional transformer is a separate model that samples only. It stays in CPU RAM and joins the
-  device for a sample; LoRA files adapt the conditional transformer (``transformer``), as ``load_lora_weights`` does.
+  device for a sample where there is room (:class:`Ideogram4Sampler`); LoRA files adapt the conditional transformer
+  (``transformer``), as ``load_lora_weights`` does.
 - The prompt enhancer (``Ideogram4PromptEnhancerHead``) rewrites prompts at inference; it has no part in training and
   is not loaded (captions are used as written, whether plain text or Ideogram's JSON captions).
 - Files: LoRA in the original layout (``diffusion_model.<module>``, lora_keys.py says why) that ComfyUI and
@@ -31,6 +32,7 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
@@ -65,6 +67,7 @@ from trainer.families.sources import classify_source, detect_source_family
 from trainer.formats.kohya import lora_layers
 from trainer.objectives import FlowMatchingObjective
 
+logger = logging.getLogger(__name__)
 OFFICIAL = "ideogram-ai/ideogram-v4"
 MAX_TOKENS = 512
 PATCH = 2
@@ -93,8 +96,12 @@ def patchify(latents: torch.Tensor) -> torch.Tensor:
 class Ideogram4Sampler(Ideogram4Pipeline):
     """``Ideogram4Pipeline`` as the sample loop calls every pipeline (``guidance_scale``, ``negative_prompt``): 48 steps
     at guidance 7 are the pipeline's own default schedule, any other values a constant guidance; the model takes no
-    negative prompt (its unconditional branch has no text). The unconditional transformer visits the device for the
-    call."""
+    negative prompt (its unconditional branch has no text).
+
+    The unconditional transformer (as large as the trained one: 18 GiB in bf16) lives in CPU RAM and visits the device
+    for the call when the device has room for it; where it has not (a 24 GB card during training), the unconditional
+    branch runs on the conditional transformer with the LoRA — what ComfyUI's Ideogram 4 model does when it is given
+    no text, and what ai-toolkit's samples do — and a warning says so."""
 
     def __call__(self, prompt=None, *, guidance_scale=None, num_inference_steps=DEFAULT_STEPS, negative_prompt=None,
                  **kwargs):
@@ -108,12 +115,24 @@ class Ideogram4Sampler(Ideogram4Pipeline):
 
     @contextmanager
     def _unconditional_on(self, device):
-        home = self.unconditional_transformer.device
-        self.unconditional_transformer.to(device)
+        own = self.unconditional_transformer
+        home = own.device
+        if device.type == "cuda" and home != device:
+            size = sum(p.numel() * p.element_size() for p in own.parameters())
+            if torch.cuda.mem_get_info(device)[0] < 1.2 * size:
+                logger.warning("Ideogram 4 samples: no room on %s for the unconditional transformer (%.1f GiB): its "
+                               "branch runs on the conditional transformer", device, size / 2 ** 30)
+                self.unconditional_transformer = self.transformer
+                try:
+                    yield
+                finally:
+                    self.unconditional_transformer = own
+                return
+        own.to(device)
         try:
             yield
         finally:
-            self.unconditional_transformer.to(home)
+            own.to(home)
 
 
 class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
