@@ -77,3 +77,121 @@ def test_samples_take_the_pipelines_guidance_schedule_at_its_defaults(ideogram, 
     assert "negative_prompt" not in seen[0]
     assert seen[1]["guidance_scale"] == 2.5 and seen[1]["guidance_schedule"] is None
     assert model.unconditional_transformer.device == torch.device("cpu")
+
+
+def test_single_file_loads_and_fine_tunes_save_back_to_it(ideogram, tmp_path):
+    from safetensors.torch import load_file, save_file
+    ws, paths, model = ideogram
+    single = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    for k, v in model.transformer.state_dict().items():
+        torch.testing.assert_close(single.transformer.state_dict()[k], v, msg=k)
+    with torch.no_grad():
+        single.transformer.layers[0].attention.to_k.weight.add_(0.5)
+    out = tmp_path / "ideogram4-ft.safetensors"
+    single.save_single_file(out, "fp32", {})
+    saved = load_file(str(out))
+    assert {"layers.0.attention.qkv.weight", "layers.0.attention.o.weight", "layers.0.feed_forward.w2.weight",
+            "layers.1.adaln_modulation.bias", "llm_cond_proj.weight", "t_embedding.mlp_in.weight",
+            "embed_image_indicator.weight", "final_layer.adaln_modulation.weight"} <= set(saved)
+    assert not any(".to_" in k for k in saved)
+    # the release's prefixed layout, with the VAE's tensors beside it
+    prefixed = tmp_path / "ideogram4-prefixed.safetensors"
+    save_file({**{f"model.diffusion_model.{k}": v for k, v in saved.items()},
+               "first_stage_model.decoder.conv_in.weight": torch.zeros(1)}, str(prefixed))
+    again = load_tiny(ws, prefixed, f"model.config_path={paths['diffusers']}")
+    for k, v in single.transformer.state_dict().items():
+        torch.testing.assert_close(again.transformer.state_dict()[k], v, msg=k)
+
+
+def test_detection_reads_key_names_and_shapes_of_every_layout_fp8_included():
+    """The fp8 release (float8 weights with a ``.weight_scale`` each) is recognised by its names and shapes; refusing
+    or loading it is the registry's business (pre-quantised files), not detection's."""
+    from trainer.families import Evidence, claim
+    from trainer.families.ideogram4 import detect
+    from trainer.families.ideogram4.full_size import TRANSFORMER
+    with torch.device("meta"):
+        from diffusers import Ideogram4Transformer2DModel
+        from trainer.families.ideogram4.keys import diffusers_to_original
+        real = diffusers_to_original(Ideogram4Transformer2DModel(**TRANSFORMER).state_dict())
+    shapes = {k: tuple(v.shape) for k, v in real.items()}
+    assert shapes["layers.0.attention.qkv.weight"] == (13824, 4608)  # the release's fused q/k/v
+    fp8 = dict(shapes)
+    fp8.update({k.replace(".weight", ".weight_scale"): (v[0],) for k, v in shapes.items()
+                if k.endswith(".weight") and len(v) == 2})
+    for keys in (shapes, fp8, {f"model.diffusion_model.{k}": v for k, v in fp8.items()},
+                 {f"conditional_transformer.{k}": v for k, v in shapes.items()}):
+        assert detect.claim(Evidence("single_file", "x", shapes=keys)) == "ideogram4"
+    assert claim(Evidence("single_file", "x", shapes=shapes)) == "ideogram4"
+    with pytest.raises(ValueError, match="pre-quantised"):
+        claim(Evidence("single_file", "x", shapes=fp8))
+    with pytest.raises(ValueError, match="unconditional"):
+        detect.claim(Evidence("single_file", "x", shapes={f"unconditional_transformer.{k}": v
+                                                          for k, v in shapes.items()}))
+    lumina = {"layers.0.attention.qkv.weight": (96, 32), "layers.0.adaLN_modulation.1.weight": (128, 32),
+              "cap_embedder.1.weight": (32, 2304), "context_refiner.0.attention.qkv.weight": (96, 32)}
+    assert detect.claim(Evidence("single_file", "x", shapes=lumina)) is None
+    index = {"model_index.json": {"_class_name": "Ideogram4Pipeline"}}
+    assert claim(Evidence("folder", "x", read_json=lambda rel: index.get(rel))) == "ideogram4"
+
+
+@pytest.mark.parametrize("targets", ["attn", "all"])
+def test_the_lora_file_is_what_diffusers_and_comfyui_compute(ideogram, tmp_path, targets):
+    """diffusers' ``load_lora_weights`` (its converter reads the file) and ComfyUI's sum (B·A added to each original
+    weight, qkv fused) both give the weights peft merges."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from safetensors.torch import save_file
+    from trainer.config.checks import load_config
+    from trainer.families.ideogram4.keys import diffusers_to_original
+    from trainer.families.sources import load_model
+    from trainer.methods.lora import LoraMethod
+    ws, paths, _ = ideogram
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", f"lora.unet_targets={targets}", "lora.rank=4",
+                             "lora.alpha=2", f"general.workspace={ws}"])
+    method = LoraMethod(load_model(cfg, str(ws), "cpu"), cfg)
+    model = method.model
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    state = method.adapter_state_dict()
+    assert all(k.startswith("diffusion_model.layers.") for k in state)
+    assert ("diffusion_model.layers.0.adaln_modulation.lora_A.weight" in state) == (targets == "all")
+    path = tmp_path / "lora.safetensors"
+    save_file(state, str(path))
+
+    def original(transformer):
+        return diffusers_to_original({k.replace(".base_layer", ""): v.clone()
+                                      for k, v in transformer.state_dict().items() if "lora_" not in k})
+    base = original(model.transformer)
+    with torch.no_grad():  # peft's merged weights: what the trained adapters mean
+        for module in model.transformer.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+    wanted = original(model.transformer)
+    assert not torch.equal(wanted["layers.0.attention.qkv.weight"], base["layers.0.attention.qkv.weight"])
+    # ComfyUI: every diffusion_model.<module> key adds B·A to that weight of the original model
+    comfy = dict(base)
+    for key in state:
+        if key.endswith(".lora_A.weight"):
+            module = key[len("diffusion_model."):-len(".lora_A.weight")]
+            comfy[f"{module}.weight"] = comfy[f"{module}.weight"] + state[key.replace("lora_A", "lora_B")] @ state[key]
+    for k, v in wanted.items():
+        torch.testing.assert_close(comfy[k], v, msg=k)
+    # diffusers: the pipeline's transformer after load_lora_weights, its LoRA fused
+    pipe = load_tiny(ws, paths["diffusers"]).pipeline(None)
+    pipe.load_lora_weights(str(path))
+    pipe.fuse_lora()
+    got = original(pipe.transformer)
+    for k, v in wanted.items():
+        torch.testing.assert_close(got[k], v, msg=k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("setting, key", [("training.train_text_encoder=true", "parts.text_encoder_1.train"),
+                                          ("lora.type=loha", "lora.type")])
+def test_validate_refuses_what_ideogram4_cannot_use(setting, key):
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=builtin:tiny-ideogram4", setting])
+    assert err.value.key == key, str(err.value)
