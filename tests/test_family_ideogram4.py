@@ -47,6 +47,11 @@ def test_predict_is_the_pipelines_transformer_call_with_less_padding(ideogram):
         remove()
     want = -calls[1]["out"][:, 64:].transpose(1, 2).reshape(1, 32, h, w)
     torch.testing.assert_close(pred, want, atol=1e-5, rtol=1e-5)
+    # caption dropout: the empty caption's features (chat template and all), as the other families drop
+    dropped = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set(), drop_te1=[True])
+    empty = model.batch_condition({"captions": [""]}, lambda c: c, set())
+    torch.testing.assert_close(dropped.prompt_embeds, empty.prompt_embeds)
+    assert torch.equal(dropped.prompt_mask, empty.prompt_mask) and int(empty.prompt_mask.sum()) < n
 
 
 def test_latents_are_the_pipelines_tokens_normalised_by_the_vae_batchnorm(ideogram):
