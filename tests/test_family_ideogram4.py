@@ -109,8 +109,7 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(ideogram, tmp_path):
 
 
 def test_detection_reads_key_names_and_shapes_of_every_layout_fp8_included():
-    """The fp8 release (float8 weights with a ``.weight_scale`` each) is recognised by its names and shapes; refusing
-    or loading it is the registry's business (pre-quantised files), not detection's."""
+    """The fp8 release (float8 weights with a ``.weight_scale`` each) is recognised by its names and shapes."""
     from trainer.families import Evidence, claim
     from trainer.families.ideogram4 import detect
     from trainer.families.ideogram4.full_size import TRANSFORMER
@@ -127,8 +126,7 @@ def test_detection_reads_key_names_and_shapes_of_every_layout_fp8_included():
                  {f"conditional_transformer.{k}": v for k, v in shapes.items()}):
         assert detect.claim(Evidence("single_file", "x", shapes=keys)) == "ideogram4"
     assert claim(Evidence("single_file", "x", shapes=shapes)) == "ideogram4"
-    with pytest.raises(ValueError, match="pre-quantised"):
-        claim(Evidence("single_file", "x", shapes=fp8))
+    assert claim(Evidence("single_file", "x", shapes=fp8)) == "ideogram4"
     with pytest.raises(ValueError, match="unconditional"):
         detect.claim(Evidence("single_file", "x", shapes={f"unconditional_transformer.{k}": v
                                                           for k, v in shapes.items()}))
@@ -200,3 +198,27 @@ def test_validate_refuses_what_ideogram4_cannot_use(setting, key):
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=builtin:tiny-ideogram4", setting])
     assert err.value.key == key, str(err.value)
+
+
+def test_the_fp8_release_loads_as_the_frozen_base(ideogram, tmp_path):
+    """Ideogram's fp8 layout (float8_e4m3fn Linear weights of the original file, a float32 scale per output row as
+    ``<layer>.weight_scale``, ai-toolkit's reading of the release) loads through the family's single-file path as the
+    weights it was made from, to fp8's precision."""
+    from safetensors.torch import load_file, save_file
+    ws, paths, model = ideogram
+    fp8 = {}
+    for key, tensor in load_file(str(paths["single_file"])).items():
+        if key.startswith("layers.") and key.endswith(".weight") and tensor.ndim == 2:
+            scale = tensor.abs().amax(dim=1).clamp(min=1e-12) / 448.0
+            fp8[key] = (tensor / scale[:, None]).to(torch.float8_e4m3fn)
+            fp8[key.replace(".weight", ".weight_scale")] = scale
+        else:
+            fp8[key] = tensor
+    path = tmp_path / "ideogram4-fp8.safetensors"
+    save_file(fp8, str(path))
+    loaded = load_tiny(ws, path, f"model.config_path={paths['diffusers']}")
+    for k, v in model.transformer.state_dict().items():
+        got = loaded.transformer.state_dict()[k].float()
+        torch.testing.assert_close(got, v.float(), atol=0.07 * float(v.abs().max()), rtol=0.07, msg=k)
+    qkv = loaded.transformer.layers[0].attention.to_q.weight
+    assert not torch.equal(qkv, model.transformer.layers[0].attention.to_q.weight)  # it went through fp8

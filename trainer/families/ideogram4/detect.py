@@ -1,7 +1,7 @@
 """Claim Ideogram 4 weights: the original single file of the conditional transformer (a fused ``attention.qkv``,
-``embed_image_indicator``, tanh-gated ``adaln_modulation`` in every block; with or without a prefix, in full precision or
-as Ideogram's fp8 release with its ``.weight_scale`` tensors — the refusal of pre-quantised files is the registry's, not
-this module's), a file with diffusers' key names, a diffusers ``Ideogram4Pipeline`` folder or hub repo. A file holding only
+``embed_image_indicator``, tanh-gated ``adaln_modulation`` in every block; with or without a prefix, in full
+precision or as Ideogram's fp8 release with its ``.weight_scale`` tensors: names and shapes only, whatever the
+dtype), a file with diffusers' key names, a diffusers ``Ideogram4Pipeline`` folder or hub repo. A file holding only
 the ``unconditional_transformer.`` (the pipeline's guidance branch, the same class) is refused by name: it is not the
 model a LoRA is for."""
 

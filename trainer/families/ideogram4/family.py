@@ -270,7 +270,8 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return lora_keys.to_original(out)
 
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
+                             adapter_name: str = "default") -> int:
         """An original-layout file into fresh peft layers (a diffusers-layout file as :class:`PeftLayoutLora` reads
         it)."""
         if not any(k.startswith(lora_keys.PREFIX) for k in state):

@@ -1,7 +1,8 @@
-"""Ideogram 4 LoRA files in the original layout: ``diffusion_model.<original module>.lora_A.weight`` / ``.lora_B.weight``
-(α/r baked into ``lora_B``, no ``.alpha``), as ai-toolkit writes them.
+"""Ideogram 4 LoRA files in the original layout: ``diffusion_model.<original module>.lora_A.weight`` /
+``.lora_B.weight`` (α/r baked into ``lora_B``, no ``.alpha``), as ai-toolkit writes them.
 
-Why this layout (read at ComfyUI 2be2a9da ``comfy/ldm/ideogram4/model.py`` with ``comfy/lora.py``, and diffusers 0.42.1):
+Why this layout (read at ComfyUI 2be2a9da ``comfy/ldm/ideogram4/model.py`` with ``comfy/lora.py``, and diffusers
+0.42.1):
 
 - ComfyUI's model is the original layout (``attention.qkv``, ``attention.o``, ``feed_forward.w1``-``w3``,
   ``adaln_modulation``), and ``model_lora_keys_unet`` maps ``diffusion_model.<module>`` to each of its weights: a LoRA
