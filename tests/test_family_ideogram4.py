@@ -81,6 +81,8 @@ def test_samples_take_the_pipelines_guidance_schedule_at_its_defaults(ideogram, 
     assert seen[0]["guidance_scale"] is None and "guidance_schedule" not in seen[0]  # the pipeline's own schedule
     assert "negative_prompt" not in seen[0]
     assert seen[1]["guidance_scale"] == 2.5 and seen[1]["guidance_schedule"] is None
+    pipe("a", num_inference_steps=10)  # no guidance given: the default's constant 7
+    assert seen[2]["guidance_scale"] == 7.0 and seen[2]["guidance_schedule"] is None
     assert model.unconditional_transformer.device == torch.device("cpu")
 
 

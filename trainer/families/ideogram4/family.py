@@ -105,9 +105,13 @@ class Ideogram4Sampler(Ideogram4Pipeline):
 
     def __call__(self, prompt=None, *, guidance_scale=None, num_inference_steps=DEFAULT_STEPS, negative_prompt=None,
                  **kwargs):
-        if guidance_scale == DEFAULT_GUIDANCE and num_inference_steps == DEFAULT_STEPS:
+        if kwargs.get("guidance_schedule") is not None:  # a schedule of the caller's own
+            guidance_scale = None
+        elif guidance_scale in (None, DEFAULT_GUIDANCE) and num_inference_steps == DEFAULT_STEPS:
             guidance_scale = None  # the pipeline's default guidance_schedule
+            kwargs.pop("guidance_schedule", None)
         else:
+            guidance_scale = DEFAULT_GUIDANCE if guidance_scale is None else guidance_scale
             kwargs["guidance_schedule"] = None
         with self._unconditional_on(self.transformer.device):
             return super().__call__(prompt, guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
