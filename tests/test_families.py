@@ -136,6 +136,9 @@ ROWS = [
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wan", "tiny-wan22-i2v-a14b", "demo-wan22-i2v-a14b", settings=("lora.unet_targets=all",), start_image=True,
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    # the conditional transformer trains; samples guide with the unconditional one (the pipeline's two-model CFG)
+    Row("ideogram4", "tiny-ideogram4", "demo-ideogram4", settings=("lora.unet_targets=all", "lora.alpha=32"),
+        prompt_kwargs={"guidance_scale": 4.0, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

@@ -35,6 +35,7 @@ REGISTERED: Tuple[str, ...] = (
     "qwenimage",
     "flux2",
     "wan",
+    "ideogram4",
 )
 
 
