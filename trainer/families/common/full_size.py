@@ -63,6 +63,9 @@ QWEN25_VL_7B = {
                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
 }
+# Qwen/Qwen-Image vae/config.json (AutoencoderKLQwenImage; Krea 2 uses it too)
+QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                  "temperal_downsample": [False, True, True], "dropout": 0.0}
 #: ``model_max_length`` of the real tokenizers (the families cap the length they use themselves)
 T5_MAX_LENGTH = 512
 QWEN_MAX_LENGTH = 131072
