@@ -4,8 +4,8 @@ linear-attention blocks (q/k RMS norms across heads, cross-attention to Gemma fe
 DC-AE with ResBlock and EfficientViT stages and 32 latent channels (3 stages: ×4, not the real ×32, so 64 px samples
 keep a 16² latent), Gemma-2 read at its last layer, the pipeline's flow DPM-Solver with Sana's shift of 3, and a
 Gemma-style tokenizer built offline: bytes, plus each word of the pipeline's instruction preamble as one token, so the
-preamble is about 400 tokens (Gemma's own tokenizer: about 250) rather than 1,150 bytes (the VRAM estimate reads this
-tokenizer). Built without touching torch's global RNG."""
+preamble is 363 tokens (spaces apart; Gemma's own tokenizer needs fewer) rather than 1,058 bytes (the VRAM estimate
+reads this tokenizer). Built without touching torch's global RNG."""
 
 from __future__ import annotations
 
