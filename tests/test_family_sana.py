@@ -120,8 +120,7 @@ def test_detection_claims_sana_before_pixart_and_refuses_its_other_variants():
               "blocks.0.mlp.fc1.weight": (128, 32), "y_embedder.y_embedding": (300, 4096)}
     assert claim(Evidence("single_file", "x", shapes=pixart)) == "pixart-sigma"
     with pytest.raises(ValueError, match="Sana-Sprint"):
-        claim(Evidence("single_file", "x", shapes={**sana, "logvar_linear.weight": (1, 32),
-                                                   "cfg_embedder.guidance_embedder.mlp.0.weight": (32, 256)}))
+        claim(Evidence("single_file", "x", shapes={**sana, "cfg_embedder.mlp.0.weight": (32, 256)}))
     index = {"model_index.json": {"_class_name": "SanaPipeline"}}
     assert claim(Evidence("hub", "Efficient-Large-Model/SANA1.5_1.6B_1024px_diffusers",
                           read_json=lambda rel: index.get(rel))) == "sana"

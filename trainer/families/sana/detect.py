@@ -35,7 +35,8 @@ def _single_file(ev: Evidence) -> Optional[str]:
                  "transformer_blocks.0.ff.conv_inverted.weight", "caption_norm.weight")
     if not (all(k in shapes for k in original) or all(k in shapes for k in diffusers)):
         return None
-    if any("guidance" in k for k in shapes):  # Sprint's guidance embedder (original or diffusers names)
+    # Sprint's guidance embedder: cfg_embedder.mlp.* in NVlabs' files, time_embed.guidance_embedder.* in diffusers'
+    if any(k.startswith(("cfg_embedder.", "time_embed.guidance_embedder.")) for k in shapes):
         _refuse(ev.where, "Sana-Sprint (a few-step distilled model with a guidance embedding)")
     return "sana"
 
