@@ -104,9 +104,10 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(sana, tmp_path):
     assert {"blocks.0.attn.qkv.weight", "blocks.0.attn.q_norm.weight", "blocks.0.cross_attn.kv_linear.weight",
             "blocks.0.cross_attn.k_norm.weight", "blocks.0.mlp.depth_conv.conv.weight", "t_block.1.weight",
             "final_layer.scale_shift_table", "attention_y_norm.weight"} <= set(saved)
-    kv = saved["blocks.0.cross_attn.kv_linear.weight"]
-    torch.testing.assert_close(kv[kv.shape[0] // 2:], original["blocks.0.cross_attn.kv_linear.weight"][kv.shape[0] // 2:]
-                               + 0.5)
+    kv, before = saved["blocks.0.cross_attn.kv_linear.weight"], original["blocks.0.cross_attn.kv_linear.weight"]
+    half = kv.shape[0] // 2  # k, then v: the v rows moved by 0.5
+    torch.testing.assert_close(kv[half:], before[half:] + 0.5)
+    torch.testing.assert_close(kv[:half], before[:half])
     torch.testing.assert_close(saved["y_embedder.y_embedding"], original["y_embedder.y_embedding"])
 
 

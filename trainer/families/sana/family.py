@@ -10,13 +10,15 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_sana.
   unconditional pass (negative prompt "") is encoded without the preamble at 300 tokens: caption dropout gives exactly
   that.
 - Objective: rectified flow, target ε − x (the transformer's ``flow_prediction``), σ shifted by the scheduler's
-  ``flow_shift`` (3 for the released 512-2K models), the transformer's timestep σ·1000 (× ``timestep_scale``) in fp32.
+  ``flow_shift`` (3 for the released 512-2K models), the transformer's timestep σ·1000 (× ``timestep_scale``) in
+  fp32.
 - Latents: DC-AE's deterministic encoding × ``scaling_factor`` (the pipeline decodes ``latents / scaling_factor``; no
   shift), [B, 32, H/32, W/32].
-- Files: LoRA in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``) that ``SanaPipeline.load_lora_weights``
-  reads (ComfyUI has no Sana model: see docs/families.md). Fine-tunes as the original single file (keys.py). Single
-  files in: the transformer in the original layout (Sana 1.0 and 1.5) or diffusers', with Gemma, DC-AE and tokenizer
-  from ``model.config_path`` (a diffusers Sana folder or hub id; default Sana 1.6B 1024 px).
+- Files: LoRA in the diffusers/peft layout (``transformer.<module>.lora_A/lora_B``) that
+  ``SanaPipeline.load_lora_weights`` reads (ComfyUI has no Sana model: see docs/families.md). Fine-tunes as the
+  original single file (keys.py). Single files in: the transformer in the original layout (Sana 1.0 and 1.5) or
+  diffusers', with Gemma, DC-AE and tokenizer from ``model.config_path`` (a diffusers Sana folder or hub id; default
+  Sana 1.6B 1024 px).
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ class Sana(MaskedTextConditioning, PeftLayoutLora, Family):
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         cfg = self._sched_config  # DPM-Solver names the shift flow_shift, a flow Euler scheduler shift
-        self.objective = flow_objective_for({"shift": cfg["flow_shift"] if "flow_shift" in cfg else cfg.get("shift", 1.0)})
+        shift = cfg["flow_shift"] if "flow_shift" in cfg else cfg.get("shift", 1.0)
+        self.objective = flow_objective_for({"shift": shift})
         self.max_sequence_length = min(int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS),
                                        int(self.tokenizer.model_max_length))
         self.device = torch.device(device)

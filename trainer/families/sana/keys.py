@@ -122,7 +122,8 @@ def config_from_original(state: Mapping[str, Any], base: Mapping[str, Any]) -> D
     cfg.update(in_channels=int(channels), out_channels=int(state["final_layer.linear.weight"].shape[0]) // patch ** 2,
                patch_size=patch, num_layers=_count(state), num_attention_heads=int(hidden) // head,
                cross_attention_dim=cross, num_cross_attention_heads=cross // cross_head,
-               cross_attention_head_dim=cross_head, caption_channels=int(state["y_embedder.y_proj.fc1.weight"].shape[1]),
+               cross_attention_head_dim=cross_head,
+               caption_channels=int(state["y_embedder.y_proj.fc1.weight"].shape[1]),
                mlp_ratio=int(state["blocks.0.mlp.point_conv.conv.weight"].shape[1]) / int(hidden),
                qk_norm="rms_norm_across_heads" if "blocks.0.attn.q_norm.weight" in state else None)
     return cfg
