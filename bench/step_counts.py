@@ -5,6 +5,7 @@ Python calls, each by call site.
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo demo-sdxl demo-flux
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py sd15        # real-size SD 1.5 topology, random weights
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo --sites 15 --set training.batch_size=4
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py --compiled sd15 demo demo-sdxl demo-flux   # compile counts
 
 A step's GPU time is only as good as the host's ability to queue it: every aten op is a kernel launch (or host work
 around one), every device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``)
@@ -52,6 +53,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: E402
 
+import bare_diffusers_step  # noqa: E402  (bench/'s own module, beside this file)
+from trainer.train import compile as compile_counts  # noqa: E402
+
 THIS = os.path.abspath(__file__)
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 DEMO_DATA = ROOT / "presets" / "demo-data"
@@ -71,6 +75,7 @@ CASES: Dict[str, Dict[str, Any]] = {
                       "parts.denoiser.dtype=bf16", "parts.text_encoder_1.dtype=bf16", "model.vae_dtype=bf16",
                       "training.gradient_checkpointing=false", "lora.rank=16", "training.lr_warmup_steps=0"]},
 }
+BARE = "bare-sd15"  # not Atelier: diffusers' example step with peft at the sd15 case's settings (count_bare)
 CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
                                + ["training.gradient_checkpointing=true", "lora.rank=16",
                                   "training.lr_warmup_steps=0"]}
@@ -285,6 +290,55 @@ class Profiling:
             self.prof = None
 
 
+class CompileCounting:
+    """The loop's end-of-step hook for ``--compiled``: torch's compile counters at every step's end (no op counting:
+    its modes would be guarded on and recompile the blocks)."""
+
+    def __init__(self) -> None:
+        self.snaps: List[Dict[str, int]] = [compile_counts.dynamo_counts()]
+
+    def __call__(self) -> None:
+        self.snaps.append(compile_counts.dynamo_counts())
+
+
+def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backend: str = "eager",
+                 run_name: str = "") -> dict:
+    """Train ``case`` with training.compile (torch.compile ``backend``: eager traces as inductor does without
+    generating kernels) for ``steps`` steps: graph breaks (and why), frames compiled in the first step and in each
+    later one (recompiles), the graphs made and the blocks compiled."""
+    from trainer.train import setup
+    hook = CompileCounting()
+    blocks: Dict[str, int] = {}
+    lora = [0]
+    original = setup.compile_blocks
+    torch._dynamo.reset()  # another case's compiled blocks (the same classes) would be guarded on and recompiled
+
+    def compile_with(model, mode="default", **options):
+        if backend != "inductor":  # a mode is inductor's; the other backends take none
+            mode = "default"
+        blocks.update(original(model, mode, backend=backend, **options))
+        lora[0] = sum(1 for m in model.modules() if type(m).__name__ in blocks  # peft's layers inside the blocks
+                      for sub in m.modules() if hasattr(sub, "lora_A"))
+        return blocks
+    setup.compile_blocks = compile_with
+    before = dict(compile_counts.graph_break_reasons())
+    try:
+        train_case(case, ["training.compile=true", *extra], steps, workspace, run_name or f"{case}-compiled", hook)
+    finally:
+        setup.compile_blocks = original
+    s = hook.snaps
+    if len(s) < steps + 1:
+        raise SystemExit(f"{case}: the compiled run stopped after {len(s) - 1} steps")
+    later = [s[i + 1]["frames_compiled"] - s[i]["frames_compiled"] for i in range(1, steps)]
+    reasons = {k: v - before.get(k, 0) for k, v in compile_counts.graph_break_reasons().items()
+               if v > before.get(k, 0)}
+    return {"graph_breaks": s[-1]["graph_breaks"] - s[0]["graph_breaks"], "break_reasons": reasons,
+            "first_step_frames": s[1]["frames_compiled"] - s[0]["frames_compiled"],
+            "recompiles_per_step": statistics.median(later) if later else 0, "recompiles_after_first": sum(later),
+            "graphs": s[-1]["graphs"] - s[0]["graphs"], "blocks": compile_counts.describe(blocks),
+            "lora_layers_in_blocks": lora[0]}
+
+
 def summarise(prof: Any, cuda: bool, top: int = 15) -> Dict[str, Any]:
     """Top kernels (CUDA) or ops (CPU) by total time, and the GPU's busy and idle time over the profiled step."""
     key = "cuda_time_total" if cuda else "self_cpu_time_total"
@@ -321,18 +375,15 @@ def per_step(snaps: List[dict], count: int) -> dict:
     return out
 
 
-def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path, run_name: str = "",
-             profile: bool = False) -> dict:
-    """Train ``case`` in this process and count its steps after ``warmup``: per-step medians and per-site means
-    (``profile``: one step under torch.profiler instead, see :class:`Profiling`)."""
+def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_name: str, hook: Any) -> None:
+    """Train ``case`` for ``steps`` steps in this process, ``hook`` called at each step's end; SystemExit with the
+    log's tail when the run fails."""
     from trainer import __main__ as cli
     from trainer.train import loop
     spec = CASES[case]
-    hook = Profiling(warmup) if profile else Counting(warmup, count)
-    steps = warmup + 2 * count + 1
     sets = [*COMMON, f"data.concepts=[{{path: {DEMO_DATA}}}]", f"training.max_steps={steps}", *spec["sets"], *extra]
     argv = ["train", "--preset", spec["preset"], "--no-progress", "--set", f"general.workspace={workspace}",
-            "--set", f"general.run_name={run_name or case}", *[x for s in sets for x in ("--set", s)]]
+            "--set", f"general.run_name={run_name}", *[x for s in sets for x in ("--set", s)]]
     original = loop.resume_gc
     loop.resume_gc = lambda: (original(), hook())
     try:
@@ -345,20 +396,44 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
     finally:
         loop.resume_gc = original
         sys.setprofile(None)
+    if rc != 0:
+        log = workspace / "runs" / run_name / "train.log"
+        raise SystemExit(f"{case}: the run failed (rc {rc})\n" + (log.read_text()[-3000:] if log.exists() else ""))
+
+
+def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Path, run_name: str = "",
+             profile: bool = False) -> dict:
+    """Train ``case`` in this process and count its steps after ``warmup``: per-step medians and per-site means
+    (``profile``: one step under torch.profiler instead, see :class:`Profiling`)."""
+    hook = Profiling(warmup) if profile else Counting(warmup, count)
+    train_case(case, extra, warmup + 2 * count + 1, workspace, run_name or case, hook)
     if profile:
-        if rc != 0 or not hook.result:
-            raise SystemExit(f"{case}: the profiled run failed (rc {rc})")
+        if not hook.result:
+            raise SystemExit(f"{case}: the profiled run made no profile")
         return hook.result
-    if rc != 0 or len(hook.snaps) < 2 * count + 1:
-        log = workspace / "runs" / (run_name or case) / "train.log"
-        raise SystemExit(f"{case}: the run failed (rc {rc}, {len(hook.snaps)} boundaries)\n"
-                         + (log.read_text()[-3000:] if log.exists() else ""))
+    if len(hook.snaps) < 2 * count + 1:
+        raise SystemExit(f"{case}: the run stopped early ({len(hook.snaps)} boundaries)")
+    return per_step(hook.snaps, count)
+
+
+def count_bare(workspace: Path, warmup: int, count: int) -> dict:
+    """``bare-sd15``: the counts of bench/bare_diffusers_step.py's step (diffusers' example loop with peft, the
+    ``sd15`` case's settings), as :func:`run_case` counts Atelier's."""
+    step, resident = bare_diffusers_step.build(workspace / "bare-cache")
+    hook = Counting(warmup, count)
+    for _ in range(warmup + 2 * count + 1):
+        if hook.step == warmup - 1:  # the hook's seeding looks for a RunState; here the resident tensors are known
+            for t in resident():
+                hook.dev[t] = True
+        step()
+        hook()
+    sys.setprofile(None)
     return per_step(hook.snaps, count)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted(CASES))
+    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted([*CASES, BARE]))
     ap.add_argument("--set", action="append", default=[], help="one more setting for every case (key=value)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before counting (at least 2)")
     ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
@@ -367,6 +442,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="profile one step after the warm-up with torch.profiler instead of counting (on a GPU: top "
                          "kernels and the GPU's idle time between kernels)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="train with training.compile and count torch.compile's work instead: graph breaks (and "
+                         "why), recompiles per step after the first, graphs made, blocks compiled")
+    ap.add_argument("--backend", default="eager", choices=["eager", "aot_eager", "inductor"],
+                    help="--compiled: torch.compile's backend (eager: dynamo's tracing alone, no kernels made; the "
+                         "graph breaks and recompiles are inductor's)")
     ap.add_argument("--workspace", help="workspace to train in (default: a temporary folder)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -374,14 +455,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             try:
-                rows[case] = run_case(case, args.set, args.warmup, args.count, Path(args.workspace or tmp),
-                                      profile=args.profile)
+                if args.compiled:
+                    rows[case] = run_compiled(case, args.set, args.warmup + args.count, Path(args.workspace or tmp),
+                                              backend=args.backend)
+                elif case == BARE:
+                    rows[case] = count_bare(Path(args.workspace or tmp), args.warmup, args.count)
+                else:
+                    rows[case] = run_case(case, args.set, args.warmup, args.count, Path(args.workspace or tmp),
+                                          profile=args.profile)
             except SystemExit as exc:
                 print(exc, file=sys.stderr)
                 traceback.print_exc()
                 return 1
     if args.json:
         print(json.dumps(rows, indent=1))
+        return 0
+    if args.compiled:
+        print(f"\n| case (training.compile, backend {args.backend}) | blocks compiled | graph breaks | frames compiled "
+              "in step 1 | recompiles per later step | graphs | LoRA layers inside |\n|---|---|---|---|---|---|---|")
+        for case, r in rows.items():
+            print(f"| {case} | {r['blocks']} | {r['graph_breaks']} | {r['first_step_frames']} "
+                  f"| {r['recompiles_per_step']:g} | {r['graphs']} | {r['lora_layers_in_blocks']} |")
+            for reason, n in r["break_reasons"].items():
+                print(f"  graph break {n} x {reason}")
         return 0
     if args.profile:
         for case, r in rows.items():
@@ -400,6 +496,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for case, r in rows.items():
         print(f"| {case} | {r['ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
               f"| {r['python_calls']:.0f} |")
+    if "sd15" in rows and BARE in rows:
+        ratio = rows["sd15"]["ops"] / rows[BARE]["ops"]
+        print(f"\nsd15 / {BARE}: aten ops {ratio:.3f}x (goal <= 0.85x), Python calls "
+              f"{rows['sd15']['python_calls'] / rows[BARE]['python_calls']:.3f}x")
     return 0
 
 

@@ -87,6 +87,8 @@ ROWS = [
         lora_loader="tests.test_family_lumina2:load_lora_into_pipeline"),
     Row("sana", "tiny-sana", "demo-sana", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"use_resolution_binning": False}),  # the pipeline's size bins are for the real sample sizes
+    Row("krea2", "tiny-krea2", "demo-krea2", settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"max_sequence_length": 256}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
     # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
     Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
@@ -136,6 +138,9 @@ ROWS = [
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
     Row("wan", "tiny-wan22-i2v-a14b", "demo-wan22-i2v-a14b", settings=("lora.unet_targets=all",), start_image=True,
         prompt_kwargs={"num_frames": 5, "max_sequence_length": 64}),
+    # the conditional transformer trains; samples guide with the unconditional one (the pipeline's two-model CFG)
+    Row("ideogram4", "tiny-ideogram4", "demo-ideogram4", settings=("lora.unet_targets=all", "lora.alpha=32"),
+        prompt_kwargs={"guidance_scale": 4.0, "max_sequence_length": 64}),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

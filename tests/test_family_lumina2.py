@@ -37,6 +37,27 @@ def test_text_features_are_the_pipelines_with_its_system_prompt(lumina):
     assert torch.equal(dropped.prompt_mask, neg_mask.bool())
 
 
+def test_a_system_prompt_of_its_own_is_in_the_features_the_samples_and_the_cache_key(lumina):
+    """model.system_prompt (Neta-Lumina's card and kohya name their own): the features are the pipeline's with that
+    system prompt, samples pass it, and cached captions of the default prompt are not reused."""
+    ws, paths, default = lumina
+    own = "You are an assistant designed to generate anime images based on textual prompts."
+    model = load_tiny(ws, paths["diffusers"], f"model.system_prompt={own}")
+    caption = "a red square on a white background"
+    embeds, mask, _, _ = model.pipeline(None).encode_prompt(caption, do_classifier_free_guidance=False, device="cpu",
+                                                            system_prompt=own,
+                                                            max_sequence_length=model.max_sequence_length)
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    torch.testing.assert_close(cond.prompt_embeds, embeds)
+    assert torch.equal(cond.prompt_mask, mask.bool())
+    assert not torch.equal(cond.prompt_mask, default.batch_condition({"captions": [caption]}, lambda c: c,
+                                                                     set()).prompt_mask)
+    assert model.sampling_kwargs()["system_prompt"] == own
+    assert default.sampling_kwargs()["system_prompt"] == default.pipeline(None).system_prompt
+    mcfg = type("ModelSection", (), {"path": "p", "dtype": "fp32"})()
+    assert model.text_fingerprint(mcfg) != default.text_fingerprint(mcfg)
+
+
 def test_predict_is_the_pipelines_transformer_call(lumina):
     ws, paths, model = lumina
     pipe = model.pipeline(None)

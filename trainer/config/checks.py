@@ -171,6 +171,19 @@ def _check_sample_sizes(cfg: DictConfig) -> None:
                for i, s in enumerate(cfg.sampling.prompts) for dim in ("width", "height") if s[dim] % 8])
 
 
+def _check_compile_mode(cfg: DictConfig) -> None:
+    mode = cfg.training.get("compile_mode", "default")
+    if mode in ("reduce-overhead", "max-autotune") and cfg.general.device in ("cpu", "mps"):
+        raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs, which need a CUDA GPU "
+                          f"(general.device = {cfg.general.device}): use default.", key="training.compile_mode",
+                          value=mode)
+    if mode in ("reduce-overhead", "max-autotune") and cfg.training.gradient_checkpointing:
+        raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs, which fail when a compiled block "
+                          "runs inside activation checkpointing (PyTorch issue 154306): turn off "
+                          "training.gradient_checkpointing or use default.",
+                          key="training.compile_mode", value=mode)
+
+
 # validate's rules after the field checks, in the order their messages are shown
 _RULES: Tuple[Callable[[DictConfig], None], ...] = (
     check_path_fields,  # paths a file system takes, plain run and result names
@@ -182,6 +195,7 @@ _RULES: Tuple[Callable[[DictConfig], None], ...] = (
     check_clip_settings,  # frame counts the family's VAE takes; no clips for an image family
     check_output_format,  # what the method can write
     _check_sample_sizes,
+    _check_compile_mode,
     check_loss,  # timestep range, Huber schedule
     check_storage,  # fp8/NF4 storage and block swapping
     validate_method,  # LoRA variants and embeddings

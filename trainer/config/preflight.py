@@ -19,7 +19,8 @@ from trainer.data.frames import concept_extensions, video_spec
 from trainer.data.order import concept_repeats
 from trainer.errors import DataError
 from trainer.families import tiny_models
-from trainer.families.checks import read_safetensors_shapes
+from trainer.families.checks import read_safetensors_header, read_safetensors_shapes
+from trainer.families.common.fp8_files import fp8_kind
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 
@@ -72,6 +73,45 @@ def model_path_problem(path: str, base: Optional[Path] = None) -> Optional[str]:
             f"started from: {base}).")
 
 
+def fp8_file_kind(path: str, base: Optional[Path] = None) -> str:
+    """``"fp8"``/``"scaled fp8"`` for a local .safetensors file of float8 weights (common/fp8_files.py), else ``""``."""
+    p = _local(str(path or "").strip(), base or Path.cwd())
+    if p.suffix.lower() != ".safetensors" or not p.is_file():
+        return ""
+    try:
+        return fp8_kind(read_safetensors_header(p))
+    except (OSError, ValueError):
+        return ""  # unreadable: the loader says so
+
+
+def _fp8_base_problem(cfg: Any, base: Path) -> Optional[str]:
+    """An fp8 single file is a LoRA's (or an embedding's) frozen base; a fine-tune of it is refused."""
+    if cfg.training.method != "finetune":
+        return None
+    kind = fp8_file_kind(str(cfg.model.path or ""), base)
+    if not kind:
+        return None
+    return (f"model.path '{cfg.model.path}' holds {kind} weights (float8, 3 bits of mantissa): a fine-tune trains and "
+            "saves every weight, and would start from the rounded ones. Train a LoRA on it (training.method = lora), "
+            "or fine-tune the model's bf16/fp16 release.")
+
+
+def _adapter_problem(value: str, base: Path) -> Optional[str]:
+    """``model.training_adapter``: a local .safetensors file, or a hub file (org/repo/file.safetensors)."""
+    if not value:
+        return None
+    p = _local(value, base)
+    if p.is_file():
+        if p.suffix.lower() != ".safetensors":
+            return (f"model.training_adapter '{value}' is a {p.suffix or 'extension-less'} file; a training adapter "
+                    "is a LoRA .safetensors file.")
+        return None
+    if value.count("/") >= 2 and not value.startswith((".", "/", "~")) and "\\" not in value and ":" not in value:
+        return None  # a hub file, read from the hub (or its cache) when the run starts
+    return (f"model.training_adapter '{value}' does not exist. Give the adapter's .safetensors file, or a hub file "
+            "as org/repo/file.safetensors.")
+
+
 def _writable_problem(key: str, value: str, base: Path) -> Optional[str]:
     """A folder Atelier must create or write: it must be a folder (or not exist yet) under a writable one."""
     p = _local(value, base)
@@ -99,7 +139,8 @@ def path_problems(cfg: Any, base: Optional[Path] = None) -> List[tuple]:
         if message:
             out.append((key, message))
 
-    add("model.path", model_path_problem(str(cfg.model.path or ""), base))
+    add("model.path", model_path_problem(str(cfg.model.path or ""), base) or _fp8_base_problem(cfg, base))
+    add("model.training_adapter", _adapter_problem(str(cfg.model.get("training_adapter", "") or "").strip(), base))
     config_path = str(cfg.model.get("config_path", "") or "").strip()
     if config_path and not _local(config_path, base).is_dir():
         add("model.config_path", f"model.config_path '{config_path}' is not a folder. Give a diffusers model "

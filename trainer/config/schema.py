@@ -89,6 +89,12 @@ class ModelConfig:
                              choices=["auto", "epsilon", "v_prediction"])
     config_path: str = f("", "For single-file models: a diffusers folder whose configs describe the model; "
                              "empty = the built-in config of the detected family.", ui="path")
+    training_adapter: str = f("", "A LoRA added to the frozen base while training and left out of the saved LoRA: "
+                                  "a distilled model's de-distilling adapter (Z-Image Turbo: ostris/zimage_turbo_"
+                                  "training_adapter/zimage_turbo_training_adapter_v2.safetensors), so the LoRA learns "
+                                  "the concept, not to undo the distillation. A .safetensors file or a hub file "
+                                  "(org/repo/file.safetensors) in the family's LoRA layout; samples are drawn "
+                                  "without it. Empty = none.", ui="path")
     effnet_path: str = f("", "Stable Cascade / Würstchen 2: the EfficientNet image encoder the prior was trained "
                              "against (Cascade: effnet_encoder.safetensors of stabilityai/stable-cascade; Würstchen 2: "
                              "model_v2_stage_b.pt of dome272/wuerstchen). Empty = effnet_encoder.safetensors in the "
@@ -114,6 +120,10 @@ class ModelConfig:
                                "one expert (ComfyUI: apply it to that expert's model; diffusers: the low expert's with "
                                "load_into_transformer_2=True). Other models ignore it.",
                         choices=["high", "low", "both"])
+    system_prompt: str = f("", "Lumina 2 / Neta-Lumina: the system prompt put before every caption and sample prompt "
+                               "(joined with \" <Prompt Start> \", as Lumina2Pipeline does). Empty = the pipeline's own; "
+                               "Neta-Lumina's card and kohya's trainer name their own. Changing it re-encodes the "
+                               "cached captions. Other models ignore it.")
     guidance_scale: float = f(3.5, "Guidance-distilled models (Flux.1 dev, FLUX.1 Kontext [dev], Flux.2 [dev]): the "
                                     "guidance their transformer's guidance embedding gets while training, as "
                                     "diffusers' and kohya's trainers feed it (3.5; OneTrainer, ai-toolkit and musubi "

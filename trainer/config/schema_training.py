@@ -98,6 +98,10 @@ class TrainingConfig:
                              "type): faster steps on a GPU (OneTrainer reports 25-35 %) after a compile of "
                              "tens of seconds at the first step. Needs Triton on NVIDIA GPUs (on Windows the "
                              "triton-windows package) and a C++ compiler on the CPU.")
+    compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
+                                     "record CUDA graphs (one per bucket shape and block; CUDA only, not with "
+                                     "gradient checkpointing); max-autotune-no-cudagraphs tunes kernels longer.",
+                          choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)
@@ -228,8 +232,9 @@ class LoraConfig:
                           "weight decomposition), LoHa (Hadamard product) or LoKr (Kronecker product). "
                           "LoRA/LoCon files load in ComfyUI, Forge, A1111 and diffusers; DoRA exactly in the "
                           "loader output.dora_format names; LoHa/LoKr (LyCORIS format) in ComfyUI, Forge and "
-                          "A1111 but not diffusers.",
-                  choices=["lora", "dora", "loha", "lokr"])
+                          "A1111 but not diffusers. OFT (orthogonal fine-tuning: each layer's outputs rotated in "
+                          "blocks of lora.rank, LyCORIS diag-OFT file) in ComfyUI.",
+                  choices=["lora", "dora", "loha", "lokr", "oft"])
     rank: int = f(16, "LoRA rank (dim): capacity of the adapter.", min=1, max=1024)
     alpha: float = f(16.0, "LoRA alpha: the update is scaled by alpha/rank.", min=0.0, max=4096.0)
     conv_rank: Optional[int] = f(None, "Rank of k×k conv layers (LoCon's conv_dim); blank = rank.",
@@ -248,6 +253,16 @@ class LoraConfig:
     factor: int = f(-1, "LoKr: Kronecker factor of each dimension; -1 = as balanced as possible.",
                     min=-1, max=4096)
     decompose_both: bool = f(False, "LoKr: also make the smaller Kronecker factor low-rank.")
+    lokr_full_matrix: bool = f(False, "LoKr: keep the larger Kronecker factor a full matrix whatever the rank "
+                                      "(LyCORIS' full_matrix; OneTrainer's lokr_full_matrix, ai-toolkit's "
+                                      "lokr_full_rank): both factors full, lora.rank unused, the size set by "
+                                      "lora.factor.")
+    loraplus_lr_ratio: Optional[float] = f(None, "LoRA+: B (lora_up) learns at this many times the learning rate "
+                                                 "(kohya's loraplus_lr_ratio; the paper suggests 16); blank = off. "
+                                                 "LoRA and DoRA.", min=1.0, max=1000.0)
+    loraplus_text_encoder_lr_ratio: Optional[float] = f(None, "LoRA+ ratio of the text encoders' adapters "
+                                                              "(kohya's loraplus_text_encoder_lr_ratio); blank = "
+                                                              "loraplus_lr_ratio.", min=1.0, max=1000.0)
     init_weights: str = f("", "Start from an existing adapter .safetensors (kohya LoRA/DoRA or LyCORIS "
                               "LoHa/LoKr layout, matching lora.type).", ui="path")
 

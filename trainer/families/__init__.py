@@ -31,10 +31,12 @@ REGISTERED: Tuple[str, ...] = (
     "sd3",
     "chroma",
     "lumina2",
+    "krea2",
     "zimage",
     "qwenimage",
     "flux2",
     "wan",
+    "ideogram4",
 )
 
 
@@ -343,19 +345,20 @@ def unclaimed_message(ev: Evidence) -> str:
             "model.path to it.")
 
 
-# key endings of weights stored pre-quantised for inference: bitsandbytes NF4/FP4/int8, torchao/quanto, GGUF-in-
-# safetensors conversions; such a file cannot be trained from (its weights are not floats)
+# key endings of weights stored pre-quantised for inference: bitsandbytes NF4/FP4/int8, torchao/quanto, NVFP4 (its
+# second scale), GGUF-in-safetensors conversions; such a file cannot be trained from (its weights are not floats). fp8
+# files (plain or with per-tensor scales: common/fp8_files.py) are not among them: they load as a LoRA's frozen base
 PREQUANTISED = (".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4", ".quant_state.bitsandbytes__fp4",
-                ".nested_absmax", ".SCB", "._data", ".scale_weight", ".weight_scale")
+                ".nested_absmax", ".SCB", "._data", ".weight_scale_2")
 
 
 def _refuse_prequantised(ev: Evidence) -> None:
     marked = [k for k in ev.shapes if k.endswith(PREQUANTISED)]
     if marked:
-        raise ValueError(f"the weights are stored pre-quantised for inference ({marked[0]} …: an NF4/int8/fp8 "
+        raise ValueError(f"the weights are stored pre-quantised for inference ({marked[0]} …: an NF4/FP4/int8 "
                          "checkpoint), which cannot be trained from. Use the model's full-precision release (bf16/fp16 "
-                         ".safetensors or the diffusers folder); to save memory, let Atelier store the frozen base in "
-                         "fp8 (parts.denoiser.fp8)")
+                         ".safetensors or the diffusers folder) or its fp8 one; to save memory, let Atelier store the "
+                         "frozen base in fp8 (parts.denoiser.fp8)")
 
 
 def claim(ev: Evidence) -> Optional[str]:

@@ -23,8 +23,9 @@ from trainer.families import MISSING, Evidence, claim, embedding_families, info_
 from trainer.objectives import refused_options
 
 
-def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
-    """key -> shape from a .safetensors header (8-byte length + JSON), without torch."""
+def read_safetensors_header(path: Path) -> Dict[str, Any]:
+    """The JSON header of a .safetensors file (8-byte length + JSON: key -> dtype, shape, offsets; and
+    ``__metadata__``), without torch."""
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) != 8:
@@ -32,7 +33,12 @@ def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
         (n,) = struct.unpack("<Q", head)
         if not 0 < n <= min(path.stat().st_size - 8, 100 * 2**20):
             raise ValueError(f"{path}: not a .safetensors file (bad header length)")
-        header = json.loads(fh.read(n))
+        return json.loads(fh.read(n))
+
+
+def read_safetensors_shapes(path: Path) -> Dict[str, Tuple[int, ...]]:
+    """key -> shape from a .safetensors header, without torch."""
+    header = read_safetensors_header(path)
     return {k: tuple(v.get("shape", ())) for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
 
 

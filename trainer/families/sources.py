@@ -18,7 +18,7 @@ import transformers
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-from trainer.config.preflight import model_path_problem
+from trainer.config.preflight import fp8_file_kind, model_path_problem
 from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ModelLoadError
 from trainer.families import MISSING, Evidence, build_tiny, claim, family_class, info_for, unclaimed_message
@@ -253,6 +253,11 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
             # an inpainting family (9-channel conv_in in the file) gets its base config with in_channels 9
             name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
             config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))
+        if fp8_file_kind(source.location) == "scaled fp8":  # diffusers' single-file loader would drop the scales
+            raise ModelLoadError(f"model.path '{source.display}' is an fp8 file with per-tensor scales (ComfyUI's "
+                                 f"fp8_scaled), which the {family} single-file loader cannot read. Use the model's "
+                                 "bf16/fp16 release (and parts.denoiser.fp8 to store it in fp8).", key="model.path",
+                                 value=source.display)
         if isinstance(kw.get("dtype"), dict):  # from_single_file takes one dtype
             dtypes = set(kw.pop("dtype").values())
             if len(dtypes) == 1:

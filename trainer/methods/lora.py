@@ -5,8 +5,11 @@
 - ``dora``: peft LoRA with ``use_dora=True`` → kohya file plus ``dora_scale`` (LyCORIS/A1111/ComfyUI
   convention; diffusers' ``load_lora_weights`` drops ``dora_scale`` with a warning).
 - ``loha`` / ``lokr``: peft ``LoHaConfig`` / ``LoKrConfig`` → LyCORIS file (``hada_*`` / ``lokr_*``,
-  ``alpha``). peft's parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into
-  LoKr layers with two full factors, where LyCORIS loaders use scale 1 (see trainer/formats/lycoris.py).
+  ``alpha``); ``lora.lokr_full_matrix`` keeps both LoKr factors full (LyCORIS' ``full_matrix``). peft's
+  parameter names and shapes are LyCORIS's; the exporter bakes peft's alpha/r into LoKr layers with two full
+  factors, where LyCORIS loaders use scale 1 (see trainer/formats/lycoris.py).
+- ``oft``: OFT, our own layer (trainer/methods/oft.py) → LyCORIS diag-OFT file (``oft_blocks``, ``alpha`` 0).
+- ``lora.loraplus_lr_ratio`` (LoRA+, LoRA/DoRA) changes only the optimizer's groups (trainer/optim/build.py).
   peft rather than lycoris-lora for training because peft layers sit inside the diffusers models
   (the loop, backups, EMA and the sampling pipeline see them without a second mechanism).
 """
@@ -32,9 +35,11 @@ from trainer.formats.embeddings import bundle_embedding_state_dict
 from trainer.formats.kohya import kohya_lora_state_dict, load_lora_kohya_into_peft, save_lora_kohya
 from trainer.formats.lycoris import load_lycoris_into_peft, lycoris_state_dict, save_lycoris
 from trainer.methods.base import MethodBase
+from trainer.methods.oft import OftLayer, add_oft, load_oft_into_layers, oft_state_dict
 from trainer.methods.rules import block_of, custom_target_regex, parse_blocks
 
 LYCORIS_TYPES = ("loha", "lokr")
+FULL_RANK = 1 << 20  # lora.lokr_full_matrix: a peft LoKr rank above every layer's size
 
 
 def unet_targets(cfg, model=None) -> Union[List[str], str]:
@@ -117,13 +122,19 @@ def adapter_config(lcfg, targets: Union[List[str], str], model=None):
     elif kind == "loha":
         config = LoHaConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True)
+    elif kind == "lokr" and lcfg.get("lokr_full_matrix", False):
+        # peft keeps a factor full when r >= half its larger side: a rank no layer reaches keeps both full, and
+        # alpha = r gives LyCORIS' scale 1 of two full factors (the exporter writes alpha = rank)
+        config = LoKrConfig(r=FULL_RANK, alpha=FULL_RANK, rank_dropout=lcfg.rank_dropout,
+                            module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
+                            decompose_factor=int(lcfg.factor))
     elif kind == "lokr":
         config = LoKrConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.rank_dropout,
                             module_dropout=lcfg.module_dropout, target_modules=targets, init_weights=True,
                             decompose_both=bool(lcfg.decompose_both), decompose_factor=int(lcfg.factor))
     else:
         raise ConfigError(f"lora.type = {kind} is not known.", key="lora.type", value=kind)
-    if model is not None:
+    if model is not None and config.r != FULL_RANK:
         ranks, alphas = _conv_patterns(model, config, lcfg)
         if ranks:
             config.rank_pattern, config.alpha_pattern = ranks, alphas
@@ -181,7 +192,10 @@ class LoraMethod(MethodBase):
                                                                            cfg.parts.denoiser.lora_blocks)
             else:
                 key, targets = "lora.type", model.lora_targets(slot, "default")
-            _add_adapter(module, adapter_config(lcfg, targets, module), model.info.part(slot).label, key)
+            if lcfg.type == "oft":
+                add_oft(module, targets, int(lcfg.rank), model.info.part(slot).label, key)
+            else:
+                _add_adapter(module, adapter_config(lcfg, targets, module), model.info.part(slot).label, key)
             self.modules[slot] = module
         for m in self.modules.values():
             for p in m.parameters():
@@ -199,7 +213,9 @@ class LoraMethod(MethodBase):
             state = {k: v for k, v in (read(path) if read is not None else load_file(path)).items()
                      if not k.startswith("bundle_emb.")}
             own = getattr(self.model, "load_lora_state_dict", None)  # a family whose files are not kohya-shaped
-            if own is not None and self.cfg.lora.type not in LYCORIS_TYPES:
+            if self.cfg.lora.type == "oft":
+                load_oft_into_layers(state, self._adapted(), self.model.lora_namer())
+            elif own is not None and self.cfg.lora.type not in LYCORIS_TYPES:
                 own(state, self._adapted())
             elif self.cfg.lora.type in LYCORIS_TYPES:
                 load_lycoris_into_peft(state, modules=self._adapted(), namer=self.model.lora_namer())
@@ -219,7 +235,8 @@ class LoraMethod(MethodBase):
         """The base model, for a while: every adapter layer runs its base layer alone (a prior_prediction
         concept's target). peft's own ``enable_adapters`` is not used: switching back on would set
         ``requires_grad`` on adapters a component's training window has frozen."""
-        layers = [m for module in self._adapted().values() for m in module.modules() if isinstance(m, BaseTunerLayer)]
+        layers = [m for module in self._adapted().values() for m in module.modules()
+                  if isinstance(m, (BaseTunerLayer, OftLayer))]
         before = [m._disable_adapters for m in layers]
         for m in layers:
             m._disable_adapters = True
@@ -235,7 +252,12 @@ class LoraMethod(MethodBase):
         raise ValueError(f"output.format = {fmt} is not available for LoRA; use safetensors.")
 
     def adapter_state_dict(self) -> Dict[str, Any]:
-        """The file's tensors: kohya LoRA/DoRA or LyCORIS LoHa/LoKr keys (+ a bundled embedding)."""
+        """The file's tensors: kohya LoRA/DoRA or LyCORIS LoHa/LoKr/diag-OFT keys (+ a bundled embedding)."""
+        if self.cfg.lora.type == "oft":
+            sd = oft_state_dict(self._adapted(), self.model.lora_namer())
+            if self.embedding is not None and self.cfg.embedding.bundle:
+                sd.update(bundle_embedding_state_dict(self.embedding.placeholder, self.embedding.vectors()))
+            return sd
         to_state = lycoris_state_dict if self.cfg.lora.type in LYCORIS_TYPES else kohya_lora_state_dict
         custom = getattr(self.model, "lora_state_dict", None)  # a family whose files are not kohya-shaped
         if custom is not None and to_state is kohya_lora_state_dict:
@@ -258,13 +280,17 @@ class LoraMethod(MethodBase):
         meta = self.model.lora_metadata(title=Path(path).stem, resolution=_resolution(self.cfg), extra=metadata)
         if lcfg.type == "dora" and getattr(self.model, "lora_state_dict", None) is None:
             meta = {**meta, "atelier_dora_format": self.dora_format}  # how dora_scale is to be read
-        if lcfg.type in LYCORIS_TYPES:
+        if lcfg.type == "oft":  # LyCORIS' algo name; constraint 0 and no rescale (see trainer/methods/oft.py)
+            save_lycoris(path, sd, meta, dtype, algo="diag-oft", network_args={"dim": lcfg.rank, "constraint": 0})
+        elif lcfg.type in LYCORIS_TYPES:
             args: Dict[str, Any] = {}
             if lcfg.conv_rank is not None or lcfg.conv_alpha is not None:
                 args.update(conv_dim=lcfg.conv_rank or lcfg.rank,
                             conv_alpha=lcfg.conv_alpha if lcfg.conv_alpha is not None else lcfg.alpha)
             if lcfg.type == "lokr":
                 args.update(factor=lcfg.factor, decompose_both=bool(lcfg.decompose_both))
+                if lcfg.get("lokr_full_matrix", False):
+                    args.update(full_matrix=True)
             save_lycoris(path, sd, meta, dtype, algo=lcfg.type, network_args=args)
         else:
             split = getattr(self.model, "split_lora_file", None)  # a result in several files (Wan 2.2 A14B's experts)

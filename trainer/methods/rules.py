@@ -107,6 +107,8 @@ def validate_method(cfg: Any) -> None:
                 except re.error as exc:
                     raise ConfigError(f"lora.custom_targets entry {e!r} is not a valid regular expression: {exc}.",
                                       key="lora.custom_targets", value=e) from None
+    if t.method == "lora":
+        check_adapter_options(lora)
     if uses_embedding(cfg):
         p = emb.placeholder
         if not p or not p.strip():
@@ -121,6 +123,29 @@ def validate_method(cfg: Any) -> None:
                               key="embedding.placeholder", value=p)
 
 
+def check_adapter_options(lora: Any) -> None:
+    """The settings of one adapter kind given with another (LoRA+ for LoRA/DoRA, full-matrix LoKr for LoKr)."""
+    for key in ("loraplus_lr_ratio", "loraplus_text_encoder_lr_ratio"):
+        if lora.get(key, None) and lora.type not in ("lora", "dora"):
+            raise ConfigError(f"lora.{key} = {lora[key]:g}: LoRA+ raises the learning rate of a LoRA's B "
+                              f"(lora_up) matrix, which lora.type = {lora.type} has not. Use lora.type = lora or "
+                              f"dora, or leave lora.{key} blank.", key=f"lora.{key}", value=lora[key])
+    if lora.type == "oft":
+        for key in ("dropout", "rank_dropout", "module_dropout", "conv_rank", "conv_alpha"):
+            if lora[key]:
+                raise ConfigError(f"lora.{key} = {lora[key]:g} with lora.type = oft: OFT here rotates every targeted "
+                                  f"layer in blocks of lora.rank, with no dropout or conv rank of its own. Leave "
+                                  f"lora.{key} blank/0.", key=f"lora.{key}", value=lora[key])
+    if lora.get("lokr_full_matrix", False):
+        if lora.type != "lokr":
+            raise ConfigError(f"lora.lokr_full_matrix is on, but lora.type = {lora.type}: it shapes LoKr's factors. "
+                              "Use lora.type = lokr, or turn it off.", key="lora.lokr_full_matrix", value=True)
+        if lora.decompose_both:
+            raise ConfigError("lora.lokr_full_matrix and lora.decompose_both are both on: full-matrix LoKr keeps "
+                              "both Kronecker factors full. Turn one of them off.", key="lora.lokr_full_matrix",
+                              value=True)
+
+
 def method_warnings(cfg: Any) -> list:
     """Community rules for adapters and embeddings, as ``trainer.errors.Issue`` warnings."""
 
@@ -132,7 +157,7 @@ def method_warnings(cfg: Any) -> list:
                                           "prior_prediction) and none has role train: the run learns nothing new. "
                                           "Add the subject's images as a train concept."))
     if t.method == "lora":
-        if lora.alpha > lora.rank:
+        if lora.alpha > lora.rank and lora.type != "oft":  # OFT has no alpha scale
             out.append(Issue("lora.alpha", f"LoRA alpha ({lora.alpha:g}) is above rank ({lora.rank}): the update "
                                            "is scaled up, which often overcooks. Use alpha ≤ rank."))
         conv_rank = lora.conv_rank if lora.conv_rank is not None else lora.rank

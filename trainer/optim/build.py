@@ -74,14 +74,34 @@ def param_groups(method, cfg) -> List[Dict[str, Any]]:
     scale = lr_scale_factor(cfg)  # training.scale_lr
     groups = []
     for name, module in method.modules.items():
-        params = [p for p in module.parameters() if p.requires_grad]
+        lr = lrs.get(name, cfg.training.learning_rate) * scale
+        ratio = loraplus_ratio(cfg, name)
+        plus = [p for n, p in module.named_parameters() if p.requires_grad and ratio and LORAPLUS_B in n]
+        params = [p for p in module.parameters() if p.requires_grad and not any(p is q for q in plus)]
         if params:
-            groups.append({"params": params, "lr": lrs.get(name, cfg.training.learning_rate) * scale,
-                           "name": name})
+            groups.append({"params": params, "lr": lr, "name": name})
+        if plus:  # LoRA+: its own group, frozen with its component (``component``) by the training windows
+            groups.append({"params": plus, "lr": lr * ratio, "name": f"{name}.lora_up", "component": name})
     if not groups:
         raise ConfigError("Nothing to train: no trainable parameters (check parts.denoiser.train / "
                           "parts.text_encoder_1.train).", key="parts.denoiser.train")
     return groups
+
+
+LORAPLUS_B = ".lora_B."  # peft's name of B (kohya's lora_up) in a parameter's path
+
+
+def loraplus_ratio(cfg, component: str) -> Optional[float]:
+    """LoRA+'s learning-rate multiplier for B in one component's adapters, as kohya sd-scripts' networks/lora.py
+    ``prepare_optimizer_params`` sets it: the text encoders' ratio (else the general one) for a text encoder, the
+    general one for the denoiser; None when off (no LoRA, the embedding)."""
+    if cfg.training.method != "lora" or component == "embedding":
+        return None
+    lora = cfg.lora
+    general = lora.get("loraplus_lr_ratio", None)
+    if component.startswith("text_encoder"):
+        return lora.get("loraplus_text_encoder_lr_ratio", None) or general
+    return general
 
 
 def import_target(path: str, key: str, what: str, hint: str = "") -> Any:

@@ -56,6 +56,7 @@ class ComponentSchedule:
         self.optimizer = optimizer
         self.stops = {name: stop_step(cfg, name, steps_per_epoch) for name in COMPONENTS}
         self.frozen: set = set()
+        self.frozen_groups: set = set()  # id() of the groups frozen (a component may have two: LoRA+)
 
     def __bool__(self) -> bool:
         return any(self.stops.values())
@@ -64,7 +65,7 @@ class ComponentSchedule:
         """Freeze every component whose window ended at or before ``step``; returns the newly frozen names."""
         new = []
         for group in self.optimizer.param_groups:
-            name = group.get("name")
+            name = group.get("component", group.get("name"))  # a LoRA+ B group follows its component
             stop = self.stops.get(name, 0)
             if not stop or step < stop:
                 continue
@@ -74,6 +75,8 @@ class ComponentSchedule:
             if name not in self.frozen:
                 self.frozen.add(name)
                 new.append(name)
+            if id(group) not in self.frozen_groups:
+                self.frozen_groups.add(id(group))
                 for p in group["params"]:
                     p.requires_grad_(False)
                     p.grad = None

@@ -242,6 +242,9 @@ def read_lora(path: str | Path, what: str = "LoRA", allow_dora: bool = False) ->
         raise ToolError(f"{what} '{path}' is a DoRA file (dora_scale keys); resizing DoRA is not supported (its "
                         "magnitude is tied to the full-rank direction). Merge it into the model instead, or use a plain "
                         "LoRA.")
+    if any(k.endswith(".oft_blocks") for k in other):
+        raise ToolError(f"{what} '{path}' is a LyCORIS OFT file (oft_blocks): OFT rotates the model's own weights, "
+                        "which the LoRA tools do not compute yet. Load it in ComfyUI, or train a LoRA/LoHa/LoKr.")
     if any(k.endswith((".hada_t1", ".hada_t2", ".lokr_t2")) for k in other):
         raise ToolError(f"{what} '{path}' is a LyCORIS file with Tucker-decomposed conv layers (hada_t1/lokr_t2), "
                         "which the model tools do not read yet. Use LoHa/LoKr without use_tucker, or a LoRA.")

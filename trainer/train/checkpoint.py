@@ -40,7 +40,8 @@ RESUME_FIXED = ("model.family", "training.method", "parts.denoiser.train", "part
                 "parts.denoiser.lora_targets",
                 "lora.custom_targets", "lora.conv_rank", "lora.conv_alpha", "lora.factor", "lora.decompose_both",
                 "embedding.placeholder", "embedding.num_vectors", "embedding.train_alongside",
-                "training.optimizer.name")
+                "training.optimizer.name",
+                "lora.lokr_full_matrix", "lora.loraplus_lr_ratio", "lora.loraplus_text_encoder_lr_ratio")
 RESUME_IGNORED = ("general.workspace", "general.run_name", "version", "general.num_processes", "general.gpu_ids",
                   "training.batch_size")  # batch: the global batch is kept across process counts (see setup)
 

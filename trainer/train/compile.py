@@ -9,13 +9,27 @@ fp8 storage hooks and gradient checkpointing are inside or around the blocks and
 
 The block classes come from the model's own ``_repeated_blocks`` when diffusers defines it, else from
 the model itself: the classes of modules that repeat in a ``ModuleList`` (PixArt's transformer blocks).
+
+``training.compile_mode`` is torch.compile's ``mode``. The CUDA-graph ones (``reduce-overhead``,
+``max-autotune``) record one graph per input shape of each block: a step's shapes are its (bucket, batch
+size) pairs, so :func:`step_shapes` counts them and the setup warns above :data:`CUDAGRAPH_SHAPE_LIMIT`.
+:func:`dynamo_counts` reads torch's own counters (graph breaks, frames compiled, graphs made), which
+``bench/step_counts.py --compiled`` and the tests read per step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch.nn as nn
+from torch._dynamo.utils import counters
+
+# torch.compile's modes; "default" passes none
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+# distinct step shapes above which CUDA graphs cost more memory and recording than they save (torch's own
+# warning threshold, torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit, is 8 as well)
+CUDAGRAPH_SHAPE_LIMIT = 8
 
 
 def repeated_block_classes(model: Any) -> List[str]:
@@ -32,8 +46,13 @@ def repeated_block_classes(model: Any) -> List[str]:
     return sorted(found)
 
 
-def compile_blocks(model: Any, **options: Any) -> Dict[str, int]:
-    """Compile every repeated block of ``model`` in place; {class name: blocks compiled}."""
+def compile_blocks(model: Any, mode: str = "default", **options: Any) -> Dict[str, int]:
+    """Compile every repeated block of ``model`` in place with torch.compile's ``mode`` (``options``: the rest of
+    torch.compile's arguments, e.g. ``backend="eager"`` in tests); {class name: blocks compiled}."""
+    if mode not in MODES:
+        raise ValueError(f"training.compile_mode = {mode!r}: one of {', '.join(MODES)}")
+    if mode != "default":
+        options["mode"] = mode
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}
     for module in model.modules():
@@ -50,4 +69,34 @@ def describe(done: Dict[str, int]) -> str:
     return ", ".join(f"{n} × {name}" for name, n in sorted(done.items()))
 
 
-__all__ = ["compile_blocks", "describe", "repeated_block_classes"]
+def step_shapes(batches: Iterable[Any]) -> Set[Tuple[Tuple[int, int], int]]:
+    """The distinct (bucket size, batch length) pairs of planned micro-batches: the input shapes the compiled
+    blocks see (one CUDA graph each under the CUDA-graph modes)."""
+    return {(tuple(b.size), len(b)) for b in batches}
+
+
+def cudagraph_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
+    """The warning for more step shapes than :data:`CUDAGRAPH_SHAPE_LIMIT` ('' when within it)."""
+    if len(shapes) <= CUDAGRAPH_SHAPE_LIMIT:
+        return ""
+    return (f"training.compile_mode records a CUDA graph per step shape, and this data makes {len(shapes)} "
+            f"(bucket, batch size) shapes, more than {CUDAGRAPH_SHAPE_LIMIT}: each costs a recording and its own "
+            "memory. Fewer buckets (data.bucket_step larger, data.max_aspect_ratio smaller, or "
+            "data.aspect_buckets off) or compile_mode default keep it small.")
+
+
+def dynamo_counts() -> Dict[str, int]:
+    """torch's compile counters so far in this process: graph breaks, frames compiled (a first compile or a
+    recompile) and graphs made. Differences between two calls count what happened in between."""
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "frames_compiled": counters["frames"]["ok"],
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def graph_break_reasons() -> Dict[str, int]:
+    """Why each graph break happened so far (torch's own reason text), with its count."""
+    return dict(counters["graph_break"])
+
+
+__all__ = ["CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "MODES", "compile_blocks", "cudagraph_shape_warning",
+           "describe", "dynamo_counts", "graph_break_reasons", "repeated_block_classes", "step_shapes"]

@@ -19,6 +19,7 @@ from PIL import Image
 from trainer.optim.build import on_eval, on_train
 from trainer.train.ema import sample_variants
 from trainer.train.state import RunState
+from trainer.train.training_adapter import adapter_off
 
 
 def sample(state: RunState) -> List[str]:
@@ -38,7 +39,8 @@ def sample(state: RunState) -> List[str]:
     frames_kw = {"num_frames": defaults.frames_for(getattr(state.cfg.sampling, "frames", 0))} if video else {}
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
-            with state.ema.applied() if use_ema else nullcontext():
+            # without the training adapter: the LoRA on the distilled model, as it will be used
+            with state.ema.applied() if use_ema else nullcontext(), adapter_off(state.model):
                 for i, sp in enumerate(prompts):
                     gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
                     negative = state.method.expand_text(sp.negative_prompt)  # pipelines' own default if empty

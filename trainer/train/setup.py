@@ -36,9 +36,10 @@ from trainer.parallel.distributed import accelerator_kwargs
 from trainer.parallel.fsdp import plan_fsdp
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
-from trainer.train.compile import compile_blocks, describe
+from trainer.train.compile import CUDAGRAPH_MODES, compile_blocks, cudagraph_shape_warning, describe, step_shapes
 from trainer.train.ema import make_ema
 from trainer.train.state import RunState
+from trainer.train.training_adapter import attach_training_adapter
 
 log = logging.getLogger("atelier")
 
@@ -103,6 +104,9 @@ def setup(state: RunState) -> None:
             for message in pending:
                 state.warn(message)
     state.report = state.data.report
+    # a distilled model's de-distilling LoRA: on the base while training, hooked before the method wraps the layers
+    state.model.training_adapter = attach_training_adapter(state.model, cfg.model.get("training_adapter", ""),
+                                                           cfg.model)
     state.method = make_method(state.model, cfg)
     state.method.prepare_data(state.data, state.warn)  # embedding placeholder: captions, tag dropout, warnings
     check = getattr(state.model, "check_captions", None)  # e.g. Flux with T5 off: captions within CLIP's limit
@@ -126,10 +130,20 @@ def setup(state: RunState) -> None:
     setup_loss_ema_precision(state)
     state.compiled = False  # training.compile: the first step pays for the compiles (its time is reported)
     if t.get("compile", False):
+        mode = t.get("compile_mode", "default")
+        if mode in CUDAGRAPH_MODES and state.device.type != "cuda":
+            raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs: it needs a CUDA GPU, and this "
+                              f"run trains on {state.device.type}. Use default.", key="training.compile_mode",
+                              value=mode)
         try:
-            done = compile_blocks(state.model.denoiser)
+            done = compile_blocks(state.model.denoiser, mode)
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
+        if mode in CUDAGRAPH_MODES:
+            shapes = step_shapes(state.data.epoch_batches(0))
+            log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per block", mode, len(shapes))
+            if cudagraph_shape_warning(shapes):
+                state.warn(cudagraph_shape_warning(shapes))
         state.compiled = True
         log.info("training.compile: %s compiled at their first call", describe(done))
 

@@ -19,7 +19,7 @@ INFO = FamilyInfo(
               "is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "Chroma LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("chroma", "Chroma", {"lora": "chroma-lora"}),),
     # ChromaPipeline's own: 35 steps at CFG 5

@@ -6,7 +6,8 @@ A family that has them keeps a ``full_size.py`` module in its folder with ``FULL
 a spec names the family's built-in tiny model (``tiny``: its folder gives the pipeline layout, scheduler
 config and tokenizers) and the components whose configs are the real ones (``configs``: component ->
 config values laid over the tiny model's config; ``None`` values drop a key), and optionally tokenizer
-lengths (``max_length``: tokenizer folder -> the real tokenizer's ``model_max_length``). Component
+lengths (``max_length``: tokenizer folder -> the real tokenizer's ``model_max_length``) and pipeline settings
+(``model_index``: values laid over its ``model_index.json``). Component
 configs shared by several families (CLIP-L, CLIP-G, T5-XXL, the Flux/SD3 VAEs, Qwen3-4B, Qwen2.5-VL-7B)
 are here. Values are those of the models' published ``config.json`` files (named at each).
 
@@ -137,6 +138,10 @@ def config_folder(variant: str, cache_root: Path, prediction_type: Optional[str]
                 path = tmp / component / "preprocessor_config.json"
             path.write_text(json.dumps(_merge(json.loads(path.read_text(encoding="utf-8")), values), indent=2) + "\n",
                             encoding="utf-8")
+        if spec.get("model_index"):  # pipeline settings a real folder's model_index.json holds (Krea 2's taps)
+            path = tmp / "model_index.json"
+            index = {**json.loads(path.read_text(encoding="utf-8")), **spec["model_index"]}
+            path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         for tokenizer, length in spec.get("max_length", {}).items():
             path = tmp / tokenizer / "tokenizer_config.json"
             config = json.loads(path.read_text(encoding="utf-8"))

@@ -23,7 +23,7 @@ INFO = FamilyInfo(
               "fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "Flux.1 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     # dev and Kontext are guidance-distilled (guidance_embeds); schnell has no guidance embedding
     guidance_variants=("flux-dev", "flux-kontext"),

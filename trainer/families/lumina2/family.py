@@ -20,6 +20,7 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_lumin
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -113,12 +114,13 @@ class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
             raise ModelLoadError("model.attention = xformers: Lumina 2 runs on PyTorch SDPA. Use sdpa.",
                                  key="model.attention")
         self._vae_dtype_name = mcfg.vae_dtype
+        self.system_prompt = str(getattr(mcfg, "system_prompt", "") or "") or SYSTEM_PROMPT
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False, system: bool = True):
         """As ``Lumina2Pipeline.encode_prompt`` (``system``: the prompt's system prompt; the negative prompt has none):
         (features [B, L, D] padded to the sequence length, mask of the real tokens [B, L])."""
-        texts = [SYSTEM_PROMPT + PROMPT_START + str(c) if system else str(c) for c in captions]
+        texts = [self.system_prompt + PROMPT_START + str(c) if system else str(c) for c in captions]
         tokens = self.tokenizer(texts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
                                 return_tensors="pt")
         mask = tokens.attention_mask.to(self.device)
@@ -160,10 +162,13 @@ class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
         return pipe
 
     def sampling_kwargs(self) -> Dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
+        return {"max_sequence_length": self.max_sequence_length, "system_prompt": self.system_prompt}
 
     def text_fingerprint(self, mcfg: Any) -> str:
-        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:gemma2-system-prompt"
+        key = f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:gemma2-system-prompt"
+        if self.system_prompt != SYSTEM_PROMPT:  # its own system prompt is part of every cached caption's features
+            key += "-" + hashlib.sha1(self.system_prompt.encode()).hexdigest()[:12]
+        return key
 
     # --- LoRA files ---------------------------------------------------------------------------
     def _linears(self) -> Dict[str, tuple]:

@@ -19,8 +19,9 @@ INFO = FamilyInfo(
               "fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora",),
               "Lumina 2 LoRA files are in the original layout ComfyUI and diffusers both read, which has no place for "
-              "LoHa/LoKr factors or DoRA's magnitudes")),
+              "LoHa/LoKr factors, DoRA's magnitudes or OFT's blocks")),
     finetune_slots=("unet",),
+    own_fields=("model.system_prompt",),
     quick_start=(QuickChoice("lumina2", "Lumina 2 (Lumina-Image-2.0, Neta-Lumina)", {"lora": "lumina2-lora"}),),
     sample_defaults={"lumina2": SampleDefaults(30, 4.0, "", "Lumina2Pipeline")},
 )

@@ -30,7 +30,7 @@ INFO = FamilyInfo(
               "a fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "Qwen-Image LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     controls={"qwen-image-edit": (1, 1), "qwen-image-edit-2509": (1, 3), "qwen-image-edit-2511": (1, 3)},
     quick_start=(QuickChoice("qwenimage", "Qwen-Image", {"lora": "qwen-image-lora"}),

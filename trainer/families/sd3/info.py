@@ -21,7 +21,7 @@ INFO = FamilyInfo(
               "load no T5 LoRA for SD3), and a fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "SD3 LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("sd3", "Stable Diffusion 3.5 (large / medium)", {"lora": "sd35-large-lora"}),),
     # the model cards: SD3.5 Large 28 steps at CFG 3.5, Medium 40 at 4.5; SD3 Medium the pipeline's 28 at 7

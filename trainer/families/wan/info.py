@@ -33,7 +33,8 @@ INFO = FamilyInfo(
               "LoRA), and a fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora",),
               "Wan LoRA files are written in the original layout ComfyUI's Wan nodes and diffusers' WanPipeline read "
-              "(lora_A/lora_B per module), which has no place for DoRA's magnitudes or LoHa/LoKr factors"),),
+              "(lora_A/lora_B per module), which has no place for DoRA's magnitudes, LoHa/LoKr factors or "
+              "OFT's blocks"),),
     finetune_slots=("unet",),
     quick_start=(QuickChoice("wan21-t2v", "Wan 2.1 text-to-video (1.3B / 14B; clips and images)",
                              {"lora": "wan21-t2v-lora"}),

@@ -19,9 +19,11 @@ INFO = FamilyInfo(
               "fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora", "loha", "lokr"),
               "Z-Image LoRA files are written in a layout (diffusers/peft keys, or BFL's) that has no place for "
-              "DoRA's magnitudes yet: the run would train every step and fail at save"),),
+              "DoRA's magnitudes or OFT's rotation blocks yet: the run would train every step and fail at save"),),
     finetune_slots=("unet",),
-    quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),),
+    quick_start=(QuickChoice("zimage", "Z-Image (Turbo)", {"lora": "zimage-lora"}),
+                 QuickChoice("zimage-turbo-adapter", "Z-Image Turbo with its training adapter (keeps the distillation)",
+                             {"lora": "zimage-turbo-lora"})),
     # Z-Image Turbo (the released model, step-distilled): its card's 9 steps (8 transformer calls) without guidance;
     # ZImagePipeline's 50 steps at CFG 5 are the undistilled base model's
     sample_defaults={"z-image": SampleDefaults(9, 0.0, "", "ZImagePipeline", differs=("steps", "guidance"),

@@ -1,0 +1,53 @@
+"""training.compile traces a LoRA step's blocks whole: no graph break (peft's LoRA layers are inside the compiled
+blocks) and no recompile after the first step of one shape, for a tiny SD UNet and a tiny Flux transformer. The
+aot_eager backend traces forward and backward as inductor does, without generating kernels (no C++ compiler);
+the counts are torch's own (bench/step_counts.py --compiled)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_counts  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("case, blocks", [("demo", "BasicTransformerBlock"),
+                                          ("demo-flux", "FluxTransformerBlock")])
+def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks):
+    r = step_counts.run_compiled(case, ["training.mixed_precision=bf16"], steps=2, workspace=tiny_workspace,
+                                 backend="eager", run_name=f"{case}-graphs")
+    assert blocks in r["blocks"] and r["lora_layers_in_blocks"] > 0
+    assert r["graph_breaks"] == 0, r["break_reasons"]
+    assert r["first_step_frames"] >= 1 and r["graphs"] >= 1  # the blocks did compile
+    assert r["recompiles_after_first"] == 0
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["general.device=cpu"], "need a CUDA GPU (general.device = cpu)"),
+    (["general.device=cuda", "training.gradient_checkpointing=true"], "activation checkpointing"),
+])
+def test_validate_refuses_cuda_graphs_where_they_cannot_run(sets, says):
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="demo", overrides=["training.compile=true", "training.compile_mode=reduce-overhead", *sets])
+    assert err.value.key == "training.compile_mode" and says in str(err.value) and "\n" not in str(err.value)
+    cfg = load_config(preset="demo", overrides=["training.compile=true", "training.compile_mode=default", *sets])
+    assert cfg.training.compile_mode == "default"
+
+
+def test_cuda_graph_shapes_are_the_buckets_and_batch_sizes_of_an_epoch():
+    from trainer.data.buckets import PlannedBatch
+    from trainer.train.compile import CUDAGRAPH_SHAPE_LIMIT, cudagraph_shape_warning, step_shapes
+    full = [PlannedBatch((0, 1), (0, 1), (64, 64)), PlannedBatch((2, 3), (2, 3), (64, 64))]
+    shapes = step_shapes(full + [PlannedBatch((4,), (4,), (64, 64)), PlannedBatch((5, 6), (5, 6), (96, 32))])
+    assert shapes == {((64, 64), 2), ((64, 64), 1), ((96, 32), 2)} and cudagraph_shape_warning(shapes) == ""
+    many = step_shapes(PlannedBatch((i,), (i,), (64 + 8 * i, 64)) for i in range(CUDAGRAPH_SHAPE_LIMIT + 1))
+    assert f"makes {CUDAGRAPH_SHAPE_LIMIT + 1} (bucket, batch size) shapes" in cudagraph_shape_warning(many)
