@@ -34,6 +34,7 @@ REGISTERED: Tuple[str, ...] = (
     "qwenimage",
     "flux2",
     "wan",
+    "hidream",
 )
 
 
