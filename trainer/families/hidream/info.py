@@ -20,8 +20,8 @@ INFO = FamilyInfo(
     tiny={"tiny-hidream": "trainer.families.hidream.tiny:ensure_tiny"},
     caption_limit=128,  # HiDreamImagePipeline's max_sequence_length (T5 and Llama; the CLIPs read 128 too)
     refuses=tuple((f"parts.text_encoder_{n}.train", False,
-                   "HiDream-I1 LoRA files carry the transformer alone (diffusers' HiDreamImagePipeline and ComfyUI load "
-                   "no text-encoder LoRA for it), and a fine-tune is saved as the transformer alone")
+                   "HiDream-I1 LoRA files carry the transformer alone (diffusers' HiDreamImagePipeline and ComfyUI "
+                   "load no text-encoder LoRA for it), and a fine-tune is saved as the transformer alone")
                   for n in (1, 2, 3, 4)) + (
         ("lora.type", ("lora",),
          "HiDream-I1 LoRA files are written in the diffusers/peft layout ComfyUI and diffusers both read; LoHa, LoKr "

@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Dict
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, HiDreamImageTransformer2DModel
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    HiDreamImagePipeline,
+    HiDreamImageTransformer2DModel,
+)
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import (
     AutoTokenizer,
@@ -66,7 +71,7 @@ def build_tiny_pipeline(folder: Path, seed: int = 0):
     tokenizer_3 = T5TokenizerFast.from_pretrained(str(folder / "tokenizer_3"))
     tokenizer_4 = AutoTokenizer.from_pretrained(str(folder / "tokenizer_4"))
 
-    def clip(width: int) -> CLIPTextModelWithProjection:  # HiDream's CLIPs take 248 positions (the pipeline pads to 128)
+    def clip(width: int) -> CLIPTextModelWithProjection:  # HiDream's CLIPs: 248 positions (the pipeline pads to 128)
         return CLIPTextModelWithProjection(CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
             num_attention_heads=2, max_position_embeddings=248, projection_dim=width,
