@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -204,14 +205,27 @@ class HiDream(PeftLayoutLora, Family):
         layers: List[Any] = [None] * (max(self.llama_used) + 1)
         for i, k in enumerate(self.llama_used):
             layers[k] = llama[:, i]
-        # the timestep in fp32, σ·1000, as HiDreamImagePipeline passes the scheduler's
-        out = self.transformer(hidden_states=model_input, timesteps=timesteps.to(device, torch.float32) * 1000,
-                               encoder_hidden_states_t5=conditioning.t5.to(device, dtype),
-                               encoder_hidden_states_llama3=layers,
-                               pooled_embeds=conditioning.pooled.to(device, dtype), return_dict=False)[0]
+        # the VRAM estimate's fake tensors: the inference path counts the experts' tokens (bincount) and reads the
+        # patch grid back from a tensor, which a fake tensor cannot tell, so the sample phase runs the training path
+        # (the same activations, without gradients there)
+        inference = is_fake(model_input) and not self.transformer.training
+        if inference:
+            self.transformer.train()
+        try:
+            out = self._call(model_input, timesteps, conditioning, layers, device, dtype)
+        finally:
+            if inference:
+                self.transformer.eval()
         if out.shape != model_input.shape:  # training mode: [B, C, tokens, p·p], padded to max_seq when not square
             out = self._unpatchify(out, model_input.shape)
         return -out  # the transformer predicts x − ε
+
+    def _call(self, model_input, timesteps, conditioning, layers, device, dtype):
+        # the timestep in fp32, σ·1000, as HiDreamImagePipeline passes the scheduler's
+        return self.transformer(hidden_states=model_input, timesteps=timesteps.to(device, torch.float32) * 1000,
+                                encoder_hidden_states_t5=conditioning.t5.to(device, dtype),
+                                encoder_hidden_states_llama3=layers,
+                                pooled_embeds=conditioning.pooled.to(device, dtype), return_dict=False)[0]
 
     def _unpatchify(self, out, shape):
         b, c, h, w = shape
