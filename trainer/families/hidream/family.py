@@ -125,6 +125,9 @@ class HiDream(PeftLayoutLora, Family):
             setattr(self, slot.replace("text_encoder", "tokenizer"), getattr(pipe, slot.replace("text_encoder",
                                                                                                   "tokenizer")))
         self.tokenizer_4.pad_token = self.tokenizer_4.eos_token  # as HiDreamImagePipeline.__init__ sets it
+        # Llama's hidden states are read, never its logits: its vocabulary head (0.5B weights, 1 GiB in bf16, and a
+        # [tokens, 128256] product at each encode) is left out; the forward then returns hidden states as "logits"
+        self.text_encoder_4.lm_head = torch.nn.Identity()
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.family = found if found else chosen if chosen in SHIFT else variant_of(
