@@ -85,6 +85,8 @@ def test_single_file_loads_and_fine_tunes_save_back_to_it(hidream, tmp_path):
     ws, paths, model = hidream
     single = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
     assert single.family == "hidream-full"  # a file says nothing of its variant: full unless model.family says
+    dev = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}", "model.family=hidream-dev")
+    assert dev.family == "hidream-dev" and dev.sample_defaults().steps == 28
     for k, v in model.transformer.state_dict().items():
         torch.testing.assert_close(single.transformer.state_dict()[k], v, msg=k)
     out = tmp_path / "hidream-ft.safetensors"

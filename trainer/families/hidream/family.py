@@ -130,7 +130,8 @@ class HiDream(PeftLayoutLora, Family):
         self.text_encoder_4.lm_head = torch.nn.Identity()
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
-        self.family = found if found else chosen if chosen in SHIFT else variant_of(
+        # model.family where it names a variant (a single file does not say which it is), else what detection found
+        self.family = chosen if chosen in SHIFT else found or variant_of(
             str(mcfg.path), self._sched_config | {"_class_name": self._sched_class.__name__})
         # the scheduler's fixed shift (UniPC names it flow_shift), else the variant's
         shift = self._sched_config.get("shift", self._sched_config.get("flow_shift")) or SHIFT[self.family]
