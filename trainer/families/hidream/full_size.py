@@ -10,10 +10,12 @@ CLIP_L_LONG = {**CLIP_L, "max_position_embeddings": 248}
 CLIP_G_LONG = {**CLIP_G, "max_position_embeddings": 248}
 # meta-llama/Llama-3.1-8B-Instruct config.json
 LLAMA_31_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "head_dim": 128,
                "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
-               "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False,
-               "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+               "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+               "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                   "original_max_position_embeddings": 8192}}
 
 FULL_SIZE = {name: {
     "tiny": "tiny-hidream",
