@@ -37,6 +37,7 @@ REGISTERED: Tuple[str, ...] = (
     "flux2",
     "wan",
     "ideogram4",
+    "hidream",
 )
 
 
