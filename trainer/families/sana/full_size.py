@@ -4,7 +4,7 @@
 ``scripts/convert_dcae_to_diffusers.py`` writes it), the text encoder gemma-2-2b-it (google/gemma-2-2b's
 architecture, as Lumina 2's)."""
 
-from trainer.families.lumina2.full_size import GEMMA2_2B
+from trainer.families.common.full_size import GEMMA2_2B
 from trainer.families.sana.keys import CONFIG
 
 # mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers vae/config.json: 32× compression, 32 latent channels

@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from trainer.families.common.tiny_store import store_tiny
-from trainer.families.lumina2.tiny import write_tiny_gemma_tokenizer
+from trainer.families.common.tiny_text import write_tiny_gemma_tokenizer
 from trainer.families.sana.family import INSTRUCTION
 from trainer.families.sana.keys import diffusers_to_original
 
