@@ -205,21 +205,35 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         remembered = {"tab": tabs, "train_tab": train_tabs, "data_tab": data_tabs}
         outs = load_outputs(form) + [ctx["preset"], *remembered.values(), ctx["quickstart"]]
 
-        def remember(key: str, bar: gr.Tabs) -> Callable[[gr.SelectData], None]:
-            ids = {b.label: b.id for b in demo.blocks.values()
-                   if isinstance(b, gr.Tab) and b.id and getattr(b, "parent", None) is bar}
+        tab_ids = {key: {b.label: b.id for b in demo.blocks.values()
+                         if isinstance(b, gr.Tab) and b.id and getattr(b, "parent", None) is bar}
+                   for key, bar in remembered.items()}
 
+        def remember(key: str) -> Callable[[gr.SelectData], None]:
             def remember_tab(evt: gr.SelectData) -> None:
                 """A reload lands on the tab the user was on (the page keeps no state of its own)."""
-                tab = ids.get(str(evt.value))
+                tab = tab_ids[key].get(str(evt.value))
                 if tab:
                     config_bar.write_ui_state(ctx, **{key: tab})
             return remember_tab
 
         for key, bar in remembered.items():
-            handler = remember(key, bar)
-            ctx.handlers["remember_" + key] = handler
-            bar.select(handler, None, None, show_progress="hidden", queue=False)
+            ctx.handlers["remember_" + key] = remember(key)
+            bar.select(ctx.handlers["remember_" + key], None, None, show_progress="hidden", queue=False)
+
+        def shown_tabs(state: dict) -> List[Any]:
+            """The remembered tabs as updates; a tab this page no longer has is not asked for (a workspace from
+            before the page was arranged by task remembers a settings tab as the top one: it opens inside Train
+            or Data)."""
+            state = dict(state)
+            old = state.get("tab")
+            for key in ("train_tab", "data_tab"):
+                if old in tab_ids[key].values():
+                    state.update({"tab": "train" if key == "train_tab" else "data", key: old})
+            if old in ("runs", "queue"):
+                state["tab"] = "run"
+            return [gr.Tabs(selected=state[key]) if state.get(key) in tab_ids[key].values() else gr.skip()
+                    for key in remembered]
 
         def on_load() -> List[Any]:
             """A new page (or a reload) shows the autosaved draft, the preset it came from, and the tabs the
@@ -228,7 +242,7 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             state = config_bar.read_ui_state(ctx)
             preset = state.get("preset") if state.get("preset") in preset_names() else None
             presets = gr.Dropdown(choices=preset_names(), value=preset)
-            shown = [gr.Tabs(selected=state[key]) if state.get(key) else gr.skip() for key in remembered]
+            shown = shown_tabs(state)
             if values is None:
                 return [gr.skip()] * len(load_outputs(form)) + [presets, *shown, gr.skip()]
             return load_updates(form, values) + [presets, *shown, quickstart.folded(preset)]
