@@ -167,6 +167,17 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             assert (tmp_path / "result.safetensors").read_bytes() == \
                 (ctx.workspace / "runs" / first / f"{first}.safetensors").read_bytes()
 
+            # the sample tool draws with the first run's LoRA (in its own process, while the second run below
+            # trains) and shows the image on the page, not a path
+            show(page, "Tools")
+            page.locator("#tools-model-tool").get_by_label("sample").check()
+            page.locator("#tools-model-path textarea, #tools-model-path input").first.fill("builtin:tiny-sd")
+            lora = ctx.workspace / "runs" / first / f"{first}.safetensors"
+            page.locator("#tools-model-loras textarea").first.fill(str(lora))
+            page.locator("#tools-model-prompt textarea, #tools-model-prompt input").first.fill("a red square")
+            set_number(page, "tools-model-steps", "1")
+            page.locator("#tools-model-run").click()
+
             # a second run, stopped halfway: it ends "stopped" with a backup
             show(page, "Train", "Training")
             set_number(page, "cfg-training-max-steps", "100000")
@@ -183,7 +194,15 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
                                    timeout=15000)  # the message of the ended run is gone
             page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
 
-            # a reload lands on the live run (where Start took the user), and Resume there continues it
+            show(page, "Tools")  # the sample tool's image, drawn meanwhile
+            page.wait_for_function("/Done|Error/.test(document.querySelector('#tools-model-msg').innerText)",
+                                   timeout=180000)
+            assert "Done" in page.locator("#tools-model-msg").inner_text(), page.locator("#tools-model-msg").inner_text()
+            page.wait_for_selector("#tools-model-images img", timeout=30000)
+
+            # back on the live run, a reload lands there again, and Resume there continues the stopped run
+            show(page, "Runs")
+            time.sleep(1.0)  # the tab choice is saved by its own small request
             stopped_at = int(status.get_attribute("data-step"))
             page.reload()
             wait_loaded(page)
@@ -200,19 +219,6 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
                                    timeout=30000)
             assert "Finished" in table.inner_text()
 
-            # the sample tool draws with the first run's LoRA and shows the image on the page, not a path
-            show(page, "Tools")
-            page.locator("#tools-model-tool").get_by_label("sample").check()
-            page.locator("#tools-model-path textarea, #tools-model-path input").first.fill("builtin:tiny-sd")
-            lora = ctx.workspace / "runs" / first / f"{first}.safetensors"
-            page.locator("#tools-model-loras textarea").first.fill(str(lora))
-            page.locator("#tools-model-prompt textarea, #tools-model-prompt input").first.fill("a red square")
-            set_number(page, "tools-model-steps", "1")
-            page.locator("#tools-model-run").click()
-            page.wait_for_function("/Done|Error/.test(document.querySelector('#tools-model-msg').innerText)",
-                                   timeout=180000)
-            assert "Done" in page.locator("#tools-model-msg").inner_text(), page.locator("#tools-model-msg").inner_text()
-            page.wait_for_selector("#tools-model-images img", timeout=30000)
         except Exception:
             try:  # keep the evidence, but never hide the real failure
                 page.screenshot(path=str(tmp_path / "failure.png"), full_page=True, timeout=10000)
