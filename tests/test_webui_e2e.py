@@ -357,6 +357,10 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
                 "document.querySelectorAll('#compare-gallery img').length >= 4", timeout=30000)
             captions = page.locator("#compare-gallery").inner_text()
             assert "earlier · step 2" in captions and f"{name} · step 4" in captions
+            # both losses are drawn: each run is a series of the chart's legend (a run picked second was once on
+            # the axes but never drawn)
+            page.wait_for_function("(() => { const t = document.querySelector('#compare-loss').innerText;"
+                                   f" return t.includes('earlier') && t.includes('{name}'); }})()", timeout=30000)
             # and tidy up: delete the earlier run (asked first)
             page.mouse.click(5, 5)  # a click beside it closes the compare list
             page.locator("#runs-pick input").click()

@@ -70,7 +70,10 @@ def build(ctx: AppContext) -> None:
         views = [ctx.monitor.view(d) for d in (ctx.run_dir(n) for n in names or []) if d is not None]
         return [compare_frame(views), compare_samples(views)]
 
-    chosen.change(compare, [chosen], [compare_loss, compare_gallery], show_progress="hidden")
+    # the chart is emptied first and then drawn anew: Gradio 6's native plot keeps the colour domain of the data it
+    # was first drawn with and only swaps the data after that, so a run picked second was on the axes but never drawn
+    chosen.change(lambda: None, None, [compare_loss], show_progress="hidden", queue=False).then(
+        compare, [chosen], [compare_loss, compare_gallery], show_progress="hidden")
     ctx.handlers["compare_runs"] = compare
 
     def refresh_all() -> List[Any]:
