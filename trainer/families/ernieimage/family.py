@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import ErnieImagePipeline, ErnieImageTransformer2DModel
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -148,7 +149,8 @@ class ErnieImage(MaskedTextConditioning, PeftLayoutLora, Family):
         device, dtype = model_input.device, model_input.dtype
         mask = conditioning.prompt_mask.to(device).bool()
         lens = mask.sum(dim=1)
-        longest = max(int(lens.max()), 1)
+        # the VRAM estimate's fake tensors have no values: every token kept, as for the longest caption
+        longest = mask.shape[1] if is_fake(mask) else max(int(lens.max()), 1)
         embeds = conditioning.prompt_embeds[:, :longest].to(device, dtype) * mask[:, :longest, None].to(dtype)
         return self.transformer(hidden_states=model_input, timestep=timesteps.to(device, torch.float32) * 1000.0,
                                 text_bth=embeds, text_lens=lens.long(), return_dict=False)[0]
