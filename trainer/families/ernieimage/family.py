@@ -179,7 +179,8 @@ class ErnieImage(MaskedTextConditioning, PeftLayoutLora, Family):
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return out
 
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
+                             adapter_name: str = "default") -> int:
         """A ``diffusion_model.`` file into fresh peft layers (a ``transformer.`` one as :class:`PeftLayoutLora`)."""
         if not any(k.startswith(PREFIX + ".") for k in state):
             return super().load_lora_state_dict(state, modules, adapter_name)
