@@ -14,7 +14,8 @@ MINISTRAL3_3B = {
                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                     "max_position_embeddings": 262144, "rms_norm_eps": 1e-05, "tie_word_embeddings": True},
     "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                      "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14, "rope_theta": 10000.0},
+                      "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14,
+                      "rope_theta": 10000.0},
     "spatial_merge_size": 2, "image_token_index": 10, "multimodal_projector_bias": False}
 
 FULL_SIZE = {"ernie-image": {
