@@ -21,6 +21,9 @@
 # the image-to-video wan21-i2v-24gb and wan22-i2v-a14b-24gb; demo-wan and demo-wan-i2v on any machine) train on four
 # noise clips of FRAMES frames (default 49) at the preset's size, 16 fps H.264; an image-to-video case samples from a
 # noise image.
+# The 2026 families at 1024 px: krea2-24gb (krea2-lora: fp8 transformer, Qwen3-VL offloaded), krea2-16gb, krea2-12gb,
+# ideogram4-24gb (ideogram4-lora: the transformer stored in fp8, as from Ideogram's fp8 release), ideogram4-16gb (NF4);
+# demo-krea2 and demo-ideogram4 on any machine.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -174,6 +177,11 @@ run_case() {
                        steps: 4}]" ;;
     demo-wan) mapfile -t c < <(clips 64 64 9)  # the tiny Wan on any machine: checks the clip cases
               bench demo-wan demo-wan 64 "${c[@]}" --set sampling.frames=5 ;;
+    krea2-24gb) bench krea2-24gb krea2-lora 1024 --set "model.path=$(configs krea2)" ;;
+    krea2-16gb|krea2-12gb) bench "$1" "krea2-lora-${1##*-}" 1024 --set "model.path=$(configs krea2)" ;;
+    ideogram4-24gb) bench ideogram4-24gb ideogram4-lora 1024 --set "model.path=$(configs ideogram4)" ;;
+    ideogram4-16gb) bench ideogram4-16gb ideogram4-lora-16gb 1024 --set "model.path=$(configs ideogram4)" ;;
+    demo-krea2|demo-ideogram4) bench "$1" "$1" 64 ;;  # the tiny models on any machine
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
     demo-pairs) mapfile -t p < <(pairs 64)  # the tiny Kontext on any machine: checks the pair cases
                 bench demo-pairs demo-flux 64 --set model.path=builtin:tiny-flux-kontext "${p[@]}" ;;

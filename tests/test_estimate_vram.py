@@ -182,6 +182,9 @@ PUBLISHED = {
     "flux2-klein": {"transformer": 3.88, "text_encoder": 4.02},  # [klein] 4B, Qwen3-4B
     "flux2-dev": {"transformer": 32.22, "text_encoder": 24.01},  # [dev] 32B, Mistral Small 3.1 24B (with its vision tower)
     "lumina2": {"transformer": 2.610, "text_encoder": 2.614},  # Lumina-Image-2.0 2.6B, Gemma-2-2B
+    # HiDream-I1 17B MoE, its CLIP-L/G with 248 positions, T5-XXL, Llama 3.1 8B (its head included)
+    "hidream-full": {"transformer": 17.11, "text_encoder": 0.1238, "text_encoder_2": 0.6949, "text_encoder_3": 4.76,
+                     "text_encoder_4": 8.03},
 }
 
 

@@ -85,9 +85,12 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 128, "guidance_scale": 1.0}),
     Row("lumina2", "tiny-lumina2", "demo-lumina2", settings=("lora.unet_targets=attn_mlp",),
         lora_loader="tests.test_family_lumina2:load_lora_into_pipeline"),
+    Row("sana", "tiny-sana", "demo-sana", settings=("lora.unet_targets=attn_mlp",),
+        prompt_kwargs={"use_resolution_binning": False}),  # the pipeline's size bins are for the real sample sizes
     Row("krea2", "tiny-krea2", "demo-krea2", settings=("lora.unet_targets=attn_mlp",),
         prompt_kwargs={"max_sequence_length": 256}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
+    Row("hidream", "tiny-hidream", "demo-hidream", settings=("lora.unet_targets=attn_mlp",)),
     # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
     Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),

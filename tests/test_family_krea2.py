@@ -198,3 +198,15 @@ def test_at_the_released_sizes_the_original_layout_is_what_diffusers_converts():
     assert {k: tuple(v.shape) for k, v in convert_krea2_transformer_checkpoint_to_diffusers(dict(original)).items()} \
         == shapes
     assert config_from_original(original, {}) == CONFIG
+
+
+def test_a_folder_read_component_by_component_keeps_the_pipelines_list_settings(krea):
+    """The VRAM estimate and the random-weight bench build the pipeline from a folder's configs component by
+    component: Krea 2's text_encoder_select_layers (a list in model_index.json) must reach it, or the features tap
+    layers the text encoder does not have."""
+    from trainer.families.sources import load_components
+    from diffusers import Krea2Pipeline
+    ws, paths, model = krea
+    pipe = load_components(Krea2Pipeline, paths["diffusers"], torch.float32)
+    assert tuple(pipe.text_encoder_select_layers) == model.select_layers
+    assert max(model.select_layers) <= model.text_encoder.config.text_config.num_hidden_layers  # +1: the embeddings

@@ -78,7 +78,7 @@ def test_fp8_text_encoders_and_offloaded_ones_wait_in_ram_until_placed(tmp_path)
     cfg = load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}", "parts.text_encoder_2.fp8=true"])
     assert ModelSettings(cfg).deferred == {"text_encoder_2"}
     offload = load_config(None, ["model.path=builtin:tiny-flux", "data.offload_text_encoders=true"])
-    assert ModelSettings(offload).deferred == {"text_encoder", "text_encoder_2", "text_encoder_3"}
+    assert ModelSettings(offload).deferred == {"text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"}
     plain = load_model(load_config(None, ["model.path=builtin:tiny-flux", f"general.workspace={tmp_path}"]), str(tmp_path))
     model = load_model(cfg, str(tmp_path))
     assert model.deferred == ("text_encoder_2",)

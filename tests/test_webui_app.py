@@ -182,7 +182,16 @@ def test_runs_tab_resumes_a_stopped_run_and_reuses_its_config(tmp_path, monkeypa
     wait_for(lambda: not runner.process_alive(run_dir), 30, "exit")
     launched = json_cmd(run_dir)
     assert "nothing left to resume" in ctx.handlers["resume_run"]("r")[0]  # a finished run is not trained again
+    assert "nothing left to resume" in ctx.handlers["run_resume"]("r")[0]  # nor from the live-run panel
     assert json_cmd(run_dir) == launched and not manager.queue.list()
+    # a reload after Resume lands on the live run; a tab remembered from before the page was arranged by task
+    # opens inside its task tab
+    from webui.tabs.config_bar import write_ui_state
+    main_tab, train_tab, data_tab = ctx.handlers["on_load"]()[-4:-1]
+    assert main_tab.selected == "run" and train_tab.get("__type__") == data_tab.get("__type__") == "update"
+    write_ui_state(ctx, tab="sampling")
+    main_tab, train_tab, _ = ctx.handlers["on_load"]()[-4:-1]
+    assert main_tab.selected == "train" and train_tab.selected == "sampling"
     (run_dir / "config.yaml").write_text("training:\n  epochs: 3\ngeneral:\n  run_name: old\n")
     values = ctx.handlers["reuse_config"]("r")
     keys = [s.key for s in ctx.form.specs]

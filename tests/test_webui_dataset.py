@@ -47,14 +47,14 @@ def test_dataset_report_does_not_import_torch():
 
 
 def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
-    from test_webui_e2e import open_page
+    from test_webui_e2e import open_page, show
     url, _ctx = page_url
     with open_page(url, height=1400) as page:
         page.locator("#preset-select input").click()
         page.get_by_role("option", name="demo", exact=True).click()
         page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
                                timeout=30000)
-        page.get_by_role("tab", name="Concepts", exact=True).click()
+        show(page, "Data", "Concepts")
         page.locator("#concepts-dataset-btn").click()
         page.wait_for_function(
             "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
@@ -70,7 +70,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
     dataset check shows the pairs side by side, then names a control that has no target; the caption editor shows
     an image beside its control. (The demo model takes no controls: the report is still made, under validate's
     refusal; a run on pairs needs an edit model.)"""
-    from test_webui_e2e import open_page
+    from test_webui_e2e import open_page, show
     url, ctx = page_url
     root = ctx.workspace / "pairs"
     for i, name in enumerate(("cat_01", "cat_02")):
@@ -85,7 +85,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
                                    timeout=30000)
-            page.get_by_role("tab", name="Concepts", exact=True).click()
+            show(page, "Data", "Concepts")
             page.get_by_text("Add or edit one concept").click()
             name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
             name_box.first.fill("edits")
@@ -132,7 +132,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             page.screenshot(path=str(tmp_path / "pairs-report.png"), full_page=True)
 
             # the caption editor shows the image being captioned beside its control
-            page.get_by_role("tab", name="Tools", exact=True).click()
+            show(page, "Captions and masks")
             page.get_by_text("Caption editor", exact=True).click()
             page.locator("#cap-folder textarea, #cap-folder input").first.fill(str(root / "targets"))
             page.locator("#cap-open").click()

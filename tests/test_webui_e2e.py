@@ -28,16 +28,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def show(page, *names: str) -> None:
+    """Open tabs by name, the task tab first (Train, Runs, Data, Tools), then a tab inside it."""
+    for name in names:
+        page.get_by_role("tab", name=name, exact=True).click()
+
+
+def wait_loaded(page) -> None:
+    """The page is built: its task tabs are there (the tab shown is the one the user left)."""
+    page.wait_for_selector("#main-tabs [role=tab]", timeout=60000)
+
+
 @contextlib.contextmanager
-def open_page(url: str, height: int = 1000):
-    """A Debian-chromium page on the served app, loaded up to the Start button; closed afterwards."""
+def open_page(url: str, height: int = 1000, width: int = 1400):
+    """A Debian-chromium page on the served app, loaded up to its tabs; closed afterwards."""
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": height})
+            page = browser.new_page(viewport={"width": width, "height": height})
             page.goto(url)
-            page.wait_for_selector("#start-btn", timeout=60000)
+            wait_loaded(page)
             yield page
         finally:
             browser.close()
@@ -56,7 +67,7 @@ def logged_in_page(url: str, shots: Path):
             page.get_by_label("username").fill("ada")
             page.get_by_label("password").fill("s3cret")
             page.get_by_role("button", name="Login").click()
-            page.wait_for_selector("#start-btn", timeout=60000)
+            wait_loaded(page)
             yield page
         except Exception:
             page.screenshot(path=str(shots / "failure.png"), full_page=True)
@@ -113,17 +124,26 @@ def wait_state(page, states: tuple, timeout: float) -> str:
     raise AssertionError(f"run never reached {states}; status: {status.inner_text() if status.count() else '-'}")
 
 
+def in_view(page, elem_id: str, height: int) -> bool:
+    """Whether the top of an element is on the screen, without scrolling (above the fold)."""
+    box = page.locator(f"#{elem_id}").first.bounding_box()
+    return box is not None and 0 <= box["y"] < height
+
+
 def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
+    """A newcomer on a 1440x900 screen: demo preset → Start → the live run in view → finished, result downloaded;
+    a second run stopped, a reload lands on it, Resume continues it from its backup; then the sample tool draws
+    with the first run's LoRA and shows the image on the page."""
     assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "Debian's chromium is required"
     url, ctx = page_url
-    with open_page(url) as page:
+    with open_page(url, height=900, width=1440) as page:
         try:
             assert "Quick start" in page.locator("#start-here").inner_text()  # where to begin, said on the page
             page.locator("#preset-select input").click()
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
                                    timeout=30000)
-            page.get_by_role("tab", name="Training", exact=True).click()
+            show(page, "Training")
             assert page.locator("#cfg-training-epochs input[type=number]").input_value() == "8"
             set_number(page, "cfg-training-epochs", "1")  # 4 steps: keeps the test short
 
@@ -133,9 +153,12 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             status = page.locator("#run-status .atl-status")
             assert status.get_attribute("data-step") == status.get_attribute("data-total") == "4"
             page.wait_for_selector("#sample-gallery img", timeout=30000)
+            # the live run is in view after Start: status, loss and the samples above the fold
+            assert all(in_view(page, e, 900) for e in ("run-status", "loss-plot", "sample-gallery")), \
+                page.screenshot(path=str(tmp_path / "fold.png"))
             assert "step 4 · prompt 0" in page.locator("#sample-gallery").inner_text()
             first = status.get_attribute("data-run")
-            result = page.locator("#download-result")  # the Run tab offers the finished LoRA for download
+            result = page.locator("#download-result")  # the live run offers the finished LoRA for download
             result.wait_for(state="visible", timeout=30000)
             assert f"{first}.safetensors" in result.inner_text()
             with page.expect_download(timeout=30000) as info:
@@ -145,13 +168,13 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
                 (ctx.workspace / "runs" / first / f"{first}.safetensors").read_bytes()
 
             # a second run, stopped halfway: it ends "stopped" with a backup
-            page.get_by_role("tab", name="Training", exact=True).click()
+            show(page, "Train", "Training")
             set_number(page, "cfg-training-max-steps", "100000")
             page.locator("#start-btn").click()
-            page.wait_for_function(
-                f"(() => {{ const s = document.querySelector('#run-status .atl-status');"
-                f" return s && s.dataset.run !== '{first}' && s.dataset.state === 'running'"
-                f" && Number(s.dataset.step) >= 1; }})()", timeout=180000)
+            running_again = (f"(() => {{ const s = document.querySelector('#run-status .atl-status');"
+                             f" return s && s.dataset.run !== '{first}' && s.dataset.state === 'running'"
+                             f" && Number(s.dataset.step) >= STEP; }})()")
+            page.wait_for_function(running_again.replace("STEP", "1"), timeout=180000)
             page.locator("#stop-btn").click()
             assert wait_state(page, ("stopped", "failed", "died"), 120) == "stopped"
             assert "Backup:" in page.locator("#run-status").inner_text()
@@ -160,11 +183,36 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
                                    timeout=15000)  # the message of the ended run is gone
             page.screenshot(path=str(tmp_path / "stopped.png"), full_page=True)
 
-            page.get_by_role("tab", name="Runs", exact=True).click()
-            table = page.locator("#runs-table")
+            # a reload lands on the live run (where Start took the user), and Resume there continues it
+            stopped_at = int(status.get_attribute("data-step"))
+            page.reload()
+            wait_loaded(page)
+            page.wait_for_function("document.querySelector('#tab-runs-button').getAttribute('aria-selected')"
+                                   " === 'true'", timeout=30000)
+            assert wait_state(page, ("stopped",), 30) == "stopped"
+            page.locator("#run-resume-btn").click()
+            page.wait_for_function(running_again.replace("STEP", str(stopped_at + 1)), timeout=180000)
+            page.locator("#stop-btn").click()
+            assert wait_state(page, ("stopped", "failed", "died"), 120) == "stopped"
+
+            table = page.locator("#runs-table")  # the history, below the live run
             page.wait_for_function("document.querySelector('#runs-table').innerText.includes('Stopped')",
                                    timeout=30000)
             assert "Finished" in table.inner_text()
+
+            # the sample tool draws with the first run's LoRA and shows the image on the page, not a path
+            show(page, "Tools")
+            page.locator("#tools-model-tool").get_by_label("sample").check()
+            page.locator("#tools-model-path textarea, #tools-model-path input").first.fill("builtin:tiny-sd")
+            lora = ctx.workspace / "runs" / first / f"{first}.safetensors"
+            page.locator("#tools-model-loras textarea").first.fill(str(lora))
+            page.locator("#tools-model-prompt textarea, #tools-model-prompt input").first.fill("a red square")
+            set_number(page, "tools-model-steps", "1")
+            page.locator("#tools-model-run").click()
+            page.wait_for_function("/Done|Error/.test(document.querySelector('#tools-model-msg').innerText)",
+                                   timeout=180000)
+            assert "Done" in page.locator("#tools-model-msg").inner_text(), page.locator("#tools-model-msg").inner_text()
+            page.wait_for_selector("#tools-model-images img", timeout=30000)
         except Exception:
             try:  # keep the evidence, but never hide the real failure
                 page.screenshot(path=str(tmp_path / "failure.png"), full_page=True, timeout=10000)
@@ -174,6 +222,7 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
             raise
     runs = sorted(p.name for p in (ctx.workspace / "runs").iterdir())
     assert len(runs) == 2
+    assert len(list((ctx.workspace / "samples").rglob("*.png"))) == 1  # the sample tool's image, in the workspace
 
 
 def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
@@ -276,7 +325,7 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
             page.locator("#validate-btn").click()
             page.wait_for_function("!document.querySelector('#cfg-model-path').classList.contains('atl-field-error')",
                                    timeout=30000)
-            page.get_by_role("tab", name="Training", exact=True).click()
+            show(page, "Training")
             set_number(page, "cfg-training-epochs", "1")  # 4 steps
             page.locator("#start-btn").click()
             assert wait_state(page, ("finished", "failed", "died"), 240) == "finished", \
@@ -369,8 +418,10 @@ def test_at_1024_px_every_tab_shows_help_text_is_readable_and_only_the_chosen_op
             page = browser.new_page(viewport={"width": 1024, "height": 800})
             page.goto(f"{url}?__theme={theme}")
             page.wait_for_selector("#start-btn", timeout=60000)
-            tabs = page.locator("#main-tabs [role=tablist] button[role=tab]").all_inner_texts()
-            assert {"Run", "Runs", "Queue", "Tools", "Embedding"} <= set(tabs), tabs  # none behind a "…" menu
+            tabs = page.locator("#main-tabs > .tab-wrapper [role=tablist] button[role=tab]").all_inner_texts()
+            assert [t.strip() for t in tabs] == ["Train", "Runs", "Data", "Tools"], tabs  # the page by task
+            tabs = page.locator("#train-tabs [role=tablist] button[role=tab]").all_inner_texts()
+            assert {"Model", "Training", "Embedding", "Advanced"} <= set(tabs), tabs  # none behind a "…" menu
             ratios = page.evaluate(CONTRAST_JS, ".info-text")
             assert ratios and min(ratios) >= 4.5, ratios
             page.get_by_role("tab", name="Training", exact=True).click()
@@ -410,7 +461,7 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
         assert page.locator("#preset-select input").input_value() == "sdxl-lora-16gb"  # 24 GiB by default: the largest tier
         page.get_by_role("tab", name="Model", exact=True).click()
         assert page.locator("#cfg-model-path textarea, #cfg-model-path input").first.input_value() == str(model)
-        page.get_by_role("tab", name="Concepts", exact=True).click()
+        show(page, "Data", "Concepts")
         page.locator("#cfg-data-concepts-card-0").first.wait_for(timeout=15000)
         card = page.locator("#cfg-data-concepts-card-0").first.inner_text()  # (Gradio puts a group's id on two nested divs)
         assert "my-cats" in card and str(images) in card and "0 images" in card  # a card per concept
@@ -429,7 +480,7 @@ def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
         page.get_by_role("tab", name="Sampling", exact=True).click()
         time.sleep(1.0)  # the tab choice is saved by its own small request
         page.reload()
-        page.wait_for_selector("#start-btn", timeout=60000)
+        wait_loaded(page)
         page.wait_for_function("document.querySelector('#preset-select input').value === 'demo-sdxl'", timeout=30000)
         page.wait_for_function(
             "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)
@@ -467,7 +518,7 @@ def test_an_idle_run_tab_sends_no_gradio_events_only_small_change_checks(page_ur
     event (each costs the browser 50-250 ms of script on this page); a run that appears is shown."""
     url, ctx = page_url
     with open_page(url) as page:
-        page.get_by_role("tab", name="Run", exact=True).click()
+        show(page, "Runs")
         page.wait_for_timeout(4000)  # the first check refreshes the tab once
         seen = []
         page.on("request", lambda r: seen.append((r.method, r.url)))
@@ -492,7 +543,7 @@ def test_the_mask_painter_saves_what_was_painted(page_url):
     data.mkdir(parents=True)
     Image.new("RGB", (200, 150), (120, 60, 30)).save(data / "a.png")
     with open_page(url, height=1400) as page:
-        page.get_by_role("tab", name="Tools", exact=True).click()
+        show(page, "Data", "Captions and masks")
         page.get_by_text("Mask painter").click()
         page.locator("#mask-folder textarea, #mask-folder input").first.fill(str(data))
         page.locator("#mask-open").click()
@@ -550,7 +601,7 @@ def test_a_sample_video_plays_in_the_run_tab(page_url):
     Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
     EventWriter(run / "events.jsonl").emit("started", total_steps=4)
     with open_page(url) as page:
-        page.get_by_role("tab", name="Run", exact=True).click()
+        show(page, "Runs")
         page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
                                timeout=15000)
         video = page.locator("#sample-gallery video").first

@@ -1,7 +1,9 @@
 """Atelier's web UI: ``build_app(workspace)`` makes the page, ``main(argv)`` serves it.
 
-The page is a config form generated from ``trainer.config`` (one tab per trainer area), a Run tab
-that follows the live run, a history of runs, and a queue. The UI process talks to the trainer only
+The page is arranged by what a user does, in four tabs: *Train* (Quick start, then the config form generated from
+``trainer.config``, the common settings first and the expert ones on its Advanced tab), *Runs* (the live run on
+top, then the history, compare and the queue), *Data* (concepts, captions and masks) and *Tools* (convert, merge,
+resize, sample). The UI process talks to the trainer only
 through the config module, the ``python -m trainer`` CLI and the run folder, so it never imports
 torch or diffusers and its first paint is fast.
 """
@@ -13,7 +15,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import gradio as gr
 import httpx
@@ -27,7 +29,7 @@ from webui import changes, devices, family_parts, optimizer_memory, runner
 from webui.context import AppContext
 from webui.downloads import DOWNLOADS
 from webui.filebrowser import FileBrowser, Roots
-from webui.form import Form, load_outputs, load_updates
+from webui.form import DATA_TABS, Form, load_outputs, load_updates
 from webui.login import LoginGate, RateLimitedAuth
 from webui.tabs import config_bar, extras, queue, quickstart, run, runs, tools
 from webui.tensorboard import mount, stop_with_this_process
@@ -35,10 +37,11 @@ from webui.tensorboard import mount, stop_with_this_process
 DEFAULT_WORKSPACE = runner.REPO_ROOT / "workspace"
 SHARE_NO_AUTH_FLAG = "--share-without-auth-i-understand-anyone-with-the-link-can-run-code"
 
-START_HERE = ("**Start here:** make the three choices of **Quick start** below (or pick a **Preset** — `demo` trains a "
+START_HERE = ("**Start here:** make the choices of **Quick start** below (or pick a **Preset** — `demo` trains a "
               "built-in tiny model offline in about a minute; `sd15-lora`, `sdxl-lora-16gb`, `flux-lora-24gb`… start "
-              "from a real model — then set the **Model** and **Concepts** tabs), press **Check settings**, then "
-              "**Start training**. Progress, samples and the result's download are on the **Run** tab.")
+              "from a real model — then check the settings below and your images on the **Data** tab), press "
+              "**Check settings**, then **Start training**. Progress, samples and the result's download are on the "
+              "**Runs** tab.")
 
 CSS = """
 .atl-field-error { outline: 2px solid #dc2626; border-radius: 8px; }
@@ -65,8 +68,10 @@ CSS = """
 /* help text: Gradio's default grey (187,187,194) on white is 1.9:1; these are >= 7:1 in both themes */
 .info-text, [data-testid="block-info"] + .info-text { color: #52525b !important; }
 .dark .info-text { color: #a1a1aa !important; }
-/* all 17 tabs in one row at 1024 px: Gradio moves what does not fit behind a "…" menu (Run, Runs, Queue) */
-#main-tabs > .tab-wrapper button { padding-left: 7px; padding-right: 7px; font-size: 13.5px; }
+/* the four task tabs stand out; Train's settings tabs fit one row at 1024 px (Gradio moves what does not fit
+   behind a "…" menu) */
+#main-tabs > .tab-wrapper button { font-size: 16px; font-weight: 600; }
+#train-tabs > .tab-wrapper button { padding-left: 7px; padding-right: 7px; font-size: 13.5px; }
 """
 
 
@@ -152,24 +157,36 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
     # GBs); both folders are inside the workspace, which is served (behind the login) anyway
     gr.set_static_paths([str(runner.runs_root(workspace)), str(workspace / DOWNLOADS)])
     with gr.Blocks(title="Atelier") as demo:
-        gr.Markdown("## Atelier — train text-to-image models", elem_id="title")
-        gr.Markdown(START_HERE, elem_id="start-here")
+        gr.Markdown("### Atelier — train text-to-image models", elem_id="title")
         ctx.form = Form(browser)
         gpus, _ = devices.detect_gpus()
-        quickstart.build(ctx, round(gpus[0].memory_mib / 1024) if gpus else None)
-        config_bar.build(ctx)
         ctx.components["run_select"] = run.make_run_select(ctx)
+        form_extras = extras.extras(ctx)
         with gr.Tabs(elem_id="main-tabs") as tabs:
             ctx.components["tabs"] = tabs
-            ctx.form.build(extras=extras.extras(ctx))
+            with gr.Tab("Train", id="train", elem_id="tab-train"):
+                gr.Markdown(START_HERE, elem_id="start-here")
+                quickstart.build(ctx, round(gpus[0].memory_mib / 1024) if gpus else None)
+                config_bar.build(ctx)
+                with gr.Tabs(elem_id="train-tabs") as train_tabs:
+                    ctx.components["train_tabs"] = train_tabs
+                    ctx.form.build(extras=form_extras, only=lambda tab: tab not in DATA_TABS)
+            # the live run and everything about runs; its id is "run": Start, Resume and Watch select it
+            with gr.Tab("Runs", id="run", elem_id="tab-runs") as runs_tab:
+                run.build(ctx)
+                with gr.Accordion("Run history: every run, its results, resume, compare", open=True,
+                                  elem_id="runs-history"):
+                    runs.build(ctx)
+                with gr.Accordion("Queue: jobs waiting to run", open=True, elem_id="runs-queue"):
+                    queue.build(ctx)
+            with gr.Tab("Data", id="data", elem_id="tab-dataset"):
+                with gr.Tabs(elem_id="data-tabs") as data_tabs:
+                    ctx.components["data_tabs"] = data_tabs
+                    ctx.form.build(extras=form_extras, only=lambda tab: tab in DATA_TABS)
+                    with gr.Tab("Captions and masks", id="captions", elem_id="tab-captions"):
+                        tools.build_data(ctx)
             with gr.Tab("Tools", id="tools", elem_id="tab-tools"):
                 tools.build(ctx)
-            with gr.Tab("Run", id="run", elem_id="tab-run"):
-                run.build(ctx)
-            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
-                runs.build(ctx)
-            with gr.Tab("Queue", id="queue", elem_id="tab-queue"):
-                queue.build(ctx)
         browser.build()
         for wire in ctx.after_build:
             wire()
@@ -180,32 +197,55 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
         runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden").then(
             *ctx.components["runs_details"], show_progress="hidden")
+        # Start shows the Runs tab without a select event: its history then lists the new run too
+        ctx.components["start_event"].then(refresh_runs, None, runs_outputs, show_progress="hidden")
 
         form = ctx.form
-        outs = load_outputs(form) + [ctx["preset"], tabs, ctx["quickstart"]]
+        # a reload lands where the user was: the top tab, and the sub-tab of Train and of Data
+        remembered = {"tab": tabs, "train_tab": train_tabs, "data_tab": data_tabs}
+        outs = load_outputs(form) + [ctx["preset"], *remembered.values(), ctx["quickstart"]]
 
-        tab_of_label = {b.label: b.id for b in demo.blocks.values() if isinstance(b, gr.Tab) and b.id}
+        tab_ids = {key: {b.label: b.id for b in demo.blocks.values()
+                         if isinstance(b, gr.Tab) and b.id and getattr(b, "parent", None) is bar}
+                   for key, bar in remembered.items()}
 
-        def remember_tab(evt: gr.SelectData) -> None:
-            """A reload lands on the tab the user was on (the page keeps no state of its own)."""
-            tab = tab_of_label.get(str(evt.value))
-            if tab:
-                config_bar.write_ui_state(ctx, tab=tab)
+        def remember(key: str) -> Callable[[gr.SelectData], None]:
+            def remember_tab(evt: gr.SelectData) -> None:
+                """A reload lands on the tab the user was on (the page keeps no state of its own)."""
+                tab = tab_ids[key].get(str(evt.value))
+                if tab:
+                    config_bar.write_ui_state(ctx, **{key: tab})
+            return remember_tab
 
-        ctx.handlers["remember_tab"] = remember_tab
-        tabs.select(remember_tab, None, None, show_progress="hidden", queue=False)
+        for key, bar in remembered.items():
+            ctx.handlers["remember_" + key] = remember(key)
+            bar.select(ctx.handlers["remember_" + key], None, None, show_progress="hidden", queue=False)
+
+        def shown_tabs(state: dict) -> List[Any]:
+            """The remembered tabs as updates; a tab this page no longer has is not asked for (a workspace from
+            before the page was arranged by task remembers a settings tab as the top one: it opens inside Train
+            or Data)."""
+            state = dict(state)
+            old = state.get("tab")
+            for key in ("train_tab", "data_tab"):
+                if old in tab_ids[key].values():
+                    state.update({"tab": "train" if key == "train_tab" else "data", key: old})
+            if old in ("runs", "queue"):
+                state["tab"] = "run"
+            return [gr.Tabs(selected=state[key]) if state.get(key) in tab_ids[key].values() else gr.skip()
+                    for key in remembered]
 
         def on_load() -> List[Any]:
-            """A new page (or a reload) shows the autosaved draft, the preset it came from, and the tab the
+            """A new page (or a reload) shows the autosaved draft, the preset it came from, and the tabs the
             user was on."""
             values = config_bar.load_draft(ctx)
             state = config_bar.read_ui_state(ctx)
             preset = state.get("preset") if state.get("preset") in preset_names() else None
             presets = gr.Dropdown(choices=preset_names(), value=preset)
-            tab = gr.Tabs(selected=state["tab"]) if state.get("tab") else gr.skip()
+            shown = shown_tabs(state)
             if values is None:
-                return [gr.skip()] * len(load_outputs(form)) + [presets, tab, gr.skip()]
-            return load_updates(form, values) + [presets, tab, gr.Accordion(open=False)]
+                return [gr.skip()] * len(load_outputs(form)) + [presets, *shown, gr.skip()]
+            return load_updates(form, values) + [presets, *shown, quickstart.folded(preset)]
 
         ctx.handlers["on_load"] = on_load
         demo.load(on_load, None, outs, show_progress="hidden")

@@ -1,7 +1,9 @@
 """The config form: one tab per trainer area, every widget generated from the schema.
 
 :class:`Form` lays the :class:`~webui.schema_widgets.FieldSpec` list out into tabs (``TAB_LAYOUT``
-maps sections to tabs; a section nobody mapped gets a tab of its own), nested dataclasses into
+maps sections to tabs, the ones a user sets most first; a section nobody mapped gets a tab of its own; the expert
+launch settings — multi-GPU, FSDP, accelerate — and the precision internals share one "Advanced" tab), nested
+dataclasses into
 accordions, and list-of-dataclass fields into a :class:`ListEditor` (a table plus a row editor with
 proper dropdowns). ``form.inputs`` is the ordered component list every handler receives, so
 ``form.collect(values)`` turns a handler's ``*values`` back into a config dict.
@@ -22,18 +24,37 @@ from webui.number_field import FieldNumber
 from webui.pathlist import PATH_LISTS, PathList
 from webui.schema_widgets import FieldError, FieldSpec
 
-# (tab title, tab id, key prefixes shown in it) — prefixes not listed get a tab of their own
+# (tab title, tab id, key prefixes shown in it) — prefixes not listed get a tab of their own. The order is the
+# page's: what a newcomer sets first (the model, how long to train, what to sample) comes first, so the tab a page
+# opens on is the Model tab, not the multi-GPU launch settings.
 TAB_LAYOUT = [
-    ("General", "general", ("general",)),
     ("Model", "model", ("model", "output")),
-    ("Parts", "parts", ("parts",)),
-    ("Data", "data", ("data",)),
-    ("Concepts", "concepts", ("data.concepts",)),
     ("Training", "training", ("training",)),
     ("Sampling", "sampling", ("sampling",)),
-    ("Backup", "backup", ("backup",)),
     ("LoRA", "lora", ("lora",)),
+    ("Embedding", "embedding", ("embedding",)),
+    ("Backup", "backup", ("backup",)),
+    ("Loss", "loss", ("loss",)),
+    ("EMA", "ema", ("ema",)),
+    ("Parts", "parts", ("parts",)),
+    ("General", "general", ("general",)),
+    ("Concepts", "concepts", ("data.concepts",)),
+    ("Data settings", "data", ("data",)),
+    ("Advanced", "advanced", ("precision",)),
 ]
+# tabs of the page's Data section (the rest are Train's settings)
+DATA_TABS = ("concepts", "data")
+# general settings only a multi-GPU or unusual launch needs: they sit on the Advanced tab, not in General
+ADVANCED_GENERAL = ("general.dataloader_workers", "general.dist_timeout_s", "general.distributed",
+                    "general.accelerate_config")
+ADVANCED_HEADS = {"general": ("Multi-GPU and launch", "How the processes start and share the model (FSDP, "
+                                                      "accelerate); one GPU needs none of these."),
+                  "precision": ("Precision internals", "")}
+
+
+def is_advanced(key: str) -> bool:
+    """Whether a setting belongs on the Advanced tab although its section has a tab of its own."""
+    return key in ADVANCED_GENERAL or key.startswith("general.fsdp_")
 ROW_WIDTH = 3
 # Tabs whose settings apply to one training method: tab id -> what the tab says while they do not apply.
 METHOD_TABS = {
@@ -266,6 +287,8 @@ def _error_md(errors: Sequence[FieldError]) -> str:
 def tab_layout(specs: Sequence[FieldSpec]) -> List[tuple[str, str, List[str]]]:
     """TAB_LAYOUT plus a tab for every section nobody mapped (a new schema section shows up)."""
     layout = [(t, i, list(p)) for t, i, p in TAB_LAYOUT]
+    advanced = next(ps for _, i, ps in layout if i == "advanced")
+    advanced[0:0] = [s.key for s in specs if is_advanced(s.key)]  # by key: longer than "general", so they win
     known = {p for _, _, ps in layout for p in ps}
     for s in specs:
         if not any(s.key == p or s.key.startswith(p + ".") for p in known):
@@ -299,11 +322,15 @@ class Form:
         self.tab_titles = {tab_id: title for title, tab_id, _ in self.layout}
 
     # -- building -----------------------------------------------------------------------------
-    def build(self, extras: Optional[Dict[str, Callable[[], None]]] = None) -> None:
-        """Create the tabs (call inside ``gr.Tabs``); ``extras[tab_id]()`` adds buttons to a tab."""
+    def build(self, extras: Optional[Dict[str, Callable[[], None]]] = None,
+              only: Optional[Callable[[str], bool]] = None) -> None:
+        """Create the tabs (call inside ``gr.Tabs``); ``extras[tab_id]()`` adds buttons to a tab; ``only``: which
+        tab ids to build here (the page builds Train's tabs in one ``gr.Tabs`` and Data's in another)."""
         extras = extras or {}
         all_prefixes = [p for _, _, ps in self.layout for p in ps]
         for title, tab_id, prefixes in self.layout:
+            if only is not None and not only(tab_id):
+                continue
             mine = [s for s in self.specs if prefix_of(s.key, all_prefixes) in prefixes]
             with gr.Tab(title, id=tab_id, elem_id=f"tab-{tab_id}"):
                 if not hasattr(self, "hidden_state"):  # inside a tab: a bare child of gr.Tabs breaks tabs
@@ -315,10 +342,17 @@ class Form:
                 with body:
                     if "model" in prefixes:  # which family the model is, and its parts (webui/family_parts.py)
                         self.family_note = gr.Markdown("", elem_id="family-parts")
+                    groups: Dict[str, List[FieldSpec]] = {}  # settings listed one by one join their section
                     for prefix in prefixes:
-                        if len(prefixes) > 1:
-                            gr.Markdown(f"### {sw.label_of(prefix.split('.')[-1])}\n{sw.section_help(prefix)}")
-                        self._build_group([s for s in mine if prefix_of(s.key, all_prefixes) == prefix], prefix)
+                        own = [s for s in mine if prefix_of(s.key, all_prefixes) == prefix]
+                        single = len(own) == 1 and own[0].key == prefix and "." in prefix
+                        groups.setdefault(own[0].group if single else prefix, []).extend(own)
+                    for prefix, own in groups.items():
+                        if len(groups) > 1:
+                            title_, help_ = ADVANCED_HEADS.get(prefix) or (sw.label_of(prefix.split('.')[-1]),
+                                                                           sw.section_help(prefix))
+                            gr.Markdown(f"### {title_}\n{help_}")
+                        self._build_group(own, prefix)
                 for s in mine:
                     self.tab_of[s.key] = tab_id
                 if tab_id in extras:

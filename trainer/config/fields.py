@@ -108,7 +108,7 @@ def allowed(key: str) -> str:
 
 # the family's part slots (trainer.families Part.slot) -> their section under parts:
 PART_OF_SLOT = {"unet": "denoiser", "text_encoder": "text_encoder_1", "text_encoder_2": "text_encoder_2",
-                "text_encoder_3": "text_encoder_3"}
+                "text_encoder_3": "text_encoder_3", "text_encoder_4": "text_encoder_4"}
 
 
 def part_of(cfg: Any, slot: str) -> Any:

@@ -358,6 +358,8 @@ class PartsConfig:
     text_encoder_2: TextEncoderPart = f(help="The second text encoder: OpenCLIP-G (SDXL), T5-XXL (Flux).",
                                         factory=TextEncoderPart)
     text_encoder_3: TextEncoderPart = f(help="The third text encoder (families with three).", factory=TextEncoderPart)
+    text_encoder_4: TextEncoderPart = f(help="The fourth text encoder (HiDream-I1's Llama 3.1).",
+                                        factory=TextEncoderPart)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from trainer.families.common.describe import describe_non_checkpoint
 REGISTERED: Tuple[str, ...] = (
     "sd",
     "sdxl",
+    "sana",  # before PixArt, whose single-file keys (blocks.N.cross_attn.kv_linear) Sana shares
     "pixart",
     "flux",
     "cascade",
@@ -36,6 +37,7 @@ REGISTERED: Tuple[str, ...] = (
     "flux2",
     "wan",
     "ideogram4",
+    "hidream",
     "ernieimage",
 )
 
@@ -301,7 +303,6 @@ NOT_YET = (
     ("", "HunyuanDiT", "Hunyuan-DiT"),
     ("", "Kandinsky", "Kandinsky"),
     ("", "AuraFlow", "AuraFlow"),
-    ("", "Sana", "Sana"),
     ("", "Lumina", "Lumina"),
 )
 

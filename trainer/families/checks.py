@@ -178,7 +178,7 @@ def check_family_options(cfg: Any) -> None:
                               "hidden layer (clip skip is an SD 1.x/2.x/SDXL setting). Set it to 0.",
                               key="model.clip_skip", value=cfg.model.clip_skip)
     if t.method == "finetune" and info.finetune_slots:
-        for slot in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        for slot in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
             if part_of(cfg, slot).train and slot not in info.finetune_slots:
                 part = info.part(slot)
                 raise ConfigError(f"{part_key(slot, 'train')} is on with training.method = finetune, but a {info.label} "

@@ -186,12 +186,18 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
                 cls = getattr(transformers, (cfg.get("architectures") or ["CLIPTextModel"])[0])
             parts[name] = (build_model(cls, sub, dt) if build_model is not None
                            else cls.from_pretrained(str(folder), subfolder=name, **dkw))
-    # the pipeline's own settings (not components) that model_index.json records: Wan's boundary_ratio and
-    # expand_timesteps tell which model it is
+    # the pipeline's own settings (not components: those are [library, class] pairs) that model_index.json records:
+    # Wan's boundary_ratio and expand_timesteps tell which model it is, Krea 2's text_encoder_select_layers (a list)
+    # which hidden states its text features take
     index = folder / "model_index.json"
     settings = {k: v for k, v in (sd_configs.read_json(index) if index.is_file() else {}).items()
-                if k in optional and not isinstance(v, list) and not k.startswith("_")}
+                if k in optional and not _component_entry(v) and not k.startswith("_")}
     return pipeline_cls(**parts, **{**settings, **{k: v for k, v in common.items() if k in optional}})
+
+
+def _component_entry(value: Any) -> bool:
+    """A model_index.json entry naming a component: ``["diffusers", "AutoencoderKL"]`` (or ``[null, null]``)."""
+    return isinstance(value, list) and len(value) == 2 and all(v is None or isinstance(v, str) for v in value)
 
 
 def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = None,

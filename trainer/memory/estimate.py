@@ -378,7 +378,8 @@ def _vae_latent(model, size: Tuple[int, int], frames: int = 1):
     if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan, Qwen-Image)
         pixels = pixels.unsqueeze(2).expand(-1, -1, frames, -1, -1)
     with torch.no_grad():
-        return model.vae.encode(pixels).latent_dist.mean
+        out = model.vae.encode(pixels)
+    return out.latent if hasattr(out, "latent") else out.latent_dist.mean  # DC-AE (Sana) encodes deterministically
 
 
 def _sample_phase(model, method, optimizer, cfg, sp, autocast, extra, around,

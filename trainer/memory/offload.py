@@ -20,7 +20,7 @@ from accelerate import cpu_offload_with_hook
 
 log = logging.getLogger("atelier")
 
-TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+TEXT_SLOTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
 def text_frozen(method: Any) -> bool:

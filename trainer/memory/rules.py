@@ -22,7 +22,7 @@ def check_storage(cfg: Any) -> None:
             raise ConfigError(f"parts.denoiser.nf4 with lora.type = {cfg.lora.type}: DoRA, LoHa and LoKr read the base "
                               "weights, which are 4-bit packed here. Use lora.type = lora, or turn parts.denoiser.nf4 "
                               "off.", key="parts.denoiser.nf4", value=True)
-    for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3"):
+    for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
         for kind in ("fp8", "nf4"):
             if cfg.parts[part].get(kind, False) and cfg.parts[part].train:
                 raise ConfigError(f"parts.{part}.{kind} stores this text encoder's frozen weights in {kind}, but "

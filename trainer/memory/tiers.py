@@ -73,7 +73,8 @@ _RULES: List[Tuple[str, Callable[[Any], Any], Callable[[Any, Any], bool]]] = [
     ("training.optimizer.name", _optimizer_state, lambda tier, now: now > tier),
     ("training.method", lambda c: str(c.training.method), lambda tier, now: tier == "lora" and now != "lora"),
     ("parts.denoiser.dtype", lambda c: _WIDTH.get(str(c.parts.denoiser.dtype), 4), lambda tier, now: now > tier),
-] + [rule for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3") for rule in (
+] + [rule for part in ("text_encoder_1", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+   for rule in (
     (f"parts.{part}.fp8", lambda c, p=part: bool(c.parts[p].get("fp8", False)), lambda tier, now: tier and not now),
     (f"parts.{part}.train", lambda c, p=part: bool(c.parts[p].train), lambda tier, now: now and not tier),
     (f"parts.{part}.dtype", lambda c, p=part: _WIDTH.get(str(c.parts[p].dtype), 4), lambda tier, now: now > tier),

@@ -46,12 +46,14 @@ def forward_loss(state: RunState, batch, gen=None, device_gen=None):
     mask = choose_mask(batch.get("mask"), lc, gen)
     noisy_latents, clean = noisy, latents  # before the model's own input channels (loss.precondition_outputs)
     noisy = model.model_input(noisy, batch, gen, state.warn)  # inpainting: noisy ‖ mask ‖ masked-image latents
-    train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "embedding"} & set(state.method.modules)
+    train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "embedding"} & set(
+        state.method.modules)
     drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
     parts = state.cfg.parts
     encoders = [("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)]
-    if model.info.part("text_encoder_3") is not None:  # SD3's T5 (asked only of families that have a third)
-        encoders.append(("drop_te3", parts.text_encoder_3))
+    for n in (3, 4):  # SD3's T5, HiDream's T5 and Llama (asked only of families that have them)
+        if model.info.part(f"text_encoder_{n}") is not None:
+            encoders.append((f"drop_te{n}", parts[f"text_encoder_{n}"]))
     for key, part in encoders:
         if not part.enabled:  # switched off: the encoder only ever sees the empty caption
             drops[key] = [True] * latents.shape[0]

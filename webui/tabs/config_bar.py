@@ -20,7 +20,7 @@ from trainer.config.checks import load_config
 from trainer.config.load import preset_names, save_config, to_yaml
 from trainer.errors import ConfigError
 from webui.context import AUTO, AppContext, issues_md
-from webui.form import load_outputs, load_updates
+from webui.form import DATA_TABS, load_outputs, load_updates
 from webui.jobqueue import Job
 
 
@@ -159,30 +159,37 @@ def wire(ctx: AppContext) -> None:
               lambda: ["", ""], None, [c["qs_note"], failed], show_progress="hidden", queue=False)
 
     def submit(values: tuple, queue_only: bool) -> List[Any]:
+        """Start (or queue) the form's config. Outputs after the field notes: the top tabs, Data's tabs, the message,
+        Train's tabs, the run chooser. Refused: the tab of the first problem is shown; started: the live run."""
         checked = ctx.check(values)
         notes = form.annotate(checked.issues)
         if not checked.ok:
             first = checked.errors[0].key if checked.errors else ""
             tab = form.tab_for(first) if first else None
             msg = "**Nothing was started — fix these first:**\n" + issues_md(checked.issues, form)
-            return notes + [msg, gr.Tabs(selected=tab) if tab else gr.skip(), gr.skip()]
+            if tab is None:
+                return notes + [gr.skip(), gr.skip(), msg, gr.skip(), gr.skip()]
+            if tab in DATA_TABS:
+                return notes + [gr.Tabs(selected="data"), gr.Tabs(selected=tab), msg, gr.skip(), gr.skip()]
+            return notes + [gr.Tabs(selected="train"), gr.skip(), msg, gr.Tabs(selected=tab), gr.skip()]
         job = Job(name=ctx.run_name(checked.cfg), config_yaml=ctx.run_config_yaml(checked.cfg))
         warn = ("\n\n**Warnings:**\n" + issues_md(checked.issues, form)) if checked.issues else ""
         if queue_only:
             ctx.manager.queue.add(job)
-            return notes + [queued_note(ctx, job) + warn, gr.skip(), gr.skip()]
+            return notes + [gr.skip(), gr.skip(), queued_note(ctx, job) + warn, gr.skip(), gr.skip()]
         status, run_dir, job = ctx.manager.submit(job)
         if status == "started" and run_dir is not None:
-            return notes + [f"Started **{run_dir.name}**.{warn}", gr.Tabs(selected="run"),
+            return notes + [show_runs(ctx), gr.skip(), f"Started **{run_dir.name}**.{warn}", gr.skip(),
                             ctx.watch(run_dir.name)]
-        return notes + [f"A run is in progress: queued **{job.name}** behind it.{warn}",
-                        gr.Tabs(selected="queue"), ctx.watch(AUTO)]
+        return notes + [show_runs(ctx), gr.skip(), f"A run is in progress: queued **{job.name}** behind it.{warn}",
+                        gr.skip(), ctx.watch(AUTO)]
 
-    submit_outs = checked_outs + [c["tabs"], c["run_select"], flagged]
+    submit_outs = checked_outs[:-1] + [c["tabs"], c["data_tabs"], c["messages"], c["train_tabs"], c["run_select"],
+                                       flagged]
     # the wait shows on the message line, where the answer comes, not as an overlay on each annotated field
     progress = {"show_progress_on": [c["messages"]], "concurrency_limit": 1}
-    c["start"].click(lambda *a: only_changed(submit(a[:-1], False), a[-1]), [*form.inputs, flagged], submit_outs,
-                     **progress)
+    c["start_event"] = c["start"].click(lambda *a: only_changed(submit(a[:-1], False), a[-1]),
+                                        [*form.inputs, flagged], submit_outs, **progress)
     c["enqueue"].click(lambda *a: only_changed(submit(a[:-1], True), a[-1]), [*form.inputs, flagged], submit_outs,
                        **progress)
 
@@ -201,6 +208,16 @@ def wire(ctx: AppContext) -> None:
         dep.then(save_draft, form.inputs, None, show_progress="hidden", queue=False)
 
 
+RUNS_TAB = "run"  # the Runs tab's id: the live run is at its top
+
+
+def show_runs(ctx: AppContext) -> Any:
+    """Select the Runs tab (after Start, Resume, Watch), and remember it: a reload then lands on the live run too
+    (a tab chosen by the server sends no select event of its own)."""
+    write_ui_state(ctx, tab=RUNS_TAB)
+    return gr.Tabs(selected=RUNS_TAB)
+
+
 def queued_note(ctx: AppContext, job: Job) -> str:
     """Where a job just added waits: its place in the queue and what runs before it (a job added while nothing
     runs is started by the scheduler within a second, so the next one added is again first in the queue)."""
@@ -208,7 +225,7 @@ def queued_note(ctx: AppContext, job: Job) -> str:
     place = next((i + 1 for i, j in enumerate(jobs) if j.id == job.id), None)
     active = ctx.manager.active_runs()
     if place is None:
-        return f"Queued **{job.name}**: it has already started (see the Run tab)."
+        return f"Queued **{job.name}**: it has already started (see the Runs tab)."
     ahead = f"behind the running **{active[0].name}**" if active else "it starts within a few seconds"
     waiting = f" and {place - 1} queued job(s)" if place > 1 and active else ""
     return f"Queued **{job.name}** — position {place} in the queue, {ahead}{waiting}."

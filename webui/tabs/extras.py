@@ -19,6 +19,7 @@ from webui.imagefiles import open_rgb, page_images, skipped_md
 from webui.pairs import role_badge
 from webui.pathlist import resolve_path, split_lines
 from webui.schema_widgets import table_from_widget
+from webui.tabs.config_bar import show_runs
 from webui.tabs.tools import dataset_check
 
 THUMBS = 24
@@ -261,8 +262,8 @@ def follow_runs(ctx: AppContext, tab: str, btn: Any, msg: Any, action: str) -> N
             return [gr.skip(), gr.skip()]
         return [gr.Button(interactive=_active_or_watched(ctx) is not None), now_line(ctx, action)]
 
-    ctx.after_build.append(lambda: ctx["tabs"].select(opened, None, [btn, msg], show_progress="hidden",
-                                                      queue=False))
+    ctx.after_build.append(lambda: ctx["train_tabs"].select(opened, None, [btn, msg], show_progress="hidden",
+                                                            queue=False))
     ctx.handlers[f"{tab}_opened"] = opened
 
 
@@ -313,9 +314,8 @@ def backup(ctx: AppContext) -> None:
                                               resume=str(path)))
         if status == "started":
             return [f"Resuming **{run_dir.name}** from `{Path(path).name}`.", ctx.watch(run_dir.name),
-                    gr.Tabs(selected="run")]
-        return ["Another run is in progress: the resume was queued.", ctx.watch(AUTO),
-                gr.Tabs(selected="queue")]
+                    show_runs(ctx)]
+        return ["Another run is in progress: the resume was queued.", ctx.watch(AUTO), show_runs(ctx)]
 
     btn.click(now, None, [msg])
     follow_runs(ctx, "backup", btn, msg, "backup")

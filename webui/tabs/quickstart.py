@@ -112,10 +112,19 @@ def fill(kind: str, what: str, model_path: str, images: str, card_gib: Optional[
                          "and **Start training**.")
 
 
+QUICK_TITLE = "Quick start: a few choices fill the form"
+
+
+def folded(preset: Optional[str], what: str = "") -> Any:
+    """The Quick start once the form is set: folded, its title saying what set the form (a returning user, a fill)."""
+    said = what or (f"the form holds preset {preset}" if preset else "the form holds your last settings")
+    return gr.Accordion(label=f"Quick start (used: {said}; open to choose again)", open=False)
+
+
 def build(ctx: AppContext, card_gib: Optional[float]) -> None:
     """The Quick start accordion. ``card_gib``: the GPU's memory, None on a machine without one (the field then
     starts empty and the family's base preset is used until the user types their card's size)."""
-    with gr.Accordion("Quick start: a few choices fill the form", open=True, elem_id="quickstart") as fold:
+    with gr.Accordion(QUICK_TITLE, open=True, elem_id="quickstart") as fold:
         ctx.components["quickstart"] = fold  # folded on a reload that restores a draft (a returning user)
         with gr.Row(equal_height=True):
             kind = gr.Dropdown([(c.label, key) for key, c in quick_choices().items()], value=None,
@@ -153,17 +162,20 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
             gib = float(gib) if gib and float(gib) > 0 else None
             cfg, preset, message = fill(k or "", w, path, folder, gib, resolve_path)
             if cfg is None:
-                return [gr.skip()] * len(load_outputs(form)) + [gr.skip(), message, gr.skip(), message]
+                return [gr.skip()] * len(load_outputs(form)) + [gr.skip(), gr.skip(), message, gr.skip(), message]
             values = form.values_for(cfg)
             write_draft(ctx, form.raw_dict(values))
             write_ui_state(ctx, preset=preset)
-            # the form's old messages ("Settings look good", a refusal) were about the form this fill replaced
-            return load_updates(form, values) + [gr.Dropdown(value=preset), message, "", ""]
+            # the form's old messages ("Settings look good", a refusal) were about the form this fill replaced;
+            # the Quick start folds away, its title saying what it set (the note stays inside, for a second look)
+            said = f"preset {preset}" + (f", model {path.strip()}" if (path or "").strip() else "") + \
+                (f", images {folder.strip()}" if (folder or "").strip() else "")
+            return load_updates(form, values) + [folded(preset, said), gr.Dropdown(value=preset), message, message, ""]
 
         ctx.handlers["quickstart_fill"] = do_fill
         go.click(do_fill, [kind, what, model, images, card],
-                 load_outputs(form) + [ctx["preset"], note, ctx["messages"], failed])
+                 load_outputs(form) + [fold, ctx["preset"], note, ctx["messages"], failed])
     ctx.after_build.append(wire)
 
 
-__all__ = ["METHODS", "STEPS", "build", "fill", "memory_tiers", "methods_of", "preset_for", "problems"]
+__all__ = ["METHODS", "QUICK_TITLE", "STEPS", "build", "fill", "folded", "memory_tiers", "methods_of", "preset_for", "problems"]

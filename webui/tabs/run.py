@@ -1,4 +1,5 @@
-"""The Run tab: live progress, loss/LR charts, samples, log tail, Stop / sample now / backup now.
+"""The live run, at the top of the Runs tab: progress, the loss chart beside the samples, the LR chart, the log
+tail, Stop / Sample now / Backup now / Resume.
 
 The tab shows the run folder (through the shared :class:`~webui.monitor.RunMonitor`), so the page holds no
 state of its own: a reload, a second browser or a restarted UI shows the same run. It is refreshed when what it
@@ -21,6 +22,8 @@ import pandas as pd
 from trainer.events import TERMINAL
 from webui import runner
 from webui.context import AUTO, AppContext
+from webui.jobqueue import Job
+from webui.tabs.config_bar import show_runs
 from webui.downloads import human_size, result_file, zip_for_page
 from webui.family_parts import run_part_labels
 from webui.mdtext import md_escape, md_fence
@@ -39,25 +42,30 @@ def make_run_select(ctx: AppContext) -> gr.Dropdown:
 
 
 def build(ctx: AppContext) -> None:
+    """The live-run panel. Laid out so that at 1440x900 the status, the loss and the newest samples are in view
+    under the tab bar (ai-toolkit's job page: progress, loss and samples of one job on one screen)."""
     with gr.Row(equal_height=True):
         ctx["run_select"].render()
         stop = gr.Button("■ Stop", variant="stop", elem_id="stop-btn", scale=1)
         sample = gr.Button("Sample now", elem_id="sample-now-btn", scale=1)
         backup = gr.Button("Backup now", elem_id="backup-now-btn", scale=1)
+        resume = gr.Button("Resume", elem_id="run-resume-btn", scale=1)
     status = gr.HTML(status_html(None), elem_id="run-status")
     action_msg = gr.Markdown(elem_id="run-action-msg")
     with gr.Row():
         loss_plot = gr.LinePlot(x="step", y="value", color="series", title="Loss", elem_id="loss-plot",
-                                height=260)
-        lr_plot = gr.LinePlot(x="step", y="value", color="series", title="Learning rate", elem_id="lr-plot",
-                              height=260)
-    order = gr.Radio(["newest first", "by prompt"], value="newest first", label="Samples",
-                     elem_id="sample-order")
-    gallery = gr.Gallery(label="Samples", columns=4, height=420, elem_id="sample-gallery", object_fit="contain")
+                                height=260, scale=1)
+        with gr.Column(scale=1):
+            gallery = gr.Gallery(label="Samples", columns=4, height=260, elem_id="sample-gallery",
+                                 object_fit="contain")
+            order = gr.Radio(["newest first", "by prompt"], value="newest first", show_label=False,
+                             elem_id="sample-order")
     with gr.Row(equal_height=True, elem_id="run-downloads"):
         download = gr.DownloadButton("⬇ Download result", visible=False, elem_id="download-result", scale=2)
         make_zip = gr.Button("Zip this run (config, logs, samples, result)", elem_id="zip-run-btn", scale=2)
         zip_file = gr.DownloadButton("⬇ Download zip", visible=False, elem_id="download-zip", scale=2)
+    lr_plot = gr.LinePlot(x="step", y="value", color="series", title="Learning rate", elem_id="lr-plot",
+                          height=220)
     problems = gr.Markdown(elem_id="run-problems")
     log = gr.HTML(elem_id="run-log")
     seen = gr.State({})
@@ -150,10 +158,38 @@ def build(ctx: AppContext) -> None:
                  [action_msg, seen])
     backup.click(lambda s, last: with_fresh_action(s, do_action(s, "backup"), last), [ctx["run_select"], seen],
                  [action_msg, seen])
+
+    def do_resume(selected: str) -> List[Any]:
+        run_dir = ctx.resolve_watched(selected)
+        if run_dir is None:
+            return ["No run to resume.", gr.skip(), gr.skip()]
+        return resume_run_dir(ctx, run_dir)
+
+    resume.click(do_resume, [ctx["run_select"]], [action_msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
+    ctx.handlers["run_resume"] = do_resume
     ctx.components["run_action_msg"] = action_msg
 
 
 ACTION_SETTLE_S = 10.0
+
+
+def resume_run_dir(ctx: AppContext, run_dir: Path) -> List[Any]:
+    """Resume a stopped run from its last backup, into its own folder: [message, run chooser, tabs]. A finished run
+    is not trained again (``--resume last`` would train its last stretch once more and overwrite the result)."""
+    v = ctx.monitor.view(run_dir)
+    if v.active or runner.process_alive(run_dir):
+        return ["This run is still running.", gr.skip(), gr.skip()]
+    if v.state == "finished":
+        return [f"**{run_dir.name}** finished at step {v.step}: there is nothing left to resume. To train "
+                "longer, use \"New run from this config\" with more epochs (and the result as the starting "
+                "point if you like).", gr.skip(), gr.skip()]
+    if not v.backups:
+        return ["This run has no backup to resume from.", gr.skip(), gr.skip()]
+    status, _, _ = ctx.manager.submit(Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last"))
+    if status == "started":
+        return [f"Resuming **{run_dir.name}** from its last backup.", ctx.watch(run_dir.name), show_runs(ctx)]
+    return [f"Another run is in progress: queued the resume of **{run_dir.name}**.", ctx.watch(AUTO),
+            show_runs(ctx)]
 
 
 def _click_settling(seen_action: Any, sig: Any) -> bool:
@@ -228,7 +264,8 @@ def status_html(view: Optional[RunView]) -> str:
         bits.append(f"ETA {format_duration(view.eta_s)}")
     extra = ""
     if view.state == "stopped" and view.backups:
-        extra = f'<div class="atl-note">Backup: <code>{html.escape(Path(view.backups[-1]).name)}</code></div>'
+        extra = (f'<div class="atl-note">Backup: <code>{html.escape(Path(view.backups[-1]).name)}</code> — '
+                 '<b>Resume</b> continues from it.</div>')
     if view.state in ("failed", "died") and view.message:
         extra = f'<div class="atl-note atl-err">{html.escape(view.message.splitlines()[0])}</div>'
     if view.state == "finished" and view.outputs:

@@ -1,5 +1,6 @@
-"""The Runs tab: every run folder with its state, config, outputs, loss curve and samples;
-"watch", "new run from this config" and "resume" (``--resume last`` into the same folder)."""
+"""The run history, below the live run on the Runs tab: every run folder with its state, config, outputs, loss
+curve and samples; "watch" (shows it in the live panel above), "new run from this config" and "resume"
+(``--resume last`` into the same folder); compare runs."""
 
 from __future__ import annotations
 
@@ -16,10 +17,9 @@ from webui import runner
 from webui.context import AUTO, AppContext
 from webui.downloads import DOWNLOADS, human_size, zip_for_page
 from webui.form import load_outputs, load_updates
-from webui.jobqueue import Job
 from webui.monitor import age
-from webui.tabs.config_bar import write_draft
-from webui.tabs.run import STATE_WORDS, chart_frames, download_button, gallery_items
+from webui.tabs.config_bar import show_runs, write_draft
+from webui.tabs.run import STATE_WORDS, chart_frames, download_button, gallery_items, resume_run_dir
 
 COLUMNS = ["run", "state", "steps", "last loss", "started", "backups", "outputs"]
 
@@ -43,7 +43,7 @@ def build(ctx: AppContext) -> None:
     table = gr.Dataframe(pd.DataFrame([], columns=COLUMNS), interactive=False, elem_id="runs-table", wrap=True)
     with gr.Row(equal_height=True):
         pick = gr.Dropdown(ctx.run_names(), label="Run", elem_id="runs-pick", scale=3)
-        watch = gr.Button("Watch in Run tab", scale=1, elem_id="runs-watch")
+        watch = gr.Button("Show above", scale=1, elem_id="runs-watch")
         reuse = gr.Button("New run from this config", scale=1, elem_id="runs-reuse")
         resume = gr.Button("Resume", variant="primary", scale=1, elem_id="runs-resume")
     msg = gr.Markdown(elem_id="runs-msg")
@@ -156,7 +156,7 @@ def build(ctx: AppContext) -> None:
     def watch_run(name: Optional[str]) -> List[Any]:
         if not ctx.run_dir(name or ""):
             return [gr.skip(), gr.skip()]
-        return [ctx.watch(name or AUTO), gr.Tabs(selected="run")]
+        return [ctx.watch(name or AUTO), show_runs(ctx)]
 
     watch.click(watch_run, [pick], [ctx["run_select"], ctx["tabs"]])
 
@@ -176,30 +176,17 @@ def build(ctx: AppContext) -> None:
         note = f"Loaded the config of **{name}** into the form (run name cleared)."
         values = form.values_for(cfg)
         write_draft(ctx, form.raw_dict(values))
-        return load_updates(form, values) + [note, gr.Tabs(selected="general")]
+        return load_updates(form, values) + [note, gr.Tabs(selected="train")]
 
-    reuse.click(reuse_config, [pick], load_outputs(form) + [ctx["messages"], ctx["tabs"]])
+    # wired once the whole form is built (its Data tabs come after this tab)
+    ctx.after_build.append(lambda: reuse.click(reuse_config, [pick],
+                                               load_outputs(form) + [ctx["messages"], ctx["tabs"]]))
 
     def resume_run(name: Optional[str]) -> List[Any]:
         run_dir = ctx.run_dir(name or "")
         if run_dir is None:
             return ["Pick a run first.", gr.skip(), gr.skip()]
-        v = ctx.monitor.view(run_dir)
-        if v.active:
-            return ["This run is still running.", gr.skip(), gr.skip()]
-        if v.state == "finished":  # --resume last would train its last stretch again and overwrite the result
-            return [f"**{run_dir.name}** finished at step {v.step}: there is nothing left to resume. To train "
-                    "longer, use \"New run from this config\" with more epochs (and the result as the starting "
-                    "point if you like).", gr.skip(), gr.skip()]
-        if not v.backups:
-            return ["This run has no backup to resume from.", gr.skip(), gr.skip()]
-        job = Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last")
-        status, started, _ = ctx.manager.submit(job)
-        if status == "started":
-            return [f"Resuming **{run_dir.name}** from its last backup.", ctx.watch(run_dir.name),
-                    gr.Tabs(selected="run")]
-        return [f"Another run is in progress: queued the resume of **{run_dir.name}**.", ctx.watch(AUTO),
-                gr.Tabs(selected="queue")]
+        return resume_run_dir(ctx, run_dir)
 
     resume.click(resume_run, [pick], [msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
     ctx.handlers.update(run_details=details, reuse_config=reuse_config, resume_run=resume_run,

@@ -1,6 +1,7 @@
-"""The Tools tab (small on purpose): the form as YAML, a dataset check, how to open TensorBoard on
-the workspace, and the model tools (``python -m trainer convert|merge|resize|sample``), run in a
-subprocess so that the UI process never imports torch."""
+"""The Tools tab — the model tools (``python -m trainer convert|merge|resize|sample``; the sampled images shown on
+the page), the form as YAML, TensorBoard on the workspace — and the Data tab's "Captions and masks" (a dataset check,
+captioning and masking a folder, the caption editor, the mask painter). The tools run in a subprocess so that the UI
+process never imports torch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import gradio as gr
 
@@ -115,11 +116,14 @@ def dataset_check(ctx: AppContext, elem_prefix: str) -> None:
 
 
 def build(ctx: AppContext) -> None:
+    """The Tools tab: the model tools first (open), then the form as YAML and TensorBoard."""
     assert ctx.form is not None
     form = ctx.form
-    show = gr.Button("Show the form as YAML", elem_id="tools-yaml-btn")
-    out_md = gr.Markdown(elem_id="tools-msg")
-    code = gr.Code(language="yaml", label="Config", elem_id="tools-yaml", max_lines=60)
+    model_tools(ctx)
+    with gr.Accordion("The form as YAML", open=False, elem_id="tools-yaml-fold"):
+        show = gr.Button("Show the form as YAML", elem_id="tools-yaml-btn")
+        out_md = gr.Markdown(elem_id="tools-msg")
+        code = gr.Code(language="yaml", label="Config", elem_id="tools-yaml", max_lines=60)
     tensorboard_section(ctx)
 
     def as_yaml(*values: Any) -> List[Any]:
@@ -129,8 +133,12 @@ def build(ctx: AppContext) -> None:
         return [issues_md(checked.issues, form), to_yaml(checked.cfg)]
 
     show.click(as_yaml, form.inputs, [out_md, code])
+
+
+def build_data(ctx: AppContext) -> None:
+    """The Data tab's "Captions and masks": the dataset check, captioning and masking a folder, the caption editor
+    and the mask painter."""
     dataset_check(ctx, "tools")
-    model_tools(ctx)
     dataset_tools(ctx)
     captions.build(ctx)
     maskpaint.build(ctx)
@@ -278,14 +286,24 @@ def run_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = sys
     return result
 
 
-def progress_updates(argv: List[str]) -> Iterator[List[Any]]:
-    """[message, tail] for the page while a tool runs, then its result."""
+def progress_updates(argv: List[str], wrote: Optional[List[str]] = None) -> Iterator[List[Any]]:
+    """[message, tail] for the page while a tool runs, then its result; ``wrote`` gets the paths it wrote."""
     cmd = "python -m trainer " + " ".join(_quote(a) for a in argv)
     for result in stream_tool(argv):
         if result.get("rc") is None and "elapsed" in result:
             yield [f"Running `{cmd}` ({result['elapsed']:.0f} s) — **Cancel** stops it.", result["tail"]]
         else:
+            if wrote is not None:
+                wrote[:] = result.get("outputs") or []
             yield [describe_tool_result(argv, result), result["tail"]]
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def tool_images(outputs: List[str], shown: Callable[[str], bool]) -> List[str]:
+    """The images among a tool's outputs that the page may show."""
+    return [p for p in outputs if p.lower().endswith(IMAGE_SUFFIXES) and os.path.isfile(p) and shown(p)]
 
 
 def describe_tool_result(argv: List[str], result: Dict[str, Any]) -> str:
@@ -316,9 +334,10 @@ def run_controls(prefix: str, label: str) -> Tuple[Any, Any, Any, Any]:
 
 def model_tools(ctx: AppContext) -> None:
     """The "Model tools" section: one small form for convert / merge / resize / sample."""
-    with gr.Accordion("Model tools", open=False, elem_id="tools-model"):
-        gr.Markdown("Convert a model between a diffusers folder and one `.safetensors` file, merge LoRAs into it, "
-                    "lower a LoRA's rank, or draw images. Runs `python -m trainer <tool>`; SD 1.x/2.x and SDXL.")
+    with gr.Group(elem_id="tools-model"):
+        gr.Markdown("### Model tools\nConvert a model between a diffusers folder and one `.safetensors` file, merge "
+                    "LoRAs into it, lower a LoRA's rank, or draw images with it (and LoRAs). Runs "
+                    "`python -m trainer <tool>`; every family the trainer knows.")
         with gr.Row():
             tool = gr.Radio(list(MODEL_TOOLS), value="convert", label="Tool", elem_id="tools-model-tool")
             to = gr.Dropdown(["single-file", "diffusers"], value="single-file", label="Convert to",
@@ -329,21 +348,38 @@ def model_tools(ctx: AppContext) -> None:
         loras = gr.Textbox(label="LoRA files, one a line, FILE[:WEIGHT] (resize: the one LoRA)", lines=2,
                            elem_id="tools-model-loras")
         with gr.Row():
-            rank = gr.Number(label="Resize: new rank", value=None, precision=0, elem_id="tools-model-rank")
-            prompt = gr.Textbox(label="Sample: prompt", elem_id="tools-model-prompt")
+            rank = gr.Number(label="Resize: new rank", value=None, precision=0, elem_id="tools-model-rank",
+                             visible=False)
+            prompt = gr.Textbox(label="Sample: prompt", elem_id="tools-model-prompt", visible=False)
             steps = gr.Number(label="Steps (empty = the model's own)", value=None, precision=0,
-                              elem_id="tools-model-steps")
-            seed = gr.Number(label="Seed", value=42, precision=0, elem_id="tools-model-seed")
-            count = gr.Number(label="Images", value=1, precision=0, elem_id="tools-model-count")
+                              elem_id="tools-model-steps", visible=False)
+            seed = gr.Number(label="Seed", value=42, precision=0, elem_id="tools-model-seed", visible=False)
+            count = gr.Number(label="Images", value=1, precision=0, elem_id="tools-model-count", visible=False)
         with gr.Row():
             out = gr.Textbox(label="Output (file or folder; empty = next to the input)", elem_id="tools-model-out")
             overwrite = gr.Checkbox(label="Overwrite", value=False, elem_id="tools-model-overwrite")
         go, cancel, msg, tail = run_controls("tools-model", "Run the tool")
+        images = gr.Gallery(label="Sampled images", columns=4, height=300, object_fit="contain",
+                            elem_id="tools-model-images", visible=False)
+
+    # each tool shows its own fields (the widgets keep their values while hidden)
+    fields = {"to": to, "dtype": dtype, "model": model, "loras": loras, "rank": rank, "prompt": prompt,
+              "steps": steps, "seed": seed, "count": count, "images": images}
+    uses = {"convert": ("to", "dtype", "model"), "merge": ("dtype", "model", "loras"), "resize": ("loras", "rank"),
+            "sample": ("model", "loras", "prompt", "steps", "seed", "count", "images")}
+
+    def pick_tool(name: str) -> List[Any]:
+        return [gr.update(visible=key in uses.get(name, ())) for key in fields]
+
+    tool.change(pick_tool, [tool], list(fields.values()), show_progress="hidden")
+    ctx.handlers["tools_model_pick"] = pick_tool
 
     confine = ctx.allowed_path
 
+    written: Dict[str, List[str]] = {}  # page session -> what its last tool run wrote
+
     def run(tool_v, to_v, dtype_v, model_v, loras_v, rank_v, prompt_v, steps_v, seed_v, count_v, out_v,
-            overwrite_v) -> List[Any]:
+            overwrite_v, request: gr.Request = None) -> List[Any]:
         model_v, why = confine(model_v, "The model")
         lines = []
         for line in (loras_v or "").splitlines():
@@ -359,6 +395,8 @@ def model_tools(ctx: AppContext) -> None:
         if (out_v or "").strip():
             out_v, why_out = confine(out_v, "The output")
             why = why or why_out
+        wrote = written.setdefault(getattr(request, "session_hash", None) or "", [])
+        wrote.clear()
         if why:
             yield [f"Error: {why}", ""]
             return
@@ -368,10 +406,18 @@ def model_tools(ctx: AppContext) -> None:
         if not argv:
             yield [f"Error: {tool_v}: {missing}.", ""]
             return
-        yield from progress_updates(argv)
+        yield from progress_updates(argv, wrote)
 
-    ctx.handlers["tools_model_run"] = run
+    def sampled(request: gr.Request = None) -> Any:
+        """The images the last tool run of this page wrote, shown on the page: a share link's user cannot open a
+        path on the server."""
+        shown = tool_images(written.pop(getattr(request, "session_hash", None) or "", []), ctx.roots.allowed)
+        return gr.Gallery(value=shown or None, visible=bool(shown))
+
+    ctx.handlers.update(tools_model_run=run, tools_model_images=sampled)
+    go.click(lambda: gr.Gallery(value=None, visible=False), None, [images], queue=False, show_progress="hidden")
     job = go.click(run, [tool, to, dtype, model, loras, rank, prompt, steps, seed, count, out, overwrite], [msg, tail])
+    job.then(sampled, None, [images], show_progress="hidden")
     cancel.click(lambda: "Cancelled: the tool was stopped; nothing half-written is left (outputs are renamed "
                  "into place only when complete).", None, [msg], cancels=[job])
 

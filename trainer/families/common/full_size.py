@@ -63,6 +63,15 @@ QWEN25_VL_7B = {
                       "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
                       "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
 }
+# Qwen/Qwen-Image vae/config.json (AutoencoderKLQwenImage; Krea 2 uses it too)
+QWEN_IMAGE_VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
+                  "temperal_downsample": [False, True, True], "dropout": 0.0}
+# google/gemma-2-2b: Lumina 2's and Sana's text encoder
+GEMMA2_2B = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000, "max_position_embeddings": 8192,
+             "rms_norm_eps": 1e-06, "sliding_window": 4096, "query_pre_attn_scalar": 256,
+             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+             "layer_types": None}
 #: ``model_max_length`` of the real tokenizers (the families cap the length they use themselves)
 T5_MAX_LENGTH = 512
 QWEN_MAX_LENGTH = 131072

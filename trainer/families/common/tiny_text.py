@@ -99,3 +99,24 @@ def write_tiny_mistral_tokenizer(folder: Path, max_length: int = 512) -> None:
         "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}),
         encoding="utf-8")
+
+
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids 0-3
+
+
+def write_tiny_gemma_tokenizer(folder: Path, max_length: int = 256) -> None:
+    """A Gemma-style tokenizer (Lumina 2, Sana): every byte a token plus Gemma's ``▁``, Gemma's special tokens, ``<bos>`` before each text."""
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(GEMMA_SPECIAL)}
+    for ch in ["\u2581", *sorted(set(bytes_to_unicode().values()))]:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(GEMMA_SPECIAL)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizerFast", "model_max_length": max_length, "bos_token": "<bos>",
+        "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True,
+        "add_eos_token": False}), encoding="utf-8")

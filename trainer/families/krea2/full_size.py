@@ -1,11 +1,11 @@
 """Full-size configs of Krea 2 (krea/Krea-2-Raw; Turbo is the same model with the pipeline's ``is_distilled``): see
 :mod:`trainer.families.common.full_size`. The transformer is the released config (``keys.CONFIG``: diffusers'
-``Krea2Transformer2DModel`` defaults, ai-toolkit's ``single_mmdit_large_wide``); the VAE is Qwen-Image's; the text
-encoder is Qwen/Qwen3-VL-4B-Instruct's config.json (its vision tower included, as the pipeline loads it)."""
+``Krea2Transformer2DModel`` defaults, ai-toolkit's ``single_mmdit_large_wide``); the VAE is Qwen-Image's
+(``QWEN_IMAGE_VAE``); the text encoder is Qwen/Qwen3-VL-4B-Instruct's config.json (its vision tower included, as the
+pipeline loads it)."""
 
-from trainer.families.common.full_size import QWEN_MAX_LENGTH
+from trainer.families.common.full_size import QWEN_IMAGE_VAE, QWEN_MAX_LENGTH
 from trainer.families.krea2.keys import CONFIG
-from trainer.families.qwenimage.full_size import VAE
 
 # Qwen/Qwen3-VL-4B-Instruct config.json
 QWEN3_VL_4B = {
@@ -24,7 +24,7 @@ SELECT_LAYERS = [2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35]
 
 def _spec(tiny: str) -> dict:
     return {"tiny": tiny, "configs": {"transformer": {k: v for k, v in CONFIG.items() if k != "_class_name"},
-                                      "vae": VAE, "text_encoder": QWEN3_VL_4B},
+                                      "vae": QWEN_IMAGE_VAE, "text_encoder": QWEN3_VL_4B},
             "model_index": {"text_encoder_select_layers": SELECT_LAYERS},
             "max_length": {"tokenizer": QWEN_MAX_LENGTH}}
 

@@ -7,44 +7,21 @@ global RNG."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Dict
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
-from trainer.families.common.sd_kit.tiny import bytes_to_unicode
 from trainer.families.common.tiny_store import store_tiny
+from trainer.families.common.tiny_text import write_tiny_gemma_tokenizer
 from trainer.families.lumina2.keys import diffusers_to_original
 
 TINY_VERSION = 1
 # Lumina-Image-2.0's scheduler: flow matching with a fixed shift (a real folder's scheduler config decides)
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0, "use_dynamic_shifting": False}
-SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # Gemma's ids 0-3
-
-
-def write_tiny_gemma_tokenizer(folder: Path, max_length: int = 256) -> None:
-    """Every byte a token plus Gemma's ``▁``, Gemma's special tokens, ``<bos>`` before each text."""
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIAL)}
-    for ch in ["\u2581", *sorted(set(bytes_to_unicode().values()))]:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "GemmaTokenizerFast", "model_max_length": max_length, "bos_token": "<bos>",
-        "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True,
-        "add_eos_token": False}), encoding="utf-8")
-
-
 def build_tiny_pipeline(folder: Path, seed: int = 0):
     write_tiny_gemma_tokenizer(folder / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))

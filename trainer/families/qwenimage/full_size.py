@@ -2,17 +2,15 @@
 transformer, VAE and Qwen2.5-VL; 2511's transformer has ``zero_cond_t``): see :mod:`trainer.families.common.full_size`.
 The edit models' config folders keep the tiny model's ``processor/`` (the real image processor settings)."""
 
-from trainer.families.common.full_size import QWEN25_VL_7B, QWEN_MAX_LENGTH
+from trainer.families.common.full_size import QWEN25_VL_7B, QWEN_IMAGE_VAE, QWEN_MAX_LENGTH
 
 TRANSFORMER = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
                "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
                "axes_dims_rope": [16, 56, 56]}
-VAE = {"base_dim": 96, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
-       "temperal_downsample": [False, True, True], "dropout": 0.0}
 
 
 def _spec(tiny: str, **transformer) -> dict:
-    return {"tiny": tiny, "configs": {"transformer": dict(TRANSFORMER, **transformer), "vae": VAE,
+    return {"tiny": tiny, "configs": {"transformer": dict(TRANSFORMER, **transformer), "vae": QWEN_IMAGE_VAE,
                                       "text_encoder": QWEN25_VL_7B},
             "max_length": {"tokenizer": QWEN_MAX_LENGTH}}
 
