@@ -142,6 +142,9 @@ ROWS = [
     # the conditional transformer trains; samples guide with the unconditional one (the pipeline's two-model CFG)
     Row("ideogram4", "tiny-ideogram4", "demo-ideogram4", settings=("lora.unet_targets=all", "lora.alpha=32"),
         prompt_kwargs={"guidance_scale": 4.0, "max_sequence_length": 64}),
+    # text tokens after the image's, its RoPE offset by each caption's length; the LoRA in ComfyUI's generic layout
+    Row("ernieimage", "tiny-ernie-image", "demo-ernie-image",
+        settings=("lora.unet_targets=all", "lora.alpha=32", "training.learning_rate=0.03")),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

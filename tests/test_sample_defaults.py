@@ -34,7 +34,8 @@ TINY = ["tiny-sd", "tiny-sdxl", "tiny-pixart", "tiny-flux", "tiny-flux-schnell",
         "tiny-wuerstchen", "tiny-sd3", "tiny-chroma", "tiny-zimage", "tiny-qwen-image", "tiny-qwen-image-edit",
         "tiny-flux2-klein", "tiny-flux2-dev", "tiny-wan21", "tiny-wan22-5b", "tiny-wan22-a14b", "tiny-sana",
         "tiny-hidream",
-        "tiny-krea2-turbo"]  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
+        "tiny-krea2-turbo",  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
+        "tiny-ernie-image"]
 
 
 def _every_declared():

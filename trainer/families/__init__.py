@@ -38,6 +38,7 @@ REGISTERED: Tuple[str, ...] = (
     "wan",
     "ideogram4",
     "hidream",
+    "ernieimage",
 )
 
 
