@@ -47,7 +47,7 @@ from trainer.families.common.transformer_kit import (
     save_transformer_file,
 )
 from trainer.families.qwenimage21.keys import config_from_original, diffusers_to_original, original_to_diffusers
-from trainer.families.qwenimage21.processor import load_processor
+from trainer.families.qwenimage21.processor import ProcessorAt, QwenImage21Loading
 from trainer.families.sources import classify_source, detect_source_family
 from trainer.objectives import flow_objective_for
 
@@ -106,14 +106,14 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
         hub = {"cache_dir": getattr(mcfg, "cache_dir", "") or None, "revision": getattr(mcfg, "revision", "") or None}
         if self.source.kind == "single_file":
             rest = getattr(mcfg, "config_path", "") or OFFICIAL
-            pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=QwenImage21Pipeline,
+            pipe = pipeline_with_transformer_file(self, mcfg, dtypes, pipeline_cls=QwenImage21Loading,
                                                   transformer_cls=QwenImage21Transformer2DModel,
                                                   config=config_from_original, to_diffusers=original_to_diffusers,
                                                   official=OFFICIAL, layout="the original layout",
-                                                  processor=load_processor(rest, **hub))
+                                                  processor=ProcessorAt(rest, **hub))
         else:
-            pipe = sources.load_pipeline(QwenImage21Pipeline, self.source, mcfg, workspace, family=self.family,
-                                         dtype=dtypes, processor=load_processor(self.source.location, **hub))
+            pipe = sources.load_pipeline(QwenImage21Loading, self.source, mcfg, workspace, family=self.family,
+                                         dtype=dtypes, processor=ProcessorAt(self.source.location, **hub))
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.processor = pipe.text_encoder, pipe.processor
         self.tokenizer = pipe.processor.tokenizer

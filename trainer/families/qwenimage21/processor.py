@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from diffusers import QwenImage21Pipeline
 from transformers import AutoTokenizer, Qwen3VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
@@ -59,3 +60,31 @@ def load_processor(location: str, **hub: Any) -> TextImageProcessor:
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(location), subfolder="processor", **hub)
     return build_processor(tokenizer)
+
+
+class ProcessorAt:
+    """Where the processor is (a diffusers folder or hub repo): given to :class:`QwenImage21Loading` as its
+    ``processor``, read when the pipeline is built."""
+
+    def __init__(self, location: str, **hub: Any):
+        self.location, self.hub = location, hub
+
+    def load(self) -> TextImageProcessor:
+        return load_processor(self.location, **self.hub)
+
+
+class QwenImage21Loading(QwenImage21Pipeline):
+    """``QwenImage21Pipeline`` as Atelier loads it: its ``processor`` read through :class:`ProcessorAt` (the folder's
+    ``processor/``), or built from a ``tokenizer`` component where a component loader reads one (the VRAM estimator's
+    config folder, which has the tiny model's tokenizer beside its processor)."""
+
+    _optional_components = [*QwenImage21Pipeline._optional_components, "tokenizer"]
+
+    def __init__(self, scheduler: Any, vae: Any, text_encoder: Any, processor: Any, transformer: Any,
+                 sample_sigmas: Optional[list] = None, tokenizer: Any = None):
+        if tokenizer is not None and not isinstance(processor, TextImageProcessor):
+            processor = build_processor(tokenizer)
+        elif isinstance(processor, ProcessorAt):
+            processor = processor.load()
+        super().__init__(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor,
+                         transformer=transformer, sample_sigmas=sample_sigmas)

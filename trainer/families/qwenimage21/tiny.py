@@ -25,7 +25,7 @@ from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
 from trainer.families.qwenimage21.keys import diffusers_to_original
 from trainer.families.qwenimage21.processor import CHAT_TEMPLATE, IMAGE_CONFIG, build_processor
 
-TINY_VERSION = 1
+TINY_VERSION = 2
 # QwenImage21Pipeline's scheduler: flow matching with the image-size μ (Qwen-Image's settings)
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5,
              "max_shift": 0.9, "base_image_seq_len": 256, "max_image_seq_len": 8192, "time_shift_type": "exponential"}
@@ -86,6 +86,7 @@ def write_processor(folder: Path, tokenizer_folder: Path) -> None:
     index_path = folder / "model_index.json"
     index = json.loads(index_path.read_text(encoding="utf-8"))
     index["processor"] = ["transformers", "Qwen3VLProcessor"]
+    shutil.copytree(target, folder / "tokenizer")  # what a component loader reads as the processor's tokenizer
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
 
 
