@@ -62,11 +62,12 @@ def load_processor(location: str, **hub: Any) -> TextImageProcessor:
     return build_processor(tokenizer)
 
 
-class ProcessorAt:
+class ProcessorAt(ProcessorMixin):
     """Where the processor is (a diffusers folder or hub repo): given to :class:`QwenImage21Loading` as its
-    ``processor``, read when the pipeline is built."""
+    ``processor``, read when the pipeline is built. A ``ProcessorMixin`` only for diffusers' check of the type of a
+    component passed to ``from_pretrained``; it is never used as one."""
 
-    def __init__(self, location: str, **hub: Any):
+    def __init__(self, location: str, **hub: Any):  # noqa: no ProcessorMixin state: a placeholder
         self.location, self.hub = location, hub
 
     def load(self) -> TextImageProcessor:
