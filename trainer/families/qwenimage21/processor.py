@@ -67,7 +67,7 @@ class ProcessorAt(ProcessorMixin):
     ``processor``, read when the pipeline is built. A ``ProcessorMixin`` only for diffusers' check of the type of a
     component passed to ``from_pretrained``; it is never used as one."""
 
-    def __init__(self, location: str, **hub: Any):  # noqa: no ProcessorMixin state: a placeholder
+    def __init__(self, location: str, **hub: Any):  # a placeholder: none of ProcessorMixin's state
         self.location, self.hub = location, hub
 
     def load(self) -> TextImageProcessor:
