@@ -160,7 +160,8 @@ def test_the_lora_file_is_what_diffusers_and_comfyui_compute(qwen21, tmp_path):
             if isinstance(module, BaseTunerLayer):
                 module.merge()
     wanted = original(model.transformer)
-    assert not torch.equal(wanted["transformer_blocks.0.attn.to_q.weight"], base["transformer_blocks.0.attn.to_q.weight"])
+    q = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(wanted[q], base[q])
     comfy = dict(base)
     for key in state:
         if key.endswith(".lora_A.weight"):

@@ -34,4 +34,5 @@ def claim(ev: Evidence) -> Optional[str]:
     if name.startswith("QwenImage21"):
         raise ValueError(f"{ev.where} is a {name}; Atelier trains Qwen-Image 2.1 text-to-image (QwenImage21Pipeline)")
     transformer = ev.json("transformer/config.json")
-    return "qwen-image-21" if transformer and transformer.get("_class_name") == "QwenImage21Transformer2DModel" else None
+    named = transformer and transformer.get("_class_name") == "QwenImage21Transformer2DModel"
+    return "qwen-image-21" if named else None

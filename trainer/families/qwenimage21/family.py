@@ -64,6 +64,11 @@ def _same(path: str) -> str:
     return path
 
 
+def masked_hidden(hidden_states: torch.Tensor, mask: torch.Tensor):
+    """``QwenImage21Pipeline._extract_masked_hidden`` (it reads nothing of its pipeline)."""
+    return QwenImage21Pipeline._extract_masked_hidden(None, hidden_states, mask)
+
+
 class QwenImage21Sampler:
     """QwenImage21Pipeline behind the arguments every family's pipeline takes: ``guidance_scale`` is its
     ``true_cfg_scale`` (" " the negative prompt above 1 when none is given); a step count other than the shipped
@@ -117,11 +122,12 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.processor = pipe.text_encoder, pipe.processor
         self.tokenizer = pipe.processor.tokenizer
+        # what the pipeline's text function reads of its pipeline (the pipeline itself is not kept)
         self._view = SimpleNamespace(processor=pipe.processor, text_encoder=pipe.text_encoder,
                                      prompt_template_t2i=pipe.prompt_template_t2i,
                                      prompt_template_ti2i=pipe.prompt_template_ti2i, _drop_idx=pipe._drop_idx,
                                      _img_token_id=pipe._img_token_id,
-                                     _extract_masked_hidden=lambda h, m: pipe._extract_masked_hidden(h, m))
+                                     _extract_masked_hidden=masked_hidden)
         self.sample_sigmas = pipe.config.sample_sigmas
         self.turbo = self.family == "qwen-image-21-turbo"
         self._sched_config = dict(pipe.scheduler.config)
@@ -212,7 +218,8 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
         return out
 
-    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any], adapter_name: str = "default") -> int:
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
+                             adapter_name: str = "default") -> int:
         """A ``diffusion_model.`` file into fresh peft layers (a ``transformer.`` file as :class:`PeftLayoutLora`
         reads it)."""
         if not any(k.startswith(PREFIX + ".") for k in state):

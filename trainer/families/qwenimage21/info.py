@@ -22,8 +22,8 @@ INFO = FamilyInfo(
           "tiny-qwen-image-21-turbo": "trainer.families.qwenimage21.tiny:ensure_tiny"},
     caption_limit=512,
     refuses=(("parts.text_encoder_1.train", False,
-              "Qwen-Image 2.1 LoRA files carry the transformer (diffusers' QwenImage21Pipeline loads no Qwen3-VL LoRA), "
-              "and a fine-tune is saved as the transformer alone"),
+              "Qwen-Image 2.1 LoRA files carry the transformer (diffusers' QwenImage21Pipeline loads no Qwen3-VL "
+              "LoRA), and a fine-tune is saved as the transformer alone"),
              ("lora.type", ("lora",),
               "Qwen-Image 2.1 LoRA files are in the layout ComfyUI and diffusers both read (diffusion_model.<module>), "
               "which has no place for LoHa/LoKr factors, DoRA's magnitudes or OFT's blocks")),

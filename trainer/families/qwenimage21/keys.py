@@ -62,7 +62,8 @@ def config_from_original(state: Mapping[str, Any], base: Mapping[str, Any]) -> D
     head = int(state["transformer_blocks.0.attn.norm_q.weight"].shape[0])
     layers = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks."))
     fused = state.get("transformer_blocks.0.img_mlp.gate_up.weight")
-    mlp = int(fused.shape[0]) // 2 if fused is not None else int(state["transformer_blocks.0.img_mlp.gate_layer.weight"].shape[0])
+    mlp = (int(fused.shape[0]) // 2 if fused is not None
+           else int(state["transformer_blocks.0.img_mlp.gate_layer.weight"].shape[0]))
     cfg.update(in_channels=int(in_channels), out_channels=int(state["proj_out.weight"].shape[0]), num_layers=layers,
                attention_head_dim=head, num_attention_heads=int(hidden) // head, mlp_ratio=mlp // int(hidden),
                context_in_dim=int(state["txt_in.in_layer.weight"].shape[1]))
