@@ -91,6 +91,7 @@ ROWS = [
         prompt_kwargs={"max_sequence_length": 256}),
     Row("qwenimage", "tiny-qwen-image", "demo-qwen-image", settings=("lora.unet_targets=attn_mlp",)),
     Row("hidream", "tiny-hidream", "demo-hidream", settings=("lora.unet_targets=attn_mlp",)),
+    Row("qwenimage21", "tiny-qwen-image-21", "demo-qwen-image-21", settings=("lora.unet_targets=all", "lora.alpha=32")),
     # an edit model: pairs, the control through Qwen2.5-VL's vision tower and after the target's tokens
     Row("qwenimage", "tiny-qwen-image-edit", "demo-qwen-image", controls=1,
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),

@@ -35,7 +35,8 @@ TINY = ["tiny-sd", "tiny-sdxl", "tiny-pixart", "tiny-flux", "tiny-flux-schnell",
         "tiny-flux2-klein", "tiny-flux2-dev", "tiny-wan21", "tiny-wan22-5b", "tiny-wan22-a14b", "tiny-sana",
         "tiny-hidream",
         "tiny-krea2-turbo",  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
-        "tiny-ernie-image"]
+        "tiny-ernie-image",
+        "tiny-qwen-image-21-turbo"]  # Qwen-Image 2.1: Turbo, its 8 shipped sigmas (the base's are the pipeline's)
 
 
 def _every_declared():

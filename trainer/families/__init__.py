@@ -33,6 +33,7 @@ REGISTERED: Tuple[str, ...] = (
     "lumina2",
     "krea2",
     "zimage",
+    "qwenimage21",  # before qwenimage, which refuses every other QwenImage* pipeline
     "qwenimage",
     "flux2",
     "wan",
