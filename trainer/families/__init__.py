@@ -36,6 +36,7 @@ REGISTERED: Tuple[str, ...] = (
     "flux2",
     "wan",
     "ideogram4",
+    "hunyuanimage",
 )
 
 
