@@ -139,6 +139,8 @@ ROWS = [
     # the conditional transformer trains; samples guide with the unconditional one (the pipeline's two-model CFG)
     Row("ideogram4", "tiny-ideogram4", "demo-ideogram4", settings=("lora.unet_targets=all", "lora.alpha=32"),
         prompt_kwargs={"guidance_scale": 4.0, "max_sequence_length": 64}),
+    Row("hunyuanimage", "tiny-hunyuan-image", "demo-hunyuan-image", settings=("lora.unet_targets=attn_mlp",),
+        lora_loader="trainer.families.hunyuanimage.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

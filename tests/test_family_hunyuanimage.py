@@ -29,7 +29,7 @@ def test_text_features_glyphs_and_dropout_are_the_pipelines(hunyuan):
     e, m, e2, m2 = pipe.encode_prompt(caption, device="cpu")
     cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
     torch.testing.assert_close(cond.embeds, e)
-    assert torch.equal(cond.mask, m.bool()) and not bool(m.all())  # padded to the pipeline's 1000 tokens
+    assert torch.equal(cond.mask, m.bool()) and not bool(m.all())  # padded to the tokenizer's length
     torch.testing.assert_close(cond.embeds_2, e2)
     assert torch.equal(cond.mask_2, m2.bool()) and bool(m2.any())  # the quoted text went through ByT5
     # dropping both gives the empty caption's features and no glyphs (the pipeline's negative prompt "")

@@ -42,6 +42,7 @@ from trainer.objectives import flow_objective_for
 
 OFFICIAL = "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
 MAX_TOKENS = 1000  # HunyuanImagePipeline.tokenizer_max_length
+DROP = 34  # HunyuanImagePipeline.prompt_template_encode_start_idx: the template's tokens dropped
 _DOUBLE = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
            "attn.add_v_proj", "attn.to_add_out"]
 _SINGLE = ["attn.to_q", "attn.to_k", "attn.to_v"]
@@ -82,7 +83,7 @@ class _TextView:
         self._execution_device = model.device
         self.tokenizer_max_length, self.tokenizer_2_max_length = max_length, 128
         self.prompt_template_encode = model.template
-        self.prompt_template_encode_start_idx = 34
+        self.prompt_template_encode_start_idx = DROP
 
 
 class HunyuanImageSampler(HunyuanImagePipeline):
@@ -126,7 +127,8 @@ class HunyuanImage(PeftLayoutLora, Family):
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.objective = flow_objective_for(self._sched_config, patch=1)
-        self.max_sequence_length = int(getattr(mcfg, "t5_max_length", 0) or MAX_TOKENS)
+        # the pipeline's 1000 tokens after the template's 34 (a tokenizer that takes fewer: the tiny model's)
+        self.max_sequence_length = min(MAX_TOKENS, int(self.tokenizer.model_max_length) - DROP)
         self.device = torch.device(device)
         self._place_frozen(dtypes, ("transformer", "text_encoder", "text_encoder_2", "vae"))
         if getattr(mcfg, "attention", "sdpa") == "xformers":

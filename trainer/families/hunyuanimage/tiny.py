@@ -33,7 +33,7 @@ from trainer.families.common.tiny_store import store_tiny
 from trainer.families.common.tiny_text import write_tiny_qwen_tokenizer
 from trainer.families.hunyuanimage.keys import diffusers_to_original
 
-TINY_VERSION = 1
+TINY_VERSION = 3
 # hunyuanvideo-community/HunyuanImage-2.1-Diffusers scheduler/scheduler_config.json: a fixed shift of 5
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 5.0, "use_dynamic_shifting": False}
 SCALING = 0.75289  # the released VAE's scaling_factor (ComfyUI's HunyuanImage21 latent format too)
@@ -51,7 +51,7 @@ def _text_encoder(vocab: int) -> Qwen2_5_VLForConditionalGeneration:
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0) -> HunyuanImagePipeline:
-    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=1100)  # the pipeline pads to 1000 + 34 tokens
+    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=384)  # 350 after the template's 34 (bytes: a token a char)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     ByT5Tokenizer().save_pretrained(str(folder / "tokenizer_2"))
     tokenizer_2 = ByT5Tokenizer.from_pretrained(str(folder / "tokenizer_2"))
