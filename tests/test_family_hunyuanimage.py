@@ -92,3 +92,39 @@ def test_the_original_single_file_round_trips_and_bad_bases_are_refused(hunyuan,
         claim(folder(index, dict(tcfg, guidance_embeds=True, use_meanflow=True)))
     with pytest.raises(ValueError, match="refiner"):
         claim(folder(dict(index, _class_name="HunyuanImageRefinerPipeline"), tcfg))
+
+
+def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers_compute(hunyuan):
+    """ComfyUI adds B·A of each ``diffusion_model.<original module>`` to that weight of Tencent's file (no ``.alpha``:
+    scale 1); on the stacked q/k/v and ``linear1`` that gives every part exactly its trained LoRA."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    from trainer.families.common.peft_lora import target_regex
+    from trainer.families.hunyuanimage.family import TARGETS
+    from trainer.families.hunyuanimage.keys import diffusers_to_original, original_to_diffusers
+    ws, paths, model = hunyuan
+    t = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=target_regex(TARGETS["all"])),
+                                copy.deepcopy(model.transformer))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    file = model.lora_state_dict({"unet": t})
+    assert "diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight" in file
+    assert file["diffusion_model.single_blocks.0.linear1.lora_A.weight"].shape[0] == 8  # q, k, v, mlp: 4 × rank 2
+    base = diffusers_to_original(model.transformer.state_dict())
+    for key in [k for k in file if k.endswith(".lora_A.weight")]:  # ComfyUI's weight patch
+        target = key[len("diffusion_model."):-len(".lora_A.weight")] + ".weight"
+        base[target] = base[target] + file[key.replace("lora_A", "lora_B")] @ file[key]
+    for m in t.modules():  # the trained layers, merged as peft computes them (scale α/r = 2)
+        if isinstance(m, LoraLayer):
+            m.merge()
+    merged = {k.replace(".base_layer", ""): v for k, v in t.state_dict().items() if "lora_" not in k}
+    comfy = original_to_diffusers(base)
+    assert set(comfy) == set(merged)
+    for k in merged:
+        torch.testing.assert_close(comfy[k], merged[k], msg=k)

@@ -14,8 +14,9 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_hunyu
 - Flow matching: the transformer takes t = 1000·σ and predicts the velocity ε − x; σ as the scheduler's fixed shift
   (5) draws it.
 - Samples: the pipeline with its adaptive projected guider; ``cfg_scale`` is that guider's ``guidance_scale``.
-- Files: LoRA in the diffusers layout (``transformer.<module>.lora_A/lora_B.weight``) that the transformer's
-  ``load_lora_adapter`` reads (the pipeline has no LoRA loader in 0.42.1); fine-tunes as Tencent's original single file
+- Files: LoRA in Tencent's original layout (``diffusion_model.<module>``, q/k/v stacked: lora_keys.py says why) that
+  ComfyUI reads; diffusers 0.42.1's pipeline has no LoRA loader, so :func:`load_lora_into_pipeline` gives its
+  transformer's ``load_lora_adapter`` the diffusers layout of the file. Fine-tunes as Tencent's original single file
   (keys.py). Single files in: the transformer, with the rest from ``model.config_path`` (a diffusers folder or hub id;
   default hunyuanvideo-community/HunyuanImage-2.1-Diffusers).
 """
@@ -31,13 +32,21 @@ from safetensors.torch import load_file
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
-from trainer.families.hunyuanimage.keys import config_from_original, diffusers_to_original, original_to_diffusers
+from trainer.families.hunyuanimage import lora_keys
+from trainer.families.hunyuanimage.keys import (
+    config_from_original,
+    diffusers_to_original,
+    original_module,
+    original_to_diffusers,
+)
 from trainer.families.sources import classify_source, detect_source_family
+from trainer.formats.kohya import lora_layers
 from trainer.objectives import flow_objective_for
 
 OFFICIAL = "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
@@ -194,6 +203,35 @@ class HunyuanImage(PeftLayoutLora, Family):
         return (f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{part_dtype(mcfg, 'text_encoder_2')}:"
                 f"{self.max_sequence_length}:hunyuan-image-template")
 
+    # --- LoRA files ---------------------------------------------------------------------------
+    def peft_file_names(self):
+        """The model tools' names of the transformer's Linears in a LoRA file: ``diffusion_model.<original>`` (the
+        stacked q/k/v and ``linear1`` as one layer); the text stream's stacked ``txt_attn_qkv`` is left out, as its
+        Linears are not in stacking order in the module tree."""
+        return {"unet": ("diffusion_model", _tool_name)}
+
+    def lora_state_dict(self, modules: Dict[str, Any], adapter_name: str = "default") -> Dict[str, Any]:
+        """The transformer's LoRA in the original layout (α/r baked into ``lora_B``; stacked Linears block-diagonal)."""
+        out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
+        if not out:
+            raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
+        return lora_keys.to_original(out)
+
+    def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
+                             adapter_name: str = "default") -> int:
+        """An original-layout file into fresh peft layers (a diffusers-layout file as :class:`PeftLayoutLora` reads
+        it)."""
+        if not any(k.startswith(lora_keys.PREFIX) for k in state):
+            return super().load_lora_state_dict(state, modules, adapter_name)
+        shapes = {path: (layer.r[adapter_name], layer.base_layer.out_features)
+                  for path, layer in lora_layers(modules["unet"], adapter_name)}
+        tensors, used = lora_keys.from_original(state, shapes)
+        loaded = load_peft_layout(tensors, {"unet": modules["unet"]}, {"unet": "transformer"}, adapter_name)
+        extra = sorted(set(state) - used)
+        if extra:
+            raise ValueError(f"LoRA file keys match no LoRA layer of the model: {', '.join(extra[:5])}")
+        return len(loaded) // 2
+
     # --- export -----------------------------------------------------------------------------
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as Tencent's original single file (keys.py): what ComfyUI's diffusion-model
@@ -201,7 +239,15 @@ class HunyuanImage(PeftLayoutLora, Family):
         save_transformer_file(path, diffusers_to_original(self.transformer.state_dict()), dtype, metadata)
 
 
+def _tool_name(path: str) -> str:
+    if ".attn.add_" in path:
+        raise KeyError(path)
+    return original_module(path)[0]
+
+
 def load_lora_into_pipeline(pipe: Any, path: Any) -> None:
-    """A LoRA file of this family into a ``HunyuanImagePipeline``'s transformer, as diffusers loads it (the pipeline
-    has no ``load_lora_weights``; the transformer's ``load_lora_adapter`` reads the ``transformer.`` layout)."""
-    pipe.transformer.load_lora_adapter(load_file(str(path)), prefix="transformer")
+    """A LoRA file of this family into a ``HunyuanImagePipeline``'s transformer as diffusers loads adapters: the
+    pipeline has no ``load_lora_weights``, the transformer's ``load_lora_adapter`` reads the diffusers layout
+    (:func:`lora_keys.to_diffusers` of the original-layout file)."""
+    rows = {n: m.out_features for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    pipe.transformer.load_lora_adapter(lora_keys.to_diffusers(load_file(str(path)), rows), prefix="transformer")
