@@ -41,5 +41,6 @@ def claim(ev: Evidence) -> Optional[str]:
             raise ValueError(f"{ev.where}: {DISTILLED}")
         return "hunyuan-image"
     if name.startswith("HunyuanImage"):
-        raise ValueError(f"{ev.where} is a {name}; Atelier trains HunyuanImage 2.1 text-to-image (HunyuanImagePipeline)")
+        raise ValueError(f"{ev.where} is a {name}; Atelier trains HunyuanImage 2.1 text-to-image "
+                         "(HunyuanImagePipeline)")
     return None

@@ -23,9 +23,11 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_hunyu
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import torch
+import torch.utils.checkpoint
 from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 
@@ -87,7 +89,9 @@ class _TextView:
     _get_byt5_prompt_embeds = HunyuanImagePipeline._get_byt5_prompt_embeds
 
     def __init__(self, model: "HunyuanImage", max_length: int):
-        self.tokenizer, self.text_encoder = model.tokenizer, model.text_encoder
+        # the language model without its head: the same hidden states, without logits over 152k tokens for each of
+        # the 1034 positions (GiBs at encode time)
+        self.tokenizer, self.text_encoder = model.tokenizer, model.text_encoder.model
         self.tokenizer_2, self.text_encoder_2 = model.tokenizer_2, model.text_encoder_2
         self._execution_device = model.device
         self.tokenizer_max_length, self.tokenizer_2_max_length = max_length, 128
@@ -105,11 +109,20 @@ class HunyuanImageSampler(HunyuanImagePipeline):
         return super().__call__(*args, **kwargs)
 
 
+def checkpointed(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """Gradient checkpointing that passes keyword arguments on: ``HunyuanImageTransformer2DModel`` calls its blocks'
+    checkpointing with ``attention_mask=``/``image_rotary_emb=``, which diffusers 0.42.1's default function (positional
+    arguments only) refuses."""
+    return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+
+
 class HunyuanImage(PeftLayoutLora, Family):
     name = "hunyuanimage"
     family = "hunyuan-image"
     prediction_type = "flow"
-    fp8_skip = ("norm", "x_embedder", "context_embedder", "time_guidance_embed", "proj_out")
+    # the embedders and the output norm stay in bf16 (the blocks' big modulation Linears, norm1.linear and
+    # norm.linear, do not: a substring "norm" would keep 4.5B parameters out of fp8)
+    fp8_skip = ("x_embedder", "context_embedder", "time_guidance_embed", "norm_out")
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")
     targets = TARGETS
     modelspec = ("hunyuan-image-2.1", "https://github.com/Tencent-Hunyuan/HunyuanImage-2.1", "hunyuan-image-2.1")
@@ -129,6 +142,8 @@ class HunyuanImage(PeftLayoutLora, Family):
             pipe = sources.load_pipeline(HunyuanImagePipeline, self.source, mcfg, workspace, family=self.family,
                                          dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
+        self.transformer.enable_gradient_checkpointing = partial(type(self.transformer).enable_gradient_checkpointing,
+                                                                 self.transformer, checkpointed)
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
         self.guider, self.ocr_guider = pipe.guider, pipe.ocr_guider

@@ -1,6 +1,6 @@
 """Registry entry of HunyuanImage 2.1 (torch-free): the base text-to-image model on diffusers' HunyuanImagePipeline."""
 
-from trainer.families import FamilyInfo, Part, SampleDefaults
+from trainer.families import FamilyInfo, Part, QuickChoice, SampleDefaults
 
 VARIANTS = ("hunyuan-image",)
 
@@ -25,6 +25,7 @@ INFO = FamilyInfo(
               "HunyuanImage 2.1 LoRA files are plain LoRA (lora_A/lora_B), which has no place for LoHa/LoKr factors, "
               "DoRA's magnitudes or OFT's blocks")),
     finetune_slots=("unet",),
+    quick_start=(QuickChoice("hunyuan-image", "HunyuanImage 2.1", {"lora": "hunyuan-image-lora"}),),
     # HunyuanImagePipeline's 50 steps; cfg_scale is the guider's guidance_scale (adaptive projected guidance, 3.5 in
     # the released model's guider/config.json), not the pipeline's distilled_guidance_scale (the distilled model's)
     sample_defaults={

@@ -87,7 +87,8 @@ def from_original(state: Mapping[str, Any], shapes: Mapping[str, Tuple[int, int]
         used.update(keys)
         total = sum(rank for _, rank, _ in parts.values())
         if a.shape[0] != total:
-            raise ValueError(f"{PREFIX}{name} has rank {a.shape[0]}, not the summed rank {total} of its parts' adapters")
+            raise ValueError(f"{PREFIX}{name} has rank {a.shape[0]}, not the summed rank {total} of its parts' "
+                             "adapters")
         row = col = 0
         for i in sorted(parts):
             module, rank, rows = parts[i]
@@ -97,7 +98,8 @@ def from_original(state: Mapping[str, Any], shapes: Mapping[str, Tuple[int, int]
     return out, used
 
 
-def to_diffusers(state: Mapping[str, Any], out_features: Mapping[str, int], prefix: str = "transformer.") -> Dict[str, Any]:
+def to_diffusers(state: Mapping[str, Any], out_features: Mapping[str, int],
+                 prefix: str = "transformer.") -> Dict[str, Any]:
     """An original-layout file in the diffusers layout ``load_lora_adapter`` reads: a stacked LoRA's A shared by its
     parts, each with its rows of B (``out_features``: diffusers module path -> its Linear's out features)."""
     out: Dict[str, Any] = {}

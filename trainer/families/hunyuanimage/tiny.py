@@ -51,7 +51,8 @@ def _text_encoder(vocab: int) -> Qwen2_5_VLForConditionalGeneration:
 
 
 def build_tiny_pipeline(folder: Path, seed: int = 0) -> HunyuanImagePipeline:
-    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=384)  # 350 after the template's 34 (bytes: a token a char)
+    # 350 tokens after the template's 34 (a byte-level tokenizer: a token a character)
+    write_tiny_qwen_tokenizer(folder / "tokenizer", max_length=384)
     tokenizer = AutoTokenizer.from_pretrained(str(folder / "tokenizer"))
     ByT5Tokenizer().save_pretrained(str(folder / "tokenizer_2"))
     tokenizer_2 = ByT5Tokenizer.from_pretrained(str(folder / "tokenizer_2"))
@@ -60,7 +61,8 @@ def build_tiny_pipeline(folder: Path, seed: int = 0) -> HunyuanImagePipeline:
         transformer = HunyuanImageTransformer2DModel(
             in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=1,
             num_single_layers=1, num_refiner_layers=1, text_embed_dim=32, text_embed_2_dim=16, rope_axes_dim=(8, 8))
-        vae = AutoencoderKLHunyuanImage(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(32, 32, 32),
+        vae = AutoencoderKLHunyuanImage(in_channels=3, out_channels=3, latent_channels=8,
+                                        block_out_channels=(32, 32, 32),
                                         layers_per_block=1, spatial_compression_ratio=4, sample_size=64,
                                         scaling_factor=SCALING)
         text_encoder = _text_encoder(len(tokenizer))
