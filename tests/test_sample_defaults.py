@@ -33,7 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["tiny-sd", "tiny-sdxl", "tiny-pixart", "tiny-flux", "tiny-flux-schnell", "tiny-flux-kontext", "tiny-cascade",
         "tiny-wuerstchen", "tiny-sd3", "tiny-chroma", "tiny-zimage", "tiny-qwen-image", "tiny-qwen-image-edit",
         "tiny-flux2-klein", "tiny-flux2-dev", "tiny-wan21", "tiny-wan22-5b", "tiny-wan22-a14b",
-        "tiny-krea2-turbo"]  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
+        "tiny-krea2-turbo",  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
+        "tiny-hunyuan-image"]  # its cfg_scale is its guider's, passed on as the pipeline's one guidance argument too
 
 
 def _every_declared():

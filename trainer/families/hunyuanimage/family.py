@@ -53,6 +53,7 @@ from trainer.objectives import flow_objective_for
 
 OFFICIAL = "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
 MAX_TOKENS = 1000  # HunyuanImagePipeline.tokenizer_max_length
+ENCODE_BATCH = 4  # captions through Qwen2.5-VL at once when the text cache is built
 DROP = 34  # HunyuanImagePipeline.prompt_template_encode_start_idx: the template's tokens dropped
 _DOUBLE = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
            "attn.add_v_proj", "attn.to_add_out"]
@@ -101,11 +102,14 @@ class _TextView:
 
 class HunyuanImageSampler(HunyuanImagePipeline):
     """``HunyuanImagePipeline`` taking ``guidance_scale`` (what Atelier's samples pass): its guider's scale, the
-    pipeline's own call otherwise."""
+    pipeline's own call otherwise. The value also goes in as ``distilled_guidance_scale``, the pipeline's one guidance
+    argument, which a base model (no guidance embedding) does not read."""
 
     def __call__(self, *args: Any, guidance_scale: Optional[float] = None, **kwargs: Any):
-        if guidance_scale is not None and self.guider is not None:
-            self.guider = self.guider.new(guidance_scale=float(guidance_scale))
+        if guidance_scale is not None:
+            if self.guider is not None:
+                self.guider = self.guider.new(guidance_scale=float(guidance_scale))
+            kwargs.setdefault("distilled_guidance_scale", float(guidance_scale))
         return super().__call__(*args, **kwargs)
 
 
@@ -168,9 +172,13 @@ class HunyuanImage(PeftLayoutLora, Family):
         return HunyuanText(e, m.bool(), e2, m2.bool())
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        t = self._encode(captions)
-        return {"prompt_embeds": t.embeds.float().cpu(), "prompt_mask": t.mask.float().cpu(),
-                "glyph_embeds": t.embeds_2.float().cpu(), "glyph_mask": t.mask_2.float().cpu()}
+        """The four text tensors on the CPU, encoded a few captions at a time: every caption is 1034 tokens through a
+        7B model, whose activations for 16 at once are ~6 GiB."""
+        parts = [self._encode(list(captions[i:i + ENCODE_BATCH])) for i in range(0, len(captions), ENCODE_BATCH)]
+        return {"prompt_embeds": torch.cat([t.embeds.float().cpu() for t in parts]),
+                "prompt_mask": torch.cat([t.mask.float().cpu() for t in parts]),
+                "glyph_embeds": torch.cat([t.embeds_2.float().cpu() for t in parts]),
+                "glyph_mask": torch.cat([t.mask_2.float().cpu() for t in parts])}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
         if batch.get("prompt_embeds") is not None:
