@@ -11,7 +11,7 @@ INFO = FamilyInfo(
     variants=VARIANTS,
     parts=(Part("unet", "transformer", "denoiser", "Transformer"),
            Part("text_encoder", "text_encoder", "text_encoder", "Qwen2.5-VL"),
-           Part("text_encoder_2", "text_encoder_2", "text_encoder", "ByT5 (quoted text)", optional=True)),
+           Part("text_encoder_2", "text_encoder_2", "text_encoder", "ByT5 (quoted text)")),
     objective="flow",
     family_class="trainer.families.hunyuanimage.family:HunyuanImage",
     detect="trainer.families.hunyuanimage.detect",
