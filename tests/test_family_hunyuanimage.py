@@ -61,6 +61,17 @@ def test_predict_is_the_pipelines_transformer_call_and_cfg_scale_is_the_guiders(
     finally:
         remove()
     torch.testing.assert_close(pred, ref["out"])
+    # gradient checkpointing (diffusers' own function refuses the blocks' keyword arguments): same output, gradients
+    model.transformer.enable_gradient_checkpointing()
+    try:
+        x = ref["kwargs"]["hidden_states"].clone().requires_grad_(True)
+        with torch.enable_grad():
+            again = model.predict(x, sigma, cond)
+            again.sum().backward()
+    finally:
+        model.transformer.disable_gradient_checkpointing()
+    torch.testing.assert_close(again.detach(), ref["out"])
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
 
 
 def test_the_original_single_file_round_trips_and_bad_bases_are_refused(hunyuan, tmp_path):

@@ -101,7 +101,7 @@ class _TextView:
 
 
 class HunyuanImageSampler(HunyuanImagePipeline):
-    """``HunyuanImagePipeline`` taking ``guidance_scale`` (what Atelier's samples pass): its guider's scale, the
+    """``HunyuanImagePipeline`` taking ``guidance_scale`` (what Atelier's samples pass): its guiders' scale, the
     pipeline's own call otherwise. The value also goes in as ``distilled_guidance_scale``, the pipeline's one guidance
     argument, which a base model (no guidance embedding) does not read."""
 
@@ -109,6 +109,8 @@ class HunyuanImageSampler(HunyuanImagePipeline):
         if guidance_scale is not None:
             if self.guider is not None:
                 self.guider = self.guider.new(guidance_scale=float(guidance_scale))
+            if self.ocr_guider is not None:  # what a caption quoting text samples with, where the model has one
+                self.ocr_guider = self.ocr_guider.new(guidance_scale=float(guidance_scale))
             kwargs.setdefault("distilled_guidance_scale", float(guidance_scale))
         return super().__call__(*args, **kwargs)
 
