@@ -146,6 +146,8 @@ ROWS = [
     # text tokens after the image's, its RoPE offset by each caption's length; the LoRA in ComfyUI's generic layout
     Row("ernieimage", "tiny-ernie-image", "demo-ernie-image",
         settings=("lora.unet_targets=all", "lora.alpha=32", "training.learning_rate=0.03")),
+    Row("hunyuanimage", "tiny-hunyuan-image", "demo-hunyuan-image", settings=("lora.unet_targets=attn_mlp",),
+        lora_loader="trainer.families.hunyuanimage.family:load_lora_into_pipeline"),
     Row("wuerstchen", "tiny-wuerstchen", "demo-wuerstchen",
         settings=("lora.unet_targets=attn_mlp", "training.learning_rate=0.03", "ema.enabled=true"),
         lora_loader="trainer.families.wuerstchen.family:load_lora_into_pipeline"),

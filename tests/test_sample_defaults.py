@@ -36,7 +36,8 @@ TINY = ["tiny-sd", "tiny-sdxl", "tiny-pixart", "tiny-flux", "tiny-flux-schnell",
         "tiny-hidream",
         "tiny-krea2-turbo",  # Krea 2: Turbo, whose defaults differ from the pipeline's (Raw's are its own)
         "tiny-ernie-image",
-        "tiny-qwen-image-21-turbo"]  # Qwen-Image 2.1: Turbo, its 8 shipped sigmas (the base's are the pipeline's)
+        "tiny-qwen-image-21-turbo",  # Qwen-Image 2.1: Turbo, its 8 shipped sigmas (the base's are the pipeline's)
+        "tiny-hunyuan-image"]  # its cfg_scale is its guider's, passed on as the pipeline's one guidance argument too
 
 
 def _every_declared():

@@ -40,6 +40,7 @@ REGISTERED: Tuple[str, ...] = (
     "ideogram4",
     "hidream",
     "ernieimage",
+    "hunyuanimage",
 )
 
 

@@ -166,6 +166,9 @@ def load_components(pipeline_cls: Any, folder: Path, dtype: Any = None, build_mo
         if (sub / "scheduler_config.json").is_file():
             cls_name = sd_configs.read_json(sub / "scheduler_config.json").get("_class_name", "")
             parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
+        elif (sub / "guider_config.json").is_file():  # a guider (HunyuanImage 2.1's): configuration, no weights
+            cls_name = sd_configs.read_json(sub / "guider_config.json").get("_class_name", "")
+            parts[name] = getattr(diffusers, cls_name).from_pretrained(str(folder), subfolder=name)
         elif not name.startswith("tokenizer") and (sub / "preprocessor_config.json").is_file():
             # an image processor (Wan 2.1 I2V's CLIP's); a tokenizer/ folder may hold a whole processor's files
             # (Flux.2 [dev]'s Pixtral), read below as its tokenizer

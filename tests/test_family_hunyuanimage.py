@@ -1,0 +1,141 @@
+"""HunyuanImage 2.1 beyond the family contract: the pipeline's own text features (Qwen2.5-VL and the ByT5 glyph path)
+and their dropout, the transformer call the pipeline makes, the original single file back and forth, detection of the
+base and refusal of the distilled model and the refiner, and cfg_scale reaching the guider."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import denoiser_calls, load_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def hunyuan(tmp_path_factory):
+    from trainer.families import build_tiny
+    ws = tmp_path_factory.mktemp("hunyuan-ws")
+    paths = build_tiny("tiny-hunyuan-image", ws / "models")
+    return ws, paths, load_tiny(ws, paths["diffusers"])
+
+
+def test_text_features_glyphs_and_dropout_are_the_pipelines(hunyuan):
+    ws, paths, model = hunyuan
+    caption = 'a sign that says "HI" on a white background'
+    pipe = model.pipeline(None)
+    e, m, e2, m2 = pipe.encode_prompt(caption, device="cpu")
+    cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+    torch.testing.assert_close(cond.embeds, e)
+    assert torch.equal(cond.mask, m.bool()) and not bool(m.all())  # padded to the tokenizer's length
+    torch.testing.assert_close(cond.embeds_2, e2)
+    assert torch.equal(cond.mask_2, m2.bool()) and bool(m2.any())  # the quoted text went through ByT5
+    # dropping both gives the empty caption's features and no glyphs (the pipeline's negative prompt "")
+    ne, nm, ne2, nm2 = pipe.encode_prompt("", device="cpu")
+    dropped = model.batch_condition({"captions": [caption]}, lambda c: c, set(), drop_te1=[True], drop_te2=[True])
+    torch.testing.assert_close(dropped.embeds, ne)
+    assert torch.equal(dropped.mask, nm.bool())
+    assert not bool(dropped.embeds_2.any()) and not bool(dropped.mask_2.any()) and not bool(nm2.any())
+
+
+def test_predict_is_the_pipelines_transformer_call_and_cfg_scale_is_the_guiders(hunyuan):
+    ws, paths, model = hunyuan
+    pipe = model.pipeline(None)
+    h, w = 4, 6  # non-square: a swapped axis would show
+    latents = torch.randn(1, 8, h, w, generator=torch.Generator().manual_seed(0))
+    calls, remove = denoiser_calls(model.transformer)
+    caption = 'a red square "OK"'
+    try:
+        with torch.no_grad():
+            pipe(caption, height=h * 4, width=w * 4, latents=latents, num_inference_steps=2, guidance_scale=2.0,
+                 output_type="latent")
+            assert pipe.guider.guidance_scale == 2.0
+            ref = calls[2]  # the second step's conditional call (the guider runs cond, then uncond)
+            sigma = pipe.scheduler.sigmas[1:2]
+            assert 0 < float(sigma) < 1
+            torch.testing.assert_close(ref["kwargs"]["timestep"], sigma * 1000)
+            cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
+            pred = model.predict(ref["kwargs"]["hidden_states"], sigma, cond)
+    finally:
+        remove()
+    torch.testing.assert_close(pred, ref["out"])
+    # gradient checkpointing (diffusers' own function refuses the blocks' keyword arguments): same output, gradients
+    model.transformer.enable_gradient_checkpointing()
+    try:
+        x = ref["kwargs"]["hidden_states"].clone().requires_grad_(True)
+        with torch.enable_grad():
+            again = model.predict(x, sigma, cond)
+            again.sum().backward()
+    finally:
+        model.transformer.disable_gradient_checkpointing()
+    torch.testing.assert_close(again.detach(), ref["out"])
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_the_original_single_file_round_trips_and_bad_bases_are_refused(hunyuan, tmp_path):
+    from safetensors.torch import load_file
+
+    from trainer.families import Evidence, claim
+    from trainer.families.hunyuanimage.keys import diffusers_to_original, original_to_diffusers
+    ws, paths, model = hunyuan
+    single = load_file(str(paths["single_file"]))
+    assert "double_blocks.0.img_attn_qkv.weight" in single and "single_blocks.0.linear1.weight" in single
+    state = model.transformer.state_dict()
+    back = original_to_diffusers(diffusers_to_original(state))
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+    loaded = load_tiny(ws, paths["single_file"], f"model.config_path={paths['diffusers']}")
+    for k, v in loaded.transformer.state_dict().items():
+        torch.testing.assert_close(v, state[k])
+    shapes = {f"model.diffusion_model.{k}": tuple(v.shape) for k, v in single.items()}
+    assert claim(Evidence("single_file", "h.safetensors", shapes=shapes)) == "hunyuan-image"
+    with pytest.raises(ValueError, match="Distilled"):
+        claim(Evidence("single_file", "d.safetensors", shapes={**shapes, "time_r_in.mlp.0.weight": (4, 4)}))
+    index = json.loads((paths["diffusers"] / "model_index.json").read_text())
+    tcfg = json.loads((paths["diffusers"] / "transformer" / "config.json").read_text())
+
+    def folder(idx, tc):
+        files = {"model_index.json": idx, "transformer/config.json": tc}
+        return Evidence("hub", "someone/model", read_json=lambda rel: files.get(rel))
+    assert claim(folder(index, tcfg)) == "hunyuan-image"
+    with pytest.raises(ValueError, match="Distilled"):
+        claim(folder(index, dict(tcfg, guidance_embeds=True, use_meanflow=True)))
+    with pytest.raises(ValueError, match="refiner"):
+        claim(folder(dict(index, _class_name="HunyuanImageRefinerPipeline"), tcfg))
+
+
+def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers_compute(hunyuan):
+    """ComfyUI adds B·A of each ``diffusion_model.<original module>`` to that weight of Tencent's file (no ``.alpha``:
+    scale 1); on the stacked q/k/v and ``linear1`` that gives every part exactly its trained LoRA."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    from trainer.families.common.peft_lora import target_regex
+    from trainer.families.hunyuanimage.family import TARGETS
+    from trainer.families.hunyuanimage.keys import diffusers_to_original, original_to_diffusers
+    ws, paths, model = hunyuan
+    t = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=target_regex(TARGETS["all"])),
+                                copy.deepcopy(model.transformer))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in t.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    file = model.lora_state_dict({"unet": t})
+    assert "diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight" in file
+    assert file["diffusion_model.single_blocks.0.linear1.lora_A.weight"].shape[0] == 8  # q, k, v, mlp: 4 × rank 2
+    base = diffusers_to_original(model.transformer.state_dict())
+    for key in [k for k in file if k.endswith(".lora_A.weight")]:  # ComfyUI's weight patch
+        target = key[len("diffusion_model."):-len(".lora_A.weight")] + ".weight"
+        base[target] = base[target] + file[key.replace("lora_A", "lora_B")] @ file[key]
+    for m in t.modules():  # the trained layers, merged as peft computes them (scale α/r = 2)
+        if isinstance(m, LoraLayer):
+            m.merge()
+    merged = {k.replace(".base_layer", ""): v for k, v in t.state_dict().items() if "lora_" not in k}
+    comfy = original_to_diffusers(base)
+    assert set(comfy) == set(merged)
+    for k in merged:
+        torch.testing.assert_close(comfy[k], merged[k], msg=k)

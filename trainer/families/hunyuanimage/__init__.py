@@ -1,0 +1,1 @@
+"""HunyuanImage 2.1: its family folder."""
