@@ -137,8 +137,8 @@ def test_flops_of_a_step_are_counted_from_the_real_size_model_on_the_meta_device
 def test_bench_train_reports_the_presets_step_flops_and_mfu():
     import bench_train
     import flops
-    out = bench_train.model_flops("sdxl-lora-8gb", [], {"steady_steps_per_s": 0.5}, 100.0)
-    expected = flops.step_flops("sdxl", 1024, 1, "lora")["step_tflops"]
+    out = bench_train.model_flops("sd15-lora", [], {"steady_steps_per_s": 0.5}, 100.0)
+    expected = flops.step_flops("sd15", 512, 2, "lora")["step_tflops"]  # the preset's size and batch
     assert out["step_tflops"] == pytest.approx(expected, abs=1e-4)
     assert out["mfu"] == pytest.approx(expected * 0.5 / 100.0, abs=1e-4)
     assert "mfu_note" in bench_train.model_flops("demo-flux", [], {}, 100.0)  # no real-size count for it
