@@ -22,8 +22,10 @@
 # noise clips of FRAMES frames (default 49) at the preset's size, 16 fps H.264; an image-to-video case samples from a
 # noise image.
 # The 2026 families at 1024 px: krea2-24gb (krea2-lora: fp8 transformer, Qwen3-VL offloaded), krea2-16gb, krea2-12gb,
-# ideogram4-24gb (ideogram4-lora: the transformer stored in fp8, as from Ideogram's fp8 release), ideogram4-16gb (NF4);
-# demo-krea2 and demo-ideogram4 on any machine.
+# ideogram4-24gb (ideogram4-lora: the transformer stored in fp8, as from Ideogram's fp8 release), ideogram4-16gb (NF4),
+# hidream-24gb (hidream-lora: NF4 transformer and Llama, encoders offloaded), hidream-16gb; demo-krea2, demo-ideogram4
+# and demo-hidream on any machine. All three 24 GB cases in one call: bash bench/gpu_families.sh krea2-24gb
+# ideogram4-24gb hidream-24gb (random bf16 weights need ~40 GB of CPU RAM for Ideogram 4 and HiDream).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -181,7 +183,9 @@ run_case() {
     krea2-16gb|krea2-12gb) bench "$1" "krea2-lora-${1##*-}" 1024 --set "model.path=$(configs krea2)" ;;
     ideogram4-24gb) bench ideogram4-24gb ideogram4-lora 1024 --set "model.path=$(configs ideogram4)" ;;
     ideogram4-16gb) bench ideogram4-16gb ideogram4-lora-16gb 1024 --set "model.path=$(configs ideogram4)" ;;
-    demo-krea2|demo-ideogram4) bench "$1" "$1" 64 ;;  # the tiny models on any machine
+    hidream-24gb) bench hidream-24gb hidream-lora 1024 --set "model.path=$(configs hidream-full)" ;;
+    hidream-16gb) bench hidream-16gb hidream-lora-16gb 1024 --set "model.path=$(configs hidream-full)" ;;
+    demo-krea2|demo-ideogram4|demo-hidream) bench "$1" "$1" 64 ;;  # the tiny models on any machine
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
     demo-pairs) mapfile -t p < <(pairs 64)  # the tiny Kontext on any machine: checks the pair cases
                 bench demo-pairs demo-flux 64 --set model.path=builtin:tiny-flux-kontext "${p[@]}" ;;
