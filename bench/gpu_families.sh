@@ -25,7 +25,7 @@
 # ideogram4-24gb (ideogram4-lora: the transformer stored in fp8, as from Ideogram's fp8 release), ideogram4-16gb (NF4),
 # hidream-24gb (hidream-lora: NF4 transformer and Llama, encoders offloaded), hidream-16gb; demo-krea2, demo-ideogram4
 # and demo-hidream on any machine. All three 24 GB cases in one call: bash bench/gpu_families.sh krea2-24gb
-# ideogram4-24gb hidream-24gb (random bf16 weights need ~40 GB of CPU RAM for Ideogram 4 and HiDream).
+# ideogram4-24gb hidream-24gb (the random bf16 weights of each model are built in CPU RAM first, as a loaded file's are).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
