@@ -158,14 +158,6 @@ def denoiser_calls(module: Any) -> Tuple[list, Any]:
 
 def pytest_collection_modifyitems(config, items):
     """The slow tier first (in its own order), then the fast one: with several workers the long browser, training and
-    several-process tests start early and the short ones fill in at the end, so the workers finish together
-    instead of one waiting on a minute-long test collected last.
-
-    With pytest-xdist's worksteal each of N workers first gets one contiguous Nth of this order, and an idle worker
-    steals from the end of another's queue: the items are dealt round robin into N hands, laid end to end, so every
-    worker starts on its share of the slow tier and what is stolen late is short (not one worker holding every slow
-    test and handing the last of them over at the end)."""
+    several-process tests start early and the short ones fill in at the end, so both workers finish together
+    instead of one waiting on a minute-long test collected last."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    if workers > 1:
-        items[:] = [item for hand in range(workers) for item in items[hand::workers]]
