@@ -33,6 +33,22 @@ class MaskedText:
                           self.prompt_mask if device is None else self.prompt_mask.to(device))
 
 
+class ChannelNormalisedLatents:
+    """Latents of the Wan-style VAEs (Wan, Qwen-Image, Krea 2, Qwen-Image 2.1), whose config holds per-channel
+    ``latents_mean``/``latents_std``: a latent is drawn from the cached posterior and normalised per channel, as the
+    pipelines' decode inverts it (images [B, C, h, w] and clips [B, C, F, h, w] alike)."""
+
+    def sample_latents(self, dist: Dict[str, Any], generator=None):
+        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
+        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
+                          device=None if generator is None else generator.device).to(self.device)
+        c = self.vae.config
+        view = (1, -1) + (1,) * (mean.ndim - 2)
+        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(view)
+        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(view)
+        return (mean + std * eps - shift) / scale
+
+
 class MaskedTextConditioning:
     """Caption caching and conditioning of a family whose ``_encode(captions, grads)`` returns padded features and
     the bool mask of the real tokens (Z-Image, Qwen-Image); caption dropout gives the empty caption's."""

@@ -36,6 +36,7 @@ from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
+    ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -81,7 +82,7 @@ def unpack(tokens, h: int, w: int):
     return x.reshape(b, c, h, w)
 
 
-class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
+class Krea2(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
     name = "krea2"
     family = "krea2"
     prediction_type = "flow"
@@ -130,16 +131,6 @@ class Krea2(MaskedTextConditioning, PeftLayoutLora, Family):
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
         return {"mean": dist.mean.squeeze(2).float().cpu(), "std": dist.std.squeeze(2).float().cpu()}
-
-    def sample_latents(self, dist: Dict[str, Any], generator=None):
-        """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
-        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
-                          device=None if generator is None else generator.device).to(self.device)
-        c = self.vae.config
-        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        return (mean + std * eps - shift) / scale
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):

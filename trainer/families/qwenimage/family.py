@@ -34,6 +34,7 @@ from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.transformer_kit import (
+    ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -67,7 +68,7 @@ class TrueCFGSampler:
         return self.pipe(prompt=prompt, true_cfg_scale=guidance_scale, negative_prompt=negative_prompt or " ", **kwargs)
 
 
-class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
+class QwenImage(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
     name = "qwenimage"
     family = "qwen-image"
     prediction_type = "flow"
@@ -123,16 +124,6 @@ class QwenImage(MaskedTextConditioning, PeftLayoutLora, Family):
         with torch.no_grad():
             dist = self.vae.encode(pixels.to(self.device, dtype=self.vae.dtype).unsqueeze(2)).latent_dist
         return {"mean": dist.mean.squeeze(2).float().cpu(), "std": dist.std.squeeze(2).float().cpu()}
-
-    def sample_latents(self, dist: Dict[str, Any], generator=None):
-        """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
-        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
-                          device=None if generator is None else generator.device).to(self.device)
-        c = self.vae.config
-        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        return (mean + std * eps - shift) / scale
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):

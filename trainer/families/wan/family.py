@@ -45,6 +45,7 @@ from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
+    ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -120,7 +121,7 @@ class OtherExpertOnDevice:
             self.other.to("cpu")
 
 
-class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
+class Wan(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
     name = "wan"
     family = "wan21-t2v"
     prediction_type = "flow"
@@ -219,17 +220,6 @@ class Wan(MaskedTextConditioning, PeftLayoutLora, Family):
         with torch.no_grad():
             dist = self.vae.encode(clip.to(self.device, dtype=self.vae.dtype)).latent_dist
         return {"mean": dist.mean.float().cpu(), "std": dist.std.float().cpu()}
-
-    def sample_latents(self, dist: Dict[str, Any], generator=None):
-        """A latent drawn from the cached posterior, normalised per channel as ``WanPipeline`` inverts it."""
-        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
-                          device=None if generator is None else generator.device).to(self.device)
-        c = self.vae.config
-        view = (1, -1) + (1,) * (mean.ndim - 2)
-        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(view)
-        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(view)
-        return (mean + std * eps - shift) / scale
 
     def encode_first_frames(self, pixels) -> Dict[str, Any]:
         """Image-to-video: what each clip's first frame conditions (first_frame.py), for the data cache: the
