@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -46,6 +48,7 @@ from trainer.families.common.transformer_kit import (
     pipeline_with_transformer_file,
     save_transformer_file,
 )
+from trainer.families.qwenimage21.fake_tensors import layout_from_shapes, longest_captions, masked_hidden
 from trainer.families.qwenimage21.keys import config_from_original, diffusers_to_original, original_to_diffusers
 from trainer.families.qwenimage21.processor import ProcessorAt, QwenImage21Loading
 from trainer.families.sources import classify_source, detect_source_family
@@ -62,11 +65,6 @@ TARGETS = {"attn": ATTN, "attn_mlp": ATTN + ["transformer_blocks.*.img_mlp.out"]
 
 def _same(path: str) -> str:
     return path
-
-
-def masked_hidden(hidden_states: torch.Tensor, mask: torch.Tensor):
-    """``QwenImage21Pipeline._extract_masked_hidden`` (it reads nothing of its pipeline)."""
-    return QwenImage21Pipeline._extract_masked_hidden(None, hidden_states, mask)
 
 
 class QwenImage21Sampler:
@@ -165,10 +163,13 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
     def _encode(self, captions: List[str], grads: bool = False):
         """``QwenImage21Pipeline._get_qwen_prompt_embeds`` (text only), right-padded to ``max_sequence_length``:
         (features [B, L, D], mask of the real tokens [B, L])."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
-            embeds, mask, _ = QwenImage21Pipeline._get_qwen_prompt_embeds(self._view, list(captions), None,
-                                                                           self.text_encoder.device)
         length = self.max_sequence_length
+        view = self._view
+        if active_fake_mode() is not None:  # the VRAM estimate: the longest captions (fake_tensors.py)
+            view = longest_captions(view, length)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            embeds, mask, _ = QwenImage21Pipeline._get_qwen_prompt_embeds(view, list(captions), None,
+                                                                           self.text_encoder.device)
         embeds, mask = embeds[:, :length], mask[:, :length]
         pad = length - embeds.shape[1]
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
@@ -183,13 +184,16 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
                              "hold a multiple of 4 (image sides a multiple of 32)")
         device, dtype = model_input.device, model_input.dtype
         mask = conditioning.prompt_mask.to(device).bool()
-        length = max(int(mask.sum(1).max()), 1)  # the batch's longest caption, as the pipeline pads a batch
+        fake = is_fake(mask)  # the VRAM estimate: no values; every token kept, the longest caption (fake_tensors.py)
+        length = mask.shape[1] if fake else max(int(mask.sum(1).max()), 1)  # the batch's longest, as the pipeline pads
         embeds, mask = conditioning.prompt_embeds[:, :length].to(device, dtype), mask[:, :length]
         img_mask = torch.cat([torch.zeros_like(mask), mask.new_ones(b, h * w // 4)], dim=1)
         tokens = model_input.reshape(b, c, h * w).transpose(1, 2)  # QwenImage21Pipeline._pack_latents
-        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32).reshape(-1),
-                               encoder_hidden_states=embeds, encoder_hidden_states_mask=None if mask.all() else mask,
-                               img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)[0]
+        with layout_from_shapes(self.transformer, fake):
+            out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32).reshape(-1),
+                                   encoder_hidden_states=embeds,
+                                   encoder_hidden_states_mask=None if fake or mask.all() else mask,
+                                   img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)[0]
         return out[:, -h * w:].transpose(1, 2).reshape(b, c, h, w)
 
     # --- sampling ---------------------------------------------------------------------------
