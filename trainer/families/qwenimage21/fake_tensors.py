@@ -1,13 +1,14 @@
 """Qwen-Image 2.1 on the VRAM estimate's fake tensors (shapes and dtypes, no values: ``trainer/memory/estimate.py``).
 
-Three places of the real path read tensor values, which a fake tensor cannot give (DataDependentOutputException):
+These places of the real path read tensor values, which a fake tensor cannot give (DataDependentOutputException):
 
-- the text: ``QwenImage21Pipeline._extract_masked_hidden`` splits the features by each caption's token count
-  (``mask.sum(1).tolist()``). On fake tensors every token is kept (the estimate session's ``nonzero`` already keeps
-  every masked element): :func:`masked_hidden` splits them in whole rows. And as the estimate's captions are short
-  while the pipeline pads a batch to its longest caption only, :func:`longest_captions` has the processor pad them to
-  ``max_sequence_length`` tokens after the dropped system prefix: Qwen3-VL runs, and the features come out, at the
-  length of the longest caption the cache keeps.
+- the text: the processor checks its special tokens in the token ids it makes, so it tokenizes on real tensors here
+  (:class:`PaddedProcessor`); ``QwenImage21Pipeline._extract_masked_hidden`` splits the features by each caption's
+  token count (``mask.sum(1).tolist()``). On fake tensors every token is kept (the estimate session's ``nonzero``
+  already keeps every masked element): :func:`masked_hidden` splits them in whole rows. And as the estimate's
+  captions are short while the pipeline pads a batch to its longest caption only, :func:`longest_captions` has the
+  processor pad them to ``max_sequence_length`` tokens after the dropped system prefix: Qwen3-VL runs, and the
+  features come out, at the length of the longest caption the cache keeps.
 - the denoiser's text length, cut back to the batch's longest caption by :meth:`QwenImage21.predict`: on fake
   tensors the longest there is, ``max_sequence_length``, with no padding mask.
 - the transformer's own layout of the joint sequence, built from ``img_mask``'s values (``repeat_interleave`` by the
@@ -47,7 +48,7 @@ def masked_hidden(hidden_states: torch.Tensor, mask: torch.Tensor):
 
 class PaddedProcessor:
     """The pipeline's processor, its text padded to ``length`` tokens (``padding="max_length"``) whatever the call
-    asks."""
+    asks, on real tensors: the token ids are data (the processor checks its special tokens in them)."""
 
     def __init__(self, processor: Any, length: int):
         self.processor, self.length = processor, length
@@ -56,7 +57,8 @@ class PaddedProcessor:
         return getattr(self.processor, name)
 
     def __call__(self, **kwargs: Any) -> Any:
-        return self.processor(**{**kwargs, "padding": "max_length", "max_length": self.length})
+        with unset_fake_temporarily():
+            return self.processor(**{**kwargs, "padding": "max_length", "max_length": self.length})
 
 
 def longest_captions(view: Any, length: int) -> Any:
@@ -79,7 +81,8 @@ def fake_forward(self: Any, hidden_states: torch.Tensor, encoder_hidden_states: 
     if img_mask.shape[1] != text_len + target_tokens // TOKENS_PER_SLOT:
         raise ValueError("img_mask is not the text slots followed by the target image's")
     with unset_fake_temporarily():  # the layout, on real tensors: the model's own functions
-        image_pad_mask = torch.cat([torch.zeros(text_len, dtype=torch.bool), torch.ones(target_tokens, dtype=torch.bool)])
+        image_pad_mask = torch.cat([torch.zeros(text_len, dtype=torch.bool),
+                                    torch.ones(target_tokens, dtype=torch.bool)])
         image_ids, target_token_mask = self.build_token_metadata(image_pad_mask, img_shapes[0])
         prefix_len = int((~target_token_mask).sum())
         processors = [block.attn.processor for block in self.transformer_blocks]
