@@ -36,6 +36,27 @@ def test_text_features_and_dropout_are_the_pipelines(qwen21):
     assert int(dropped.prompt_mask.sum()) == empty.shape[1]
 
 
+def test_qwen3_vl_keeping_its_last_layer_only_gives_the_same_features(qwen21):
+    """LastLayerOnly (no other hidden layer kept, the last token's logits only) changes no feature."""
+    from trainer.families.qwenimage21.family import LastLayerOnly
+    ws, paths, model = qwen21
+    captions = ["a red square", "a much longer caption of a red square"]
+    with torch.no_grad():
+        embeds, mask = model._encode(captions)
+        for handle in model.last_layer_only.handles:
+            handle.remove()
+        try:
+            seen = []
+            hook = model.text_encoder.register_forward_hook(lambda m, a, out: seen.append(len(out.hidden_states)))
+            whole, whole_mask = model._encode(captions)
+            hook.remove()
+        finally:
+            model.last_layer_only = LastLayerOnly(model.text_encoder)
+    assert seen == [model.text_encoder.config.text_config.num_hidden_layers + 1]  # every layer, without the hooks
+    torch.testing.assert_close(embeds, whole)
+    assert torch.equal(mask, whole_mask)
+
+
 def test_predict_is_the_pipelines_transformer_call(qwen21):
     ws, paths, model = qwen21
     pipe = model.pipeline(None)

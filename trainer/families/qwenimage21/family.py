@@ -9,7 +9,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_qweni
   processor without its video part (processor.py). Cached right-padded to ``max_sequence_length`` with the mask;
   :meth:`predict` cuts the batch back to its longest caption, as the pipeline pads a batch of prompts, because the
   image block's RoPE frame position is where the text ends. Caption dropout gives the empty caption's (the pipeline
-  encodes "" as " ").
+  encodes "" as " "). Qwen3-VL keeps only the layer the pipeline reads (:class:`LastLayerOnly`). On the VRAM
+  estimate's fake tensors, fake_tensors.py gives what the path reads of tensor values from shapes.
 - Latents: the VAE reads RGBA (an opaque alpha channel of 1 is added to the training pixels, as the pipeline's
   preprocess of an RGB image converted to RGBA gives), one frame, normalised per channel with ``latents_mean`` /
   ``latents_std``; 16× so one latent is one token (no 2×2 packing).
@@ -67,11 +68,35 @@ def _same(path: str) -> str:
     return path
 
 
-def _one_logit(_module, args, kwargs):
-    """Qwen3-VL's next-token logits for the last position only: the pipeline's text function reads a hidden layer
-    and never the logits, which for every token are [B, L, 151936] (2.5 GiB for 16 captions of 512 tokens in bf16)."""
-    kwargs.setdefault("logits_to_keep", 1)
-    return args, kwargs
+class LastLayerOnly:
+    """Qwen3-VL keeps only what the pipeline's text function reads of it: ``hidden_states[-1]``, the last decoder
+    layer's output before the final norm (the pipeline's own norm hook makes it that), and the last token's logits.
+    Asked for every hidden state it would keep all 37 layers (2.5 GiB for 16 captions of 512 tokens in bf16) and the
+    logits of every token ([B, L, 151936], 2 GiB more): the hooks ask for neither and hand back the norm's input as
+    the only hidden state."""
+
+    def __init__(self, text_encoder: Any):
+        model = text_encoder.model
+        norm = getattr(model, "language_model", model).norm
+        self.last: Optional[torch.Tensor] = None
+        self.wanted = False
+        self.handles = [text_encoder.register_forward_pre_hook(self._ask, with_kwargs=True),
+                        norm.register_forward_pre_hook(self._keep),
+                        text_encoder.register_forward_hook(self._give)]
+
+    def _ask(self, _module, args, kwargs):
+        self.wanted = bool(kwargs.get("output_hidden_states"))
+        kwargs.update(output_hidden_states=False, logits_to_keep=1)
+        return args, kwargs
+
+    def _keep(self, _module, args):
+        self.last = args[0]
+
+    def _give(self, _module, _args, output):
+        if self.wanted:
+            output.hidden_states = (self.last,)
+        self.last = None
+        return output
 
 
 class QwenImage21Sampler:
@@ -127,7 +152,7 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.processor = pipe.text_encoder, pipe.processor
         self.tokenizer = pipe.processor.tokenizer
-        self.text_encoder.register_forward_pre_hook(_one_logit, with_kwargs=True)
+        self.last_layer_only = LastLayerOnly(self.text_encoder)
         # what the pipeline's text function reads of its pipeline (the pipeline itself is not kept)
         self._view = SimpleNamespace(processor=pipe.processor, text_encoder=pipe.text_encoder,
                                      prompt_template_t2i=pipe.prompt_template_t2i,
