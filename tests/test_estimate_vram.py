@@ -185,6 +185,9 @@ PUBLISHED = {
     # HiDream-I1 17B MoE, its CLIP-L/G with 248 positions, T5-XXL, Llama 3.1 8B (its head included)
     "hidream-full": {"transformer": 17.11, "text_encoder": 0.1238, "text_encoder_2": 0.6949, "text_encoder_3": 4.76,
                      "text_encoder_4": 8.03},
+    # Qwen-Image 2.1: the transformer and the 64-channel VAE at diffusers' defaults (documented as the released
+    # model's), Qwen3-VL-8B-Instruct 8.77B with its vision tower
+    "qwen-image-21": {"transformer": 7.115, "text_encoder": 8.767, "vae": 0.3377},
 }
 
 

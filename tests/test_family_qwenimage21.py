@@ -36,6 +36,27 @@ def test_text_features_and_dropout_are_the_pipelines(qwen21):
     assert int(dropped.prompt_mask.sum()) == empty.shape[1]
 
 
+def test_qwen3_vl_keeping_its_last_layer_only_gives_the_same_features(qwen21):
+    """LastLayerOnly (no other hidden layer kept, the last token's logits only) changes no feature."""
+    from trainer.families.qwenimage21.family import LastLayerOnly
+    ws, paths, model = qwen21
+    captions = ["a red square", "a much longer caption of a red square"]
+    with torch.no_grad():
+        embeds, mask = model._encode(captions)
+        for handle in model.last_layer_only.handles:
+            handle.remove()
+        try:
+            seen = []
+            hook = model.text_encoder.register_forward_hook(lambda m, a, out: seen.append(len(out.hidden_states)))
+            whole, whole_mask = model._encode(captions)
+            hook.remove()
+        finally:
+            model.last_layer_only = LastLayerOnly(model.text_encoder)
+    assert seen == [model.text_encoder.config.text_config.num_hidden_layers + 1]  # every layer, without the hooks
+    torch.testing.assert_close(embeds, whole)
+    assert torch.equal(mask, whole_mask)
+
+
 def test_predict_is_the_pipelines_transformer_call(qwen21):
     ws, paths, model = qwen21
     pipe = model.pipeline(None)
@@ -200,3 +221,38 @@ def test_at_the_released_sizes_the_original_layout_is_what_diffusers_converts():
     converted = convert_qwen_image21_transformer_checkpoint_to_diffusers(dict(original))
     assert {k: tuple(v.shape) for k, v in converted.items()} == shapes
     assert config_from_original(original, {}) == CONFIG
+
+
+def test_on_the_vram_estimates_fake_tensors_every_caption_token_is_kept(qwen21):
+    """The VRAM estimate's path (fake_tensors.py): its forward, with the layout from shapes, is the transformer's own
+    for predict's call (real tensors, every token kept); on fake tensors the captions' features come out whole rows at
+    the padded length and predict runs at that length."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import is_fake
+
+    from trainer.families.qwenimage21.fake_tensors import layout_from_shapes
+    from trainer.memory.estimate_session import session
+    ws, paths, model = qwen21
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(2, 16, 2, 4, generator=g), torch.tensor([0.3, 0.8])
+    cond = SimpleNamespace(prompt_embeds=torch.randn(2, 5, 32, generator=g), prompt_mask=torch.ones(2, 5))
+    with torch.no_grad():
+        ref = model.predict(x, t, cond)
+        with layout_from_shapes(model.transformer, True):
+            got = model.predict(x, t, cond)
+    torch.testing.assert_close(got, ref)
+    assert "forward" not in vars(model.transformer)  # the model's own forward is back
+    seen = []
+    hook = model.text_encoder.register_forward_pre_hook(lambda m, a, k: seen.append(tuple(k["input_ids"].shape)),
+                                                        with_kwargs=True)
+    try:
+        with session(fake=True), torch.no_grad():
+            embeds, mask = model._encode(["a red square", "a much longer caption of a red square"])
+            pred = model.predict(torch.zeros(2, 16, 2, 4), t, SimpleNamespace(prompt_embeds=embeds, prompt_mask=mask))
+            assert is_fake(embeds) and is_fake(pred)
+    finally:
+        hook.remove()
+    assert seen == [(2, model._view._drop_idx + model.max_sequence_length)]  # Qwen3-VL read the longest captions
+    assert tuple(embeds.shape) == (2, model.max_sequence_length, 32) and tuple(mask.shape) == (2, 512)
+    assert tuple(pred.shape) == (2, 16, 2, 4)

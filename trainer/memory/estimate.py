@@ -374,7 +374,10 @@ def _vae_latent(model, size: Tuple[int, int], frames: int = 1):
     """A latent in the VAE's own layout (before the family packs or normalises it) for ``size`` (and ``frames``
     frames of a video VAE)."""
     w, h = size
-    pixels = torch.zeros(1, 3, h, w, dtype=model.vae.dtype)
+    # the image's channels: RGB, or the VAE's own input (Qwen-Image 2.1's reads RGBA) where it patchifies none
+    config = model.vae.config
+    channels = int(getattr(config, "in_channels", 3) or 3) if getattr(config, "patch_size", None) is None else 3
+    pixels = torch.zeros(1, channels, h, w, dtype=model.vae.dtype)
     if getattr(model.vae.config, "temperal_downsample", None) is not None:  # a video VAE (Wan, Qwen-Image)
         pixels = pixels.unsqueeze(2).expand(-1, -1, frames, -1, -1)
     with torch.no_grad():

@@ -9,7 +9,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_qweni
   processor without its video part (processor.py). Cached right-padded to ``max_sequence_length`` with the mask;
   :meth:`predict` cuts the batch back to its longest caption, as the pipeline pads a batch of prompts, because the
   image block's RoPE frame position is where the text ends. Caption dropout gives the empty caption's (the pipeline
-  encodes "" as " ").
+  encodes "" as " "). Qwen3-VL keeps only the layer the pipeline reads (:class:`LastLayerOnly`). On the VRAM
+  estimate's fake tensors, fake_tensors.py gives what the path reads of tensor values from shapes.
 - Latents: the VAE reads RGBA (an opaque alpha channel of 1 is added to the training pixels, as the pipeline's
   preprocess of an RGB image converted to RGBA gives), one frame, normalised per channel with ``latents_mean`` /
   ``latents_std``; 16× so one latent is one token (no 2×2 packing).
@@ -35,6 +36,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 from diffusers import QwenImage21Pipeline, QwenImage21Transformer2DModel
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -46,6 +49,7 @@ from trainer.families.common.transformer_kit import (
     pipeline_with_transformer_file,
     save_transformer_file,
 )
+from trainer.families.qwenimage21.fake_tensors import layout_from_shapes, longest_captions, masked_hidden
 from trainer.families.qwenimage21.keys import config_from_original, diffusers_to_original, original_to_diffusers
 from trainer.families.qwenimage21.processor import ProcessorAt, QwenImage21Loading
 from trainer.families.sources import classify_source, detect_source_family
@@ -64,9 +68,35 @@ def _same(path: str) -> str:
     return path
 
 
-def masked_hidden(hidden_states: torch.Tensor, mask: torch.Tensor):
-    """``QwenImage21Pipeline._extract_masked_hidden`` (it reads nothing of its pipeline)."""
-    return QwenImage21Pipeline._extract_masked_hidden(None, hidden_states, mask)
+class LastLayerOnly:
+    """Qwen3-VL keeps only what the pipeline's text function reads of it: ``hidden_states[-1]``, the last decoder
+    layer's output before the final norm (the pipeline's own norm hook makes it that), and the last token's logits.
+    Asked for every hidden state it would keep all 37 layers (2.5 GiB for 16 captions of 512 tokens in bf16) and the
+    logits of every token ([B, L, 151936], 2 GiB more): the hooks ask for neither and hand back the norm's input as
+    the only hidden state."""
+
+    def __init__(self, text_encoder: Any):
+        model = text_encoder.model
+        norm = getattr(model, "language_model", model).norm
+        self.last: Optional[torch.Tensor] = None
+        self.wanted = False
+        self.handles = [text_encoder.register_forward_pre_hook(self._ask, with_kwargs=True),
+                        norm.register_forward_pre_hook(self._keep),
+                        text_encoder.register_forward_hook(self._give)]
+
+    def _ask(self, _module, args, kwargs):
+        self.wanted = bool(kwargs.get("output_hidden_states"))
+        kwargs.update(output_hidden_states=False, logits_to_keep=1)
+        return args, kwargs
+
+    def _keep(self, _module, args):
+        self.last = args[0]
+
+    def _give(self, _module, _args, output):
+        if self.wanted:
+            output.hidden_states = (self.last,)
+        self.last = None
+        return output
 
 
 class QwenImage21Sampler:
@@ -122,6 +152,7 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.text_encoder, self.processor = pipe.text_encoder, pipe.processor
         self.tokenizer = pipe.processor.tokenizer
+        self.last_layer_only = LastLayerOnly(self.text_encoder)
         # what the pipeline's text function reads of its pipeline (the pipeline itself is not kept)
         self._view = SimpleNamespace(processor=pipe.processor, text_encoder=pipe.text_encoder,
                                      prompt_template_t2i=pipe.prompt_template_t2i,
@@ -165,10 +196,13 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
     def _encode(self, captions: List[str], grads: bool = False):
         """``QwenImage21Pipeline._get_qwen_prompt_embeds`` (text only), right-padded to ``max_sequence_length``:
         (features [B, L, D], mask of the real tokens [B, L])."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
-            embeds, mask, _ = QwenImage21Pipeline._get_qwen_prompt_embeds(self._view, list(captions), None,
-                                                                           self.text_encoder.device)
         length = self.max_sequence_length
+        view = self._view
+        if active_fake_mode() is not None:  # the VRAM estimate: the longest captions (fake_tensors.py)
+            view = longest_captions(view, length)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
+            embeds, mask, _ = QwenImage21Pipeline._get_qwen_prompt_embeds(view, list(captions), None,
+                                                                           self.text_encoder.device)
         embeds, mask = embeds[:, :length], mask[:, :length]
         pad = length - embeds.shape[1]
         embeds = torch.nn.functional.pad(embeds, (0, 0, 0, pad))
@@ -183,13 +217,16 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
                              "hold a multiple of 4 (image sides a multiple of 32)")
         device, dtype = model_input.device, model_input.dtype
         mask = conditioning.prompt_mask.to(device).bool()
-        length = max(int(mask.sum(1).max()), 1)  # the batch's longest caption, as the pipeline pads a batch
+        fake = is_fake(mask)  # the VRAM estimate: no values; every token kept, the longest caption (fake_tensors.py)
+        length = mask.shape[1] if fake else max(int(mask.sum(1).max()), 1)  # the batch's longest, as the pipeline pads
         embeds, mask = conditioning.prompt_embeds[:, :length].to(device, dtype), mask[:, :length]
         img_mask = torch.cat([torch.zeros_like(mask), mask.new_ones(b, h * w // 4)], dim=1)
         tokens = model_input.reshape(b, c, h * w).transpose(1, 2)  # QwenImage21Pipeline._pack_latents
-        out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32).reshape(-1),
-                               encoder_hidden_states=embeds, encoder_hidden_states_mask=None if mask.all() else mask,
-                               img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)[0]
+        with layout_from_shapes(self.transformer, fake):
+            out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32).reshape(-1),
+                                   encoder_hidden_states=embeds,
+                                   encoder_hidden_states_mask=None if fake or mask.all() else mask,
+                                   img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)[0]
         return out[:, -h * w:].transpose(1, 2).reshape(b, c, h, w)
 
     # --- sampling ---------------------------------------------------------------------------

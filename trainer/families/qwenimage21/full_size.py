@@ -3,11 +3,17 @@ transformer and the VAE are their diffusers classes' defaults (documented as the
 is Qwen/Qwen3-VL-8B-Instruct's config.json (4096 wide, the transformer's ``context_in_dim``), its vision tower
 included as the pipeline loads it."""
 
+import inspect
+
+from diffusers import AutoencoderKLQwenImage21
+
 from trainer.families.common.full_size import QWEN_MAX_LENGTH
 from trainer.families.qwenimage21.keys import CONFIG
 
 TRANSFORMER = {k: v for k, v in CONFIG.items() if k != "_class_name"}
-VAE: dict = {}  # AutoencoderKLQwenImage21's defaults
+# AutoencoderKLQwenImage21's defaults, every one of them: the values are laid over the tiny VAE's config
+VAE = {name: p.default for name, p in inspect.signature(AutoencoderKLQwenImage21.__init__).parameters.items()
+       if p.default is not inspect.Parameter.empty}
 QWEN3_VL_8B = {
     "text_config": {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
