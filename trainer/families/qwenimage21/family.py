@@ -44,6 +44,7 @@ from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
+    ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -121,7 +122,7 @@ class QwenImage21Sampler:
                          **kwargs)
 
 
-class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
+class QwenImage21(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
     name = "qwenimage21"
     family = "qwen-image-21"
     prediction_type = "flow"
@@ -181,16 +182,6 @@ class QwenImage21(MaskedTextConditioning, PeftLayoutLora, Family):
         with torch.no_grad():
             dist = self.vae.encode(rgba).latent_dist
         return {"mean": dist.mean.squeeze(2).float().cpu(), "std": dist.std.squeeze(2).float().cpu()}
-
-    def sample_latents(self, dist: Dict[str, Any], generator=None):
-        """A latent drawn from the cached posterior, normalised per channel as the pipeline's decode inverts it."""
-        mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
-        eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
-                          device=None if generator is None else generator.device).to(self.device)
-        c = self.vae.config
-        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(1, -1, 1, 1)
-        return (mean + std * eps - shift) / scale
 
     # --- text -------------------------------------------------------------------------------
     def _encode(self, captions: List[str], grads: bool = False):
