@@ -156,16 +156,8 @@ def denoiser_calls(module: Any) -> Tuple[list, Any]:
     return calls, remove
 
 
-# the few tests of a minute or more, started before the rest of the slow tier: one of them started late was the
-# whole suite's last minute while the other workers idled (the learning demo alone is ~2.5x the next longest)
-LONGEST = ("test_the_learning_demo_draws_a_red_square_and_a_blue_circle",
-           "test_a_one_process_backup_resumes_under_fsdp_from_an_accelerate_config",
-           "test_method_tabs_and_family_parts_follow_the_form_in_the_browser",
-           "test_demo_run_and_stop_in_the_browser")
-
-
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first, then the rest of the slow tier (in its own order), then the fast one: with several workers the long browser, training and
+    """The slow tier first (in its own order), then the fast one: with several workers the long browser, training and
     several-process tests start early and the short ones fill in at the end, so both workers finish together
     instead of one waiting on a minute-long test collected last."""
-    items.sort(key=lambda item: (item.originalname not in LONGEST, item.get_closest_marker("slow") is None))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
