@@ -213,9 +213,8 @@ def test_the_prior_prediction_target_is_the_base_models_own_prediction(tiny_work
     """A LoRA whose adapters change the UNet's output: prior_prediction rows get exactly what the model without the
     LoRA predicts (a second, untouched load is the reference), the others keep their target, and the adapters are
     on again afterwards."""
+    import contextlib
     from types import SimpleNamespace
-
-    from accelerate import Accelerator
 
     from conftest import load_tiny_fp32
     from trainer.methods.make import make_method
@@ -235,7 +234,10 @@ def test_the_prior_prediction_target_is_the_base_models_own_prediction(tiny_work
     batch = {"captions": ["a red square", "a blue circle"]}
     noisy, timesteps = torch.randn(2, 4, 8, 8), torch.tensor([100, 700])
     target = torch.randn(2, 4, 8, 8)
-    state = SimpleNamespace(model=model, method=method, accelerator=Accelerator(cpu=True), unet_dtype=torch.float32)
+    # an fp32 run's autocast (none): accelerate's Accelerator shares its state within a process, so one made here would
+    # take the bf16 autocast of an Accelerator an earlier test in this worker made
+    state = SimpleNamespace(model=model, method=method, accelerator=SimpleNamespace(autocast=contextlib.nullcontext),
+                            unet_dtype=torch.float32)
     with torch.no_grad():
         with_lora = model.predict(noisy, timesteps, model.batch_condition(batch, lambda c: c, set()))
         reference = base.predict(noisy, timesteps, base.batch_condition(batch, lambda c: c, set()))
