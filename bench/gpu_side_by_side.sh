@@ -8,6 +8,9 @@
 #   bash bench/gpu_side_by_side.sh                          # every case (results in $OUT, default bench-side-by-side/)
 #   bash bench/gpu_side_by_side.sh sd15 sdxl                # some of them: sd15 sdxl flux (each: eager, compiled,
 #                                                           # the example script), profile
+#   bash bench/gpu_side_by_side.sh sd15-eager sd15-example profile sdxl-eager sdxl-example flux-eager sd15-compiled
+#                                                           # single runs in this order (each case's eager, compiled,
+#                                                           # example): the comparisons first when time is short
 #   TINY=1 bash bench/gpu_side_by_side.sh                   # a dry run on the CPU: the tiny models at 64 px, eager only
 #
 # diffusers' example scripts are not in the diffusers wheel. Get them from a clone of huggingface/diffusers at the tag
@@ -288,7 +291,11 @@ example() {  # example <case>: diffusers' example script for the case
   if [ "$name" = flux ]; then imgs=$(helper images "$WS/images-$SIDE-bare" "$SIDE" bare)
   else imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1); fi
   echo "=== diffusers $name ($script)" >&2
-  if DPY=$DPY timeout "$CASE_TIMEOUT" "$PY" "$OUT/side_by_side_helper.py" diffusers "$name" "$DIFFUSERS_EXAMPLES/$script" \
+  # cuDNN's SDPA kernel fails in Flux's backward (torch 2.11, cu130: "an illegal memory access"); the trainer turns it
+  # off on CUDA, and the example scripts get the same switch through a sitecustomize, so both use the same kernels
+  mkdir -p "$OUT/cudnn-sdpa-off"
+  echo 'import torch; torch.backends.cuda.enable_cudnn_sdp(False)' > "$OUT/cudnn-sdpa-off/sitecustomize.py"
+  if DPY=$DPY PYTHONPATH="$OUT/cudnn-sdpa-off${PYTHONPATH:+:$PYTHONPATH}" timeout "$CASE_TIMEOUT" "$PY" "$OUT/side_by_side_helper.py" diffusers "$name" "$DIFFUSERS_EXAMPLES/$script" \
       "$model" "$imgs" "$STEPS" "$WS/diffusers-$name" "$WS/diffusers-$name.json" 2> "$WS/diffusers-$name.err"; then
     echo "{\"case\": \"$name\", \"mode\": \"diffusers\", \"result\": $(cat "$WS/diffusers-$name.json")}" >> "$RESULTS"
   else
@@ -314,8 +321,11 @@ for c in "${cases[@]}"; do
       atelier "$c" eager
       [ "$COMPILE" = 1 ] && atelier "$c" compiled
       example "$c" ;;
+    sd15-eager|sdxl-eager|flux-eager) atelier "${c%-*}" eager ;;
+    sd15-compiled|sdxl-compiled|flux-compiled) atelier "${c%-*}" compiled ;;
+    sd15-example|sdxl-example|flux-example) example "${c%-*}" ;;
     profile) profile ;;
-    *) echo "unknown case $c (sd15 sdxl flux profile)" >&2 ;;
+    *) echo "unknown case $c (sd15 sdxl flux profile, or one run of a case: sd15-eager sd15-compiled sd15-example …)" >&2 ;;
   esac
 done
 card=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ if torch.cuda.is_available() else 'CPU (dry run), torch ' + torch.__version__)")

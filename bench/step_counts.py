@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -44,7 +45,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-if not os.environ.get("PYTHONPATH"):  # PYTHONPATH=<another checkout> counts that checkout's trainer
+# PYTHONPATH=<another checkout> counts that checkout's trainer; a PYTHONPATH without one (carried wheels) counts this
+if importlib.util.find_spec("trainer") is None:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -95,8 +95,9 @@ class TrainingConfig:
                              choices=["no", "fp16", "bf16"])
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
-                             "type): faster steps on a GPU (OneTrainer reports 25-35 %) after a compile of "
-                             "tens of seconds at the first step. Needs Triton on NVIDIA GPUs (on Windows the "
+                             "type), compiled at the first step (tens of seconds). OneTrainer reports 25-35 % faster "
+                             "steps; an SD 1.5 LoRA on an H200 ran 30 % slower (docs/performance.md): try a "
+                             "few steps each way on your card. Needs Triton on NVIDIA GPUs (on Windows the "
                              "triton-windows package) and a C++ compiler on the CPU.")
     compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
                                      "record CUDA graphs (one per bucket shape and block; CUDA only, not with "

@@ -11,7 +11,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, List
 
-import av
 import numpy as np
 import torch
 from PIL import Image
@@ -107,6 +106,7 @@ def write_video(path: Path, frames: Any, fps: float) -> None:
     Part 2 where this PyAV has no libx264), written to a temporary name and then renamed."""
     images = [np.asarray(frame_image(f)) for f in frames]
     height, width = images[0].shape[:2]
+    import av  # PyAV: only a video sample needs it (its import costs ~0.4 s of every run's start)
     codec = "libx264" if "libx264" in av.codecs_available else "mpeg4"
     tmp = path.with_name(path.stem + ".tmp.mp4")
     with av.open(str(tmp), mode="w", format="mp4") as container:
