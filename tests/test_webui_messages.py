@@ -138,3 +138,48 @@ def test_a_term_signal_to_the_ui_stops_its_tensorboard(tmp_path):
             return
         time.sleep(0.1)
     raise AssertionError("TensorBoard outlived the UI")
+
+
+def _finished_run(ws: Path, name: str, model: str, groups: list) -> Path:
+    t = time.time()
+    steps = [{"type": "step", "step": i, "total_steps": 3, "loss": 0.5 / i, "time": t + i,
+              "lr": {g: 1e-4 for g in groups}} for i in (1, 2, 3)]
+    return _run(ws, name, f"model:\n  path: {model}\n",
+                [{"type": "started", "time": t, "total_steps": 3}, *steps,
+                 {"type": "finished", "time": t + 4, "step": 3}])
+
+
+def test_the_live_charts_are_emptied_then_drawn_anew_when_the_run_shown_changes(ui_app):
+    """Gradio's native plot keeps the colour domain of its first data: switching from an SD run to a transformer
+    run once kept the SD legend and left "Transformer" undrawn. The poll empties the charts when the run changes
+    and names the run in ``charts_of``, whose change polls again and draws them; the polls of one run draw at once."""
+    ws, ctx = ui_app
+    _finished_run(ws, "sd-run", "builtin:tiny-sd", ["unet", "text_encoder"])
+    _finished_run(ws, "flux-run", "builtin:tiny-flux", ["unet"])
+    poll = ctx.handlers["poll"]
+    first = poll("sd-run", "newest first", {})
+    assert first[1] is None and first[2] is None and first[-3] == "sd-run"  # emptied; charts_of starts the redraw
+    drawn = poll("sd-run", "newest first", first[-2])
+    assert set(drawn[2]["series"]) == {"UNet", "CLIP text encoder"} and set(drawn[1]["series"]) == {"loss", "smoothed"}
+    assert isinstance(drawn[-3], type(gr.skip()))  # the same run: no second redraw
+    switched = poll("flux-run", "newest first", drawn[-2])
+    assert switched[1] is None and switched[2] is None and switched[-3] == "flux-run"
+    assert set(poll("flux-run", "newest first", switched[-2])[2]["series"]) == {"Transformer"}
+
+
+def test_resume_on_the_live_panel_is_always_clickable_and_says_why_there_is_nothing_to_resume(ui_app, monkeypatch):
+    ws, ctx = ui_app
+    button = next(b for b in _blocks(ctx["tabs"])
+                  if getattr(b, "elem_id", "") == "run-resume-btn")
+    assert button.interactive is not False
+    resume = ctx.handlers["run_resume"]
+    monkeypatch.setattr(ctx, "resolve_watched", lambda name: None)
+    assert resume("(follow the current run)")[0].startswith("Nothing to resume: no run is chosen")
+    monkeypatch.undo()
+    _finished_run(ws, "done", "builtin:tiny-sd", ["unet"])
+    assert "finished at step 3: there is nothing left to resume" in resume("done")[0]
+    busy = _run(ws, "busy2", "model:\n  path: builtin:tiny-sd\n", [{"type": "started", "time": time.time()}])
+    monkeypatch.setattr("webui.runner.process_alive", lambda run_dir: run_dir == busy)
+    assert resume("busy2")[0] == "Nothing to resume: **busy2** is still running."
+    for out in (resume("done"), resume("busy2")):
+        assert "\n" not in out[0]  # one line

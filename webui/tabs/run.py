@@ -70,16 +70,24 @@ def build(ctx: AppContext) -> None:
     log = gr.HTML(elem_id="run-log")
     seen = gr.State({})
     refresh = gr.Button("Refresh", visible="hidden", elem_id="run-refresh")  # clicked by webui.changes' script
+    charts_of = gr.State("")  # the run the charts were last emptied for; its change draws them (below)
 
-    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, seen,
+    outputs = [status, loss_plot, lr_plot, gallery, problems, log, download, stop, action_msg, charts_of, seen,
                ctx["run_select"]]
 
     def poll(selected: str, sample_order: str, last: dict) -> List[Any]:
         run_dir = ctx.resolve_watched(selected)
         view = ctx.monitor.view(run_dir) if run_dir else None
         new = dict(last or {})
+        shown = view.name if view is not None else ""
+        switched = new.get("charts_of", "") != shown  # another run (or none): its charts are drawn anew
+        new["charts_of"] = shown
         out: List[Any] = []
         for name, make, sig in parts(ctx, view, sample_order):  # an output is made only when it is sent
+            if name in CHARTS and switched:
+                new.pop(name, None)  # emptied now; drawn by the poll that the change of charts_of starts
+                out.append(None)
+                continue
             if name == "action":
                 clicked = new.get("action")
                 if _click_settling(clicked, sig):
@@ -93,6 +101,7 @@ def build(ctx: AppContext) -> None:
             else:
                 new[name] = sig
                 out.append(make())
+        out.append(shown if switched else gr.skip())
         names = ctx.run_names()
         if new.get("names") != names:
             new["names"] = names
@@ -103,6 +112,12 @@ def build(ctx: AppContext) -> None:
 
     ctx.handlers["poll"] = poll
     refresh.click(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
+    # Gradio's native plot keeps the colour domain of the data it was first drawn with and afterwards only swaps
+    # the data: switching from an SD run (UNet, text encoder) to a transformer run (Transformer) left the new
+    # series undrawn under the old legend. As for the compare chart, the charts are emptied when the run shown
+    # changes (by a pick, Start, Resume, or the newest run followed) and drawn anew by a second event, which only
+    # a change of run starts: the polls of one run's steps stay one event each.
+    charts_of.change(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
 
     def watch(params: dict) -> tuple:
         """What the tab would show for these inputs, as signatures (for webui.changes), and whether a run is
@@ -114,8 +129,9 @@ def build(ctx: AppContext) -> None:
         return (sigs, ctx.run_names()), bool(view is not None and view.active)
 
     ctx.handlers["watch_run"] = watch
-    ctx["run_select"].change(lambda s, o: poll(s, o, {}), [ctx["run_select"], order], outputs,
-                             show_progress="hidden")
+    # a pick re-sends everything; the charts are emptied first only when the run they show changes
+    ctx["run_select"].change(lambda s, o, last: poll(s, o, {"charts_of": (last or {}).get("charts_of", "")}),
+                             [ctx["run_select"], order, seen], outputs, show_progress="hidden")
     order.change(lambda s, o, last: poll(s, o, {k: v for k, v in (last or {}).items() if k != "gallery"}),
                  [ctx["run_select"], order, seen], outputs, show_progress="hidden")
 
@@ -162,7 +178,7 @@ def build(ctx: AppContext) -> None:
     def do_resume(selected: str) -> List[Any]:
         run_dir = ctx.resolve_watched(selected)
         if run_dir is None:
-            return ["No run to resume.", gr.skip(), gr.skip()]
+            return [NOTHING_CHOSEN, gr.skip(), gr.skip()]
         return resume_run_dir(ctx, run_dir)
 
     resume.click(do_resume, [ctx["run_select"]], [action_msg, ctx["run_select"], ctx["tabs"]], concurrency_limit=1)
@@ -171,20 +187,26 @@ def build(ctx: AppContext) -> None:
 
 
 ACTION_SETTLE_S = 10.0
+CHARTS = ("loss", "lr")
+
+
+# Resume is always clickable (a disabled button does not say why); when there is nothing to resume, the click
+# answers why in one line
+NOTHING_CHOSEN = "Nothing to resume: no run is chosen (no run yet, or pick one under **Run**)."
 
 
 def resume_run_dir(ctx: AppContext, run_dir: Path) -> List[Any]:
     """Resume a stopped run from its last backup, into its own folder: [message, run chooser, tabs]. A finished run
     is not trained again (``--resume last`` would train its last stretch once more and overwrite the result)."""
     v = ctx.monitor.view(run_dir)
+    name = run_dir.name
     if v.active or runner.process_alive(run_dir):
-        return ["This run is still running.", gr.skip(), gr.skip()]
+        return [f"Nothing to resume: **{name}** is still running.", gr.skip(), gr.skip()]
     if v.state == "finished":
-        return [f"**{run_dir.name}** finished at step {v.step}: there is nothing left to resume. To train "
-                "longer, use \"New run from this config\" with more epochs (and the result as the starting "
-                "point if you like).", gr.skip(), gr.skip()]
+        return [f"**{name}** finished at step {v.step}: there is nothing left to resume (to train longer: "
+                "\"New run from this config\" with more epochs).", gr.skip(), gr.skip()]
     if not v.backups:
-        return ["This run has no backup to resume from.", gr.skip(), gr.skip()]
+        return [f"Nothing to resume: **{name}** has no backup yet.", gr.skip(), gr.skip()]
     status, _, _ = ctx.manager.submit(Job(name=run_dir.name, kind="resume", run_dir=str(run_dir), resume="last"))
     if status == "started":
         return [f"Resuming **{run_dir.name}** from its last backup.", ctx.watch(run_dir.name), show_runs(ctx)]
