@@ -458,7 +458,9 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
         page.locator("#qs-images textarea, #qs-images input").first.fill(str(ctx.workspace / "no-such-folder"))
         page.locator("#qs-fill").click()
         page.wait_for_function("document.querySelector('#qs-note').innerText.includes('is not a folder')", timeout=15000)
-        assert "missing.safetensors" in page.locator("#qs-note").inner_text()  # every wrong input, in one answer
+        note = page.locator("#qs-note").inner_text()
+        assert "missing.safetensors" in note  # every wrong input, in one answer
+        assert note.count("Error:") == 2 and "④" in note and "⑤" in note and "Nothing was filled" in note, note
         assert page.locator("#preset-select input").input_value() == ""  # nothing filled from a wrong choice
         page.locator("#validate-btn").click()  # checks the form as it is, and says the Quick start was not applied
         page.wait_for_function("document.querySelector('#form-messages').innerText.includes('not applied')",

@@ -183,3 +183,13 @@ def test_resume_on_the_live_panel_is_always_clickable_and_says_why_there_is_noth
     assert resume("busy2")[0] == "Nothing to resume: **busy2** is still running."
     for out in (resume("done"), resume("busy2")):
         assert "\n" not in out[0]  # one line
+
+
+def test_start_training_is_only_on_the_train_tab(ui_app):
+    """One Start button, on Train beside Check settings and Add to queue: the other task tabs show none."""
+    _, ctx = ui_app
+    tabs = {t.id: t for t in ctx["tabs"].children if isinstance(t, gr.Tab)}
+    assert set(tabs) == {"train", "run", "data", "tools"}
+    starts = {key: [b for b in _blocks(tab) if isinstance(b, gr.Button) and "start" in str(b.value).lower()]
+              for key, tab in tabs.items()}
+    assert [b.elem_id for b in starts["train"]] == ["start-btn"] and not any(starts[k] for k in ("run", "data", "tools"))
