@@ -192,4 +192,5 @@ def test_start_training_is_only_on_the_train_tab(ui_app):
     assert set(tabs) == {"train", "run", "data", "tools"}
     starts = {key: [b for b in _blocks(tab) if isinstance(b, gr.Button) and "start" in str(b.value).lower()]
               for key, tab in tabs.items()}
-    assert [b.elem_id for b in starts["train"]] == ["start-btn"] and not any(starts[k] for k in ("run", "data", "tools"))
+    assert [b.elem_id for b in starts["train"]] == ["start-btn"]
+    assert not any(starts[k] for k in ("run", "data", "tools"))

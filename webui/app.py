@@ -195,7 +195,10 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
         ctx.handlers["method_tabs"] = ctx.form.wire_method_tabs()  # LoRA / Embedding follow training.method
         ctx.handlers["family_parts"] = family_parts.wire(ctx.form)  # the form follows the model's family
         refresh_runs, runs_outputs = ctx.components["runs_refresh"]
-        runs_tab.select(refresh_runs, None, runs_outputs, show_progress="hidden").then(
+        # opening Runs takes 1-4 s in the browser on a loaded 2-core machine (the server's part: ~50 ms): the table
+        # shows that it is being refreshed (docs/performance.md "Clicks on the page")
+        runs_tab.select(refresh_runs, None, runs_outputs, show_progress="minimal",
+                        show_progress_on=runs_outputs[:1]).then(
             *ctx.components["runs_details"], show_progress="hidden")
         # Start shows the Runs tab without a select event: its history then lists the new run too
         ctx.components["start_event"].then(refresh_runs, None, runs_outputs, show_progress="hidden")
