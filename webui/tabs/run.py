@@ -79,12 +79,12 @@ def build(ctx: AppContext) -> None:
         run_dir = ctx.resolve_watched(selected)
         view = ctx.monitor.view(run_dir) if run_dir else None
         new = dict(last or {})
-        shown = view.name if view is not None else ""
-        switched = new.get("charts_of", "") != shown  # another run (or none): its charts are drawn anew
+        shown, before = (view.name if view is not None else ""), new.get("charts_of", "")
         new["charts_of"] = shown
+        redraw = bool(before) and before != shown  # the charts hold another run's curves: emptied, drawn anew
         out: List[Any] = []
         for name, make, sig in parts(ctx, view, sample_order):  # an output is made only when it is sent
-            if name in CHARTS and switched:
+            if name in CHARTS and redraw:
                 new.pop(name, None)  # emptied now; drawn by the poll that the change of charts_of starts
                 out.append(None)
                 continue
@@ -101,7 +101,7 @@ def build(ctx: AppContext) -> None:
             else:
                 new[name] = sig
                 out.append(make())
-        out.append(shown if switched else gr.skip())
+        out.append(shown if redraw else gr.skip())
         names = ctx.run_names()
         if new.get("names") != names:
             new["names"] = names
@@ -116,7 +116,8 @@ def build(ctx: AppContext) -> None:
     # the data: switching from an SD run (UNet, text encoder) to a transformer run (Transformer) left the new
     # series undrawn under the old legend. As for the compare chart, the charts are emptied when the run shown
     # changes (by a pick, Start, Resume, or the newest run followed) and drawn anew by a second event, which only
-    # a change of run starts: the polls of one run's steps stay one event each.
+    # a change from one run's curves to another's starts: the first draw of a page and the polls of one run's
+    # steps stay one event each.
     charts_of.change(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
 
     def watch(params: dict) -> tuple:
