@@ -128,7 +128,9 @@ def test_live_poll_follows_a_run_started_elsewhere(tmp_path, monkeypatch):
     from webui import runner
     from webui.jobqueue import Job
     from webui.runner import RunManager
-    monkeypatch.setenv("FAKE_STEP_SECONDS", "0.1")
+    # 3 s a step: the fake trainer samples every 5 steps, so no sample lands before the second poll below even on a
+    # loaded machine (at 0.1 s one every 0.5 s did, and the gallery was rightly sent again; a poll can take seconds there)
+    monkeypatch.setenv("FAKE_STEP_SECONDS", "3")
     ws = tmp_path / "ws"
     elsewhere = RunManager(ws, trainer_argv=fake_trainer_argv(tmp_path))
     _, run_dir, _ = elsewhere.submit(Job(name="bg", config_yaml=fake_config("", 300)))
