@@ -141,10 +141,9 @@ def test_stopped_and_resumed_run_equals_uninterrupted_run(tiny_workspace):
     assert events[-1]["type"] == "stopped" and events[-1]["step"] < 16, events[-1]
     assert events[-2]["type"] == "backup"
     assert not (run / "interrupted.safetensors").exists()
-    resumed = _spawn(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last",
-                      "--no-progress"])
-    out, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, out
+    # resumed in this process (another process start, torch and the model, costs seconds): the run seeds its RNGs
+    # at set-up either way, so only the RNG states and data position the backup carries can make the weights match
+    assert cli(["train", str(run / "config.yaml"), "--run-dir", str(run), "--resume", "last", "--no-progress"]) == 0
     events = read_events(run / "events.jsonl")
     assert events[-1]["type"] == "finished"
     started = [e for e in events if e["type"] == "started"]
@@ -482,7 +481,7 @@ def test_regional_compile_finds_each_familys_repeated_blocks():
 
 
 def test_the_learning_demo_draws_a_red_square_and_a_blue_circle(tiny_workspace):
-    """demo-learns, as shipped (about a minute here): the loss falls, and the last samples are the prompts' shapes
+    """demo-learns, as shipped (about half a minute here): the loss falls, and the last samples are the prompts' shapes
     in their colours on white (the tiny VAE is a near identity, so a sample is what the UNet learned). The first
     samples are noise; thresholds leave room for another CPU's rounding."""
     import numpy as np
@@ -492,16 +491,16 @@ def test_the_learning_demo_draws_a_red_square_and_a_blue_circle(tiny_workspace):
                                                                 "backup.every_n_epochs=0")]) == 0
     run = ws / "runs" / "learns"
     losses = [e["loss"] for e in read_events(run / "events.jsonl") if e["type"] == "step"]
-    assert len(losses) == 480 and np.mean(losses[-60:]) < 0.5 * np.mean(losses[:60])
+    assert len(losses) == 360 and np.mean(losses[-60:]) < 0.5 * np.mean(losses[:60])
 
     def colours(name: str):
         rgb = np.asarray(Image.open(run / "samples" / name).convert("RGB"), dtype=np.float32) / 255
         corners = np.concatenate([rgb[:8, :8], rgb[:8, -8:], rgb[-8:, :8], rgb[-8:, -8:]]).reshape(-1, 3)
         return rgb[24:40, 24:40].reshape(-1, 3).mean(0), corners.mean(0)
 
-    (r, g, b), corners = colours("step000480-p0.png")  # "a red square on a white background"
+    (r, g, b), corners = colours("step000360-p0.png")  # "a red square on a white background"
     assert r > 0.6 and g < 0.35 and b < 0.35 and corners.min() > 0.6, (r, g, b, corners)
-    (r, g, b), corners = colours("step000480-p1.png")  # "a blue circle on a white background"
+    (r, g, b), corners = colours("step000360-p1.png")  # "a blue circle on a white background"
     assert b > 0.5 and b > r + 0.25 and corners.min() > 0.6, (r, g, b, corners)
     (r, g, b), _ = colours("step000120-p0.png")  # still noise at the first samples: not yet the red square
     assert not (r > 0.6 and g < 0.35 and b < 0.35)
