@@ -100,8 +100,8 @@ def logged_in_page(url: str, shots: Path, browser):
             raise
 
 
-def assert_changes_the_tiny_model(lora: Path) -> None:
-    """The LoRA file loads in diffusers' tiny SD pipeline and changes its image."""
+def assert_changes_the_tiny_model(*loras: Path) -> None:
+    """Each LoRA file loads in diffusers' tiny SD pipeline and changes its image."""
     import torch
 
     from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
@@ -113,8 +113,10 @@ def assert_changes_the_tiny_model(lora: Path) -> None:
                     generator=torch.Generator().manual_seed(0), output_type="np").images[0]
 
     before = image()
-    pipe.load_lora_weights(str(lora))
-    assert abs(image() - before).max() > 1e-3
+    for lora in loras:
+        pipe.load_lora_weights(str(lora))
+        assert abs(image() - before).max() > 1e-3, lora
+        pipe.unload_lora_weights()
 
 
 def stop_runs(ctx) -> None:
@@ -295,75 +297,22 @@ def test_demo_run_and_stop_in_the_browser(app, chromium, tmp_path):
     assert len(list((ctx.workspace / "samples").rglob("*.png"))) == 1  # the sample tool's image, in the workspace
 
 
-def test_the_lora_and_a_zip_of_the_run_download_through_a_login(chromium, tmp_path):
-    """A share-link user takes the result home: logged in, the Runs tab's download gives the trained LoRA
-    byte for byte (and it loads in diffusers and changes the image), the zip holds config, log and samples;
-    the same file without the login is refused."""
+def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(chromium, tmp_path):
+    """The newcomer path in one go, logged in as through a share link: an empty page; Quick start on a folder of
+    images outside the workspace; Check settings names a wrong model path at its field; train; download the LoRA
+    (it loads in diffusers and changes the image); compare with an earlier run; take that run home from the Runs
+    tab (its LoRA byte for byte, and it changes the image; a zip with config, log and samples) and delete it. The
+    same files without the login are refused."""
     import zipfile
 
     import httpx
 
-    from conftest import train_quiet
-    ws = tmp_path / "ws"
-    run_dir = train_quiet(ws, "home", "demo", "training.max_steps=3", "training.learning_rate=0.05",
-                          "sampling.at_end=true")
-    lora = next(run_dir.glob("*.safetensors"))
-    demo = build_app(ws, start_scheduler=False)
-    _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
-    try:
-        with logged_in_page(url, tmp_path, chromium) as page:
-            page.get_by_role("tab", name="Runs", exact=True).click()
-            page.locator("#runs-pick input").click()
-            page.get_by_role("option", name="home", exact=True).click()
-            button = page.locator("#runs-download-result")
-            button.wait_for(state="visible", timeout=30000)
-            assert lora.name in button.inner_text()
-            with page.expect_download(timeout=30000) as info:
-                button.click()
-            got = tmp_path / "downloaded.safetensors"
-            info.value.save_as(got)
-            assert got.read_bytes() == lora.read_bytes()
-
-            page.locator("#runs-zip-btn").click()
-            zip_button = page.locator("#runs-download-zip")
-            zip_button.wait_for(state="visible", timeout=30000)
-            with page.expect_download(timeout=30000) as info:
-                zip_button.click()
-            info.value.save_as(tmp_path / "run.zip")
-            shutil.copy(lora, tmp_path / "kept.safetensors")  # the LoRA, before the run is deleted below
-            lora = tmp_path / "kept.safetensors"
-
-            page.locator("#runs-delete").click()  # asks first
-            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
-                                   timeout=15000)
-            assert run_dir.is_dir()
-            page.locator("#runs-delete").click()  # "Delete now"
-            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
-                                   timeout=15000)
-            assert not run_dir.exists() and "home" not in page.locator("#runs-table").inner_text()
-        with zipfile.ZipFile(tmp_path / "run.zip") as z:
-            names = set(z.namelist())
-            assert {"config.yaml", "events.jsonl", "train.log", "home.safetensors"} <= names
-            assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
-            assert not any(n.startswith("backups/") for n in names)
-            assert z.read("home.safetensors") == lora.read_bytes()
-        # the file route wants the login like every other route
-        (ws / "runs" / "notes.txt").write_text("a file that exists, inside a served folder")
-        served = f"{url.rstrip('/')}/gradio_api/file={ws / 'runs' / 'notes.txt'}"
-        assert httpx.get(served, timeout=30).status_code in (401, 403)
-    finally:
-        demo.close()
-    assert_changes_the_tiny_model(got)  # the downloaded LoRA has the trained effect
-
-
-def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(chromium, tmp_path):
-    """The newcomer path in one go, logged in as through a share link: an empty page; Quick start on a folder of
-    images outside the workspace; Check settings names a wrong model path at its field; train; download the LoRA
-    (it loads in diffusers and changes the image); compare with an earlier run; delete that run."""
-
     from conftest import DEMO_DATA, train_quiet
     ws = tmp_path / "ws"
-    train_quiet(ws, "earlier", "demo", "training.max_steps=2", "sampling.at_end=true")  # a run from last week
+    earlier = train_quiet(ws, "earlier", "demo", "training.max_steps=2", "training.learning_rate=0.05",
+                          "sampling.at_end=true")  # a run from last week
+    kept = tmp_path / "kept.safetensors"  # its LoRA, before the run is deleted below
+    shutil.copy(earlier / "earlier.safetensors", kept)
     images = tmp_path / "elsewhere" / "my-shapes"  # outside the workspace: a --browse-root
     images.mkdir(parents=True)
     for f in DEMO_DATA.iterdir():
@@ -425,25 +374,52 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(chr
             # the axes but never drawn)
             page.wait_for_function("(() => { const t = document.querySelector('#compare-loss').innerText;"
                                    f" return t.includes('earlier') && t.includes('{name}'); }})()", timeout=30000)
-            # and tidy up: delete the earlier run (asked first)
+            # the earlier run taken home from the history: its LoRA and a zip of the run
             page.mouse.click(5, 5)  # a click beside it closes the compare list
             page.locator("#runs-pick input").click()
             page.locator("#runs-pick").get_by_role("option", name="earlier", exact=True).click()
+            button = page.locator("#runs-download-result")
+            button.wait_for(state="visible", timeout=30000)
+            assert "earlier.safetensors" in button.inner_text()
+            with page.expect_download(timeout=30000) as info:
+                button.click()
+            downloaded = tmp_path / "downloaded.safetensors"
+            info.value.save_as(downloaded)
+            assert downloaded.read_bytes() == kept.read_bytes()
+            page.locator("#runs-zip-btn").click()
+            zip_button = page.locator("#runs-download-zip")
+            zip_button.wait_for(state="visible", timeout=30000)
+            with page.expect_download(timeout=30000) as info:
+                zip_button.click()
+            info.value.save_as(tmp_path / "run.zip")
+            # and tidy up: delete the earlier run (asked first)
             page.locator("#runs-delete").click()
             page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
                                    timeout=15000)
-            page.locator("#runs-delete").click()
+            assert earlier.is_dir()
+            page.locator("#runs-delete").click()  # "Delete now"
             page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
                                    timeout=15000)
-            assert not (ws / "runs" / "earlier").exists() and run_dir.is_dir()
+            assert not earlier.exists() and run_dir.is_dir()
+            assert "earlier" not in page.locator("#runs-table").inner_text()
+        with zipfile.ZipFile(tmp_path / "run.zip") as z:
+            names = set(z.namelist())
+            assert {"config.yaml", "events.jsonl", "train.log", "earlier.safetensors"} <= names
+            assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
+            assert not any(n.startswith("backups/") for n in names)
+            assert z.read("earlier.safetensors") == kept.read_bytes()
+        # the file route wants the login like every other route
+        (ws / "runs" / "notes.txt").write_text("a file that exists, inside a served folder")
+        file_url = f"{url.rstrip('/')}/gradio_api/file={ws / 'runs' / 'notes.txt'}"
+        assert httpx.get(file_url, timeout=30).status_code in (401, 403)
     finally:
         demo.atelier.manager.wait_for_ending_runs(30)
         demo.atelier.manager.shutdown()
         demo.close()
-    assert_changes_the_tiny_model(got)  # the LoRA taken home has the trained effect
+    assert_changes_the_tiny_model(got, downloaded)  # the LoRAs taken home have the trained effect
 
 
-def test_the_prompt_editor_never_overwrites_row_0_unasked_and_a_reload_lands_on_the_tab_and_preset_left(app, chromium):
+def test_the_prompt_editor_never_overwrites_row_0_unasked_and_a_reload_lands_where_the_user_left(app, chromium):
     """The prompt editor starts with no row chosen and never overwrites row 0 unasked; then a reload lands on the
     preset and the tab the user left, with the Quick start folded for a returning user."""
     url, ctx = app
@@ -549,6 +525,21 @@ def test_quick_start_fills_the_form_from_three_choices(app, chromium):
                                ".innerText.includes('Editing row')", timeout=15000)
 
 
+def write_clip(path: Path, frames: int = 9, size: int = 32, fps: int = 16) -> None:
+    """An H.264 MP4 (what a video family's sample is) whose frames go from red to blue."""
+    import av
+    import numpy as np
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            rgb = np.zeros((size, size, 3), np.uint8)
+            rgb[..., 0], rgb[..., 2] = 255 - 255 * i // (frames - 1), 255 * i // (frames - 1)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
+
+
 def wait_for_asks(page, seen: list, start: int, count: int) -> None:
     """Wait until ``seen[start:]`` holds ``count`` requests to /atelier/changes (the page is polled: the requests
     are recorded while Playwright waits)."""
@@ -558,15 +549,21 @@ def wait_for_asks(page, seen: list, start: int, count: int) -> None:
         page.wait_for_timeout(100)
 
 
-def test_an_untouched_page_slows_frame_loops_and_its_idle_run_tab_sends_no_gradio_events(app, chromium):
-    """What a page left open costs, on one page left alone on the Runs tab.
+def test_an_untouched_page_slows_frame_loops_its_idle_run_tab_sends_no_gradio_events_and_a_video_run_plays(
+        app, chromium):
+    """What a page left open costs, on one page left alone on the Runs tab; then a video run appears and plays.
 
     Gradio's status trackers keep a requestAnimationFrame loop alive after their events (~70 frames a second on an
     idle page). The page's first script slows any loop re-arming itself while nobody touches the page (one frame
     per LOOP_FRAME_MS), and lets it run at the display's pace again on pointer or key input.
 
     The Run tab has no timer: while nothing changes it asks /atelier/changes (a plain GET) and sends Gradio no
-    event (each costs the browser 50-250 ms of script on this page); a run that appears is shown."""
+    event (each costs the browser 50-250 ms of script on this page); a run that appears is shown.
+
+    A video family's sample (an MP4 with its first frame as a PNG beside it) is shown as the video, which the
+    browser decodes and plays; the PNG is not listed twice."""
+    from PIL import Image
+
     from trainer.events import EventWriter
     from webui.app import INPUT_ACTIVE_MS, LOOP_FRAME_MS
     url, ctx = app
@@ -604,11 +601,23 @@ def test_an_untouched_page_slows_frame_loops_and_its_idle_run_tab_sends_no_gradi
         # a painting hand gets the display's pace (~120 frames here; 7 a second is plenty of room on a busy box)
         assert active >= idle + 10, (idle, active)
 
-        run = ctx.workspace / "runs" / "from-the-cli"  # a run another process started
+        # a run of a video family another process started (put in place at once, written beside the runs)
+        run = ctx.workspace / "a-video-run"
         (run / "samples").mkdir(parents=True)
+        write_clip(run / "samples" / "step000004-p0.mp4")
+        Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
         EventWriter(run / "events.jsonl").emit("started", total_steps=4)
-        page.wait_for_function("document.querySelector('#run-status').innerText.includes('from-the-cli')",
+        (ctx.workspace / "runs").mkdir(exist_ok=True)
+        run.rename(ctx.workspace / "runs" / run.name)
+        page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
                                timeout=15000)
+        video = page.locator("#sample-gallery video").first
+        video.wait_for(state="attached", timeout=15000)
+        assert page.locator("#sample-gallery img").count() == 0  # the first-frame PNG is not a second tile
+        page.wait_for_function("document.querySelector('#sample-gallery video').readyState >= 2", timeout=15000)
+        assert video.evaluate("v => v.duration") == pytest.approx(9 / 16, abs=0.1)
+        video.evaluate("v => { v.muted = true; return v.play(); }")
+        page.wait_for_function("document.querySelector('#sample-gallery video').currentTime > 0", timeout=15000)
 
 
 def test_the_mask_painter_saves_what_was_painted(app, chromium):
@@ -648,42 +657,3 @@ def test_the_mask_painter_saves_what_was_painted(app, chromium):
     assert mask[75, 100] == 255 and mask[0, 0] == 0 and mask[149, 199] == 0  # painted the middle, not the corners
     assert 0.01 < (mask == 255).mean() < 0.5
 
-
-def write_clip(path: Path, frames: int = 9, size: int = 32, fps: int = 16) -> None:
-    """An H.264 MP4 (what a video family's sample is) whose frames go from red to blue."""
-    import av
-    import numpy as np
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(frames):
-            rgb = np.zeros((size, size, 3), np.uint8)
-            rgb[..., 0], rgb[..., 2] = 255 - 255 * i // (frames - 1), 255 * i // (frames - 1)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
-        out.mux(stream.encode())
-
-
-def test_a_sample_video_plays_in_the_run_tab(app, chromium):
-    """A video family's sample (an MP4 with its first frame as a PNG beside it) is shown as the video, which the
-    browser decodes and plays; the PNG is not listed twice."""
-    from PIL import Image
-
-    from trainer.events import EventWriter
-    url, ctx = app
-    run = ctx.workspace / "runs" / "a-video-run"
-    (run / "samples").mkdir(parents=True)
-    write_clip(run / "samples" / "step000004-p0.mp4")
-    Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
-    EventWriter(run / "events.jsonl").emit("started", total_steps=4)
-    with open_page(url, browser=chromium) as page:
-        show(page, "Runs")
-        page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
-                               timeout=15000)
-        video = page.locator("#sample-gallery video").first
-        video.wait_for(state="attached", timeout=15000)
-        assert page.locator("#sample-gallery img").count() == 0  # the first-frame PNG is not a second tile
-        page.wait_for_function("document.querySelector('#sample-gallery video').readyState >= 2", timeout=15000)
-        assert video.evaluate("v => v.duration") == pytest.approx(9 / 16, abs=0.1)
-        video.evaluate("v => { v.muted = true; return v.play(); }")
-        page.wait_for_function("document.querySelector('#sample-gallery video').currentTime > 0", timeout=15000)
