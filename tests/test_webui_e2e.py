@@ -1,6 +1,10 @@
 """The whole page in a real browser (Debian's chromium, headless) against the real trainer:
 demo preset (1 epoch) → Start → progress to the end and a sample in the gallery; then a second run,
-Stop, and the run shown as stopped with a backup. About a minute and a half on an idle 2-core CPU."""
+Stop, and the run shown as stopped with a backup. About a minute and a half on an idle 2-core CPU.
+
+The module's tests share one chromium and one served app (``chromium``, ``served``): each test opens a new browser
+context (its own cookies and storage) and empties the workspace first (``app``), where the page keeps everything it
+remembers, so each meets the page a newcomer would. The test with the login serves its own app."""
 
 from __future__ import annotations
 
