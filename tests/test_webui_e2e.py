@@ -1,6 +1,10 @@
 """The whole page in a real browser (Debian's chromium, headless) against the real trainer:
 demo preset (1 epoch) → Start → progress to the end and a sample in the gallery; then a second run,
-Stop, and the run shown as stopped with a backup. About a minute and a half on an idle 2-core CPU."""
+Stop, and the run shown as stopped with a backup. About a minute and a half on an idle 2-core CPU.
+
+The module's tests share one chromium and one served app (``chromium``, ``served``): each test opens a new browser
+context (its own cookies and storage) and empties the workspace first (``app``), where the page keeps everything it
+remembers, so each meets the page a newcomer would. The test with the login serves its own app."""
 
 from __future__ import annotations
 
@@ -39,29 +43,55 @@ def wait_loaded(page) -> None:
     page.wait_for_selector("#main-tabs [role=tab]", timeout=60000)
 
 
-@contextlib.contextmanager
-def open_page(url: str, height: int = 1000, width: int = 1400):
-    """A Debian-chromium page on the served app, loaded up to its tabs; closed afterwards."""
+@pytest.fixture(scope="module")
+def chromium():
+    """One headless chromium for this module's tests (starting one costs about a second and a half of CPU); each
+    test opens its own context in it, with its own cookies and storage, as a fresh browser would have."""
     from playwright.sync_api import sync_playwright
+    assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "Debian's chromium is required"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": width, "height": height})
-            page.goto(url)
-            wait_loaded(page)
-            yield page
+            yield browser
         finally:
             browser.close()
 
 
 @contextlib.contextmanager
-def logged_in_page(url: str, shots: Path):
-    """A page on an app served with the login ada / s3cret, signed in (downloads accepted); a screenshot in
-    ``shots`` when the block fails."""
+def new_page(browser, height: int = 1000, width: int = 1400, **options):
+    """A page in a new context of ``browser`` (nothing shared with the pages before it); closed afterwards."""
+    context = browser.new_context(viewport={"width": width, "height": height}, **options)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@contextlib.contextmanager
+def open_page(url: str, height: int = 1000, width: int = 1400, browser=None):
+    """A Debian-chromium page on the served app, loaded up to its tabs; closed afterwards. In ``browser`` when
+    given (a new context of it), else in a chromium started for this page."""
+    if browser is not None:
+        with new_page(browser, height, width) as page:
+            page.goto(url)
+            wait_loaded(page)
+            yield page
+        return
     from playwright.sync_api import sync_playwright
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000}, accept_downloads=True)
+        own = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            with open_page(url, height, width, browser=own) as page:
+                yield page
+        finally:
+            own.close()
+
+
+@contextlib.contextmanager
+def logged_in_page(url: str, shots: Path, browser):
+    """A page in ``browser`` on an app served with the login ada / s3cret, signed in (downloads accepted); a
+    screenshot in ``shots`` when the block fails."""
+    with new_page(browser, accept_downloads=True) as page:
         try:
             page.goto(url)
             page.get_by_label("username").fill("ada")
@@ -72,12 +102,10 @@ def logged_in_page(url: str, shots: Path):
         except Exception:
             page.screenshot(path=str(shots / "failure.png"), full_page=True)
             raise
-        finally:
-            browser.close()
 
 
-def assert_changes_the_tiny_model(lora: Path) -> None:
-    """The LoRA file loads in diffusers' tiny SD pipeline and changes its image."""
+def assert_changes_the_tiny_model(*loras: Path) -> None:
+    """Each LoRA file loads in diffusers' tiny SD pipeline and changes its image."""
     import torch
 
     from trainer.families.common.sd_kit.tiny import build_tiny_pipeline
@@ -89,21 +117,50 @@ def assert_changes_the_tiny_model(lora: Path) -> None:
                     generator=torch.Generator().manual_seed(0), output_type="np").images[0]
 
     before = image()
-    pipe.load_lora_weights(str(lora))
-    assert abs(image() - before).max() > 1e-3
+    for lora in loras:
+        pipe.load_lora_weights(str(lora))
+        assert abs(image() - before).max() > 1e-3, lora
+        pipe.unload_lora_weights()
+
+
+def stop_runs(ctx) -> None:
+    """Let trainers that reported their end exit, and stop any still running."""
+    from webui import runner
+    ctx.manager.wait_for_ending_runs(30)
+    for run_dir in ctx.manager.active_runs():
+        runner.stop(run_dir, force=True)
 
 
 @pytest.fixture
 def page_url(tmp_path):
+    """(url, AppContext) of the app served on a free port, on a workspace of its own (for other modules' tests)."""
     demo = build_app(tmp_path / "ws")
     _, url, _ = serve(demo, port=free_port(), prevent_thread_lock=True, quiet=True)
     yield url, demo.atelier
-    from webui import runner
-    demo.atelier.manager.wait_for_ending_runs(30)
-    for run_dir in demo.atelier.manager.active_runs():
-        runner.stop(run_dir, force=True)
+    stop_runs(demo.atelier)
     demo.atelier.manager.shutdown()
     demo.close()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The app served once for this module's tests (building and serving the page costs ~2 s of CPU)."""
+    demo = build_app(tmp_path_factory.mktemp("e2e") / "ws")
+    _, url, _ = serve(demo, port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield url, demo.atelier
+    demo.atelier.manager.shutdown()
+    demo.close()
+
+
+@pytest.fixture
+def app(served):
+    """(url, AppContext) of the module's app on an empty workspace: the page keeps all it knows there (the draft,
+    the preset and tab a reload lands on, runs, the queue), so each test meets the page a newcomer would."""
+    url, ctx = served
+    for entry in ctx.workspace.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    yield url, ctx
+    stop_runs(ctx)
 
 
 def set_number(page, elem_id: str, value: str) -> None:
@@ -113,15 +170,28 @@ def set_number(page, elem_id: str, value: str) -> None:
 
 
 def wait_state(page, states: tuple, timeout: float) -> str:
+    """Wait until the live run's status shows one of ``states``; the state."""
     status = page.locator("#run-status .atl-status")
-    end = time.time() + timeout
+    try:
+        page.wait_for_function("(states) => states.includes(document.querySelector('#run-status .atl-status')"
+                               "?.getAttribute('data-state'))", arg=list(states), timeout=timeout * 1000,
+                               polling=100)
+    except Exception:
+        raise AssertionError(f"run never reached {states}; status: "
+                             f"{status.inner_text() if status.count() else '-'}") from None
+    return status.get_attribute("data-state")
+
+
+def wait_remembered(ctx, **expected: str) -> None:
+    """Wait until the page has saved what a reload lands on (each tab choice goes by its own small request)."""
+    from webui.tabs.config_bar import read_ui_state
+    end = time.time() + 15
     while time.time() < end:
-        if status.count():
-            state = status.get_attribute("data-state")
-            if state in states:
-                return state
-        time.sleep(0.5)
-    raise AssertionError(f"run never reached {states}; status: {status.inner_text() if status.count() else '-'}")
+        state = read_ui_state(ctx)
+        if all(state.get(k) == v for k, v in expected.items()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the page never saved {expected}; saved: {read_ui_state(ctx)}")
 
 
 def in_view(page, elem_id: str, height: int) -> bool:
@@ -130,13 +200,13 @@ def in_view(page, elem_id: str, height: int) -> bool:
     return box is not None and 0 <= box["y"] < height
 
 
-def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
+def test_demo_run_and_stop_in_the_browser(app, chromium, tmp_path):
     """A newcomer on a 1440x900 screen: demo preset → Start → the live run in view → finished, result downloaded;
     a second run stopped, a reload lands on it, Resume continues it from its backup; then the sample tool draws
     with the first run's LoRA and shows the image on the page."""
     assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), "Debian's chromium is required"
-    url, ctx = page_url
-    with open_page(url, height=900, width=1440) as page:
+    url, ctx = app
+    with open_page(url, height=900, width=1440, browser=chromium) as page:
         try:
             assert "Quick start" in page.locator("#start-here").inner_text()  # where to begin, said on the page
             page.locator("#preset-select input").click()
@@ -202,7 +272,7 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
 
             # back on the live run, a reload lands there again, and Resume there continues the stopped run
             show(page, "Runs")
-            time.sleep(1.0)  # the tab choice is saved by its own small request
+            wait_remembered(ctx, tab="run")
             stopped_at = int(status.get_attribute("data-step"))
             page.reload()
             wait_loaded(page)
@@ -231,75 +301,22 @@ def test_demo_run_and_stop_in_the_browser(page_url, tmp_path):
     assert len(list((ctx.workspace / "samples").rglob("*.png"))) == 1  # the sample tool's image, in the workspace
 
 
-def test_the_lora_and_a_zip_of_the_run_download_through_a_login(tmp_path):
-    """A share-link user takes the result home: logged in, the Runs tab's download gives the trained LoRA
-    byte for byte (and it loads in diffusers and changes the image), the zip holds config, log and samples;
-    the same file without the login is refused."""
+def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(chromium, tmp_path):
+    """The newcomer path in one go, logged in as through a share link: an empty page; Quick start on a folder of
+    images outside the workspace; Check settings names a wrong model path at its field; train; download the LoRA
+    (it loads in diffusers and changes the image); compare with an earlier run; take that run home from the Runs
+    tab (its LoRA byte for byte, and it changes the image; a zip with config, log and samples) and delete it. The
+    same files without the login are refused."""
     import zipfile
 
     import httpx
 
-    from conftest import train_quiet
-    ws = tmp_path / "ws"
-    run_dir = train_quiet(ws, "home", "demo", "training.max_steps=3", "training.learning_rate=0.05",
-                          "sampling.at_end=true")
-    lora = next(run_dir.glob("*.safetensors"))
-    demo = build_app(ws, start_scheduler=False)
-    _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
-    try:
-        with logged_in_page(url, tmp_path) as page:
-            page.get_by_role("tab", name="Runs", exact=True).click()
-            page.locator("#runs-pick input").click()
-            page.get_by_role("option", name="home", exact=True).click()
-            button = page.locator("#runs-download-result")
-            button.wait_for(state="visible", timeout=30000)
-            assert lora.name in button.inner_text()
-            with page.expect_download(timeout=30000) as info:
-                button.click()
-            got = tmp_path / "downloaded.safetensors"
-            info.value.save_as(got)
-            assert got.read_bytes() == lora.read_bytes()
-
-            page.locator("#runs-zip-btn").click()
-            zip_button = page.locator("#runs-download-zip")
-            zip_button.wait_for(state="visible", timeout=30000)
-            with page.expect_download(timeout=30000) as info:
-                zip_button.click()
-            info.value.save_as(tmp_path / "run.zip")
-            shutil.copy(lora, tmp_path / "kept.safetensors")  # the LoRA, before the run is deleted below
-            lora = tmp_path / "kept.safetensors"
-
-            page.locator("#runs-delete").click()  # asks first
-            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
-                                   timeout=15000)
-            assert run_dir.is_dir()
-            page.locator("#runs-delete").click()  # "Delete now"
-            page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
-                                   timeout=15000)
-            assert not run_dir.exists() and "home" not in page.locator("#runs-table").inner_text()
-        with zipfile.ZipFile(tmp_path / "run.zip") as z:
-            names = set(z.namelist())
-            assert {"config.yaml", "events.jsonl", "train.log", "home.safetensors"} <= names
-            assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
-            assert not any(n.startswith("backups/") for n in names)
-            assert z.read("home.safetensors") == lora.read_bytes()
-        # the file route wants the login like every other route
-        (ws / "runs" / "notes.txt").write_text("a file that exists, inside a served folder")
-        served = f"{url.rstrip('/')}/gradio_api/file={ws / 'runs' / 'notes.txt'}"
-        assert httpx.get(served, timeout=30).status_code in (401, 403)
-    finally:
-        demo.close()
-    assert_changes_the_tiny_model(got)  # the downloaded LoRA has the trained effect
-
-
-def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp_path):
-    """The newcomer path in one go, logged in as through a share link: an empty page; Quick start on a folder of
-    images outside the workspace; Check settings names a wrong model path at its field; train; download the LoRA
-    (it loads in diffusers and changes the image); compare with an earlier run; delete that run."""
-
     from conftest import DEMO_DATA, train_quiet
     ws = tmp_path / "ws"
-    train_quiet(ws, "earlier", "demo", "training.max_steps=2", "sampling.at_end=true")  # a run from last week
+    earlier = train_quiet(ws, "earlier", "demo", "training.max_steps=2", "training.learning_rate=0.05",
+                          "sampling.at_end=true")  # a run from last week
+    kept = tmp_path / "kept.safetensors"  # its LoRA, before the run is deleted below
+    shutil.copy(earlier / "earlier.safetensors", kept)
     images = tmp_path / "elsewhere" / "my-shapes"  # outside the workspace: a --browse-root
     images.mkdir(parents=True)
     for f in DEMO_DATA.iterdir():
@@ -307,7 +324,7 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
     demo = build_app(ws, browse_roots=[tmp_path / "elsewhere"])
     _, url, _ = serve(demo, port=free_port(), auth=[("ada", "s3cret")], prevent_thread_lock=True, quiet=True)
     try:
-        with logged_in_page(url, tmp_path) as page:
+        with logged_in_page(url, tmp_path, chromium) as page:
             assert page.locator("#preset-select input").input_value() == ""  # an empty page
             # ① ② ③: the demo model, a LoRA, the images outside the workspace
             page.locator("#qs-kind input").click()
@@ -361,27 +378,56 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(tmp
             # the axes but never drawn)
             page.wait_for_function("(() => { const t = document.querySelector('#compare-loss').innerText;"
                                    f" return t.includes('earlier') && t.includes('{name}'); }})()", timeout=30000)
-            # and tidy up: delete the earlier run (asked first)
+            # the earlier run taken home from the history: its LoRA and a zip of the run
             page.mouse.click(5, 5)  # a click beside it closes the compare list
             page.locator("#runs-pick input").click()
             page.locator("#runs-pick").get_by_role("option", name="earlier", exact=True).click()
+            button = page.locator("#runs-download-result")
+            button.wait_for(state="visible", timeout=30000)
+            assert "earlier.safetensors" in button.inner_text()
+            with page.expect_download(timeout=30000) as info:
+                button.click()
+            downloaded = tmp_path / "downloaded.safetensors"
+            info.value.save_as(downloaded)
+            assert downloaded.read_bytes() == kept.read_bytes()
+            page.locator("#runs-zip-btn").click()
+            zip_button = page.locator("#runs-download-zip")
+            zip_button.wait_for(state="visible", timeout=30000)
+            with page.expect_download(timeout=30000) as info:
+                zip_button.click()
+            info.value.save_as(tmp_path / "run.zip")
+            # and tidy up: delete the earlier run (asked first)
             page.locator("#runs-delete").click()
             page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('cannot be undone')",
                                    timeout=15000)
-            page.locator("#runs-delete").click()
+            assert earlier.is_dir()
+            page.locator("#runs-delete").click()  # "Delete now"
             page.wait_for_function("document.querySelector('#runs-msg').innerText.includes('Deleted')",
                                    timeout=15000)
-            assert not (ws / "runs" / "earlier").exists() and run_dir.is_dir()
+            assert not earlier.exists() and run_dir.is_dir()
+            assert "earlier" not in page.locator("#runs-table").inner_text()
+        with zipfile.ZipFile(tmp_path / "run.zip") as z:
+            names = set(z.namelist())
+            assert {"config.yaml", "events.jsonl", "train.log", "earlier.safetensors"} <= names
+            assert any(n.startswith("samples/") and n.endswith(".png") for n in names)
+            assert not any(n.startswith("backups/") for n in names)
+            assert z.read("earlier.safetensors") == kept.read_bytes()
+        # the file route wants the login like every other route
+        (ws / "runs" / "notes.txt").write_text("a file that exists, inside a served folder")
+        file_url = f"{url.rstrip('/')}/gradio_api/file={ws / 'runs' / 'notes.txt'}"
+        assert httpx.get(file_url, timeout=30).status_code in (401, 403)
     finally:
         demo.atelier.manager.wait_for_ending_runs(30)
         demo.atelier.manager.shutdown()
         demo.close()
-    assert_changes_the_tiny_model(got)  # the LoRA taken home has the trained effect
+    assert_changes_the_tiny_model(got, downloaded)  # the LoRAs taken home have the trained effect
 
 
-def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_unasked(page_url):
-    url, _ = page_url
-    with open_page(url) as page:
+def test_the_prompt_editor_never_overwrites_row_0_unasked_and_a_reload_lands_where_the_user_left(app, chromium):
+    """The prompt editor starts with no row chosen and never overwrites row 0 unasked; then a reload lands on the
+    preset and the tab the user left, with the Quick start folded for a returning user."""
+    url, ctx = app
+    with open_page(url, browser=chromium) as page:
         page.locator("#preset-select input").click()
         page.get_by_role("option", name="demo", exact=True).click()
         page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')", timeout=30000)
@@ -405,6 +451,14 @@ def test_the_prompt_editor_starts_with_no_row_chosen_and_never_overwrites_row_0_
             "a red square on a white background"
         assert "Editing row 0" in label.inner_text().replace("*", "")
 
+        wait_remembered(ctx, preset="demo", train_tab="sampling")
+        page.reload()
+        wait_loaded(page)
+        page.wait_for_function("document.querySelector('#preset-select input').value === 'demo'", timeout=30000)
+        page.wait_for_function(
+            "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)
+        assert not page.locator("#qs-fill").is_visible()  # a returning user's quick start is folded
+
 
 CONTRAST_JS = """(sel) => {
   const rgb = s => s.match(/[\\d.]+/g).map(Number);
@@ -419,38 +473,33 @@ CONTRAST_JS = """(sel) => {
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_at_1024_px_every_tab_shows_help_text_is_readable_and_only_the_chosen_optimizers_fields(page_url, theme):
-    url, _ = page_url
-    from playwright.sync_api import sync_playwright
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1024, "height": 800})
-            page.goto(f"{url}?__theme={theme}")
-            page.wait_for_selector("#start-btn", timeout=60000)
-            tabs = page.locator("#main-tabs > .tab-wrapper [role=tablist] button[role=tab]").all_inner_texts()
-            assert [t.strip() for t in tabs] == ["Train", "Runs", "Data", "Tools"], tabs  # the page by task
-            tabs = page.locator("#train-tabs [role=tablist] button[role=tab]").all_inner_texts()
-            assert {"Model", "Training", "Embedding", "Advanced"} <= set(tabs), tabs  # none behind a "…" menu
-            ratios = page.evaluate(CONTRAST_JS, ".info-text")
-            assert ratios and min(ratios) >= 4.5, ratios
-            page.get_by_role("tab", name="Training", exact=True).click()
-            page.wait_for_selector("#cfg-training-optimizer-beta1", state="visible", timeout=15000)
-            shown = page.evaluate("[...document.querySelectorAll('[id^=cfg-training-optimizer-]')]"
-                                  ".filter(e => e.offsetParent !== null).map(e => e.id)")
-            assert "cfg-training-optimizer-d-coef" not in shown  # Prodigy's, not AdamW's
-            assert not any(i.startswith("cfg-training-optimizer-relative-step") for i in shown)
-        finally:
-            browser.close()
+def test_at_1024_px_every_tab_shows_help_text_is_readable_and_only_the_chosen_optimizers_fields(app, chromium,
+                                                                                                     theme):
+    url, _ = app
+    with new_page(chromium, height=800, width=1024) as page:
+        page.goto(f"{url}?__theme={theme}")
+        page.wait_for_selector("#start-btn", timeout=60000)
+        tabs = page.locator("#main-tabs > .tab-wrapper [role=tablist] button[role=tab]").all_inner_texts()
+        assert [t.strip() for t in tabs] == ["Train", "Runs", "Data", "Tools"], tabs  # the page by task
+        tabs = page.locator("#train-tabs [role=tablist] button[role=tab]").all_inner_texts()
+        assert {"Model", "Training", "Embedding", "Advanced"} <= set(tabs), tabs  # none behind a "…" menu
+        ratios = page.evaluate(CONTRAST_JS, ".info-text")
+        assert ratios and min(ratios) >= 4.5, ratios
+        page.get_by_role("tab", name="Training", exact=True).click()
+        page.wait_for_selector("#cfg-training-optimizer-beta1", state="visible", timeout=15000)
+        shown = page.evaluate("[...document.querySelectorAll('[id^=cfg-training-optimizer-]')]"
+                              ".filter(e => e.offsetParent !== null).map(e => e.id)")
+        assert "cfg-training-optimizer-d-coef" not in shown  # Prodigy's, not AdamW's
+        assert not any(i.startswith("cfg-training-optimizer-relative-step") for i in shown)
 
 
-def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monkeypatch):
-    url, ctx = page_url
+def test_quick_start_fills_the_form_from_three_choices(app, chromium):
+    url, ctx = app
     model, images = ctx.workspace / "models" / "my-sdxl.safetensors", ctx.workspace / "my-cats"
     model.parent.mkdir(parents=True, exist_ok=True)
     model.write_bytes(b"\0" * 16)
     images.mkdir()
-    with open_page(url) as page:
+    with open_page(url, browser=chromium) as page:
         page.locator("#qs-kind input").click()
         page.get_by_role("option", name="SDXL (and Pony, Illustrious, … based on it)").click()
         set_number(page, "qs-card", "24")  # the card's memory (this machine has no GPU: the field starts empty)
@@ -482,29 +531,48 @@ def test_quick_start_fills_the_form_from_three_choices(page_url, tmp_path, monke
                                ".innerText.includes('Editing row')", timeout=15000)
 
 
-def test_a_reload_lands_on_the_tab_and_preset_the_user_left(page_url):
-    url, _ = page_url
-    with open_page(url) as page:
-        page.locator("#preset-select input").click()
-        page.get_by_role("option", name="demo-sdxl", exact=True).click()
-        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo-sdxl')",
-                               timeout=30000)
-        page.get_by_role("tab", name="Sampling", exact=True).click()
-        time.sleep(1.0)  # the tab choice is saved by its own small request
-        page.reload()
-        wait_loaded(page)
-        page.wait_for_function("document.querySelector('#preset-select input').value === 'demo-sdxl'", timeout=30000)
-        page.wait_for_function(
-            "document.querySelector('#tab-sampling-button').getAttribute('aria-selected') === 'true'", timeout=30000)
-        assert not page.locator("#qs-fill").is_visible()  # a returning user's quick start is folded
+def write_clip(path: Path, frames: int = 9, size: int = 32, fps: int = 16) -> None:
+    """An H.264 MP4 (what a video family's sample is) whose frames go from red to blue."""
+    import av
+    import numpy as np
+    with av.open(str(path), "w") as out:
+        stream = out.add_stream("libx264", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for i in range(frames):
+            rgb = np.zeros((size, size, 3), np.uint8)
+            rgb[..., 0], rgb[..., 2] = 255 - 255 * i // (frames - 1), 255 * i // (frames - 1)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
 
 
-def test_an_untouched_page_slows_animation_frame_loops_and_input_restores_them(page_url):
-    """Gradio's status trackers keep a requestAnimationFrame loop alive after their events (~70 frames a second on
-    an idle page). The page's first script slows any loop re-arming itself while nobody touches the page (one
-    frame per LOOP_FRAME_MS), and lets it run at the display's pace again on pointer or key input."""
+def wait_for_asks(page, seen: list, start: int, count: int) -> None:
+    """Wait until ``seen[start:]`` holds ``count`` requests to /atelier/changes (the page is polled: the requests
+    are recorded while Playwright waits)."""
+    end = time.time() + 15
+    while sum("/atelier/changes" in u for _, u in seen[start:]) < count:
+        assert time.time() < end, seen[start:]
+        page.wait_for_timeout(100)
+
+
+def test_an_untouched_page_slows_frame_loops_its_idle_run_tab_sends_no_gradio_events_and_a_video_run_plays(
+        app, chromium):
+    """What a page left open costs, on one page left alone on the Runs tab; then a video run appears and plays.
+
+    Gradio's status trackers keep a requestAnimationFrame loop alive after their events (~70 frames a second on an
+    idle page). The page's first script slows any loop re-arming itself while nobody touches the page (one frame
+    per LOOP_FRAME_MS), and lets it run at the display's pace again on pointer or key input.
+
+    The Run tab has no timer: while nothing changes it asks /atelier/changes (a plain GET) and sends Gradio no
+    event (each costs the browser 50-250 ms of script on this page); a run that appears is shown.
+
+    A video family's sample (an MP4 with its first frame as a PNG beside it) is shown as the video, which the
+    browser decodes and plays; the PNG is not listed twice."""
+    from PIL import Image
+
+    from trainer.events import EventWriter
     from webui.app import INPUT_ACTIVE_MS, LOOP_FRAME_MS
-    url, _ = page_url
+    url, ctx = app
     count_loop = """async (ms) => {
         let n = 0, on = true;
         const tick = () => { n++; if (on) requestAnimationFrame(tick); };
@@ -513,48 +581,59 @@ def test_an_untouched_page_slows_animation_frame_loops_and_input_restores_them(p
         on = false;
         return n;
     }"""
-    with open_page(url) as page:
+    with open_page(url, browser=chromium) as page:
         assert page.evaluate("window.atelierLoopFrameMs") == LOOP_FRAME_MS  # ran before Gradio's modules
-        page.wait_for_timeout(INPUT_ACTIVE_MS + 500)  # no input since the load
-        idle = page.evaluate(count_loop, 2000)
+        seen: list = []
+        page.on("request", lambda r: seen.append((r.method, r.url)))
+        show(page, "Runs")  # the last input
+        touched = time.time()
+        # the tab's first check refreshes it once (a Gradio event); from the check after that on, the page is idle
+        page.wait_for_function("window.atelierChangeWatch.last.run !== undefined", timeout=15000)
+        first = len(seen)
+        wait_for_asks(page, seen, first, 1)
+        start = next(i for i in range(first, len(seen)) if "/atelier/changes" in seen[i][1])
+        page.wait_for_timeout(max(0.0, touched + (INPUT_ACTIVE_MS + 500) / 1000 - time.time()) * 1000)
+        idle = page.evaluate(count_loop, 2000)  # no input for INPUT_ACTIVE_MS
         assert idle <= 2000 // LOOP_FRAME_MS + 2, idle
+        wait_for_asks(page, seen, start, 2)
+        asks = [u for m, u in seen[start:] if "/atelier/changes" in u]
+        events = [u for m, u in seen[start:] if m == "POST"]
+        assert len(asks) >= 2 and "view=run" in asks[0], seen
+        assert events == [], events
+
         page.mouse.move(300, 300)
         page.mouse.move(320, 310)
         active = page.evaluate(count_loop, 2000)  # within INPUT_ACTIVE_MS of the moves
         # a painting hand gets the display's pace (~120 frames here; 7 a second is plenty of room on a busy box)
         assert active >= idle + 10, (idle, active)
 
-
-def test_an_idle_run_tab_sends_no_gradio_events_only_small_change_checks(page_url):
-    """The Run tab has no timer: while nothing changes it asks /atelier/changes (a plain GET) and sends Gradio no
-    event (each costs the browser 50-250 ms of script on this page); a run that appears is shown."""
-    url, ctx = page_url
-    with open_page(url) as page:
-        show(page, "Runs")
-        page.wait_for_timeout(4000)  # the first check refreshes the tab once
-        seen = []
-        page.on("request", lambda r: seen.append((r.method, r.url)))
-        page.wait_for_timeout(7000)
-        asks = [u for m, u in seen if "/atelier/changes" in u]
-        events = [u for m, u in seen if m == "POST"]
-        assert len(asks) >= 2 and "view=run" in asks[0], seen
-        assert events == [], events
-        run = ctx.workspace / "runs" / "from-the-cli"  # a run another process started
+        # a run of a video family another process started (put in place at once, written beside the runs)
+        run = ctx.workspace / "a-video-run"
         (run / "samples").mkdir(parents=True)
-        from trainer.events import EventWriter
+        write_clip(run / "samples" / "step000004-p0.mp4")
+        Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
         EventWriter(run / "events.jsonl").emit("started", total_steps=4)
-        page.wait_for_function("document.querySelector('#run-status').innerText.includes('from-the-cli')",
+        (ctx.workspace / "runs").mkdir(exist_ok=True)
+        run.rename(ctx.workspace / "runs" / run.name)
+        page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
                                timeout=15000)
+        video = page.locator("#sample-gallery video").first
+        video.wait_for(state="attached", timeout=15000)
+        assert page.locator("#sample-gallery img").count() == 0  # the first-frame PNG is not a second tile
+        page.wait_for_function("document.querySelector('#sample-gallery video').readyState >= 2", timeout=15000)
+        assert video.evaluate("v => v.duration") == pytest.approx(9 / 16, abs=0.1)
+        video.evaluate("v => { v.muted = true; return v.play(); }")
+        page.wait_for_function("document.querySelector('#sample-gallery video').currentTime > 0", timeout=15000)
 
 
-def test_the_mask_painter_saves_what_was_painted(page_url):
+def test_the_mask_painter_saves_what_was_painted(app, chromium):
     import numpy as np
     from PIL import Image
-    url, ctx = page_url
+    url, ctx = app
     data = ctx.workspace / "cats"
     data.mkdir(parents=True)
     Image.new("RGB", (200, 150), (120, 60, 30)).save(data / "a.png")
-    with open_page(url, height=1400) as page:
+    with open_page(url, height=1400, browser=chromium) as page:
         show(page, "Data", "Captions and masks")
         page.get_by_text("Mask painter").click()
         page.locator("#mask-folder textarea, #mask-folder input").first.fill(str(data))
@@ -584,42 +663,3 @@ def test_the_mask_painter_saves_what_was_painted(page_url):
     assert mask[75, 100] == 255 and mask[0, 0] == 0 and mask[149, 199] == 0  # painted the middle, not the corners
     assert 0.01 < (mask == 255).mean() < 0.5
 
-
-def write_clip(path: Path, frames: int = 9, size: int = 32, fps: int = 16) -> None:
-    """An H.264 MP4 (what a video family's sample is) whose frames go from red to blue."""
-    import av
-    import numpy as np
-    with av.open(str(path), "w") as out:
-        stream = out.add_stream("libx264", rate=fps)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for i in range(frames):
-            rgb = np.zeros((size, size, 3), np.uint8)
-            rgb[..., 0], rgb[..., 2] = 255 - 255 * i // (frames - 1), 255 * i // (frames - 1)
-            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
-        out.mux(stream.encode())
-
-
-def test_a_sample_video_plays_in_the_run_tab(page_url):
-    """A video family's sample (an MP4 with its first frame as a PNG beside it) is shown as the video, which the
-    browser decodes and plays; the PNG is not listed twice."""
-    from PIL import Image
-
-    from trainer.events import EventWriter
-    url, ctx = page_url
-    run = ctx.workspace / "runs" / "a-video-run"
-    (run / "samples").mkdir(parents=True)
-    write_clip(run / "samples" / "step000004-p0.mp4")
-    Image.new("RGB", (32, 32), (255, 0, 0)).save(run / "samples" / "step000004-p0.png")
-    EventWriter(run / "events.jsonl").emit("started", total_steps=4)
-    with open_page(url) as page:
-        show(page, "Runs")
-        page.wait_for_function("document.querySelector('#run-status').innerText.includes('a-video-run')",
-                               timeout=15000)
-        video = page.locator("#sample-gallery video").first
-        video.wait_for(state="attached", timeout=15000)
-        assert page.locator("#sample-gallery img").count() == 0  # the first-frame PNG is not a second tile
-        page.wait_for_function("document.querySelector('#sample-gallery video').readyState >= 2", timeout=15000)
-        assert video.evaluate("v => v.duration") == pytest.approx(9 / 16, abs=0.1)
-        video.evaluate("v => { v.muted = true; return v.play(); }")
-        page.wait_for_function("document.querySelector('#sample-gallery video').currentTime > 0", timeout=15000)

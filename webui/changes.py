@@ -7,7 +7,8 @@ first script (:data:`WATCH_SCRIPT`) ask ``<page>/atelier/changes`` — a plain r
 shown tab would display now, as one short signature, and click the tab's hidden refresh button only when it
 differs from the last one. The signature is computed by the same code that renders the tab (``parts`` of
 ``webui.tabs.run``, the queue's table), so nothing that would change the page is missed: a new step, sample or
-log line, a run that ended or died, another run started from the CLI, a job queued in another browser.
+log line, a run that ended or died, another run started from the CLI, a job queued in another browser. A click
+that opens a watched tab asks at once, so the tab shows what is current when it opens, not up to a tick later.
 
 The request is answered behind the page's login (Gradio's session cookie), like the TensorBoard route.
 """
@@ -73,18 +74,28 @@ WATCH_SCRIPT = """<script>
      clicks: ["#stop-btn", "#sample-now-btn", "#backup-now-btn"]},
     {view: "queue", shown: "#queue-table", button: "#queue-refresh", query: () => ({}), clicks: []},
   ];
-  const last = {}, forceUntil = {};
-  let active = false;
+  const last = {}, forceUntil = {}, shownAtAsk = {};
+  let active = false, timer = 0, asking = false, again = false;
+  const visible = (sel) => { const el = document.querySelector(sel); return !!el && el.offsetParent !== null; };
+  /* a watched tab just opened (the Runs tab clicked): ask now, not at the next tick up to IDLE_MS later */
+  const poke = () => {
+    if (!views.some((v) => visible(v.shown) && !shownAtAsk[v.view])) return;
+    if (asking) { again = true; return; }
+    clearTimeout(timer);
+    ask();
+  };
   document.addEventListener("click", (e) => {
     for (const v of views) {
       if (v.clicks.some((sel) => e.target.closest?.(sel))) forceUntil[v.view] = performance.now() + AFTER_CLICK;
     }
+    for (const ms of [50, 300]) setTimeout(poke, ms);  /* the tab's content is drawn a moment after the click */
   }, true);
-  const visible = (sel) => { const el = document.querySelector(sel); return !!el && el.offsetParent !== null; };
   async function ask() {
+    asking = true;
     let anyActive = false;
     for (const v of views) {
-      if (!visible(v.shown)) { continue; }
+      shownAtAsk[v.view] = visible(v.shown);
+      if (!shownAtAsk[v.view]) { continue; }
       const params = new URLSearchParams({view: v.view, ...v.query()});
       try {
         let root = (window.gradio_config && window.gradio_config.root) || "";  /* --root-path, proxies */
@@ -103,9 +114,11 @@ WATCH_SCRIPT = """<script>
       } catch (err) { /* the server restarts or the network hiccups: ask again next time */ }
     }
     active = anyActive;
-    setTimeout(ask, active ? ACTIVE_MS : IDLE_MS);
+    asking = false;
+    timer = setTimeout(ask, again ? 0 : active ? ACTIVE_MS : IDLE_MS);
+    again = false;
   }
-  setTimeout(ask, 500);
+  timer = setTimeout(ask, 500);
   window.atelierChangeWatch = {active: () => active, last};
 })();
 </script>""".replace("AFTER_CLICK", str(AFTER_CLICK_MS)).replace("ACTIVE_MS", str(ACTIVE_POLL_MS)) \
