@@ -335,6 +335,9 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
+    if fresh_process:  # before the first import of diffusers below: the trims only work on a clean slate
+        skip_unused_imports(cfg)
+        speed_up_imports()
     from trainer.optim.schedule import check_classes  # torch: the train path only
     try:  # needs the optimizer's library (torch): checked here, before any model loads
         check_classes(cfg)
@@ -345,9 +348,6 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
-    if fresh_process:
-        skip_unused_imports(cfg)
-        speed_up_imports()
     from trainer.train.loop import run_training  # torch: after start-up chose what to import
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])
