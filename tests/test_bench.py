@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from trainer.__main__ import main as cli
+from trainer.events import read_events
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -160,9 +163,9 @@ def test_random_weights_trains_from_a_folder_of_configs_alone(tmp_path):
             "--set", f"general.workspace={tmp_path / 'ws'}", "--set", "training.max_steps=2",
             "--set", "sampling.prompts=[]"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    plain = subprocess.run([sys.executable, "-m", "trainer", *args, "--set", "general.run_name=plain"], cwd=ROOT,
-                           capture_output=True, text=True, env=env, timeout=300)
-    assert plain.returncode != 0
+    assert cli([*args, "--set", "general.run_name=plain"]) != 0  # in this process: the refusal needs no fresh one
+    failed = read_events(tmp_path / "ws" / "runs" / "plain" / "events.jsonl")[-1]
+    assert failed["type"] == "failed" and "Could not load" in failed["message"], failed
     res = subprocess.run([sys.executable, str(ROOT / "bench" / "random_weights.py"), *args,
                           "--set", "general.run_name=rw"], cwd=ROOT, capture_output=True, text=True, env=env,
                          timeout=300)

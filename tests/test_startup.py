@@ -20,15 +20,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
 
-# One fresh process answers both start-up trims, in the CLI's order (skip_unused_imports, then speed_up_imports):
+# One fresh process answers both start-up trims, in the train command's order (skip_unused_imports, then
+# speed_up_imports, then the optimizer check that imports diffusers):
 # three processes for the two tests below instead of six (each imports torch, diffusers, transformers and peft).
 PROBE = """
 import os, sys
 from trainer.config.checks import load_config
-from trainer.host.startup import skip_unused_imports, speed_up_imports
+from trainer.host.startup import start_train_imports
 cfg = load_config(None, ["training.optimizer.name=%s"], preset="demo")
-print("skipped", skip_unused_imports(cfg))
-print("patched", speed_up_imports())
+skipped, patched = start_train_imports(cfg, True)  # the train command's order: trims, then the optimizer check
+print("skipped", skipped)
+print("patched", patched)
+print("checked after the trims", "diffusers" in sys.modules)
 import diffusers, peft
 from diffusers import UNet2DConditionModel, StableDiffusionPipeline
 import peft.tuners.lora
@@ -78,7 +81,7 @@ def test_only_configs_without_8bit_optimizers_skip_bitsandbytes(name, skipped):
 @pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes")
 def test_a_fresh_process_imports_diffusers_and_peft_without_bitsandbytes(probes):
     out = probes["first"]
-    assert "skipped ['bitsandbytes']" in out
+    assert "skipped ['bitsandbytes']" in out and "checked after the trims True" in out
     assert "bnb imported False diffusers sees bnb False" in out and "inductor False" in out
     out = probes["second"]  # an 8-bit optimizer: untouched
     assert "skipped []" in out and "bnb imported True diffusers sees bnb True" in out

@@ -29,7 +29,7 @@ from trainer.events import EventWriter, read_events, run_state
 from trainer.host.devices import enable_mps_fallback
 from trainer.host.paths import Confinement, confine
 from trainer.host.procs import stop_signals
-from trainer.host.startup import pause_gc, skip_unused_imports, speed_up_imports
+from trainer.host.startup import pause_gc, start_train_imports
 from trainer.memory.estimate_report import add_arguments as add_estimate_arguments
 from trainer.optim.rules import class_check_needed
 from trainer.parallel.launch import check_devices, dead_ranks, launch_argv, rank_errors
@@ -335,9 +335,8 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     if problem:
         print(f"Config error: {problem}", file=sys.stderr)
         return 2
-    from trainer.optim.schedule import check_classes  # torch: the train path only
     try:  # needs the optimizer's library (torch): checked here, before any model loads
-        check_classes(cfg)
+        start_train_imports(cfg, fresh_process)
     except ConfigError as exc:
         print(f"Config error: {exc}", file=sys.stderr)
         return 2
@@ -345,9 +344,6 @@ def _train_locked(args, argv, cfg, issues, run_dir: Path, rank: int, fresh_proce
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     if int(cfg.general.get("num_processes", 1) or 1) > 1 and not launched() and args.command == "train":
         return _launch(cfg, argv, run_dir)
-    if fresh_process:
-        skip_unused_imports(cfg)
-        speed_up_imports()
     from trainer.train.loop import run_training  # torch: after start-up chose what to import
     return run_training(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         warnings=[f"{i.key}: {i.message}" for i in issues])

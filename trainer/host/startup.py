@@ -27,7 +27,7 @@ import importlib.metadata as md
 import json
 import os
 import sys
-from typing import List
+from typing import List, Tuple
 
 from trainer.io import atomic_write_bytes
 from trainer.optim.registry import OPTIMIZERS
@@ -63,6 +63,18 @@ def skip_unused_imports(cfg) -> List[str]:
             sys.modules[name] = None  # type: ignore[assignment]
             skipped.append(name)
     return skipped
+
+
+def start_train_imports(cfg, fresh_process: bool) -> Tuple[List[str], bool]:
+    """The train path's first torch import, the optimizer check (:func:`trainer.optim.schedule.check_classes`
+    imports diffusers), after the trims of a fresh process: once diffusers is imported neither trim can work.
+    Raises ConfigError for a config whose optimizer or scheduler cannot be built; returns what was skipped and
+    whether transformers' imports were sped up."""
+    skipped = skip_unused_imports(cfg) if fresh_process else []
+    patched = speed_up_imports() if fresh_process else False
+    from trainer.optim.schedule import check_classes  # torch: keeps `--help` and validate torch-free
+    check_classes(cfg)
+    return skipped, patched
 
 
 # --- transformers' import structure --------------------------------------------------------------
