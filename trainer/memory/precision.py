@@ -3,7 +3,9 @@
 - fp8 storage: the frozen Linear/Conv2d weights of the UNet are kept in float8_e4m3fn and upcast for
   each layer's op (a storage format, not fp8 matmuls; works on CPU and GPU with torch ≥ 2.1). Applied
   after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
-  are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``.
+  are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
+  read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
+  each layer computes with fp8 · scale (:class:`Fp8Layer`).
 - bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
   (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
   copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
@@ -16,7 +18,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -109,27 +111,84 @@ def fp8_available() -> bool:
 FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-critical ends; the adapters
 
 
-def _fp8_forward(module, compute_dtype):
-    """Forward of an fp8-stored Linear/Conv2d: upcast the weight for the op, and (when a gradient will
-    flow through) recompute that upcast in backward instead of keeping it alive until then."""
+class Fp8Layer:
+    """A frozen Linear/Conv2d whose weight is stored in float8_e4m3fn, optionally with the scale it was quantised
+    with (``weight_scale``: one value, or one per output row shaped ``(out, 1[, 1, 1])``); the value it computes
+    with is ``weight · weight_scale`` in ``compute_dtype`` (ComfyUI's ``scaled_fp8_ops``: the scale multiplies the
+    upcast fp8 weight). Layers become one by :func:`store_fp8` (their class is swapped for a subclass, so peft's
+    wrappers around them keep working). Each forward upcasts inside a non-reentrant checkpoint when a gradient will
+    flow, so backward recomputes the upcast from the fp8 weight instead of keeping it alive until then.
 
-    is_linear = isinstance(module, torch.nn.Linear)
+    What reads a base weight for anything but this forward must call :meth:`dequantize`: peft's DoRA does (it asks
+    any layer with a ``W_q`` for ``dequantize()``, as for HQQ's layers), and so do Atelier's DoRA export and OFT."""
 
-    def run(x):
-        w = module.weight.to(compute_dtype)
-        b = None if module.bias is None else module.bias.to(compute_dtype)
-        return F.linear(x, w, b) if is_linear else module._conv_forward(x, w, b)
+    compute_dtype: Any = torch.float32
 
-    def forward(x):
+    @property
+    def W_q(self) -> torch.Tensor:  # noqa: N802 - the name peft looks for before calling dequantize()
+        return self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight this layer computes with: fp8 · scale, in ``compute_dtype``."""
+        weight = self.weight
+        scale = self.weight_scale
+        if scale is None:
+            return weight.to(self.compute_dtype)
+        return (weight.float() * scale.to(weight.device, torch.float32)).to(self.compute_dtype)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantize()
+        b = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return F.linear(x, w, b) if isinstance(self, torch.nn.Linear) else self._conv_forward(x, w, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
-        return run(x)
-
-    return forward
+            return checkpoint(self._run, x, use_reentrant=False, preserve_rng_state=False)
+        return self._run(x)
 
 
-def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset()) -> int:
+class Fp8Linear(Fp8Layer, torch.nn.Linear):
+    """An fp8-stored :class:`torch.nn.Linear` (:class:`Fp8Layer`)."""
+
+
+class Fp8Conv2d(Fp8Layer, torch.nn.Conv2d):
+    """An fp8-stored :class:`torch.nn.Conv2d` (:class:`Fp8Layer`)."""
+
+
+def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
+              compute_dtype: torch.dtype) -> None:
+    """Make ``module`` (a Linear or Conv2d) an :class:`Fp8Layer` holding ``weight`` (float8_e4m3fn) and ``scale``
+    (None, a single value, or one per output row)."""
+    if scale is not None:
+        scale = scale.detach().to(torch.float32)
+        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (weight.ndim - 1)))
+    module.weight.data = weight
+    module.__class__ = Fp8Linear if isinstance(module, torch.nn.Linear) else Fp8Conv2d
+    module.compute_dtype = compute_dtype
+    # not persistent: a state dict of the model stays the model's (the scale is part of the storage, not a weight)
+    module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
+
+
+def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``weight`` as float8_e4m3fn values of ``weight / scale`` (per tensor or per output row). When ``weight`` is
+    an fp8 file's ``fp8 · scale`` upcast (to fp32, bf16 or fp16) this gives the file's fp8 values back exactly: the
+    upcast's rounding error (at most 2⁻¹¹ relative) is far below fp8's step (2⁻³)."""
+    if scale is None:
+        return weight.to(torch.float8_e4m3fn)
+    factor = scale.detach().float().to(weight.device)
+    factor = factor.reshape(()) if factor.numel() == 1 else factor.reshape(-1, *([1] * (weight.ndim - 1)))
+    return (weight.float() / factor).to(torch.float8_e4m3fn)
+
+
+def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset(),
+                       scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
+
+    ``scales`` (module name → scale, the names of ``unet.named_modules()``): the layers of a base loaded from an
+    fp8 file with scales (see :func:`trainer.families.common.fp8_weights.dequantise_fp8`). Each is stored as
+    the file stored it, its fp8 values and its scale (:func:`quantise_with_scale`); the others without a scale,
+    or (``only_scaled``: the file's base without ``parts.denoiser.fp8``) not at all, as the file kept them.
+    peft's wrappers name their base layer ``<layer>.base_layer``: that suffix is looked through.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
     layer's forward, and a Conv2d then meets an fp8 weight in backward ("expected scalar type Float
@@ -141,15 +200,20 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
         raise ConfigError(f"parts.denoiser.fp8 is on, but this PyTorch ({torch.__version__}) cannot store "
                           "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn parts.denoiser.fp8 off and "
                           "use parts.denoiser.dtype = fp16/bf16.", key="parts.denoiser.fp8")
+    scales = scales or {}
     count = 0
     for name, module in unet.named_modules():
         if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in skip):
             continue
         if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
             continue
+        layer = name[: -len(".base_layer")] if name.endswith(".base_layer") else name
+        if only_scaled and layer not in scales:
+            continue
+        scale = scales.get(layer)
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
-        module.weight.data = _home(weight.to(torch.float8_e4m3fn), module, in_ram)
-        module.forward = _fp8_forward(module, compute_dtype)
+        stored = _home(quantise_with_scale(weight, scale), module, in_ram)
+        store_fp8(module, stored, scale, compute_dtype)
         count += 1
     return count
 
@@ -259,13 +323,16 @@ def apply_storage(model, method, cfg) -> None:
     device = model.device if attr in getattr(model, "deferred", ()) else None
     swap = getattr(model, "block_swap", None)  # parts.denoiser.blocks_to_swap: those blocks' weights stay in RAM
     in_ram = swap.members if swap is not None else frozenset()
-    if cfg.parts.denoiser.fp8:
+    # a base read from an fp8 file keeps the file's fp8 values and scales (``fp8_file_scales``, set by the loader on
+    # the denoiser: trainer.families.common.fp8_weights.fp8_layer_scales), with or without parts.denoiser.fp8
+    file_scales = getattr(denoiser, "fp8_file_scales", None)
+    if cfg.parts.denoiser.fp8 or file_scales:
         if "unet" in method.modules and cfg.training.method == "finetune":
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
-                                   in_ram)
+                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
     if cfg.parts.denoiser.get("nf4", False):
         count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,

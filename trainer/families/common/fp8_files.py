@@ -2,7 +2,7 @@
 it from the file's header).
 
 Two kinds are published, and both load as the frozen base of a LoRA (the transformer's loader dequantises each
-tensor: :func:`trainer.families.common.transformer_kit.dequantise_fp8`):
+tensor: :func:`trainer.families.common.fp8_weights.dequantise_fp8`):
 
 - plain fp8: the Linear weights are ``float8_e4m3fn`` (safetensors ``F8_E4M3``), nothing else; the value is the
   weight.
