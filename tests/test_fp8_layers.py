@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DEMO_DATA, load_tiny_fp32, train_quiet
+from conftest import DEMO_DATA, train_quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,18 +109,21 @@ COMMON = ("training.max_steps=3", "training.batch_size=1", "training.learning_ra
           "lora.rank=4", "lora.alpha=4", f"data.concepts=[{{path: {DEMO_DATA}}}]")
 
 
-def test_an_fp8_scaled_sd_file_trains_a_lora_close_to_the_full_precision_ones(tmp_path):
-    from trainer.families import build_tiny
-    paths = build_tiny("tiny-sd", tmp_path / "models")
-    scaled = write_fp8_scaled_sd(Path(paths["single_file"]), tmp_path / "sd-fp8-scaled.safetensors")
-    config = f"model.config_path={paths['diffusers']}"  # the tiny model's sizes (the shipped configs are full size)
-    model = load_tiny_fp32(tmp_path, scaled, config)
-    scales = model.denoiser.fp8_file_scales
-    assert "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q" in scales  # diffusers' names, found
-    full = load_file(str(next(train_quiet(tmp_path, "full", "demo", f"model.path={paths['single_file']}",
+def test_an_fp8_scaled_sd_file_trains_a_lora_close_to_the_full_precision_ones(tiny_workspace, tmp_path, capfd):
+    models = tiny_workspace / "models"
+    scaled = write_fp8_scaled_sd(models / "tiny-sd.safetensors", tmp_path / "sd-fp8-scaled.safetensors")
+    quantised = sum(k.endswith(".scale_weight") for k in load_file(str(scaled)))
+    config = f"model.config_path={models / 'tiny-sd'}"  # the tiny model's sizes (the shipped configs are full size)
+    full = load_file(str(next(train_quiet(tmp_path, "full", "demo", f"model.path={models / 'tiny-sd.safetensors'}",
                                           config, *COMMON).glob("*.safetensors"))))
+    capfd.readouterr()
     fp8 = load_file(str(next(train_quiet(tmp_path, "fp8", "demo", f"model.path={scaled}",
                                          config, *COMMON).glob("*.safetensors"))))
+    log = capfd.readouterr()
+    # every layer the file quantised was found under its diffusers name (q/k/v, ff, proj_in/out, time_embed …) and
+    # stored in fp8 with its scale, but the two the UNet keeps in full precision anyway (time_embedding)
+    stored = [line.split("INFO ", 1)[-1] for line in (log.out + log.err).splitlines() if "fp8 storage" in line]
+    assert stored == [f"fp8 storage: {quantised - 2} denoiser layers"], (stored, quantised)
     assert set(fp8) == set(full)
     ups = [k for k in full if "lora_up" in k or "lora_B" in k]
     distance = float(torch.cat([(fp8[k] - full[k]).flatten() for k in ups]).norm()

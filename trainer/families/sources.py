@@ -432,8 +432,10 @@ class ModelSettings:
                                                        if not cfg.parts[part].get("enabled", True)))
         # parts stored quantised (fp8/NF4): they stay in CPU RAM when loaded and reach the device layer by
         # layer, already quantised (trainer.memory.precision.apply_storage), never whole in their load dtype
+        # (a base read from an fp8 file is stored so too: its fp8 layers go back to fp8 with their scales)
         den = cfg.parts.denoiser
-        deferred = {"unet"} if den.get("fp8", False) or den.get("nf4", False) or den.get("blocks_to_swap", 0) else set()
+        deferred = {"unet"} if (den.get("fp8", False) or den.get("nf4", False) or den.get("blocks_to_swap", 0)
+                                or fp8_file_kind(str(cfg.model.path or ""))) else set()
         # text encoders that may live in CPU RAM (data.offload_text_encoders) or are stored in fp8: loaded there, and
         # placed by trainer.memory.precision.place_text_encoders (never whole on the device in their load dtype)
         offload = bool(cfg.get("data", {}).get("offload_text_encoders", False)) if hasattr(cfg, "get") else False

@@ -5,7 +5,7 @@
   after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
   are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
   read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
-  each layer computes with fp8 · scale (:class:`Fp8Layer`).
+  each layer computes with fp8 · scale (:func:`store_fp8`).
 - bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
   (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
   copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
@@ -111,62 +111,56 @@ def fp8_available() -> bool:
 FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-critical ends; the adapters
 
 
-class Fp8Layer:
-    """A frozen Linear/Conv2d whose weight is stored in float8_e4m3fn, optionally with the scale it was quantised
-    with (``weight_scale``: one value, or one per output row shaped ``(out, 1[, 1, 1])``); the value it computes
-    with is ``weight · weight_scale`` in ``compute_dtype`` (ComfyUI's ``scaled_fp8_ops``: the scale multiplies the
-    upcast fp8 weight). Layers become one by :func:`store_fp8` (their class is swapped for a subclass, so peft's
-    wrappers around them keep working). Each forward upcasts inside a non-reentrant checkpoint when a gradient will
-    flow, so backward recomputes the upcast from the fp8 weight instead of keeping it alive until then.
+def fp8_weight(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The weight an fp8-stored layer computes with: its fp8 weight upcast, times its ``weight_scale`` where it has
+    one (one value, or one per output row shaped ``(out, 1[, 1, 1])``), in ``compute_dtype``. ComfyUI's
+    ``scaled_fp8_ops`` (``comfy/ops.py``, commit a125cd84b054a57729b5eecab930ca9408719832) multiplies the weight cast
+    to the compute dtype by the scale; here the product is taken in fp32 and then cast (the same up to the cast's
+    rounding)."""
+    weight = module.weight
+    scale = getattr(module, "weight_scale", None)
+    if scale is None:
+        return weight.to(compute_dtype)
+    return (weight.float() * scale.to(weight.device, torch.float32)).to(compute_dtype)
 
-    What reads a base weight for anything but this forward must call :meth:`dequantize`: peft's DoRA does (it asks
-    any layer with a ``W_q`` for ``dequantize()``, as for HQQ's layers), and so do Atelier's DoRA export and OFT."""
 
-    compute_dtype: Any = torch.float32
+def _fp8_forward(module, compute_dtype):
+    """Forward of an fp8-stored Linear/Conv2d: upcast the weight (times its scale) for the op, and (when a gradient
+    will flow through) recompute that upcast in backward instead of keeping it alive until then."""
 
-    @property
-    def W_q(self) -> torch.Tensor:  # noqa: N802 - the name peft looks for before calling dequantize()
-        return self.weight
+    is_linear = isinstance(module, torch.nn.Linear)
 
-    def dequantize(self) -> torch.Tensor:
-        """The weight this layer computes with: fp8 · scale, in ``compute_dtype``."""
-        weight = self.weight
-        scale = self.weight_scale
-        if scale is None:
-            return weight.to(self.compute_dtype)
-        return (weight.float() * scale.to(weight.device, torch.float32)).to(self.compute_dtype)
+    def run(x):
+        w = fp8_weight(module, compute_dtype)
+        b = None if module.bias is None else module.bias.to(compute_dtype)
+        return F.linear(x, w, b) if is_linear else module._conv_forward(x, w, b)
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantize()
-        b = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(x, w, b) if isinstance(self, torch.nn.Linear) else self._conv_forward(x, w, b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(x):
         if torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(self._run, x, use_reentrant=False, preserve_rng_state=False)
-        return self._run(x)
+            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
+        return run(x)
 
-
-class Fp8Linear(Fp8Layer, torch.nn.Linear):
-    """An fp8-stored :class:`torch.nn.Linear` (:class:`Fp8Layer`)."""
-
-
-class Fp8Conv2d(Fp8Layer, torch.nn.Conv2d):
-    """An fp8-stored :class:`torch.nn.Conv2d` (:class:`Fp8Layer`)."""
+    return forward
 
 
 def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
               compute_dtype: torch.dtype) -> None:
-    """Make ``module`` (a Linear or Conv2d) an :class:`Fp8Layer` holding ``weight`` (float8_e4m3fn) and ``scale``
-    (None, a single value, or one per output row)."""
+    """Make ``module`` (a Linear or Conv2d, which keeps its class) hold ``weight`` (float8_e4m3fn) and ``scale``
+    (None, one value, or one per output row: the ``weight_scale`` buffer, not in the state dict) and compute with
+    :func:`fp8_weight` inside a non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
+
+    What reads a base weight for anything but this forward must take :func:`fp8_weight` (``module.dequantize()``):
+    peft's DoRA does (it asks a layer that has ``W_q`` for ``dequantize()``, as for HQQ's layers: both are set
+    here), and so do Atelier's DoRA export and OFT."""
     if scale is not None:
         scale = scale.detach().to(torch.float32)
         scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (weight.ndim - 1)))
     module.weight.data = weight
-    module.__class__ = Fp8Linear if isinstance(module, torch.nn.Linear) else Fp8Conv2d
-    module.compute_dtype = compute_dtype
-    # not persistent: a state dict of the model stays the model's (the scale is part of the storage, not a weight)
     module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
+    module.forward = _fp8_forward(module, compute_dtype)
+    module.dequantize = lambda: fp8_weight(module, compute_dtype)
+    # the Parameter itself, outside nn.Module's bookkeeping (assigning it normally would register a second name)
+    object.__setattr__(module, "W_q", module.weight)
 
 
 def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:

@@ -53,7 +53,7 @@ class OftLayer(torch.nn.Module):
     def rotated_weight(self) -> torch.Tensor:
         """W' = Rᵀ W per block of output rows, in fp32."""
         base = self.base_layer
-        # an fp8-stored base (trainer.memory.precision.Fp8Layer) computes with fp8 · scale: rotate that
+        # an fp8-stored base (trainer.memory.precision.store_fp8) computes with fp8 · scale: rotate that
         weight = base.dequantize() if hasattr(base, "W_q") else base.weight
         shape = weight.shape
         blocks = weight.float().reshape(self.block_num, self.block_size, *shape[1:])
