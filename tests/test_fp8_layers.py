@@ -128,6 +128,6 @@ def test_an_fp8_scaled_sd_file_trains_a_lora_close_to_the_full_precision_ones(ti
     ups = [k for k in full if "lora_up" in k or "lora_B" in k]
     distance = float(torch.cat([(fp8[k] - full[k]).flatten() for k in ups]).norm()
                      / torch.cat([full[k].flatten() for k in ups]).norm())
-    # stated tolerance: within 30 % (relative L2 of the trained halves) of the LoRA the full-precision file trains
-    print("DIST", distance)
+    # stated tolerance: within 30 % (relative L2 of the trained halves) of the LoRA the full-precision file trains.
+    # Measured: 0.19; the full-precision run with another seed: 1.44; the fp8 values read without their scales: 1.26
     assert distance < 0.30, distance
