@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import DEMO_DATA, train_quiet
+from conftest import DEMO_DATA, load_tiny_fp32, train_quiet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -131,3 +131,24 @@ def test_an_fp8_scaled_sd_file_trains_a_lora_close_to_the_full_precision_ones(ti
     # stated tolerance: within 30 % (relative L2 of the trained halves) of the LoRA the full-precision file trains.
     # Measured: 0.19; the full-precision run with another seed: 1.44; the fp8 values read without their scales: 1.26
     assert distance < 0.30, distance
+
+
+def test_an_fp8_scaled_flux_transformer_file_loads_as_fp8_times_scale(tmp_path):
+    """Flux.1, SD3 and PixArt read their transformer file themselves: the fp8 values there must not be read as the
+    weights (each would be off by its scale), and the layers must be found for fp8 storage."""
+    from trainer.families import build_tiny
+    from trainer.families.flux.keys import bfl_to_diffusers
+    paths = build_tiny("tiny-flux", tmp_path / "models")
+    state = load_file(str(paths["single_file"]))
+    for name in [k for k, v in state.items() if k.endswith(".weight") and v.ndim == 2 and "norm" not in k]:
+        fp8, scale = _scaled(state[name] * 100, per_row=False)
+        state[name] = fp8
+        state[name[: -len(".weight")] + ".scale_weight"] = scale.reshape(())
+    state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(state, str(tmp_path / "flux-fp8-scaled.safetensors"))
+    model = load_tiny_fp32(tmp_path, tmp_path / "flux-fp8-scaled.safetensors", f"model.config_path={paths['diffusers']}")
+    dense = bfl_to_diffusers({k: v.float() * state.get(k[: -len(".weight")] + ".scale_weight", torch.tensor(1.0))
+                              for k, v in state.items() if not k.endswith(".scale_weight") and k != "scaled_fp8"})
+    name = "transformer_blocks.0.attn.to_q"  # split from the file's fused qkv: its rows keep the file's scale
+    torch.testing.assert_close(model.transformer.get_submodule(name).weight, dense[name + ".weight"])
+    assert name in model.transformer.fp8_file_scales
