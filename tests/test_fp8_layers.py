@@ -80,7 +80,8 @@ def test_dora_sees_the_dequantised_weight():
     x = torch.randn(4, 16)
     stored, reference = dora(True), dora(False)
     base = stored.base_model.model[0].base_layer
-    assert base.weight.dtype == torch.float8_e4m3fn and torch.equal(base.weight.view(torch.uint8), fp8.view(torch.uint8))
+    assert base.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(base.weight.view(torch.uint8), fp8.view(torch.uint8))
     # peft's DoRA takes the norm of the weight it asks the base layer for: fp8 alone would be off by the scale (×50)
     torch.testing.assert_close(stored(x), reference(x), rtol=1e-5, atol=1e-5)
     from trainer.formats.dora import dora_scale_for
@@ -146,7 +147,8 @@ def test_an_fp8_scaled_flux_transformer_file_loads_as_fp8_times_scale(tmp_path):
         state[name[: -len(".weight")] + ".scale_weight"] = scale.reshape(())
     state["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     save_file(state, str(tmp_path / "flux-fp8-scaled.safetensors"))
-    model = load_tiny_fp32(tmp_path, tmp_path / "flux-fp8-scaled.safetensors", f"model.config_path={paths['diffusers']}")
+    model = load_tiny_fp32(tmp_path, tmp_path / "flux-fp8-scaled.safetensors",
+                           f"model.config_path={paths['diffusers']}")
     dense = bfl_to_diffusers({k: v.float() * state.get(k[: -len(".weight")] + ".scale_weight", torch.tensor(1.0))
                               for k, v in state.items() if not k.endswith(".scale_weight") and k != "scaled_fp8"})
     name = "transformer_blocks.0.attn.to_q"  # split from the file's fused qkv: its rows keep the file's scale

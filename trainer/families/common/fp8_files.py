@@ -9,12 +9,12 @@ upcast per layer (trainer/memory/precision.py ``store_fp8``):
 - plain fp8: the Linear weights are ``float8_e4m3fn`` (safetensors ``F8_E4M3``), nothing else; the value is the
   weight.
 - scaled fp8, as ComfyUI writes and reads it: each quantised weight has a per-tensor scale (some releases: one per
-  output row), and the weight is ``fp8 · scale``. ComfyUI's first layout (``comfy/model_detection.py`` and ``comfy/ops.py`` ``scaled_fp8_ops``,
-  commit a125cd84b054a57729b5eecab930ca9408719832) marks the file with a ``scaled_fp8`` key and names the scales
-  ``<layer>.scale_weight`` (and ``<layer>.scale_input`` for fp8 matmuls); its mixed-precision layout
-  (``comfy/ops.py`` ``mixed_precision_ops``, commit 003124c1f6ca4b93066c672cb3f247007c17a038) names them
-  ``<layer>.weight_scale`` / ``<layer>.input_scale`` with a ``<layer>.comfy_quant`` JSON tag, as other fp8 releases
-  do. The input scales only feed fp8 matmuls at inference: the weights do not depend on them.
+  output row), and the weight is ``fp8 · scale``. ComfyUI's first layout (``comfy/model_detection.py`` and
+  ``comfy/ops.py`` ``scaled_fp8_ops``, commit a125cd84b054a57729b5eecab930ca9408719832) marks the file with a
+  ``scaled_fp8`` key and names the scales ``<layer>.scale_weight`` (and ``<layer>.scale_input`` for fp8 matmuls); its
+  mixed-precision layout (``comfy/ops.py`` ``mixed_precision_ops``, commit 003124c1f6ca4b93066c672cb3f247007c17a038)
+  names them ``<layer>.weight_scale`` / ``<layer>.input_scale`` with a ``<layer>.comfy_quant`` JSON tag, as other fp8
+  releases do. The input scales only feed fp8 matmuls at inference: the weights do not depend on them.
 
 What stays refused (by :data:`trainer.families.PREQUANTISED` and the loader): NF4/FP4/int8 packs (bitsandbytes,
 torchao/quanto, NVFP4's ``weight_scale_2``, ComfyUI's int8 layers) and GGUF files, whose weights are not floats.
