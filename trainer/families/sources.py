@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import diffusers
+import diffusers.loaders.single_file as diffusers_single_file
+import torch
 import transformers
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from safetensors.torch import load_file
 
 from trainer.config.preflight import fp8_file_kind, model_path_problem
 from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ModelLoadError
 from trainer.families import MISSING, Evidence, build_tiny, claim, family_class, info_for, unclaimed_message
+from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales_from_maps, fp8_scale_maps
 from trainer.families.common.sd_kit import sd_configs
 from trainer.families.common.sd_kit.sd_configs import read_json, read_key_shapes
 
@@ -223,6 +229,53 @@ def load_by_component(pipeline_cls: Any, location: str, mcfg: Any, dtype: Any = 
     return load_components(pipeline_cls, folder, dtype, **common)
 
 
+def _denoiser_dtype(dtype: Any) -> Any:
+    """The dtype a pipeline's denoiser loads in, from ``load_pipeline``'s ``dtype`` (one, or diffusers' dict)."""
+    if isinstance(dtype, dict):
+        dtype = dtype.get("unet", dtype.get("transformer", dtype.get("default")))
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def _read_fp8_file(source: ModelSource, dtype: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """An fp8 single file's weights as ``dtype`` floats (``fp8 · scale``), and its per-row scale maps
+    (:func:`trainer.families.common.fp8_weights.fp8_scale_maps`) for :func:`_mark_fp8_layers`."""
+    try:
+        state = load_file(source.location)
+    except Exception as exc:
+        raise ModelLoadError(f"model.path '{source.display}' could not be read as a .safetensors file: "
+                             f"{_first_line(exc)}", key="model.path", value=source.display) from None
+    maps = fp8_scale_maps(state)
+    return dequantise_fp8(state, dtype, source.display), maps
+
+
+@contextmanager
+def _single_file_state(state: Dict[str, Any]) -> Iterator[None]:
+    """While loading: diffusers' pipeline ``from_single_file`` reads ``state`` instead of the file. Its pipeline
+    loader takes only a path (its model loaders take a state dict); it looks ``load_single_file_checkpoint`` up in
+    its module at call time, which is what is replaced here, and put back."""
+    original = diffusers_single_file.load_single_file_checkpoint
+    diffusers_single_file.load_single_file_checkpoint = lambda *_args, **_kwargs: state
+    try:
+        yield
+    finally:
+        diffusers_single_file.load_single_file_checkpoint = original
+
+
+def _mark_fp8_layers(pipe: Any, maps: Dict[str, Any]) -> None:
+    """Tell the pipeline's denoiser which of its layers the file stored in fp8, with which scales
+    (``fp8_file_scales``: fp8 storage keeps them so, memory/precision.py), through diffusers' own converter of that
+    model; nothing when the converter cannot take the maps (the layers then stay as loaded)."""
+    denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+    entry = SINGLE_FILE_LOADABLE_CLASSES.get(type(denoiser).__name__) if denoiser is not None else None
+    if entry is None or not maps:
+        return
+    convert = entry["checkpoint_mapping_fn"]
+    config = dict(denoiser.config)
+    scales = fp8_layer_scales_from_maps(maps, lambda m: convert(checkpoint=m, config=config))
+    if scales:
+        denoiser.fp8_file_scales = scales
+
+
 def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: str, *, family: str,
                   dtype: Any = None, by_component: bool = False, prediction_type: Optional[str] = None, **common: Any):
     """Load ``pipeline_cls`` from a folder, a single file (with a shipped or given config) or a hub id.
@@ -262,17 +315,21 @@ def load_pipeline(pipeline_cls: Any, source: ModelSource, mcfg: Any, workspace: 
             # an inpainting family (9-channel conv_in in the file) gets its base config with in_channels 9
             name = sd_configs.default_config_for(family, None if pred == "auto" else pred)
             config = str(sd_configs.config_folder(name, Path(workspace) / "cache"))
-        if fp8_file_kind(source.location) == "scaled fp8":  # diffusers' single-file loader would drop the scales
-            raise ModelLoadError(f"model.path '{source.display}' is an fp8 file with per-tensor scales (ComfyUI's "
-                                 f"fp8_scaled), which the {family} single-file loader cannot read. Use the model's "
-                                 "bf16/fp16 release (and parts.denoiser.fp8 to store it in fp8).", key="model.path",
-                                 value=source.display)
+        # an fp8 file: diffusers' single-file loader would drop the scales (and keep nothing in fp8), so it is given
+        # the file's weights dequantised, and the denoiser learns which of its layers the file stored in fp8
+        fp8_state = _read_fp8_file(source, _denoiser_dtype(kw.get("dtype"))) if fp8_file_kind(source.location) else None
         if isinstance(kw.get("dtype"), dict):  # from_single_file takes one dtype
             dtypes = set(kw.pop("dtype").values())
             if len(dtypes) == 1:
                 kw["dtype"] = dtypes.pop()
         try:
-            return pipeline_cls.from_single_file(source.location, config=config, local_files_only=True, **kw)
+            if fp8_state is None:
+                return pipeline_cls.from_single_file(source.location, config=config, local_files_only=True, **kw)
+            state, maps = fp8_state
+            with _single_file_state(state):
+                pipe = pipeline_cls.from_single_file(source.location, config=config, local_files_only=True, **kw)
+            _mark_fp8_layers(pipe, maps)
+            return pipe
         except Exception as exc:  # diffusers raises many kinds here
             hint = "" if getattr(mcfg, "config_path", "") else (
                 " If the model is not the standard size, set model.config_path to a diffusers folder with "
@@ -375,8 +432,10 @@ class ModelSettings:
                                                        if not cfg.parts[part].get("enabled", True)))
         # parts stored quantised (fp8/NF4): they stay in CPU RAM when loaded and reach the device layer by
         # layer, already quantised (trainer.memory.precision.apply_storage), never whole in their load dtype
+        # (a base read from an fp8 file is stored so too: its fp8 layers go back to fp8 with their scales)
         den = cfg.parts.denoiser
-        deferred = {"unet"} if den.get("fp8", False) or den.get("nf4", False) or den.get("blocks_to_swap", 0) else set()
+        deferred = {"unet"} if (den.get("fp8", False) or den.get("nf4", False) or den.get("blocks_to_swap", 0)
+                                or fp8_file_kind(str(cfg.model.path or ""))) else set()
         # text encoders that may live in CPU RAM (data.offload_text_encoders) or are stored in fp8: loaded there, and
         # placed by trainer.memory.precision.place_text_encoders (never whole on the device in their load dtype)
         offload = bool(cfg.get("data", {}).get("offload_text_encoders", False)) if hasattr(cfg, "get") else False

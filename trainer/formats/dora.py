@@ -24,7 +24,10 @@ COMFY_EPS = 1.1920928955078125e-07  # torch.finfo(torch.float32).eps: ComfyUI ad
 
 def _dora_norms(layer: Any, adapter: str) -> tuple:
     """(‖W‖ per output row, ‖V‖ per output row, ‖V‖ per input channel, W's shape), float32, on CPU."""
-    base = layer.get_base_layer().weight.detach().float().cpu()
+    base_layer = layer.get_base_layer()
+    # an fp8-stored base (trainer.memory.precision.store_fp8) computes with fp8 · scale: the norms are of that
+    base = base_layer.dequantize() if hasattr(base_layer, "W_q") else base_layer.weight
+    base = base.detach().float().cpu()
     down = layer.lora_A[adapter].weight.detach().float().cpu()
     up = layer.lora_B[adapter].weight.detach().float().cpu()
     delta = (up.flatten(1) @ down.flatten(1)).reshape(base.shape) * float(layer.scaling[adapter])

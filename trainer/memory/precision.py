@@ -3,7 +3,9 @@
 - fp8 storage: the frozen Linear/Conv2d weights of the UNet are kept in float8_e4m3fn and upcast for
   each layer's op (a storage format, not fp8 matmuls; works on CPU and GPU with torch ≥ 2.1). Applied
   after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
-  are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``.
+  are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
+  read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
+  each layer computes with fp8 · scale (:func:`store_fp8`).
 - bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
   (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
   copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
@@ -16,7 +18,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -109,14 +111,27 @@ def fp8_available() -> bool:
 FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-critical ends; the adapters
 
 
+def fp8_weight(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.Tensor:
+    """The weight an fp8-stored layer computes with: its fp8 weight upcast, times its ``weight_scale`` where it has
+    one (one value, or one per output row shaped ``(out, 1[, 1, 1])``), in ``compute_dtype``. ComfyUI's
+    ``scaled_fp8_ops`` (``comfy/ops.py``, commit a125cd84b054a57729b5eecab930ca9408719832) multiplies the weight cast
+    to the compute dtype by the scale; here the product is taken in fp32 and then cast (the same up to the cast's
+    rounding)."""
+    weight = module.weight
+    scale = getattr(module, "weight_scale", None)
+    if scale is None:
+        return weight.to(compute_dtype)
+    return (weight.float() * scale.to(weight.device, torch.float32)).to(compute_dtype)
+
+
 def _fp8_forward(module, compute_dtype):
-    """Forward of an fp8-stored Linear/Conv2d: upcast the weight for the op, and (when a gradient will
-    flow through) recompute that upcast in backward instead of keeping it alive until then."""
+    """Forward of an fp8-stored Linear/Conv2d: upcast the weight (times its scale) for the op, and (when a gradient
+    will flow through) recompute that upcast in backward instead of keeping it alive until then."""
 
     is_linear = isinstance(module, torch.nn.Linear)
 
     def run(x):
-        w = module.weight.to(compute_dtype)
+        w = fp8_weight(module, compute_dtype)
         b = None if module.bias is None else module.bias.to(compute_dtype)
         return F.linear(x, w, b) if is_linear else module._conv_forward(x, w, b)
 
@@ -128,8 +143,46 @@ def _fp8_forward(module, compute_dtype):
     return forward
 
 
-def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset()) -> int:
+def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
+              compute_dtype: torch.dtype) -> None:
+    """Make ``module`` (a Linear or Conv2d, which keeps its class) hold ``weight`` (float8_e4m3fn) and ``scale``
+    (None, one value, or one per output row: the ``weight_scale`` buffer, not in the state dict) and compute with
+    :func:`fp8_weight` inside a non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
+
+    What reads a base weight for anything but this forward must take :func:`fp8_weight` (``module.dequantize()``):
+    peft's DoRA does (it asks a layer that has ``W_q`` for ``dequantize()``, as for HQQ's layers: both are set
+    here), and so do Atelier's DoRA export and OFT."""
+    if scale is not None:
+        scale = scale.detach().to(torch.float32)
+        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (weight.ndim - 1)))
+    module.weight.data = weight
+    module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
+    module.forward = _fp8_forward(module, compute_dtype)
+    module.dequantize = lambda: fp8_weight(module, compute_dtype)
+    # the Parameter itself, outside nn.Module's bookkeeping (assigning it normally would register a second name)
+    object.__setattr__(module, "W_q", module.weight)
+
+
+def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """``weight`` as float8_e4m3fn values of ``weight / scale`` (per tensor or per output row). When ``weight`` is
+    an fp8 file's ``fp8 · scale`` upcast (to fp32, bf16 or fp16) this gives the file's fp8 values back exactly: the
+    upcast's rounding error (at most 2⁻¹¹ relative) is far below fp8's step (2⁻³)."""
+    if scale is None:
+        return weight.to(torch.float8_e4m3fn)
+    factor = scale.detach().float().to(weight.device)
+    factor = factor.reshape(()) if factor.numel() == 1 else factor.reshape(-1, *([1] * (weight.ndim - 1)))
+    return (weight.float() / factor).to(torch.float8_e4m3fn)
+
+
+def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset(),
+                       scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
+
+    ``scales`` (module name → scale, the names of ``unet.named_modules()``): the layers of a base loaded from an
+    fp8 file with scales (see :func:`trainer.families.common.fp8_weights.dequantise_fp8`). Each is stored as
+    the file stored it, its fp8 values and its scale (:func:`quantise_with_scale`); the others without a scale,
+    or (``only_scaled``: the file's base without ``parts.denoiser.fp8``) not at all, as the file kept them.
+    peft's wrappers name their base layer ``<layer>.base_layer``: that suffix is looked through.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
     layer's forward, and a Conv2d then meets an fp8 weight in backward ("expected scalar type Float
@@ -141,15 +194,20 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
         raise ConfigError(f"parts.denoiser.fp8 is on, but this PyTorch ({torch.__version__}) cannot store "
                           "float8_e4m3fn tensors. Update PyTorch (2.1 or newer) or turn parts.denoiser.fp8 off and "
                           "use parts.denoiser.dtype = fp16/bf16.", key="parts.denoiser.fp8")
+    scales = scales or {}
     count = 0
     for name, module in unet.named_modules():
         if type(module) not in (torch.nn.Linear, torch.nn.Conv2d) or any(s in name for s in skip):
             continue
         if module.weight.requires_grad or module.weight.dtype == torch.float8_e4m3fn:
             continue
+        layer = name[: -len(".base_layer")] if name.endswith(".base_layer") else name
+        if only_scaled and layer not in scales:
+            continue
+        scale = scales.get(layer)
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
-        module.weight.data = _home(weight.to(torch.float8_e4m3fn), module, in_ram)
-        module.forward = _fp8_forward(module, compute_dtype)
+        stored = _home(quantise_with_scale(weight, scale), module, in_ram)
+        store_fp8(module, stored, scale, compute_dtype)
         count += 1
     return count
 
@@ -259,13 +317,16 @@ def apply_storage(model, method, cfg) -> None:
     device = model.device if attr in getattr(model, "deferred", ()) else None
     swap = getattr(model, "block_swap", None)  # parts.denoiser.blocks_to_swap: those blocks' weights stay in RAM
     in_ram = swap.members if swap is not None else frozenset()
-    if cfg.parts.denoiser.fp8:
+    # a base read from an fp8 file keeps the file's fp8 values and scales (``fp8_file_scales``, set by the loader on
+    # the denoiser: trainer.families.common.fp8_weights.fp8_layer_scales), with or without parts.denoiser.fp8
+    file_scales = getattr(denoiser, "fp8_file_scales", None)
+    if cfg.parts.denoiser.fp8 or file_scales:
         if "unet" in method.modules and cfg.training.method == "finetune":
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
-                                   in_ram)
+                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8)
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
     if cfg.parts.denoiser.get("nf4", False):
         count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,

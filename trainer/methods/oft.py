@@ -52,7 +52,9 @@ class OftLayer(torch.nn.Module):
 
     def rotated_weight(self) -> torch.Tensor:
         """W' = Rᵀ W per block of output rows, in fp32."""
-        weight = self.base_layer.weight
+        base = self.base_layer
+        # an fp8-stored base (trainer.memory.precision.store_fp8) computes with fp8 · scale: rotate that
+        weight = base.dequantize() if hasattr(base, "W_q") else base.weight
         shape = weight.shape
         blocks = weight.float().reshape(self.block_num, self.block_size, *shape[1:])
         return torch.einsum("k n m, k n ... -> k m ...", self.rotation(), blocks).reshape(shape)

@@ -1,18 +1,20 @@
 """fp8 base checkpoints: what marks a single file as stored in float8, torch-free (detection and ``validate`` read
 it from the file's header).
 
-Two kinds are published, and both load as the frozen base of a LoRA (the transformer's loader dequantises each
-tensor: :func:`trainer.families.common.transformer_kit.dequantise_fp8`):
+Two kinds are published, and both load as the frozen base of a LoRA, for every family that reads single files: the
+loader dequantises each tensor to build the model (:func:`trainer.families.common.fp8_weights.dequantise_fp8`) and
+records each fp8 layer's scale, and once the adapters exist those layers go back to fp8 with their scales and are
+upcast per layer (trainer/memory/precision.py ``store_fp8``):
 
 - plain fp8: the Linear weights are ``float8_e4m3fn`` (safetensors ``F8_E4M3``), nothing else; the value is the
   weight.
-- scaled fp8, as ComfyUI writes and reads it: each quantised weight has a per-tensor scale, and the weight is
-  ``fp8 · scale``. ComfyUI's first layout (``comfy/model_detection.py`` and ``comfy/ops.py`` ``scaled_fp8_ops``,
-  commit a125cd84b054a57729b5eecab930ca9408719832) marks the file with a ``scaled_fp8`` key and names the scales
-  ``<layer>.scale_weight`` (and ``<layer>.scale_input`` for fp8 matmuls); its mixed-precision layout
-  (``comfy/ops.py`` ``mixed_precision_ops``, commit 003124c1f6ca4b93066c672cb3f247007c17a038) names them
-  ``<layer>.weight_scale`` / ``<layer>.input_scale`` with a ``<layer>.comfy_quant`` JSON tag, as other fp8 releases
-  do. The input scales only feed fp8 matmuls at inference: the weights do not depend on them.
+- scaled fp8, as ComfyUI writes and reads it: each quantised weight has a per-tensor scale (some releases: one per
+  output row), and the weight is ``fp8 · scale``. ComfyUI's first layout (``comfy/model_detection.py`` and
+  ``comfy/ops.py`` ``scaled_fp8_ops``, commit a125cd84b054a57729b5eecab930ca9408719832) marks the file with a
+  ``scaled_fp8`` key and names the scales ``<layer>.scale_weight`` (and ``<layer>.scale_input`` for fp8 matmuls); its
+  mixed-precision layout (``comfy/ops.py`` ``mixed_precision_ops``, commit 003124c1f6ca4b93066c672cb3f247007c17a038)
+  names them ``<layer>.weight_scale`` / ``<layer>.input_scale`` with a ``<layer>.comfy_quant`` JSON tag, as other fp8
+  releases do. The input scales only feed fp8 matmuls at inference: the weights do not depend on them.
 
 What stays refused (by :data:`trainer.families.PREQUANTISED` and the loader): NF4/FP4/int8 packs (bitsandbytes,
 torchao/quanto, NVFP4's ``weight_scale_2``, ComfyUI's int8 layers) and GGUF files, whose weights are not floats.

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainer.errors import ModelLoadError
-from trainer.families.common.fp8_files import WEIGHT_SCALE_SUFFIXES, fp8_marker
+from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.sources import hub_offline, load_by_component
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
@@ -136,7 +136,8 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
     except Exception as exc:
         raise ModelLoadError(f"model.path '{source.display}' could not be read as a .safetensors file: {exc}",
                              key="model.path", value=source.display) from None
-    state = dequantise_fp8(state, dtypes["transformer"], source.display)  # an fp8 release: floats again
+    scales = fp8_layer_scales(state, to_diffusers)  # an fp8 release: which layers, with which scales
+    state = dequantise_fp8(state, dtypes["transformer"], source.display)  # floats to build the model from
     local = Path(rest) / component / "config.json"
     base = json.loads(local.read_text()) if local.is_file() else {}
     try:
@@ -152,6 +153,8 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
                              key="model.path", value=source.display) from None
     if transformer.dtype != dtypes["transformer"]:
         transformer.to(dtypes["transformer"])
+    if scales:  # stored back in fp8 with these scales once the adapters exist (memory/precision.py apply_storage)
+        transformer.fp8_file_scales = scales
     kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
     if not Path(rest).is_dir():
         kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
@@ -168,48 +171,6 @@ def pipeline_with_transformer_file(family: Any, mcfg: Any, dtypes: Dict[str, Any
             f"from model.config_path ('{rest}'), which could not be loaded ({type(exc).__name__}). Set "
             f"model.config_path to a diffusers {family.info.label} folder (or the hub id {official}, downloaded once "
             "with network access).", key="model.config_path", value=rest) from None
-
-
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def dequantise_fp8(state: Dict[str, Any], dtype: Any, where: str) -> Dict[str, Any]:
-    """``state`` with its fp8 weights as ``dtype`` floats: ``fp8 · scale`` where the file has the weight's per-tensor
-    scale (ComfyUI's ``scaled_fp8`` files: ``<layer>.scale_weight``; its mixed-precision ones and other releases:
-    ``<layer>.weight_scale``), the fp8 value itself where it has none; each tensor in turn (one layer in fp32 at a
-    time). The scales, input scales and tags go (common/fp8_files.py). A scaled weight that is not a float (ComfyUI's
-    int8 layers) is refused, naming it. A file without fp8 tensors or scales comes back as it was."""
-    if not any(t.dtype in FP8 for t in state.values()) and not any(fp8_marker(k) for k in state):
-        return state
-    scales = {k[: -len(suffix)]: state[k] for k in state for suffix in WEIGHT_SCALE_SUFFIXES if k.endswith(suffix)}
-    out: Dict[str, Any] = {}
-    for key in list(state):
-        tensor = state.pop(key)  # the file's copy goes as its float one is made
-        if fp8_marker(key):
-            continue
-        layer = key[: -len(".weight")] if key.endswith(".weight") else None
-        scale = scales.get(layer) if layer is not None else None
-        if scale is not None and not tensor.is_floating_point():
-            raise ModelLoadError(f"model.path '{where}': {key} is stored as {str(tensor.dtype).replace('torch.', '')} "
-                                 "with a scale (an int8 checkpoint for inference), which cannot be trained from. Use "
-                                 "the model's bf16/fp16 or fp8 release.", key="model.path", value=where)
-        if tensor.dtype in FP8 or scale is not None:
-            tensor = tensor.float() if scale is None else tensor.float() * _broadcast(scale, tensor, key, where)
-            tensor = tensor.to(dtype)
-        out[key] = tensor
-    return out
-
-
-def _broadcast(scale: Any, weight: Any, key: str, where: str) -> Any:
-    """A weight's scale as a factor of it: one per tensor (ComfyUI's) or one per output row."""
-    scale = scale.float()
-    if scale.numel() == 1:
-        return scale.reshape(())
-    if scale.numel() == weight.shape[0]:
-        return scale.reshape(-1, *([1] * (weight.ndim - 1)))
-    raise ModelLoadError(f"model.path '{where}': the scale of {key} has {scale.numel()} values for a weight of shape "
-                         f"{tuple(weight.shape)} (block-wise scales), which Atelier does not read. Use the model's "
-                         "bf16/fp16 release or an fp8 file with per-tensor scales.", key="model.path", value=where)
 
 
 def save_transformer_file(path: Any, state: Dict[str, Any], dtype: str, metadata: Optional[Dict[str, str]]) -> None:

@@ -41,6 +41,7 @@ from trainer.config.schema import ModelConfig
 from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.common.prompt_first import PromptFirst
 from trainer.families.flux import kontext
@@ -150,6 +151,8 @@ class Flux(Family):
         except Exception as exc:
             raise ModelLoadError(f"model.path '{self.source.display}' could not be read as a .safetensors file: "
                                  f"{exc}", key="model.path", value=self.source.display) from None
+        scales = fp8_layer_scales(state, bfl_to_diffusers)  # an fp8 release: which layers, with which scales
+        state = dequantise_fp8(state, dtypes["transformer"], self.source.display)  # floats to build the model from
         base = json.loads((CONFIGS / variant / "transformer" / "config.json").read_text())
         pipeline_cls = PIPELINES[variant]
         try:
@@ -165,6 +168,8 @@ class Flux(Family):
                                  f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}).",
                                  key="model.path", value=self.source.display)
         transformer.to(dtypes["transformer"])
+        if scales:  # kept in fp8 with these scales once the adapters exist (memory/precision.py apply_storage)
+            transformer.fp8_file_scales = scales
         rest = getattr(mcfg, "config_path", "") or OFFICIAL[variant]
         offline = bool(getattr(mcfg, "hub_offline", False)) or not Path(rest).is_dir() and hub_offline()
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(  # the variant's own (schnell: no dynamic shift)

@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.samplers import SAMPLERS
 from trainer.families.pixart.keys import (
@@ -135,6 +136,10 @@ class PixArt(Family):
                              CONFIGS / variant / "transformer" / "config.json").read_text())
         try:
             state = {k.split("diffusion_model.", 1)[-1]: v for k, v in read_state(self.source.location).items()}
+            # an fp8 release: which layers, with which scales; then floats to build the model from
+            scales = fp8_layer_scales(state, lambda m: m if is_diffusers_layout(m) else original_to_diffusers(
+                {k: v for k, v in m.items() if k not in SKIPPED}))
+            state = dequantise_fp8(state, dtypes["transformer"], self.source.display)
             # kept to write back on save: the learned null caption (its length tells α from Σ) and the
             # fixed position table (its size tells the training resolution), neither a diffusers weight
             if is_diffusers_layout(state):  # older diffusers conversions kept the null caption here
@@ -154,6 +159,8 @@ class PixArt(Family):
                                  "model.config_path to a diffusers PixArt folder whose transformer/config.json fits.",
                                  key="model.path", value=self.source.display) from None
         transformer.to(dtypes["transformer"])
+        if scales:  # kept in fp8 with these scales once the adapters exist (memory/precision.py apply_storage)
+            transformer.fp8_file_scales = scales
         try:
             return pipe_cls.from_pretrained(rest, transformer=transformer, local_files_only=local or bool(
                 getattr(mcfg, "hub_offline", False)), dtype={k: v for k, v in dtypes.items() if k != "transformer"})

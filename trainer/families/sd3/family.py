@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.sd3.keys import (
     CONFIG_3_MEDIUM,
@@ -130,6 +131,8 @@ class SD3(Family):
                                  key="model.path", value=self.source.display) from None
         state = {k.split("model.diffusion_model.", 1)[1]: v for k, v in state.items()
                  if k.startswith("model.diffusion_model.")} or state
+        scales = fp8_layer_scales(state, original_to_diffusers)  # an fp8 release: which layers, with which scales
+        state = dequantise_fp8(state, dtypes["transformer"], self.source.display)  # floats to build the model from
         local = Path(rest) / "transformer" / "config.json"
         base = json.loads(local.read_text()) if local.is_file() else dict(
             {"sd3.5-large": CONFIG_35_LARGE, "sd3.5-medium": CONFIG_35_MEDIUM, "sd3-medium": CONFIG_3_MEDIUM}[variant])
@@ -142,6 +145,8 @@ class SD3(Family):
                                  f"layout ({type(exc).__name__}: {str(exc).splitlines()[0][:300]}).",
                                  key="model.path", value=self.source.display) from None
         transformer.to(dtypes["transformer"])
+        if scales:  # kept in fp8 with these scales once the adapters exist (memory/precision.py apply_storage)
+            transformer.fp8_file_scales = scales
         kw: Dict[str, Any] = {"dtype": {k: v for k, v in dtypes.items() if k != "transformer"}}
         if not Path(rest).is_dir():
             kw.update(cache_dir=getattr(mcfg, "cache_dir", "") or None, revision=getattr(mcfg, "revision", "") or None)
