@@ -11,11 +11,11 @@ The optimizer counts as more when its states grow (Adafactor < 8-bit < full prec
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from omegaconf import OmegaConf
 
-from trainer.config.load import compose
+from trainer.config.load import compose, resolve_preset
 from trainer.data.buckets import parse_resolution
 from trainer.errors import ConfigError
 from trainer.optim.registry import optimizer_spec
@@ -88,13 +88,26 @@ def _shown(cfg: Any, key: str) -> str:
     return str(_sel(cfg, key))
 
 
+_COMPOSED: Dict[Tuple[str, int], Any] = {}
+
+
+def _tier_preset(preset: str) -> Any:
+    """The composed ``general.sized_for`` preset, once per preset file version (its path and mtime): every config load
+    checks its tier, and composing the preset again each time was most of a load's cost. Read only here."""
+    path = resolve_preset(preset)
+    key = (str(path), path.stat().st_mtime_ns if path.exists() else 0)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose(preset=preset)
+    return _COMPOSED[key]
+
+
 def tier_warnings(cfg: Any) -> List[Tuple[str, str]]:
     """(key, message) for each memory setting of ``cfg`` that needs more than its ``general.sized_for`` preset's."""
     preset = str(cfg.general.get("sized_for", "") or "")
     if not preset:
         return []
     try:
-        tier = compose(preset=preset)  # a shipped preset: its values were checked when it shipped
+        tier = _tier_preset(preset)  # a shipped preset: its values were checked when it shipped
     except ConfigError:
         return [("general.sized_for", f"general.sized_for = {preset}: no such preset to compare the memory settings "
                                       "with. Clear it, or name the *-<N>gb preset this config started from.")]
