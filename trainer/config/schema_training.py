@@ -93,6 +93,9 @@ class TrainingConfig:
     max_grad_norm: float = f(1.0, "Clip gradients to this norm; 0 = no clipping.", min=0.0, max=1e6)
     mixed_precision: str = f("no", "Autocast precision for the forward pass.",
                              choices=["no", "fp16", "bf16"])
+    adapter_compute_copies: bool = f(True, "bf16: plain LoRA weights are computed from bf16 copies kept in the "
+                                           "layers, the fp32 weights stay the optimizer's masters (fewer casts a "
+                                           "step, the same values). One process, not with training.compile.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
                              "type), compiled at the first step (tens of seconds). OneTrainer reports 25-35 % faster "

@@ -9,6 +9,7 @@ samples in :mod:`trainer.train.sampling`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -38,6 +39,7 @@ from trainer.parallel.launch import (
     write_rank_error,
     write_rank_info,
 )
+from trainer.methods.compute_copies import make_compute_copies
 from trainer.parallel.plan import env_rank_world
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
 from trainer.train.run_folder import list_backups, setup_logging
@@ -85,6 +87,11 @@ def train(state: RunState) -> str:
             _check_finite(state, ready[0], ready[1])
             _report_step(state, ready[0], ready[1], t_start, steps_at_start, bar)
 
+    copies = make_compute_copies(state.method, cfg, state.world)  # bf16 LoRA weights, fp32 masters
+    if copies is not None:
+        copies.refresh()  # after a resumed backup's weights
+        log.info("training.adapter_compute_copies: %d LoRA weights computed from bf16 copies", len(copies))
+    computing = copies.computing if copies is not None else contextlib.nullcontext
     while state.pos.step < state.total_steps:
         usable = (len(state.data.epoch_batches(state.pos.epoch)) // accum) * accum
         for _, batch in par.batches(state.data, state.pos.epoch, state.pos.batch_in_epoch, usable):
@@ -92,9 +99,11 @@ def train(state: RunState) -> str:
                 break
             last_of_step = (state.pos.batch_in_epoch + 1) % accum == 0
             batch = to_device(batch, state.device)  # pinned, non-blocking on CUDA
-            with par.micro_batch(last_of_step):  # DDP: no_sync unless last; its all-reduce runs in backward
+            with par.micro_batch(last_of_step), computing():  # DDP: no_sync unless last; all-reduce in backward
                 loss = forward_loss(state, batch)
                 state.accelerator.backward(loss / accum)
+            if copies is not None:
+                copies.add_grads()
             part = loss.detach().float() / accum  # the step's loss stays on the device
             loss_sum = part if loss_sum is None else loss_sum + part
             state.pos.batch_in_epoch += 1
@@ -108,6 +117,8 @@ def train(state: RunState) -> str:
                 stop = state.stop_wanted
             state.stop_requested = state.stop_requested or stop
             optimizer_step(state)
+            if copies is not None:
+                copies.refresh()
             state.pos.step += 1
             if state.ema is not None:
                 state.ema.after_optimizer_step(state.pos.step)
