@@ -75,7 +75,6 @@ def test_the_concepts_report_then_a_pair_concept_set_up_on_the_page_shows_its_pa
                 timeout=60000)
             text = page.locator("#concepts-dataset-report").inner_text()
             assert "8 used / 8 found" in text and "64x64" in text
-            page.screenshot(path=str(tmp_path / "concepts-report.png"), full_page=True)
 
             page.get_by_text("Add or edit one concept").click()
             name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
@@ -120,7 +119,6 @@ def test_the_concepts_report_then_a_pair_concept_set_up_on_the_page_shows_its_pa
             assert "data.concepts.1.control_paths.0" in unpaired and "concept 1 ('edits')" in unpaired
             assert "Add the targets or remove those controls" in unpaired
             print(f"report round trips: {time.time() - started:.1f} s")
-            page.screenshot(path=str(tmp_path / "pairs-report.png"), full_page=True)
 
             # the caption editor shows the image being captioned beside its control
             show(page, "Captions and masks")
@@ -133,7 +131,6 @@ def test_the_concepts_report_then_a_pair_concept_set_up_on_the_page_shows_its_pa
             page.wait_for_function("(document.querySelector('#cap-pair') || {innerText: ''})"
                                    ".innerText.includes('control 1: cat_01.jpg')", timeout=30000)
             assert "image: cat_01.png" in page.locator("#cap-pair").first.inner_text()
-            page.screenshot(path=str(tmp_path / "pairs-captions.png"), full_page=True)
 
             # a WD tagger run from the dataset tools adds its tags to the captions; they open in the caption editor
             from tiny_wd import write_tiny_wd_onnx
