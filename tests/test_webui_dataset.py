@@ -46,13 +46,29 @@ def test_dataset_report_does_not_import_torch():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_the_concepts_report_then_a_pair_concept_set_up_on_the_page_shows_its_pairs_and_an_unpaired_control(
-        page_url, tmp_path):
-    """The Concepts tab's dataset check shows the demo's report; then path, role and a control folder (browsed) set
-    in the row editor; the card shows the role and the folder; the dataset check shows the pairs side by side, then
-    names a control that has no target; the caption editor shows an image beside its control. (The demo model takes
-    no controls: the report is still made, under validate's refusal; a run on pairs needs an edit model.) One page
-    for both: the server, browser and preset load cost more than either check."""
+def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
+    from test_webui_e2e import open_page, show
+    url, _ctx = page_url
+    with open_page(url, height=1400) as page:
+        page.locator("#preset-select input").click()
+        page.get_by_role("option", name="demo", exact=True).click()
+        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
+                               timeout=30000)
+        show(page, "Data", "Concepts")
+        page.locator("#concepts-dataset-btn").click()
+        page.wait_for_function(
+            "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
+            timeout=60000)
+        text = page.locator("#concepts-dataset-report").inner_text()
+        assert "8 used / 8 found" in text and "64x64" in text
+
+
+def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_names_an_unpaired_control(page_url,
+                                                                                                      tmp_path):
+    """Path, role and a control folder (browsed) set in the row editor; the card shows the role and the folder; the
+    dataset check shows the pairs side by side, then names a control that has no target; the caption editor shows
+    an image beside its control. (The demo model takes no controls: the report is still made, under validate's
+    refusal; a run on pairs needs an edit model.)"""
     from test_webui_e2e import open_page, show
     url, ctx = page_url
     root = ctx.workspace / "pairs"
@@ -69,13 +85,6 @@ def test_the_concepts_report_then_a_pair_concept_set_up_on_the_page_shows_its_pa
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
                                    timeout=30000)
             show(page, "Data", "Concepts")
-            page.locator("#concepts-dataset-btn").click()  # the demo's own concept first
-            page.wait_for_function(
-                "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
-                timeout=60000)
-            text = page.locator("#concepts-dataset-report").inner_text()
-            assert "8 used / 8 found" in text and "64x64" in text
-
             page.get_by_text("Add or edit one concept").click()
             name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
             name_box.first.fill("edits")
