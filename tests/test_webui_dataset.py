@@ -61,7 +61,6 @@ def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
             timeout=60000)
         text = page.locator("#concepts-dataset-report").inner_text()
         assert "8 used / 8 found" in text and "64x64" in text
-        page.screenshot(path=str(tmp_path / "concepts-report.png"), full_page=True)
 
 
 def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_names_an_unpaired_control(page_url,
@@ -129,7 +128,6 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             assert "data.concepts.1.control_paths.0" in unpaired and "concept 1 ('edits')" in unpaired
             assert "Add the targets or remove those controls" in unpaired
             print(f"report round trips: {time.time() - started:.1f} s")
-            page.screenshot(path=str(tmp_path / "pairs-report.png"), full_page=True)
 
             # the caption editor shows the image being captioned beside its control
             show(page, "Captions and masks")
@@ -142,7 +140,6 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             page.wait_for_function("(document.querySelector('#cap-pair') || {innerText: ''})"
                                    ".innerText.includes('control 1: cat_01.jpg')", timeout=30000)
             assert "image: cat_01.png" in page.locator("#cap-pair").first.inner_text()
-            page.screenshot(path=str(tmp_path / "pairs-captions.png"), full_page=True)
 
             # a WD tagger run from the dataset tools adds its tags to the captions; they open in the caption editor
             from tiny_wd import write_tiny_wd_onnx

@@ -29,7 +29,8 @@ def test_visibility_rules():
 def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
     """LoRA settings follow training.method and keep their values while hidden; model.path → the family told
     from the registry (no model load) with its parts named, per-part fields hidden when the family lacks the
-    part and carrying the part's name when it has it. One browser session for both (each costs seconds)."""
+    part and carrying the part's name when it has it; a video family's clip fields shown for it alone. One browser
+    session for all, five preset loads (each costs seconds)."""
     from test_webui_e2e import open_page, show
     url, ctx = page_url
 
@@ -63,24 +64,24 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         effnet = page.locator("#cfg-model-effnet-path")
         page.get_by_role("tab", name="Model", exact=True).click()
         assert not effnet.is_visible()  # a Stable Cascade setting: not shown for SD
-        choose(page, "demo-cascade")
-        page.wait_for_function("document.querySelector('#family-parts').innerText.includes('Stable Cascade')",
-                               timeout=20000)
-        effnet.wait_for(state="visible", timeout=20000)
-        assert "Prior (stage C)" in page.locator("#family-parts").inner_text()
-        assert "cosine" in page.locator("#family-parts").inner_text()
         # a concept's clip settings (what a folder of clips is cut into) show for a video family alone
         show(page, "Data", "Concepts")
         page.get_by_text("Add or edit one concept").click()
         frames = page.locator("#cfg-data-concepts-item-target-frames")
         page.locator("#cfg-data-concepts-item-name").first.wait_for(state="visible", timeout=20000)
-        assert not frames.is_visible()  # Stable Cascade trains on images
+        assert not frames.is_visible()  # SD trains on images
         show(page, "Train")  # the presets are on the Train tab
         choose(page, "demo-wan")
         show(page, "Data")
         frames.wait_for(state="visible", timeout=20000)
         assert page.locator("#cfg-data-concepts-item-frame-extraction").is_visible()
         show(page, "Train")
-        choose(page, "demo")
+        choose(page, "demo-cascade")  # from a video family to an image one: the Model tab and the clip fields follow
+        page.get_by_role("tab", name="Model", exact=True).click()
+        page.wait_for_function("document.querySelector('#family-parts').innerText.includes('Stable Cascade')",
+                               timeout=20000)
+        effnet.wait_for(state="visible", timeout=20000)
+        assert "Prior (stage C)" in page.locator("#family-parts").inner_text()
+        assert "cosine" in page.locator("#family-parts").inner_text()
         show(page, "Data")
-        frames.wait_for(state="hidden", timeout=20000)
+        frames.wait_for(state="hidden", timeout=20000)  # Stable Cascade trains on images

@@ -258,7 +258,10 @@ def stream_tool(argv: List[str], timeout: float = TOOL_TIMEOUT_S, python: str = 
                 out_lines, err_lines = lines()
                 yield {"rc": None, "tail": "\n".join((out_lines + err_lines)[-TAIL_LINES:]),
                        "elapsed": time.time() - started}
-                time.sleep(poll_s)
+                try:  # the tool's end answers at once; a progress line every poll_s until then
+                    proc.wait(timeout=poll_s)
+                except subprocess.TimeoutExpired:
+                    pass
             finished = True
             out_lines, err_lines = lines()
         finally:
