@@ -328,7 +328,7 @@ def test_a_newcomer_from_an_empty_page_to_a_lora_at_home_compared_and_tidied(chr
             assert page.locator("#preset-select input").input_value() == ""  # an empty page
             # ① ② ③: the demo model, a LoRA, the images outside the workspace
             page.locator("#qs-kind input").click()
-            page.get_by_role("option", name="Demo: the built-in tiny model (offline, a minute on a CPU)").click()
+            page.get_by_role("option", name="Demo: the built-in tiny model (offline, under a minute on a CPU)").click()
             page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
             page.locator("#qs-fill").click()
             page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')",

@@ -21,7 +21,7 @@ INFO = FamilyInfo(
     clip_skip=True,
     quick_start=(
         # the demo trains this family's tiny models (demo: a LoRA on tiny-sd; demo-learns: a fine-tune of tiny-sd2)
-        QuickChoice("demo", "Demo: the built-in tiny model (offline, a minute on a CPU)",
+        QuickChoice("demo", "Demo: the built-in tiny model (offline, under a minute on a CPU)",
                     {"lora": "demo", "finetune": "demo-learns"}, builtin=True),
         QuickChoice("sd15", "Stable Diffusion 1.5 (and models based on it)",
                     {"lora": "sd15-lora", "finetune": "sd15-finetune"}),
