@@ -34,8 +34,8 @@
 # flux case, whose preset checkpoints, fails with it and says so), DIFFUSERS_PYTHON (default PYTHON).
 # Measured on an H200 (2026-11-27, 12 steps): SD 1.5 eager 23 s, its example 25 s (+ writing the folder), SDXL eager
 # 25 s, its example 29 s, the profile ~40 s, Flux eager 75 s, SD 1.5 compiled 57 s, writing Flux's 34 GB folder
-# ~2 min; SDXL compiled took over 100 s. The whole default set does not fit one 10-minute call: name the single runs
-# in two calls (the comparisons first).
+# ~2 min; on a second lease SDXL compiled 47 s, Flux compiled 115 s, SD 1.5 with COMPILE_MODE=reduce-overhead 74 s.
+# The whole default set does not fit one 10-minute call: name the single runs in two calls (the comparisons first).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD

@@ -98,8 +98,9 @@ class TrainingConfig:
                                            "step, the same values). One process, not with training.compile.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
-                             "type), compiled at the first step (tens of seconds). OneTrainer reports 25-35 % faster "
-                             "steps; an SD 1.5 LoRA on an H200 ran 30 % slower (docs/performance.md): try a "
+                             "type), compiled at the first step (tens of seconds to minutes). On an H200 "
+                             "(docs/performance.md) compiling sped Flux.1 and SDXL LoRA steps up and slowed SD "
+                             "1.5's in the default mode, where compile_mode reduce-overhead ran 1.95x eager: try a "
                              "few steps each way on your card. Needs Triton on NVIDIA GPUs (on Windows the "
                              "triton-windows package) and a C++ compiler on the CPU.")
     compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
