@@ -279,3 +279,16 @@ def test_the_unconditional_transformer_is_on_the_device_only_where_the_estimate_
     assert (len(conditional), len(unconditional)) == ((1, 1) if joined else (2, 0))
     assert model.sampling_modules() == ([own] if joined else [])
     assert pipe.unconditional_transformer is own  # the pipeline's own again after the sample
+
+
+def test_the_estimate_counts_the_unconditional_transformer_where_samples_take_it(ideogram):
+    """The VRAM estimate's sample phase holds the unconditional transformer beside the rest where the sampler brings
+    it to the device (an unquantised transformer), and nothing more."""
+    from trainer.config.checks import load_config
+    from trainer.memory.estimate import run_estimate
+    from trainer.memory.estimate_tracker import module_tensors, storage_bytes
+    ws, paths, model = ideogram
+    cfg = load_config(None, [f"model.path={paths['diffusers']}"], preset="demo-ideogram4")
+    est = run_estimate(cfg, "demo-ideogram4", phases=("sample",), workspace=str(ws))
+    joined = est.phases["sample"].weights - est.phases["load"].weights
+    assert joined == storage_bytes(module_tensors([model.unconditional_transformer])) > 0
