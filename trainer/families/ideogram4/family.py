@@ -110,6 +110,7 @@ class Ideogram4Sampler(Ideogram4Pipeline):
       does when it is given no text, and what ai-toolkit's samples do — and a warning says so."""
 
     unconditional_joins = True
+    run_device: Optional[torch.device] = None  # the run's device (the family's): where the denoising happens
 
     def __call__(self, prompt=None, *, guidance_scale=None, num_inference_steps=DEFAULT_STEPS, negative_prompt=None,
                  **kwargs):
@@ -122,7 +123,9 @@ class Ideogram4Sampler(Ideogram4Pipeline):
             guidance_scale = DEFAULT_GUIDANCE if guidance_scale is None else guidance_scale
             kwargs["guidance_schedule"] = None
         own = self.unconditional_transformer
-        home, device = own.device, self.transformer.device  # the conditional one is on its device before the prompt
+        # the run's device, not the conditional transformer's place now: an offloaded text cache may have left it in
+        # CPU RAM (a sample before the first step), and its own pre-hook brings it back
+        home, device = own.device, self.run_device or self.transformer.device
         hook = self.transformer.register_forward_pre_hook(lambda _m, _a: self.place_unconditional(own, device))
         try:
             return super().__call__(prompt, guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
@@ -284,7 +287,7 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
         pipe = Ideogram4Sampler(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer,
                                 unconditional_transformer=self.unconditional_transformer)
-        pipe.unconditional_joins = self.unconditional_joins
+        pipe.unconditional_joins, pipe.run_device = self.unconditional_joins, self.device
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
