@@ -6,7 +6,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 
 - Text: the caption in Qwen3-VL's chat template (one user turn, generation prompt), the hidden states of 13 of its 36
   decoder layers (``QWEN3_VL_ACTIVATION_LAYERS``) concatenated per token (53,248 features), left-padded, padding
-  zeroed — ``Ideogram4Pipeline._get_text_encoder_hidden_states``, called here. The pipeline pads to 2048 tokens;
+  zeroed — ``Ideogram4Pipeline._get_text_encoder_hidden_states``, made Qwen3-VL's forward here
+  (:func:`tapped_text_layers`) so that the text-encoder offload's hooks see the call. The pipeline pads to 2048 tokens;
   Atelier pads to ``model.t5_max_length`` (default 512): padding tokens form their own attention segment and the
   text positions count from the first real token, so the image tokens' output is the same (tested).
 - The sequence: ``[text | image]`` with 3-axis MRoPE positions, a block-diagonal segment mask and per-token role
@@ -21,7 +22,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 - Latents: the Flux.2 VAE's 32 channels, patchified 2×2 with the patch before the channel (``(pi, pj, c)``, the
   pipeline's unpatchify order), normalised by the VAE's BatchNorm statistics, kept as [B, 128, h, w].
 - Guidance: the unconditional transformer is a separate model that samples only. It stays in CPU RAM and joins the
-  device for a sample where there is room (:class:`Ideogram4Sampler`); LoRA files adapt the conditional transformer
+  device for a sample only where the conditional one is not stored in fp8/NF4 and there is room
+  (:class:`Ideogram4Sampler`; the VRAM estimate counts it there); LoRA files adapt the conditional transformer
   (``transformer``), as ``load_lora_weights`` does.
 - The prompt enhancer (``Ideogram4PromptEnhancerHead``) rewrites prompts at inference; it has no part in training and
   is not loaded (captions are used as written, whether plain text or Ideogram's JSON captions).
