@@ -224,3 +224,71 @@ def test_the_fp8_release_loads_as_the_frozen_base(ideogram, tmp_path):
         torch.testing.assert_close(got, v.float(), atol=0.07 * float(v.abs().max()), rtol=0.07, msg=k)
     qkv = loaded.transformer.layers[0].attention.to_q.weight
     assert not torch.equal(qkv, model.transformer.layers[0].attention.to_q.weight)  # it went through fp8
+
+
+@pytest.fixture(scope="module")
+def ideogram_24gb(ideogram):
+    """The tiny model loaded with the 24 GB preset's storage: the transformer in fp8, Qwen3-VL offloaded."""
+    ws, paths, _ = ideogram
+    return load_tiny(ws, paths["diffusers"], "parts.denoiser.fp8=true", "data.offload_text_encoders=true")
+
+
+def test_an_offloaded_qwen3vl_reaches_the_device_for_captions_and_sample_prompts(ideogram_24gb, monkeypatch):
+    """``data.offload_text_encoders`` moves Qwen3-VL in (and the transformer out) from forward hooks of the text encoder:
+    the text cache and a sample's prompt call the encoder itself, not its layers one by one as the pipeline does (which
+    left Qwen3-VL in CPU RAM, encoding there), and the transformer's first call sends it back out."""
+    from trainer.memory.offload import TextEncoderOffload
+    model = ideogram_24gb
+    offload = TextEncoderOffload(model, "cpu")
+    events = []
+    monkeypatch.setattr(offload, "denoiser_out", lambda: events.append("encoder in"))
+    monkeypatch.setattr(offload, "encoders_out", lambda: events.append("encoder out"))
+    model.encode_captions(["a red square"])
+    assert events == ["encoder in"]
+    with torch.no_grad():
+        model.pipeline(None)("a red square", height=16, width=16, num_inference_steps=1, guidance_scale=3.0,
+                             max_sequence_length=32, output_type="latent")
+    assert events == ["encoder in", "encoder in", "encoder out"]
+
+
+@pytest.mark.parametrize("tier", ["24gb", "bf16"])
+def test_the_unconditional_transformer_is_on_the_device_only_where_the_estimate_counts_it(ideogram, ideogram_24gb,
+                                                                                          tier, monkeypatch):
+    """At the 24 GB preset's storage (fp8 transformer) a sample keeps the unconditional transformer in CPU RAM however
+    large the card (an H200 took it in bf16: 17.3 GiB over the estimate) and runs its branch on the conditional one;
+    with the transformer unquantised it joins the device for the sample, and the estimate's sample phase counts it."""
+    model = ideogram_24gb if tier == "24gb" else ideogram[2]
+    own = model.unconditional_transformer
+    pipe = model.pipeline(None)
+    place = pipe.place_unconditional
+    monkeypatch.setattr(pipe, "place_unconditional", lambda m, device: place(m, torch.device("cuda")))  # as a GPU's
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 ** 40, 2 ** 40))  # with room to spare
+    moved = []
+    monkeypatch.setattr(own, "to", lambda *a, **kw: moved.append(a[0] if a else kw) or own)
+    conditional, remove_c = denoiser_calls(model.transformer)
+    unconditional, remove_u = denoiser_calls(own)
+    try:
+        with torch.no_grad():
+            pipe("a red square", height=16, width=16, num_inference_steps=1, guidance_scale=3.0,
+                 max_sequence_length=32, output_type="latent")
+    finally:
+        remove_c()
+        remove_u()
+    joined = tier == "bf16"
+    assert moved == ([torch.device("cuda")] if joined else [])
+    assert (len(conditional), len(unconditional)) == ((1, 1) if joined else (2, 0))
+    assert model.sampling_modules() == ([own] if joined else [])
+    assert pipe.unconditional_transformer is own  # the pipeline's own again after the sample
+
+
+def test_the_estimate_counts_the_unconditional_transformer_where_samples_take_it(ideogram):
+    """The VRAM estimate's sample phase holds the unconditional transformer beside the rest where the sampler brings
+    it to the device (an unquantised transformer), and nothing more."""
+    from trainer.config.checks import load_config
+    from trainer.memory.estimate import run_estimate
+    from trainer.memory.estimate_tracker import module_tensors, storage_bytes
+    ws, paths, model = ideogram
+    cfg = load_config(None, [f"model.path={paths['diffusers']}"], preset="demo-ideogram4")
+    est = run_estimate(cfg, "demo-ideogram4", phases=("sample",), workspace=str(ws))
+    joined = est.phases["sample"].weights - est.phases["load"].weights
+    assert joined == storage_bytes(module_tensors([model.unconditional_transformer])) > 0

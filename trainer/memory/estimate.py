@@ -32,7 +32,8 @@ Phases, each with its own peak (the run's peak is the largest):
   there): forward with the preset's autocast, backward, gradient clipping, ``optimizer.step``,
   ``zero_grad``;
 - ``sample``: one UNet call at the sampling size (batch 2 with classifier-free guidance) and one VAE
-  decode, no grad, with the weights, adapters and optimizer state still on the device.
+  decode, no grad, with the weights, adapters and optimizer state still on the device, and what the family's
+  sampler brings there besides (``sampling_modules()``: Ideogram 4's unconditional transformer, where it joins).
 
 What fake mode cannot give, and what is done instead:
 
@@ -238,9 +239,10 @@ def _components(model, offloaded: Sequence[str] = ()) -> List[Any]:
     return [m for slot, m in model.parts().items() if slot not in offloaded] + [getattr(model, "vae", None)]
 
 
-def _tracker(model, method, optimizer, extra=(), offloaded: Sequence[str] = ()) -> LiveTensorTracker:
+def _tracker(model, method, optimizer, extra=(), offloaded: Sequence[str] = (),
+             more: Sequence[Any] = ()) -> LiveTensorTracker:
     modules = [m for m in _components(model, offloaded) if m is not None] + \
-        [m for n, m in method.modules.items() if n not in model.parts()]
+        [m for n, m in method.modules.items() if n not in model.parts()] + list(more)
     trained = [p for g in optimizer.param_groups for p in g["params"]]
     return live_tensor_tracker(modules, trained, optimizer, extra)
 
@@ -405,7 +407,9 @@ def _sample_phase(model, method, optimizer, cfg, sp, autocast, extra, around,
         with encode, torch.no_grad(), autocast(), around("sample"):
             cond = model.batch_condition(batch, method.expand_text, set())
         held = [v for v in vars(cond).values() if isinstance(v, torch.Tensor)]  # the prompt's embeddings, kept
-    mt = _tracker(model, method, optimizer, list(extra) + (held if offloaded else []), offloaded)
+    # what the family's sampler adds to the device while it denoises (Ideogram 4's unconditional transformer)
+    joining = list(getattr(model, "sampling_modules", lambda: ())())
+    mt = _tracker(model, method, optimizer, list(extra) + (held if offloaded else []), offloaded, joining)
     with mt, torch.no_grad(), autocast(), around("sample"):
         if not offloaded:
             cond = model.batch_condition(batch, method.expand_text, set())

@@ -6,7 +6,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 
 - Text: the caption in Qwen3-VL's chat template (one user turn, generation prompt), the hidden states of 13 of its 36
   decoder layers (``QWEN3_VL_ACTIVATION_LAYERS``) concatenated per token (53,248 features), left-padded, padding
-  zeroed — ``Ideogram4Pipeline._get_text_encoder_hidden_states``, called here. The pipeline pads to 2048 tokens;
+  zeroed — ``Ideogram4Pipeline._get_text_encoder_hidden_states``, made Qwen3-VL's forward here
+  (:func:`tapped_text_layers`) so that the text-encoder offload's hooks see the call. The pipeline pads to 2048 tokens;
   Atelier pads to ``model.t5_max_length`` (default 512): padding tokens form their own attention segment and the
   text positions count from the first real token, so the image tokens' output is the same (tested).
 - The sequence: ``[text | image]`` with 3-axis MRoPE positions, a block-diagonal segment mask and per-token role
@@ -21,7 +22,8 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
 - Latents: the Flux.2 VAE's 32 channels, patchified 2×2 with the patch before the channel (``(pi, pj, c)``, the
   pipeline's unpatchify order), normalised by the VAE's BatchNorm statistics, kept as [B, 128, h, w].
 - Guidance: the unconditional transformer is a separate model that samples only. It stays in CPU RAM and joins the
-  device for a sample where there is room (:class:`Ideogram4Sampler`); LoRA files adapt the conditional transformer
+  device for a sample only where the conditional one is not stored in fp8/NF4 and there is room
+  (:class:`Ideogram4Sampler`; the VRAM estimate counts it there); LoRA files adapt the conditional transformer
   (``transformer``), as ``load_lora_weights`` does.
 - The prompt enhancer (``Ideogram4PromptEnhancerHead``) rewrites prompts at inference; it has no part in training and
   is not loaded (captions are used as written, whether plain text or Ideogram's JSON captions).
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import contextmanager
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -98,10 +99,20 @@ class Ideogram4Sampler(Ideogram4Pipeline):
     at guidance 7 are the pipeline's own default schedule, any other values a constant guidance; the model takes no
     negative prompt (its unconditional branch has no text).
 
-    The unconditional transformer (as large as the trained one: 18 GiB in bf16) lives in CPU RAM and visits the device
-    for the call when the device has room for it; where it has not (a 24 GB card during training), the unconditional
-    branch runs on the conditional transformer with the LoRA — what ComfyUI's Ideogram 4 model does when it is given
-    no text, and what ai-toolkit's samples do — and a warning says so."""
+    Two placements differ from the pipeline's own, so that a sample holds on the device what the VRAM estimate counts:
+
+    - Qwen3-VL runs through its ``forward`` (:func:`tapped_text_layers`): the pipeline calls its decoder layers one by
+      one, which passes by the forward hooks that bring an offloaded text encoder (``data.offload_text_encoders``) to
+      the device and send the denoiser to CPU RAM — the prompt would be encoded on the CPU.
+    - The unconditional transformer (as large as the trained one: 17.3 GiB in bf16) lives in CPU RAM. It joins the
+      device at the first denoising step, after the conditional transformer's hooks have sent the text encoders back,
+      and only where ``unconditional_joins`` (set by :class:`Ideogram4`: the conditional transformer is not stored in
+      fp8/NF4 nor block-swapped, so the run is not one sized to a card's memory) and the device has room. Otherwise
+      the unconditional branch runs on the conditional transformer with the LoRA — what ComfyUI's Ideogram 4 model
+      does when it is given no text, and what ai-toolkit's samples do — and a warning says so."""
+
+    unconditional_joins = True
+    run_device: Optional[torch.device] = None  # the run's device (the family's): where the denoising happens
 
     def __call__(self, prompt=None, *, guidance_scale=None, num_inference_steps=DEFAULT_STEPS, negative_prompt=None,
                  **kwargs):
@@ -113,30 +124,55 @@ class Ideogram4Sampler(Ideogram4Pipeline):
         else:
             guidance_scale = DEFAULT_GUIDANCE if guidance_scale is None else guidance_scale
             kwargs["guidance_schedule"] = None
-        with self._unconditional_on(self.transformer.device):
+        own = self.unconditional_transformer
+        # the run's device, not the conditional transformer's place now: an offloaded text cache may have left it in
+        # CPU RAM (a sample before the first step), and its own pre-hook brings it back
+        home, device = own.device, self.run_device or self.transformer.device
+        hook = self.transformer.register_forward_pre_hook(lambda _m, _a: self.place_unconditional(own, device))
+        try:
             return super().__call__(prompt, guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
                                     **kwargs)
-
-    @contextmanager
-    def _unconditional_on(self, device):
-        own = self.unconditional_transformer
-        home = own.device
-        if device.type == "cuda" and home != device:
-            size = sum(p.numel() * p.element_size() for p in own.parameters())
-            if torch.cuda.mem_get_info(device)[0] < 1.2 * size:
-                logger.warning("Ideogram 4 samples: no room on %s for the unconditional transformer (%.1f GiB): its "
-                               "branch runs on the conditional transformer", device, size / 2 ** 30)
-                self.unconditional_transformer = self.transformer
-                try:
-                    yield
-                finally:
-                    self.unconditional_transformer = own
-                return
-        own.to(device)
-        try:
-            yield
         finally:
-            own.to(home)
+            hook.remove()
+            self.unconditional_transformer = own
+            if own.device != home:
+                own.to(home)
+
+    @staticmethod
+    def _get_text_encoder_hidden_states(text_encoder, token_ids, attention_mask, pos_2d):
+        return text_encoder(token_ids, attention_mask, pos_2d)  # through forward: its offload hooks fire
+
+    def place_unconditional(self, own: Any, device: torch.device) -> None:
+        """Before each conditional call (registered after the text-encoder offload's own pre-hook, so it runs once
+        the text encoders are back in CPU RAM): the unconditional transformer to ``device``, or its branch onto the
+        conditional transformer (see the class docstring). Decided once per sample."""
+        if self.unconditional_transformer is not own or own.device == device:
+            return
+        size = sum(p.numel() * p.element_size() for p in own.parameters())
+        why = None
+        if not self.unconditional_joins:
+            why = ("the conditional transformer is stored in fp8/NF4 or block-swapped, so the run is sized without "
+                   "it (turn those off for the pipeline's own guidance)")
+        elif device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 1.2 * size:
+            why = f"no room on {device}"
+        if why is None:
+            own.to(device)
+            return
+        logger.warning("Ideogram 4 samples: the unconditional transformer (%.1f GiB) stays in CPU RAM, %s: its branch "
+                       "runs on the conditional transformer", size / 2 ** 30, why)
+        self.unconditional_transformer = self.transformer
+
+
+def tapped_text_layers(text_encoder: Any) -> Any:
+    """Give Qwen3-VL the forward Ideogram 4 uses, ``(token_ids, attention_mask, positions)`` -> the hidden states of
+    its 13 tapped layers (``Ideogram4Pipeline._get_text_encoder_hidden_states``), and return it. The pipeline and the
+    text cache call the decoder layers directly, and a module's forward hooks — the text-encoder offload's (the
+    encoder to the device, the denoiser out) — fire only on a call of the module itself. Set on the instance before
+    any hook is added (accelerate's offload hook wraps the instance's forward)."""
+    def forward(token_ids, attention_mask, positions):
+        return Ideogram4Pipeline._get_text_encoder_hidden_states(text_encoder, token_ids, attention_mask, positions)
+    text_encoder.forward = forward
+    return text_encoder
 
 
 class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
@@ -163,7 +199,9 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
                                          dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.unconditional_transformer = pipe.unconditional_transformer.requires_grad_(False).eval()
-        self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
+        self.text_encoder, self.tokenizer = tapped_text_layers(pipe.text_encoder), pipe.tokenizer
+        # the second transformer joins the device for samples only in a run not sized down (Ideogram4Sampler)
+        self.unconditional_joins = "unet" not in getattr(mcfg, "deferred", ())
         self._sched_config = dict(pipe.scheduler.config)
         self._sched_class = type(pipe.scheduler)
         self.objective = FlowMatchingObjective(shift=1.0, dynamic_shift=resolution_mu,
@@ -211,8 +249,7 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
             positions[row, length - n:] = torch.arange(n)
         device = self.text_encoder.device
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
-            layers = Ideogram4Pipeline._get_text_encoder_hidden_states(
-                self.text_encoder, token_ids.to(device), mask.to(device), positions.to(device))
+            layers = self.text_encoder(token_ids.to(device), mask.to(device), positions.to(device))
         features = torch.stack(layers, dim=0).permute(1, 2, 3, 0).reshape(len(captions), length, -1)
         features = (features * mask.to(features).unsqueeze(-1)).to(torch.float32)
         return features.to(self.device), mask.to(self.device).bool()
@@ -252,8 +289,14 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
         pipe = Ideogram4Sampler(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
                                 text_encoder=self.text_encoder, tokenizer=self.tokenizer, transformer=self.transformer,
                                 unconditional_transformer=self.unconditional_transformer)
+        pipe.unconditional_joins, pipe.run_device = self.unconditional_joins, self.device
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+    def sampling_modules(self) -> List[Any]:
+        """What a sample brings to the device besides the parts and the VAE (the VRAM estimate counts it): the
+        unconditional transformer where it joins (:class:`Ideogram4Sampler`)."""
+        return [self.unconditional_transformer] if self.unconditional_joins else []
 
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
