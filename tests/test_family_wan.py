@@ -259,6 +259,21 @@ def test_an_a14b_expert_trains_on_its_own_noise_range_and_samples_use_both(a14b,
     assert "high" in called and "low" in called and called.index("low") > called.index("high")
 
 
+def test_the_estimate_counts_the_other_a14b_expert_that_samples_bring_to_the_device(a14b):
+    """A Wan 2.2 A14B sample brings the untrained expert onto the device for the pipeline's call: the VRAM estimate's
+    sample phase holds it beside the trained one, and its bytes exactly."""
+    from trainer.config.checks import load_config
+    from trainer.memory.estimate import run_estimate
+    from trainer.memory.estimate_tracker import module_tensors, storage_bytes
+    ws, paths = a14b
+    model = load_tiny(ws, paths["diffusers"], "model.wan_expert=low")
+    assert model.sampling_modules() == [model.other]
+    cfg = load_config(None, [f"model.path={paths['diffusers']}", "model.wan_expert=low"], preset="demo-wan22-a14b")
+    est = run_estimate(cfg, "demo-wan22-a14b", phases=("sample",), workspace=str(ws))
+    joined = est.phases["sample"].weights - est.phases["load"].weights
+    assert joined == storage_bytes(module_tensors([model.other])) > 0
+
+
 def test_an_a14b_low_expert_file_loads_in_its_place(a14b, tmp_path):
     """One expert's original-layout file (ComfyUI's split files have Wan 2.1 14B's keys) with model.family telling
     what it is: with model.wan_expert = low it becomes the pipeline's transformer_2, the high expert from the folder."""

@@ -317,6 +317,11 @@ class Wan(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Fami
             pipe = PromptFirst(pipe, lambda texts: self._encode(texts)[0])
         return pipe if self.other is None else OtherExpertOnDevice(pipe, self.other, self.device)
 
+    def sampling_modules(self) -> List[Any]:
+        """What a sample brings to the device besides the parts and the VAE (the VRAM estimate counts it): Wan 2.2
+        A14B's untrained expert, on the device for the pipeline's call (:class:`OtherExpertOnDevice`)."""
+        return [] if self.other is None else [self.other]
+
     def sampling_kwargs(self) -> Dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
 
