@@ -47,6 +47,9 @@ class Row:
     sample_patches: Tuple[Tuple[str, str, object], ...] = ()
     # image-to-video: samples start from an image (the first memorised image's control colour, as an edit's)
     start_image: bool = False
+    # (module, attribute, {key: value}) set for the whole row (training, resume and samples): a family's fixed working
+    # size that costs seconds a step on the CPU and that the contract does not check (its own tests do)
+    row_patches: Tuple[Tuple[str, str, dict], ...] = ()
 
 
 def edit_dimensions_at_64px(area: int, ratio: float):
@@ -55,6 +58,12 @@ def edit_dimensions_at_64px(area: int, ratio: float):
     width = math.sqrt(64 * 64 * ratio)
     return round(width / 32) * 32, round(width / ratio / 32) * 32, None
 
+
+# Qwen-Image-Edit's VL encoder reads each control at 1024² px (5,300 vision patches, 1,300 text tokens a caption), Plus's
+# at 384²: 64² and 56² (the processor's least) here, as tests/test_family_qwenimage.py's small_pipeline_sizes does
+QWEN_EDIT_VL_AT_56PX = (("trainer.families.qwenimage.vl", "VL_AREA", {"qwen-image-edit": 64 * 64,
+                                                                        "qwen-image-edit-2509": 56 * 56,
+                                                                        "qwen-image-edit-2511": 56 * 56}),)
 
 FLUX2_MEMORISING = ("lora.unet_targets=custom", "lora.custom_targets=[to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,"
                     "add_v_proj,to_add_out,to_qkv_mlp_proj,single_transformer_blocks.*.attn.to_out,linear_in,linear_out,"
@@ -97,18 +106,21 @@ ROWS = [
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit"),
         settings=("lora.unet_targets=attn_mlp",),
         sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit", "calculate_dimensions",
-                         edit_dimensions_at_64px),)),
+                         edit_dimensions_at_64px),),
+        row_patches=QWEN_EDIT_VL_AT_56PX),
     # -2509 (QwenImageEditPlusPipeline): two references, each "Picture k" in the VL template and its own latents;
     # the pipeline encodes each reference at 1024² px (4 s a reference on the CPU): 64² px here
     Row("qwenimage", "tiny-qwen-image-edit-2509", "demo-qwen-image", controls=2,
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit-2509"),
         settings=("lora.unet_targets=attn_mlp",),
-        sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),)),
+        sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),),
+        row_patches=QWEN_EDIT_VL_AT_56PX),
     # -2511: 2509's pipeline with the references modulated at t = 0 (zero_cond_t, set from model.family)
     Row("qwenimage", "tiny-qwen-image-edit-2511", "demo-qwen-image", controls=1,
         single_file_settings=("model.config_path={diffusers}", "model.family=qwen-image-edit-2511"),
         settings=("lora.unet_targets=attn_mlp",),
-        sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),)),
+        sample_patches=(("diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus", "VAE_IMAGE_SIZE", 64 * 64),),
+        row_patches=QWEN_EDIT_VL_AT_56PX),
     # custom targets with the shared modulation Linears (not in "all": ComfyUI maps no key for them), which make the
     # tiny model's loss fall well clear of the 10 % bar
     Row("flux2", "tiny-flux2-klein", "demo-flux2-klein", settings=FLUX2_MEMORISING + ("lora.alpha=32",),
@@ -244,6 +256,9 @@ def test_family_contract(row: Row, tmp_path, monkeypatch):
 
     ws = tmp_path / "ws"
     info = info_for(row.family)
+    for module, attribute, items in row.row_patches:
+        for key, value in items.items():
+            monkeypatch.setitem(getattr(importlib.import_module(module), attribute), key, value)
     paths = build_tiny(row.tiny, ws / "models")
 
     # 1. the diffusers folder and the single file load as this family
