@@ -59,8 +59,8 @@ def edit_dimensions_at_64px(area: int, ratio: float):
     return round(width / 32) * 32, round(width / ratio / 32) * 32, None
 
 
-# Qwen-Image-Edit's VL encoder reads each control at 1024² px (5,300 vision patches, 1,300 text tokens a caption), Plus's
-# at 384²: 64² and 56² (the processor's least) here, as tests/test_family_qwenimage.py's small_pipeline_sizes does
+# Qwen-Image-Edit's VL encoder reads each control at 1024² px (5,300 vision patches, 1,300 text tokens a caption),
+# Plus's at 384²: 64² and 56² (the processor's least) here, as test_family_qwenimage.py's small_pipeline_sizes does
 QWEN_EDIT_VL_AT_56PX = (("trainer.families.qwenimage.vl", "VL_AREA", {"qwen-image-edit": 64 * 64,
                                                                         "qwen-image-edit-2509": 56 * 56,
                                                                         "qwen-image-edit-2511": 56 * 56}),)
