@@ -139,8 +139,13 @@ def test_cross_field_warnings():
 
 
 def test_cli_validate_and_help_do_not_import_torch(tmp_path):
-    code = ("import sys, runpy; sys.argv=['trainer','validate','--preset','demo','--json'];"
-            "import trainer.__main__ as m; rc=m.main(sys.argv[1:]);"
+    """validate stays torch-free, also where it asks every family to detect a model folder none of them claims
+    (a family's detect.py importing torch cost every such validate seconds)."""
+    (tmp_path / "unknown-model").mkdir()
+    code = ("import sys, io, contextlib; sys.argv=['trainer','validate','--preset','demo','--json'];"
+            "import trainer.__main__ as m; rc=m.main(sys.argv[1:]);\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    m.main(['validate', '--preset', 'demo', '--set', 'model.path={tmp_path / 'unknown-model'}'])\n"
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
