@@ -84,6 +84,16 @@ def _tiny_config(path: Any, settings: Tuple[str, ...]) -> Any:
     return load_config(None, [f"model.path={path}", *settings])
 
 
+def preset_family(preset: str, cfg: Any) -> str:
+    """The registered family a composed preset ``cfg`` trains: its ``model.family``, or its built-in tiny model's."""
+    from trainer.families import info_for, tiny_models
+    model = cfg.model
+    if str(model.family) != "auto":
+        return info_for(str(model.family)).name
+    assert str(model.path).startswith("builtin:"), f"{preset}: model.family auto and no built-in model"
+    return tiny_models()[str(model.path).removeprefix("builtin:")][0].name
+
+
 def load_tiny(ws: Path, path: Any, *settings: str) -> Any:
     """Load the model at ``path`` (a tiny model's folder or file, or ``builtin:<name>``) as training does: the config
     of ``model.path`` plus ``key=value`` settings, the whole of it handed to ``load_model`` (each part in its

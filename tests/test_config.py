@@ -17,6 +17,8 @@ from trainer.config.fields import all_keys, iter_fields
 from trainer.config.schema import CONFIG_VERSION
 from trainer.errors import ConfigError
 
+from tests.conftest import preset_family
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -137,8 +139,13 @@ def test_cross_field_warnings():
 
 
 def test_cli_validate_and_help_do_not_import_torch(tmp_path):
-    code = ("import sys, runpy; sys.argv=['trainer','validate','--preset','demo','--json'];"
-            "import trainer.__main__ as m; rc=m.main(sys.argv[1:]);"
+    """validate stays torch-free, also where it asks every family to detect a model folder none of them claims
+    (a family's detect.py importing torch cost every such validate seconds)."""
+    (tmp_path / "unknown-model").mkdir()
+    code = ("import sys, io, contextlib; sys.argv=['trainer','validate','--preset','demo','--json'];"
+            "import trainer.__main__ as m; rc=m.main(sys.argv[1:]);\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            f"    m.main(['validate', '--preset', 'demo', '--set', 'model.path={tmp_path / 'unknown-model'}'])\n"
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -172,15 +179,30 @@ def test_all_keys_cover_list_items():
 V1_PRESETS = Path(__file__).resolve().parent / "data" / "v1-presets"
 
 
+def _tier_issues(cfg) -> dict:
+    """The warnings of ``general.sized_for`` (a memory tier preset's settings undone), by field."""
+    return {i.key: i.message for i in cross_field_warnings(cfg)
+            if i.key == "general.sized_for" or "sized for" in i.message}
+
+
 @pytest.mark.parametrize("name", preset_names())
 def test_every_shipped_preset_is_its_version_1_form_migrated(name):
-    """tests/data/v1-presets holds the presets as they were in version 1 (base: names point at the copies)."""
+    """tests/data/v1-presets holds the presets as they were in version 1 (base: names point at the copies).
+    Each preset's other checks run on the config this test loads anyway (loading every preset again elsewhere cost
+    seconds): its family offers a Quick start choice, and a memory tier preset (*-<N>gb) names itself in
+    general.sized_for and, as shipped, undoes none of its tier's settings."""
     import yaml
     from omegaconf import OmegaConf
 
     from trainer.config.load import RENAMED_V1
+    from trainer.families import infos
     old_file = V1_PRESETS / f"{name}.yaml"
-    new = OmegaConf.to_container(load_config(preset=name), resolve=True)
+    cfg = load_config(preset=name)
+    offered = {info.name for info in infos().values() if info.quick_start}
+    assert preset_family(name, cfg) in offered, f"{name} ships, but its family offers nothing in the Quick start"
+    if name.endswith("gb"):
+        assert cfg.general.sized_for == name and not _tier_issues(cfg), name
+    new = OmegaConf.to_container(cfg, resolve=True)
     migrated = OmegaConf.to_container(load_config(old_file), resolve=True)
     assert migrated == new
     assert migrated["version"] == CONFIG_VERSION == 3
@@ -225,17 +247,10 @@ def test_settings_of_a_part_the_family_lacks_are_named_as_ignored():
 
 def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
     """general.sized_for (set by every *-<N>gb preset): each memory setting changed to need more than the tier preset's
-    is a warning at its field naming the card; unchanged or cheaper settings are not; an unknown preset is named."""
-    from trainer.config.checks import cross_field_warnings
-
-    def tier(preset, *overrides, cfg=None):
-        cfg = cfg if cfg is not None else load_config(preset=preset, overrides=list(overrides))
-        return {i.key: i.message for i in cross_field_warnings(cfg)
-                if i.key == "general.sized_for" or "sized for" in i.message}
-    for name in preset_names():
-        if name.endswith("gb"):
-            cfg = load_config(preset=name)
-            assert cfg.general.sized_for == name and not tier(name, cfg=cfg), name
+    is a warning at its field naming the card; unchanged or cheaper settings are not; an unknown preset is named.
+    (Each tier preset as shipped: in test_every_shipped_preset_is_its_version_1_form_migrated.)"""
+    def tier(preset, *overrides):
+        return _tier_issues(load_config(preset=preset, overrides=list(overrides)))
     got = tier("flux-lora-16gb", "parts.denoiser.nf4=false", "training.batch_size=4", "data.resolution=1536",
                "data.offload_text_encoders=false", "training.optimizer.name=adamw", "lora.rank=8")
     assert set(got) == {"parts.denoiser.nf4", "training.batch_size", "data.resolution", "data.offload_text_encoders",

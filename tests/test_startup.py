@@ -51,24 +51,40 @@ print("same", used == ref, len(ref))
 """
 
 
-def _probe(optimizer: str, cache_home: Path, **env) -> str:
-    out = subprocess.run([sys.executable, "-c", PROBE % optimizer], cwd=ROOT, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache_home), **env),
-                         timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+def _start_probe(optimizer: str, cache_home: Path, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PROBE % optimizer], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(cache_home), **env))
+
+
+def _probe_output(proc: subprocess.Popen) -> str:
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the probe ran over 180 s: {err[-2000:]}") from None
+    assert proc.returncode == 0, err[-2000:]
+    return out
 
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory):
     """Three fresh processes sharing one cache folder: AdamW with an empty import cache, an 8-bit optimizer with the
-    cache the first wrote, and AdamW with the escape hatch."""
+    cache the first wrote, and AdamW with the escape hatch. The escape hatch neither reads nor writes the cache, so it
+    runs beside the other two (the fixture waits for two processes' imports instead of three)."""
     cache = tmp_path_factory.mktemp("cache")
-    first = _probe("adamw", cache)
-    written = sorted(p.name for p in (cache / "atelier").glob("transformers-*-import-structure.json"))
-    eight_bit = "adamw8bit" if HAS_BNB else "adamw"  # the cache test reads the second alone
-    return dict(first=first, written=written, second=_probe(eight_bit, cache),
-                off=_probe("adamw", cache, ATELIER_IMPORT_ALL="1"))
+    off = _start_probe("adamw", cache, ATELIER_IMPORT_ALL="1")
+    try:
+        first = _probe_output(_start_probe("adamw", cache))
+        written = sorted(p.name for p in (cache / "atelier").glob("transformers-*-import-structure.json"))
+        eight_bit = "adamw8bit" if HAS_BNB else "adamw"  # the cache test reads the second alone
+        second = _probe_output(_start_probe(eight_bit, cache))
+    except BaseException:
+        off.kill()
+        off.communicate()
+        raise
+    return dict(first=first, written=written, second=second, off=_probe_output(off))
 
 
 @pytest.mark.parametrize("name,skipped", [("adamw", ["bitsandbytes"]), ("prodigy", ["bitsandbytes"]),

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping
 
-import torch
-
 # Ideogram4Transformer2DModel's defaults are the released model (ideogram-ai/ideogram-v4 transformer/config.json)
 CONFIG: Dict[str, Any] = {"_class_name": "Ideogram4Transformer2DModel", "in_channels": 128, "num_layers": 34,
                           "attention_head_dim": 256, "num_attention_heads": 18, "intermediate_size": 12288,
@@ -56,7 +54,7 @@ def original_to_diffusers(state: Mapping[str, Any]) -> Dict[str, Any]:
         module, _, end = key.rpartition(".")
         if module.endswith(".attention.qkv"):
             block = module[:-len(".qkv")]
-            for part, tensor in zip(("to_q", "to_k", "to_v"), torch.chunk(value, 3, dim=0)):
+            for part, tensor in zip(("to_q", "to_k", "to_v"), value.chunk(3, dim=0)):
                 out[f"{block}.{part}.{end}"] = tensor
         elif module.endswith(".attention.o"):
             out[f"{module[:-len('.o')]}.to_out.0.{end}"] = value
@@ -67,6 +65,7 @@ def original_to_diffusers(state: Mapping[str, Any]) -> Dict[str, Any]:
 
 def diffusers_to_original(state: Mapping[str, Any]) -> Dict[str, Any]:
     """The inverse of :func:`original_to_diffusers` (no prefix, as ComfyUI's diffusion-model loader reads it)."""
+    import torch  # here: detect.py (validate's torch-free path) imports this module for its key names
     out: Dict[str, Any] = {}
     for key, value in state.items():
         module, _, end = key.rpartition(".")
