@@ -78,10 +78,12 @@ def resolve_preset(name: str, relative_to: Optional[Path] = None) -> Path:
     return p
 
 
-def _load_layers(path: Path, what: str, depth: int = 0) -> List[tuple]:
+def _load_layers(path: Path, what: str, depth: int = 0, files: Optional[List[Path]] = None) -> List[tuple]:
     """A YAML file and, recursively, the presets named by its ``base:`` keys: ``[(layer, source), ...]`` with the
     lowest preset first. Each layer merges into the schema on its own, so a layer of the wrong shape is named with
-    its file whatever the layer below holds."""
+    its file whatever the layer below holds. ``files``, when given, collects the files read."""
+    if files is not None:
+        files.append(path)
     if depth > 8:
         raise ConfigError(f"{what} '{path}': 'base:' presets nest too deeply (a loop?).", key="base")
     data = _read_yaml(path, what)
@@ -92,7 +94,7 @@ def _load_layers(path: Path, what: str, depth: int = 0) -> List[tuple]:
         if not isinstance(base, str):
             raise ConfigError(f"{what} '{path}': 'base' names one preset (base: demo), not {_shape_name(base)}.",
                               key="base")
-        return _load_layers(resolve_preset(base, path.parent), "Preset", depth + 1) + [(data, source)]
+        return _load_layers(resolve_preset(base, path.parent), "Preset", depth + 1, files) + [(data, source)]
     return [(data, source)]
 
 
@@ -450,6 +452,40 @@ def schema_defaults() -> DictConfig:
     return copy.deepcopy(_schema_template())
 
 
+# A shipped preset merged into the schema, per preset: (the stamps of the files its base: chain read, the config).
+_SHIPPED_MERGED: dict = {}
+
+
+def _stamp(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path), st.st_mtime_ns, st.st_size)
+
+
+def _schema_with_preset(preset: str, errors: List[ConfigError]) -> DictConfig:
+    """The schema's defaults with a preset and its ``base:`` chain merged in. A shipped preset's (every file of the
+    chain under presets/) is merged once per version of its files and copied after (the merges cost ten times the
+    copy, and the page, validate and each run compose presets again and again); a user's YAML is read each time."""
+    path = resolve_preset(preset)
+    hit = _SHIPPED_MERGED.get(str(path))
+    if hit is not None:
+        try:
+            if all(_stamp(Path(stamp[0])) == stamp for stamp in hit[0]):
+                return copy.deepcopy(hit[1])
+        except OSError:
+            pass
+    files: List[Path] = []
+    layers = _load_layers(path, "Preset", files=files)
+    cfg = schema_defaults()
+    own: List[ConfigError] = []
+    for layer, source in layers:
+        cfg = _merge_into_schema(cfg, layer, source, own)
+    errors.extend(own)
+    shipped = PRESETS_DIR.resolve()
+    if not own and all(f.resolve().parent == shipped for f in files):
+        _SHIPPED_MERGED[str(path)] = (tuple(_stamp(f) for f in files), copy.deepcopy(cfg))
+    return cfg
+
+
 def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] = (),
             preset: Optional[str] = None, problems: Optional[List[ConfigError]] = None) -> DictConfig:
     """Preset ⊕ user file ⊕ --set overrides, merged into the schema (types checked; values are
@@ -459,10 +495,8 @@ def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] =
     with ``problems``, added there and left out of the config returned, so ``validate`` can check the rest too.
     A file that cannot be read at all (missing, not YAML, an unknown preset) raises at once."""
     errors: List[ConfigError] = []
-    cfg = schema_defaults()
-    layers = _load_layers(resolve_preset(preset), "Preset") if preset else []
-    if path is not None:
-        layers += _load_layers(Path(path), "Config file")
+    cfg = _schema_with_preset(preset, errors) if preset else schema_defaults()
+    layers = _load_layers(Path(path), "Config file") if path is not None else []
     for layer, source in layers:
         cfg = _merge_into_schema(cfg, layer, source, errors)
     cfg = _apply_overrides(cfg, overrides, errors)
