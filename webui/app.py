@@ -269,11 +269,12 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
           prevent_thread_lock: bool = False, quiet: bool = False) -> Any:
     """Launch with the settings the page needs (CSS, served run folders)."""
     ctx: AppContext = demo.atelier  # type: ignore[attr-defined]
-    if auth:
-        # Gradio 6 embeds the description of every endpoint (with server paths as defaults and choices) in the
-        # page it serves *before* login (routes.py main(): gradio_api_info is rendered whatever the auth), and
-        # caches one copy for all. With a login, the page describes no endpoints: the UI needs none of it.
-        demo.get_api_info = lambda all_endpoints=False: {"named_endpoints": {}, "unnamed_endpoints": {}}
+    # Gradio 6 embeds the description of every endpoint (with server paths as defaults and choices) in the page it
+    # serves, *before* login too (routes.py main(): gradio_api_info is rendered whatever the auth), and caches one
+    # copy for all. For this page that is 2.9 MB (166 events, the form's ones with a few hundred inputs each) that
+    # every page load sent and the browser parsed. The page's own events work without it (a page behind a login
+    # has always been served without it), so the page describes no endpoints, with a login or without.
+    demo.get_api_info = lambda all_endpoints=False: {"named_endpoints": {}, "unnamed_endpoints": {}}
     networking.url_ok = _patient_url_ok  # see below: a busy machine must not refuse to serve
     demo.queue(default_concurrency_limit=4)
     calm_queue(demo)
