@@ -45,9 +45,9 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
         app, chromium, tmp_path):
     """The demo's own concept checked on the Concepts tab first (its report, in the browser). Then path, role and a
     control folder (browsed) set in the row editor; the card shows the role and the folder; the dataset check
-    shows the pairs side by side, then names a control that has no target; the caption editor shows an image
-    beside its control. (The demo model takes no controls: the report is still made, under validate's
-    refusal; a run on pairs needs an edit model.)"""
+    shows the pairs side by side and names a control that has no target (one report for both); the caption
+    editor shows an image beside its control. (The demo model takes no controls: the report is still made, under
+    validate's refusal; a run on pairs needs an edit model.)"""
     from test_webui_e2e import open_page, show
     url, ctx = app
     root = ctx.workspace / "pairs"
@@ -99,22 +99,20 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             assert card.locator(".atl-role-validation").count() == 1  # a badge: not mistaken for a subject
 
             started = time.time()
-            page.locator("#concepts-dataset-btn").click()
+            Image.new("RGB", (64, 48)).save(root / "control" / "dog_01.png")  # a control with no target
+            page.locator("#concepts-dataset-btn").click()  # one report: the pairs and the unpaired control
             page.locator("#concepts-pairs-1-gallery").first.wait_for(timeout=60000)
             gallery = page.locator("#concepts-pairs-1-gallery").first.inner_text()
             assert "target: cat_01.png" in gallery and "control 1: cat_01.jpg" in gallery and "cat_02.jpg" in gallery
             head = page.locator("#concepts-pairs-1-head").first.inner_text()
             assert "validation" in head and str(root / "control") in head
             assert "takes no control or reference images" in page.locator("#concepts-dataset-report").inner_text()
-
-            Image.new("RGB", (64, 48)).save(root / "control" / "dog_01.png")  # a control with no target
-            page.locator("#concepts-dataset-btn").click()
             page.wait_for_function("(document.querySelector('#concepts-pairs-1-unpaired') || {innerText: ''})"
                                    ".innerText.includes('dog_01.png')", timeout=60000)
             unpaired = page.locator("#concepts-pairs-1-unpaired").first.inner_text()
             assert "data.concepts.1.control_paths.0" in unpaired and "concept 1 ('edits')" in unpaired
             assert "Add the targets or remove those controls" in unpaired
-            print(f"report round trips: {time.time() - started:.1f} s")
+            print(f"report round trip: {time.time() - started:.1f} s")
 
             # the caption editor shows the image being captioned beside its control
             show(page, "Captions and masks")
