@@ -20,9 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_ui_process_imports_neither_torch_nor_diffusers_and_python_dash_m_webui_helps(tmp_path):
-    """One interpreter for both checks (each start imports Gradio, seconds of CPU): the built page leaves torch,
-    diffusers and transformers out, then ``python -m webui --help`` (run as ``-m`` runs it) lists its flags."""
+    """One interpreter for all three checks (each start imports Gradio, seconds of CPU): the built page and the
+    dataset report (the trainer's own, on the demo's concept) leave torch, diffusers and transformers out, then
+    ``python -m webui --help`` (run as ``-m`` runs it) lists its flags."""
     code = ("import runpy, sys; from webui.app import build_app; build_app(sys.argv[1], start_scheduler=False); "
+            "from trainer.config.checks import load_config; from webui.tabs.tools import dataset_report; "
+            "dataset_report(load_config(preset='demo')); "
             "heavy = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy; print('ok', flush=True); "
             "sys.argv = ['webui', '--help']; runpy.run_module('webui', run_name='__main__', alter_sys=True)")

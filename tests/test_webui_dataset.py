@@ -1,10 +1,12 @@
-"""The dataset report in the UI is the trainer's own, computed without torch."""
+"""The dataset report in the UI is the trainer's own, computed without torch (checked in test_webui_app.py, in
+the interpreter that checks the whole page leaves torch out).
+
+The browser tests share one chromium and one served app (``chromium``, ``served``; each test opens its own
+browser context on an emptied workspace, ``app``): starting them costs seconds of CPU each time."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from PIL import Image
 
 from trainer.config.checks import load_config
 
-from test_webui_e2e import page_url  # noqa: F401  (fixture: the app served on a free port)
+from test_webui_e2e import app, chromium, served  # noqa: F401  (fixtures: one browser, one served app)
 
 pytestmark = pytest.mark.slow
 
@@ -39,38 +41,15 @@ def test_dataset_report_names_images_that_would_never_train(tmp_path):
     assert ok.startswith("OK:") and "8 images" in ok
 
 
-def test_dataset_report_does_not_import_torch():
-    code = ("import sys; from trainer.config.checks import load_config; from webui.tabs.tools import dataset_report;"
-            "dataset_report(load_config(preset='demo')); assert 'torch' not in sys.modules, 'torch imported'")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode == 0, r.stderr[-2000:]
-
-
-def test_concepts_tab_shows_the_report_in_the_browser(page_url, tmp_path):
+def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_names_an_unpaired_control(
+        app, chromium, tmp_path):
+    """The demo's own concept checked on the Concepts tab first (its report, in the browser). Then path, role and a
+    control folder (browsed) set in the row editor; the card shows the role and the folder; the dataset check
+    shows the pairs side by side and names a control that has no target (one report for both); the caption
+    editor shows an image beside its control. (The demo model takes no controls: the report is still made, under
+    validate's refusal; a run on pairs needs an edit model.)"""
     from test_webui_e2e import open_page, show
-    url, _ctx = page_url
-    with open_page(url, height=1400) as page:
-        page.locator("#preset-select input").click()
-        page.get_by_role("option", name="demo", exact=True).click()
-        page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
-                               timeout=30000)
-        show(page, "Data", "Concepts")
-        page.locator("#concepts-dataset-btn").click()
-        page.wait_for_function(
-            "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
-            timeout=60000)
-        text = page.locator("#concepts-dataset-report").inner_text()
-        assert "8 used / 8 found" in text and "64x64" in text
-
-
-def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_names_an_unpaired_control(page_url,
-                                                                                                      tmp_path):
-    """Path, role and a control folder (browsed) set in the row editor; the card shows the role and the folder; the
-    dataset check shows the pairs side by side, then names a control that has no target; the caption editor shows
-    an image beside its control. (The demo model takes no controls: the report is still made, under validate's
-    refusal; a run on pairs needs an edit model.)"""
-    from test_webui_e2e import open_page, show
-    url, ctx = page_url
+    url, ctx = app
     root = ctx.workspace / "pairs"
     for i, name in enumerate(("cat_01", "cat_02")):
         for folder, ext in (("targets", ".png"), ("control", ".jpg")):
@@ -78,13 +57,21 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             colour = (90 * i, 120, 200 if folder == "targets" else 20)
             Image.new("RGB", (64, 48), colour).save(root / folder / (name + ext))
         (root / "targets" / f"{name}.txt").write_text("make it blue\n")
-    with open_page(url, height=1600) as page:
+    with open_page(url, height=1600, browser=chromium) as page:
         try:
             page.locator("#preset-select input").click()
             page.get_by_role("option", name="demo", exact=True).click()
             page.wait_for_function("document.querySelector('#form-messages').innerText.includes('demo')",
                                    timeout=30000)
             show(page, "Data", "Concepts")
+            # the demo's own concept first: the report, in the browser
+            page.locator("#concepts-dataset-btn").click()
+            page.wait_for_function(
+                "document.querySelector('#concepts-dataset-report').innerText.includes('Every image will train')",
+                timeout=60000)
+            text = page.locator("#concepts-dataset-report").inner_text()
+            assert "8 used / 8 found" in text and "64x64" in text
+
             page.get_by_text("Add or edit one concept").click()
             name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
             name_box.first.fill("edits")
@@ -112,22 +99,20 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             assert card.locator(".atl-role-validation").count() == 1  # a badge: not mistaken for a subject
 
             started = time.time()
-            page.locator("#concepts-dataset-btn").click()
+            Image.new("RGB", (64, 48)).save(root / "control" / "dog_01.png")  # a control with no target
+            page.locator("#concepts-dataset-btn").click()  # one report: the pairs and the unpaired control
             page.locator("#concepts-pairs-1-gallery").first.wait_for(timeout=60000)
             gallery = page.locator("#concepts-pairs-1-gallery").first.inner_text()
             assert "target: cat_01.png" in gallery and "control 1: cat_01.jpg" in gallery and "cat_02.jpg" in gallery
             head = page.locator("#concepts-pairs-1-head").first.inner_text()
             assert "validation" in head and str(root / "control") in head
             assert "takes no control or reference images" in page.locator("#concepts-dataset-report").inner_text()
-
-            Image.new("RGB", (64, 48)).save(root / "control" / "dog_01.png")  # a control with no target
-            page.locator("#concepts-dataset-btn").click()
             page.wait_for_function("(document.querySelector('#concepts-pairs-1-unpaired') || {innerText: ''})"
                                    ".innerText.includes('dog_01.png')", timeout=60000)
             unpaired = page.locator("#concepts-pairs-1-unpaired").first.inner_text()
             assert "data.concepts.1.control_paths.0" in unpaired and "concept 1 ('edits')" in unpaired
             assert "Add the targets or remove those controls" in unpaired
-            print(f"report round trips: {time.time() - started:.1f} s")
+            print(f"report round trip: {time.time() - started:.1f} s")
 
             # the caption editor shows the image being captioned beside its control
             show(page, "Captions and masks")
@@ -159,14 +144,14 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             raise
 
 
-def test_a_run_on_edit_pairs_starts_from_the_page_and_trains_on_them(page_url, tmp_path):
+def test_a_run_on_edit_pairs_starts_from_the_page_and_trains_on_them(app, chromium, tmp_path):
     """A config with a pair concept on the built-in tiny FLUX.1 Kontext (a file in the workspace) loaded into the
     page, started with Start: the run finishes its steps on the pairs and writes its LoRA."""
     import yaml
 
     from test_webui_e2e import open_page, wait_state
     from trainer.events import read_events
-    url, ctx = page_url
+    url, ctx = app
     root = ctx.workspace / "pairs"
     for folder in ("targets", "control"):
         (root / folder).mkdir(parents=True)
@@ -180,7 +165,7 @@ def test_a_run_on_edit_pairs_starts_from_the_page_and_trains_on_them(page_url, t
         "base": "demo-flux", "model": {"path": "builtin:tiny-flux-kontext"},
         "data": {"concepts": [{"name": "edits", "path": str(root / "targets"), "control_paths": [str(root / "control")]}]},
         "training": {"max_steps": 2, "batch_size": 2}, "sampling": {"prompts": []}, "backup": {"every_n_epochs": 0}}))
-    with open_page(url) as page:
+    with open_page(url, browser=chromium) as page:
         try:
             page.locator("#config-path textarea, #config-path input").first.fill(str(config))
             page.locator("#load-file-btn").click()
