@@ -133,6 +133,7 @@ def test_a_run_with_swapped_blocks_trains_the_same_lora(tmp_path):
         assert torch.equal(plain[k], swapped[k]), k
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_the_estimate_counts_one_swapped_block(tmp_path):
     """trainer/memory/estimate.py: the swapped blocks' frozen weights leave the peak, but for the largest one (it is on
     the device while it runs). A 4-block tiny Flux from configs alone (the estimator needs no weights)."""

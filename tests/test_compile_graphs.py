@@ -20,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.mark.parametrize("case, blocks", [("demo", "BasicTransformerBlock"),
                                           ("demo-flux", "FluxTransformerBlock")])
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks):
     r = step_counts.run_compiled(case, ["training.mixed_precision=bf16"], steps=2, workspace=tiny_workspace,
                                  backend="eager", run_name=f"{case}-graphs")

@@ -35,6 +35,7 @@ def _validate(path: Path) -> tuple:
     return rc, out.getvalue()
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_validate_answers_every_generated_config_without_a_traceback(configs):
     verdicts = {}
     for path in configs:

@@ -429,6 +429,7 @@ def test_the_dataset_scan_reads_the_masks_and_captions_written(models, tmp_path,
     assert by_name["a.png"].captions == ["red hair, blue sky, ^_^"] and by_name["c.png"].captions == ["keep me"]
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_the_tools_tab_captions_and_masks_a_folder_in_a_subprocess(models, tmp_path):
     from webui.app import build_app
     data = _dataset(tmp_path / "data")

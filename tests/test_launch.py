@@ -294,6 +294,7 @@ def test_doctor_lines_fake_gpu():
     assert "torch build for this machine: none" in text and "Intel Macs" in text
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_launch_doctor_subprocess(tmp_path):
     env = dict(os.environ, ATELIER_VENV=sys.prefix, PATH=str(tmp_path))  # no nvidia-smi / rocminfo
     env.pop("ATELIER_TORCH_INDEX_URL", None)

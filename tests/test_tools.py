@@ -323,6 +323,7 @@ def test_sample_from_a_run_config(tiny_workspace, tmp_path, capsys):
 # the Tools tab runs the CLI in a subprocess
 # ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_tools_tab_runs_the_cli_and_names_the_output(made, tmp_path):
     from webui.tabs.tools import describe_tool_result, run_tool, tool_command
     out = tmp_path / "ui r2.safetensors"

@@ -19,6 +19,7 @@ from webui.app import SHARE_NO_AUTH_FLAG, auth_pairs, build_app, main, parse_arg
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_the_ui_process_imports_neither_torch_nor_diffusers_and_python_dash_m_webui_helps(tmp_path):
     """One interpreter for all three checks (each start imports Gradio, seconds of CPU): the built page and the
     dataset report (the trainer's own, on the demo's concept) leave torch, diffusers and transformers out, then
@@ -162,6 +163,7 @@ def test_colab_notebook_installs_and_starts_the_ui_with_share_and_auth():
     assert args.share and args.auth == ["u:p"] and args.workspace == "/ws"
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_runs_tab_resumes_a_stopped_run_and_reuses_its_config(tmp_path, monkeypatch):
     from test_webui_runner import fake_config, fake_trainer_argv, state_of, wait_for
     from webui import runner

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import gradio as gr
+import pytest
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -72,6 +73,7 @@ def test_the_report_lists_each_concepts_role_controls_and_pairs_and_names_every_
     assert gone["pairs"] == [] and gone["unpaired_targets"] == []  # the folder is the problem, not each image
 
 
+@pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_the_pairs_listing_stays_torch_free(tmp_path):
     root = make_pairs(tmp_path)
     code = ("import sys; from omegaconf import OmegaConf; from trainer.config.schema import AtelierConfig;"
