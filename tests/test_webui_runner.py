@@ -291,9 +291,12 @@ def test_resume_continues_in_the_same_folder(manager, monkeypatch):
 
 def test_queue_runs_in_order_reorders_cancels_and_persists(manager):
     first = start(manager, name="q1", steps=200)  # long enough to be running while three jobs queue on a busy box
+    wait_for(lambda: state_of(first) == "running" or not manager.busy(), 60, "q1 to run")
+    assert manager.busy(), (state_of(first), (first / runner.PROCESS_LOG).read_text()[-2000:])
     jobs = [Job(name=f"q{i}", config_yaml=fake_config(f"q{i}", 5)) for i in (2, 3, 4)]
     for job in jobs:
-        assert manager.submit(job)[0] == "queued"
+        status = manager.submit(job)[0]
+        assert status == "queued", (job.name, status, state_of(first), (first / runner.PROCESS_LOG).read_text()[-2000:])
     manager.queue.move(jobs[2].id, -2)           # q4 to the front
     manager.queue.remove(jobs[0].id)             # cancel q2
     on_disk = JobQueue(manager.workspace / "queue.json").list()  # what a restarted UI sees
