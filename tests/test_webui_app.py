@@ -438,7 +438,14 @@ def test_the_run_and_queue_tabs_are_refreshed_when_what_they_show_changes(tmp_pa
             assert ask(view="run")["sig"] != idle["sig"]  # a new run (the runs list and the followed run)
             seen = ask(view="run", run="manual")
             EventWriter(run / "events.jsonl").emit("step", step=1, total_steps=4, loss=0.5, lr={"unet": 1e-4})
-            assert ask(view="run", run="manual")["sig"] != seen["sig"]  # a step
+            stepped = ask(view="run", run="manual")
+            # a step alone: the page writes the status line in place and refreshes the charts and log only every
+            # few seconds (its own signature); the rest of the tab is as it was
+            assert stepped["sig"] == seen["sig"] and stepped["tsig"] != seen["tsig"]
+            assert stepped["status"]["step"] == 1 and stepped["status"]["run"] == "manual"
+            assert "loss 0.5" in stepped["status"]["line"] and stepped["status"]["pct"] == 25.0
+            EventWriter(run / "events.jsonl").emit("failed", step=1, message="boom")
+            assert ask(view="run", run="manual")["sig"] != seen["sig"]  # another state: refreshed at once
             assert ask(view="queue") == queue_idle
             assert client.get(f"{base}/atelier/changes", params={"view": "nope"}).status_code == 400
     finally:

@@ -286,6 +286,11 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
         # part of the app from its first request: routes Gradio serves without a login refuse one, and the login
         # check knows each client's address (webui/login.py)
         app_kwargs={"middleware": [Middleware(LoginGate, share=share, auth_message=message or "")]},
+        # Gradio 6's run history copies every event's inputs and outputs into the browser's localStorage (a JSON
+        # read and rewrite of up to 100 past calls per status message): with this form's hundreds of inputs and the
+        # live run's refreshes, most of the 80 % of a core the page took while a run was shown. Off: nothing of the
+        # form (paths, prompts) is kept in the browser either.
+        run_history=False,
         inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
         auth_message=message)

@@ -10,6 +10,13 @@ differs from the last one. The signature is computed by the same code that rende
 log line, a run that ended or died, another run started from the CLI, a job queued in another browser. A click
 that opens a watched tab asks at once, so the tab shows what is current when it opens, not up to a tick later.
 
+What moves with every step of a running run (the status line, the loss and learning-rate charts, the log) has a
+signature of its own: on a step alone the script writes the step, the progress bar and the status line into the
+shown status itself and clicks the refresh at most every EVERY_STEP_MS, so watching a run costs the browser a Gradio
+event every few seconds instead of one or two a second (with the queue's progress line, throttled the same way).
+`bench/idle_page.py --live`: the browser at 91 % of a core while the demo trained, 43 % with this and Gradio's run
+history off (docs/performance.md). A new sample, another state, a warning or the saved file still refresh at once.
+
 The request is answered behind the page's login (Gradio's session cookie), like the TensorBoard route.
 """
 
@@ -27,8 +34,9 @@ PATH = "/atelier/changes"
 ACTIVE_POLL_MS = 1000  # a run is active: ask once a second
 IDLE_POLL_MS = 3000  # nothing runs: a request every 3 s costs the browser next to nothing (no Gradio event)
 AFTER_CLICK_MS = 11000  # after Stop / Sample now / Backup now: refresh on every ask (see webui.tabs.run)
+EVERY_STEP_MS = 5000  # what changes with each step (loss chart, log) is refreshed at most this often
 
-# view name -> function(query params) -> (signature parts, active?)
+# view name -> function(query params) -> (signature parts, active?[, more of the answer: "tsig" and "status"])
 Watcher = Callable[[Dict[str, str]], Tuple[Any, bool]]
 
 
@@ -56,9 +64,11 @@ def mount(app: Any, watchers: Dict[str, Watcher]) -> None:
         watch = watchers.get(params.get("view", ""))
         if watch is None:
             return JSONResponse({"error": f"unknown view; one of {sorted(watchers)}"}, status_code=400)
-        parts, active = await run_in_threadpool(watch, params)
-        return JSONResponse({"sig": signature(parts), "active": bool(active)},
-                            headers={"Cache-Control": "no-store"})
+        parts, active, *extra = await run_in_threadpool(watch, params)
+        answer = {"sig": signature(parts), "active": bool(active)}
+        if extra:
+            answer.update(extra[0])
+        return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
     app.router.routes[0:0] = [Route(PATH, changes, methods=["GET"])]
 
@@ -74,7 +84,17 @@ WATCH_SCRIPT = """<script>
      clicks: ["#stop-btn", "#sample-now-btn", "#backup-now-btn"]},
     {view: "queue", shown: "#queue-table", button: "#queue-refresh", query: () => ({}), clicks: []},
   ];
-  const last = {}, forceUntil = {}, shownAtAsk = {};
+  const last = {}, lastStep = {}, sentAt = {}, forceUntil = {}, shownAtAsk = {};
+  /* the status line of the run shown, written in place: a step is no Gradio event (each costs this page's script
+     ~0.3 s, most of it Gradio's front end looking up every component an event ever touched) */
+  const writeStatus = (s) => {
+    const el = document.querySelector("#run-status .atl-status");
+    if (!el || el.dataset.run !== s.run || el.dataset.state !== s.state || Number(el.dataset.step) > s.step) return;
+    el.dataset.step = String(s.step);
+    const fill = el.querySelector(".atl-bar > div"), line = el.querySelector(".atl-line");
+    if (fill) fill.style.width = s.pct + "%";
+    if (line) line.innerHTML = s.line;
+  };
   let active = false, timer = 0, asking = false, again = false;
   const visible = (sel) => { const el = document.querySelector(sel); return !!el && el.offsetParent !== null; };
   /* a watched tab just opened (the Runs tab clicked): ask now, not at the next tick up to IDLE_MS later */
@@ -104,12 +124,17 @@ WATCH_SCRIPT = """<script>
         const r = await fetch(new URL("atelier/changes?" + params, base), {credentials: "same-origin",
                                                                          cache: "no-store"});
         if (!r.ok) continue;
-        const {sig, active: on} = await r.json();
+        const {sig, active: on, tsig, status} = await r.json();
         anyActive = anyActive || on;
-        const forced = performance.now() < (forceUntil[v.view] || 0);
+        const now = performance.now(), forced = now < (forceUntil[v.view] || 0);
+        const button = document.querySelector(v.button);
         if (sig !== last[v.view] || forced) {
-          const button = document.querySelector(v.button);
-          if (button) { last[v.view] = sig; button.click(); }
+          if (button) { last[v.view] = sig; lastStep[v.view] = tsig; sentAt[v.view] = now; button.click(); }
+        } else if (tsig !== lastStep[v.view]) {
+          if (status) writeStatus(status);
+          if (button && now - (sentAt[v.view] || 0) >= EVERY_STEP_MS) {
+            lastStep[v.view] = tsig; sentAt[v.view] = now; button.click();
+          }
         }
       } catch (err) { /* the server restarts or the network hiccups: ask again next time */ }
     }
@@ -122,6 +147,7 @@ WATCH_SCRIPT = """<script>
   window.atelierChangeWatch = {active: () => active, last};
 })();
 </script>""".replace("AFTER_CLICK", str(AFTER_CLICK_MS)).replace("ACTIVE_MS", str(ACTIVE_POLL_MS)) \
+    .replace("EVERY_STEP_MS", str(EVERY_STEP_MS)) \
     .replace("IDLE_MS", str(IDLE_POLL_MS))
 
 

@@ -11,6 +11,7 @@ from typing import Any, List, Optional
 import gradio as gr
 import pandas as pd
 
+from webui.changes import signature
 from webui.context import AppContext
 from webui.monitor import age, format_duration
 from webui.tabs.run import STATE_WORDS
@@ -69,8 +70,15 @@ def build(ctx: AppContext) -> None:
         return [sig[1], frame, gr.Dropdown(choices=choices(ctx), value=selected if selected in ids else None), sig]
 
     refresh_btn.click(refresh, [pick, seen], [running, table, pick, seen], show_progress="hidden", queue=False)
-    ctx.handlers["watch_queue"] = lambda params: ((queue_frame(ctx).to_json(), now_running(ctx)),
-                                                  bool(ctx.manager.active_runs()))
+    def watch(params: dict) -> tuple:
+        """For webui.changes: the queue and which job runs; the running job's progress, which moves with each step,
+        apart (the page refreshes for it at most every few seconds)."""
+        active = ctx.manager.active_runs()
+        shown = [(ctx.monitor.row(run).name, ctx.monitor.row(run).state) for run in active[:1]]
+        return ((queue_frame(ctx).to_json(), shown, ctx.manager.last_error), bool(active),
+                {"tsig": signature(now_running(ctx))})
+
+    ctx.handlers["watch_queue"] = watch
 
     def gone(job_id: Optional[str]) -> str:
         if not job_id:

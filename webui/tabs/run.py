@@ -21,6 +21,7 @@ import pandas as pd
 
 from trainer.events import TERMINAL
 from webui import runner
+from webui.changes import signature
 from webui.context import AUTO, AppContext
 from webui.jobqueue import Job
 from webui.tabs.config_bar import show_runs
@@ -121,13 +122,20 @@ def build(ctx: AppContext) -> None:
     charts_of.change(poll, [ctx["run_select"], order, seen], outputs, show_progress="hidden", queue=False)
 
     def watch(params: dict) -> tuple:
-        """What the tab would show for these inputs, as signatures (for webui.changes), and whether a run is
-        active (the page then asks every second)."""
+        """What the tab would show for these inputs, as signatures (for webui.changes), whether a run is active
+        (the page then asks every second), and what changes with every step apart: its signature and the status
+        line, which the page writes into the shown status itself (see webui.changes)."""
         selected = params.get("run") or AUTO
         run_dir = ctx.resolve_watched(selected)
         view = ctx.monitor.view(run_dir) if run_dir else None
-        sigs = [sig for _, _, sig in parts(ctx, view, params.get("order") or "newest first")]  # nothing is made
-        return (sigs, ctx.run_names()), bool(view is not None and view.active)
+        sigs = {name: sig for name, _, sig in parts(ctx, view, params.get("order") or "newest first")}  # none made
+        slow = [sig for name, sig in sigs.items() if name not in EVERY_STEP]
+        if view is not None:
+            slow.append((view.name, view.state, view.message, view.warning_count))
+        extra = {"tsig": signature([sigs[name] for name in EVERY_STEP])}
+        if view is not None:
+            extra["status"] = status_fields(view)
+        return (slow, ctx.run_names()), bool(view is not None and view.active), extra
 
     ctx.handlers["watch_run"] = watch
     # a pick re-sends everything; the charts are emptied first only when the run they show changes
@@ -272,10 +280,20 @@ def download_button(view: RunView, served=lambda p: True) -> Any:
                              visible=True)
 
 
-def status_html(view: Optional[RunView]) -> str:
-    if view is None:
-        return ('<div class="atl-status" data-state="none">No runs yet. Choose a preset, then press '
-                '<b>Start training</b>.</div>')
+# What changes with a run's every step: the page updates the status line in place (webui.changes) and sends Gradio
+# the refresh of these at most every few seconds; anything else that changes (a sample, the state, a warning, the
+# saved file) is sent at once.
+EVERY_STEP = ("status", "loss", "lr", "log", "problems")
+
+
+def status_fields(view: RunView) -> dict:
+    """The parts of status_html that move with each step, for the page to write into the shown status (only when it
+    shows the same run in the same state)."""
+    pct, line = _status_line(view)
+    return {"run": view.name, "state": view.state, "step": view.step, "pct": pct, "line": line}
+
+
+def _status_line(view: RunView) -> tuple:
     pct = round(100 * view.progress, 1)
     total = view.total_steps or "?"
     bits = [f"step <b>{view.step} / {total}</b>", f"epoch {view.epoch}"]
@@ -285,6 +303,14 @@ def status_html(view: Optional[RunView]) -> str:
         bits.append(f"{view.it_s:.2f} it/s")
     if view.active and view.eta_s is not None:
         bits.append(f"ETA {format_duration(view.eta_s)}")
+    return pct, " · ".join(bits)
+
+
+def status_html(view: Optional[RunView]) -> str:
+    if view is None:
+        return ('<div class="atl-status" data-state="none">No runs yet. Choose a preset, then press '
+                '<b>Start training</b>.</div>')
+    pct, line = _status_line(view)
     extra = ""
     if view.state == "stopped" and view.backups:
         extra = (f'<div class="atl-note">Backup: <code>{html.escape(Path(view.backups[-1]).name)}</code> — '
@@ -298,7 +324,7 @@ def status_html(view: Optional[RunView]) -> str:
             f'<span class="atl-badge atl-{view.state}">{STATE_WORDS.get(view.state, view.state)}</span> '
             f'<b>{html.escape(view.name)}</b>'
             f'<div class="atl-bar"><div style="width:{pct}%"></div></div>'
-            f'<div>{" · ".join(bits)}</div>{extra}</div>')
+            f'<div class="atl-line">{line}</div>{extra}</div>')
 
 
 def chart_frames(view: RunView) -> tuple[Optional[pd.DataFrame], Optional[pd.DataFrame]]:
