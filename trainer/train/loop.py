@@ -313,6 +313,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             ev.emit("stopped", step=0, message="stopped before training started")
             return 0
         train(trainer)
+        trainer.ended_together = True
         return 0
     except KeyboardInterrupt:
         ev.emit("stopped", step=trainer.pos.step, message="stopped immediately (second stop request)")
@@ -350,7 +351,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             signal.signal(sig, handler)
         if trainer.tb is not None:
             trainer.tb.close()
-        _end_process_group()
+        _end_process_group(together=trainer.ended_together)
         if world > 1:
             stop_recording_crashes(run_dir, rank)
         for h in list(log.handlers):
@@ -383,9 +384,15 @@ def _failed(trainer: RunState, message: str, tb: str, peer_lost: bool) -> None:
                             message=f"rank {rank} of {trainer.world}: {why}")
 
 
-def _end_process_group() -> None:
+def _end_process_group(together: bool = False) -> None:
+    """Leave the process group. After a run every rank finished (``together``), first wait for the others at a
+    barrier: a rank that tore its group down while a peer was still saving the result aborted once below Python
+    ("terminate called without an active exception" in a gloo thread, a failed launch after a good run)."""
     try:
         if dist.is_available() and dist.is_initialized():
+            if together:
+                with contextlib.suppress(Exception):  # a peer gone meanwhile: nothing to wait for
+                    dist.barrier()
             dist.destroy_process_group()
     except Exception:  # a peer already gone: nothing to tidy
         pass

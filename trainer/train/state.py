@@ -54,6 +54,7 @@ class RunState:
     last_backup_step: int
     stop_requested: bool
     _stop_signal_at: float
+    ended_together: bool  # train() returned on every rank: they leave the process group at a barrier
     # made by trainer.train.setup.setup
     accelerator: Optional[Accelerator]
     device: Optional[torch.device]
@@ -91,6 +92,7 @@ class RunState:
         self.last_backup_step = -1
         self.stop_requested = False
         self._stop_signal_at = 0.0
+        self.ended_together = False
         self.accelerator = None
         self.device = None
         self.global_micro_batch = 0
