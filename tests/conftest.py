@@ -179,12 +179,6 @@ MODULE_SECONDS = {
 }
 
 
-# The modules that drive Debian's chromium: they run one after another on one worker (the first n-th), beside the
-# other workers' CPU-bound tests. A page keeps the browser busy while it waits on the server or a trainer, so two
-# of them side by side both take longer and cost more CPU in all than one after the other.
-BROWSER_MODULES = ("test_webui_e2e.py", "test_webui_dataset.py", "test_webui_method_tabs.py", "test_webui_devices.py")
-
-
 def _module_seconds(path: str, tests: list) -> float:
     name = path.split("/")[-1]
     if name in MODULE_SECONDS:
@@ -204,8 +198,7 @@ def pytest_collection_modifyitems(config, items):
     on each other's files); the modules are reordered so the long ones start first. With one process: the longest
     module first. With n pytest-xdist workers under the worksteal scheduler (what `launch.py --tests` runs), which
     hands each worker one contiguous n-th of the collection and lets an idle worker take the tail of a busy one's:
-    the browser modules go one after another into the first n-th, the other long modules are shared out over the
-    n-ths (the longest first, each to the n-th with the fewest seconds), and
+    the long modules are shared out over the n-ths (the longest first, each to the n-th with the fewest seconds) and
     each n-th ends with short modules, so the long ones of all workers run side by side from the start and the short
     ones fill in at the end, instead of one worker finishing a minute-long browser test while the others wait."""
     groups: dict = {}
@@ -217,10 +210,9 @@ def pytest_collection_modifyitems(config, items):
     if n <= 1:
         items[:] = [item for path in ranked for item in groups[path]]
         return
-    browser = [path for path in ranked if path.split("/")[-1] in BROWSER_MODULES]
-    long = [path for path in ranked if cost[path] >= 15 and path not in browser]
-    short = [item for path in groups if path not in long and path not in browser for item in groups[path]]
-    lanes, load = [list(browser)] + [[] for _ in range(n - 1)], [sum(cost[p] for p in browser)] + [0.0] * (n - 1)
+    long = [path for path in ranked if cost[path] >= 15]
+    short = [item for path in groups if path not in long for item in groups[path]]
+    lanes, load = [[] for _ in range(n)], [0.0] * n
     for path in long:
         j = min(range(n), key=lambda j: (load[j], j))
         lanes[j].append(path)
