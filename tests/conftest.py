@@ -166,64 +166,8 @@ def denoiser_calls(module: Any) -> Tuple[list, Any]:
     return calls, remove
 
 
-# Seconds of wall each of the longest modules takes on the 2-core box inside the whole suite (three workers), from
-# `python3 launch.py --tests -v` (the time between a worker's reports). Only the order modules start in comes from
-# this: a module missing here is guessed from its tests' count and slow marks.
-MODULE_SECONDS = {
-    "test_webui_e2e.py": 290, "test_distributed.py": 160, "test_families.py": 190, "test_train.py": 160,
-    "test_webui_dataset.py": 110, "test_webui_app.py": 75, "test_startup.py": 55, "test_estimate_vram.py": 55,
-    "test_webui_method_tabs.py": 55, "test_methods.py": 48, "test_tools.py": 45, "test_config.py": 44,
-    "test_dataset_tools.py": 37, "test_webui_schema.py": 37, "test_export.py": 32, "test_family_cascade.py": 32,
-    "test_webui_devices.py": 26, "test_family_wan.py": 25, "test_inpaint.py": 25, "test_webui_runner.py": 24,
-    "test_distributed_fused.py": 21, "test_models.py": 19,
-}
-
-
-def _module_seconds(path: str, tests: list) -> float:
-    name = path.split("/")[-1]
-    if name in MODULE_SECONDS:
-        return MODULE_SECONDS[name]
-    return sum(3.0 if item.get_closest_marker("slow") else 0.3 for item in tests)
-
-
-def _worker_count(config) -> int:
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        return int(workerinput.get("workercount", 1))
-    return 1
-
-
 def pytest_collection_modifyitems(config, items):
-    """Each module's tests stay together in their order (a module's fixtures are set up once and its tests may build
-    on each other's files); the modules are reordered so the long ones start first. With one process: the longest
-    module first. With n pytest-xdist workers under the worksteal scheduler (what `launch.py --tests` runs), which
-    hands each worker one contiguous n-th of the collection and lets an idle worker take the tail of a busy one's:
-    the long modules are shared out over the n-ths (the longest first, each to the n-th with the fewest seconds) and
-    each n-th ends with short modules, so the long ones of all workers run side by side from the start and the short
-    ones fill in at the end, instead of one worker finishing a minute-long browser test while the others wait."""
-    groups: dict = {}
-    for item in items:
-        groups.setdefault(item.nodeid.split("::")[0], []).append(item)
-    cost = {path: _module_seconds(path, tests) for path, tests in groups.items()}
-    ranked = sorted(groups, key=lambda path: -cost[path])  # stable: equal costs keep the collection's order
-    n = _worker_count(config)
-    if n <= 1:
-        items[:] = [item for path in ranked for item in groups[path]]
-        return
-    long = [path for path in ranked if cost[path] >= 15]
-    short = [item for path in groups if path not in long for item in groups[path]]
-    lanes, load = [[] for _ in range(n)], [0.0] * n
-    for path in long:
-        j = min(range(n), key=lambda j: (load[j], j))
-        lanes[j].append(path)
-        load[j] += cost[path]
-    # the sizes worksteal cuts the collection into: each idle worker in turn gets len(pending) // workers_left
-    ordered, left, end, rest = [], len(items), 0, iter(short)
-    for j, k in enumerate(range(n, 0, -1)):
-        size = left // k
-        left -= size
-        end += size
-        ordered += [item for path in lanes[j] for item in groups[path]]
-        ordered += [item for _, item in zip(range(end - len(ordered)), rest)]
-    ordered += list(rest)
-    items[:] = ordered
+    """The slow tier first (in its own order), then the fast one: with several workers the long browser, training and
+    several-process tests start early and the short ones fill in at the end, so both workers finish together
+    instead of one waiting on a minute-long test collected last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
