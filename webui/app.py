@@ -287,9 +287,9 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
         # check knows each client's address (webui/login.py)
         app_kwargs={"middleware": [Middleware(LoginGate, share=share, auth_message=message or "")]},
         # Gradio 6's run history copies every event's inputs and outputs into the browser's localStorage (a JSON
-        # read and rewrite of up to 100 past calls per status message): with this form's hundreds of inputs and the
-        # live run's refreshes, most of the 80 % of a core the page took while a run was shown. Off: nothing of the
-        # form (paths, prompts) is kept in the browser either.
+        # read and rewrite of up to 100 past calls per status message): with this form's hundreds of inputs, about
+        # 11 % of a core in the browser's storage process and 15-20 % in the page while a run was shown
+        # (docs/performance.md). Off: nothing of the form (paths, prompts) is kept in the browser either.
         run_history=False,
         inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
         allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,

@@ -37,7 +37,7 @@ AFTER_CLICK_MS = 11000  # after Stop / Sample now / Backup now: refresh on every
 EVERY_STEP_MS = 5000  # what changes with each step (loss chart, log) is refreshed at most this often
 
 # view name -> function(query params) -> (signature parts, active?[, more of the answer: "tsig" and "status"])
-Watcher = Callable[[Dict[str, str]], Tuple[Any, bool]]
+Watcher = Callable[[Dict[str, str]], Tuple[Any, ...]]
 
 
 def signature(parts: Any) -> str:

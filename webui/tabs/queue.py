@@ -74,7 +74,7 @@ def build(ctx: AppContext) -> None:
         """For webui.changes: the queue and which job runs; the running job's progress, which moves with each step,
         apart (the page refreshes for it at most every few seconds)."""
         active = ctx.manager.active_runs()
-        shown = [(ctx.monitor.row(run).name, ctx.monitor.row(run).state) for run in active[:1]]
+        shown = [(row.name, row.state) for row in map(ctx.monitor.row, active[:1])]
         return ((queue_frame(ctx).to_json(), shown, ctx.manager.last_error), bool(active),
                 {"tsig": signature(now_running(ctx))})
 
