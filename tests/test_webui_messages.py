@@ -193,3 +193,27 @@ def test_start_training_is_only_on_the_train_tab(ui_app):
               for key, tab in tabs.items()}
     assert [b.elem_id for b in starts["train"]] == ["start-btn"]
     assert not any(starts[k] for k in ("run", "data", "tools"))
+
+
+def test_each_event_shows_its_progress_on_one_component_at_most(ui_app):
+    """What the browser is told: Gradio's page re-reads, after every status message of any event, each component
+    some event has shown progress on since the page loaded (and everything inside it). On the form's fields and
+    the tab bar that cost 0.3-0.45 s of script per event on a 2-core machine; on one component per event, a few
+    milliseconds (docs/performance.md "Clicks on the page")."""
+    from gradio.blocks import BlockContext
+    _, ctx = ui_app
+    page = ctx["preset"]
+    while getattr(page, "parent", None) is not None:
+        page = page.parent
+    blocks = {b._id: b for b in page.blocks.values()}
+    shown = set()
+    for dep in page.get_config_file()["dependencies"]:
+        targets = dep["outputs"] if dep.get("show_progress_on") is None else dep["show_progress_on"]
+        assert len(targets) <= 1, (dep["id"], len(targets))
+        if dep["show_progress"] == "hidden":
+            assert targets == [], dep["id"]
+        shown.update(targets)
+    assert shown  # the events that show progress still do
+    for t in shown:  # a layout as target is re-read with all it holds: none holds more than the file browser
+        if isinstance(blocks[t], BlockContext):
+            assert len(list(_blocks(blocks[t]))) < 20, blocks[t]

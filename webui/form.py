@@ -167,7 +167,8 @@ class ListEditor:
                 self.add = gr.Button("Add as new row", variant="primary", elem_id=f"{spec.elem_id}-add")
                 self.update = gr.Button("Update row", elem_id=f"{spec.elem_id}-update")
                 self.remove = gr.Button("Remove row", variant="stop", elem_id=f"{spec.elem_id}-remove")
-        self.table.select(self._select, [self.table], [self.row, self.row_label, *self.items])
+        self.table.select(self._select, [self.table], [self.row, self.row_label, *self.items],
+                          show_progress_on=[self.row_label])
         self.edits = [  # events that change the table from code (the draft autosave follows them)
             self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note]),
             self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
@@ -209,7 +210,8 @@ class ListEditor:
                         if self.card_extra is not None:
                             self.card_extra(item)
                     edit.click(lambda t, i=i: self._select_index(t, i), [self.table],
-                               [self.row, self.row_label, *self.items, self.editor_fold])
+                               [self.row, self.row_label, *self.items, self.editor_fold],
+                               show_progress_on=[self.row_label])
 
     def _select_index(self, table: Any, index: int) -> list:
         rows = self._rows(table)

@@ -174,7 +174,7 @@ def build(ctx: AppContext, card_gib: Optional[float]) -> None:
 
         ctx.handlers["quickstart_fill"] = do_fill
         go.click(do_fill, [kind, what, model, images, card],
-                 load_outputs(form) + [fold, ctx["preset"], note, ctx["messages"], failed])
+                 load_outputs(form) + [fold, ctx["preset"], note, ctx["messages"], failed], show_progress_on=[note])
     ctx.after_build.append(wire)
 
 

@@ -183,7 +183,8 @@ def build(ctx: AppContext) -> None:
 
     # wired once the whole form is built (its Data tabs come after this tab)
     ctx.after_build.append(lambda: reuse.click(reuse_config, [pick],
-                                               load_outputs(form) + [ctx["messages"], ctx["tabs"]]))
+                                               load_outputs(form) + [ctx["messages"], ctx["tabs"]],
+                                               show_progress_on=[ctx["messages"]]))
 
     def resume_run(name: Optional[str]) -> List[Any]:
         run_dir = ctx.run_dir(name or "")
