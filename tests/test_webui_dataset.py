@@ -48,7 +48,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
     shows the pairs side by side and names a control that has no target (one report for both); the caption
     editor shows an image beside its control. (The demo model takes no controls: the report is still made, under
     validate's refusal; a run on pairs needs an edit model.)"""
-    from test_webui_e2e import open_page, show
+    from test_webui_e2e import open_fold, open_page, show
     url, ctx = app
     root = ctx.workspace / "pairs"
     for i, name in enumerate(("cat_01", "cat_02")):
@@ -71,8 +71,11 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
                 timeout=60000)
             text = page.locator("#concepts-dataset-report").inner_text()
             assert "8 used / 8 found" in text and "64x64" in text
+            # the report's concept view is drawn a moment later (gr.render); a field typed into while it is drawn
+            # can lose its text, as a user typing then would (Gradio's render replaces the page's components)
+            page.locator("#concepts-pairs-0").first.wait_for(timeout=30000)
 
-            page.get_by_text("Add or edit one concept").click()
+            open_fold(page, "Add or edit one concept")
             name_box = page.locator("#cfg-data-concepts-item-name textarea, #cfg-data-concepts-item-name input")
             name_box.first.fill("edits")
             page.locator("#cfg-data-concepts-item-path textarea, #cfg-data-concepts-item-path input").first.fill(
@@ -116,7 +119,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
 
             # the caption editor shows the image being captioned beside its control
             show(page, "Captions and masks")
-            page.get_by_text("Caption editor", exact=True).click()
+            open_fold(page, "Caption editor", exact=True)
             page.locator("#cap-folder textarea, #cap-folder input").first.fill(str(root / "targets"))
             page.locator("#cap-open").click()
             page.wait_for_function("(document.querySelector('#cap-control-note') || {innerText: ''})"
@@ -129,7 +132,7 @@ def test_a_pair_concept_set_up_on_the_page_shows_its_pairs_side_by_side_and_name
             # a WD tagger run from the dataset tools adds its tags to the captions; they open in the caption editor
             from tiny_wd import write_tiny_wd_onnx
             tagger = write_tiny_wd_onnx(ctx.workspace / "tagger")
-            page.get_by_text("Dataset tools: captions and masks", exact=True).click()
+            open_fold(page, "Dataset tools: captions and masks", exact=True)
             page.locator("#tools-data-folder textarea, #tools-data-folder input").first.fill(str(root / "targets"))
             page.locator("#tools-data-model textarea, #tools-data-model input").first.fill(str(tagger))
             page.locator("#tools-data-append input").check()

@@ -38,7 +38,7 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
     session for all. Each click on this page costs the browser one to three seconds of CPU (a preset load as
     much), so the steps are ordered to need few: three preset loads, then model.path typed on the Model tab (all
     that demo-wan and demo-cascade change of the demo's model)."""
-    from test_webui_e2e import open_page, show
+    from test_webui_e2e import open_fold, open_page, show
     url, ctx = page_url
 
     with open_page(url) as page:
@@ -70,7 +70,7 @@ def test_method_tabs_and_family_parts_follow_the_form_in_the_browser(page_url):
         assert not effnet.is_visible()  # a Stable Cascade setting: not shown for SD
         # a concept's clip settings (what a folder of clips is cut into) show for a video family alone
         show(page, "Data", "Concepts")
-        page.get_by_text("Add or edit one concept").click()
+        open_fold(page, "Add or edit one concept")
         frames = page.locator("#cfg-data-concepts-item-target-frames")
         page.locator("#cfg-data-concepts-item-name").first.wait_for(state="visible", timeout=20000)
         assert not frames.is_visible()  # SD trains on images
