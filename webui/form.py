@@ -170,9 +170,12 @@ class ListEditor:
         self.table.select(self._select, [self.table], [self.row, self.row_label, *self.items],
                           show_progress_on=[self.row_label])
         self.edits = [  # events that change the table from code (the draft autosave follows them)
-            self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note]),
-            self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note]),
-            self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.row_label, self.note])]
+            self.add.click(self._add, [self.table, *self.items], [self.table, self.row, self.row_label, self.note],
+                           show_progress_on=[self.note]),  # the table is folded away: the note says what was done
+            self.update.click(self._update, [self.table, self.row, *self.items], [self.table, self.note],
+                              show_progress_on=[self.note]),
+            self.remove.click(self._remove, [self.table, self.row], [self.table, self.row, self.row_label, self.note],
+                              show_progress_on=[self.note])]
         for plist in self.path_lists.values():
             plist.wire(self.table, self.row, self.write_cell, self.edits)
 
