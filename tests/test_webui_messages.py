@@ -198,8 +198,8 @@ def test_start_training_is_only_on_the_train_tab(ui_app):
 def test_each_event_shows_its_progress_on_one_component_at_most(ui_app):
     """What the browser is told: Gradio's page re-reads, after every status message of any event, each component
     some event has shown progress on since the page loaded (and everything inside it). On the form's fields and
-    the tab bar that cost 0.3-0.45 s of script per event on a 2-core machine; on one component per event, a few
-    milliseconds (docs/performance.md "Clicks on the page")."""
+    the tab bar that cost 0.3-0.45 s of script per event on a 2-core machine (docs/performance.md, "While a run is
+    shown": the measurements before and after)."""
     from gradio.blocks import BlockContext
     _, ctx = ui_app
     page = ctx["preset"]

@@ -15,7 +15,8 @@ signature of its own: on a step alone the script writes the step, the progress b
 shown status itself and clicks the refresh at most every EVERY_STEP_MS, so watching a run costs the browser a Gradio
 event every few seconds instead of one or two a second (with the queue's progress line, throttled the same way).
 `bench/idle_page.py --live`: the browser at 91 % of a core while the demo trained, 43 % with this and Gradio's run
-history off (docs/performance.md). A new sample, another state, a warning or the saved file still refresh at once.
+history off, 27 % with each event's progress on one component (webui.app.progress_on_few; docs/performance.md).
+A new sample, another state, a warning or the saved file still refresh at once.
 
 The request is answered behind the page's login (Gradio's session cookie), like the TensorBoard route.
 """
@@ -85,8 +86,8 @@ WATCH_SCRIPT = """<script>
     {view: "queue", shown: "#queue-table", button: "#queue-refresh", query: () => ({}), clicks: []},
   ];
   const last = {}, lastStep = {}, sentAt = {}, forceUntil = {}, shownAtAsk = {};
-  /* the status line of the run shown, written in place: a step is no Gradio event (each costs this page's script
-     ~0.3 s, most of it Gradio's front end looking up every component an event ever touched) */
+  /* the status line of the run shown, written in place: a step is no Gradio event (an event is the dearest thing
+     this page does: Gradio's front end re-reads the components events showed progress on, see progress_on_few) */
   const writeStatus = (s) => {
     const el = document.querySelector("#run-status .atl-status");
     if (!el || el.dataset.run !== s.run || el.dataset.state !== s.state || Number(el.dataset.step) > s.step) return;
