@@ -11,6 +11,8 @@
 #   bash bench/gpu_side_by_side.sh sd15-eager sd15-example profile sdxl-eager sdxl-example flux-eager sd15-compiled
 #                                                           # single runs in this order (each case's eager, compiled,
 #                                                           # example): the comparisons first when time is short
+#   bash bench/gpu_side_by_side.sh flux-bf16-eager          # Flux with its transformer stored in bf16 (the example
+#                                                           # script has no fp8 base: the like-for-like pair)
 #   TINY=1 bash bench/gpu_side_by_side.sh                   # a dry run on the CPU: the tiny models at 64 px, eager only
 #
 # diffusers' example scripts are not in the diffusers wheel. Get them from a clone of huggingface/diffusers at the tag
@@ -249,13 +251,15 @@ case_setup() {  # case_setup <case>: PRESET SIDE SETS (Atelier's settings for th
   SETS+=("data.resolution=$SIDE")
 }
 
-atelier() {  # atelier <case> <mode: eager|compiled>
+atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored in bf16, not the preset's fp8]
   local name=$1 mode=$2 imgs line
   case_setup "$name"
+  [ "${3:-}" = bf16 ] && SETS+=(parts.denoiser.fp8=false)
   imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
   local extra=()
   [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE")
   [ "$mode" = compiled ] && [ "$COMPILE_MODE" != default ] && mode="compiled $COMPILE_MODE"
+  [ "${3:-}" = bf16 ] && mode="$mode bf16-base"
   [ "$TINY" = 1 ] || extra+=(--random-weights)
   echo "=== atelier $name $mode" >&2
   local run=${mode// /-}
@@ -326,9 +330,11 @@ for c in "${cases[@]}"; do
       example "$c" ;;
     sd15-eager|sdxl-eager|flux-eager) atelier "${c%-*}" eager ;;
     sd15-compiled|sdxl-compiled|flux-compiled) atelier "${c%-*}" compiled ;;
+    flux-bf16-eager|flux-bf16-compiled) atelier flux "${c##*-}" bf16 ;;
     sd15-example|sdxl-example|flux-example) example "${c%-*}" ;;
     profile) profile ;;
-    *) echo "unknown case $c (sd15 sdxl flux profile, or one run of a case: sd15-eager sd15-compiled sd15-example …)" >&2 ;;
+    *) echo "unknown case $c (sd15 sdxl flux profile, or one run of a case: sd15-eager sd15-compiled sd15-example …," \
+            "flux-bf16-eager flux-bf16-compiled)" >&2 ;;
   esac
 done
 card=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ if torch.cuda.is_available() else 'CPU (dry run), torch ' + torch.__version__)")
