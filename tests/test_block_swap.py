@@ -87,7 +87,7 @@ def test_fp8_storage_of_swapped_blocks_stays_in_ram(tmp_path):
     assert parked and all(m.weight.float().isnan().all() for m in parked)
     copies = [cpu for i in swap.copies for _, _, cpu in swap.copies[i]]
     assert any(c.dtype == torch.float8_e4m3fn for c in copies)
-    grads = _grads(cfg, model, method, tmp_path)  # the upcast inside each layer's checkpoint finds the weights in
+    grads = _grads(cfg, model, method, tmp_path)  # each layer's upcast in backward finds the weights in
     assert swap.loads == 3 and not any(g.isnan().any() for g in grads.values())
 
 

@@ -44,6 +44,50 @@ def test_a_stored_layer_keeps_one_byte_per_weight_and_computes_with_fp8_times_sc
     torch.testing.assert_close(x.grad, dense.sum(0).expand(3, -1), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_stored_linear_trains_as_the_upcast_layer_and_keeps_no_upcast_for_backward(autocast):
+    """What a LoRA over an fp8 base relies on: the stored layer's output, its input's gradient and a trainable bias's
+    gradient are those of an ordinary layer holding fp8 · scale (bitwise: the same ops in the same dtypes, also under
+    bf16 autocast from fp32 inputs), and backward keeps nothing of the weight's size but the fp8 weight itself (the
+    upcast is made again there)."""
+    from trainer.memory.precision import store_fp8
+    torch.manual_seed(2)
+    dtype = torch.bfloat16
+    layer = torch.nn.Linear(64, 48)
+    fp8, scale = _scaled(layer.weight.data * 30, per_row=True)
+    bias = layer.bias.data.to(dtype)
+    layer.to(dtype).requires_grad_(False)
+    layer.bias.requires_grad_(True)  # a trainable bias beside the frozen weight
+    store_fp8(layer, fp8, scale, dtype)
+    dense = torch.nn.Linear(64, 48).to(dtype)
+    dense.weight.data = (fp8.float() * scale[:, None]).to(dtype)
+    dense.weight.requires_grad_(False)
+    dense.bias.data = bias.clone()
+    x_dtype = torch.float32 if autocast else dtype
+    x = torch.randn(2, 5, 64, dtype=x_dtype)
+    g = torch.randn(2, 5, 48, dtype=dtype)
+    results = []
+    for net in (layer, dense):
+        xi = x.clone().requires_grad_(True)
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=dtype, enabled=autocast):
+            out = net(xi)
+        out.backward(g.to(out.dtype))
+        results.append((out.detach(), xi.grad, net.bias.grad, saved))
+    (out, gx, gb, saved), (out_d, gx_d, gb_d, saved_d) = results
+    assert torch.equal(out, out_d) and gx.dtype == x_dtype and torch.equal(gx, gx_d) and torch.equal(gb, gb_d)
+    def weight_sized(saved):
+        return [dt for dt, shape in saved if sorted(shape) == [48, 64]]
+    assert weight_sized(saved) == [torch.float8_e4m3fn], saved
+    assert weight_sized(saved_d) == [dtype], saved_d  # the ordinary layer keeps its weight in bf16 for backward
+
+
 def test_storing_a_dequantised_file_layer_with_its_scale_gives_the_file_bits_back():
     from trainer.memory.precision import enable_fp8_storage
     torch.manual_seed(1)

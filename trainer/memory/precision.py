@@ -117,16 +117,71 @@ def fp8_weight(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.Ten
     ``scaled_fp8_ops`` (``comfy/ops.py``, commit a125cd84b054a57729b5eecab930ca9408719832) multiplies the weight cast
     to the compute dtype by the scale; here the product is taken in fp32 and then cast (the same up to the cast's
     rounding)."""
-    weight = module.weight
-    scale = getattr(module, "weight_scale", None)
+    return _upcast_fp8(module.weight, getattr(module, "weight_scale", None), compute_dtype)
+
+
+class _StoredLinear(torch.autograd.Function):
+    """``F.linear(x, upcast(stored, scale, dtype), bias)`` for a frozen weight stored narrower than it computes (fp8
+    times its scale, NF4): the upcast is made for the forward and made again for the input's gradient in backward,
+    and never kept. Nothing else is saved: the weight is frozen (no weight gradient), so backward needs no ``x``.
+
+    What a non-reentrant checkpoint around the upcast and the op does (the op itself is not recomputed there either:
+    its inputs are saved before it runs, so the recomputation stops at them), without the checkpoint's per-call
+    machinery: on a CPU it added ~135 µs of host time to a layer's forward and backward, this adds ~27
+    (``bench/stored_linear.py``), in each of a Flux.1 transformer's ~500 stored layers per step. Backward computes the input
+    gradient as autograd does for ``F.linear``: the output gradient times the weight, in the dtype the forward's
+    product ran in (autocast's), cast to ``x``'s dtype; a trainable bias gets the output gradient summed."""
+
+    @staticmethod
+    def forward(ctx, x, stored, scale, bias, upcast, dtype, cast_input):
+        w = upcast(stored, scale, dtype)
+        b = None if bias is None else bias.to(dtype)
+        y = F.linear(x.to(dtype) if cast_input else x, w, b)
+        ctx.save_for_backward(stored, scale)
+        ctx.upcast, ctx.dtype, ctx.x_dtype, ctx.mm_dtype = upcast, dtype, x.dtype, y.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        stored, scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.upcast(stored, scale, ctx.dtype).to(ctx.mm_dtype)
+            grad_x = grad.to(ctx.mm_dtype).matmul(w).to(ctx.x_dtype)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None, None, None
+
+
+def _upcast_fp8(weight, scale, dtype):
+    """:func:`fp8_weight` of a layer's stored weight and scale (None: none)."""
     if scale is None:
-        return weight.to(compute_dtype)
-    return (weight.float() * scale.to(weight.device, torch.float32)).to(compute_dtype)
+        return weight.to(dtype)
+    return (weight.float() * scale.to(weight.device, torch.float32)).to(dtype)
+
+
+def _stored_forward(module, run, upcast, dtype, cast_input, scale=lambda: None):
+    """The forward of a Linear/Conv2d whose frozen weight is stored narrower than it computes (``run(x)``: upcast
+    and op). Where a gradient flows to the input: a Linear takes :class:`_StoredLinear`; a Conv2d, and a Linear
+    inside a compiled region (dynamo traces the checkpoint, and its partitioner decides what backward recomputes;
+    the compiled figures in docs/performance.md ran it), run inside a non-reentrant checkpoint, so backward
+    recomputes the upcast instead of keeping it alive."""
+    is_linear = isinstance(module, torch.nn.Linear)
+
+    def forward(x):
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return run(x)
+        if is_linear and not torch.compiler.is_compiling():
+            return _StoredLinear.apply(x, module.weight, scale(), module.bias, upcast, dtype, cast_input)
+        return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
+
+    return forward
 
 
 def _fp8_forward(module, compute_dtype):
     """Forward of an fp8-stored Linear/Conv2d: upcast the weight (times its scale) for the op, and (when a gradient
-    will flow through) recompute that upcast in backward instead of keeping it alive until then."""
+    will flow through) make that upcast again in backward instead of keeping it alive until then."""
 
     is_linear = isinstance(module, torch.nn.Linear)
 
@@ -135,19 +190,15 @@ def _fp8_forward(module, compute_dtype):
         b = None if module.bias is None else module.bias.to(compute_dtype)
         return F.linear(x, w, b) if is_linear else module._conv_forward(x, w, b)
 
-    def forward(x):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
-        return run(x)
-
-    return forward
+    return _stored_forward(module, run, _upcast_fp8, compute_dtype, False,
+                           scale=lambda: getattr(module, "weight_scale", None))
 
 
 def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
               compute_dtype: torch.dtype) -> None:
     """Make ``module`` (a Linear or Conv2d, which keeps its class) hold ``weight`` (float8_e4m3fn) and ``scale``
     (None, one value, or one per output row: the ``weight_scale`` buffer, not in the state dict) and compute with
-    :func:`fp8_weight` inside a non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
+    :func:`fp8_weight`, made again from the fp8 weight in backward rather than kept (:func:`_stored_forward`).
 
     What reads a base weight for anything but this forward must take :func:`fp8_weight` (``module.dequantize()``):
     peft's DoRA does (it asks a layer that has ``W_q`` for ``dequantize()``, as for HQQ's layers: both are set
@@ -187,8 +238,8 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
     layer's forward, and a Conv2d then meets an fp8 weight in backward ("expected scalar type Float
     but found Float8_e4m3fn"); for Linear layers the upcast copy stays alive until backward, so
-    training would keep a full-precision copy of the UNet anyway. Here each layer upcasts inside a
-    non-reentrant checkpoint, so backward recomputes the upcast from the fp8 weight.
+    training would keep a full-precision copy of the UNet anyway. Here each layer makes the upcast for its
+    forward and again for its backward from the fp8 weight (:func:`_stored_forward`).
     """
     if not fp8_available():
         raise ConfigError(f"parts.denoiser.fp8 is on, but this PyTorch ({torch.__version__}) cannot store "
@@ -223,23 +274,21 @@ def _nf4_forward(module, state, compute_dtype):
     # optional: only NF4 storage needs bitsandbytes (start-up hides it otherwise)
     from bitsandbytes.functional import dequantize_4bit
 
+    def upcast(packed, _scale, dtype):
+        return dequantize_4bit(packed.detach(), state).to(dtype)
+
     def run(x):
-        w = dequantize_4bit(module.weight.data, state).to(compute_dtype)
+        w = upcast(module.weight, None, compute_dtype)
         b = None if module.bias is None else module.bias.to(compute_dtype)
         return F.linear(x.to(compute_dtype), w, b)
 
-    def forward(x):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
-        return run(x)
-
-    return forward
+    return _stored_forward(module, run, upcast, compute_dtype, True)
 
 
 def enable_nf4_storage(denoiser, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset()) -> int:
     """Store the frozen Linear weights of ``denoiser`` as 4-bit NF4 (bitsandbytes ``quantize_4bit``, blocks of 64
     with double-quantised statistics, as QLoRA does); returns how many layers. Like fp8 storage, a storage format:
-    each layer dequantizes inside a non-reentrant checkpoint (so backward recomputes it) and runs in
+    each layer dequantizes for its forward and again in backward (:func:`_stored_forward`) and runs in
     ``compute_dtype``; peft's LoRA layers around it see an ordinary Linear. Convolutions keep their dtype."""
     try:
         # optional: only NF4 storage needs bitsandbytes (start-up hides it otherwise)
