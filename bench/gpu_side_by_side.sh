@@ -13,6 +13,8 @@
 #                                                           # example): the comparisons first when time is short
 #   bash bench/gpu_side_by_side.sh flux-bf16-eager          # Flux with its transformer stored in bf16 (the example
 #                                                           # script has no fp8 base: the like-for-like pair)
+#   bash bench/gpu_side_by_side.sh profile profile-compiled # one SD 1.5 step under torch.profiler, eager and compiled
+#                                                           # (where the compiled step's time goes)
 #   TINY=1 bash bench/gpu_side_by_side.sh                   # a dry run on the CPU: the tiny models at 64 px, eager only
 #
 # diffusers' example scripts are not in the diffusers wheel. Get them from a clone of huggingface/diffusers at the tag
@@ -311,13 +313,17 @@ example() {  # example <case>: diffusers' example script for the case
   fi
 }
 
-profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.py --profile; TINY: the demo's)
-  local which=(sd15 --set data.resolution=512)
+profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.py --profile; TINY: the demo's);
+  # profile compiled: the same step with training.compile (COMPILE_MODE), after the warm-up steps that compile it
+  local which=(sd15 --set data.resolution=512) name=profile_sd15
   [ "$TINY" = 1 ] && which=(demo --set training.mixed_precision=bf16)
-  echo "=== profile: one SD 1.5 step" >&2
-  timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/profile" \
-      > "$OUT/profile_sd15.txt" 2> "$WS/profile.err" || tail -20 "$WS/profile.err" >&2
-  grep -A22 "^== " "$OUT/profile_sd15.txt" >&2
+  if [ "${1:-}" = compiled ]; then
+    which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"); name=profile_sd15_compiled
+  fi
+  echo "=== profile: one SD 1.5 step ${1:-eager}" >&2
+  timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/$name" \
+      > "$OUT/$name.txt" 2> "$WS/$name.err" || tail -20 "$WS/$name.err" >&2
+  grep -A22 "^== " "$OUT/$name.txt" >&2
 }
 
 cases=("$@")
@@ -333,10 +339,11 @@ for c in "${cases[@]}"; do
     flux-bf16-eager|flux-bf16-compiled) atelier flux "${c##*-}" bf16 ;;
     sd15-example|sdxl-example|flux-example) example "${c%-*}" ;;
     profile) profile ;;
+    profile-compiled) profile compiled ;;
     *) echo "unknown case $c (sd15 sdxl flux profile, or one run of a case: sd15-eager sd15-compiled sd15-example …," \
-            "flux-bf16-eager flux-bf16-compiled)" >&2 ;;
+            "flux-bf16-eager flux-bf16-compiled profile-compiled)" >&2 ;;
   esac
 done
 card=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ if torch.cuda.is_available() else 'CPU (dry run), torch ' + torch.__version__)")
 helper table "$RESULTS" "$card" "$OUT/side_by_side.md"
-echo "results: $RESULTS, $OUT/side_by_side.md, $OUT/profile_sd15.txt; logs under $WS" >&2
+echo "results: $RESULTS, $OUT/side_by_side.md, $OUT/profile_sd15*.txt; logs under $WS" >&2
