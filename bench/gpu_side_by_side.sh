@@ -15,6 +15,7 @@
 #                                                           # script has no fp8 base: the like-for-like pair)
 #   bash bench/gpu_side_by_side.sh profile profile-compiled # one SD 1.5 step under torch.profiler, eager and compiled
 #                                                           # (where the compiled step's time goes)
+#   bash bench/gpu_side_by_side.sh profile-flux             # one Flux.1 step (flux-eager's settings) under the profiler
 #   TINY=1 bash bench/gpu_side_by_side.sh                   # a dry run on the CPU: the tiny models at 64 px, eager only
 #
 # diffusers' example scripts are not in the diffusers wheel. Get them from a clone of huggingface/diffusers at the tag
@@ -315,12 +316,17 @@ example() {  # example <case>: diffusers' example script for the case
 
 profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.py --profile; TINY: the demo's);
   # profile compiled: the same step with training.compile (COMPILE_MODE), after the warm-up steps that compile it
-  local which=(sd15 --set data.resolution=512) name=profile_sd15
+  # data.max_upscale=0: the 96 px demo images step_counts trains on fill the 512 px bucket (the default caps at 2x)
+  local which=(sd15 --set data.resolution=512 --set data.max_upscale=0) name=profile_sd15
   [ "$TINY" = 1 ] && which=(demo --set training.mixed_precision=bf16)
+  if [ "${1:-}" = flux ]; then  # Flux.1 [dev], the flux-eager row's settings (TINY: the demo's tiny Flux)
+    which=(flux); name=profile_flux
+    [ "$TINY" = 1 ] && which=(demo-flux --set training.mixed_precision=bf16)
+  fi
   if [ "${1:-}" = compiled ]; then
     which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"); name=profile_sd15_compiled
   fi
-  echo "=== profile: one SD 1.5 step ${1:-eager}" >&2
+  echo "=== $name: one step under torch.profiler" >&2
   timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/$name" \
       > "$OUT/$name.txt" 2> "$WS/$name.err" || tail -20 "$WS/$name.err" >&2
   grep -A22 "^== " "$OUT/$name.txt" >&2
@@ -340,10 +346,11 @@ for c in "${cases[@]}"; do
     sd15-example|sdxl-example|flux-example) example "${c%-*}" ;;
     profile) profile ;;
     profile-compiled) profile compiled ;;
+    profile-flux) profile flux ;;
     *) echo "unknown case $c (sd15 sdxl flux profile, or one run of a case: sd15-eager sd15-compiled sd15-example …," \
-            "flux-bf16-eager flux-bf16-compiled profile-compiled)" >&2 ;;
+            "flux-bf16-eager flux-bf16-compiled profile-compiled profile-flux)" >&2 ;;
   esac
 done
 card=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ if torch.cuda.is_available() else 'CPU (dry run), torch ' + torch.__version__)")
 helper table "$RESULTS" "$card" "$OUT/side_by_side.md"
-echo "results: $RESULTS, $OUT/side_by_side.md, $OUT/profile_sd15*.txt; logs under $WS" >&2
+echo "results: $RESULTS, $OUT/side_by_side.md, $OUT/profile_*.txt; logs under $WS" >&2

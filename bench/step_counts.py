@@ -77,6 +77,12 @@ CASES: Dict[str, Dict[str, Any]] = {
                       "parts.denoiser.dtype=bf16", "parts.text_encoder_1.dtype=bf16", "model.vae_dtype=bf16",
                       "training.gradient_checkpointing=false", "lora.rank=16", "training.lr_warmup_steps=0"]},
 }
+# Flux.1 [dev] at real size from the 24 GB preset (fp8 base, checkpointing), the side-by-side's settings: for a GPU
+# (--profile there); the CPU lacks the RAM for its 12B random weights
+CASES["flux"] = {"preset": "flux-lora-24gb", "random_weights": True,
+                 "sets": ["training.batch_size=1", "lora.rank=16", "lora.alpha=16", "training.optimizer.name=adamw",
+                          "training.lr_warmup_steps=0", "data.resolution=1024",
+                          "data.max_upscale=0"]}  # the 96 px demo images enlarged to the 1024 px bucket
 BARE = "bare-sd15"  # not Atelier: diffusers' example step with peft at the sd15 case's settings (count_bare)
 CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
                                + ["training.gradient_checkpointing=true", "lora.rank=16",
@@ -392,6 +398,8 @@ def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_nam
         ctx = contextlib.nullcontext()
         if spec.get("random_weights"):
             from trainer.memory import estimate_session
+            if torch.cuda.is_available():  # random init on the GPU (fast), then in CPU RAM as a loaded file's
+                estimate_session.INIT_DEVICE = "cuda"
             ctx = estimate_session.session(fake=False)
         with ctx:
             rc = cli.main(argv)
