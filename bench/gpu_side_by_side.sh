@@ -40,6 +40,8 @@
 # Measured on an H200 (2026-11-27, 12 steps): SD 1.5 eager 23 s, its example 25 s (+ writing the folder), SDXL eager
 # 25 s, its example 29 s, the profile ~40 s, Flux eager 75 s, SD 1.5 compiled 57 s, writing Flux's 34 GB folder
 # ~2 min; on a second lease SDXL compiled 47 s, Flux compiled 115 s, SD 1.5 with COMPILE_MODE=reduce-overhead 74 s.
+# Third lease (H200, 2026-11-28): flux-example with writing its folder ~2.5 min (the script's own run 50 s), Flux
+# eager 78 s (bf16 base 84 s), Flux compiled 123 s.
 # The whole default set does not fit one 10-minute call: name the single runs in two calls (the comparisons first).
 set -u
 cd "$(dirname "$0")/.."
