@@ -105,9 +105,12 @@ def test_the_original_single_file_round_trips_and_bad_bases_are_refused(hunyuan,
         claim(folder(dict(index, _class_name="HunyuanImageRefinerPipeline"), tcfg))
 
 
-def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers_compute(hunyuan):
+@pytest.mark.parametrize("targets", ["all", "attn"])
+def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers_compute(hunyuan, targets):
     """ComfyUI adds B·A of each ``diffusion_model.<original module>`` to that weight of Tencent's file (no ``.alpha``:
-    scale 1); on the stacked q/k/v and ``linear1`` that gives every part exactly its trained LoRA."""
+    scale 1); on the stacked q/k/v and ``linear1`` that gives every part exactly its trained LoRA. With the ``attn``
+    targets (the default) a single block's ``linear1`` has LoRAs of q, k and v but not of the MLP input: its rows of
+    the stacked B are zero, and the file loads back into the same adapters."""
     import copy
 
     from peft import LoraConfig, inject_adapter_in_model
@@ -117,8 +120,8 @@ def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers
     from trainer.families.hunyuanimage.family import TARGETS
     from trainer.families.hunyuanimage.keys import diffusers_to_original, original_to_diffusers
     ws, paths, model = hunyuan
-    t = inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=target_regex(TARGETS["all"])),
-                                copy.deepcopy(model.transformer))
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=target_regex(TARGETS[targets]))
+    t = inject_adapter_in_model(config, copy.deepcopy(model.transformer))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in t.named_parameters():
@@ -126,8 +129,20 @@ def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     file = model.lora_state_dict({"unet": t})
     assert "diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight" in file
-    assert file["diffusion_model.single_blocks.0.linear1.lora_A.weight"].shape[0] == 8  # q, k, v, mlp: 4 × rank 2
+    linear1 = "diffusion_model.single_blocks.0.linear1"
     base = diffusers_to_original(model.transformer.state_dict())
+    # q, k, v (and mlp): 4 (3) × rank 2; B has the stacked Linear's rows either way
+    assert file[f"{linear1}.lora_A.weight"].shape[0] == (8 if targets == "all" else 6)
+    assert file[f"{linear1}.lora_B.weight"].shape[0] == base["single_blocks.0.linear1.weight"].shape[0]
+    fresh = inject_adapter_in_model(config, copy.deepcopy(model.transformer))
+    assert model.load_lora_state_dict(file, {"unet": fresh}) > 0
+    trained = {k: v for k, v in t.state_dict().items() if "lora_" in k}
+    loaded = {k: v for k, v in fresh.state_dict().items() if "lora_" in k}
+    assert trained.keys() == loaded.keys()
+    for k in trained:  # the products each layer adds (the file bakes α/r into B; loading takes it out again)
+        if "lora_A" in k:
+            kb = k.replace("lora_A", "lora_B")
+            torch.testing.assert_close(loaded[kb] @ loaded[k], trained[kb] @ trained[k], msg=k)
     for key in [k for k in file if k.endswith(".lora_A.weight")]:  # ComfyUI's weight patch
         target = key[len("diffusion_model."):-len(".lora_A.weight")] + ".weight"
         base[target] = base[target] + file[key.replace("lora_A", "lora_B")] @ file[key]

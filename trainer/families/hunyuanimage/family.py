@@ -67,6 +67,13 @@ MOD = ["transformer_blocks.*.norm1.linear", "transformer_blocks.*.norm1_context.
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + MLP, "all": ATTN + MLP + MOD}
 
 
+def _linear_rows(transformer: Any) -> Dict[str, int]:
+    """{module path: out features} of the transformer's Linears (through peft's wrappers): the sizes of the stacked
+    parts a LoRA file leaves zero (:func:`lora_keys.to_original`)."""
+    return {name[: -len(".base_layer")] if name.endswith(".base_layer") else name: m.out_features
+            for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
 class HunyuanText:
     """The pipeline's four text tensors: Qwen features and mask, ByT5 glyph features and mask; ``.to()`` like a
     tensor (the masks keep their dtype)."""
@@ -240,7 +247,7 @@ class HunyuanImage(PeftLayoutLora, Family):
         out = peft_layout_state_dict(modules, {"unet": "transformer"}, adapter_name)
         if not out:
             raise ValueError(f"no peft LoRA layers with adapter {adapter_name!r} found")
-        return lora_keys.to_original(out)
+        return lora_keys.to_original(out, out_features=_linear_rows(modules["unet"]))
 
     def load_lora_state_dict(self, state: Dict[str, Any], modules: Dict[str, Any],
                              adapter_name: str = "default") -> int:
@@ -250,7 +257,7 @@ class HunyuanImage(PeftLayoutLora, Family):
             return super().load_lora_state_dict(state, modules, adapter_name)
         shapes = {path: (layer.r[adapter_name], layer.base_layer.out_features)
                   for path, layer in lora_layers(modules["unet"], adapter_name)}
-        tensors, used = lora_keys.from_original(state, shapes)
+        tensors, used = lora_keys.from_original(state, shapes, out_features=_linear_rows(modules["unet"]))
         loaded = load_peft_layout(tensors, {"unet": modules["unet"]}, {"unet": "transformer"}, adapter_name)
         extra = sorted(set(state) - used)
         if extra:

@@ -18,7 +18,7 @@ So Atelier's separate q/k/v (and MLP-input) LoRAs become one LoRA of the stacked
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Set, Tuple
+from typing import Any, Dict, Mapping, Optional, Set, Tuple
 
 import torch
 
@@ -35,8 +35,23 @@ def _pairs(state: Mapping[str, Any], prefix: str) -> Dict[str, Dict[str, Any]]:
     return pairs
 
 
-def to_original(state: Mapping[str, Any], prefix: str = "transformer.") -> Dict[str, Any]:
-    """A diffusers-layout LoRA (``{prefix}<module>.lora_A/lora_B.weight``, scale 1) in the original layout."""
+def _missing_rows(name: str, present, out_features: Optional[Mapping[str, int]]) -> Dict[int, int]:
+    """{part index: its Linear's out features} of the parts of stacked ``name`` without an adapter (the LoRA targets
+    took some of them: the ``attn`` targets take a single block's q, k, v but not its MLP input): their rows of the
+    stacked B stay zero. ValueError when their sizes are not known."""
+    missing = {i: p for i, p in enumerate(fused_parts(name)) if i not in present}
+    unknown = [p for p in missing.values() if out_features is None or p not in out_features]
+    if unknown:
+        raise ValueError(f"a LoRA of {name} in the original layout needs the sizes of its parts without an adapter; "
+                         f"{unknown} are not known")
+    return {i: int(out_features[p]) for i, p in missing.items()}
+
+
+def to_original(state: Mapping[str, Any], prefix: str = "transformer.",
+                out_features: Optional[Mapping[str, int]] = None) -> Dict[str, Any]:
+    """A diffusers-layout LoRA (``{prefix}<module>.lora_A/lora_B.weight``, scale 1) in the original layout.
+    ``out_features`` (diffusers module path -> its Linear's out features) sizes the zero rows of the stacked parts
+    that have no adapter, so the stacked B has the stacked Linear's rows, as ComfyUI needs."""
     out: Dict[str, Any] = {}
     fused: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for module, pair in sorted(_pairs(state, prefix).items()):
@@ -46,15 +61,17 @@ def to_original(state: Mapping[str, Any], prefix: str = "transformer.") -> Dict[
             continue
         out[f"{PREFIX}{name}.lora_A.weight"], out[f"{PREFIX}{name}.lora_B.weight"] = pair["A.weight"], pair["B.weight"]
     for name, parts in fused.items():
-        if len(parts) != len(fused_parts(name)):
-            missing = [p for i, p in enumerate(fused_parts(name)) if i not in parts]
-            raise ValueError(f"a LoRA of {name} in the original layout needs all of its parts; {missing} have none")
+        gaps = _missing_rows(name, parts, out_features)
         order = sorted(parts)
         big_a = torch.cat([parts[i]["A.weight"] for i in order])
         some = parts[order[0]]["B.weight"]
-        big_b = some.new_zeros(sum(parts[i]["B.weight"].shape[0] for i in order), big_a.shape[0])
+        rows = sum(parts[i]["B.weight"].shape[0] for i in order) + sum(gaps.values())
+        big_b = some.new_zeros(rows, big_a.shape[0])
         row = col = 0
-        for i in order:
+        for i in range(len(fused_parts(name))):
+            if i in gaps:
+                row += gaps[i]
+                continue
             b = parts[i]["B.weight"]
             big_b[row:row + b.shape[0], col:col + b.shape[1]] = b
             row, col = row + b.shape[0], col + b.shape[1]
@@ -63,10 +80,12 @@ def to_original(state: Mapping[str, Any], prefix: str = "transformer.") -> Dict[
 
 
 def from_original(state: Mapping[str, Any], shapes: Mapping[str, Tuple[int, int]],
-                  prefix: str = "transformer.") -> Tuple[Dict[str, Any], Set[str]]:
+                  prefix: str = "transformer.",
+                  out_features: Optional[Mapping[str, int]] = None) -> Tuple[Dict[str, Any], Set[str]]:
     """An original-layout file as diffusers-layout tensors for the adapters of ``shapes`` (diffusers module path ->
-    (rank, out features)): the inverse of :func:`to_original`. Returns the tensors and the file keys read; ValueError
-    when a stacked LoRA's rank is not the adapters' summed rank."""
+    (rank, out features)): the inverse of :func:`to_original` (``out_features`` as there: the rows of the stacked
+    parts without an adapter, skipped). Returns the tensors and the file keys read; ValueError when a stacked
+    LoRA's rank is not the adapters' summed rank."""
     out: Dict[str, Any] = {}
     used: Set[str] = set()
     fused: Dict[str, Dict[int, Tuple[str, int, int]]] = {}
@@ -89,8 +108,12 @@ def from_original(state: Mapping[str, Any], shapes: Mapping[str, Tuple[int, int]
         if a.shape[0] != total:
             raise ValueError(f"{PREFIX}{name} has rank {a.shape[0]}, not the summed rank {total} of its parts' "
                              "adapters")
+        gaps = _missing_rows(name, parts, out_features) if len(parts) < len(fused_parts(name)) else {}
         row = col = 0
-        for i in sorted(parts):
+        for i in range(len(fused_parts(name))):
+            if i in gaps:
+                row += gaps[i]
+                continue
             module, rank, rows = parts[i]
             out[f"{prefix}{module}.lora_A.weight"] = a[col:col + rank].clone()
             out[f"{prefix}{module}.lora_B.weight"] = b[row:row + rows, col:col + rank].clone()
