@@ -69,6 +69,18 @@ def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
         m.predict(torch.zeros(1, 16, 7, 8), torch.tensor([0.5]), cond)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_patch_ids_made_on_the_device_are_the_pipeline_ones(dtype):
+    """The ids Flux, Chroma and Kontext steps give the transformer are made where the step runs (diffusers' helper makes
+    them on the CPU and copies them: a blocking copy every step) and are the same numbers."""
+    from diffusers import FluxPipeline
+
+    from trainer.families.common.packed_ids import latent_image_ids
+    for h, w in ((1, 1), (4, 6), (64, 64), (128, 96)):
+        ids = latent_image_ids(h, w, "cpu", dtype)
+        assert ids.dtype == dtype and torch.equal(ids, FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", dtype))
+
+
 def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):
     """ComfyUI (comfy/lora.py model_lora_keys_unet, Flux branch) maps ``transformer.{k}`` for every weight
     ``k`` of the diffusers Flux transformer (comfy/utils.py flux_to_diffusers) and reads ``{x}.lora_A.weight``/

@@ -30,6 +30,7 @@ from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.chroma.keys import config_from_original
 from trainer.families.common.bfl_keys import bfl_to_diffusers, diffusers_to_bfl
+from trainer.families.common.packed_ids import latent_image_ids
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -140,7 +141,7 @@ class Chroma(PeftLayoutLora, Family):
                              f"of {2 * self.vae_scale_factor})")
         dtype, device = model_input.dtype, model_input.device
         packed = ChromaPipeline._pack_latents(model_input, b, c, h, w)
-        img_ids = ChromaPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        img_ids = latent_image_ids(h // 2, w // 2, device, dtype)  # diffusers': made on the CPU, then copied
         embeds = conditioning.prompt_embeds.to(device, dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
         mask = torch.cat([conditioning.text_mask.to(device, torch.bool),

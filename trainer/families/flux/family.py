@@ -42,6 +42,7 @@ from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
+from trainer.families.common.packed_ids import latent_image_ids
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.common.prompt_first import PromptFirst
 from trainer.families.flux import kontext
@@ -241,7 +242,7 @@ class Flux(Family):
                              f"of {2 * self.vae_scale_factor})")
         dtype = model_input.dtype
         packed = FluxPipeline._pack_latents(model_input, b, c, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, model_input.device, dtype)
+        img_ids = latent_image_ids(h // 2, w // 2, model_input.device, dtype)  # diffusers': made on the CPU, copied
         tokens = packed.shape[1]
         if conditioning.control is not None:  # Kontext: the control's tokens after the target's, ids (1, y, x)
             control = conditioning.control.to(model_input.device, dtype)

@@ -51,6 +51,7 @@ from diffusers import FluxKontextPipeline
 from PIL import Image, ImageOps
 
 from trainer.errors import ConfigError
+from trainer.families.common.packed_ids import latent_image_ids
 
 VARIANT = "flux-kontext"
 
@@ -75,7 +76,7 @@ def pack_with_control(packed: torch.Tensor, img_ids: torch.Tensor, control: torc
     if h % 2 or w % 2:
         raise ValueError(f"Flux packs 2×2 latent patches: control latents of {h}×{w} must be even")
     tokens = FluxKontextPipeline._pack_latents(control, b, c, h, w)
-    ids = FluxKontextPipeline._prepare_latent_image_ids(b, h // 2, w // 2, control.device, img_ids.dtype)
+    ids = latent_image_ids(h // 2, w // 2, control.device, img_ids.dtype)
     ids[..., 0] = 1
     return torch.cat([packed, tokens.to(packed.dtype)], dim=1), torch.cat([img_ids, ids], dim=0)
 
