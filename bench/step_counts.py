@@ -83,6 +83,9 @@ CASES["flux"] = {"preset": "flux-lora-24gb", "random_weights": True,
                  "sets": ["training.batch_size=1", "lora.rank=16", "lora.alpha=16", "training.optimizer.name=adamw",
                           "training.lr_warmup_steps=0", "data.resolution=1024",
                           "data.max_upscale=0"]}  # the 96 px demo images enlarged to the 1024 px bucket
+# every demo preset (each family's tiny model), by its name: `step_counts.py demo-wan demo-qwen-image …`
+for _demo in sorted((ROOT / "presets").glob("demo*.yaml")):
+    CASES.setdefault(_demo.stem, {"preset": _demo.stem, "sets": []})
 BARE = "bare-sd15"  # not Atelier: diffusers' example step with peft at the sd15 case's settings (count_bare)
 CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
                                + ["training.gradient_checkpointing=true", "lora.rank=16",

@@ -1,4 +1,4 @@
-"""The position ids of a Flux-lineage transformer's packed 2×2 latent patches, made on the device.
+"""The position ids of a Flux-lineage transformer's tokens (packed 2×2 latent patches, text), made on the device.
 
 diffusers' ``FluxPipeline._prepare_latent_image_ids`` (Chroma's and Kontext's are the same function) builds them on
 the CPU and copies them over on every call: in a training step that is a blocking host-to-device copy (pageable
@@ -22,4 +22,24 @@ def latent_image_ids(height: int, width: int, device, dtype: torch.dtype) -> tor
     return ids.reshape(height * width, 3).to(dtype)
 
 
-__all__ = ["latent_image_ids"]
+def flux2_latent_ids(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, H*W, 4]`` int64 (t, y, x, l) ids of Flux.2's packed latents ``[B, C, H, W]`` on their device, equal to
+    ``Flux2KleinPipeline._prepare_latent_ids(latents)`` (made on the CPU there)."""
+    b, _, h, w = latents.shape
+    device = latents.device
+    one = torch.arange(1, device=device)
+    ids = torch.cartesian_prod(one, torch.arange(h, device=device), torch.arange(w, device=device), one)
+    return ids.unsqueeze(0).expand(b, -1, -1)
+
+
+def flux2_text_ids(embeds: torch.Tensor) -> torch.Tensor:
+    """``[B, L, 4]`` int64 (0, 0, 0, l) ids of Flux.2's text tokens ``[B, L, D]`` on their device, equal to
+    ``Flux2KleinPipeline._prepare_text_ids(embeds)`` (made on the CPU there)."""
+    b, length, _ = embeds.shape
+    device = embeds.device
+    one = torch.arange(1, device=device)
+    ids = torch.cartesian_prod(one, one, one, torch.arange(length, device=device))
+    return ids.unsqueeze(0).expand(b, -1, -1).contiguous()
+
+
+__all__ = ["flux2_latent_ids", "flux2_text_ids", "latent_image_ids"]

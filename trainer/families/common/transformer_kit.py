@@ -42,11 +42,20 @@ class ChannelNormalisedLatents:
         mean, std = dist["mean"].to(self.device), dist["std"].to(self.device)
         eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype,  # on the generator's device
                           device=None if generator is None else generator.device).to(self.device)
-        c = self.vae.config
+        shift, scale = self._latent_norm(mean.dtype)
         view = (1, -1) + (1,) * (mean.ndim - 2)
-        shift = torch.tensor(c.latents_mean, dtype=mean.dtype, device=self.device).view(view)
-        scale = torch.tensor(c.latents_std, dtype=mean.dtype, device=self.device).view(view)
-        return (mean + std * eps - shift) / scale
+        return (mean + std * eps - shift.view(view)) / scale.view(view)
+
+    def _latent_norm(self, dtype):
+        """The VAE config's per-channel ``latents_mean``/``latents_std`` on the device, made once per (device, dtype):
+        a tensor made from Python numbers is a blocking host-to-device copy, here once instead of every step."""
+        key = (str(self.device), dtype)
+        made = self.__dict__.setdefault("_latent_norm_made", {})
+        if key not in made:
+            c = self.vae.config
+            made[key] = (torch.tensor(c.latents_mean, dtype=dtype, device=self.device),
+                         torch.tensor(c.latents_std, dtype=dtype, device=self.device))
+        return made[key]
 
 
 class MaskedTextConditioning:

@@ -44,6 +44,7 @@ from trainer.config.schema import ModelConfig
 from trainer.errors import ModelLoadError
 from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.packed_ids import flux2_latent_ids, flux2_text_ids
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
@@ -272,7 +273,7 @@ class Flux2(PeftLayoutLora, Family):
         b, c, h, w = latents.shape
         dtype, device = latents.dtype, latents.device
         tokens = Flux2KleinPipeline._pack_latents(latents)
-        img_ids = Flux2KleinPipeline._prepare_latent_ids(latents).to(device)
+        img_ids = flux2_latent_ids(latents)  # diffusers' helpers make the ids on the CPU: a blocking copy
         if references:
             ref_tokens, ref_ids = reference_tokens(references)
             tokens = torch.cat([tokens, ref_tokens.to(device, dtype)], dim=1)
@@ -285,7 +286,7 @@ class Flux2(PeftLayoutLora, Family):
         # casts it to the hidden states' dtype itself before it embeds it
         out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32), guidance=guidance,
                                encoder_hidden_states=embeds,
-                               txt_ids=Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
+                               txt_ids=flux2_text_ids(embeds),
                                img_ids=img_ids, return_dict=False)[0][:, :h * w]
         return out.permute(0, 2, 1).reshape(b, c, h, w)  # tokens are in row order: the inverse of _pack_latents
 

@@ -13,6 +13,7 @@ from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from trainer.errors import ModelLoadError
 from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
 from trainer.families.base import part_dtype, torch_dtype
+from trainer.families.common.host_copy import to_device
 from trainer.families.common.samplers import SAMPLERS
 from trainer.families.common.sd_kit import sd_configs
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
@@ -83,8 +84,8 @@ class StableDiffusion(LatentDiffusionFamily):
         """The text encoder's last hidden state, or with ``model.clip_skip`` = N an earlier layer
         through the final layer norm (as A1111 and diffusers' ``clip_skip`` do)."""
         if not self.clip_skip:
-            return self.text_encoder(input_ids.to(self.device))[0]
-        out = self.text_encoder(input_ids.to(self.device), output_hidden_states=True)
+            return self.text_encoder(to_device(input_ids, self.device))[0]
+        out = self.text_encoder(to_device(input_ids, self.device), output_hidden_states=True)
         hidden = out.hidden_states[-(self.clip_skip + 1)]
         final_norm = getattr(self.text_encoder, "final_layer_norm", None) or \
             self.text_encoder.text_model.final_layer_norm

@@ -29,6 +29,7 @@ from diffusers import StableDiffusionXLInpaintPipeline, StableDiffusionXLPipelin
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
+from trainer.families.common.host_copy import to_device
 from trainer.families.common.samplers import SAMPLERS
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
 from trainer.families.sources import classify_source, detect_source_family
@@ -159,7 +160,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
         for name, ids in zip(TEXT_ENCODERS, input_ids):
             encoder = getattr(self, name)
             with torch.set_grad_enabled(torch.is_grad_enabled() and name in train_text_encoders):
-                out = encoder(ids.to(self.device), output_hidden_states=True)
+                out = encoder(to_device(ids, self.device), output_hidden_states=True)
             hidden.append(out.hidden_states[-(self.clip_skip + 2)])
             if name == "text_encoder_2":
                 pooled = out.text_embeds
@@ -201,7 +202,7 @@ class StableDiffusionXL(LatentDiffusionFamily):
         rows = [o + c + t for o, c, t in zip(_pairs(original_sizes, n, "original_sizes"),
                                                  _pairs(crop_top_lefts, n, "crop_top_lefts"),
                                                  _pairs(target_size, n, "target_size"))]
-        return torch.tensor(rows, dtype=torch.float32, device=self.device)
+        return to_device(torch.tensor(rows, dtype=torch.float32), self.device)  # pinned, not blocking the host
 
     def condition(self, captions: Sequence[str], original_sizes, crop_top_lefts, target_size,
                   train_text_encoders=frozenset(), drop_te1=None, drop_te2=None) -> SDXLConditioning:
