@@ -146,6 +146,7 @@ class CascadePrior(Family):
         self._vae_dtype_name = mcfg.vae_dtype
         self._decoder: Optional[Dict[str, Any]] = None
         self._empty: Optional[Dict[str, Any]] = None
+        self._text_keys: Optional[List[str]] = None
 
     # --- loading ----------------------------------------------------------------------------
     def _prior_patterns(self, mcfg: Any) -> List[str]:
@@ -250,7 +251,9 @@ class CascadePrior(Family):
             return {k: v.float().cpu() for k, v in self._encode(captions).items()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
-        keys = list(self.encode_captions([""])) if self._empty is None else list(self._empty)
+        if self._text_keys is None:  # which cached features a batch carries: once, not an encoding every step
+            self._text_keys = list(self.encode_captions([""])) if self._empty is None else list(self._empty)
+        keys = self._text_keys
         if all(batch.get(k) is not None for k in keys):
             cond = {k: batch[k].to(self.device) for k in keys}
         else:
