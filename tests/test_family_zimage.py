@@ -80,3 +80,24 @@ def test_the_transformer_sees_the_timestep_in_fp32_as_the_pipeline_passes_it(zim
     channels = model.transformer.config.in_channels
     model.predict(torch.zeros(1, channels, 8, 8, dtype=torch.bfloat16), torch.tensor([0.938]), cond)
     assert seen["t"].dtype == torch.float32 and seen["t"].item() == pytest.approx(1 - 0.938, abs=1e-6)
+
+
+def test_cached_captions_are_cut_at_lengths_the_host_knows(zimage):
+    """A cached batch carries each caption's length on the host (its real tokens come first), so the step cuts the
+    features without reading the mask back from the device; with caption dropout the dropped rows take the empty
+    caption's length. The prediction is the one the mask gives."""
+    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    ws, paths = zimage
+    model = load_tiny(ws, paths["diffusers"])
+    rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x")]
+    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
+    assert batch["prompt_lengths"] == [int(n) for n in batch["prompt_mask"].sum(1)]
+    assert prefix_lengths(torch.tensor([[0.0, 1.0, 1.0]])) is None  # real tokens not first: no lengths
+    latents, sigma = torch.randn(2, 16, 8, 8), torch.tensor([0.4, 0.7])
+    for drop in (None, [False, True]):
+        cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=drop)
+        assert cond.lengths == [int(n) for n in cond.prompt_mask.sum(1)]
+        from_mask = type(cond)(cond.prompt_embeds, cond.prompt_mask)  # no lengths: the mask cuts on the device
+        with torch.no_grad():
+            assert torch.equal(model.predict(latents, sigma, cond), model.predict(latents, sigma, from_mask))

@@ -493,6 +493,10 @@ class DataPipeline:
         if texts:
             for key in texts[0]:
                 raw[key] = _stack_padded([t[key] for t in texts])
+            if "prompt_mask" in raw:
+                lengths = prefix_lengths(raw["prompt_mask"])
+                if lengths is not None:
+                    raw["prompt_lengths"] = lengths
         if any(controls):
             n = len(controls[0])
             if any(len(row) != n for row in controls):
@@ -534,6 +538,19 @@ class DataPipeline:
                 encoded = [self.encode_fn(px) for px in raw.pop("control_pixels")]  # type: ignore[misc]
             raw["control_latents"] = [{"mean": e["mean"], "std": e["std"]} for e in encoded]
         return raw
+
+
+def prefix_lengths(mask: torch.Tensor) -> Optional[List[int]]:
+    """The number of real tokens of each row of a host-side text mask ``[B, L]`` whose real tokens come first (a
+    plain list, which stays on the host when the batch moves: a family that cuts features to their lengths reads them
+    there instead of from the device), or None when a row's tokens are not a prefix."""
+    if mask.dim() != 2:
+        return None
+    real = mask > 0.5
+    counts = real.sum(dim=-1)
+    if not bool((real == (torch.arange(real.shape[-1]) < counts[:, None])).all()):
+        return None
+    return [int(n) for n in counts]
 
 
 def _stack_padded(tensors: List[Any]) -> Any:

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from safetensors.torch import load_file
 
+from trainer.data.pipeline import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict, target_regex
@@ -22,15 +23,16 @@ from trainer.formats.metadata import modelspec_common
 
 class MaskedText:
     """A text model's features [B, L, D] padded, with the mask of its real tokens [B, L] (bool); ``.to()`` like a
-    tensor (the mask keeps its dtype)."""
+    tensor (the mask keeps its dtype). ``lengths``: each row's number of real tokens, on the host, where every row's
+    real tokens come first (the text cache's batches carry them: ``prompt_lengths``); else None."""
 
-    def __init__(self, prompt_embeds, prompt_mask):
-        self.prompt_embeds, self.prompt_mask = prompt_embeds, prompt_mask
+    def __init__(self, prompt_embeds, prompt_mask, lengths: Optional[List[int]] = None):
+        self.prompt_embeds, self.prompt_mask, self.lengths = prompt_embeds, prompt_mask, lengths
 
     def to(self, *args: Any, **kwargs: Any) -> "MaskedText":
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         return MaskedText(self.prompt_embeds.to(*args, **kwargs),
-                          self.prompt_mask if device is None else self.prompt_mask.to(device))
+                          self.prompt_mask if device is None else self.prompt_mask.to(device), self.lengths)
 
 
 class ChannelNormalisedLatents:
@@ -70,9 +72,11 @@ class MaskedTextConditioning:
         return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        lengths = None
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_mask"].to(self.device).bool()
+            lengths = batch.get("prompt_lengths")
         else:
             embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
         if drop_te1 is not None and any(drop_te1):
@@ -81,7 +85,10 @@ class MaskedTextConditioning:
             flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
             embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
             mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
-        return MaskedText(embeds, mask)
+            empty = prefix_lengths(self._empty["prompt_mask"])
+            lengths = None if lengths is None or empty is None else \
+                [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
+        return MaskedText(embeds, mask, lengths)
 
 
 class PeftLayoutLora:

@@ -150,7 +150,8 @@ class ErnieImage(MaskedTextConditioning, PeftLayoutLora, Family):
         mask = conditioning.prompt_mask.to(device).bool()
         lens = mask.sum(dim=1)
         # the VRAM estimate's fake tensors have no values: every token kept, as for the longest caption
-        longest = mask.shape[1] if is_fake(mask) else max(int(lens.max()), 1)
+        lengths = getattr(conditioning, "lengths", None)  # known on the host when cached (no device read)
+        longest = mask.shape[1] if is_fake(mask) else max(max(lengths) if lengths else int(lens.max()), 1)
         embeds = conditioning.prompt_embeds[:, :longest].to(device, dtype) * mask[:, :longest, None].to(dtype)
         return self.transformer(hidden_states=model_input, timestep=timesteps.to(device, torch.float32) * 1000.0,
                                 text_bth=embeds, text_lens=lens.long(), return_dict=False)[0]

@@ -100,8 +100,12 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
         dtype, device = model_input.dtype, model_input.device
         images = list(model_input.unsqueeze(2).unbind(dim=0))  # each [C, 1, H, W]
         embeds = conditioning.prompt_embeds.to(device, dtype)
-        mask = conditioning.prompt_mask.to(device).bool()
-        captions = [embeds[i][mask[i]] for i in range(embeds.shape[0])]
+        lengths = getattr(conditioning, "lengths", None)
+        if lengths is not None:  # the real tokens come first: cut at the lengths the host knows (no device read)
+            captions = [embeds[i, :n] for i, n in enumerate(lengths)]
+        else:
+            mask = conditioning.prompt_mask.to(device).bool()
+            captions = [embeds[i][mask[i]] for i in range(embeds.shape[0])]
         # the timestep in fp32, as ZImagePipeline passes it ((1000 − t) / 1000): the transformer embeds it in fp32
         out = self.transformer(images, (1.0 - timesteps.to(device, torch.float32)), captions, return_dict=False)[0]
         return -torch.stack(out, dim=0).squeeze(2)  # the transformer predicts x − ε
