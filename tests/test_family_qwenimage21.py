@@ -256,3 +256,20 @@ def test_on_the_vram_estimates_fake_tensors_every_caption_token_is_kept(qwen21):
     assert seen == [(2, model._view._drop_idx + model.max_sequence_length)]  # Qwen3-VL read the longest captions
     assert tuple(embeds.shape) == (2, model.max_sequence_length, 32) and tuple(mask.shape) == (2, 512)
     assert tuple(pred.shape) == (2, 16, 2, 4)
+
+
+def test_cached_captions_pad_to_the_longest_length_the_host_knows(qwen21):
+    """A cached batch's caption lengths, on the host, give the padding and the all-real case without reading the mask
+    back; the prediction is the one the mask gives (captions of different lengths, and of one)."""
+    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    ws, paths, model = qwen21
+    for captions in (("a red square on a white background", "x"), ("a red square", "a red square")):
+        rows = [model.encode_captions([c]) for c in captions]
+        batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+        batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
+        cond = model.batch_condition(batch, lambda c: c, set())
+        assert cond.lengths is not None
+        latents, sigma = torch.randn(2, model.vae.config.z_dim, 8, 8), torch.tensor([0.4, 0.7])
+        with torch.no_grad():
+            assert torch.equal(model.predict(latents, sigma, cond),
+                               model.predict(latents, sigma, type(cond)(cond.prompt_embeds, cond.prompt_mask)))

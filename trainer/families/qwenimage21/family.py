@@ -209,14 +209,19 @@ class QwenImage21(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLo
         device, dtype = model_input.device, model_input.dtype
         mask = conditioning.prompt_mask.to(device).bool()
         fake = is_fake(mask)  # the VRAM estimate: no values; every token kept, the longest caption (fake_tensors.py)
-        length = mask.shape[1] if fake else max(int(mask.sum(1).max()), 1)  # the batch's longest, as the pipeline pads
+        lengths = None if fake else getattr(conditioning, "lengths", None)  # cached: known on the host
+        if fake:
+            length = mask.shape[1]
+        else:  # the batch's longest, as the pipeline pads
+            length = max(max(lengths) if lengths else int(mask.sum(1).max()), 1)
         embeds, mask = conditioning.prompt_embeds[:, :length].to(device, dtype), mask[:, :length]
+        every_token = all(n == length for n in lengths) if lengths else (not fake and bool(mask.all()))
         img_mask = torch.cat([torch.zeros_like(mask), mask.new_ones(b, h * w // 4)], dim=1)
         tokens = model_input.reshape(b, c, h * w).transpose(1, 2)  # QwenImage21Pipeline._pack_latents
         with layout_from_shapes(self.transformer, fake):
             out = self.transformer(hidden_states=tokens, timestep=timesteps.to(device, torch.float32).reshape(-1),
                                    encoder_hidden_states=embeds,
-                                   encoder_hidden_states_mask=None if fake or mask.all() else mask,
+                                   encoder_hidden_states_mask=None if fake or every_token else mask,
                                    img_shapes=[[(1, h, w)]] * b, img_mask=img_mask, return_dict=False)[0]
         return out[:, -h * w:].transpose(1, 2).reshape(b, c, h, w)
 
