@@ -548,7 +548,7 @@ def prefix_lengths(mask: torch.Tensor) -> Optional[List[int]]:
         return None
     real = mask > 0.5
     counts = real.sum(dim=-1)
-    if not bool((real == (torch.arange(real.shape[-1]) < counts[:, None])).all()):
+    if not bool((real == (torch.arange(real.shape[-1], device=real.device) < counts[:, None])).all()):
         return None
     return [int(n) for n in counts]
 
