@@ -543,12 +543,13 @@ class DataPipeline:
 def prefix_lengths(mask: torch.Tensor) -> Optional[List[int]]:
     """The number of real tokens of each row of a host-side text mask ``[B, L]`` whose real tokens come first (a
     plain list, which stays on the host when the batch moves: a family that cuts features to their lengths reads them
-    there instead of from the device), or None when a row's tokens are not a prefix."""
+    there instead of from the device), or None when a row's tokens are not a prefix. On the host only: the batch's
+    stacked mask and a cached caption's (a device mask would be read back here)."""
     if mask.dim() != 2:
         return None
     real = mask > 0.5
     counts = real.sum(dim=-1)
-    if not bool((real == (torch.arange(real.shape[-1], device=real.device) < counts[:, None])).all()):
+    if not bool((real == (torch.arange(real.shape[-1]) < counts[:, None])).all()):
         return None
     return [int(n) for n in counts]
 
