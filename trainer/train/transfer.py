@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from trainer.families.common import host_copy
+
 # what stays on the host: ``prior`` is read there (which rows need the base model's prediction); the masks and the
 # inpainting pixels meet masks drawn on the host (sd_kit.inpaint) and move where they are used
 HOST_KEYS = ("prior", "mask", "inpaint_pixels", "masked_mean")
@@ -24,11 +26,7 @@ def to_device(batch: Any, device: torch.device, key: str = "") -> Any:
     copied with ``non_blocking`` (the copy runs beside the queued work). What the host reads stays (``HOST_KEYS``).
     On the CPU ``.to`` returns the tensors themselves."""
     if isinstance(batch, torch.Tensor):
-        if key in HOST_KEYS:
-            return batch
-        if device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
-            batch = batch.pin_memory()
-        return batch.to(device, non_blocking=True)
+        return batch if key in HOST_KEYS else host_copy.to_device(batch, device)
     if isinstance(batch, dict):
         return {k: to_device(v, device, k) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict)) for v in batch):
