@@ -97,6 +97,12 @@ class TrainingConfig:
                                            "layers, the fp32 weights stay the optimizer's masters (fewer casts a "
                                            "step, the same values). One process, not with training.compile.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
+    checkpoint_keep_attention: bool = f(False, "With gradient checkpointing: keep each block's attention output "
+                                               "for backward instead of computing attention again there. Pays "
+                                               "for long sequences (video clips, large images), where attention "
+                                               "dominates; costs memory (one attention output per block, counted "
+                                               "by estimate-vram) and host time (Python for every op of a "
+                                               "checkpointed block), which short sequences may not win back.")
     compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
                              "type), compiled at the first step (tens of seconds to minutes). On an H200 "
                              "(docs/performance.md) compiling sped Flux.1 and SDXL LoRA steps up and slowed SD "

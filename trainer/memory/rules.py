@@ -48,7 +48,7 @@ def check_storage(cfg: Any) -> None:
 
 def precision_warnings(cfg: Any) -> List[Issue]:
     """Rules on weight precision: fp16 weights trained directly, stochastic rounding where it does nothing or
-    is missing."""
+    is missing; and checkpointing's kept attention without checkpointing."""
     out: List[Issue] = []
     t = cfg.training
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
@@ -61,4 +61,8 @@ def precision_warnings(cfg: Any) -> List[Issue]:
             and not cfg.precision.stochastic_rounding:
         out.append(Issue("precision.stochastic_rounding", "Training bf16 weights rounds small updates away; "
                                                           "turn on precision.stochastic_rounding."))
+    if t.get("checkpoint_keep_attention", False) and not t.gradient_checkpointing:
+        out.append(Issue("training.checkpoint_keep_attention", "Keeping attention outputs only changes checkpointed "
+                                                               "blocks: without training.gradient_checkpointing "
+                                                               "every activation is kept anyway."))
     return out

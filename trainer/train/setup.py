@@ -26,6 +26,7 @@ from trainer.families.sources import ModelSettings, load_model
 from trainer.host.devices import device_problems, resolve_device
 from trainer.loss import prepare_noise_schedule
 from trainer.memory.block_swap import plan_block_swap
+from trainer.memory.checkpointing import enable_checkpointing
 from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
 from trainer.memory.precision import apply_precision, apply_storage, place_text_encoders
 from trainer.methods.lora import autocasts
@@ -194,9 +195,9 @@ def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
     apply_storage(state.model, state.method, cfg)
     frozen_in_compute_dtype(state)
     if cfg.training.gradient_checkpointing:
+        keep = bool(cfg.training.get("checkpoint_keep_attention", False))
         for m in state.method.modules.values():
-            m.gradient_checkpointing_enable() if hasattr(m, "gradient_checkpointing_enable") else \
-                m.enable_gradient_checkpointing()
+            enable_checkpointing(m, keep_attention=keep)
     for m in state.method.modules.values():
         m.train()
     state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights

@@ -123,10 +123,15 @@ class HunyuanImageSampler(HunyuanImagePipeline):
 
 
 def checkpointed(module: Any, *args: Any, **kwargs: Any) -> Any:
-    """Gradient checkpointing that passes keyword arguments on: ``HunyuanImageTransformer2DModel`` calls its blocks'
-    checkpointing with ``attention_mask=``/``image_rotary_emb=``, which diffusers 0.42.1's default function (positional
-    arguments only) refuses."""
+    """Gradient checkpointing that passes keyword arguments on (the default of :func:`enable_checkpointing`; the
+    trainer passes its own, ``trainer.memory.checkpointing.checkpointed``, which does the same)."""
     return torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+
+
+def enable_checkpointing(transformer: Any, gradient_checkpointing_func: Any = checkpointed) -> None:
+    """``HunyuanImageTransformer2DModel`` calls its blocks' checkpointing with ``attention_mask=``/``image_rotary_emb=``,
+    which diffusers 0.42.1's default function (positional arguments only) refuses: the trainer's passes them on."""
+    type(transformer).enable_gradient_checkpointing(transformer, gradient_checkpointing_func)
 
 
 class HunyuanImage(PeftLayoutLora, Family):
@@ -155,8 +160,7 @@ class HunyuanImage(PeftLayoutLora, Family):
             pipe = sources.load_pipeline(HunyuanImagePipeline, self.source, mcfg, workspace, family=self.family,
                                          dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
-        self.transformer.enable_gradient_checkpointing = partial(type(self.transformer).enable_gradient_checkpointing,
-                                                                 self.transformer, checkpointed)
+        self.transformer.enable_gradient_checkpointing = partial(enable_checkpointing, self.transformer)
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
         self.guider, self.ocr_guider = pipe.guider, pipe.ocr_guider

@@ -35,9 +35,9 @@ class TwoExperts(nn.Module):
         """Both experts' blocks (block swapping: ``Wan.swap_blocks``); a step runs those of one or both."""
         return list(self.high.blocks) + list(self.low.blocks)
 
-    def enable_gradient_checkpointing(self) -> None:
-        self.high.enable_gradient_checkpointing()
-        self.low.enable_gradient_checkpointing()
+    def enable_gradient_checkpointing(self, gradient_checkpointing_func: Any = None) -> None:
+        self.high.enable_gradient_checkpointing(gradient_checkpointing_func)
+        self.low.enable_gradient_checkpointing(gradient_checkpointing_func)
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, return_dict: bool = False, **kwargs: Any):
         high = timestep.view(timestep.shape[0], -1)[:, 0] >= self.boundary
