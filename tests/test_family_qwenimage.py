@@ -88,6 +88,45 @@ def test_the_transformer_sees_sigma_in_fp32_as_diffusers_qwen_image_trainer_pass
     assert seen["timestep"].dtype == torch.float32 and seen["timestep"].item() == pytest.approx(0.93796, abs=1e-7)
 
 
+def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
+    """The cache keeps 512 tokens a caption, mostly padding; the transformer gets the batch's longest caption (no
+    mask when every row fills it), as ``QwenImagePipeline.encode_prompt`` hands it over: the same features and the
+    same prediction as the padded, masked call, in a fraction of the text tokens. A cached batch's lengths come from
+    the host (the mask is not read back)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+
+    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.families.common.transformer_kit import MaskedText
+    ws, paths = qwen
+    model = load_tiny(ws, paths["diffusers"])
+    pipe = model.pipeline(None).pipe
+    x, sigma = torch.randn(2, 16, 4, 6, generator=torch.Generator().manual_seed(1)), torch.tensor([0.3, 0.8])
+    for captions in (("a red square on a white background", "x"), ("a red square", "a red square")):
+        theirs, their_mask = QwenImagePipeline.encode_prompt(pipe, list(captions), device="cpu")
+        rows = [model.encode_captions([c]) for c in captions]
+        batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+        batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
+        cond = model.batch_condition(batch, lambda c: c, set())
+        assert cond.prompt_embeds.shape[1] == model.max_sequence_length > theirs.shape[1]
+        mask = torch.zeros_like(cond.prompt_mask)  # a mask the step must not read
+        seen = transformer_inputs(model, x, sigma, MaskedText(cond.prompt_embeds, mask, cond.lengths))
+        torch.testing.assert_close(seen["encoder_hidden_states"], theirs)
+        if their_mask is None:
+            assert seen["encoder_hidden_states_mask"] is None
+        else:  # told from the host's lengths, not the (zeroed) mask
+            assert seen["encoder_hidden_states_mask"] is not None and not seen["encoder_hidden_states_mask"].any()
+        with torch.no_grad():
+            padded = model.transformer(
+                hidden_states=QwenImagePipeline._pack_latents(x, 2, 16, 4, 6), timestep=sigma,
+                encoder_hidden_states=cond.prompt_embeds, encoder_hidden_states_mask=cond.prompt_mask,
+                img_shapes=[[(1, 2, 3)]] * 2, return_dict=False)[0]
+            ours = model.predict(x, sigma, cond)  # uncached (no lengths): the mask gives the same cut
+            assert torch.equal(ours, model.predict(x, sigma, MaskedText(cond.prompt_embeds, cond.prompt_mask)))
+        f = model.vae_scale_factor
+        torch.testing.assert_close(ours, QwenImagePipeline._unpack_latents(padded, 4 * f, 6 * f, f).squeeze(2),
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_the_transformer_alone_loads_and_fine_tunes_save_back_to_it(qwen, tmp_path):
     ws, paths = qwen
     folder = load_tiny(ws, paths["diffusers"])
@@ -269,7 +308,7 @@ def test_transformer_and_text_encoder_inputs_are_the_edit_pipelines(edit_ws, sma
     assert ours["img_shapes"] == theirs["img_shapes"] and len(ours["img_shapes"][0]) == 1 + controls
     torch.testing.assert_close(ours["hidden_states"], theirs["hidden_states"])  # target ‖ controls
     assert theirs["encoder_hidden_states_mask"] is None  # one prompt: every token real
-    assert bool(ours["encoder_hidden_states_mask"].all())
+    assert ours["encoder_hidden_states_mask"] is None
     torch.testing.assert_close(ours["encoder_hidden_states"], theirs["encoder_hidden_states"])
     torch.testing.assert_close(ours["timestep"], theirs["timestep"])
     # caption dropout: the empty instruction with the row's own images, as the pipeline encodes it

@@ -83,14 +83,15 @@ class EditConditioning(MaskedText):
     """The instruction's features with their mask, and the control tokens read after the target's: packed,
     normalised latents [B, N, C·4] and their ``img_shapes`` entries."""
 
-    def __init__(self, prompt_embeds, prompt_mask, control_tokens, control_shapes: List[tuple]):
-        super().__init__(prompt_embeds, prompt_mask)
+    def __init__(self, prompt_embeds, prompt_mask, control_tokens, control_shapes: List[tuple],
+                 lengths: Optional[List[int]] = None):
+        super().__init__(prompt_embeds, prompt_mask, lengths)
         self.control_tokens, self.control_shapes = control_tokens, list(control_shapes)
 
     def to(self, *args: Any, **kwargs: Any) -> "EditConditioning":
         text = super().to(*args, **kwargs)
         return EditConditioning(text.prompt_embeds, text.prompt_mask, self.control_tokens.to(*args, **kwargs),
-                                self.control_shapes)
+                                self.control_shapes, self.lengths)
 
 
 class QwenImageEdit(QwenImage):
@@ -226,9 +227,11 @@ class QwenImageEdit(QwenImage):
                 return self._encode_standin(captions, [self._standin_sizes(batch, rows)[i] for i in which], grads)
             return self._encode(captions, grads, [memo["images"][i] for i in which])
 
+        lengths = None  # each row's real tokens, known on the host for cached captions
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_mask"].to(self.device).bool()
+            lengths = batch.get("prompt_lengths")
         else:
             embeds, mask = encode(list(expand(batch["captions"])), list(range(rows)), "text_encoder" in train_text)
         if drop_te1 is not None and any(drop_te1):
@@ -236,8 +239,9 @@ class QwenImageEdit(QwenImage):
             with torch.no_grad():
                 empty, empty_mask = encode([""] * len(dropped), dropped, False)
             embeds, mask = _replace_rows(embeds, mask, dropped, empty, empty_mask)
+            lengths = None  # the empty instruction's rows: read from the mask at the step
         tokens, shapes = self._control_tokens(batch)
-        return EditConditioning(embeds, mask, tokens, shapes)
+        return EditConditioning(embeds, mask, tokens, shapes, lengths)
 
     # --- the control tokens -----------------------------------------------------------------------
     def _control_tokens(self, batch: Dict[str, Any]) -> Tuple[Any, List[tuple]]:
