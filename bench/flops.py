@@ -4,6 +4,7 @@
     .venv/bin/python bench/flops.py --family sd15 --resolution 512 --batch 1 --method lora
     .venv/bin/python bench/flops.py --family sdxl --resolution 1024 --batch 1 --steps-per-s 1.2 --peak-tflops 165
     .venv/bin/python bench/flops.py --family sd15 --resolution 512 --json
+    .venv/bin/python bench/flops.py --family qwen-image --resolution 1024 --text-tokens 32   # and 512: the padding
 
 The UNet is built from the shipped diffusers config (``trainer/families/common/sd_kit/configs/<family>/unet``)
 on the meta device (no weights, no memory) and one forward pass is counted with
@@ -14,6 +15,10 @@ weights get no gradient matmuls; the adapters' own FLOPs are negligible). With a
 (``--steps-per-s``, e.g. bench_train's ``steady_steps_per_s``) and the device's dense peak
 (``--peak-tflops``: e.g. an H100 SXM's bf16 989, an RTX 4090's bf16 165 — with dense, not sparse, figures),
 it prints MFU = FLOPs per step × steps/s ÷ peak.
+
+``qwen-image``: the transformer from the family's shipped full-size config, with ``--text-tokens`` caption tokens
+through its text stream and joint attention (what a step hands it: the batch's longest caption; 512 was the padded
+length of the text cache that steps passed before 2026-11-28).
 """
 
 from __future__ import annotations
@@ -52,9 +57,38 @@ def unet_forward_flops(unet_config: Dict, resolution: int, batch: int, text_widt
     return int(counter.get_total_flops())
 
 
-def step_flops(family: str, resolution: int, batch: int, method: str) -> Dict[str, float]:
-    config = json.loads((CONFIGS / family / "unet" / "config.json").read_text(encoding="utf-8"))
-    forward = unet_forward_flops(config, resolution, batch, TEXT_WIDTH[family], family == "sdxl")
+def qwen_image_forward_flops(resolution: int, batch: int, text_tokens: int) -> int:
+    """FLOPs of one Qwen-Image transformer forward at ``resolution`` with ``text_tokens`` caption tokens (no mask),
+    counted on the meta device from the shipped full-size config."""
+    import tempfile
+
+    import torch
+    from diffusers import QwenImageTransformer2DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.families.common import full_size
+    with tempfile.TemporaryDirectory() as tmp:
+        config = QwenImageTransformer2DModel.load_config(str(full_size.config_folder("qwen-image", Path(tmp))
+                                                             / "transformer"))
+    side = resolution // 16  # 8x VAE, 2x2 patches
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel.from_config(config).to(torch.bfloat16)
+        x = torch.empty(batch, side * side, config["in_channels"], dtype=torch.bfloat16)
+        text = torch.empty(batch, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16)
+        t = torch.ones(batch)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(hidden_states=x, encoder_hidden_states=text, timestep=t, img_shapes=[[(1, side, side)]] * batch,
+              return_dict=False)
+    return int(counter.get_total_flops())
+
+
+def step_flops(family: str, resolution: int, batch: int, method: str, text_tokens: int = 512) -> Dict[str, float]:
+    if family == "qwen-image":
+        forward = qwen_image_forward_flops(resolution, batch, text_tokens)
+    else:
+        config = json.loads((CONFIGS / family / "unet" / "config.json").read_text(encoding="utf-8"))
+        forward = unet_forward_flops(config, resolution, batch, TEXT_WIDTH[family], family == "sdxl")
     return {"family": family, "resolution": resolution, "batch": batch, "method": method,
             "forward_tflops": forward / 1e12, "step_tflops": STEP_FACTOR[method] * forward / 1e12}
 
@@ -65,15 +99,16 @@ def mfu(step_tflops: float, steps_per_s: float, peak_tflops: float) -> float:
 
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", choices=sorted(TEXT_WIDTH), default="sd15")
+    ap.add_argument("--family", choices=sorted([*TEXT_WIDTH, "qwen-image"]), default="sd15")
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--method", choices=sorted(STEP_FACTOR), default="lora")
     ap.add_argument("--steps-per-s", type=float, help="measured training speed (for MFU)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense peak in the training precision (for MFU)")
+    ap.add_argument("--text-tokens", type=int, default=512, help="qwen-image: caption tokens the transformer sees")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    out = step_flops(a.family, a.resolution, a.batch, a.method)
+    out = step_flops(a.family, a.resolution, a.batch, a.method, a.text_tokens)
     if a.steps_per_s and a.peak_tflops:
         out["mfu"] = mfu(out["step_tflops"], a.steps_per_s, a.peak_tflops)
     if a.json:
