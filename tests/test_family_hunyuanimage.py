@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import denoiser_calls, load_tiny
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -61,6 +61,11 @@ def test_predict_is_the_pipelines_transformer_call_and_cfg_scale_is_the_guiders(
     finally:
         remove()
     torch.testing.assert_close(pred, ref["out"])
+    # the same prediction from the captions' real tokens alone: the pipeline pads to 1000 and 128 tokens
+    seen = transformer_inputs(model, ref["kwargs"]["hidden_states"], sigma, cond)
+    for key, mask in (("encoder_hidden_states", cond.mask), ("encoder_hidden_states_2", cond.mask_2)):
+        assert seen[key].shape[1] == int(mask.sum()) < ref["kwargs"][key].shape[1]
+        torch.testing.assert_close(seen[key], ref["kwargs"][key][:, :int(mask.sum())])
     # gradient checkpointing (diffusers' own function refuses the blocks' keyword arguments): same output, gradients
     model.transformer.enable_gradient_checkpointing()
     try:

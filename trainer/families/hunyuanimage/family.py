@@ -24,10 +24,11 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_hunyu
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
+from torch._subclasses.fake_tensor import is_fake
 from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 
@@ -86,6 +87,22 @@ class HunyuanText:
         move = (lambda m: m) if device is None else (lambda m: m.to(device))
         return HunyuanText(self.embeds.to(*args, **kwargs), move(self.mask), self.embeds_2.to(*args, **kwargs),
                            move(self.mask_2))
+
+
+def _cut_padding(text: HunyuanText) -> Tuple[Any, Any, Any, Any]:
+    """The Qwen and glyph features cut to the batch's longest real run of each (at least one token), as diffusion-pipe
+    pads them: the pipeline pads to 1000 and 128 tokens, and every padded token ran through the token refiner, the
+    text streams and the joint attention, where the masks then left it out, so the image tokens' prediction is the
+    same (``tests/test_family_hunyuanimage.py``). A caption of 60 tokens at 1024 px (1024 image tokens) is about half
+    the step's tokens of before. The real tokens come first in both (right padding); one read of the two masks'
+    lengths (the transformer reads its masks back in every block anyway). On the VRAM estimate's fake tensors (no
+    values) every token is kept."""
+    if is_fake(text.mask):
+        return text.embeds, text.mask, text.embeds_2, text.mask_2
+    longest, longest_2 = (max(int(n), 1) for n in torch.stack([text.mask.sum(1).max(), text.mask_2.sum(1).max()])
+                          .tolist())
+    return (text.embeds[:, :longest], text.mask[:, :longest], text.embeds_2[:, :longest_2],
+            text.mask_2[:, :longest_2])
 
 
 class _TextView:
@@ -217,12 +234,11 @@ class HunyuanImage(PeftLayoutLora, Family):
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
         dtype, device = model_input.dtype, model_input.device
+        embeds, mask, embeds_2, mask_2 = _cut_padding(conditioning.to(device))
         # t = 1000·σ in fp32 (the pipeline passes the scheduler's timestep in the latents' dtype)
         return self.transformer(hidden_states=model_input, timestep=timesteps.to(device, torch.float32) * 1000.0,
-                                encoder_hidden_states=conditioning.embeds.to(device, dtype),
-                                encoder_attention_mask=conditioning.mask.to(device),
-                                encoder_hidden_states_2=conditioning.embeds_2.to(device, dtype),
-                                encoder_attention_mask_2=conditioning.mask_2.to(device),
+                                encoder_hidden_states=embeds.to(dtype), encoder_attention_mask=mask,
+                                encoder_hidden_states_2=embeds_2.to(dtype), encoder_attention_mask_2=mask_2,
                                 return_dict=False)[0]
 
     # --- sampling ---------------------------------------------------------------------------
