@@ -5,6 +5,7 @@
     .venv/bin/python bench/flops.py --family sdxl --resolution 1024 --batch 1 --steps-per-s 1.2 --peak-tflops 165
     .venv/bin/python bench/flops.py --family sd15 --resolution 512 --json
     .venv/bin/python bench/flops.py --family qwen-image --resolution 1024 --text-tokens 32   # and 512: the padding
+    .venv/bin/python bench/flops.py --family hunyuan-image --resolution 2048 --text-tokens 64 # and 1000
 
 The UNet is built from the shipped diffusers config (``trainer/families/common/sd_kit/configs/<family>/unet``)
 on the meta device (no weights, no memory) and one forward pass is counted with
@@ -16,9 +17,11 @@ weights get no gradient matmuls; the adapters' own FLOPs are negligible). With a
 (``--peak-tflops``: e.g. an H100 SXM's bf16 989, an RTX 4090's bf16 165 — with dense, not sparse, figures),
 it prints MFU = FLOPs per step × steps/s ÷ peak.
 
-``qwen-image``: the transformer from the family's shipped full-size config, with ``--text-tokens`` caption tokens
-through its text stream and joint attention (what a step hands it: the batch's longest caption; 512 was the padded
-length of the text cache that steps passed before 2026-11-28).
+``qwen-image``, ``hunyuan-image``: the transformer from the family's shipped full-size config, with
+``--text-tokens`` caption tokens through its text stream and joint attention (what a step hands it: the batch's
+longest caption; before 2026-11-28 steps passed the text cache's padded length, 512 for Qwen-Image and 1000 for
+HunyuanImage). HunyuanImage is counted without its glyph (ByT5) tokens: its transformer reorders them by their mask,
+which the meta device cannot (they add at most 128 tokens more, 8 for a short quote).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 CONFIGS = ROOT / "trainer" / "families" / "common" / "sd_kit" / "configs"
 TEXT_WIDTH = {"sd15": 768, "sd2": 1024, "sd2-base": 1024, "sdxl": 2048}
+TRANSFORMERS = ("hunyuan-image", "qwen-image")
 STEP_FACTOR = {"finetune": 3.0, "lora": 2.0, "embedding": 2.0}
 
 
@@ -57,35 +61,41 @@ def unet_forward_flops(unet_config: Dict, resolution: int, batch: int, text_widt
     return int(counter.get_total_flops())
 
 
-def qwen_image_forward_flops(resolution: int, batch: int, text_tokens: int) -> int:
-    """FLOPs of one Qwen-Image transformer forward at ``resolution`` with ``text_tokens`` caption tokens (no mask),
-    counted on the meta device from the shipped full-size config."""
+def transformer_forward_flops(family: str, resolution: int, batch: int, text_tokens: int) -> int:
+    """FLOPs of one forward of the family's transformer at ``resolution`` with ``text_tokens`` caption tokens (every
+    one real), counted on the meta device from the shipped full-size config."""
     import tempfile
 
     import torch
-    from diffusers import QwenImageTransformer2DModel
+    from diffusers import HunyuanImageTransformer2DModel, QwenImageTransformer2DModel
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.families.common import full_size
+    cls = {"qwen-image": QwenImageTransformer2DModel, "hunyuan-image": HunyuanImageTransformer2DModel}[family]
     with tempfile.TemporaryDirectory() as tmp:
-        config = QwenImageTransformer2DModel.load_config(str(full_size.config_folder("qwen-image", Path(tmp))
-                                                             / "transformer"))
-    side = resolution // 16  # 8x VAE, 2x2 patches
-    with torch.device("meta"):
-        model = QwenImageTransformer2DModel.from_config(config).to(torch.bfloat16)
-        x = torch.empty(batch, side * side, config["in_channels"], dtype=torch.bfloat16)
-        text = torch.empty(batch, text_tokens, config["joint_attention_dim"], dtype=torch.bfloat16)
+        config = cls.load_config(str(full_size.config_folder(family, Path(tmp)) / "transformer"))
+    with torch.device("meta"):  # fp32: the FLOPs are the same in any dtype
+        model = cls.from_config(config)
         t = torch.ones(batch)
+        if family == "qwen-image":
+            side = resolution // 16  # 8x VAE, 2x2 patches
+            kwargs = dict(hidden_states=torch.empty(batch, side * side, config["in_channels"]),
+                          encoder_hidden_states=torch.empty(batch, text_tokens, config["joint_attention_dim"]),
+                          timestep=t, img_shapes=[[(1, side, side)]] * batch)
+        else:
+            side = resolution // 32  # 32x VAE, 1x1 patches
+            kwargs = dict(hidden_states=torch.empty(batch, config["in_channels"], side, side), timestep=t,
+                          encoder_hidden_states=torch.empty(batch, text_tokens, config["text_embed_dim"]),
+                          encoder_attention_mask=torch.ones(batch, text_tokens, dtype=torch.bool))
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(hidden_states=x, encoder_hidden_states=text, timestep=t, img_shapes=[[(1, side, side)]] * batch,
-              return_dict=False)
+        model(**kwargs, return_dict=False)
     return int(counter.get_total_flops())
 
 
 def step_flops(family: str, resolution: int, batch: int, method: str, text_tokens: int = 512) -> Dict[str, float]:
-    if family == "qwen-image":
-        forward = qwen_image_forward_flops(resolution, batch, text_tokens)
+    if family in TRANSFORMERS:
+        forward = transformer_forward_flops(family, resolution, batch, text_tokens)
     else:
         config = json.loads((CONFIGS / family / "unet" / "config.json").read_text(encoding="utf-8"))
         forward = unet_forward_flops(config, resolution, batch, TEXT_WIDTH[family], family == "sdxl")
@@ -99,13 +109,13 @@ def mfu(step_tflops: float, steps_per_s: float, peak_tflops: float) -> float:
 
 def main(argv: Optional[list] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--family", choices=sorted([*TEXT_WIDTH, "qwen-image"]), default="sd15")
+    ap.add_argument("--family", choices=sorted([*TEXT_WIDTH, *TRANSFORMERS]), default="sd15")
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--method", choices=sorted(STEP_FACTOR), default="lora")
     ap.add_argument("--steps-per-s", type=float, help="measured training speed (for MFU)")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense peak in the training precision (for MFU)")
-    ap.add_argument("--text-tokens", type=int, default=512, help="qwen-image: caption tokens the transformer sees")
+    ap.add_argument("--text-tokens", type=int, default=512, help="qwen-image, hunyuan-image: caption tokens the transformer sees")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     out = step_flops(a.family, a.resolution, a.batch, a.method, a.text_tokens)
