@@ -127,3 +127,40 @@ def test_predict_is_the_transformer_call_of_chroma_pipeline(chroma):
         remove()
     out = ref["out"].view(1, h // 2, w // 2, 16, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, 16, h, w)
     torch.testing.assert_close(pred, out)
+    # the pipeline's 512 tokens, and the step's: the real ones and the first padding token (the rest takes no part)
+    seen = transformer_inputs(model, noisy, sigma, cond)
+    attended = int(cond.text_mask.sum())
+    assert seen["encoder_hidden_states"].shape[1] == attended < ref["kwargs"]["encoder_hidden_states"].shape[1]
+    torch.testing.assert_close(seen["encoder_hidden_states"], ref["kwargs"]["encoder_hidden_states"][:, :attended])
+
+
+def test_cached_captions_are_cut_at_lengths_the_host_knows(chroma):
+    """A cached batch of captions of different lengths (one dropped to the empty caption): cut at the longest
+    attended run the data pipeline counted on the host, without reading the mask back; the prediction is the one of
+    the whole 512 tokens."""
+    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.families.chroma.family import ChromaConditioning
+    ws, paths = chroma
+    model = load_tiny(ws, paths["diffusers"])
+    rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x", "a blue ball")]
+    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch["prompt_lengths"] = prefix_lengths(batch["prompt_attention_mask"])
+    cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=[False, False, True])
+    assert cond.lengths == [int(n) for n in cond.text_mask.sum(dim=1)]
+    x, sigma = torch.randn(3, 16, 4, 6, generator=torch.Generator().manual_seed(2)), torch.tensor([0.2, 0.5, 0.9])
+    blind = ChromaConditioning(cond.prompt_embeds, torch.zeros_like(cond.text_mask), cond.lengths)
+    seen = transformer_inputs(model, x, sigma, blind)  # the lengths come from the host, not the (zeroed) mask
+    assert seen["encoder_hidden_states"].shape[1] == max(cond.lengths) < model.max_sequence_length
+    from diffusers import ChromaPipeline
+
+    from trainer.families.common.packed_ids import latent_image_ids
+    with torch.no_grad():
+        cut = model.predict(x, sigma, cond)
+        mask = torch.cat([cond.text_mask.bool(), torch.ones(3, 6, dtype=torch.bool)], dim=1)
+        whole = model.transformer(hidden_states=ChromaPipeline._pack_latents(x, 3, 16, 4, 6),
+                                  encoder_hidden_states=cond.prompt_embeds, timestep=sigma,
+                                  img_ids=latent_image_ids(2, 3, "cpu", torch.float32),
+                                  txt_ids=torch.zeros(cond.prompt_embeds.shape[1], 3), attention_mask=mask,
+                                  return_dict=False)[0]
+    f = model.vae_scale_factor
+    torch.testing.assert_close(cut, ChromaPipeline._unpack_latents(whole, 4 * f, 6 * f, f), atol=1e-5, rtol=1e-5)

@@ -493,8 +493,9 @@ class DataPipeline:
         if texts:
             for key in texts[0]:
                 raw[key] = _stack_padded([t[key] for t in texts])
-            if "prompt_mask" in raw:
-                lengths = prefix_lengths(raw["prompt_mask"])
+            mask_key = next((k for k in ("prompt_mask", "prompt_attention_mask") if k in raw), None)
+            if mask_key is not None:  # the families' names of a text mask: Z-Image/Qwen-Image …, Chroma/PixArt
+                lengths = prefix_lengths(raw[mask_key])
                 if lengths is not None:
                     raw["prompt_lengths"] = lengths
         if any(controls):

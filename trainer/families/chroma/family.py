@@ -5,7 +5,8 @@ What differs from Flux.1, and where it lives here:
 
 - Text: T5's hidden states encoded with the attention mask, and the transformer told which text tokens to attend
   to: every real token and the first padding token (``ChromaPipeline._get_t5_prompt_embeds``), then every image
-  token (``_prepare_attention_mask``). Caption dropout gives the empty caption's encoding and mask.
+  token (``_prepare_attention_mask``); a step hands it the batch's longest run of those (the padding beyond takes no
+  part). Caption dropout gives the empty caption's encoding and mask.
 - No guidance embedding and no pooled vector: samples use true CFG with a negative prompt (the pipeline's
   ``guidance_scale``).
 - Flow matching with the scheduler config's shift (``trainer.objectives.flow_objective_for``: unshifted when it says
@@ -20,11 +21,13 @@ What differs from Flux.1, and where it lives here:
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
+from torch._subclasses.fake_tensor import is_fake
 
+from trainer.data.pipeline import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
@@ -52,13 +55,16 @@ TARGETS = {
 
 
 class ChromaConditioning:
-    """T5 ``prompt_embeds`` [B, L, D] and the text part of the attention mask [B, L]; ``.to()`` like a tensor."""
+    """T5 ``prompt_embeds`` [B, L, D] and the text part of the attention mask [B, L]; ``.to()`` like a tensor.
+    ``lengths``: each row's attended tokens (the real ones and the first padding token), on the host, when the
+    captions were cached; else None."""
 
-    def __init__(self, prompt_embeds, text_mask):
-        self.prompt_embeds, self.text_mask = prompt_embeds, text_mask
+    def __init__(self, prompt_embeds, text_mask, lengths: Optional[List[int]] = None):
+        self.prompt_embeds, self.text_mask, self.lengths = prompt_embeds, text_mask, lengths
 
     def to(self, *args: Any, **kwargs: Any) -> "ChromaConditioning":
-        return ChromaConditioning(self.prompt_embeds.to(*args, **kwargs), self.text_mask.to(*args, **kwargs))
+        return ChromaConditioning(self.prompt_embeds.to(*args, **kwargs), self.text_mask.to(*args, **kwargs),
+                                  self.lengths)
 
 
 class Chroma(PeftLayoutLora, Family):
@@ -120,9 +126,11 @@ class Chroma(PeftLayoutLora, Family):
         return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        lengths = None
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_attention_mask"].to(self.device)
+            lengths = batch.get("prompt_lengths")  # counted on the host by the data pipeline
         else:
             embeds, mask = self._encode(list(expand(batch["captions"])), "text_encoder" in train_text)
         if drop_te1 is not None and any(drop_te1):  # the empty caption's encoding and mask
@@ -131,7 +139,10 @@ class Chroma(PeftLayoutLora, Family):
             flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
             embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
             mask = torch.where(flags[:, None], self._empty["prompt_attention_mask"].to(mask), mask)
-        return ChromaConditioning(embeds, mask)
+            empty = prefix_lengths(self._empty["prompt_attention_mask"])  # a host tensor
+            lengths = None if lengths is None or empty is None else \
+                [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
+        return ChromaConditioning(embeds, mask, lengths)
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
@@ -142,10 +153,9 @@ class Chroma(PeftLayoutLora, Family):
         dtype, device = model_input.dtype, model_input.device
         packed = ChromaPipeline._pack_latents(model_input, b, c, h, w)
         img_ids = latent_image_ids(h // 2, w // 2, device, dtype)  # diffusers': made on the CPU, then copied
-        embeds = conditioning.prompt_embeds.to(device, dtype)
+        embeds, text_mask = _attended_text(conditioning, device, dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
-        mask = torch.cat([conditioning.text_mask.to(device, torch.bool),
-                          torch.ones(b, packed.shape[1], device=device, dtype=torch.bool)], dim=1)
+        mask = torch.cat([text_mask, torch.ones(b, packed.shape[1], device=device, dtype=torch.bool)], dim=1)
         # σ in fp32, as diffusers' Flux-lineage trainers pass it: the transformer casts it to the hidden states' dtype
         # itself before it embeds it
         out = self.transformer(hidden_states=packed, encoder_hidden_states=embeds,
@@ -174,6 +184,21 @@ class Chroma(PeftLayoutLora, Family):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
         save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)
+
+
+def _attended_text(conditioning: ChromaConditioning, device: Any, dtype: Any) -> Tuple[Any, Any]:
+    """T5's features and the boolean text mask, cut to the batch's longest attended run (the real tokens and the
+    first padding token). The transformer's mask is an outer product: a padding token beyond it neither attends nor
+    is attended to, so the image tokens' prediction is the same without it (``tests/test_family_chroma.py``), in up
+    to 512 fewer tokens through every block (captions are cached padded to 512). Lengths from the host when cached;
+    on the VRAM estimate's fake tensors (no values) every token is kept."""
+    mask = conditioning.text_mask.to(device, torch.bool)
+    embeds = conditioning.prompt_embeds
+    if not is_fake(mask):
+        lengths = conditioning.lengths or mask.sum(dim=1).tolist()  # the attended tokens come first
+        longest = max(max(int(n) for n in lengths), 1)
+        embeds, mask = embeds[:, :longest], mask[:, :longest]
+    return embeds.to(device, dtype), mask
 
 
 def _boolean_mask(pipe: ChromaPipeline, batch_size, sequence_length, dtype, attention_mask=None):
