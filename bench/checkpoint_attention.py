@@ -34,13 +34,15 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from trainer.memory.checkpointing import ATTENTION_OPS, checkpointed  # noqa: E402
 
 
-class _Attention(TorchDispatchMode):
+class AttentionCalls(TorchDispatchMode):
+    """Counts the attention forwards (the ops a kept-attention checkpoint saves) run while it is active."""
+
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.forwards = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += func in ATTENTION_OPS
+        self.forwards += func in ATTENTION_OPS
         return func(*args, **(kwargs or {}))
 
 
@@ -84,10 +86,10 @@ def measure(step, keep: bool, repeats: int) -> dict:
         step(keep)
     finally:
         sys.setprofile(None)
-    mode = _Attention()
+    mode = AttentionCalls()
     with mode:
         step(keep)
-    return {"us": statistics.median(times) * 1e6, "python_calls": calls[0], "attention_forwards": mode.n}
+    return {"us": statistics.median(times) * 1e6, "python_calls": calls[0], "attention_forwards": mode.forwards}
 
 
 def main(argv=None) -> int:

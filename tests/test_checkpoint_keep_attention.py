@@ -10,26 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from trainer.memory.checkpointing import ATTENTION_OPS, checkpointed, enable_checkpointing
+from trainer.memory.checkpointing import checkpointed, enable_checkpointing
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import step_counts  # noqa: E402
+from checkpoint_attention import AttentionCalls  # noqa: E402  (bench/'s own module)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class AttentionCalls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.forwards = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.forwards += func in ATTENTION_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def _flux_block_grads(keep: bool, compiled: bool = False):
