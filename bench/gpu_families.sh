@@ -26,6 +26,9 @@
 # hidream-24gb (hidream-lora: NF4 transformer and Llama, encoders offloaded), hidream-16gb; demo-krea2, demo-ideogram4
 # and demo-hidream on any machine. All three 24 GB cases in one call: bash bench/gpu_families.sh krea2-24gb
 # ideogram4-24gb hidream-24gb (the random bf16 weights of each model are built in CPU RAM first, as a loaded file's are).
+# Chroma and HunyuanImage 2.1 at 1024 px: chroma-24gb (chroma-lora), chroma-16gb, hunyuan-24gb (hunyuan-image-lora:
+# fp8 transformer, Qwen2.5-VL offloaded), hunyuan-16gb (+ block swapping); their steps hand the transformer each
+# caption's own tokens, not the cache's padding (docs/performance.md, "Every family's step").
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -185,7 +188,11 @@ run_case() {
     ideogram4-16gb) bench ideogram4-16gb ideogram4-lora-16gb 1024 --set "model.path=$(configs ideogram4)" ;;
     hidream-24gb) bench hidream-24gb hidream-lora 1024 --set "model.path=$(configs hidream-full)" ;;
     hidream-16gb) bench hidream-16gb hidream-lora-16gb 1024 --set "model.path=$(configs hidream-full)" ;;
-    demo-krea2|demo-ideogram4|demo-hidream) bench "$1" "$1" 64 ;;  # the tiny models on any machine
+    chroma-24gb) bench chroma-24gb chroma-lora 1024 --set "model.path=$(configs chroma)" ;;
+    chroma-16gb) bench chroma-16gb chroma-lora-16gb 1024 --set "model.path=$(configs chroma)" ;;
+    hunyuan-24gb) bench hunyuan-24gb hunyuan-image-lora 1024 --set "model.path=$(configs hunyuan-image)" ;;
+    hunyuan-16gb) bench hunyuan-16gb hunyuan-image-lora-16gb 1024 --set "model.path=$(configs hunyuan-image)" ;;
+    demo-krea2|demo-ideogram4|demo-hidream|demo-chroma|demo-hunyuan-image) bench "$1" "$1" 64 ;;  # tiny, any machine
     demo) bench demo demo-flux 64 ;;  # the tiny Flux on any machine: checks this script
     demo-pairs) mapfile -t p < <(pairs 64)  # the tiny Kontext on any machine: checks the pair cases
                 bench demo-pairs demo-flux 64 --set model.path=builtin:tiny-flux-kontext "${p[@]}" ;;
