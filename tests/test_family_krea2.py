@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import denoiser_calls, load_tiny
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,13 +28,24 @@ def test_text_features_and_dropout_are_the_pipelines(krea):
     pipe = model.pipeline(None)
     embeds, mask = pipe.encode_prompt(caption, device="cpu", max_sequence_length=model.max_sequence_length)
     cond = model.batch_condition({"captions": [caption]}, lambda c: c, set())
-    torch.testing.assert_close(cond.prompt_embeds.unflatten(-1, (len(model.select_layers), -1)), embeds)
-    assert torch.equal(cond.prompt_mask, mask.bool()) and not bool(mask.all())  # padded in the template's middle
+    assert not bool(mask.all()) and bool(mask[0, -1])  # padded in the template's middle, the suffix after it
+    _same_real_tokens(model, cond, embeds, mask)
     # caption dropout gives the negative prompt the pipeline samples with ("")
     neg, neg_mask = pipe.encode_prompt("", device="cpu", max_sequence_length=model.max_sequence_length)
     dropped = model.batch_condition({"captions": [caption]}, lambda c: c, set(), drop_te1=[True])
-    torch.testing.assert_close(dropped.prompt_embeds.unflatten(-1, (len(model.select_layers), -1)), neg)
-    assert torch.equal(dropped.prompt_mask, neg_mask.bool())
+    _same_real_tokens(model, dropped, neg, neg_mask)
+    # cached: cut to the longest caption encoded with it (here its own)
+    entry = model.encode_captions([caption])
+    assert entry["prompt_mask"].shape[1] == int(mask.sum()) and bool(entry["prompt_mask"].all())
+
+
+def _same_real_tokens(model, cond, embeds, mask):
+    """The pipeline's real tokens, in their order, first; zeros after them (the pipeline's mask is not a prefix)."""
+    ours = cond.prompt_embeds.unflatten(-1, (len(model.select_layers), -1))
+    n = int(mask.sum())
+    assert bool(cond.prompt_mask[0, :n].all()) and not bool(cond.prompt_mask[0, n:].any())
+    torch.testing.assert_close(ours[0, :n], embeds[0][mask[0].bool()])
+    assert not bool(ours[0, n:].any())
 
 
 def test_predict_is_the_pipelines_transformer_call(krea):
@@ -58,6 +69,30 @@ def test_predict_is_the_pipelines_transformer_call(krea):
     finally:
         remove()
     torch.testing.assert_close(pack(pred), ref["out"])
+    # from the caption's real tokens alone, without a mask (the pipeline's call has the padding, masked)
+    seen = transformer_inputs(model, x, sigma, cond)
+    n = int(ref["kwargs"]["encoder_attention_mask"].sum())
+    assert seen["encoder_hidden_states"].shape[1] == n < ref["kwargs"]["encoder_hidden_states"].shape[1]
+    assert seen["encoder_attention_mask"] is None
+
+
+def test_a_cached_batch_is_cut_at_its_longest_caption(krea):
+    """Captions of different lengths cached one by one (each as long as itself), stacked as the data pipeline
+    stacks them: the lengths the host counted cut the batch, and the prediction is the uncut, masked one's."""
+    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.families.common.transformer_kit import MaskedText
+    ws, paths, model = krea
+    rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x")]
+    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
+    cond = model.batch_condition(batch, lambda c: c, set())
+    assert cond.lengths is not None and len(set(cond.lengths)) == 2
+    x, sigma = torch.randn(2, 16, 4, 6, generator=torch.Generator().manual_seed(5)), torch.tensor([0.3, 0.6])
+    padded = MaskedText(torch.cat([cond.prompt_embeds, torch.zeros_like(cond.prompt_embeds)], dim=1),
+                        torch.cat([cond.prompt_mask, torch.zeros_like(cond.prompt_mask)], dim=1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.predict(x, sigma, cond), model.predict(x, sigma, padded),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_turbo_is_its_own_variant_with_the_distilled_schedule_and_defaults(krea, tmp_path):

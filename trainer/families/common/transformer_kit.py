@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from safetensors.torch import load_file
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.data.pipeline import prefix_lengths
 from trainer.errors import ModelLoadError
@@ -33,6 +34,35 @@ class MaskedText:
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         return MaskedText(self.prompt_embeds.to(*args, **kwargs),
                           self.prompt_mask if device is None else self.prompt_mask.to(device), self.lengths)
+
+
+def longest_caption(conditioning: MaskedText, device: Any, dtype: Any) -> Tuple[Any, Any]:
+    """Masked text features cut to the batch's longest caption, and no mask when every row fills it: what
+    ``QwenImagePipeline._get_qwen_prompt_embeds`` pads to and its ``encode_prompt`` hands the transformer, where the
+    cache keeps ``max_sequence_length`` tokens, mostly padding (every padded token went through each block's text
+    stream and joint attention, and the mask left it out). The real tokens come first; their lengths come from the
+    host when the captions were cached (no device read). On the VRAM estimate's fake tensors (no values) every token
+    is kept, with the mask."""
+    mask = conditioning.prompt_mask.to(device)
+    embeds = conditioning.prompt_embeds
+    if is_fake(mask):
+        return embeds.to(device, dtype), mask
+    lengths = conditioning.lengths or mask.sum(dim=1).tolist()
+    longest = max(max(int(n) for n in lengths), 1)
+    embeds = embeds[:, :longest].to(device, dtype)
+    return embeds, None if all(int(n) == longest for n in lengths) else mask[:, :longest]
+
+
+def real_tokens_first(embeds: Any, mask: Any) -> Tuple[Any, Any]:
+    """Each row's real tokens moved to the front, in their order, and the padding (zeroed) to the end: features
+    [B, L, D] whose mask [B, L] is not a prefix (Krea 2 pads in the middle of its template) as features whose real
+    tokens come first, so a step can cut the padding off (:func:`longest_caption`). Only for a transformer that gives
+    text tokens no positions of their own; no device read (a stable sort of the mask)."""
+    mask = mask.bool()
+    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices
+    mask = torch.gather(mask, 1, order)
+    embeds = torch.gather(embeds, 1, order[..., None].expand(-1, -1, embeds.shape[-1]))
+    return embeds * mask[..., None].to(embeds.dtype), mask
 
 
 class ChannelNormalisedLatents:
@@ -83,12 +113,26 @@ class MaskedTextConditioning:
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
-            mask = torch.where(flags[:, None], self._empty["prompt_mask"].to(mask.device).bool(), mask)
+            empty_embeds, empty_mask = self._empty["prompt_embeds"].to(embeds), \
+                self._empty["prompt_mask"].to(mask.device).bool()
+            # features cached at their own length (Krea 2's): both zero-padded at the end to the longer
+            longest = max(embeds.shape[1], empty_embeds.shape[1])
+            embeds, mask = _pad_tokens(embeds, mask, longest)
+            empty_embeds, empty_mask = _pad_tokens(empty_embeds, empty_mask, longest)
+            embeds = torch.where(flags[:, None, None], empty_embeds, embeds)
+            mask = torch.where(flags[:, None], empty_mask, mask)
             empty = prefix_lengths(self._empty["prompt_mask"])
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
         return MaskedText(embeds, mask, lengths)
+
+
+def _pad_tokens(embeds: Any, mask: Any, length: int) -> Tuple[Any, Any]:
+    """Features [B, L, D] and mask [B, L] zero-padded (not real tokens) at the end to ``length``."""
+    extra = length - embeds.shape[1]
+    if extra <= 0:
+        return embeds, mask
+    return (torch.nn.functional.pad(embeds, (0, 0, 0, extra)), torch.nn.functional.pad(mask, (0, extra)))
 
 
 class PeftLayoutLora:

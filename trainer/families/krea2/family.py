@@ -6,7 +6,9 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_krea2
 - Text: the pipeline's own ``get_text_hidden_states`` (the Qwen-Image chat template, the caption padded in the middle
   of the template and the assistant suffix after the padding, positions counting real tokens only, the hidden states
   of ``text_encoder_select_layers`` stacked, the system prefix dropped) is called as is. The features
-  [B, L, layers, D] are cached flattened to [B, L, layers·D] with their mask; the transformer gets them unflattened.
+  [B, L, layers, D] are cached flattened to [B, L, layers·D] with their mask, the real tokens first (the padding in
+  the middle moved to the end: text has no positions in the transformer, and padding takes no part in its attention)
+  and cut to the longest; a step hands the transformer the batch's longest caption, unflattened.
   Caption dropout gives the empty caption's, which is the negative prompt the pipeline samples with.
 - Latents: the Qwen-Image VAE (one-frame video), normalised per channel with ``latents_mean``/``latents_std`` as the
   pipeline inverts them; packed 2×2 into tokens with the pipeline's ``prepare_position_ids`` (text at the origin).
@@ -30,6 +32,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -39,7 +42,9 @@ from trainer.families.common.transformer_kit import (
     ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
+    longest_caption,
     pipeline_with_transformer_file,
+    real_tokens_first,
     save_transformer_file,
 )
 from trainer.families.krea2.keys import (
@@ -142,13 +147,19 @@ class Krea2(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Fa
         with torch.set_grad_enabled(torch.is_grad_enabled() and grads):
             hidden, mask = Krea2Pipeline.get_text_hidden_states(view, list(captions), self.max_sequence_length,
                                                                 self.device)
-        return hidden.flatten(2), mask.bool()
+        # the template pads in its middle; the transformer gives text no positions (its text rows of position_ids
+        # are zero) and leaves padded tokens out of every attention, so the real tokens can come first
+        return real_tokens_first(hidden.flatten(2), mask)
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        """As :class:`MaskedTextConditioning`, but the features kept in the text encoder's dtype: 12 tapped layers of
-        2560 over 520 tokens are 64 MB a caption in fp32, 32 MB in the bf16 they come out in."""
+        """As :class:`MaskedTextConditioning`, but the features kept in the text encoder's dtype and only as long as
+        the longest caption encoded with them: 12 tapped layers of 2560 are 61 kB a token in bf16, 32 MB for the
+        pipeline's 520."""
         with torch.no_grad():
             embeds, mask = self._encode(list(captions))
+            if not is_fake(mask):
+                longest = max(int(mask.sum(dim=1).max()), 1)
+                embeds, mask = embeds[:, :longest], mask[:, :longest]
         return {"prompt_embeds": embeds.cpu(), "prompt_mask": mask.float().cpu()}
 
     # --- the denoiser -------------------------------------------------------------------------
@@ -158,14 +169,13 @@ class Krea2(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Fa
             raise ValueError(f"Krea 2 packs 2×2 latent patches: latents of {h}×{w} must be even (image sizes a "
                              "multiple of 16)")
         dtype, device = model_input.dtype, model_input.device
-        embeds = conditioning.prompt_embeds.to(device, dtype)
+        embeds, mask = longest_caption(conditioning, device, dtype)  # the batch's longest; no mask when full
         embeds = embeds.unflatten(-1, (len(self.select_layers), -1))
         positions = Krea2Pipeline.prepare_position_ids(embeds.shape[1], h // PATCH, w // PATCH, device)
         # σ in fp32 (the pipeline passes t/1000 in the latents' dtype; the time embedding is computed from it)
         out = self.transformer(hidden_states=pack(model_input), encoder_hidden_states=embeds,
                                timestep=timesteps.to(device, torch.float32), position_ids=positions,
-                               encoder_attention_mask=conditioning.prompt_mask.to(device).bool(),
-                               return_dict=False)[0]
+                               encoder_attention_mask=None if mask is None else mask.bool(), return_dict=False)[0]
         return unpack(out, h, w)
 
     # --- sampling ---------------------------------------------------------------------------
@@ -181,7 +191,8 @@ class Krea2(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Fa
 
     def text_fingerprint(self, mcfg: Any) -> str:
         layers = ",".join(map(str, self.select_layers))
-        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:krea2-template:{layers}"
+        return (f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:krea2-template:{layers}"
+                ":real-first")
 
     # --- LoRA files ---------------------------------------------------------------------------
     def peft_file_names(self):

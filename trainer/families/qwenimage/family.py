@@ -30,7 +30,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
-from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -39,6 +38,7 @@ from trainer.families.common.transformer_kit import (
     ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
+    longest_caption,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
@@ -159,29 +159,13 @@ class QwenImage(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora
         hidden = packed if refs is None else torch.cat([packed, refs.to(device, dtype)], dim=1)
         # σ in fp32, as diffusers' Qwen-Image trainer passes it (timesteps / 1000 of the fp32 schedule): the
         # transformer casts it to the hidden states' dtype itself before it embeds it
-        embeds, mask = self._step_text(conditioning, device, dtype)
+        embeds, mask = longest_caption(conditioning, device, dtype)  # as the pipeline pads (no mask when full)
         out = self.transformer(hidden_states=hidden, timestep=timesteps.to(device, torch.float32),
                                encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
                                img_shapes=[[(1, h // 2, w // 2), *ref_shapes]] * b, return_dict=False)[0]
         out = out[:, :packed.shape[1]]  # the target's tokens (the references' are only read)
         return QwenImagePipeline._unpack_latents(out, h * self.vae_scale_factor, w * self.vae_scale_factor,
                                                  self.vae_scale_factor).squeeze(2)
-
-    @staticmethod
-    def _step_text(conditioning: Any, device: Any, dtype: Any) -> Tuple[Any, Any]:
-        """The captions' features cut to the batch's longest caption, without a mask when every row fills it: what
-        ``QwenImagePipeline._get_qwen_prompt_embeds`` pads to and ``encode_prompt`` hands the transformer (the cache
-        keeps ``max_sequence_length`` tokens, mostly padding: every padded token went through each block's text
-        stream and joint attention). The lengths come from the host when the captions are cached (no device read);
-        on the VRAM estimate's fake tensors (no values) every token is kept, with the mask."""
-        mask = conditioning.prompt_mask.to(device)
-        embeds = conditioning.prompt_embeds
-        if is_fake(mask):
-            return embeds.to(device, dtype), mask
-        lengths = getattr(conditioning, "lengths", None) or mask.sum(dim=1).tolist()  # real tokens come first
-        longest = max(max(int(n) for n in lengths), 1)
-        embeds = embeds[:, :longest].to(device, dtype)
-        return embeds, None if all(int(n) == longest for n in lengths) else mask[:, :longest]
 
     def _reference_tokens(self, conditioning: Any, batch: int, latent_hw: Tuple[int, int]) -> Tuple[Any, List[tuple]]:
         """Packed tokens [B, N, C·4] read after the target's, and their ``img_shapes`` entries: none here."""
