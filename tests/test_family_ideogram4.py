@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import denoiser_calls, load_tiny
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,13 +40,19 @@ def test_predict_is_the_pipelines_transformer_call_with_less_padding(ideogram):
             torch.testing.assert_close(ref["timestep"], 1 - sigma)
             cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
             n = int(cond.prompt_mask.sum())
-            torch.testing.assert_close(cond.prompt_embeds[:, -n:], ref["encoder_hidden_states"][:, 64 - n:64])
+            # the pipeline's left-padded features, the real tokens first here
+            torch.testing.assert_close(cond.prompt_embeds[:, :n], ref["encoder_hidden_states"][:, 64 - n:64])
+            assert bool(cond.prompt_mask[:, :n].all()) and not bool(cond.prompt_mask[:, n:].any())
             latents = ref["hidden_states"][:, 64:].transpose(1, 2).reshape(1, 32, h, w)
             pred = model.predict(latents, sigma, cond)
     finally:
         remove()
     want = -calls[1]["out"][:, 64:].transpose(1, 2).reshape(1, 32, h, w)
     torch.testing.assert_close(pred, want, atol=1e-5, rtol=1e-5)
+    # the transformer sees the caption's tokens alone, before the image's; a cached entry is as long as its caption
+    seen = transformer_inputs(model, latents, sigma, cond)
+    assert seen["encoder_hidden_states"].shape[1] == n + h * w
+    assert model.encode_captions(["a red square"])["prompt_mask"].shape[1] == n
     # caption dropout: the empty caption's features (chat template and all), as the other families drop
     dropped = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set(), drop_te1=[True])
     empty = model.batch_condition({"captions": [""]}, lambda c: c, set())

@@ -65,6 +65,16 @@ def real_tokens_first(embeds: Any, mask: Any) -> Tuple[Any, Any]:
     return embeds * mask[..., None].to(embeds.dtype), mask
 
 
+def cut_to_longest(embeds: Any, mask: Any) -> Tuple[Any, Any]:
+    """Features [B, L, D] whose real tokens come first, and their mask, cut after the longest row's real tokens (what
+    a text cache keeps of a family whose step cuts its padding anyway: :func:`longest_caption`). On the VRAM
+    estimate's fake tensors (no values) every token is kept."""
+    if is_fake(mask):
+        return embeds, mask
+    longest = max(int(mask.sum(dim=1).max()), 1)
+    return embeds[:, :longest], mask[:, :longest]
+
+
 class ChannelNormalisedLatents:
     """Latents of the Wan-style VAEs (Wan, Qwen-Image, Krea 2, Qwen-Image 2.1), whose config holds per-channel
     ``latents_mean``/``latents_std``: a latent is drawn from the cached posterior and normalised per channel, as the

@@ -8,8 +8,10 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_ideog
   decoder layers (``QWEN3_VL_ACTIVATION_LAYERS``) concatenated per token (53,248 features), left-padded, padding
   zeroed — ``Ideogram4Pipeline._get_text_encoder_hidden_states``, made Qwen3-VL's forward here
   (:func:`tapped_text_layers`) so that the text-encoder offload's hooks see the call. The pipeline pads to 2048 tokens;
-  Atelier pads to ``model.t5_max_length`` (default 512): padding tokens form their own attention segment and the
-  text positions count from the first real token, so the image tokens' output is the same (tested).
+  Atelier encodes at ``model.t5_max_length`` (default 512): padding tokens form their own attention segment and the
+  text positions count from the first real token, so the image tokens' output is the same (tested); so the cache
+  keeps the real tokens first and no more of them than the longest caption encoded with it, and a step hands the
+  transformer the batch's longest caption.
 - The sequence: ``[text | image]`` with 3-axis MRoPE positions, a block-diagonal segment mask and per-token role
   indicators, built as ``Ideogram4Pipeline._prepare_ids`` builds them (vectorised here, from the text mask).
 - The clock runs the other way: the transformer takes model time 1 − σ and returns the velocity x − ε (the pipeline
@@ -54,7 +56,10 @@ from trainer.families.common.peft_lora import load_peft_layout, peft_layout_stat
 from trainer.families.common.transformer_kit import (
     MaskedTextConditioning,
     PeftLayoutLora,
+    cut_to_longest,
+    longest_caption,
     pipeline_with_transformer_file,
+    real_tokens_first,
     save_transformer_file,
 )
 from trainer.families.ideogram4 import lora_keys
@@ -252,14 +257,25 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
             layers = self.text_encoder(token_ids.to(device), mask.to(device), positions.to(device))
         features = torch.stack(layers, dim=0).permute(1, 2, 3, 0).reshape(len(captions), length, -1)
         features = (features * mask.to(features).unsqueeze(-1)).to(torch.float32)
-        return features.to(self.device), mask.to(self.device).bool()
+        # the real tokens first: their features are made (left-padded, as the pipeline makes them) and their
+        # positions in the transformer count real tokens only, while padding is a segment of its own that nothing
+        # else attends to, so where it sits changes nothing, and at the end it can be cut off
+        return real_tokens_first(features.to(self.device), mask.to(self.device))
+
+    def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        """As :class:`MaskedTextConditioning`, only as long as the longest caption encoded with them (13 layers of
+        Qwen3-VL per token: ~250 kB a token in fp32 at the released width)."""
+        with torch.no_grad():
+            embeds, mask = cut_to_longest(*self._encode(list(captions)))
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
 
     # --- the denoiser -------------------------------------------------------------------------
     def predict(self, model_input, timesteps, conditioning):
         device, dtype = model_input.device, model_input.dtype
-        features = conditioning.prompt_embeds.to(device, dtype)
-        text_mask = conditioning.prompt_mask.to(device).bool()
         batch, channels, grid_h, grid_w = model_input.shape
+        features, text_mask = longest_caption(conditioning, device, dtype)  # the batch's longest caption
+        if text_mask is None:  # every row fills it
+            text_mask = torch.ones(features.shape[:2], dtype=torch.bool, device=device)
         length, image_tokens = text_mask.shape[1], grid_h * grid_w
         tokens = model_input.flatten(2).transpose(1, 2)  # [B, h·w, C], row-major as the pipeline's grid
         hidden = torch.cat([tokens.new_zeros(batch, length, channels), tokens], dim=1)
@@ -302,7 +318,7 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
         return {"max_sequence_length": self.max_sequence_length}
 
     def text_fingerprint(self, mcfg: Any) -> str:
-        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:qwen3vl-13-layers"
+        return f"{mcfg.path}:{part_dtype(mcfg, 'text_encoder')}:{self.max_sequence_length}:qwen3vl-13-layers:real-first"
 
     # --- LoRA files ---------------------------------------------------------------------------
     def peft_file_names(self):

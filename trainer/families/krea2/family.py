@@ -32,7 +32,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import Krea2Pipeline, Krea2Transformer2DModel
-from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources
@@ -42,6 +41,7 @@ from trainer.families.common.transformer_kit import (
     ChannelNormalisedLatents,
     MaskedTextConditioning,
     PeftLayoutLora,
+    cut_to_longest,
     longest_caption,
     pipeline_with_transformer_file,
     real_tokens_first,
@@ -156,10 +156,7 @@ class Krea2(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Fa
         the longest caption encoded with them: 12 tapped layers of 2560 are 61 kB a token in bf16, 32 MB for the
         pipeline's 520."""
         with torch.no_grad():
-            embeds, mask = self._encode(list(captions))
-            if not is_fake(mask):
-                longest = max(int(mask.sum(dim=1).max()), 1)
-                embeds, mask = embeds[:, :longest], mask[:, :longest]
+            embeds, mask = cut_to_longest(*self._encode(list(captions)))
         return {"prompt_embeds": embeds.cpu(), "prompt_mask": mask.float().cpu()}
 
     # --- the denoiser -------------------------------------------------------------------------
