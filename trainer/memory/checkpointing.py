@@ -16,7 +16,8 @@ Compiled blocks (``training.compile``) keep it too: the checkpoint sits around t
 its checkpointing function with the block), and the compiled code calls the attention kernel as an aten op, which the
 checkpoint's dispatch mode sees (checked with inductor on the CPU and with AOTAutograd in the test). What it adds is
 host work: the dispatch mode runs Python for every op of a checkpointed block's forward and recomputation (about
-+3.5 ms per Flux double block on a slow 2-core CPU, ``bench/checkpoint_attention.py``), which is why it is a switch.
++4 ms per Flux double block and +2 ms per single one on a slow 2-core CPU, ``bench/checkpoint_attention.py``), which
+is why it is a switch.
 """
 
 from __future__ import annotations

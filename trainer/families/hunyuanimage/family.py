@@ -28,9 +28,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
-from torch._subclasses.fake_tensor import is_fake
 from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
+from torch._subclasses.fake_tensor import is_fake
 
 from trainer.errors import ModelLoadError
 from trainer.families import sources

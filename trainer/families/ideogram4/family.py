@@ -264,7 +264,7 @@ class Ideogram4(MaskedTextConditioning, PeftLayoutLora, Family):
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
         """As :class:`MaskedTextConditioning`, only as long as the longest caption encoded with them (13 layers of
-        Qwen3-VL per token: ~250 kB a token in fp32 at the released width)."""
+        Qwen3-VL, 53,248 features a token: ~210 kB in fp32)."""
         with torch.no_grad():
             embeds, mask = cut_to_longest(*self._encode(list(captions)))
         return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
