@@ -97,6 +97,10 @@ class TrainingConfig:
                                            "layers, the fp32 weights stay the optimizer's masters (fewer casts a "
                                            "step, the same values). One process, not with training.compile.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
+    gradient_checkpointing_interval: int = f(1, "With gradient checkpointing: checkpoint every Nth block only; the "
+                                                "others keep their activations for backward (less recomputation, "
+                                                "more memory: estimate-vram counts it). 1 = every block. As "
+                                                "SimpleTuner's --gradient_checkpointing_interval.", min=1, max=1000)
     checkpoint_keep_attention: bool = f(False, "With gradient checkpointing: keep each block's attention output "
                                                "for backward instead of computing attention again there. Pays "
                                                "for long sequences (video clips, large images), where attention "

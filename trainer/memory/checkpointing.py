@@ -1,4 +1,5 @@
-"""Gradient checkpointing of the denoiser's blocks, optionally keeping each block's attention output.
+"""Gradient checkpointing of the denoiser's blocks, optionally keeping each block's attention output, optionally of
+every N-th block only (``training.gradient_checkpointing_interval``, :class:`Checkpointing`).
 
 Plain checkpointing (``training.gradient_checkpointing``) keeps none of a block's tensors for backward and runs the
 whole block again there: its matmuls, norms and attention. With ``training.checkpoint_keep_attention`` the block's
@@ -10,7 +11,7 @@ that saves attention alone. What it costs: the attention output of every checkpo
 (batch × tokens × the attention's width, in the compute dtype) and its softmax statistics stay alive until backward;
 what it saves: one attention forward per block and step, which grows with the square of the sequence length (a
 1024 px DiT, video clips). The values are the same: the kept output is the one the recomputation would have made
-again (``tests/test_checkpoint_keep_attention.py``).
+again (``tests/test_checkpointing_options.py``).
 
 Compiled blocks (``training.compile``) keep it too: the checkpoint sits around the compiled block (diffusers calls
 its checkpointing function with the block), and the compiled code calls the attention kernel as an aten op, which the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Dict
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -69,11 +70,31 @@ def checkpointed(module: Any, *args: Any, keep_attention: bool = False, **kwargs
     return checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_function(keep_attention: bool) -> Callable[..., Any]:
+class Checkpointing:
+    """diffusers' ``_gradient_checkpointing_func`` (``enable_gradient_checkpointing(gradient_checkpointing_func=…)``):
+    the blocks a model hands it, checkpointed as :func:`checkpointed` does, every ``interval``-th of them only
+    (``training.gradient_checkpointing_interval``; the others run plainly and keep their activations for backward:
+    less recomputation, more memory). Blocks are counted in the order they are first handed over (a model's forward
+    calls them in its own order, the same every step), so with 2 the first, third, fifth … block is checkpointed."""
+
+    def __init__(self, keep_attention: bool = False, interval: int = 1):
+        self.keep_attention, self.interval = bool(keep_attention), max(int(interval), 1)
+        self._order: Dict[int, int] = {}
+
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        index = self._order.setdefault(id(module), len(self._order))
+        if index % self.interval:
+            return module(*args, **kwargs)
+        return checkpointed(module, *args, keep_attention=self.keep_attention, **kwargs)
+
+
+def checkpoint_function(keep_attention: bool, interval: int = 1) -> Callable[..., Any]:
+    if interval > 1:
+        return Checkpointing(keep_attention, interval)
     return partial(checkpointed, keep_attention=True) if keep_attention else checkpointed
 
 
-def enable_checkpointing(module: Any, keep_attention: bool = False) -> None:
+def enable_checkpointing(module: Any, keep_attention: bool = False, interval: int = 1) -> None:
     """Turn on ``module``'s gradient checkpointing: a transformers model (text encoders) its own way; a diffusers model
     (and the trainer's wrappers of one) with :func:`checkpoint_function`."""
     if hasattr(module, "gradient_checkpointing_enable"):
@@ -81,9 +102,9 @@ def enable_checkpointing(module: Any, keep_attention: bool = False) -> None:
         return
     enable = module.enable_gradient_checkpointing
     if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
-        enable(gradient_checkpointing_func=checkpoint_function(keep_attention))
+        enable(gradient_checkpointing_func=checkpoint_function(keep_attention, interval))
     else:
         enable()
 
 
-__all__ = ["ATTENTION_OPS", "checkpoint_function", "checkpointed", "enable_checkpointing"]
+__all__ = ["ATTENTION_OPS", "Checkpointing", "checkpoint_function", "checkpointed", "enable_checkpointing"]

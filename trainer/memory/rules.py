@@ -36,6 +36,12 @@ def check_storage(cfg: Any) -> None:
                           "block leaves the GPU right after its forward, and backward recomputes that forward to bring "
                           "it back. Turn gradient checkpointing on, or set blocks_to_swap to 0.",
                           key="parts.denoiser.blocks_to_swap", value=swap)
+    interval = int(cfg.training.get("gradient_checkpointing_interval", 1) or 1)
+    if swap and interval > 1:
+        raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs every block checkpointed, and "
+                          f"training.gradient_checkpointing_interval = {interval} leaves some blocks' activations, "
+                          "which hold their weights, for backward. Set the interval to 1, or blocks_to_swap to 0.",
+                          key="training.gradient_checkpointing_interval", value=interval)
     if swap and cfg.training.method != "lora" and cfg.parts.denoiser.train:
         raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} swaps the denoiser's frozen weights, but a fine-tune "
                           "trains all of them. Use training.method = lora, or set blocks_to_swap to 0.",
@@ -48,7 +54,7 @@ def check_storage(cfg: Any) -> None:
 
 def precision_warnings(cfg: Any) -> List[Issue]:
     """Rules on weight precision: fp16 weights trained directly, stochastic rounding where it does nothing or
-    is missing; and checkpointing's kept attention without checkpointing."""
+    is missing; and checkpointing's interval and kept attention without checkpointing."""
     out: List[Issue] = []
     t = cfg.training
     if t.mixed_precision == "fp16" and t.method == "finetune" and cfg.parts.denoiser.dtype == "fp16":
@@ -61,6 +67,10 @@ def precision_warnings(cfg: Any) -> List[Issue]:
             and not cfg.precision.stochastic_rounding:
         out.append(Issue("precision.stochastic_rounding", "Training bf16 weights rounds small updates away; "
                                                           "turn on precision.stochastic_rounding."))
+    if int(t.get("gradient_checkpointing_interval", 1) or 1) > 1 and not t.gradient_checkpointing:
+        out.append(Issue("training.gradient_checkpointing_interval", "The interval only chooses which blocks "
+                                                                     "training.gradient_checkpointing checkpoints, "
+                                                                     "and it is off."))
     if t.get("checkpoint_keep_attention", False) and not t.gradient_checkpointing:
         out.append(Issue("training.checkpoint_keep_attention", "Keeping attention outputs only changes checkpointed "
                                                                "blocks: without training.gradient_checkpointing "

@@ -1,6 +1,7 @@
-"""``training.checkpoint_keep_attention``: gradient checkpointing that keeps each block's attention output, so
-backward recomputes the block without its attention. The same gradients and the same trained LoRA as plain
-checkpointing, one attention forward fewer per block and step (counted, not timed)."""
+"""Gradient checkpointing's options. ``training.checkpoint_keep_attention``: each block's attention output kept, so
+backward recomputes the block without its attention; ``training.gradient_checkpointing_interval``: every Nth block
+checkpointed, the others keep their activations. The same gradients and the same trained LoRA as plain
+checkpointing, with fewer attention forwards per step (counted, not timed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer.memory.checkpointing import checkpointed, enable_checkpointing
+from trainer.memory.checkpointing import Checkpointing, checkpointed, enable_checkpointing
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -104,3 +105,55 @@ def test_keeping_attention_without_checkpointing_is_warned_about(tmp_path):
         for on in ("true", "false")}
     assert "training.checkpoint_keep_attention" in keys["false"]
     assert "training.checkpoint_keep_attention" not in keys["true"]
+
+
+def test_an_interval_checkpoints_every_nth_block_in_the_order_the_model_calls_them():
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(5)]
+    calls = [0] * 5
+    for i, block in enumerate(blocks):  # on the first layer: a recomputation stops once it has what backward needs
+        block[0].register_forward_hook(lambda m, a, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    x = torch.randn(3, 8, requires_grad=True)
+    grads = {}
+    for interval in (1, 2):
+        calls[:] = [0] * 5
+        checkpointing, h = Checkpointing(interval=interval), x
+        for block in blocks:
+            h = checkpointing(block, h)
+        x.grad = None
+        h.square().sum().backward()
+        grads[interval] = x.grad.clone()
+        # a checkpointed block runs again in backward
+        assert calls == ([2] * 5 if interval == 1 else [2, 1, 2, 1, 2])
+    assert torch.equal(grads[1], grads[2])
+
+
+def test_a_flux_lora_run_with_an_interval_trains_the_same_lora(tiny_workspace):
+    """The tiny Flux's two blocks with interval 2: the first checkpointed, the second not (3 attention forwards a step
+    instead of 4), and the LoRA of plain checkpointing, bit for bit."""
+    counts, loras = {}, {}
+    for interval in (1, 2):
+        name = f"checkpoint-interval-{interval}"
+        counts[interval] = step_counts.run_case(
+            "demo-flux", ["training.mixed_precision=bf16", "training.gradient_checkpointing=true",
+                          f"training.gradient_checkpointing_interval={interval}"],
+            warmup=2, count=1, workspace=tiny_workspace, run_name=name)
+        loras[interval] = load_file(str(tiny_workspace / "runs" / name / f"{name}.safetensors"))
+    attention = {i: sum(v for k, v in c["op_names"].items() if k.startswith("_scaled_dot_product")
+                        and not k.endswith("_backward")) for i, c in counts.items()}
+    assert attention == {1: 4, 2: 3}
+    assert all(torch.equal(loras[1][k], loras[2][k]) for k in loras[1])
+
+
+def test_an_interval_is_refused_with_block_swapping_and_warned_about_without_checkpointing(tmp_path):
+    from trainer.config.checks import check_config, cross_field_warnings, load_config
+    ws = f"general.workspace={tmp_path}"
+    warned = cross_field_warnings(load_config(preset="demo-flux", overrides=[
+        ws, "training.gradient_checkpointing=false", "training.gradient_checkpointing_interval=2"]))
+    assert "training.gradient_checkpointing_interval" in {i.key for i in warned}
+    cfg, issues = check_config(preset="demo-flux", overrides=[
+        ws, "training.gradient_checkpointing=true", "training.gradient_checkpointing_interval=2",
+        "parts.denoiser.blocks_to_swap=1"])
+    errors = [i for i in issues if i.level == "error"]
+    assert cfg is None and [i.key for i in errors] == ["training.gradient_checkpointing_interval"]
+    assert "blocks_to_swap" in errors[0].message
