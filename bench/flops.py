@@ -8,6 +8,7 @@
     .venv/bin/python bench/flops.py --family hunyuan-image --resolution 2048 --text-tokens 64 # and 1000
     .venv/bin/python bench/flops.py --family chroma --resolution 1024 --text-tokens 64        # and 512
     .venv/bin/python bench/flops.py --family krea2 --resolution 1024 --text-tokens 64         # and 520
+    .venv/bin/python bench/flops.py --family sana --resolution 512 --text-tokens 64           # and 300
 
 The UNet is built from the shipped diffusers config (``trainer/families/common/sd_kit/configs/<family>/unet``)
 on the meta device (no weights, no memory) and one forward pass is counted with
@@ -19,10 +20,10 @@ weights get no gradient matmuls; the adapters' own FLOPs are negligible). With a
 (``--peak-tflops``: e.g. an H100 SXM's bf16 989, an RTX 4090's bf16 165 — with dense, not sparse, figures),
 it prints MFU = FLOPs per step × steps/s ÷ peak.
 
-``qwen-image``, ``hunyuan-image``, ``chroma``, ``krea2``: the transformer from the family's shipped full-size config, with
+``qwen-image``, ``hunyuan-image``, ``chroma``, ``krea2``, ``sana``: the transformer from the family's shipped full-size config, with
 ``--text-tokens`` caption tokens through its text stream and joint attention (what a step hands it: the batch's
 longest caption; before 2026-11-28 steps passed the text cache's padded length, 512 for Qwen-Image and Chroma, 520
-for Krea 2 and 1000 for HunyuanImage). HunyuanImage is counted without its glyph (ByT5) tokens: its transformer reorders them by their mask,
+for Krea 2, 300 for Sana and 1000 for HunyuanImage). HunyuanImage is counted without its glyph (ByT5) tokens: its transformer reorders them by their mask,
 which the meta device cannot (they add at most 128 tokens more, 8 for a short quote).
 """
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 CONFIGS = ROOT / "trainer" / "families" / "common" / "sd_kit" / "configs"
 TEXT_WIDTH = {"sd15": 768, "sd2": 1024, "sd2-base": 1024, "sdxl": 2048}
-TRANSFORMERS = ("chroma", "hunyuan-image", "krea2", "qwen-image")
+TRANSFORMERS = ("chroma", "hunyuan-image", "krea2", "qwen-image", "sana")
 STEP_FACTOR = {"finetune": 3.0, "lora": 2.0, "embedding": 2.0}
 
 
@@ -70,12 +71,13 @@ def transformer_forward_flops(family: str, resolution: int, batch: int, text_tok
 
     import torch
     from diffusers import (ChromaTransformer2DModel, HunyuanImageTransformer2DModel, Krea2Transformer2DModel,
-                           QwenImageTransformer2DModel)
+                           QwenImageTransformer2DModel, SanaTransformer2DModel)
     from torch.utils.flop_counter import FlopCounterMode
 
     from trainer.families.common import full_size
     cls = {"qwen-image": QwenImageTransformer2DModel, "hunyuan-image": HunyuanImageTransformer2DModel,
-           "chroma": ChromaTransformer2DModel, "krea2": Krea2Transformer2DModel}[family]
+           "chroma": ChromaTransformer2DModel, "krea2": Krea2Transformer2DModel,
+           "sana": SanaTransformer2DModel}[family]
     with tempfile.TemporaryDirectory() as tmp:
         config = cls.load_config(str(full_size.config_folder(family, Path(tmp)) / "transformer"))
     with torch.device("meta"):  # fp32: the FLOPs are the same in any dtype
@@ -86,6 +88,10 @@ def transformer_forward_flops(family: str, resolution: int, batch: int, text_tok
             kwargs = dict(hidden_states=torch.empty(batch, side * side, config["in_channels"]),
                           encoder_hidden_states=torch.empty(batch, text_tokens, config["joint_attention_dim"]),
                           timestep=t, img_shapes=[[(1, side, side)]] * batch)
+        elif family == "sana":
+            side = resolution // 32  # 32x VAE, 1x1 patches
+            kwargs = dict(hidden_states=torch.empty(batch, config["in_channels"], side, side), timestep=t,
+                          encoder_hidden_states=torch.empty(batch, text_tokens, config["caption_channels"]))
         elif family == "krea2":
             side = resolution // 16  # 8x VAE, 2x2 patches
             kwargs = dict(hidden_states=torch.empty(batch, side * side, config["in_channels"]), timestep=t,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import denoiser_calls, load_tiny
+from conftest import denoiser_calls, load_tiny, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,6 +67,11 @@ def test_predict_is_the_pipelines_transformer_call(sana):
     finally:
         remove()
     torch.testing.assert_close(pred, ref["out"])
+    # from the caption's real tokens alone (the pipeline's call has the padding, masked out of the cross-attention)
+    seen = transformer_inputs(model, hidden, t.float() / 1000, cond)
+    n = int(ref["kwargs"]["encoder_attention_mask"].sum())
+    assert seen["encoder_hidden_states"].shape[1] == n < ref["kwargs"]["encoder_hidden_states"].shape[1]
+    assert seen["encoder_attention_mask"] is None
     # the flow target the loop trains against is what the pipeline's scheduler steps with (flow_prediction)
     assert pipe.scheduler.config.prediction_type == "flow_prediction"
     assert model.objective.shift == pipe.scheduler.config.flow_shift == 3.0

@@ -36,6 +36,7 @@ from trainer.families.base import Family, part_dtype
 from trainer.families.common.transformer_kit import (
     MaskedTextConditioning,
     PeftLayoutLora,
+    longest_caption,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
@@ -157,8 +158,10 @@ class Sana(MaskedTextConditioning, PeftLayoutLora, Family):
         device, dtype = model_input.device, model_input.dtype
         # the timestep in fp32 on the 0-1000 clock the pipeline passes (× timestep_scale, 1 in the released models)
         t = timesteps.to(device, torch.float32) * 1000.0 * float(self.transformer.config.get("timestep_scale", 1.0))
-        return self.transformer(model_input, encoder_hidden_states=conditioning.prompt_embeds.to(device, dtype),
-                                encoder_attention_mask=conditioning.prompt_mask.to(device).long(), timestep=t,
+        # the batch's longest caption (the pipeline pads to 300 tokens, which the cross-attention's mask leaves out)
+        embeds, mask = longest_caption(conditioning, device, dtype)
+        return self.transformer(model_input, encoder_hidden_states=embeds,
+                                encoder_attention_mask=None if mask is None else mask.long(), timestep=t,
                                 return_dict=False)[0]
 
     # --- sampling ---------------------------------------------------------------------------
