@@ -258,6 +258,9 @@ def test_a_memory_tier_presets_settings_undone_are_named_at_their_fields():
     assert "16 GB card" in got["parts.denoiser.nf4"] and "--card-gib 16" in got["training.batch_size"]
     assert set(tier("sdxl-lora-8gb", "training.gradient_checkpointing=false", "training.optimizer.name=adamw8bit")) == \
         {"training.gradient_checkpointing", "training.optimizer.name"}  # Adafactor → 8-bit states: more
+    assert set(tier("flux-lora-24gb", "training.gradient_checkpointing_interval=2",
+                    "training.checkpoint_keep_attention=true")) == \
+        {"training.gradient_checkpointing_interval", "training.checkpoint_keep_attention"}
     assert set(tier("qwen-image-lora-16gb", "parts.denoiser.blocks_to_swap=40", "parts.text_encoder_1.fp8=false")) == \
         {"parts.text_encoder_1.fp8"}  # more swapped blocks need less
     assert not tier("sd15-lora", "training.batch_size=8")  # no tier: no check

@@ -26,7 +26,8 @@ KEEP = 8  # estimates kept (by config text)
 _kept: "OrderedDict[str, dict]" = OrderedDict()
 _kept_lock = threading.Lock()
 
-SAVINGS = ("turn on training.gradient_checkpointing", "store the frozen denoiser in fp8 (parts.denoiser.fp8, LoRA)",
+SAVINGS = ("turn on training.gradient_checkpointing (every block: training.gradient_checkpointing_interval 1, "
+           "training.checkpoint_keep_attention off)", "store the frozen denoiser in fp8 (parts.denoiser.fp8, LoRA)",
            "lower training.batch_size or data.resolution", "use bf16 weights (parts.<part>.dtype) and bf16 mixed "
            "precision", "an 8-bit optimizer (adamw8bit) or Adafactor", "cache the text encoders' outputs "
            "(data.cache_text) so they leave the GPU")

@@ -67,6 +67,10 @@ _RULES: List[Tuple[str, Callable[[Any], Any], Callable[[Any, Any], bool]]] = [
     ("data.cache_latents", lambda c: bool(c.data.cache_latents), lambda tier, now: tier and not now),
     ("training.gradient_checkpointing", lambda c: bool(c.training.gradient_checkpointing),
      lambda tier, now: tier and not now),
+    ("training.gradient_checkpointing_interval",  # every Nth block checkpointed: the others keep activations
+     lambda c: int(c.training.get("gradient_checkpointing_interval", 1) or 1), lambda tier, now: now > tier),
+    ("training.checkpoint_keep_attention", lambda c: bool(c.training.get("checkpoint_keep_attention", False)),
+     lambda tier, now: now and not tier),
     ("training.batch_size", lambda c: int(c.training.batch_size), lambda tier, now: now > tier),
     ("data.resolution", _largest_side, lambda tier, now: now > tier),
     ("lora.rank", lambda c: int(c.lora.rank), lambda tier, now: now > 2 * tier),
