@@ -143,6 +143,8 @@ def test_cached_captions_are_cut_at_lengths_the_host_knows(chroma):
     ws, paths = chroma
     model = load_tiny(ws, paths["diffusers"])
     rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x", "a blue ball")]
+    # each entry as long as its attended run (the step cuts the rest off anyway)
+    assert [r["prompt_attention_mask"].shape[1] for r in rows] == [int(r["prompt_attention_mask"].sum()) for r in rows]
     batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     batch["prompt_lengths"] = prefix_lengths(batch["prompt_attention_mask"])
     cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=[False, False, True])

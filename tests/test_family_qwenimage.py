@@ -89,14 +89,15 @@ def test_the_transformer_sees_sigma_in_fp32_as_diffusers_qwen_image_trainer_pass
 
 
 def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
-    """The cache keeps 512 tokens a caption, mostly padding; the transformer gets the batch's longest caption (no
-    mask when every row fills it), as ``QwenImagePipeline.encode_prompt`` hands it over: the same features and the
-    same prediction as the padded, masked call, in a fraction of the text tokens. A cached batch's lengths come from
-    the host (the mask is not read back)."""
+    """The cache kept 512 tokens a caption, mostly padding, and the step passed them all; now a cached entry is as
+    long as its caption and the transformer gets the batch's longest caption (no mask when every row fills it), as
+    ``QwenImagePipeline.encode_prompt`` hands it over: the same features and the same prediction as the padded,
+    masked call, in a fraction of the text tokens. A cached batch's lengths come from the host (the mask is not read
+    back)."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     from trainer.data.pipeline import _stack_padded, prefix_lengths
-    from trainer.families.common.transformer_kit import MaskedText
+    from trainer.families.common.transformer_kit import MaskedText, pad_tokens
     ws, paths = qwen
     model = load_tiny(ws, paths["diffusers"])
     pipe = model.pipeline(None).pipe
@@ -107,7 +108,8 @@ def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
         batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
         batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
         cond = model.batch_condition(batch, lambda c: c, set())
-        assert cond.prompt_embeds.shape[1] == model.max_sequence_length > theirs.shape[1]
+        # each entry as long as its caption (the step cuts the rest off anyway)
+        assert [r["prompt_mask"].shape[1] for r in rows] == [int(r["prompt_mask"].sum()) for r in rows]
         mask = torch.zeros_like(cond.prompt_mask)  # a mask the step must not read
         seen = transformer_inputs(model, x, sigma, MaskedText(cond.prompt_embeds, mask, cond.lengths))
         torch.testing.assert_close(seen["encoder_hidden_states"], theirs)
@@ -115,10 +117,12 @@ def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
             assert seen["encoder_hidden_states_mask"] is None
         else:  # told from the host's lengths, not the (zeroed) mask
             assert seen["encoder_hidden_states_mask"] is not None and not seen["encoder_hidden_states_mask"].any()
+        # the reference: every caption padded to the 512 tokens the cache kept before, with the mask
+        embeds, full = pad_tokens(cond.prompt_embeds, cond.prompt_mask, model.max_sequence_length)
         with torch.no_grad():
             padded = model.transformer(
                 hidden_states=QwenImagePipeline._pack_latents(x, 2, 16, 4, 6), timestep=sigma,
-                encoder_hidden_states=cond.prompt_embeds, encoder_hidden_states_mask=cond.prompt_mask,
+                encoder_hidden_states=embeds, encoder_hidden_states_mask=full,
                 img_shapes=[[(1, 2, 3)]] * 2, return_dict=False)[0]
             ours = model.predict(x, sigma, cond)  # uncached (no lengths): the mask gives the same cut
             assert torch.equal(ours, model.predict(x, sigma, MaskedText(cond.prompt_embeds, cond.prompt_mask)))

@@ -72,6 +72,7 @@ def test_predict_is_the_pipelines_transformer_call(sana):
     n = int(ref["kwargs"]["encoder_attention_mask"].sum())
     assert seen["encoder_hidden_states"].shape[1] == n < ref["kwargs"]["encoder_hidden_states"].shape[1]
     assert seen["encoder_attention_mask"] is None
+    assert model.encode_captions(["a red square"])["prompt_mask"].shape[1] == n  # the cache keeps no more
     # the flow target the loop trains against is what the pipeline's scheduler steps with (flow_prediction)
     assert pipe.scheduler.config.prediction_type == "flow_prediction"
     assert model.objective.shift == pipe.scheduler.config.flow_shift == 3.0

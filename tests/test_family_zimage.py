@@ -90,6 +90,7 @@ def test_cached_captions_are_cut_at_lengths_the_host_knows(zimage):
     ws, paths = zimage
     model = load_tiny(ws, paths["diffusers"])
     rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x")]
+    assert [r["prompt_mask"].shape[1] for r in rows] == [int(r["prompt_mask"].sum()) for r in rows]  # no padding kept
     batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
     assert batch["prompt_lengths"] == [int(n) for n in batch["prompt_mask"].sum(1)]

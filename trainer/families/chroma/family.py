@@ -36,6 +36,8 @@ from trainer.families.common.bfl_keys import bfl_to_diffusers, diffusers_to_bfl
 from trainer.families.common.packed_ids import latent_image_ids
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
+    cut_to_longest,
+    pad_tokens,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
@@ -121,8 +123,8 @@ class Chroma(PeftLayoutLora, Family):
         return embeds, text_mask
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
-        with torch.no_grad():
-            embeds, mask = self._encode(list(captions))
+        with torch.no_grad():  # only as long as the longest attended run: the step cuts the rest off anyway
+            embeds, mask = cut_to_longest(*self._encode(list(captions)))
         return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
@@ -137,8 +139,13 @@ class Chroma(PeftLayoutLora, Family):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
-            mask = torch.where(flags[:, None], self._empty["prompt_attention_mask"].to(mask), mask)
+            empty_embeds, empty_mask = self._empty["prompt_embeds"].to(embeds), \
+                self._empty["prompt_attention_mask"].to(mask)
+            longest = max(embeds.shape[1], empty_embeds.shape[1])  # cached features are cut to their length
+            embeds, mask = pad_tokens(embeds, mask, longest)
+            empty_embeds, empty_mask = pad_tokens(empty_embeds, empty_mask, longest)
+            embeds = torch.where(flags[:, None, None], empty_embeds, embeds)
+            mask = torch.where(flags[:, None], empty_mask, mask)
             empty = prefix_lengths(self._empty["prompt_attention_mask"])  # a host tensor
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]

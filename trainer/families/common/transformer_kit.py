@@ -105,10 +105,15 @@ class MaskedTextConditioning:
     the bool mask of the real tokens (Z-Image, Qwen-Image); caption dropout gives the empty caption's."""
 
     _empty: Optional[Dict[str, Any]] = None
+    # the step cuts the padding off (the real tokens first, the transformer never sees the rest): the cache keeps
+    # only as many tokens as the longest caption encoded with an entry (:func:`cut_to_longest`)
+    cache_cut = False
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
         with torch.no_grad():
             embeds, mask = self._encode(list(captions))
+            if self.cache_cut:
+                embeds, mask = cut_to_longest(embeds, mask)
         return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
@@ -127,8 +132,8 @@ class MaskedTextConditioning:
                 self._empty["prompt_mask"].to(mask.device).bool()
             # features cached at their own length (Krea 2's): both zero-padded at the end to the longer
             longest = max(embeds.shape[1], empty_embeds.shape[1])
-            embeds, mask = _pad_tokens(embeds, mask, longest)
-            empty_embeds, empty_mask = _pad_tokens(empty_embeds, empty_mask, longest)
+            embeds, mask = pad_tokens(embeds, mask, longest)
+            empty_embeds, empty_mask = pad_tokens(empty_embeds, empty_mask, longest)
             embeds = torch.where(flags[:, None, None], empty_embeds, embeds)
             mask = torch.where(flags[:, None], empty_mask, mask)
             empty = prefix_lengths(self._empty["prompt_mask"])
@@ -137,8 +142,9 @@ class MaskedTextConditioning:
         return MaskedText(embeds, mask, lengths)
 
 
-def _pad_tokens(embeds: Any, mask: Any, length: int) -> Tuple[Any, Any]:
-    """Features [B, L, D] and mask [B, L] zero-padded (not real tokens) at the end to ``length``."""
+def pad_tokens(embeds: Any, mask: Any, length: int) -> Tuple[Any, Any]:
+    """Features [B, L, D] and mask [B, L] zero-padded (not real tokens) at the end to ``length`` (cached features
+    cut to their captions' length meet others, or the empty caption's, of another length)."""
     extra = length - embeds.shape[1]
     if extra <= 0:
         return embeds, mask

@@ -40,6 +40,7 @@ from trainer.families.common.peft_lora import load_peft_layout, peft_layout_stat
 from trainer.families.common.transformer_kit import (
     MaskedTextConditioning,
     PeftLayoutLora,
+    cut_to_longest,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
@@ -138,8 +139,8 @@ class ErnieImage(MaskedTextConditioning, PeftLayoutLora, Family):
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
         """As :class:`MaskedTextConditioning`, with the features kept in the text model's dtype (half the cache)."""
-        with torch.no_grad():
-            embeds, mask = self._encode(list(captions))
+        with torch.no_grad():  # only as long as the longest caption: the step cuts the rest off anyway
+            embeds, mask = cut_to_longest(*self._encode(list(captions)))
         return {"prompt_embeds": embeds.cpu(), "prompt_mask": mask.float().cpu()}
 
     # --- the denoiser -------------------------------------------------------------------------

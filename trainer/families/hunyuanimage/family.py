@@ -38,6 +38,7 @@ from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
+    pad_tokens,
     pipeline_with_transformer_file,
     save_transformer_file,
 )
@@ -146,8 +147,9 @@ def checkpointed(module: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def enable_checkpointing(transformer: Any, gradient_checkpointing_func: Any = checkpointed) -> None:
-    """``HunyuanImageTransformer2DModel`` calls its blocks' checkpointing with ``attention_mask=``/``image_rotary_emb=``,
-    which diffusers 0.42.1's default function (positional arguments only) refuses: the trainer's passes them on."""
+    """``HunyuanImageTransformer2DModel`` calls its blocks' checkpointing with ``attention_mask=`` and
+    ``image_rotary_emb=``, which diffusers 0.42.1's default function (positional arguments only) refuses: the
+    trainer's passes them on."""
     type(transformer).enable_gradient_checkpointing(transformer, gradient_checkpointing_func)
 
 
@@ -205,10 +207,12 @@ class HunyuanImage(PeftLayoutLora, Family):
         """The four text tensors on the CPU, encoded a few captions at a time: every caption is 1034 tokens through a
         7B model, whose activations for 16 at once are ~6 GiB."""
         parts = [self._encode(list(captions[i:i + ENCODE_BATCH])) for i in range(0, len(captions), ENCODE_BATCH)]
-        return {"prompt_embeds": torch.cat([t.embeds.float().cpu() for t in parts]),
-                "prompt_mask": torch.cat([t.mask.float().cpu() for t in parts]),
-                "glyph_embeds": torch.cat([t.embeds_2.float().cpu() for t in parts]),
-                "glyph_mask": torch.cat([t.mask_2.float().cpu() for t in parts])}
+        text = HunyuanText(*(torch.cat([getattr(t, k) for t in parts])
+                             for k in ("embeds", "mask", "embeds_2", "mask_2")))
+        # only as long as the longest real run of each: the step cuts the rest off anyway (14 kB a Qwen token in fp32)
+        embeds, mask, embeds_2, mask_2 = _cut_padding(text)
+        return {"prompt_embeds": embeds.float().cpu(), "prompt_mask": mask.float().cpu(),
+                "glyph_embeds": embeds_2.float().cpu(), "glyph_mask": mask_2.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
         if batch.get("prompt_embeds") is not None:
@@ -223,9 +227,13 @@ class HunyuanImage(PeftLayoutLora, Family):
             if self._empty is None:
                 self._empty = self._encode([""])
             on = torch.as_tensor(list(flags), dtype=torch.bool, device=text.embeds.device)
-            if which == 0:  # the empty caption's Qwen features
-                text.embeds = torch.where(on[:, None, None], self._empty.embeds.to(text.embeds), text.embeds)
-                text.mask = torch.where(on[:, None], self._empty.mask.to(text.mask.device), text.mask)
+            if which == 0:  # the empty caption's Qwen features (cached features are cut to their length)
+                empty, empty_mask = self._empty.embeds.to(text.embeds), self._empty.mask.to(text.mask.device)
+                longest = max(text.embeds.shape[1], empty.shape[1])
+                text.embeds, text.mask = pad_tokens(text.embeds, text.mask, longest)
+                empty, empty_mask = pad_tokens(empty, empty_mask, longest)
+                text.embeds = torch.where(on[:, None, None], empty, text.embeds)
+                text.mask = torch.where(on[:, None], empty_mask, text.mask)
             else:  # no quoted text: the pipeline's zeros and empty mask
                 text.embeds_2 = torch.where(on[:, None, None], torch.zeros_like(text.embeds_2), text.embeds_2)
                 text.mask_2 = text.mask_2 & ~on[:, None]

@@ -71,6 +71,7 @@ class TrueCFGSampler:
 
 
 class QwenImage(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
+    cache_cut = True  # the step cuts captions to their length: the cache keeps no more
     name = "qwenimage"
     family = "qwen-image"
     prediction_type = "flow"

@@ -74,6 +74,7 @@ def _config(state: Dict[str, Any], base: dict) -> Dict[str, Any]:
 
 
 class Sana(MaskedTextConditioning, PeftLayoutLora, Family):
+    cache_cut = True  # the step cuts captions to their length: the cache keeps no more
     name = "sana"
     family = "sana"
     prediction_type = "flow"

@@ -46,6 +46,7 @@ TARGETS = {"attn": ATTN, "attn_mlp": ATTN + ["feed_forward.w1", "feed_forward.w2
 
 
 class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
+    cache_cut = True  # the step cuts captions to their length: the cache keeps no more
     name = "zimage"
     family = "z-image"
     prediction_type = "flow"
