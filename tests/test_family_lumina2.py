@@ -75,9 +75,16 @@ def test_predict_is_the_pipelines_transformer_call(lumina):
             assert ref["kwargs"]["timestep"].dtype == torch.float32
             cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
             pred = model.predict(ref["kwargs"]["hidden_states"], sigma, cond)
+            # a cached entry keeps the caption's tokens alone (the transformer cuts to the mask's length itself)
+            from trainer.families.common.transformer_kit import MaskedText
+            entry = model.encode_captions(["a red square"])
+            assert entry["prompt_mask"].shape[1] == int(entry["prompt_mask"].sum()) < cond.prompt_mask.shape[1]
+            cached = model.predict(ref["kwargs"]["hidden_states"], sigma,
+                                   MaskedText(entry["prompt_embeds"], entry["prompt_mask"].bool()))
     finally:
         remove()
     torch.testing.assert_close(pred, -ref["out"])
+    torch.testing.assert_close(cached, pred)
 
 
 def test_single_file_loads_and_fine_tunes_save_back_to_it(lumina, tmp_path):

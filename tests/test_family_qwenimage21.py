@@ -265,6 +265,7 @@ def test_cached_captions_pad_to_the_longest_length_the_host_knows(qwen21):
     ws, paths, model = qwen21
     for captions in (("a red square on a white background", "x"), ("a red square", "a red square")):
         rows = [model.encode_captions([c]) for c in captions]
+        assert [r["prompt_mask"].shape[1] for r in rows] == [int(r["prompt_mask"].sum()) for r in rows]  # no padding
         batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
         batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
         cond = model.batch_condition(batch, lambda c: c, set())

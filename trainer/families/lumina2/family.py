@@ -80,6 +80,7 @@ def _every_token_kept(_module, args):
 
 
 class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
+    cache_cut = True  # the transformer cuts each caption to its mask's length itself: the cache keeps no more
     name = "lumina2"
     family = "lumina2"
     prediction_type = "flow"

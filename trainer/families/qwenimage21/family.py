@@ -123,6 +123,7 @@ class QwenImage21Sampler:
 
 
 class QwenImage21(ChannelNormalisedLatents, MaskedTextConditioning, PeftLayoutLora, Family):
+    cache_cut = True  # the step cuts captions to their length: the cache keeps no more
     name = "qwenimage21"
     family = "qwen-image-21"
     prediction_type = "flow"
