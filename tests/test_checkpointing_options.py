@@ -78,23 +78,31 @@ def test_a_diffusers_model_takes_the_trainers_checkpointing():
     assert model.gradient_checkpointing and model._gradient_checkpointing_func.keywords == {"keep_attention": True}
 
 
-def test_a_flux_lora_run_keeps_attention_and_trains_the_same_lora(tiny_workspace):
-    """Through ``python -m trainer train``: the setting reaches the denoiser's blocks (two attention forwards of
-    the tiny Flux's two blocks per step instead of four) and the saved LoRA equals plain checkpointing's bit for
-    bit."""
-    counts, loras = {}, {}
-    for keep in (False, True):
-        name = f"keep-attention-{keep}".lower()
-        counts[keep] = step_counts.run_case(
+def _flux_runs(workspace, setting, values):
+    """The tiny Flux LoRA trained through ``python -m trainer train`` with checkpointing and each value of
+    ``setting``: {value: (attention forwards a counted step, the saved LoRA)}."""
+    out = {}
+    for value in values:
+        name = f"{setting.rsplit('.', 1)[-1]}-{value}".lower().replace("_", "-")
+        counted = step_counts.run_case(
             "demo-flux", ["training.mixed_precision=bf16", "training.gradient_checkpointing=true",
-                          f"training.checkpoint_keep_attention={str(keep).lower()}"],
-            warmup=2, count=1, workspace=tiny_workspace, run_name=name)
-        loras[keep] = load_file(str(tiny_workspace / "runs" / name / f"{name}.safetensors"))
-    attention = {keep: sum(v for k, v in c["op_names"].items() if k.startswith("_scaled_dot_product")
-                           and not k.endswith("_backward")) for keep, c in counts.items()}
-    assert attention == {False: 4, True: 2}
-    assert loras[False].keys() == loras[True].keys()
-    assert all(torch.equal(loras[False][k], loras[True][k]) for k in loras[False])
+                          f"{setting}={str(value).lower()}"], warmup=2, count=1, workspace=workspace, run_name=name)
+        attention = sum(v for k, v in counted["op_names"].items()
+                        if k.startswith("_scaled_dot_product") and not k.endswith("_backward"))
+        out[value] = (attention, load_file(str(workspace / "runs" / name / f"{name}.safetensors")))
+    return out
+
+
+def _same_lora(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_flux_lora_run_keeps_attention_and_trains_the_same_lora(tiny_workspace):
+    """The setting reaches the denoiser's blocks (two attention forwards of the tiny Flux's two blocks per step
+    instead of four) and the saved LoRA equals plain checkpointing's bit for bit."""
+    runs = _flux_runs(tiny_workspace, "training.checkpoint_keep_attention", (False, True))
+    assert {k: n for k, (n, _) in runs.items()} == {False: 4, True: 2}
+    assert _same_lora(runs[False][1], runs[True][1])
 
 
 def test_keeping_attention_without_checkpointing_is_warned_about(tmp_path):
@@ -131,18 +139,9 @@ def test_an_interval_checkpoints_every_nth_block_in_the_order_the_model_calls_th
 def test_a_flux_lora_run_with_an_interval_trains_the_same_lora(tiny_workspace):
     """The tiny Flux's two blocks with interval 2: the first checkpointed, the second not (3 attention forwards a step
     instead of 4), and the LoRA of plain checkpointing, bit for bit."""
-    counts, loras = {}, {}
-    for interval in (1, 2):
-        name = f"checkpoint-interval-{interval}"
-        counts[interval] = step_counts.run_case(
-            "demo-flux", ["training.mixed_precision=bf16", "training.gradient_checkpointing=true",
-                          f"training.gradient_checkpointing_interval={interval}"],
-            warmup=2, count=1, workspace=tiny_workspace, run_name=name)
-        loras[interval] = load_file(str(tiny_workspace / "runs" / name / f"{name}.safetensors"))
-    attention = {i: sum(v for k, v in c["op_names"].items() if k.startswith("_scaled_dot_product")
-                        and not k.endswith("_backward")) for i, c in counts.items()}
-    assert attention == {1: 4, 2: 3}
-    assert all(torch.equal(loras[1][k], loras[2][k]) for k in loras[1])
+    runs = _flux_runs(tiny_workspace, "training.gradient_checkpointing_interval", (1, 2))
+    assert {k: n for k, (n, _) in runs.items()} == {1: 4, 2: 3}
+    assert _same_lora(runs[1][1], runs[2][1])
 
 
 def test_an_interval_is_refused_with_block_swapping_and_warned_about_without_checkpointing(tmp_path):
