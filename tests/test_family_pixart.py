@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import denoiser_calls, load_tiny_fp32
+from conftest import denoiser_calls, load_tiny_fp32, transformer_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,8 +69,15 @@ def test_learned_sigma_is_cut_and_the_t5_mask_hides_padding(pixart):
     dropped = m.batch_condition({"captions": ["a red square", "a blue circle"]}, lambda c: c, set(),
                                 drop_te1=[True, False])
     empty = m.batch_condition({"captions": [""]}, lambda c: c, set())
-    torch.testing.assert_close(dropped.prompt_embeds[0], empty.prompt_embeds[0])
-    assert not torch.equal(dropped.prompt_embeds[1], empty.prompt_embeds[0])
+    n = int(empty.prompt_attention_mask.sum())  # the empty caption's real token(s); its padding is masked
+    torch.testing.assert_close(dropped.prompt_embeds[0, :n], empty.prompt_embeds[0, :n])
+    assert int(dropped.prompt_attention_mask[0].sum()) == n and dropped.lengths is None  # uncached: no lengths
+    assert not torch.equal(dropped.prompt_embeds[1, :n], empty.prompt_embeds[0, :n])
+    # a cached entry keeps the caption's tokens alone; the step cuts a batch at its longest caption
+    entry = m.encode_captions(["a red square"])
+    assert entry["prompt_attention_mask"].shape[1] == 4
+    seen = transformer_inputs(m, x, torch.tensor([500]), cond)
+    assert seen["encoder_hidden_states"].shape[1] == 4 and seen["encoder_attention_mask"] is None
 
 
 def test_lora_keys_are_the_ones_comfyui_maps_for_pixart(pixart):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import diffusers
 import torch
@@ -42,6 +42,7 @@ from trainer.families.base import Family, part_dtype
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.samplers import SAMPLERS
+from trainer.families.common.transformer_kit import cut_to_longest, longest_caption, pad_tokens
 from trainer.families.pixart.keys import (
     SKIPPED,
     config_from_state,
@@ -70,15 +71,19 @@ T5_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
 
 class PixArtConditioning:
     """T5 ``prompt_embeds`` [B, L, D] and its ``prompt_attention_mask`` [B, L]; ``.to()`` like a tensor
-    (the mask keeps its integer dtype)."""
+    (the mask keeps its integer dtype). ``lengths``: each row's real tokens, on the host, for cached captions."""
 
-    def __init__(self, prompt_embeds, prompt_attention_mask):
-        self.prompt_embeds, self.prompt_attention_mask = prompt_embeds, prompt_attention_mask
+    def __init__(self, prompt_embeds, prompt_attention_mask, lengths: Optional[List[int]] = None):
+        self.prompt_embeds, self.prompt_attention_mask, self.lengths = prompt_embeds, prompt_attention_mask, lengths
+
+    @property
+    def prompt_mask(self):  # the name transformer_kit.longest_caption reads
+        return self.prompt_attention_mask
 
     def to(self, *args: Any, **kwargs: Any) -> "PixArtConditioning":
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         mask = self.prompt_attention_mask if device is None else self.prompt_attention_mask.to(device)
-        return PixArtConditioning(self.prompt_embeds.to(*args, **kwargs), mask)
+        return PixArtConditioning(self.prompt_embeds.to(*args, **kwargs), mask, self.lengths)
 
 
 class PixArt(Family):
@@ -185,14 +190,16 @@ class PixArt(Family):
         return embeds, mask
 
     def encode_captions(self, captions) -> Dict[str, Any]:
-        with torch.no_grad():
-            embeds, mask = self._encode(captions)
+        with torch.no_grad():  # only as long as the longest caption: the step cuts the rest off anyway
+            embeds, mask = cut_to_longest(*self._encode(captions))
         return {"prompt_embeds": embeds.float().cpu(), "prompt_attention_mask": mask.float().cpu()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):
+        lengths = None
         if batch.get("prompt_embeds") is not None:
             embeds = batch["prompt_embeds"].to(self.device)
             mask = batch["prompt_attention_mask"].to(self.device).long()
+            lengths = batch.get("prompt_lengths")  # counted on the host by the data pipeline
         else:
             embeds, mask = self._encode(expand(batch["captions"]), grads=bool({"text_encoder", "embedding"}
                                                                                & set(train_text)))
@@ -200,9 +207,15 @@ class PixArt(Family):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
-            mask = torch.where(flags[:, None], self._empty["prompt_attention_mask"].to(mask), mask)
-        return PixArtConditioning(embeds, mask)
+            empty, empty_mask = self._empty["prompt_embeds"].to(embeds), self._empty["prompt_attention_mask"].to(mask)
+            longest = max(embeds.shape[1], empty.shape[1])  # cached features are cut to their length
+            embeds, mask = pad_tokens(embeds, mask, longest)
+            empty, empty_mask = pad_tokens(empty, empty_mask, longest)
+            embeds = torch.where(flags[:, None, None], empty, embeds)
+            mask = torch.where(flags[:, None], empty_mask, mask)
+            n = int(self._empty["prompt_attention_mask"].sum())  # a host tensor
+            lengths = None if lengths is None else [n if dropped else k for k, dropped in zip(lengths, drop_te1)]
+        return PixArtConditioning(embeds, mask, lengths)
 
     # --- the denoiser -------------------------------------------------------------------------
     _variance = None  # the variance half of the last predict (learned σ)
@@ -216,8 +229,10 @@ class PixArt(Family):
                                                 device=model_input.device).repeat(b, 1),
                      "aspect_ratio": torch.tensor([[height / width]], dtype=model_input.dtype,
                                                   device=model_input.device).repeat(b, 1)}
-        out = self.transformer(model_input, encoder_hidden_states=conditioning.prompt_embeds.to(model_input.dtype),
-                               encoder_attention_mask=conditioning.prompt_attention_mask.to(model_input.device),
+        # the batch's longest caption (the pipeline pads T5 to 120/300 tokens, which the cross-attention's mask hides)
+        embeds, mask = longest_caption(conditioning, model_input.device, model_input.dtype)
+        out = self.transformer(model_input, encoder_hidden_states=embeds,
+                               encoder_attention_mask=None if mask is None else mask.long(),
                                timestep=timesteps, added_cond_kwargs=added, return_dict=False)[0]
         self._variance = None
         if out.shape[1] == 2 * c:  # learned σ: ε ‖ variance; the ε loss is on the first half, the variance's
