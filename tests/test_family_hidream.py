@@ -137,3 +137,18 @@ def test_the_lora_file_names_modules_comfyui_maps(hidream, tmp_path):
     assert modules and all(m.startswith("transformer.") for m in modules)
     assert {m.removeprefix("transformer.") for m in modules} <= comfy
     assert any(".ff_i.experts.3.w2" in m for m in modules) and any(".adaLN_modulation.1" in m for m in modules)
+
+
+def test_the_cache_keeps_llama_and_t5_in_the_dtype_they_come_out_in(hidream):
+    """Llama's 19 layers (~40 MB a caption in fp32) from a bf16 encoder stay bf16 in the cache; the step casts them to
+    its compute dtype, so the prediction is the one of the same features widened to fp32."""
+    ws, paths, _ = hidream
+    model = load_tiny(ws, paths["diffusers"], "parts.text_encoder_4.dtype=bf16", "parts.text_encoder_3.dtype=bf16")
+    entry = model.encode_captions([CAPTION])
+    assert entry["llama"].dtype == entry["t5"].dtype == torch.bfloat16
+    assert entry["clip_l_pooled"].dtype == torch.float32
+    widened = {k: v.float() for k, v in entry.items()}
+    x, sigma = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1)), torch.tensor([0.5])
+    with torch.no_grad():
+        preds = [model.predict(x, sigma, model.batch_condition(dict(e), lambda c: c, set())) for e in (entry, widened)]
+    assert torch.equal(preds[0], preds[1])

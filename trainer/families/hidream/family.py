@@ -182,8 +182,12 @@ class HiDream(PeftLayoutLora, Family):
                 KEYS["text_encoder_4"]: self._llama(captions, grads)}
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        """The four encoders' features for the text cache: T5's and Llama's 19 layers in the dtype they come out in
+        (bf16 from bf16/fp8/NF4 encoders: half the ~40 MB a caption in fp32; the step casts them to its compute dtype,
+        which leaves a bf16 value as it is), the CLIPs' pooled vectors in fp32."""
+        kept = (KEYS["text_encoder_3"], KEYS["text_encoder_4"])
         with torch.no_grad():
-            return {k: v.float().cpu() for k, v in self._encode(list(captions)).items()}
+            return {k: (v if k in kept else v.float()).cpu() for k, v in self._encode(list(captions)).items()}
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None,
                         drop_te3=None, drop_te4=None):
