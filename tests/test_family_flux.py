@@ -69,6 +69,23 @@ def test_predict_packs_and_unpacks_and_the_shift_follows_the_resolution(flux):
         m.predict(torch.zeros(1, 16, 7, 8), torch.tensor([0.5]), cond)
 
 
+def test_the_cache_keeps_t5_in_the_dtype_it_comes_out_in(flux):
+    """T5's 512 tokens from a bf16 T5 stay bf16 in the text cache (half the 8 MB a caption of fp32); the step casts
+    them to its compute dtype, so the prediction is the one of the same features widened to fp32, dropout included."""
+    ws, paths = flux
+    m = load_tiny(ws, paths["diffusers"], "parts.text_encoder_2.dtype=bf16")
+    entry = m.encode_captions(["a red square"])
+    assert entry["prompt_embeds"].dtype == torch.bfloat16 and entry["pooled_prompt_embeds"].dtype == torch.float32
+    x = torch.randn(2, 16, 8, 12, generator=torch.Generator().manual_seed(2))
+    preds = []
+    for e in (entry, {k: v.float() for k, v in entry.items()}):
+        batch = {k: torch.cat([v, v]) for k, v in e.items()}
+        cond = m.batch_condition(batch, lambda c: c, set(), drop_te2=[False, True])
+        with torch.no_grad():
+            preds.append(m.predict(x, torch.tensor([0.3, 0.6]), cond))
+    assert torch.equal(preds[0], preds[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_patch_ids_made_on_the_device_are_the_pipeline_ones(dtype):
     """The ids Flux, Chroma and Kontext steps give the transformer are made where the step runs (diffusers' helper makes

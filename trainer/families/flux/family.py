@@ -206,9 +206,12 @@ class Flux(Family):
         return prompt_embeds, pooled
 
     def encode_captions(self, captions: List[str]) -> Dict[str, Any]:
+        """The text cache's entry: T5's 512 tokens in the dtype they come out in (bf16 from a bf16/fp8 T5: 4 MB a
+        caption instead of 8 in fp32; the step casts them to its compute dtype, which leaves a bf16 value as it is;
+        Flux attends to T5's padding, so it is not cut), CLIP's pooled vector in fp32."""
         with torch.no_grad():
             prompt_embeds, pooled = self._encode(list(captions))
-        return {"prompt_embeds": prompt_embeds.float().cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
+        return {"prompt_embeds": prompt_embeds.cpu(), "pooled_prompt_embeds": pooled.float().cpu()}
 
     def _drop(self, prompt_embeds, pooled, drop_te1, drop_te2):
         """Per-encoder caption dropout: the flagged images get that encoder's encoding of the empty caption."""
