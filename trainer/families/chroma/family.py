@@ -21,11 +21,10 @@ What differs from Flux.1, and where it lives here:
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
-from torch._subclasses.fake_tensor import is_fake
 
 from trainer.data.pipeline import prefix_lengths
 from trainer.errors import ModelLoadError
@@ -37,8 +36,9 @@ from trainer.families.common.packed_ids import latent_image_ids
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
     cut_to_longest,
-    pad_tokens,
+    longest_caption,
     pipeline_with_transformer_file,
+    rows_replaced,
     save_transformer_file,
 )
 from trainer.families.sources import classify_source, detect_source_family
@@ -63,6 +63,10 @@ class ChromaConditioning:
 
     def __init__(self, prompt_embeds, text_mask, lengths: Optional[List[int]] = None):
         self.prompt_embeds, self.text_mask, self.lengths = prompt_embeds, text_mask, lengths
+
+    @property
+    def prompt_mask(self):  # the name transformer_kit.longest_caption reads
+        return self.text_mask
 
     def to(self, *args: Any, **kwargs: Any) -> "ChromaConditioning":
         return ChromaConditioning(self.prompt_embeds.to(*args, **kwargs), self.text_mask.to(*args, **kwargs),
@@ -138,14 +142,8 @@ class Chroma(PeftLayoutLora, Family):
         if drop_te1 is not None and any(drop_te1):  # the empty caption's encoding and mask
             if self._empty is None:
                 self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            empty_embeds, empty_mask = self._empty["prompt_embeds"].to(embeds), \
-                self._empty["prompt_attention_mask"].to(mask)
-            longest = max(embeds.shape[1], empty_embeds.shape[1])  # cached features are cut to their length
-            embeds, mask = pad_tokens(embeds, mask, longest)
-            empty_embeds, empty_mask = pad_tokens(empty_embeds, empty_mask, longest)
-            embeds = torch.where(flags[:, None, None], empty_embeds, embeds)
-            mask = torch.where(flags[:, None], empty_mask, mask)
+            embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
+                                         self._empty["prompt_attention_mask"])
             empty = prefix_lengths(self._empty["prompt_attention_mask"])  # a host tensor
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
@@ -160,7 +158,11 @@ class Chroma(PeftLayoutLora, Family):
         dtype, device = model_input.dtype, model_input.device
         packed = ChromaPipeline._pack_latents(model_input, b, c, h, w)
         img_ids = latent_image_ids(h // 2, w // 2, device, dtype)  # diffusers': made on the CPU, then copied
-        embeds, text_mask = _attended_text(conditioning, device, dtype)
+        # the batch's longest attended run (the real tokens and the first padding token): the transformer's mask is an
+        # outer product, so a padding token beyond it neither attends nor is attended to (tests/test_family_chroma.py)
+        embeds, text_mask = longest_caption(conditioning, device, dtype)
+        text_mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=device) if text_mask is None else \
+            text_mask.bool()
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
         mask = torch.cat([text_mask, torch.ones(b, packed.shape[1], device=device, dtype=torch.bool)], dim=1)
         # σ in fp32, as diffusers' Flux-lineage trainers pass it: the transformer casts it to the hidden states' dtype
@@ -191,21 +193,6 @@ class Chroma(PeftLayoutLora, Family):
     def save_single_file(self, path: Any, dtype: str, metadata: Optional[Dict[str, str]] = None) -> None:
         """The fine-tuned transformer as the original single file ComfyUI's UNET loader reads."""
         save_transformer_file(path, diffusers_to_bfl(self.transformer.state_dict()), dtype, metadata)
-
-
-def _attended_text(conditioning: ChromaConditioning, device: Any, dtype: Any) -> Tuple[Any, Any]:
-    """T5's features and the boolean text mask, cut to the batch's longest attended run (the real tokens and the
-    first padding token). The transformer's mask is an outer product: a padding token beyond it neither attends nor
-    is attended to, so the image tokens' prediction is the same without it (``tests/test_family_chroma.py``), in up
-    to 512 fewer tokens through every block (captions are cached padded to 512). Lengths from the host when cached;
-    on the VRAM estimate's fake tensors (no values) every token is kept."""
-    mask = conditioning.text_mask.to(device, torch.bool)
-    embeds = conditioning.prompt_embeds
-    if not is_fake(mask):
-        lengths = conditioning.lengths or mask.sum(dim=1).tolist()  # the attended tokens come first
-        longest = max(max(int(n) for n in lengths), 1)
-        embeds, mask = embeds[:, :longest], mask[:, :longest]
-    return embeds.to(device, dtype), mask
 
 
 def _boolean_mask(pipe: ChromaPipeline, batch_size, sequence_length, dtype, attention_mask=None):

@@ -127,19 +127,24 @@ class MaskedTextConditioning:
         if drop_te1 is not None and any(drop_te1):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            empty_embeds, empty_mask = self._empty["prompt_embeds"].to(embeds), \
-                self._empty["prompt_mask"].to(mask.device).bool()
-            # features cached at their own length (Krea 2's): both zero-padded at the end to the longer
-            longest = max(embeds.shape[1], empty_embeds.shape[1])
-            embeds, mask = pad_tokens(embeds, mask, longest)
-            empty_embeds, empty_mask = pad_tokens(empty_embeds, empty_mask, longest)
-            embeds = torch.where(flags[:, None, None], empty_embeds, embeds)
-            mask = torch.where(flags[:, None], empty_mask, mask)
+            embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
+                                         self._empty["prompt_mask"].bool())
             empty = prefix_lengths(self._empty["prompt_mask"])
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
         return MaskedText(embeds, mask, lengths)
+
+
+def rows_replaced(flags: Any, embeds: Any, mask: Any, new: Any, new_mask: Any) -> Tuple[Any, Any]:
+    """Features [B, L, D] and their mask [B, L] with the rows where ``flags`` is true taken from ``new``/``new_mask``
+    ([1, L', D], caption dropout's empty caption): both zero-padded at the end to the longer first, since cached
+    features are cut to their captions' length (:func:`cut_to_longest`)."""
+    on = torch.as_tensor(list(flags), dtype=torch.bool, device=embeds.device)
+    new, new_mask = new.to(embeds), new_mask.to(device=mask.device, dtype=mask.dtype)
+    longest = max(embeds.shape[1], new.shape[1])
+    embeds, mask = pad_tokens(embeds, mask, longest)
+    new, new_mask = pad_tokens(new, new_mask, longest)
+    return torch.where(on[:, None, None], new, embeds), torch.where(on[:, None], new_mask, mask)
 
 
 def pad_tokens(embeds: Any, mask: Any, length: int) -> Tuple[Any, Any]:

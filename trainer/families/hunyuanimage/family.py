@@ -38,8 +38,8 @@ from trainer.families.base import Family, part_dtype
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
-    pad_tokens,
     pipeline_with_transformer_file,
+    rows_replaced,
     save_transformer_file,
 )
 from trainer.families.hunyuanimage import lora_keys
@@ -226,15 +226,11 @@ class HunyuanImage(PeftLayoutLora, Family):
                 continue
             if self._empty is None:
                 self._empty = self._encode([""])
-            on = torch.as_tensor(list(flags), dtype=torch.bool, device=text.embeds.device)
             if which == 0:  # the empty caption's Qwen features (cached features are cut to their length)
-                empty, empty_mask = self._empty.embeds.to(text.embeds), self._empty.mask.to(text.mask.device)
-                longest = max(text.embeds.shape[1], empty.shape[1])
-                text.embeds, text.mask = pad_tokens(text.embeds, text.mask, longest)
-                empty, empty_mask = pad_tokens(empty, empty_mask, longest)
-                text.embeds = torch.where(on[:, None, None], empty, text.embeds)
-                text.mask = torch.where(on[:, None], empty_mask, text.mask)
+                text.embeds, text.mask = rows_replaced(flags, text.embeds, text.mask, self._empty.embeds,
+                                                       self._empty.mask)
             else:  # no quoted text: the pipeline's zeros and empty mask
+                on = torch.as_tensor(list(flags), dtype=torch.bool, device=text.embeds.device)
                 text.embeds_2 = torch.where(on[:, None, None], torch.zeros_like(text.embeds_2), text.embeds_2)
                 text.mask_2 = text.mask_2 & ~on[:, None]
         return text

@@ -42,7 +42,7 @@ from trainer.families.base import Family, part_dtype
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.samplers import SAMPLERS
-from trainer.families.common.transformer_kit import cut_to_longest, longest_caption, pad_tokens
+from trainer.families.common.transformer_kit import cut_to_longest, longest_caption, rows_replaced
 from trainer.families.pixart.keys import (
     SKIPPED,
     config_from_state,
@@ -206,13 +206,8 @@ class PixArt(Family):
         if drop_te1 is not None and any(drop_te1):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            empty, empty_mask = self._empty["prompt_embeds"].to(embeds), self._empty["prompt_attention_mask"].to(mask)
-            longest = max(embeds.shape[1], empty.shape[1])  # cached features are cut to their length
-            embeds, mask = pad_tokens(embeds, mask, longest)
-            empty, empty_mask = pad_tokens(empty, empty_mask, longest)
-            embeds = torch.where(flags[:, None, None], empty, embeds)
-            mask = torch.where(flags[:, None], empty_mask, mask)
+            embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
+                                         self._empty["prompt_attention_mask"])
             n = int(self._empty["prompt_attention_mask"].sum())  # a host tensor
             lengths = None if lengths is None else [n if dropped else k for k, dropped in zip(lengths, drop_te1)]
         return PixArtConditioning(embeds, mask, lengths)
