@@ -93,9 +93,10 @@ class TrainingConfig:
     max_grad_norm: float = f(1.0, "Clip gradients to this norm; 0 = no clipping.", min=0.0, max=1e6)
     mixed_precision: str = f("no", "Autocast precision for the forward pass.",
                              choices=["no", "fp16", "bf16"])
-    adapter_compute_copies: bool = f(True, "bf16: plain LoRA weights are computed from bf16 copies kept in the "
-                                           "layers, the fp32 weights stay the optimizer's masters (fewer casts a "
-                                           "step, the same values). One process, not with training.compile.")
+    adapter_compute_copies: bool = f(True, "bf16, or fp16 on a GPU: plain LoRA weights are computed from copies "
+                                           "in that dtype kept in the layers, the fp32 weights stay the optimizer's "
+                                           "masters (fewer casts a step, the same values). One process, not with "
+                                           "training.compile.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     gradient_checkpointing_interval: int = f(1, "With gradient checkpointing: checkpoint every Nth block only; the "
                                                 "others keep their activations for backward (less recomputation, "

@@ -1,17 +1,20 @@
-"""bf16 compute copies of plain LoRA weights, with the fp32 weights as masters (``training.adapter_compute_copies``).
+"""Compute copies of plain LoRA weights in the autocast dtype (bf16, or fp16 on a GPU), with the fp32 weights as
+masters (``training.adapter_compute_copies``).
 
-Under bf16 autocast an fp32 LoRA weight is cast to bf16 at every forward, and its bf16 gradient cast back to
+Under bf16 (fp16) autocast an fp32 LoRA weight is cast to bf16 at every forward, and its bf16 gradient cast back to
 fp32 in backward: two copies per weight and step (512 for an SD 1.5 LoRA of 128 layers), each a separate op the
-host launches. Here each adapted layer's ``lora_A``/``lora_B`` weights get a bf16 copy, put in the layer's place for
-the training forward and backward only; after each micro-batch's backward its bf16 gradients are added into the
-fp32 masters' gradients (one foreach op), and after the optimizer step the masters are copied into the bf16
+host launches. Here each adapted layer's ``lora_A``/``lora_B`` weights get a copy in the autocast dtype, put in the
+layer's place for the training forward and backward only; after each micro-batch's backward its gradients are added
+into the fp32 masters' gradients (one foreach op), and after the optimizer step the masters are copied into the
 copies (one foreach op). Outside a micro-batch the layers hold their fp32 masters, so whatever reads the
 adapter weights between steps (saving, backups, resume, EMA, clipping, the optimizer, sampling, validation)
 sees what it always saw.
 
 The values are those of the autocast path: the copy is the master rounded to bf16 as autocast rounds it (round
 to nearest even), the matmuls are the same bf16 matmuls, and each micro-batch's bf16 gradient is widened to fp32
-exactly before it is summed in fp32, as autocast's cast backward does.
+exactly before it is summed in fp32, as autocast's cast backward does. fp16 is the same with the loss scaled:
+the copies' fp16 gradients are the scaled ones autocast's cast would widen (an overflow to inf included), and the
+grad scaler unscales, checks and steps the masters' fp32 gradients as it did.
 
 Only plain peft LoRA layers take part: DoRA (its weight norm reads the weights outside the matmuls), LoHa/LoKr
 (their products of factors) and OFT keep autocast's casts.
@@ -24,6 +27,8 @@ from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 from peft.tuners.lora import LoraLayer
+
+from trainer.methods.lora import autocasts
 
 
 def plain_lora_weights(modules: Iterable[torch.nn.Module]) -> List[Tuple[torch.nn.Module, str, torch.nn.Parameter]]:
@@ -44,7 +49,8 @@ def plain_lora_weights(modules: Iterable[torch.nn.Module]) -> List[Tuple[torch.n
 
 
 class ComputeCopies:
-    """The bf16 copies of the masters ``weights`` (from :func:`plain_lora_weights`) and the swaps between them."""
+    """The copies (``dtype``) of the masters ``weights`` (from :func:`plain_lora_weights`) and the swaps between
+    them."""
 
     def __init__(self, weights: List[Tuple[torch.nn.Module, str, torch.nn.Parameter]],
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -59,7 +65,7 @@ class ComputeCopies:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the masters into the bf16 copies (after the optimizer step, after a backup or weights are loaded)."""
+        """Copy the masters into the copies (after the optimizer step, after a backup or weights are loaded)."""
         torch._foreach_copy_(self.copies, self.masters)
 
     @contextlib.contextmanager
@@ -75,8 +81,8 @@ class ComputeCopies:
 
     @torch.no_grad()
     def add_grads(self) -> None:
-        """Add the micro-batch's bf16 gradients into the masters' fp32 gradients, then drop them. A weight the
-        micro-batch left without a gradient (none in a LoRA forward) counts as zero."""
+        """Add the micro-batch's gradients (in the copies' dtype) into the masters' fp32 gradients, then drop them. A
+        weight the micro-batch left without a gradient (none in a LoRA forward) counts as zero."""
         grads = [c.grad if c.grad is not None else torch.zeros_like(c) for c in self.copies]
         if self.grads is None:
             self.grads = [torch.empty_like(p) for p in self.masters]
@@ -93,14 +99,16 @@ class ComputeCopies:
             c.grad = None
 
 
-def make_compute_copies(method, cfg, world: int) -> Optional[ComputeCopies]:
-    """The copies where they are exact and safe: bf16 autocast, a LoRA method with plain LoRA layers, one process
-    (DDP's and FSDP's hooks hold the weights they were given), no compiled blocks (their guards hold the weights'
-    dtype) and no fused backward (it steps each weight inside backward); ``None`` otherwise or when switched off."""
+def make_compute_copies(method, cfg, world: int, device) -> Optional[ComputeCopies]:
+    """The copies where they are exact and safe: the forward under autocast (bf16; fp16 where autocast runs it, on a
+    GPU), a LoRA method with plain LoRA layers, one process (DDP's and FSDP's hooks hold the weights they were
+    given), no compiled blocks (their guards hold the weights' dtype) and no fused backward (it steps each weight
+    inside backward); ``None`` otherwise or when switched off."""
     t = cfg.training
-    if not t.get("adapter_compute_copies", True) or t.mixed_precision != "bf16" or world > 1:
+    if not t.get("adapter_compute_copies", True) or not autocasts(cfg, device) or world > 1:
         return None
     if getattr(method, "name", None) != "lora" or t.compile or t.fused_backward:
         return None
     weights = plain_lora_weights(method.modules.values())
-    return ComputeCopies(weights) if weights else None
+    dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16
+    return ComputeCopies(weights, dtype) if weights else None

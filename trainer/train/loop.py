@@ -87,10 +87,11 @@ def train(state: RunState) -> str:
             _check_finite(state, ready[0], ready[1])
             _report_step(state, ready[0], ready[1], t_start, steps_at_start, bar)
 
-    copies = make_compute_copies(state.method, cfg, state.world)  # bf16 LoRA weights, fp32 masters
+    copies = make_compute_copies(state.method, cfg, state.world, state.device)  # bf16/fp16 LoRA weights, fp32 masters
     if copies is not None:
         copies.refresh()  # after a resumed backup's weights
-        log.info("training.adapter_compute_copies: %d LoRA weights computed from bf16 copies", len(copies))
+        log.info("training.adapter_compute_copies: %d LoRA weights computed from %s copies", len(copies),
+                 cfg.training.mixed_precision)
     computing = copies.computing if copies is not None else contextlib.nullcontext
     while state.pos.step < state.total_steps:
         usable = (len(state.data.epoch_batches(state.pos.epoch)) // accum) * accum
