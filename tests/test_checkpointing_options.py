@@ -5,13 +5,16 @@ checkpointing, with fewer attention forwards per step (counted, not timed)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 from safetensors.torch import load_file
-from trainer.memory.checkpointing import Checkpointing, checkpointed, enable_checkpointing
+from trainer.memory.checkpointing import (ATTENTION_OPS, Checkpointing, checkpointed, compile_checkpointed,
+                                         enable_checkpointing)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -22,22 +25,51 @@ from checkpoint_attention import AttentionCalls  # noqa: E402  (bench/'s own mod
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _attention_forwards(graphs) -> int:
+    """Attention forwards in AOTAutograd's graphs of a compiled block (its forward, and what its backward recomputes):
+    the op itself, or inside the wrappers that run a random op with a saved RNG state (attention may drop out)."""
+    def attention(n):
+        if n.op != "call_function":
+            return False
+        if n.target in ATTENTION_OPS:
+            return True
+        return "rng_state" in str(n.target) and any(a in ATTENTION_OPS for a in n.args if not isinstance(a, fx.Node))
+    return sum(1 for g in graphs for n in g.graph.nodes if attention(n))
+
+
 def _flux_block_grads(keep: bool, compiled: bool = False):
+    """(attention forwards run, x's gradient, the trained weight's gradient) of a checkpointed Flux block's forward and
+    backward. Compiled: as training.compile compiles it, the checkpoint inside the compiled region, through
+    AOTAutograd without kernels; its attention forwards are counted in the forward and backward graphs it made (a
+    dispatch mode would make torch.compile fall back to eager)."""
     from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    torch._dynamo.reset()
     torch.manual_seed(0)
     block = FluxTransformerBlock(32, 2, 16).requires_grad_(False)
     block.attn.to_q.weight.requires_grad_(True)  # what a LoRA trains sits inside the block
-    if compiled:  # training.compile's regional compile (AOTAutograd traces forward and backward)
-        block.compile(backend="aot_eager")
+    graphs = []
+
+    def keep_graph(gm, _example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    if compiled:
+        backend = aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph)
+        block.compile(backend=backend)
+        compile_checkpointed([block], backend=backend)
     x = torch.randn(2, 12, 32, requires_grad=True)
     text = torch.randn(2, 5, 32)
     temb = torch.randn(2, 32)
     calls = AttentionCalls()
-    with calls:
+    with contextlib.nullcontext() if compiled else calls:
         # keyword arguments pass on (HunyuanImage's blocks are called with them)
         text_out, out = checkpointed(block, x, text, temb=temb, keep_attention=keep)
         (out.square().mean() + text_out.square().mean()).backward()
-    return calls.forwards, x.grad, block.attn.to_q.weight.grad
+    if compiled:
+        assert len(graphs) == 2, graphs  # one forward and one backward graph: the block did compile
+    return _attention_forwards(graphs) if compiled else calls.forwards, x.grad, block.attn.to_q.weight.grad
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -47,6 +79,9 @@ def test_kept_attention_gives_the_same_gradients_with_one_attention_forward_less
     assert plain_calls == 2  # the forward, and again when backward recomputes the block
     assert kept_calls == 1
     assert torch.equal(plain_x, kept_x) and torch.equal(plain_w, kept_w)
+    if compiled:  # and the eager checkpoint's gradients
+        _, eager_x, eager_w = _flux_block_grads(False)
+        assert torch.equal(plain_x, eager_x) and torch.equal(plain_w, eager_w)
 
 
 def test_cross_attention_to_a_caption_is_recomputed_not_kept():
@@ -156,3 +191,58 @@ def test_an_interval_is_refused_with_block_swapping_and_warned_about_without_che
     errors = [i for i in issues if i.level == "error"]
     assert cfg is None and [i.key for i in errors] == ["training.gradient_checkpointing_interval"]
     assert "blocks_to_swap" in errors[0].message
+
+
+def _compiled_block_step(checkpointing: bool):
+    """A tiny Flux block compiled as training.compile compiles it (AOTAutograd, no kernels made), run forward and
+    backward: (bytes of the activations its forward keeps for backward, parameters not counted; the gradients;
+    calls into torch.utils.checkpoint's Python in the second step)."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = FluxTransformerBlock(32, 2, 16).requires_grad_(False)
+    block.attn.to_q.weight.requires_grad_(True)
+    block.compile(backend="aot_eager")
+    compile_checkpointed([block], backend="aot_eager")
+    params = {id(p) for p in block.parameters()}
+    x, text, temb = torch.randn(2, 64, 32, requires_grad=True), torch.randn(2, 5, 32), torch.randn(2, 32)
+    kept, calls = [], [0]
+
+    def pack(t):
+        if id(t) not in params and t.is_floating_point():
+            kept.append(t.numel() * t.element_size())
+        return t
+
+    def profile(frame, event, arg):
+        calls[0] += event == "call" and frame.f_code.co_filename.endswith("utils/checkpoint.py")
+
+    for step in range(2):
+        kept.clear()
+        x.grad = block.attn.to_q.weight.grad = None
+        if step:
+            sys.setprofile(profile)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = checkpointed(block, x, text, temb=temb) if checkpointing else block(x, text, temb=temb)
+        (out[0].square().mean() + out[1].square().mean()).backward()
+        sys.setprofile(None)
+    return sum(kept), (x.grad, block.attn.to_q.weight.grad), calls[0]
+
+
+def test_a_compiled_blocks_checkpoint_runs_inside_its_compiled_region():
+    """training.compile with checkpointing: the compiled forward keeps the block's inputs alone (checkpointing's
+    memory), backward recomputes inside the compiled graph (no Python of torch's checkpoint per step), and the
+    gradients are the eager checkpoint's bit for bit."""
+    kept, grads, calls = _compiled_block_step(True)
+    kept_all, _, _ = _compiled_block_step(False)
+    inputs = (2 * 64 * 32 + 2 * 5 * 32 + 2 * 32) * 4
+    assert kept <= inputs < kept_all / 4, (kept, inputs, kept_all)
+    assert calls == 0
+    torch.manual_seed(0)
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+    block = FluxTransformerBlock(32, 2, 16).requires_grad_(False)
+    block.attn.to_q.weight.requires_grad_(True)
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    text, temb = torch.randn(2, 5, 32), torch.randn(2, 32)
+    out = checkpointed(block, x, text, temb=temb)  # the eager checkpoint
+    (out[0].square().mean() + out[1].square().mean()).backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], block.attn.to_q.weight.grad)

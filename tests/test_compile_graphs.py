@@ -18,12 +18,16 @@ import step_counts  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.mark.parametrize("case, blocks", [("demo", "BasicTransformerBlock"),
-                                          ("demo-flux", "FluxTransformerBlock")])
+@pytest.mark.parametrize("case, blocks, sets", [
+    ("demo", "BasicTransformerBlock", []),
+    ("demo-flux", "FluxTransformerBlock", []),
+    # checkpointed: the checkpoint traced inside the compiled region, fp8 layers' own checkpoints nested in it
+    ("demo-flux", "FluxTransformerBlock", ["training.gradient_checkpointing=true", "parts.denoiser.fp8=true",
+                                           "parts.denoiser.dtype=bf16"])], ids=["sd", "flux", "flux-checkpointed"])
 @pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
-def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks):
-    r = step_counts.run_compiled(case, ["training.mixed_precision=bf16"], steps=2, workspace=tiny_workspace,
-                                 backend="eager", run_name=f"{case}-graphs")
+def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks, sets):
+    r = step_counts.run_compiled(case, ["training.mixed_precision=bf16", *sets], steps=2, workspace=tiny_workspace,
+                                 backend="eager", run_name=f"{case}-graphs{len(sets)}")
     assert blocks in r["blocks"] and r["lora_layers_in_blocks"] > 0
     assert r["graph_breaks"] == 0, r["break_reasons"]
     assert r["first_step_frames"] >= 1 and r["graphs"] >= 1  # the blocks did compile

@@ -178,8 +178,8 @@ def _check_compile_mode(cfg: DictConfig) -> None:
                           f"(general.device = {cfg.general.device}): use default.", key="training.compile_mode",
                           value=mode)
     if mode in ("reduce-overhead", "max-autotune") and cfg.training.gradient_checkpointing:
-        raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs, which fail when a compiled block "
-                          "runs inside activation checkpointing (PyTorch issue 154306): turn off "
+        raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs, which are not supported together "
+                          "with activation checkpointing yet (PyTorch issue 154306): turn off "
                           "training.gradient_checkpointing or use default.",
                           key="training.compile_mode", value=mode)
 

@@ -13,19 +13,25 @@ what it saves: one attention forward per block and step, which grows with the sq
 1024 px DiT, video clips). The values are the same: the kept output is the one the recomputation would have made
 again (``tests/test_checkpointing_options.py``).
 
-Compiled blocks (``training.compile``) keep it too: the checkpoint sits around the compiled block (diffusers calls
-its checkpointing function with the block), and the compiled code calls the attention kernel as an aten op, which the
-checkpoint's dispatch mode sees (checked with inductor on the CPU and with AOTAutograd in the test). What it adds is
-host work: the dispatch mode runs Python for every op of a checkpointed block's forward and recomputation (about
-+4 ms per Flux double block and +2 ms per single one on a slow 2-core CPU, ``bench/checkpoint_attention.py``), which
-is why it is a switch.
+Kept attention costs host work in eager steps: the dispatch mode runs Python for every op of a checkpointed block's
+forward and recomputation (about +4 ms per Flux double block and +2 ms per single one on a slow 2-core CPU,
+``bench/checkpoint_attention.py``), which is why it is a switch.
+
+Compiled blocks (``training.compile``, :func:`compile_checkpointed`): the checkpoint runs inside the compiled region,
+not around the compiled block. torch.compile traces the checkpointed call as one region whose activations are
+recomputed (the policy above, when attention is kept, decides per op at trace time), and AOTAutograd's partitioner
+makes a forward that saves the block's inputs alone and a backward that recomputes and differentiates in one
+compiled graph: none of the Python hooks the eager checkpoint runs for every saved tensor, and the same values as
+the eager checkpoint (AOTAutograd without inductor gives the same gradients bit for bit,
+``tests/test_checkpointing_options.py``).
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from functools import partial
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -62,12 +68,40 @@ def _contexts() -> Any:
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
+# training.compile's blocks → the compiled checkpoint they run through (compile_checkpointed)
+_COMPILED: "weakref.WeakKeyDictionary[Any, Callable[..., Any]]" = weakref.WeakKeyDictionary()
+
+
+def _checkpoint(call: Callable[..., Any], keep_attention: bool, *args: Any, **kwargs: Any) -> Any:
+    if keep_attention:
+        return checkpoint(call, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+    return checkpoint(call, *args, use_reentrant=False, **kwargs)
+
+
+def _compiled_region(module: Any, keep_attention: bool, *args: Any, **kwargs: Any) -> Any:
+    """What :func:`compile_checkpointed` compiles: the checkpoint of the block's own call (``_call_impl``: its
+    forward and hooks, not the block's compiled call, which would nest one compiled region in another)."""
+    return _checkpoint(module._call_impl, keep_attention, *args, **kwargs)
+
+
+def compile_checkpointed(modules: Iterable[Any], **options: Any) -> None:
+    """``training.compile`` with gradient checkpointing: when ``modules`` (the compiled blocks) are checkpointed,
+    the checkpoint runs inside one torch.compile'd region (``options``: torch.compile's) instead of around each
+    block's compiled call. One compiled function serves every block (a block is an input of its graph, as in
+    regional compilation), so a block class compiles once per input shape."""
+    compiled = torch.compile(_compiled_region, **options)
+    for m in modules:
+        _COMPILED[m] = compiled
+
+
 def checkpointed(module: Any, *args: Any, keep_attention: bool = False, **kwargs: Any) -> Any:
     """A non-reentrant checkpoint of ``module(*args, **kwargs)`` (diffusers' ``_gradient_checkpointing_func``; keyword
-    arguments pass on, which diffusers 0.42.1's default function refuses: HunyuanImage's blocks take them)."""
-    if keep_attention:
-        return checkpoint(module.__call__, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
-    return checkpoint(module.__call__, *args, use_reentrant=False, **kwargs)
+    arguments pass on, which diffusers 0.42.1's default function refuses: HunyuanImage's blocks take them); inside
+    a compiled region where the block was compiled (:func:`compile_checkpointed`)."""
+    compiled = _COMPILED.get(module)
+    if compiled is not None and not torch.compiler.is_compiling():
+        return compiled(module, keep_attention, *args, **kwargs)
+    return _checkpoint(module.__call__, keep_attention, *args, **kwargs)
 
 
 class Checkpointing:
@@ -107,4 +141,5 @@ def enable_checkpointing(module: Any, keep_attention: bool = False, interval: in
         enable()
 
 
-__all__ = ["ATTENTION_OPS", "Checkpointing", "checkpoint_function", "checkpointed", "enable_checkpointing"]
+__all__ = ["ATTENTION_OPS", "Checkpointing", "checkpoint_function", "checkpointed", "compile_checkpointed",
+           "enable_checkpointing"]

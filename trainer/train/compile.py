@@ -5,7 +5,8 @@ repeated blocks (a UNet's ``BasicTransformerBlock``s, Flux's double and single b
 class, so compiling each of them in place (``nn.Module.compile``) costs one compile per block class and
 input shape, and gives most of the speed-up (PyTorch's regional-compilation recipe; diffusers'
 ``ModelMixin.compile_repeated_blocks`` does the same from the model's ``_repeated_blocks``). LoRA layers,
-fp8 storage hooks and gradient checkpointing are inside or around the blocks and are traced with them.
+fp8 storage and gradient checkpointing are inside the blocks' compiled regions and are traced with them (a
+checkpointed block's checkpoint too: :func:`trainer.memory.checkpointing.compile_checkpointed`).
 
 The block classes come from the model's own ``_repeated_blocks`` when diffusers defines it, else from
 the model itself: the classes of modules that repeat in a ``ModuleList`` (PixArt's transformer blocks).
@@ -23,6 +24,8 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch.nn as nn
 from torch._dynamo.utils import counters
+
+from trainer.memory.checkpointing import compile_checkpointed
 
 # torch.compile's modes; "default" passes none
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -55,13 +58,16 @@ def compile_blocks(model: Any, mode: str = "default", **options: Any) -> Dict[st
         options["mode"] = mode
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}
+    blocks = []
     for module in model.modules():
         name = type(module).__name__
         if name in names:
             module.compile(**options)
+            blocks.append(module)
             done[name] = done.get(name, 0) + 1
     if not done:
         raise ValueError(f"training.compile: {type(model).__name__} has no repeated blocks to compile")
+    compile_checkpointed(blocks, **options)  # checkpointed, a block's checkpoint runs inside its compiled region
     return done
 
 
