@@ -83,6 +83,21 @@ CASES["flux"] = {"preset": "flux-lora-24gb", "random_weights": True,
                  "sets": ["training.batch_size=1", "lora.rank=16", "lora.alpha=16", "training.optimizer.name=adamw",
                           "training.lr_warmup_steps=0", "data.resolution=1024",
                           "data.max_upscale=0"]}  # the 96 px demo images enlarged to the 1024 px bucket
+# Flux.1 [dev]'s real depth (19 double and 38 single blocks, every layer and LoRA of them) at widths a CPU holds: a
+# step's ops, syncs, copies and Python calls do not depend on the widths, so these are the real step's host work.
+# The 24 GB preset's settings (fp8 storage, checkpointing, LoRA rank 16), the image at 256 px (the ops of 1024 px)
+CASES["flux-depth"] = {"preset": "flux-lora-24gb", "random_weights": True,
+                       "narrow": {"transformer": {"attention_head_dim": 16, "num_attention_heads": 2,
+                                                  "axes_dims_rope": [4, 6, 6], "joint_attention_dim": 32,
+                                                  "pooled_projection_dim": 32},
+                                  "text_encoder": {"hidden_size": 32, "intermediate_size": 64,
+                                                   "num_hidden_layers": 2, "num_attention_heads": 2,
+                                                   "projection_dim": 32},
+                                  "text_encoder_2": {"d_model": 32, "d_ff": 64, "d_kv": 16, "num_heads": 2,
+                                                     "num_layers": 2, "num_decoder_layers": 2}},
+                       "sets": ["training.batch_size=1", "lora.rank=16", "lora.alpha=16",
+                                "training.optimizer.name=adamw", "training.lr_warmup_steps=0",
+                                "data.resolution=256", "data.max_upscale=0", "parts.denoiser.dtype=bf16"]}
 # every demo preset (each family's tiny model), by its name: `step_counts.py demo-wan demo-qwen-image …`
 for _demo in sorted((ROOT / "presets").glob("demo*.yaml")):
     CASES.setdefault(_demo.stem, {"preset": _demo.stem, "sets": []})
@@ -386,6 +401,24 @@ def per_step(snaps: List[dict], count: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def narrowed(narrow: Optional[Dict[str, Dict[str, Any]]]):
+    """The Flux.1 full-size configs with ``narrow``'s values laid over their components (a case's real depth at
+    small widths), for the run inside."""
+    if not narrow:
+        yield
+        return
+    from trainer.families.flux import full_size
+    saved = full_size.FULL_SIZE
+    full_size.FULL_SIZE = {variant: {**spec, "configs": {part: {**cfg, **narrow.get(part, {})}
+                                                         for part, cfg in spec["configs"].items()}}
+                           for variant, spec in saved.items()}
+    try:
+        yield
+    finally:
+        full_size.FULL_SIZE = saved
+
+
 def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_name: str, hook: Any) -> None:
     """Train ``case`` for ``steps`` steps in this process, ``hook`` called at each step's end; SystemExit with the
     log's tail when the run fails."""
@@ -404,7 +437,7 @@ def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_nam
             if torch.cuda.is_available():  # random init on the GPU (fast), then in CPU RAM as a loaded file's
                 estimate_session.INIT_DEVICE = "cuda"
             ctx = estimate_session.session(fake=False)
-        with ctx:
+        with ctx, narrowed(spec.get("narrow")):
             rc = cli.main(argv)
     finally:
         loop.resume_gc = original

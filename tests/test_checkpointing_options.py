@@ -110,7 +110,8 @@ def test_a_diffusers_model_takes_the_trainers_checkpointing():
                                    num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
                                    axes_dims_rope=(4, 6, 6))
     enable_checkpointing(model, keep_attention=True)
-    assert model.gradient_checkpointing and model._gradient_checkpointing_func.keywords == {"keep_attention": True}
+    assert model.gradient_checkpointing
+    assert model._gradient_checkpointing_func.keywords == {"keep_attention": True, "reentrant": False}
 
 
 def _flux_runs(workspace, setting, values):
@@ -246,3 +247,71 @@ def test_a_compiled_blocks_checkpoint_runs_inside_its_compiled_region():
     out = checkpointed(block, x, text, temb=temb)  # the eager checkpoint
     (out[0].square().mean() + out[1].square().mean()).backward()
     assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], block.attn.to_q.weight.grad)
+
+
+class _Nested(torch.nn.Module):
+    """A block whose output is nested (a tuple holding a dict): the reentrant checkpoint must track every tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.a(x) * scale, {"b": torch.nn.functional.dropout(self.b(x), 0.5)}
+
+
+def _nested_step(reentrant: bool, x_grad: bool, **kwargs):
+    torch.manual_seed(0)
+    block = _Nested().requires_grad_(False)
+    block.b.weight.requires_grad_(True)  # trained inside; the input may need no gradient (a LoRA's first block)
+    x = torch.randn(3, 8, requires_grad=x_grad)
+    calls = [0]
+    block.a.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    first, rest = checkpointed(block, x, reentrant=reentrant, **kwargs)
+    (first.square().sum() + rest["b"].square().sum()).backward()
+    return block.b.weight.grad, x.grad, calls[0]
+
+
+@pytest.mark.parametrize("x_grad", [False, True], ids=["input-without-grad", "input-with-grad"])
+def test_the_reentrant_checkpoint_gives_the_non_reentrant_ones_gradients(x_grad):
+    """One process checkpoints with torch's reentrant checkpoint (a forward without autograd, no Python hook per saved
+    tensor): the same gradients bit for bit (dropout's random draws replayed), also where the block's input needs no
+    gradient and the trained weight sits inside it, and whatever structure the block returns."""
+    w, x, calls = _nested_step(True, x_grad, scale=2.0)
+    w_plain, x_plain, _ = _nested_step(False, x_grad, scale=2.0)
+    assert calls == 2  # the forward, and again in backward
+    assert w is not None and torch.equal(w, w_plain)
+    assert (x is None) == (not x_grad) and (x is None or torch.equal(x, x_plain))
+    # a keyword tensor that needs a gradient goes through the non-reentrant checkpoint (the reentrant one passes
+    # positional tensors on alone): its gradient arrives
+    torch.manual_seed(0)
+    block = _Nested().requires_grad_(False)
+    scale = torch.tensor(2.0, requires_grad=True)
+    first, rest = checkpointed(block, torch.randn(3, 8), reentrant=True, scale=scale)
+    first.sum().backward()
+    assert scale.grad is not None and scale.grad != 0
+
+
+def test_a_block_with_nothing_to_train_is_not_recomputed():
+    """No input needs a gradient and nothing inside trains: backward never reaches the block (no recomputation)."""
+    block = _Nested().requires_grad_(False)
+    calls = [0]
+    block.a.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    first, _ = checkpointed(block, torch.randn(3, 8), reentrant=True)
+    assert not first.requires_grad and calls[0] == 1
+
+
+@pytest.mark.slow  # two tiny Flux runs through the trainer
+def test_a_checkpointed_flux_lora_run_trains_the_lora_of_one_without_checkpointing(tiny_workspace):
+    """Checkpointing (torch's reentrant checkpoint, one process) changes no value: the saved LoRA of a checkpointed
+    tiny Flux run equals the unchecked run's bit for bit."""
+    runs = {}
+    for on in (True, False):
+        name = f"checkpointing-{on}".lower()
+        counted = step_counts.run_case("demo-flux", ["training.mixed_precision=bf16",
+                                                     f"training.gradient_checkpointing={str(on).lower()}"],
+                                       warmup=2, count=1, workspace=tiny_workspace, run_name=name)
+        runs[on] = (counted, load_file(str(tiny_workspace / "runs" / name / f"{name}.safetensors")))
+    assert _same_lora(runs[True][1], runs[False][1])
+    mm = {on: runs[on][0]["op_names"].get("mm", 0) + runs[on][0]["op_names"].get("addmm", 0) for on in runs}
+    assert mm[True] > mm[False]  # the blocks did run again in backward

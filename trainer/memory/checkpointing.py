@@ -2,7 +2,9 @@
 every N-th block only (``training.gradient_checkpointing_interval``, :class:`Checkpointing`).
 
 Plain checkpointing (``training.gradient_checkpointing``) keeps none of a block's tensors for backward and runs the
-whole block again there: its matmuls, norms and attention. With ``training.checkpoint_keep_attention`` the block's
+whole block again there: its matmuls, norms and attention. One process uses torch's reentrant checkpoint where it
+fits, which runs the first forward without autograd and so without a Python hook per saved tensor (see
+:func:`checkpointed`). With ``training.checkpoint_keep_attention`` the block's
 self- and joint-attention kernels (torch's scaled-dot-product attention, whichever backend it picks) are saved in the
 forward and taken from there when backward recomputes the block; everything else is recomputed as before, the
 cross-attention to a caption included (few keys: cheap to recompute, and its output as big to keep). This is torch's
@@ -31,9 +33,10 @@ from __future__ import annotations
 import inspect
 import weakref
 from functools import partial
-from typing import Any, Callable, Dict, Iterable
+from typing import Any, Callable, Dict, Iterable, Tuple
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 # every aten entry point of scaled-dot-product attention (CUDA flash / memory-efficient / cuDNN, the CPU's flash), with
@@ -94,13 +97,63 @@ def compile_checkpointed(modules: Iterable[Any], **options: Any) -> None:
         _COMPILED[m] = compiled
 
 
-def checkpointed(module: Any, *args: Any, keep_attention: bool = False, **kwargs: Any) -> Any:
-    """A non-reentrant checkpoint of ``module(*args, **kwargs)`` (diffusers' ``_gradient_checkpointing_func``; keyword
-    arguments pass on, which diffusers 0.42.1's default function refuses: HunyuanImage's blocks take them); inside
-    a compiled region where the block was compiled (:func:`compile_checkpointed`)."""
+# a tensor that requires grad, handed to torch's reentrant checkpoint first: backward then reaches the checkpoint (and
+# the trained weights inside the block) when none of the block's inputs requires grad (the first blocks of a LoRA)
+_ANCHOR = torch.ones((), requires_grad=True)
+# blocks → whether they hold a trained weight (read once per block)
+_TRAINS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+class _Flat:
+    """``call(*args, **kwargs)`` as torch's reentrant checkpoint runs it: after :data:`_ANCHOR`, and with the output's
+    leaves as one flat tuple (the checkpoint tracks the tensors of a flat tuple only; the block's own structure, a
+    tuple of tuples or a diffusers output class, is rebuilt around it)."""
+
+    def __init__(self, call: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
+        self.call, self.kwargs, self.spec = call, kwargs, None
+
+    def __call__(self, _anchor: Any, *args: Any) -> Any:
+        leaves, self.spec = tree_flatten(self.call(*args, **self.kwargs))
+        return tuple(leaves)
+
+
+def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    flat = _Flat(call, kwargs)
+    leaves = checkpoint(flat, _ANCHOR, *args, use_reentrant=True)
+    return tree_unflatten(list(leaves), flat.spec)
+
+
+def _reentrant_fits(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """torch's reentrant checkpoint gives this call's gradients: no keyword argument needs one (it passes positional
+    tensors on alone), and backward has something to reach (an input that requires grad, or a trained weight in
+    the block; otherwise nothing is saved and the plain checkpoint costs nothing)."""
+    if any(torch.is_tensor(v) and v.requires_grad for v in kwargs.values()):
+        return False
+    trains = _TRAINS.get(module)
+    if trains is None:
+        trains = _TRAINS[module] = any(p.requires_grad for p in module.parameters())
+    return trains or any(torch.is_tensor(a) and a.requires_grad for a in args)
+
+
+def checkpointed(module: Any, *args: Any, keep_attention: bool = False, reentrant: bool = False,
+                 **kwargs: Any) -> Any:
+    """A checkpoint of ``module(*args, **kwargs)`` (diffusers' ``_gradient_checkpointing_func``; keyword arguments
+    pass on, which diffusers 0.42.1's default function refuses: HunyuanImage's blocks take them): inside a compiled
+    region where the block was compiled (:func:`compile_checkpointed`); torch's reentrant checkpoint where
+    ``reentrant`` (one process) allows it (:func:`_reentrant_fits`, not with kept attention); else the non-reentrant
+    one.
+
+    The reentrant checkpoint runs the forward without autograd and saves the block's inputs; the non-reentrant one
+    runs it with autograd and a Python hook for every tensor it would save (to drop it, and in backward to check the
+    recomputed one): ~30 Python calls per tensor, about 3,400 tensors in a Flux.1 step. Both recompute the same ops
+    with the same random state, so the gradients are the same bit for bit (``tests/test_checkpointing_options.py``).
+    The reentrant one runs its recomputation and backward inside the autograd engine's backward, which DDP's and
+    FSDP's gradient hooks do not expect: several processes keep the non-reentrant one."""
     compiled = _COMPILED.get(module)
     if compiled is not None and not torch.compiler.is_compiling():
         return compiled(module, keep_attention, *args, **kwargs)
+    if reentrant and not keep_attention and not torch.compiler.is_compiling() and _reentrant_fits(module, args, kwargs):
+        return _reentrant(module.__call__, args, kwargs)
     return _checkpoint(module.__call__, keep_attention, *args, **kwargs)
 
 
@@ -111,32 +164,36 @@ class Checkpointing:
     less recomputation, more memory). Blocks are counted in the order they are first handed over (a model's forward
     calls them in its own order, the same every step), so with 2 the first, third, fifth … block is checkpointed."""
 
-    def __init__(self, keep_attention: bool = False, interval: int = 1):
+    def __init__(self, keep_attention: bool = False, interval: int = 1, reentrant: bool = False):
         self.keep_attention, self.interval = bool(keep_attention), max(int(interval), 1)
+        self.reentrant = bool(reentrant)
         self._order: Dict[int, int] = {}
 
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         index = self._order.setdefault(id(module), len(self._order))
         if index % self.interval:
             return module(*args, **kwargs)
-        return checkpointed(module, *args, keep_attention=self.keep_attention, **kwargs)
+        return checkpointed(module, *args, keep_attention=self.keep_attention, reentrant=self.reentrant, **kwargs)
 
 
-def checkpoint_function(keep_attention: bool, interval: int = 1) -> Callable[..., Any]:
+def checkpoint_function(keep_attention: bool, interval: int = 1, reentrant: bool = False) -> Callable[..., Any]:
     if interval > 1:
-        return Checkpointing(keep_attention, interval)
-    return partial(checkpointed, keep_attention=True) if keep_attention else checkpointed
+        return Checkpointing(keep_attention, interval, reentrant)
+    if keep_attention or reentrant:
+        return partial(checkpointed, keep_attention=bool(keep_attention), reentrant=bool(reentrant))
+    return checkpointed
 
 
-def enable_checkpointing(module: Any, keep_attention: bool = False, interval: int = 1) -> None:
+def enable_checkpointing(module: Any, keep_attention: bool = False, interval: int = 1, reentrant: bool = False) -> None:
     """Turn on ``module``'s gradient checkpointing: a transformers model (text encoders) its own way; a diffusers model
-    (and the trainer's wrappers of one) with :func:`checkpoint_function`."""
+    (and the trainer's wrappers of one) with :func:`checkpoint_function` (``reentrant``: one process, see
+    :func:`checkpointed`)."""
     if hasattr(module, "gradient_checkpointing_enable"):
         module.gradient_checkpointing_enable()
         return
     enable = module.enable_gradient_checkpointing
     if "gradient_checkpointing_func" in inspect.signature(enable).parameters:
-        enable(gradient_checkpointing_func=checkpoint_function(keep_attention, interval))
+        enable(gradient_checkpointing_func=checkpoint_function(keep_attention, interval, reentrant))
     else:
         enable()
 

@@ -197,8 +197,8 @@ def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
     if cfg.training.gradient_checkpointing:
         keep = bool(cfg.training.get("checkpoint_keep_attention", False))
         interval = int(cfg.training.get("gradient_checkpointing_interval", 1) or 1)
-        for m in state.method.modules.values():
-            enable_checkpointing(m, keep_attention=keep, interval=interval)
+        for m in state.method.modules.values():  # one process: torch's reentrant checkpoint where it fits
+            enable_checkpointing(m, keep_attention=keep, interval=interval, reentrant=state.world == 1)
     for m in state.method.modules.values():
         m.train()
     state.par.shard(state.method, fsdp_plugin, state.device)  # FSDP: before the optimizer is built on the weights
