@@ -1,7 +1,7 @@
 """Compute copies of plain LoRA weights in the autocast dtype (bf16, or fp16 on a GPU), with the fp32 weights as
 masters (``training.adapter_compute_copies``).
 
-Under bf16 (fp16) autocast an fp32 LoRA weight is cast to bf16 at every forward, and its bf16 gradient cast back to
+Under bf16 (fp16) autocast an fp32 LoRA weight is cast to that dtype at every forward, and its gradient cast back to
 fp32 in backward: two copies per weight and step (512 for an SD 1.5 LoRA of 128 layers), each a separate op the
 host launches. Here each adapted layer's ``lora_A``/``lora_B`` weights get a copy in the autocast dtype, put in the
 layer's place for the training forward and backward only; after each micro-batch's backward its gradients are added
