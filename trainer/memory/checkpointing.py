@@ -105,34 +105,42 @@ _TRAINS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
 class _Flat:
-    """``call(*args, **kwargs)`` as torch's reentrant checkpoint runs it: after :data:`_ANCHOR`, and with the output's
-    leaves as one flat tuple (the checkpoint tracks the tensors of a flat tuple only; the block's own structure, a
+    """``call(*args, **kwargs)`` as torch's reentrant checkpoint runs it: after :data:`_ANCHOR`, with the keyword
+    arguments that are tensors handed over as positional ones (the checkpoint tracks positional tensors alone) and
+    the output's leaves as one flat tuple (it tracks the tensors of a flat tuple only; the block's own structure, a
     tuple of tuples or a diffusers output class, is rebuilt around it)."""
 
-    def __init__(self, call: Callable[..., Any], kwargs: Dict[str, Any]) -> None:
-        self.call, self.kwargs, self.spec = call, kwargs, None
+    def __init__(self, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.call, self.count, self.spec = call, len(args), None
+        self.names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+        self.fixed = {k: v for k, v in kwargs.items() if not torch.is_tensor(v)}
+        self.inputs = (*args, *(kwargs[k] for k in self.names))
 
-    def __call__(self, _anchor: Any, *args: Any) -> Any:
-        leaves, self.spec = tree_flatten(self.call(*args, **self.kwargs))
+    def __call__(self, _anchor: Any, *inputs: Any) -> Any:
+        kwargs = {**self.fixed, **dict(zip(self.names, inputs[self.count:]))}
+        leaves, self.spec = tree_flatten(self.call(*inputs[:self.count], **kwargs))
         return tuple(leaves)
 
 
 def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    flat = _Flat(call, kwargs)
-    leaves = checkpoint(flat, _ANCHOR, *args, use_reentrant=True)
+    flat = _Flat(call, args, kwargs)
+    leaves = checkpoint(flat, _ANCHOR, *flat.inputs, use_reentrant=True)
     return tree_unflatten(list(leaves), flat.spec)
 
 
 def _reentrant_fits(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-    """torch's reentrant checkpoint gives this call's gradients: no keyword argument needs one (it passes positional
-    tensors on alone), and backward has something to reach (an input that requires grad, or a trained weight in
-    the block; otherwise nothing is saved and the plain checkpoint costs nothing)."""
-    if any(torch.is_tensor(v) and v.requires_grad for v in kwargs.values()):
+    """Backward has something to reach in this call: an input that requires grad, or a trained weight in the block
+    (otherwise nothing is saved and the plain checkpoint costs nothing). torch's reentrant checkpoint hands tensors
+    nested in containers (Flux's rotary embedding, a pair) on as they are: one that needs a gradient would not get it,
+    so such a call takes the non-reentrant one."""
+    inputs = (*args, *kwargs.values())
+    nested = [t for a in inputs if isinstance(a, (list, tuple, dict)) for t in tree_flatten(a)[0]]
+    if any(torch.is_tensor(t) and t.requires_grad for t in nested):
         return False
     trains = _TRAINS.get(module)
     if trains is None:
         trains = _TRAINS[module] = any(p.requires_grad for p in module.parameters())
-    return trains or any(torch.is_tensor(a) and a.requires_grad for a in args)
+    return trains or any(torch.is_tensor(a) and a.requires_grad for a in inputs)
 
 
 def checkpointed(module: Any, *args: Any, keep_attention: bool = False, reentrant: bool = False,
@@ -146,7 +154,9 @@ def checkpointed(module: Any, *args: Any, keep_attention: bool = False, reentran
     The reentrant checkpoint runs the forward without autograd and saves the block's inputs; the non-reentrant one
     runs it with autograd and a Python hook for every tensor it would save (to drop it, and in backward to check the
     recomputed one): ~30 Python calls per tensor, about 3,400 tensors in a Flux.1 step. Both recompute the same ops
-    with the same random state, so the gradients are the same bit for bit (``tests/test_checkpointing_options.py``).
+    with the same random state. In a chain of blocks (the DiTs) the gradients are the same bit for bit; where a
+    tensor feeds a checkpointed block and something else too (a UNet's skip connections) the parts of its gradient
+    are summed in another order, which changes the last bits (``tests/test_checkpointing_options.py``).
     The reentrant one runs its recomputation and backward inside the autograd engine's backward, which DDP's and
     FSDP's gradient hooks do not expect: several processes keep the non-reentrant one."""
     compiled = _COMPILED.get(module)
