@@ -128,14 +128,21 @@ def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str
     return tree_unflatten(list(leaves), flat.spec)
 
 
+def _needs_grad(value: Any) -> bool:
+    if torch.is_tensor(value):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_needs_grad(v) for v in value)
+    return isinstance(value, dict) and any(_needs_grad(v) for v in value.values())
+
+
 def _reentrant_fits(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     """Backward has something to reach in this call: an input that requires grad, or a trained weight in the block
     (otherwise nothing is saved and the plain checkpoint costs nothing). torch's reentrant checkpoint hands tensors
     nested in containers (Flux's rotary embedding, a pair) on as they are: one that needs a gradient would not get it,
     so such a call takes the non-reentrant one."""
     inputs = (*args, *kwargs.values())
-    nested = [t for a in inputs if isinstance(a, (list, tuple, dict)) for t in tree_flatten(a)[0]]
-    if any(torch.is_tensor(t) and t.requires_grad for t in nested):
+    if any(isinstance(a, (list, tuple, dict)) and _needs_grad(a) for a in inputs):
         return False
     trains = _TRAINS.get(module)
     if trains is None:
