@@ -118,13 +118,27 @@ class _Flat:
 
     def __call__(self, _anchor: Any, *inputs: Any) -> Any:
         kwargs = {**self.fixed, **dict(zip(self.names, inputs[self.count:]))}
-        leaves, self.spec = tree_flatten(self.call(*inputs[:self.count], **kwargs))
+        out = self.call(*inputs[:self.count], **kwargs)
+        if torch.is_tensor(out):  # the usual outputs, without the general flattening's Python
+            self.spec = _ONE
+            return (out,)
+        if type(out) is tuple and all(torch.is_tensor(t) or t is None for t in out):
+            self.spec = _TUPLE
+            return out
+        leaves, self.spec = tree_flatten(out)
         return tuple(leaves)
+
+
+_ONE, _TUPLE = object(), object()
 
 
 def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     flat = _Flat(call, args, kwargs)
     leaves = checkpoint(flat, _ANCHOR, *flat.inputs, use_reentrant=True)
+    if flat.spec is _ONE:
+        return leaves[0]
+    if flat.spec is _TUPLE:
+        return tuple(leaves)
     return tree_unflatten(list(leaves), flat.spec)
 
 
