@@ -104,6 +104,9 @@ _ANCHOR = torch.ones((), requires_grad=True)
 _TRAINS: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 
 
+_ONE, _TUPLE = object(), object()  # a block's output was one tensor / a flat tuple (handed over as it is)
+
+
 class _Flat:
     """``call(*args, **kwargs)`` as torch's reentrant checkpoint runs it: after :data:`_ANCHOR`, with the keyword
     arguments that are tensors handed over as positional ones (the checkpoint tracks positional tensors alone) and
@@ -129,8 +132,6 @@ class _Flat:
         return tuple(leaves)
 
 
-_ONE, _TUPLE = object(), object()
-
 
 def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     flat = _Flat(call, args, kwargs)
@@ -153,8 +154,9 @@ def _needs_grad(value: Any) -> bool:
 def _reentrant_fits(module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
     """Backward has something to reach in this call: an input that requires grad, or a trained weight in the block
     (otherwise nothing is saved and the plain checkpoint costs nothing). torch's reentrant checkpoint hands tensors
-    nested in containers (Flux's rotary embedding, a pair) on as they are: one that needs a gradient would not get it,
-    so such a call takes the non-reentrant one."""
+    nested in containers (Flux's rotary embedding, a pair) on as they are, not detached: one that needs a gradient
+    would get it only from the backward nested inside the checkpoint's, through a graph outside it that the outer
+    backward may already have run, so such a call takes the non-reentrant one."""
     inputs = (*args, *kwargs.values())
     if any(isinstance(a, (list, tuple, dict)) and _needs_grad(a) for a in inputs):
         return False
