@@ -32,6 +32,8 @@
 # (SD 1.5 ~2 GB, SDXL ~7 GB, Flux.1 ~34 GB of disk in bf16); Atelier trains the same models with
 # bench/random_weights.py (no disk). The example scripts differ where they cannot match (said in the table's notes):
 # they encode every batch with the VAE (SD/SDXL scripts: no latent cache), and the Flux script has no fp8 base (bf16).
+# Both adapt the same layers: the SD scripts' to_q/k/v/out are Atelier's default; the Flux script is given Atelier's
+# (--lora_layers; its default adds the double blocks' feed-forwards, which it ran with until 2026-11-28).
 #
 # Env: PYTHON (default .venv/bin/python), OUT (results), STEPS (12; TINY 4), CASE_TIMEOUT (s, 200), PEAK_TFLOPS
 # (the card's dense bf16 peak, 989 = H100 SXM), COMPILE (1; TINY 0), COMPILE_MODE (training.compile_mode of the
@@ -158,9 +160,10 @@ def diffusers_run(case, script, model, data, steps, workdir, result_path):
               "--lr_warmup_steps", "0", "--rank", "16", "--mixed_precision", "bf16", "--seed", "0",
               "--dataloader_num_workers", "0", "--checkpointing_steps", str(steps + 1),
               "--output_dir", str(work / "out"), "--report_to", "tensorboard"]
-    if case == "flux":
+    if case == "flux":  # the LoRA layers of Atelier's Flux preset (the script's default adds the feed-forwards)
+        from bare_flux_step import ATELIER_TARGETS
         args = common + ["--instance_data_dir", data, "--instance_prompt", "a photo of sks", "--guidance_scale", "1",
-                         "--gradient_checkpointing", "--cache_latents"]
+                         "--gradient_checkpointing", "--cache_latents", "--lora_layers", ",".join(ATELIER_TARGETS)]
     else:
         args = common + ["--train_data_dir", data, "--image_column", "image", "--caption_column", "text",
                          "--cache_dir", str(work / "hf-cache")]

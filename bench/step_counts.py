@@ -6,9 +6,10 @@ Python calls, each by call site.
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py sd15        # real-size SD 1.5 topology, random weights
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo --sites 15 --set training.batch_size=4
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py --compiled sd15 demo demo-sdxl demo-flux   # compile counts
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py flux-depth-bf16 bare-flux-depth   # against diffusers' script
 
 A step's GPU time is only as good as the host's ability to queue it: every aten op is a kernel launch (or host work
-around one), every device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``)
+around one: the "of them kernels" count leaves out views, allocations and host reads, which launch none), every device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``)
 waits for the copy. These counts do not depend on the machine, so they are taken here, on the CPU, through the
 trainer's own ``python -m trainer train`` in this process: steps after the warm-up ones are counted one by one
 (the boundary is the loop's end-of-step hook) and the median is printed.
@@ -55,7 +56,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: E402
 
-import bare_diffusers_step  # noqa: E402  (bench/'s own module, beside this file)
+import bare_diffusers_step  # noqa: E402  (bench/'s own modules, beside this file)
+import bare_flux_step  # noqa: E402
 from trainer.train import compile as compile_counts  # noqa: E402
 
 THIS = os.path.abspath(__file__)
@@ -101,7 +103,17 @@ CASES["flux-depth"] = {"preset": "flux-lora-24gb", "random_weights": True,
 # every demo preset (each family's tiny model), by its name: `step_counts.py demo-wan demo-qwen-image …`
 for _demo in sorted((ROOT / "presets").glob("demo*.yaml")):
     CASES.setdefault(_demo.stem, {"preset": _demo.stem, "sets": []})
-BARE = "bare-sd15"  # not Atelier: diffusers' example step with peft at the sd15 case's settings (count_bare)
+# the flux-depth case with the transformer stored in bf16, as diffusers' example script stores it (the side-by-side's
+# flux-bf16 rows; bare-flux-depth is that script's step)
+CASES["flux-depth-bf16"] = {**CASES["flux-depth"], "sets": CASES["flux-depth"]["sets"] + ["parts.denoiser.fp8=false"]}
+# not Atelier: diffusers' example steps with peft at a case's settings (count_bare). bare-sd15: the sd15 case's;
+# bare-flux-depth: flux-depth-bf16's (the same LoRA layers); bare-flux-depth-example-targets: the script's default
+# --lora_layers, which adds the double blocks' feed-forwards (what the side-by-side's example rows ran until 2026-11-28)
+BARES = {"bare-sd15": lambda cache: bare_diffusers_step.build(cache),
+         "bare-flux-depth": lambda cache: bare_flux_step.build(CASES["flux-depth"]["narrow"]["transformer"]),
+         "bare-flux-depth-example-targets": lambda cache: bare_flux_step.build(
+             CASES["flux-depth"]["narrow"]["transformer"], targets=bare_flux_step.EXAMPLE_TARGETS)}
+BARE = "bare-sd15"
 CASES["sd15-checkpointing"] = {**CASES["sd15"], "sets": CASES["sd15"]["sets"][:-3]
                                + ["training.gradient_checkpointing=true", "lora.rank=16",
                                   "training.lr_warmup_steps=0"]}
@@ -111,6 +123,9 @@ SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "masked_select", "_u
 FACTORIES = {"randn", "rand", "randint", "normal", "randperm", "zeros", "ones", "empty", "full", "arange",
              "linspace", "logspace", "eye", "tensor", "as_tensor", "zeros_like", "ones_like", "empty_like",
              "full_like", "rand_like", "randn_like", "randint_like", "scalar_tensor"}
+# no kernel on a GPU: besides the view ops (``OpOverload.is_view``: view, t, detach, expand, slice …), these
+NO_KERNEL = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_",
+             "_local_scalar_dense"}  # the last: a read of a device value (counted as a sync)
 FROM_PYTHON = {"tensor", "as_tensor"}  # data copied from Python objects (pageable): a blocking copy to a device
 
 
@@ -134,6 +149,7 @@ class Tally:
 
     def __init__(self) -> None:
         self.ops = 0
+        self.kernels = 0  # ops that run a kernel on a GPU (not views, allocations or host reads)
         self.op_names: Counter = Counter()
         self.syncs: Counter = Counter()  # (what, site)
         self.copies: Counter = Counter()  # (blocking?, site)
@@ -141,7 +157,7 @@ class Tally:
         self.calls = 0
 
     def snapshot(self) -> dict:
-        return {"ops": self.ops, "syncs": sum(self.syncs.values()),
+        return {"ops": self.ops, "kernel_ops": self.kernels, "syncs": sum(self.syncs.values()),
                 "blocking_copies": sum(n for (blocking, _), n in self.copies.items() if blocking),
                 "async_copies": sum(n for (blocking, _), n in self.copies.items() if not blocking),
                 "late_reads": sum(self.late.values()),
@@ -227,6 +243,8 @@ class OpCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         self.tally.ops += 1
         name = func.overloadpacket.__name__
+        if not (func.is_view or name in NO_KERNEL):
+            self.tally.kernels += 1
         self.tally.op_names[name] += 1
         first = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
         sync = name in SYNC_OPS
@@ -391,8 +409,8 @@ def per_step(snaps: List[dict], count: int) -> dict:
     """Medians over the counted steps (op steps: snapshots 0..count, Python steps: count..2·count)."""
     def diffs(key, lo, hi):
         return [snaps[i + 1][key] - snaps[i][key] for i in range(lo, hi)]
-    out = {k: statistics.median(diffs(k, 0, count)) for k in ("ops", "syncs", "blocking_copies", "async_copies",
-                                                                  "late_reads")}
+    out = {k: statistics.median(diffs(k, 0, count)) for k in ("ops", "kernel_ops", "syncs", "blocking_copies",
+                                                                  "async_copies", "late_reads")}
     out["python_calls"] = statistics.median(diffs("python_calls", count, 2 * count))
     first, last = snaps[0], snaps[count]
     for key in ("sync_sites", "copy_sites", "op_names"):
@@ -462,10 +480,10 @@ def run_case(case: str, extra: List[str], warmup: int, count: int, workspace: Pa
     return per_step(hook.snaps, count)
 
 
-def count_bare(workspace: Path, warmup: int, count: int) -> dict:
-    """``bare-sd15``: the counts of bench/bare_diffusers_step.py's step (diffusers' example loop with peft, the
-    ``sd15`` case's settings), as :func:`run_case` counts Atelier's."""
-    step, resident = bare_diffusers_step.build(workspace / "bare-cache")
+def count_bare(workspace: Path, warmup: int, count: int, case: str = BARE) -> dict:
+    """A bare case's counts (:data:`BARES`: bench/bare_diffusers_step.py's or bare_flux_step.py's step, diffusers'
+    example loop with peft), as :func:`run_case` counts Atelier's."""
+    step, resident = BARES[case](workspace / "bare-cache")
     hook = Counting(warmup, count)
     for _ in range(warmup + 2 * count + 1):
         if hook.step == warmup - 1:  # the hook's seeding looks for a RunState; here the resident tensors are known
@@ -479,7 +497,7 @@ def count_bare(workspace: Path, warmup: int, count: int) -> dict:
 
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted([*CASES, BARE]))
+    ap.add_argument("cases", nargs="*", default=["demo", "demo-sdxl", "demo-flux"], choices=sorted([*CASES, *BARES]))
     ap.add_argument("--set", action="append", default=[], help="one more setting for every case (key=value)")
     ap.add_argument("--warmup", type=int, default=3, help="steps before counting (at least 2)")
     ap.add_argument("--count", type=int, default=3, help="steps counted (ops), then as many (Python calls)")
@@ -504,8 +522,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.compiled:
                     rows[case] = run_compiled(case, args.set, args.warmup + args.count, Path(args.workspace or tmp),
                                               backend=args.backend)
-                elif case == BARE:
-                    rows[case] = count_bare(Path(args.workspace or tmp), args.warmup, args.count)
+                elif case in BARES:
+                    rows[case] = count_bare(Path(args.workspace or tmp), args.warmup, args.count, case)
                 else:
                     rows[case] = run_case(case, args.set, args.warmup, args.count, Path(args.workspace or tmp),
                                           profile=args.profile)
@@ -532,20 +550,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     for case, r in rows.items():
         print(f"\n== {case}: per optimizer step (median of {args.count})")
-        print(f"aten ops {r['ops']:.0f}  device syncs {r['syncs']:g}  blocking H2D copies {r['blocking_copies']:g}  "
+        print(f"aten ops {r['ops']:.0f} ({r['kernel_ops']:.0f} running a kernel on a GPU)  device syncs {r['syncs']:g}  blocking H2D copies {r['blocking_copies']:g}  "
               f"non-blocking copies {r['async_copies']:g}  late reads {r['late_reads']:g}  Python calls {r['python_calls']:.0f}")
         for title, key in (("syncs", "sync_sites"), ("copies (blocking? site)", "copy_sites")):
             for site, n in list(r[key].items())[:args.sites]:
                 print(f"  {title}: {n:g} x {site}")
         print("  top ops: " + ", ".join(f"{k} {v:g}" for k, v in list(r["op_names"].items())[:8]))
-    print("\n| case | aten ops | syncs | blocking copies | late reads | Python calls |\n|---|---|---|---|---|---|")
+    print("\n| case | aten ops | of them kernels | syncs | blocking copies | late reads | Python calls |\n"
+          "|---|---|---|---|---|---|---|")
     for case, r in rows.items():
-        print(f"| {case} | {r['ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
+        print(f"| {case} | {r['ops']:.0f} | {r['kernel_ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
               f"| {r['python_calls']:.0f} |")
-    if "sd15" in rows and BARE in rows:
-        ratio = rows["sd15"]["ops"] / rows[BARE]["ops"]
-        print(f"\nsd15 / {BARE}: aten ops {ratio:.3f}x (goal <= 0.85x), Python calls "
-              f"{rows['sd15']['python_calls'] / rows[BARE]['python_calls']:.3f}x")
+    for ours, bare, goal in (("sd15", BARE, " (goal <= 0.85x)"), ("flux-depth-bf16", "bare-flux-depth", "")):
+        if ours in rows and bare in rows:
+            print(f"\n{ours} / {bare}: aten ops {rows[ours]['ops'] / rows[bare]['ops']:.3f}x{goal}, of them kernels "
+                  f"{rows[ours]['kernel_ops'] / rows[bare]['kernel_ops']:.3f}x, Python calls "
+                  f"{rows[ours]['python_calls'] / rows[bare]['python_calls']:.3f}x")
     return 0
 
 

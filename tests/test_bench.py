@@ -171,3 +171,34 @@ def test_random_weights_trains_from_a_folder_of_configs_alone(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "ws" / "runs" / "rw" / "rw.safetensors").stat().st_size > 0
+
+
+def test_flux_example_adapts_the_layers_atelier_adapts():
+    """The side-by-side gives diffusers' Flux script ``--lora_layers`` = Atelier's Flux LoRA preset: under peft's
+    matching both adapt the same modules (the script's default adds the double blocks' feed-forwards), and the bare
+    example step (bench/step_counts.py's reference) trains with them."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    import bare_flux_step
+    from trainer.families.flux.family import Flux
+
+    narrow = {"num_layers": 2, "num_single_layers": 2, "attention_head_dim": 8, "num_attention_heads": 2,
+              "axes_dims_rope": [2, 2, 4], "joint_attention_dim": 16, "pooled_projection_dim": 16}
+    config = {**bare_flux_step.FULL_SIZE["flux-dev"]["configs"]["transformer"], **narrow}
+
+    def adapted(targets):
+        model = FluxTransformer2DModel.from_config(config)
+        model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=targets))
+        return {name for name, m in model.named_modules() if hasattr(m, "lora_A")}
+
+    atelier = adapted(Flux.lora_targets(None, "unet", "attn"))
+    assert len(atelier) == 2 * 8 + 2 * 3  # per double block 8 attention projections, per single block q, k, v
+    assert adapted(list(bare_flux_step.ATELIER_TARGETS)) == atelier
+    extra = adapted(list(bare_flux_step.EXAMPLE_TARGETS)) - atelier
+    assert extra and all(".ff" in name for name in extra)
+
+    step, resident = bare_flux_step.build(narrow, side=32, text_tokens=8)
+    losses = [step() for _ in range(2)]
+    assert all(isinstance(x, float) and x == x for x in losses)
+    assert any(t.requires_grad for t in resident())

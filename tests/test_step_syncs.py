@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -35,6 +36,22 @@ def test_a_step_has_no_device_sync_and_no_blocking_copy(counted):
 def test_the_counter_sees_what_it_counts(counted):
     assert counted["ops"] > 1000 and counted["python_calls"] > 1000
     assert counted["op_names"]["mm"] > 0
+    assert 0 < counted["kernel_ops"] < counted["ops"]
+
+
+def test_views_and_allocations_run_no_kernel():
+    """The "of them kernels" column: ops that launch a kernel on a GPU; views (aliases of their input), empty
+    tensors and host reads do not."""
+    tally = step_counts.Tally()
+    x = torch.ones(4, 6)
+    with step_counts.OpCounter(tally, step_counts.WeakTensorKeyDictionary()):
+        y = x.view(6, 4).t().unsqueeze(0).expand(2, 4, 6)  # 4 views
+        x.detach()
+        torch.empty(3)
+        z = (y + 1).sum()  # 2 kernels
+        z.item()  # a host read
+        x.to(torch.bfloat16)  # 1 kernel
+    assert tally.ops >= 10 and tally.kernels == 3, tally.op_names
 
 
 @pytest.mark.parametrize("case", ["demo-sdxl", "demo-chroma", "demo-flux2-klein", "demo-wan", "demo-cascade",
