@@ -6,11 +6,12 @@ Python calls, each by call site.
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py sd15        # real-size SD 1.5 topology, random weights
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py demo --sites 15 --set training.batch_size=4
     OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py --compiled sd15 demo demo-sdxl demo-flux   # compile counts
-    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py flux-depth-bf16 bare-flux-depth   # against diffusers' script
+    OMP_NUM_THREADS=1 .venv/bin/python bench/step_counts.py flux-depth-bf16 bare-flux-depth  # against diffusers' script
 
 A step's GPU time is only as good as the host's ability to queue it: every aten op is a kernel launch (or host work
-around one: the "of them kernels" count leaves out views, allocations and host reads, which launch none), every device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``)
-waits for the copy. These counts do not depend on the machine, so they are taken here, on the CPU, through the
+around one: the "of them kernels" count leaves out views, allocations and host reads, which launch none), every
+device sync drains the GPU's queue, every copy from unpinned memory (or without ``non_blocking``) waits for the copy.
+These counts do not depend on the machine, so they are taken here, on the CPU, through the
 trainer's own ``python -m trainer train`` in this process: steps after the warm-up ones are counted one by one
 (the boundary is the loop's end-of-step hook) and the median is printed.
 
@@ -550,8 +551,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     for case, r in rows.items():
         print(f"\n== {case}: per optimizer step (median of {args.count})")
-        print(f"aten ops {r['ops']:.0f} ({r['kernel_ops']:.0f} running a kernel on a GPU)  device syncs {r['syncs']:g}  blocking H2D copies {r['blocking_copies']:g}  "
-              f"non-blocking copies {r['async_copies']:g}  late reads {r['late_reads']:g}  Python calls {r['python_calls']:.0f}")
+        print(f"aten ops {r['ops']:.0f} ({r['kernel_ops']:.0f} running a kernel on a GPU)  device syncs "
+              f"{r['syncs']:g}  blocking H2D copies {r['blocking_copies']:g}  non-blocking copies "
+              f"{r['async_copies']:g}  late reads {r['late_reads']:g}  Python calls {r['python_calls']:.0f}")
         for title, key in (("syncs", "sync_sites"), ("copies (blocking? site)", "copy_sites")):
             for site, n in list(r[key].items())[:args.sites]:
                 print(f"  {title}: {n:g} x {site}")
@@ -559,8 +561,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n| case | aten ops | of them kernels | syncs | blocking copies | late reads | Python calls |\n"
           "|---|---|---|---|---|---|---|")
     for case, r in rows.items():
-        print(f"| {case} | {r['ops']:.0f} | {r['kernel_ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} | {r['late_reads']:g} "
-              f"| {r['python_calls']:.0f} |")
+        print(f"| {case} | {r['ops']:.0f} | {r['kernel_ops']:.0f} | {r['syncs']:g} | {r['blocking_copies']:g} "
+              f"| {r['late_reads']:g} | {r['python_calls']:.0f} |")
     for ours, bare, goal in (("sd15", BARE, " (goal <= 0.85x)"), ("flux-depth-bf16", "bare-flux-depth", "")):
         if ours in rows and bare in rows:
             print(f"\n{ours} / {bare}: aten ops {rows[ours]['ops'] / rows[bare]['ops']:.3f}x{goal}, of them kernels "
