@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -461,6 +462,15 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
     assert steps("compiled")[0]["first_step_s"] > 0 and "first_step_s" not in steps("eager")[0]
     log = (runs / "compiled" / "train.log").read_text()
     assert "BasicTransformerBlock compiled" in log
+    # what it compiled is kept in the workspace's caches, and the next run of the same model loads it from there
+    kept = ws / "cache" / "torch-compile"
+    assert f"cached in {kept.resolve()}" in log and re.search(r"graphs compiled: [1-9]", log)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(kept.resolve())  # the run's own setting ended with it
+    torch._dynamo.reset()  # as a new process starts: nothing compiled in memory
+    assert cli(["train", "--preset", "demo-pixart", *overrides(ws, "again", *common, "training.compile=true",
+                                                                "training.max_steps=1")]) == 0
+    again = (runs / "again" / "train.log").read_text()
+    assert re.search(r"graphs compiled: 0, loaded from the kernel cache: [1-9]", again), again[-2000:]
 
 
 def test_regional_compile_finds_each_familys_repeated_blocks():

@@ -112,8 +112,10 @@ class TrainingConfig:
                              "type), compiled at the first step (tens of seconds to minutes). On an H200 "
                              "(docs/performance.md) compiling sped Flux.1 and SDXL LoRA steps up and slowed SD "
                              "1.5's in the default mode, where compile_mode reduce-overhead ran 1.95x eager: try a "
-                             "few steps each way on your card. Needs Triton on NVIDIA GPUs (on Windows the "
-                             "triton-windows package) and a C++ compiler on the CPU.")
+                             "few steps each way on your card. What it compiles is kept in the caches' folder "
+                             "(cache/torch-compile): a later run of the same model and shapes loads it instead. "
+                             "Needs Triton on NVIDIA GPUs (on Windows the triton-windows package) and a C++ "
+                             "compiler on the CPU.")
     compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
                                      "record CUDA graphs (one per bucket shape and block; CUDA only, not with "
                                      "gradient checkpointing); max-autotune-no-cudagraphs tunes kernels longer.",

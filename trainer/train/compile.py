@@ -15,12 +15,16 @@ the model itself: the classes of modules that repeat in a ``ModuleList`` (PixArt
 ``max-autotune``) record one graph per input shape of each block: a step's shapes are its (bucket, batch
 size) pairs, so :func:`step_shapes` counts them and the setup warns above :data:`CUDAGRAPH_SHAPE_LIMIT`.
 :func:`dynamo_counts` reads torch's own counters (graph breaks, frames compiled, graphs made), which
-``bench/step_counts.py --compiled`` and the tests read per step.
+``bench/step_counts.py --compiled`` and the tests read per step. What a run compiles is cached in the workspace
+(:func:`kernel_cache`): the next run of the same model and shapes loads it instead of compiling.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Set, Tuple
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch.nn as nn
 from torch._dynamo.utils import counters
@@ -91,6 +95,37 @@ def cudagraph_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
             "data.aspect_buckets off) or compile_mode default keep it small.")
 
 
+# training.compile's cache of compiled graphs and kernels, a folder of the run's caches (kernel_cache)
+KERNEL_CACHE = "torch-compile"
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+@contextlib.contextmanager
+def kernel_cache(folder: Path) -> Iterator[Optional[Path]]:
+    """The compiled graphs and kernels of a ``training.compile`` run kept in ``folder`` (``<cache>/torch-compile``,
+    beside the latent and text caches) while the run compiles: torch's own caches (inductor's FX-graph cache,
+    AOTAutograd's cache, Triton's kernels under it on a GPU), so a later run of the same model, settings and step
+    shapes loads what an earlier one compiled instead of compiling it again. torch keeps them in the system's temp
+    folder by default, which a pod's restart or a new Colab session empties, and which lies outside the workspace.
+    A ``TORCHINDUCTOR_CACHE_DIR`` the user set wins (yields None; torch itself sets it to its default folder once
+    it has looked, which does not count). torch's keys cover the graph, its input shapes, the torch version and the
+    device, so a changed model or setting compiles anew, never reuses a wrong kernel."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+    chosen = os.environ.get(CACHE_ENV)
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        yield None
+        return
+    folder = Path(folder).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(folder)):
+        yield folder
+
+
+def cache_counts() -> Dict[str, int]:
+    """Compiled graphs inductor made (``misses``) and took from its cache (``hits``) so far in this process."""
+    return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}
+
+
 def dynamo_counts() -> Dict[str, int]:
     """torch's compile counters so far in this process: graph breaks, frames compiled (a first compile or a
     recompile) and graphs made. Differences between two calls count what happened in between."""
@@ -104,5 +139,6 @@ def graph_break_reasons() -> Dict[str, int]:
     return dict(counters["graph_break"])
 
 
-__all__ = ["CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "MODES", "compile_blocks", "cudagraph_shape_warning",
-           "describe", "dynamo_counts", "graph_break_reasons", "repeated_block_classes", "step_shapes"]
+__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "cache_counts",
+           "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts", "graph_break_reasons",
+           "kernel_cache", "repeated_block_classes", "step_shapes"]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.load import save_config
+from trainer.data.cache import cache_folder
 from trainer.errors import ConfigError, TrainingError
 from trainer.host import procs
 from trainer.host.startup import resume_gc
@@ -42,6 +43,7 @@ from trainer.parallel.launch import (
 from trainer.methods.compute_copies import make_compute_copies
 from trainer.parallel.plan import env_rank_world
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
+from trainer.train.compile import CACHE_ENV, KERNEL_CACHE, cache_counts, kernel_cache
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample
 from trainer.train.setup import setup
@@ -194,7 +196,10 @@ def _report_step(state: RunState, loss: float, where: dict, t_start: float, step
     extra = {}
     if state.compiled and done == 1:  # the first step of this process compiled the blocks
         extra["first_step_s"] = round(elapsed, 2)
-        log.info("training.compile: the first step, compiles included, took %.1f s", extra["first_step_s"])
+        now, before = cache_counts(), state.compile_counts or {}
+        made, loaded = (now[k] - before.get(k, 0) for k in ("misses", "hits"))
+        log.info("training.compile: the first step, compiles included, took %.1f s (graphs compiled: %d, loaded "
+                 "from the kernel cache: %d)", extra["first_step_s"], made, loaded)
     state.run.events.emit("step", step=step, total_steps=state.total_steps, epoch=where["epoch"] + 1,
                           loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1),
                           **extra)
@@ -300,7 +305,12 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
     ev = trainer.run.events
     for w in warnings or []:
         ev.emit("warning", message=w)
+    resources = contextlib.ExitStack()  # held until the run ends
     try:
+        if cfg.training.get("compile", False):  # what it compiles, kept for the next run (not in the temp folder)
+            kept = resources.enter_context(kernel_cache(cache_folder(cfg) / KERNEL_CACHE))
+            log.info("training.compile: compiled graphs and kernels cached in %s", kept or
+                     f"{os.environ.get(CACHE_ENV)} ({CACHE_ENV})")
         if rank == 0:  # after the event stream (and its reserve) is open: a full disk here still ends in `failed`
             save_config(cfg, run_dir / "config.yaml")
             (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
@@ -346,6 +356,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
             print(f"error: {msg}\n(the run folder's events.jsonl could not record it: {again})", file=sys.stderr)
         return 1
     finally:
+        resources.close()
         if watcher is not None:
             watcher.close()
         for sig, handler in previous_handlers.items():

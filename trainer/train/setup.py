@@ -37,7 +37,8 @@ from trainer.parallel.distributed import accelerator_kwargs
 from trainer.parallel.fsdp import plan_fsdp
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
-from trainer.train.compile import CUDAGRAPH_MODES, compile_blocks, cudagraph_shape_warning, describe, step_shapes
+from trainer.train.compile import (CUDAGRAPH_MODES, cache_counts, compile_blocks, cudagraph_shape_warning, describe,
+                                   step_shapes)
 from trainer.train.ema import make_ema
 from trainer.train.state import RunState
 from trainer.train.training_adapter import attach_training_adapter
@@ -146,6 +147,7 @@ def setup(state: RunState) -> None:
             if cudagraph_shape_warning(shapes):
                 state.warn(cudagraph_shape_warning(shapes))
         state.compiled = True
+        state.compile_counts = cache_counts()
         log.info("training.compile: %s compiled at their first call", describe(done))
 
     frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains

@@ -75,6 +75,7 @@ class RunState:
     ema: Optional[TrainableEMA]
     rounding: Optional[StochasticRounding]  # precision.stochastic_rounding's optimizer hooks
     compiled: bool  # training.compile: the denoiser's blocks compile at their first call
+    compile_counts: Optional[Dict[str, int]]  # training.compile: the kernel cache's counts before the first step
     cache_summary: Optional[Dict[str, Any]]  # what filling the caches encoded and reused
     tb: Any  # torch.utils.tensorboard's SummaryWriter (optional: tensorboard may be missing), or None
     # made by the loop as it goes
@@ -112,6 +113,7 @@ class RunState:
         self.ema = None
         self.rounding = None
         self.compiled = False
+        self.compile_counts = None
         self.cache_summary = None
         self.tb = None
         self.unet_dtype = None
