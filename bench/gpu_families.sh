@@ -10,7 +10,7 @@
 #   SETS="data.offload_text_encoders=false training.batch_size=2" bash bench/gpu_families.sh flux-fp8  # overrides
 #
 # Cases: flux-fp8 (flux-lora-24gb as shipped), flux-nf4 (the same with an NF4 transformer), flux-16gb, flux-12gb
-# (block swapping), qwen-nf4 (qwen-image-lora-24gb), qwen-16gb (fp8 Qwen2.5-VL, block swapping), klein-12gb,
+# (block swapping), flux-48gb and flux-80gb (bf16 transformer; every second block checkpointed / none), qwen-nf4 (qwen-image-lora-24gb), qwen-16gb (fp8 Qwen2.5-VL, block swapping), klein-12gb,
 # flux2-dev-32gb / flux2-dev-24gb (Flux.2 [dev], fp8 / NF4 Mistral; ~90 GB of CPU RAM for the random bf16 weights), sd15 (sd15-lora,
 # 512 px, bf16; with MFU), sdxl-8gb (sdxl-lora-8gb). Default: the cases measured so far and the new tiers.
 # Four noise images of the preset's size with one caption; each case samples once at the end (4 steps) so the
@@ -138,6 +138,8 @@ run_case() {
     qwen-16gb) bench qwen-16gb qwen-image-lora-16gb 1024 --set "model.path=$(configs qwen-image)" ;;
     flux-12gb) bench flux-12gb flux-lora-12gb 1024 --set "model.path=$(configs flux-dev)" ;;
     flux-16gb) bench flux-16gb flux-lora-16gb 1024 --set "model.path=$(configs flux-dev)" ;;
+    flux-48gb) bench flux-48gb flux-lora-48gb 1024 --set "model.path=$(configs flux-dev)" ;;
+    flux-80gb) bench flux-80gb flux-lora-80gb 1024 --set "model.path=$(configs flux-dev)" ;;
     klein-12gb) bench klein-12gb flux2-klein-lora-12gb 1024 --set "model.path=$(configs flux2-klein)" ;;
     flux2-dev-32gb) bench flux2-dev-32gb flux2-dev-lora-32gb 1024 --set "model.path=$(configs flux2-dev)" ;;
     flux2-dev-24gb) bench flux2-dev-24gb flux2-dev-lora-24gb 1024 --set "model.path=$(configs flux2-dev)" ;;

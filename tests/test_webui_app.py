@@ -387,6 +387,10 @@ def test_quick_start_picks_the_preset_for_model_method_and_card_and_checks_each_
     assert preset_for("sdxl", "LoRA", 16) == "sdxl-lora-16gb" and preset_for("sdxl", "LoRA", None) == "sdxl-lora"
     assert preset_for("sdxl", "LoRA", 80) == "sdxl-lora-16gb" and preset_for("sdxl", "Fine-tune", 8) == "sdxl-finetune"
     assert preset_for("flux", "LoRA", 24) == "flux-lora-24gb" and preset_for("flux", "LoRA", 12) == "flux-lora-12gb"
+    # the big cards' tiers: a 48 GB card checkpoints every second block, an 80 GB one (nvidia-smi's 81559 MiB, as
+    # the page rounds it) none
+    assert preset_for("flux", "LoRA", 48) == "flux-lora-48gb" and preset_for("flux", "LoRA", 64) == "flux-lora-48gb"
+    assert preset_for("flux", "LoRA", round(81559 / 1024)) == "flux-lora-80gb"
     assert preset_for("qwenimage", "LoRA", 16) == "qwen-image-lora-16gb"
     assert preset_for("flux2-dev", "LoRA", 32) == "flux2-dev-lora-32gb" and preset_for("flux2-dev", "LoRA", 24) == "flux2-dev-lora-24gb"
     assert preset_for("flux2-dev", "LoRA", 16) == "flux2-dev-lora"  # no tier fits: the base (the VRAM check says so)
