@@ -173,6 +173,7 @@ def test_random_weights_trains_from_a_folder_of_configs_alone(tmp_path):
     assert (tmp_path / "ws" / "runs" / "rw" / "rw.safetensors").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_flux_example_adapts_the_layers_atelier_adapts():
     """The side-by-side gives diffusers' Flux script ``--lora_layers`` = Atelier's Flux LoRA preset: under peft's
     matching both adapt the same modules (the script's default adds the double blocks' feed-forwards), and the bare
