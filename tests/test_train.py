@@ -473,6 +473,31 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
     assert re.search(r"graphs compiled: 0, loaded from the kernel cache: [1-9]", again), again[-2000:]
 
 
+def test_a_machine_that_cannot_compile_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """training.compile where inductor cannot make kernels: the run ends in seconds with one message at the
+    setting that says what to install, before any model loads (not in the first step's compile)."""
+    from torch._inductor import cpp_builder
+    from torch.utils import _triton
+
+    from trainer.train.compile import backend_problem
+
+    def no_compiler():
+        raise RuntimeError("no C++ compiler found in ('g++',)")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    ws = tmp_path
+    assert cli(["train", "--preset", "demo-pixart", *overrides(ws, "no-compiler", "training.compile=true",
+                                                               "training.max_steps=1")]) == 1
+    run = ws / "runs" / "no-compiler"
+    error = next(e for e in read_events(run / "events.jsonl") if e["type"] == "error")
+    assert error["key"] == "training.compile" and "no C++ compiler was found" in error["message"]
+    assert "turn training.compile off" in error["message"]
+    assert "loading model" not in (run / "train.log").read_text()
+    monkeypatch.setattr(_triton, "has_triton_package", lambda: False)
+    assert "pip install triton-windows" in backend_problem("cuda")
+    assert backend_problem("mps") is None
+
+
 def test_regional_compile_finds_each_familys_repeated_blocks():
     from diffusers import FluxTransformer2DModel, PixArtTransformer2DModel
 

@@ -121,6 +121,35 @@ def kernel_cache(folder: Path) -> Iterator[Optional[Path]]:
         yield folder
 
 
+def backend_problem(device_type: str) -> Optional[str]:
+    """Why torch.compile's inductor cannot make kernels for ``device_type`` on this machine, said with what to do
+    (None when it can): on NVIDIA GPUs it writes Triton kernels (the package, and a GPU of compute capability 7.0 or
+    newer, which Triton needs), on the CPU C++ that a compiler builds. Found at the start of the run, before a model
+    loads, instead of in the first step's compile."""
+    try:  # torch's private helpers: where they moved, compiling says what is missing itself
+        from torch._inductor import cpp_builder
+        from torch.utils import _triton
+    except ImportError:
+        return None
+    if device_type == "cuda":
+        if not _triton.has_triton_package():
+            return ("training.compile makes Triton kernels on NVIDIA GPUs, and Triton is not installed here: "
+                    "pip install triton (on Windows: pip install triton-windows), or turn training.compile off.")
+        if not _triton.has_triton():
+            import torch
+            major, minor = torch.cuda.get_device_capability()
+            return (f"training.compile makes Triton kernels, and Triton does not compile for this GPU (compute "
+                    f"capability {major}.{minor}; it needs 7.0 or newer: Volta, Turing or later). Turn "
+                    "training.compile off.")
+    elif device_type == "cpu":
+        try:
+            cpp_builder.get_cpp_compiler()
+        except Exception as exc:  # torch's own error names the compilers it looked for
+            return (f"training.compile on the CPU builds C++ kernels, and no C++ compiler was found ({exc}). Install "
+                    "one (g++ or clang; on Windows Visual Studio's Build Tools), or turn training.compile off.")
+    return None
+
+
 def cache_counts() -> Dict[str, int]:
     """Compiled graphs inductor made (``misses``) and took from its cache (``hits``) so far in this process."""
     return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}
@@ -139,6 +168,7 @@ def graph_break_reasons() -> Dict[str, int]:
     return dict(counters["graph_break"])
 
 
-__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "cache_counts",
+__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "backend_problem",
+           "cache_counts",
            "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts", "graph_break_reasons",
            "kernel_cache", "repeated_block_classes", "step_shapes"]

@@ -37,8 +37,8 @@ from trainer.parallel.distributed import accelerator_kwargs
 from trainer.parallel.fsdp import plan_fsdp
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
-from trainer.train.compile import (CUDAGRAPH_MODES, cache_counts, compile_blocks, cudagraph_shape_warning, describe,
-                                   step_shapes)
+from trainer.train.compile import (CUDAGRAPH_MODES, backend_problem, cache_counts, compile_blocks,
+                                   cudagraph_shape_warning, describe, step_shapes)
 from trainer.train.ema import make_ema
 from trainer.train.state import RunState
 from trainer.train.training_adapter import attach_training_adapter
@@ -70,6 +70,10 @@ def setup(state: RunState) -> None:
                                    kwargs_handlers=accelerator_kwargs(cfg, cpu, state.world, state.warn,
                                                                       sharded=fsdp_plugin is not None))
     state.device = state.accelerator.device
+    if t.get("compile", False):  # before a model loads: a machine that cannot compile is said in seconds
+        problem = backend_problem(state.device.type)
+        if problem:
+            raise ConfigError(problem, key="training.compile", value=True)
     if state.device.type == "cuda":
         # cuDNN's SDPA kernel (chosen first for bf16 on Hopper since torch 2.5) fails in Flux.1's 1024 px
         # backward (torch 2.11, cu130, H200: "mha_graph.execute(...).is_good()", an illegal memory access
