@@ -282,6 +282,28 @@ def test_trainer_doctor_report():
         assert "CUDA: not available" in text
     assert "bitsandbytes:" in text and "What does not fit here:" in text
     assert "gloo" in text
+    if not torch.cuda.is_available():  # the CPU's compiler, as training.compile's check finds it
+        from trainer.train.compile import backend_problem
+        ok = backend_problem("cpu") is None
+        assert f"training.compile (C++ kernels): {'can' if ok else 'cannot'} compile here" in text
+
+
+def test_the_doctor_names_a_machine_that_cannot_compile(monkeypatch):
+    """No C++ compiler (the CPU) and no Triton (an NVIDIA GPU): the doctor says training.compile cannot compile here
+    and what to install, whichever device this machine trains on."""
+    from torch._inductor import cpp_builder
+    from torch.utils import _triton
+
+    from trainer.host.doctor import report
+
+    def no_compiler():
+        raise RuntimeError("Failed to find a working C++ compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    monkeypatch.setattr(_triton, "has_triton_package", lambda: False)
+    text = "\n".join(report())
+    assert "kernels): cannot compile here" in text
+    assert "  - training.compile " in text and "or turn training.compile off." in text
 
 
 def test_doctor_lines_fake_gpu():

@@ -122,6 +122,17 @@ def report() -> List[str]:
     fp8 = hasattr(torch, "float8_e4m3fn")
     lines.append("fp8 weight storage: " + ("this torch has float8 types" if fp8 else "this torch has no float8 types"))
 
+    if device in ("cuda", "cpu"):  # torch.compile's kernels: Triton on NVIDIA GPUs, C++ on the CPU
+        try:
+            from trainer.train.compile import backend_problem
+            compile_problem = backend_problem(device)
+        except Exception as exc:
+            compile_problem = f"training.compile could not be checked here ({type(exc).__name__}: {exc})."
+        lines.append(f"training.compile ({'Triton' if device == 'cuda' else 'C++'} kernels): "
+                     + ("can compile here" if compile_problem is None else "cannot compile here"))
+    else:
+        compile_problem = None
+
     # What of Atelier does not fit on this machine.
     opt8 = _eight_bit_optimizers()
     if not cuda_ok or hip:
@@ -144,6 +155,8 @@ def report() -> List[str]:
                        "Blackwell)" + (f"; not {', '.join(low_cc)}" if low_cc else "; there is none here")
                        + ". Atelier's fp8 weight storage only stores in fp8 and upcasts each layer, so it still "
                        "saves memory here, without the speed-up.")
+    if compile_problem:
+        misfits.append(compile_problem)
     if not nccl:
         reason = "Windows and macOS builds of torch have none" if system in ("Windows", "Darwin") else \
             "this torch has none"
