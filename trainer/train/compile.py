@@ -169,6 +169,5 @@ def graph_break_reasons() -> Dict[str, int]:
 
 
 __all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "backend_problem",
-           "cache_counts",
-           "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts", "graph_break_reasons",
-           "kernel_cache", "repeated_block_classes", "step_shapes"]
+           "cache_counts", "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts",
+           "graph_break_reasons", "kernel_cache", "repeated_block_classes", "step_shapes"]
