@@ -473,6 +473,24 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
     assert re.search(r"graphs compiled: 0, loaded from the kernel cache: [1-9]", again), again[-2000:]
 
 
+def test_the_kernel_cache_is_the_workspaces_unless_the_user_chose_one(tmp_path, monkeypatch):
+    """training.compile's kernel cache: the run's folder while it runs (torch's own default folder in the variable
+    does not count as a choice), the previous value after; a TORCHINDUCTOR_CACHE_DIR the user set stays."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    from trainer.train.compile import kernel_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    with kernel_cache(tmp_path / "cache" / "torch-compile") as kept:
+        assert kept == (tmp_path / "cache" / "torch-compile").resolve() and cache_dir() == str(kept)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == default_cache_dir()
+    mine = str(tmp_path / "mine")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", mine)
+    with kernel_cache(tmp_path / "other" / "torch-compile") as kept:
+        assert kept is None and cache_dir() == mine
+    assert not (tmp_path / "other").exists()
+
+
 def test_a_machine_that_cannot_compile_is_named_before_the_model_loads(tmp_path, monkeypatch):
     """training.compile where inductor cannot make kernels: the run ends in seconds with one message at the
     setting that says what to install, before any model loads (not in the first step's compile)."""
