@@ -110,7 +110,11 @@ def kernel_cache(folder: Path) -> Iterator[Optional[Path]]:
     A ``TORCHINDUCTOR_CACHE_DIR`` the user set wins (yields None; torch itself sets it to its default folder once
     it has looked, which does not count). torch's keys cover the graph, its input shapes, the torch version and the
     device, so a changed model or setting compiles anew, never reuses a wrong kernel."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+    try:  # torch's own helpers (2.13); a torch without them keeps its caches where it keeps them
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir, temporary_cache_dir
+    except ImportError:
+        yield None
+        return
     chosen = os.environ.get(CACHE_ENV)
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
         yield None

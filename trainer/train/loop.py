@@ -310,7 +310,7 @@ def run_training(cfg, run_dir: Path, resume: Optional[str] = None, progress: boo
         if cfg.training.get("compile", False):  # what it compiles, kept for the next run (not in the temp folder)
             kept = resources.enter_context(kernel_cache(cache_folder(cfg) / KERNEL_CACHE))
             log.info("training.compile: compiled graphs and kernels cached in %s", kept or
-                     f"{os.environ.get(CACHE_ENV)} ({CACHE_ENV})")
+                     f"{os.environ.get(CACHE_ENV) or 'the default folder'} ({CACHE_ENV})")
         if rank == 0:  # after the event stream (and its reserve) is open: a full disk here still ends in `failed`
             save_config(cfg, run_dir / "config.yaml")
             (run_dir / "trainer.pid").write_text(json.dumps({"pid": os.getpid(), "pgid": procs.process_group_id(),
