@@ -132,7 +132,6 @@ class _Flat:
         return tuple(leaves)
 
 
-
 def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     flat = _Flat(call, args, kwargs)
     leaves = checkpoint(flat, _ANCHOR, *flat.inputs, use_reentrant=True)
