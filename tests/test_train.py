@@ -449,6 +449,7 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
     assert cli(["train", "--preset", "demo-pixart", *overrides(ws, "eager", *common)]) == 0
     from torch._dynamo.utils import counters
     counters.clear()
+    torch._dynamo.reset()  # nothing compiled in memory by an earlier test: this run compiles (or loads) its blocks
     assert cli(["train", "--preset", "demo-pixart", *overrides(ws, "compiled", *common, "training.compile=true")]) == 0
     assert counters["stats"]["unique_graphs"] >= 1  # dynamo really captured the blocks (no silent eager fallback)
     runs = ws / "runs"
