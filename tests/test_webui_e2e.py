@@ -54,8 +54,10 @@ def open_fold(page, title: str, exact: bool = False) -> None:
 
 
 def wait_loaded(page) -> None:
-    """The page is built: its task tabs are there (the tab shown is the one the user left)."""
+    """The page is built: its task tabs are there and its load event has been applied (it shows the tab the user
+    left; a tab clicked before that could be switched back by it, on a busy machine)."""
     page.wait_for_selector("#main-tabs [role=tab]", timeout=60000)
+    page.wait_for_selector("html[data-atelier-loaded]", state="attached", timeout=60000)
 
 
 @pytest.fixture(scope="module")

@@ -267,7 +267,10 @@ def build_app(workspace: Optional[str | os.PathLike] = None, browse_roots: Seque
             return load_updates(form, values) + [presets, *shown, quickstart.folded(preset)]
 
         ctx.handlers["on_load"] = on_load
-        demo.load(on_load, None, outs, show_progress="hidden")
+        # The page says when the load above has been applied: until then its tab updates may still switch the
+        # tabs (the page's tests wait for this before they click one; a hand is slower than the first load).
+        demo.load(on_load, None, outs, show_progress="hidden").then(
+            None, None, None, js="() => { document.documentElement.dataset.atelierLoaded = '1'; }")
         demo.load(refresh_runs, None, runs_outputs, show_progress="hidden")
     progress_on_few(demo)
     if start_scheduler:
