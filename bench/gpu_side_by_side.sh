@@ -39,7 +39,9 @@
 # (the card's dense bf16 peak, 989 = H100 SXM), COMPILE (1; TINY 0), COMPILE_MODE (training.compile_mode of the
 # compiled runs: default; reduce-overhead adds CUDA graphs, which validate refuses with gradient checkpointing, so the
 # flux case, whose preset checkpoints, fails with it and says so), DIFFUSERS_PYTHON (default PYTHON), KEEP_ATTENTION
-# (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only).
+# (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only),
+# TORCHINDUCTOR_CPP_WRAPPER (torch's own switch, 1: inductor's compiled graphs launch their kernels from generated C++
+# instead of Python; the compiled rows then say cpp-wrapper).
 # Measured on an H200 (2026-11-27, 12 steps): SD 1.5 eager 23 s, its example 25 s (+ writing the folder), SDXL eager
 # 25 s, its example 29 s, the profile ~40 s, Flux eager 75 s, SD 1.5 compiled 57 s, writing Flux's 34 GB folder
 # ~2 min; on a second lease SDXL compiled 47 s, Flux compiled 115 s, SD 1.5 with COMPILE_MODE=reduce-overhead 74 s.
@@ -268,6 +270,7 @@ atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored 
   local extra=()
   [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE")
   [ "$mode" = compiled ] && [ "$COMPILE_MODE" != default ] && mode="compiled $COMPILE_MODE"
+  [ "$mode" != eager ] && [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && mode="$mode cpp-wrapper"
   [ "${3:-}" = bf16 ] && mode="$mode bf16-base"
   if [ "${KEEP_ATTENTION:-0}" = 1 ]; then  # checkpointed blocks keep their attention output (flux: the preset checkpoints)
     extra+=(--set training.checkpoint_keep_attention=true); mode="$mode keep-attention"
@@ -334,6 +337,7 @@ profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.p
   fi
   if [ "${1:-}" = compiled ]; then
     which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"); name=profile_sd15_compiled
+    [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && name=${name}_cpp_wrapper
   fi
   echo "=== $name: one step under torch.profiler" >&2
   timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/$name" \
