@@ -410,13 +410,18 @@ def test_quick_start_picks_the_preset_for_model_method_and_card_and_checks_each_
     assert fill("demo", "LoRA", "", "", None)[1] == "demo"  # the demo needs nothing
 
 
-def test_an_idle_served_page_does_not_poll_every_millisecond(tmp_path):
+def test_an_idle_served_page_does_not_poll_every_millisecond_and_the_console_names_launch_flags(tmp_path, capsys):
     demo = build_app(tmp_path / "ws", start_scheduler=False)
-    serve(demo, port=None, prevent_thread_lock=True, quiet=True)
+    serve(demo, port=None, prevent_thread_lock=True)
     try:
         assert demo._queue.sleep_when_free >= 0.02 and demo._queue.progress_update_sleep_when_free >= 0.1
     finally:
         demo.close()
+    out = capsys.readouterr().out
+    # the console gives the page's address, and says how to get a public link with launch.py's flags (Gradio's
+    # own hint tells a Python author to edit launch())
+    assert "Running on local URL:  http://127.0.0.1:" in out
+    assert "python3 launch.py --share --auth USER:PASS" in out and "share=True" not in out
 
 
 

@@ -11,6 +11,7 @@ torch or diffusers and its first paint is fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -300,20 +301,21 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
     calm_queue(demo)
     install_early_script(FRAME_LOOP_SCRIPT + changes.WATCH_SCRIPT)
     message = "Atelier: sign in with the user and password given to --auth." if auth else None
-    result = demo.launch(
-        server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth).login if auth else None,
-        root_path=root_path,
-        # part of the app from its first request: routes Gradio serves without a login refuse one, and the login
-        # check knows each client's address (webui/login.py)
-        app_kwargs={"middleware": [Middleware(LoginGate, share=share, auth_message=message or "")]},
-        # Gradio 6's run history copies every event's inputs and outputs into the browser's localStorage (a JSON
-        # read and rewrite of up to 100 past calls per status message): with this form's hundreds of inputs, about
-        # 11 % of a core in the browser's storage process and 15-20 % in the page while a run was shown
-        # (docs/performance.md). Off: nothing of the form (paths, prompts) is kept in the browser either.
-        run_history=False,
-        inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
-        allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
-        auth_message=message)
+    with contextlib.redirect_stdout(_OwnHint(sys.stdout)):  # Gradio's hint for a public link, in our words
+        result = demo.launch(
+            server_name=host, server_port=port, share=share, auth=RateLimitedAuth(auth).login if auth else None,
+            root_path=root_path,
+            # part of the app from its first request: routes Gradio serves without a login refuse one, and the login
+            # check knows each client's address (webui/login.py)
+            app_kwargs={"middleware": [Middleware(LoginGate, share=share, auth_message=message or "")]},
+            # Gradio 6's run history copies every event's inputs and outputs into the browser's localStorage (a JSON
+            # read and rewrite of up to 100 past calls per status message): with this form's hundreds of inputs, about
+            # 11 % of a core in the browser's storage process and 15-20 % in the page while a run was shown
+            # (docs/performance.md). Off: nothing of the form (paths, prompts) is kept in the browser either.
+            run_history=False,
+            inbrowser=inbrowser, prevent_thread_lock=True, quiet=quiet, show_error=True,
+            allowed_paths=[str(p) for p in ctx.roots.paths], css=CSS,
+            auth_message=message)
     changes.mount(demo.server_app, {"run": ctx.handlers["watch_run"], "queue": ctx.handlers["watch_queue"]})
     board = ctx.components.get("tensorboard")
     if board is not None:  # <page>/tensorboard/, behind the same login
@@ -327,6 +329,26 @@ def serve(demo: gr.Blocks, *, host: str = "127.0.0.1", port: Optional[int] = 786
             if board is not None:
                 board.stop()
     return result
+
+
+#: Gradio's own hint when it serves no public link, which speaks to a Python author
+GRADIO_SHARE_HINT = "* To create a public link, set `share=True` in `launch()`."
+SHARE_HINT = "* For a link other machines can open (a cloud pod, Colab): python3 launch.py --share --auth USER:PASS"
+
+
+class _OwnHint:
+    """Standard output while Gradio starts the server: everything passes, except Gradio's hint for a public link,
+    which is given with launch.py's flags."""
+
+    def __init__(self, out: Any):
+        self.out = out
+
+    def write(self, text: str) -> int:
+        self.out.write(text.replace(GRADIO_SHARE_HINT, SHARE_HINT))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, encoding … of the real stream
+        return getattr(self.out, name)
 
 
 def calm_queue(demo: gr.Blocks, free_poll_s: float = 0.02, progress_poll_s: float = 0.1) -> None:
