@@ -56,3 +56,28 @@ def test_cuda_graph_shapes_are_the_buckets_and_batch_sizes_of_an_epoch():
     assert shapes == {((64, 64), 2), ((64, 64), 1), ((96, 32), 2)} and cudagraph_shape_warning(shapes) == ""
     many = step_shapes(PlannedBatch((i,), (i,), (64 + 8 * i, 64)) for i in range(CUDAGRAPH_SHAPE_LIMIT + 1))
     assert f"makes {CUDAGRAPH_SHAPE_LIMIT + 1} (bucket, batch size) shapes" in cudagraph_shape_warning(many)
+
+
+@pytest.mark.slow  # two short compiled runs (AOTAutograd traces, no kernels made)
+def test_compiled_blocks_compute_from_the_bf16_copies_and_train_the_same_lora(tiny_workspace):
+    """training.adapter_compute_copies inside the compiled blocks: their graphs take the LoRA layers' bf16 copies as
+    inputs (no cast of each weight in forward, none of its gradient in backward: kernels a GPU's host launches), the
+    copies' gradients reach the fp32 masters through AOTAutograd's backward, nothing recompiles, and the trained
+    LoRA is the one the autocast casts give, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+    sgd = ["training.mixed_precision=bf16", "training.optimizer.name=sgd", "training.learning_rate=0.5",
+           "output.dtype=fp32"]
+    trained = {}
+    for copies in (True, False):
+        run = f"compiled-copies-{copies}"
+        r = step_counts.run_compiled("demo", [*sgd, f"training.adapter_compute_copies={copies}"], steps=3,
+                                     workspace=tiny_workspace, backend="aot_eager", run_name=run)
+        assert r["graph_breaks"] == 0 and r["graphs"] >= 1 and r["recompiles_after_first"] == 0
+        log = (tiny_workspace / "runs" / run / "train.log").read_text()
+        assert ("LoRA weights computed from bf16 copies" in log) == copies
+        trained[copies] = load_file(tiny_workspace / "runs" / run / f"{run}.safetensors")
+    assert set(trained[True]) == set(trained[False])
+    assert max(float(v.abs().max()) for k, v in trained[True].items() if "lora_B" in k or "lora_up" in k) > 0
+    for k, v in trained[False].items():
+        assert torch.equal(trained[True][k], v), k

@@ -95,8 +95,7 @@ class TrainingConfig:
                              choices=["no", "fp16", "bf16"])
     adapter_compute_copies: bool = f(True, "bf16, or fp16 on a GPU: plain LoRA weights are computed from copies "
                                            "in that dtype kept in the layers, the fp32 weights stay the optimizer's "
-                                           "masters (fewer casts a step, the same values). One process, not with "
-                                           "training.compile.")
+                                           "masters (fewer casts a step, the same values). One process.")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     gradient_checkpointing_interval: int = f(1, "With gradient checkpointing: checkpoint every Nth block only; the "
                                                 "others keep their activations for backward (less recomputation, "

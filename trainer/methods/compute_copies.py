@@ -102,12 +102,15 @@ class ComputeCopies:
 def make_compute_copies(method, cfg, world: int, device) -> Optional[ComputeCopies]:
     """The copies where they are exact and safe: the forward under autocast (bf16; fp16 where autocast runs it, on a
     GPU), a LoRA method with plain LoRA layers, one process (DDP's and FSDP's hooks hold the weights they were
-    given), no compiled blocks (their guards hold the weights' dtype) and no fused backward (it steps each weight
-    inside backward); ``None`` otherwise or when switched off."""
+    given) and no fused backward (it steps each weight inside backward); ``None`` otherwise or when switched off.
+    Compiled blocks (``training.compile``) take the copies as their graphs' inputs: the training step's graphs are
+    traced with the copies in place (their dtype guarded: no recompile from step to step), so no weight is cast in
+    forward and no gradient in backward inside them; sampling between steps, without gradients, runs graphs of its
+    own with the masters."""
     t = cfg.training
     if not t.get("adapter_compute_copies", True) or not autocasts(cfg, device) or world > 1:
         return None
-    if getattr(method, "name", None) != "lora" or t.compile or t.fused_backward:
+    if getattr(method, "name", None) != "lora" or t.fused_backward:
         return None
     weights = plain_lora_weights(method.modules.values())
     dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float16
