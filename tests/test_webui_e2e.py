@@ -33,10 +33,15 @@ def free_port() -> int:
 
 
 def show(page, *names: str) -> None:
-    """Open tabs by name, the task tab first (Train, Runs, Data, Tools), then a tab inside it."""
+    """Open tabs by name, the task tab first (Train, Runs, Data, Tools), then a tab inside it. A click on a tab bar
+    Gradio is still mounting (a loaded machine's slow frames) can be lost: the tab is clicked until it is selected."""
     for name in names:
-        page.get_by_role("tab", name=name, exact=True).click()
-        drawn(page)
+        tab = page.get_by_role("tab", name=name, exact=True)
+        for _attempt in range(3):
+            tab.click()
+            drawn(page)
+            if tab.get_attribute("aria-selected") == "true":
+                break
 
 
 def drawn(page) -> None:
