@@ -40,10 +40,15 @@ class OptimizerSpec:
     fused_ok: bool = False         # each weight's update depends on that weight only: fused backward works
 
     @property
+    def root(self) -> str:
+        """The package the optimizer comes from (trainer.optim.prodigy: prodigyopt's Prodigy, a host-light step)."""
+        return "prodigyopt" if self.module == "trainer.optim.prodigy" else self.module.split(".")[0]
+
+    @property
     def library(self) -> str:
         return {"torch": "torch", "bitsandbytes": "bitsandbytes", "prodigyopt": "prodigyopt",
                 "pytorch_optimizer": "pytorch-optimizer", "transformers": "transformers",
-                "prodigyplus": "prodigy-plus-schedule-free"}.get(self.module.split(".")[0], self.module)
+                "prodigyplus": "prodigy-plus-schedule-free"}.get(self.root, self.module)
 
     @property
     def module(self) -> str:
@@ -119,12 +124,13 @@ OPTIMIZERS: Dict[str, OptimizerSpec] = {
     "schedulefree_radam": OptimizerSpec("pytorch_optimizer.ScheduleFreeRAdam", "schedule_free", {**_ADAM},
                                         "Schedule-free RAdam (no warm-up needed).", schedule_free=True),
     # --- prodigy -------------------------------------------------------------------------------
-    "prodigy": OptimizerSpec("prodigyopt.Prodigy", "adaptive",
+    "prodigy": OptimizerSpec("trainer.optim.prodigy.Prodigy", "adaptive",
                              {**_ADAM, "beta3": "beta3", "decouple": "decouple",
                               "use_bias_correction": "use_bias_correction", "safeguard_warmup": "safeguard_warmup",
                               "d0": "d0", "d_coef": "d_coef", "growth_rate": "growth_rate", "slice_p": "slice_p"},
-                             "Prodigy: finds its own step size; keep LR = 1 on every component, "
-                             "scale with d_coef.", adaptive_lr=True),
+                             "Prodigy (prodigyopt's, its step taken with foreach ops and one device read): "
+                             "finds its own step size; keep LR = 1 on every component, scale with d_coef.",
+                             adaptive_lr=True),
     "prodigy_plus_schedulefree": OptimizerSpec(
         "prodigyplus.ProdigyPlusScheduleFree", "adaptive",
         {**_ADAM, "beta3": "beta3", "use_bias_correction": "use_bias_correction", "d0": "d0", "d_coef": "d_coef",

@@ -245,7 +245,7 @@ def optim_warnings(cfg) -> list:
         out.append(Issue("training.optimizer.name",
                          f"{o.name} needs bitsandbytes, which is not installed: install it, or pick "
                          f"{spec.fallback} (32-bit state) or adafactor/came for low memory.", level="error"))
-    elif not spec.eight_bit and importlib.util.find_spec(spec.module.split(".")[0]) is None:
+    elif not spec.eight_bit and importlib.util.find_spec(spec.root) is None:
         out.append(Issue("training.optimizer.name",
                          f"{o.name} needs the Python package '{spec.library}', which is not installed: "
                          f"pip install {spec.library}, or pick another optimizer.", level="error"))
