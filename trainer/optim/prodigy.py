@@ -41,13 +41,15 @@ class Prodigy(_Prodigy):
         beta3 = first["beta3"] if first["beta3"] is not None else math.sqrt(beta2)
         k, d, d_max, d_coef = first["k"], first["d"], first["d_max"], first["d_coef"]
         lr = max(g["lr"] for g in groups)
-        bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if first["use_bias_correction"] else 1
+        bias_correction = 1.0
+        if first["use_bias_correction"]:
+            bias_correction = ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1))
         dlr = d * lr * bias_correction
         growth_rate = first["growth_rate"]
         d_numerator = first["d_numerator"] * beta3
 
         numerators: List[torch.Tensor] = []  # per weight: torch.dot(sliced grad, p0 - sliced weight), fp32
-        denominators: List[torch.Tensor] = []  # per group of a dtype: the L1 norms of the weights' s, fp32
+        denominators: List[torch.Tensor] = []  # per weight: s.abs().sum(), fp32
         for group in groups:
             if group["lr"] not in (lr, 0.0):
                 raise RuntimeError("Setting different lr values in different parameter groups is only supported "
@@ -138,11 +140,13 @@ class Prodigy(_Prodigy):
 
 
 def _sum64(values: List[torch.Tensor]) -> torch.Tensor:
-    """The sum of 0-dim tensors in float64, on their device (one stack per dtype: a bf16 weight's dot is bf16)."""
-    by_dtype: dict = {}
+    """The sum of 0-dim tensors in float64, on the first one's device (one stack per device and dtype: a bf16
+    weight's dot is bf16)."""
+    by_kind: dict = {}
     for v in values:
-        by_dtype.setdefault(v.dtype, []).append(v)
-    sums = [torch.stack(vs).double().sum() for vs in by_dtype.values()]
+        by_kind.setdefault((v.device, v.dtype), []).append(v)
+    device = values[0].device
+    sums = [torch.stack(vs).double().sum().to(device) for vs in by_kind.values()]
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()
 
 
