@@ -41,7 +41,8 @@
 # flux case, whose preset checkpoints, fails with it and says so), DIFFUSERS_PYTHON (default PYTHON), KEEP_ATTENTION
 # (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only),
 # TORCHINDUCTOR_CPP_WRAPPER (torch's own switch, 1: inductor's compiled graphs launch their kernels from generated C++
-# instead of Python; the compiled rows then say cpp-wrapper).
+# instead of Python; the compiled rows then say cpp-wrapper), OPTIMIZER (training.optimizer.name of Atelier's runs,
+# e.g. prodigy, which then trains at learning rate 1; the rows say it; the examples keep AdamW).
 # Measured on an H200 (2026-11-27, 12 steps): SD 1.5 eager 23 s, its example 25 s (+ writing the folder), SDXL eager
 # 25 s, its example 29 s, the profile ~40 s, Flux eager 75 s, SD 1.5 compiled 57 s, writing Flux's 34 GB folder
 # ~2 min; on a second lease SDXL compiled 47 s, Flux compiled 115 s, SD 1.5 with COMPILE_MODE=reduce-overhead 74 s.
@@ -266,12 +267,17 @@ atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored 
   local name=$1 mode=$2 imgs line
   case_setup "$name"
   [ "${3:-}" = bf16 ] && SETS+=(parts.denoiser.fp8=false)
+  if [ -n "${OPTIMIZER:-}" ]; then  # another optimizer in Atelier's runs (Prodigy at its learning rate of 1)
+    SETS+=("training.optimizer.name=$OPTIMIZER")
+    case $OPTIMIZER in prodigy*|dadapt*) SETS+=(training.learning_rate=1) ;; esac
+  fi
   imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
   local extra=()
   [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE")
   [ "$mode" = compiled ] && [ "$COMPILE_MODE" != default ] && mode="compiled $COMPILE_MODE"
   [ "$mode" != eager ] && [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && mode="$mode cpp-wrapper"
   [ "${3:-}" = bf16 ] && mode="$mode bf16-base"
+  [ -n "${OPTIMIZER:-}" ] && mode="$mode $OPTIMIZER"
   if [ "${KEEP_ATTENTION:-0}" = 1 ]; then  # checkpointed blocks keep their attention output (flux: the preset checkpoints)
     extra+=(--set training.checkpoint_keep_attention=true); mode="$mode keep-attention"
   fi
