@@ -81,20 +81,19 @@ class Prodigy(_Prodigy):
             torch._foreach_add_(ss, sliced, alpha=(d / d0) * (d if group["safeguard_warmup"] else dlr))
             denominators.extend([a.sum() for a in torch._foreach_abs(ss)])  # each summed as prodigyopt sums it
 
+        if not denominators:  # no weight with a gradient at a learning rate above 0: prodigyopt returns here too
+            return loss
         d0 = first["d0"]
-        if denominators:  # the step's one read of the device
-            delta_numerator, d_denom = torch.stack([_sum64(numerators), _sum64(denominators)]).tolist()
-            delta_numerator *= (d / d0) * dlr
-        else:
-            delta_numerator, d_denom = 0.0, 0.0
-        if d_denom == 0:  # no progress yet (no gradient): prodigyopt returns here too
+        delta_numerator, d_denom = torch.stack([_sum64(numerators), _sum64(denominators)]).tolist()  # the one read
+        delta_numerator *= (d / d0) * dlr
+        if d_denom == 0:  # no progress yet (all gradients 0): prodigyopt returns here too
             return loss
         d_hat = d
         global_d_numerator, global_d_denom = d_numerator, d_denom
         if lr > 0.0:
             global_d_numerator = d_numerator + delta_numerator
             d_hat = d_coef * global_d_numerator / global_d_denom
-            if d == first["d0"]:
+            if d == d0:
                 d = max(d, d_hat)
             d_max = max(d_max, d_hat)
             d = min(d_max, d * growth_rate)
