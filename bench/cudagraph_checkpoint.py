@@ -114,6 +114,8 @@ def main() -> int:
                     help="also run the arrangement before (the checkpoint around each compiled block; in the default "
                          "mode only, CUDA graphs fail there)")
     args = ap.parse_args()
+    if args.device == "cuda":  # as the trainer does on CUDA (trainer/train/setup.py): cuDNN's SDPA fails in this
+        torch.backends.cuda.enable_cudnn_sdp(False)  # backward at 1024 px on Hopper (an illegal memory access)
     eager = run(args, compiled=False)
     print(json.dumps(eager), flush=True)
     failed = 0
