@@ -1,10 +1,10 @@
-"""Time an optimizer's step alone: prodigyopt's Prodigy against Atelier's (trainer/optim/prodigy.py) and torch's
-fused AdamW, on the weights of an SD 1.5-sized LoRA (256 tensors of rank 16), each with a gradient.
+"""Time an optimizer's step alone: prodigyopt's Prodigy against Atelier's (trainer/optim/prodigy.py), transformers'
+Adafactor (adaptive mode) against Atelier's (trainer/optim/adafactor.py), and torch's fused AdamW, on the weights of an SD 1.5-sized LoRA (256 tensors of rank 16), each with a gradient.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/optimizer_step.py [--device cuda] [--steps 20]
 
 On a GPU the time includes waiting for the step's kernels (synchronize after the steps); prodigyopt's two
-``.item()`` per weight wait inside the step. Numbers go to docs/performance.md with the machine's name.
+``.item()`` per weight and transformers' Adafactor's one read per weight wait inside the step. Numbers go to docs/performance.md with the machine's name.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prodigyopt import Prodigy as ProdigyOpt  # noqa: E402
+from transformers.optimization import Adafactor as TransformersAdafactor  # noqa: E402
 
+from trainer.optim.adafactor import Adafactor  # noqa: E402
 from trainer.optim.prodigy import Prodigy  # noqa: E402
 
 
@@ -55,6 +57,8 @@ def main() -> None:
     fused = args.device == "cuda"
     cases = {"prodigyopt Prodigy": lambda ps: ProdigyOpt(ps, lr=1.0),
              "Atelier Prodigy (trainer/optim/prodigy.py)": lambda ps: Prodigy(ps, lr=1.0),
+             "transformers Adafactor (adaptive)": lambda ps: TransformersAdafactor(ps, lr=None),
+             "Atelier Adafactor (trainer/optim/adafactor.py)": lambda ps: Adafactor(ps, lr=None),
              f"torch AdamW ({'fused' if fused else 'foreach'})": lambda ps: torch.optim.AdamW(
                  ps, lr=1e-4, fused=fused or None)}
     print(f"| optimizer step, 256 LoRA weights, {args.device} | ms a step |")

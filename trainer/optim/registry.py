@@ -41,8 +41,9 @@ class OptimizerSpec:
 
     @property
     def root(self) -> str:
-        """The package the optimizer comes from (trainer.optim.prodigy: prodigyopt's Prodigy, a host-light step)."""
-        return "prodigyopt" if self.module == "trainer.optim.prodigy" else self.module.split(".")[0]
+        """The package the optimizer comes from (trainer.optim.prodigy: prodigyopt's Prodigy, trainer.optim.adafactor:
+        transformers' Adafactor, each with a host-light step)."""
+        return _OWN_STEPS.get(self.module, self.module.split(".")[0])
 
     @property
     def library(self) -> str:
@@ -53,6 +54,10 @@ class OptimizerSpec:
     @property
     def module(self) -> str:
         return self.target.rsplit(".", 1)[0]
+
+
+# Atelier's subclasses that take a library's optimizer step without its device reads: the library they come from
+_OWN_STEPS = {"trainer.optim.prodigy": "prodigyopt", "trainer.optim.adafactor": "transformers"}
 
 
 def _betas(n: int) -> Dict[str, str]:
@@ -139,12 +144,12 @@ OPTIMIZERS: Dict[str, OptimizerSpec] = {
         "Prodigy + schedule-free (prodigy-plus-schedule-free): LR = 1, constant schedule.",
         adaptive_lr=True, schedule_free=True),
     # --- transformers --------------------------------------------------------------------------
-    "adafactor": OptimizerSpec("transformers.optimization.Adafactor", "adafactor",
+    "adafactor": OptimizerSpec("trainer.optim.adafactor.Adafactor", "adafactor",
                                {"beta1": "beta1", "eps": "eps.0", "eps2": "eps.1", "weight_decay": "weight_decay",
                                 "relative_step": "relative_step", "scale_parameter": "scale_parameter",
                                 "warmup_init": "warmup_init", "clip_threshold": "clip_threshold",
                                 "decay_rate": "decay_rate"},
-                               "Adafactor: adaptive mode (relative_step on: own LR, lr_scheduler = adafactor) or "
+                               "Adafactor (transformers', its step size kept on the device): adaptive mode (relative_step on: own LR, lr_scheduler = adafactor) or "
                                "low-memory AdamW-like mode (relative_step, scale_parameter and warmup_init off, "
                                "an explicit LR, constant schedule)."),
 }
