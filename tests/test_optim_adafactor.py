@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.optimization import Adafactor as Reference
 
+from tests.optim_twins import step_both
 from trainer.optim.adafactor import Adafactor
 
 # (settings, exact): transformers' defaults are the adaptive mode (relative_step, scale_parameter, no LR)
@@ -61,11 +62,7 @@ def test_adafactor_takes_transformers_steps(settings, exact):
     tolerance = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-6, "atol": 1e-7}
     start = [p.detach().clone() for p in trained]
     for step in range(12):
-        gradients(step, trained + stopped)
-        for p, q in zip(trained + stopped, ours_params + ours_stopped):
-            q.grad = None if p.grad is None else p.grad.clone()
-        reference.step()
-        ours.step()
+        step_both(step, gradients, reference, ours, trained + stopped, ours_params + ours_stopped)
         for p, q in zip(trained + stopped, ours_params + ours_stopped):
             assert q.dtype == p.dtype
             torch.testing.assert_close(q, p, **tolerance)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from prodigyopt import Prodigy as Reference
 
+from tests.optim_twins import step_both
 from trainer.optim.prodigy import Prodigy
 
 SETTINGS = [
@@ -49,11 +50,7 @@ def test_prodigy_takes_prodigyopts_steps(settings):
     reference = Reference(groups(trained, stopped), **settings)
     ours = Prodigy(groups(ours_params, ours_stopped), **settings)
     for step in range(12):
-        gradients(step, trained + stopped)
-        for p, q in zip(trained + stopped, ours_params + ours_stopped):
-            q.grad = None if p.grad is None else p.grad.clone()
-        reference.step()
-        ours.step()
+        step_both(step, gradients, reference, ours, trained + stopped, ours_params + ours_stopped)
         theirs, mine = reference.param_groups[0], ours.param_groups[0]
         for key in ("d", "d_max", "k"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-12, abs=0), key
