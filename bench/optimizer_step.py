@@ -1,10 +1,12 @@
 """Time an optimizer's step alone: prodigyopt's Prodigy against Atelier's (trainer/optim/prodigy.py), transformers'
-Adafactor (adaptive mode) against Atelier's (trainer/optim/adafactor.py), and torch's fused AdamW, on the weights of an SD 1.5-sized LoRA (256 tensors of rank 16), each with a gradient.
+Adafactor (adaptive mode) against Atelier's (trainer/optim/adafactor.py), and torch's fused AdamW, on the weights of
+an SD 1.5-sized LoRA (256 tensors of rank 16), each with a gradient.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/optimizer_step.py [--device cuda] [--steps 20]
 
 On a GPU the time includes waiting for the step's kernels (synchronize after the steps); prodigyopt's two
-``.item()`` per weight and transformers' Adafactor's one read per weight wait inside the step. Numbers go to docs/performance.md with the machine's name.
+``.item()`` per weight and transformers' Adafactor's one read per weight wait inside the step. Numbers go to
+docs/performance.md with the machine's name.
 """
 
 from __future__ import annotations

@@ -149,9 +149,10 @@ OPTIMIZERS: Dict[str, OptimizerSpec] = {
                                 "relative_step": "relative_step", "scale_parameter": "scale_parameter",
                                 "warmup_init": "warmup_init", "clip_threshold": "clip_threshold",
                                 "decay_rate": "decay_rate"},
-                               "Adafactor (transformers', its step size kept on the device): adaptive mode (relative_step on: own LR, lr_scheduler = adafactor) or "
-                               "low-memory AdamW-like mode (relative_step, scale_parameter and warmup_init off, "
-                               "an explicit LR, constant schedule)."),
+                               "Adafactor (transformers', its step size kept on the device): adaptive mode "
+                               "(relative_step on: own LR, lr_scheduler = adafactor) or low-memory AdamW-like "
+                               "mode (relative_step, scale_parameter and warmup_init off, an explicit LR, constant "
+                               "schedule)."),
 }
 
 _BNB_ADAM = {**_ADAM}
