@@ -45,7 +45,8 @@ def weights(seed: int = 0):
 def gradients(step: int, params):
     g = torch.Generator().manual_seed(1000 + step)
     for p in params:
-        p.grad = None if p.shape == (4,) else (torch.randn(p.shape, generator=g) * (0.5 + step * 0.1)).to(p.dtype)
+        skipped = p.shape == (4,) or (p.shape == (32,) and step == 3)  # the vector misses a step: its count lags
+        p.grad = None if skipped else (torch.randn(p.shape, generator=g) * (0.5 + step * 0.1)).to(p.dtype)
 
 
 def groups(trained, stopped, settings):
