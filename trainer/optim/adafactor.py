@@ -10,17 +10,16 @@ Its step also launches ~22 kernels per weight, one op at a time (8,900 a step fo
 against fused AdamW's 2,800; ~37,000 for the SDXL fine-tune), each a launch from Python on a GPU.
 
 This subclass keeps transformers' arithmetic, settings and state (``step``, ``exp_avg``, ``exp_avg_sq_row``/``_col``
-or ``exp_avg_sq``, ``RMS``: a backup of either resumes in the other) and changes three things: the elementwise work
-of all weights at the same step is done by foreach ops (one launch for many weights; the means and RMS of each
-weight stay its own, so ~12 kernels per weight are left), the scaled step size is
-``(RMS * rel).clamp_(min=eps2 * rel)`` on the device (the number ``max(eps2, RMS) * rel`` gives, rounded as
-transformers' multiplications round it; only where RMS and eps2 lie within float32's rounding of each other may
-the two differ in the last bit), and the RMS is computed only where it is used. Weights and state equal
-transformers' bit for bit in the tests (on the CPU), except with ``weight_decay`` and ``scale_parameter`` both on, where the decay multiplies
-by the device's step size instead of reading it (float rounding: ``tests/test_optim_adafactor.py``).
-A backup's state keeps its float32 moments of bf16 weights (torch's load would cast them to bf16).
-``AdafactorSchedule`` (``lr_scheduler = adafactor``) still reads one RMS per parameter group a step for the LR it
-logs (transformers' ``_get_lr``, unchanged).
+or ``exp_avg_sq``, ``RMS``: a backup of either resumes in the other) and changes three things: the elementwise work of
+all weights at the same step is done by foreach ops (one launch for many weights; the means and RMS of each weight
+stay its own, so ~12 kernels per weight are left), the scaled step size is ``(RMS * rel).clamp_(min=eps2 * rel)`` on
+the device (the number ``max(eps2, RMS) * rel`` gives, rounded as transformers' multiplications round it; only where
+RMS and eps2 lie within float32's rounding of each other may the two differ in the last bit), and the RMS is computed
+only where it is used. Weights and state equal transformers' bit for bit in the tests (on the CPU), except with
+``weight_decay`` and ``scale_parameter`` both on, where the decay multiplies by the device's step size instead of
+reading it (float rounding: ``tests/test_optim_adafactor.py``). A backup's state keeps its float32 moments of bf16
+weights (torch's load would cast them to bf16). ``AdafactorSchedule`` (``lr_scheduler = adafactor``) still reads one
+RMS per parameter group a step for the LR it logs (transformers' ``_get_lr``, unchanged).
 """
 
 from __future__ import annotations
