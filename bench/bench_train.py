@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -102,7 +103,38 @@ def measure(preset: str, overrides: list, workspace: Path, run_name: str, python
         "peak_vram_reserved_mib": end.get("peak_vram_reserved_mib"),
         "cache": started.get("cache"),
         "caching_images_per_s": _caching_rate(started.get("cache")),
+        "startup": startup_phases(workspace / "runs" / run_name / "train.log", res.t0),
     }
+
+
+# where the time to the first step goes: the first train.log line of each phase, as seconds from the process's start
+PHASES = (("loading_model", "loading model "), ("caching_latents", "caching latents "),
+          ("latents_cached", "latent cache: "), ("caching_text", "caching text "), ("text_cached", "text cache: "),
+          ("training", re.compile(r"training \d+ steps ")))
+
+
+def startup_phases(log: Path, t0: float) -> Dict[str, float]:
+    """Seconds from the process's start to the first train.log line of each of :data:`PHASES` (the log's own
+    timestamps, local time with milliseconds); before ``loading_model``: imports and checks; from it to the caches:
+    building or reading the model; from the caches to ``training``: moving it to the device, adapters, optimizer."""
+    import datetime
+    marks: Dict[str, float] = {}
+    if not log.is_file():
+        return marks
+    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) < 4 or parts[2] != "INFO":
+            continue
+        for key, prefix in PHASES:
+            if key not in marks and (parts[3].startswith(prefix) if isinstance(prefix, str)
+                                     else prefix.match(parts[3])):
+                try:
+                    when = datetime.datetime.strptime(f"{parts[0]} {parts[1]}", "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                except ValueError:
+                    break
+                marks[key] = round(when - t0, 2)
+                break
+    return marks
 
 
 def _caching_rate(cache) -> "float | None":

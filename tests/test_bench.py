@@ -147,6 +147,24 @@ def test_bench_train_reports_the_presets_step_flops_and_mfu():
     assert "mfu_note" in bench_train.model_flops("demo-flux", [], {}, 100.0)  # no real-size count for it
 
 
+def test_bench_train_reads_where_the_time_to_the_first_step_went(tmp_path):
+    """bench_train's start-up phases come from the trainer's own train.log: a real run's lines give every phase,
+    in order, after the process's start and before its first step."""
+    import time
+
+    import bench_train
+    t0 = time.time()
+    assert cli(["train", "--preset", "demo", "--no-progress", "--set", f"general.workspace={tmp_path}",
+                "--set", "general.run_name=r", "--set", "training.max_steps=1", "--set", "sampling.prompts=[]",
+                "--set", "backup.every_n_epochs=0"]) == 0
+    marks = bench_train.startup_phases(tmp_path / "runs" / "r" / "train.log", t0)
+    assert list(marks) == [key for key, _ in bench_train.PHASES], marks
+    first_step = next(e for e in read_events(tmp_path / "runs" / "r" / "events.jsonl") if e["type"] == "step")
+    assert 0 <= marks["loading_model"] <= marks["caching_latents"] <= marks["text_cached"] <= marks["training"]
+    assert marks["training"] <= first_step["time"] - t0 + 0.01  # the log's milliseconds against the event's time
+    assert bench_train.startup_phases(tmp_path / "missing.log", t0) == {}
+
+
 @pytest.mark.slow
 def test_random_weights_trains_from_a_folder_of_configs_alone(tmp_path):
     """bench/random_weights.py (real-size GPU benches with nothing downloaded): a diffusers folder with configs and
