@@ -350,18 +350,28 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
                  run_name: str = "") -> dict:
     """Train ``case`` with training.compile (torch.compile ``backend``: eager traces as inductor does without
     generating kernels) for ``steps`` steps: graph breaks (and why), frames compiled in the first step and in each
-    later one (recompiles), the graphs made and the blocks compiled."""
+    later one (recompiles), the graphs made and the blocks compiled; the backends but inductor also tell how many
+    of the graphs have symbolic sizes (``training.compile_dynamic``)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
     from trainer.train import setup
     hook = CompileCounting()
     blocks: Dict[str, int] = {}
     lora = [0]
+    symbolic: List[bool] = []
     original = setup.compile_blocks
     torch._dynamo.reset()  # another case's compiled blocks (the same classes) would be guarded on and recompiled
 
-    def compile_with(model, mode="default", **options):
+    def recording(gm, example_inputs):  # the backend, noting whether the graph's sizes are symbolic (SymInt inputs)
+        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
+                            for n in gm.graph.nodes if n.op == "placeholder"))
+        return lookup_backend(backend)(gm, example_inputs)
+
+    def compile_with(model, mode="default", *args, **options):
         if backend != "inductor":  # a mode is inductor's; the other backends take none
             mode = "default"
-        blocks.update(original(model, mode, backend=backend, **options))
+        blocks.update(original(model, mode, *args, backend=backend if backend == "inductor" else recording,
+                               **options))
         lora[0] = sum(1 for m in model.modules() if type(m).__name__ in blocks  # peft's layers inside the blocks
                       for sub in m.modules() if hasattr(sub, "lora_A"))
         return blocks
@@ -381,7 +391,8 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
             "first_step_frames": s[1]["frames_compiled"] - s[0]["frames_compiled"],
             "recompiles_per_step": statistics.median(later) if later else 0, "recompiles_after_first": sum(later),
             "graphs": s[-1]["graphs"] - s[0]["graphs"], "blocks": compile_counts.describe(blocks),
-            "lora_layers_in_blocks": lora[0]}
+            "lora_layers_in_blocks": lora[0],
+            "symbolic_graphs": None if backend == "inductor" else sum(symbolic)}
 
 
 def summarise(prof: Any, cuda: bool, top: int = 15) -> Dict[str, Any]:

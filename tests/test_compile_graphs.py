@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -32,6 +33,55 @@ def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace
     assert r["graph_breaks"] == 0, r["break_reasons"]
     assert r["first_step_frames"] >= 1 and r["graphs"] >= 1  # the blocks did compile
     assert r["recompiles_after_first"] == 0
+
+
+@pytest.mark.slow  # three compiled runs of the tiny SD
+def test_compile_dynamic_decides_whether_the_blocks_sizes_are_symbolic(tiny_workspace):
+    """training.compile_dynamic reaches torch.compile: the tiny SD's blocks see inputs of several sizes (its UNet
+    levels, the first block's input without grad); static compiles a graph for each with fixed sizes, dynamic makes
+    every graph's sizes symbolic, auto (torch's default) starts fixed and turns the sizes that changed symbolic."""
+    def run(value):
+        return step_counts.run_compiled("demo", ["training.mixed_precision=bf16", f"training.compile_dynamic={value}"],
+                                        steps=2, workspace=tiny_workspace, backend="eager", run_name=f"dyn-{value}")
+    static, dynamic, auto = run("static"), run("dynamic"), run("auto")
+    assert static["symbolic_graphs"] == 0 and static["graphs"] >= 3
+    assert dynamic["symbolic_graphs"] == dynamic["graphs"] >= 1
+    assert 0 < auto["symbolic_graphs"] < auto["graphs"] <= static["graphs"]
+    for r in (static, dynamic, auto):
+        assert r["graph_breaks"] == 0 and r["recompiles_after_first"] == 0, r
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_compile_lets_a_block_class_compile_more_graphs_than_torchs_eight():
+    """Static sizes make a graph per UNet level, bucket and sampling shape: past torch's limit of 8 a block would run
+    eagerly from then on; compiling raises it (OneTrainer's compile sets 8192, musubi-tuner recommends 32)."""
+    import torch._dynamo.config as dynamo_config
+
+    from trainer.train.compile import RECOMPILE_LIMIT, compile_blocks, dynamo_counts
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([_Block(), _Block()])
+    old = dynamo_config.recompile_limit
+    try:
+        dynamo_config.recompile_limit = 8
+        assert compile_blocks(model, "default", "static", backend="eager") == {"_Block": 2}
+        assert dynamo_config.recompile_limit == RECOMPILE_LIMIT > 8
+        before = dynamo_counts()["frames_compiled"]
+        for n in range(1, 11):  # ten shapes, ten graphs: none of them falls back to eager
+            model.blocks[0](torch.ones(n, 2))
+        assert dynamo_counts()["frames_compiled"] - before == 10
+        with pytest.raises(ValueError, match="training.compile_dynamic = 'sometimes'"):
+            compile_blocks(model, "default", "sometimes")
+    finally:
+        dynamo_config.recompile_limit = old
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("sets, says", [

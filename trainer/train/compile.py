@@ -34,6 +34,12 @@ from trainer.memory.checkpointing import compile_checkpointed
 # torch.compile's modes; "default" passes none
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+# training.compile_dynamic → torch.compile's ``dynamic``
+DYNAMIC = {"auto": None, "static": False, "dynamic": True}
+# graphs one block class may compile before torch falls back to running it eagerly (torch's own default is 8, which a
+# UNet's levels, the first block's variant, buckets and the sampling's shapes can pass when sizes stay static; OneTrainer
+# sets 8192, musubi-tuner recommends 32)
+RECOMPILE_LIMIT = 64
 # distinct step shapes above which CUDA graphs cost more memory and recording than they save (torch's own
 # warning threshold, torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit, is 8 as well)
 CUDAGRAPH_SHAPE_LIMIT = 8
@@ -53,13 +59,18 @@ def repeated_block_classes(model: Any) -> List[str]:
     return sorted(found)
 
 
-def compile_blocks(model: Any, mode: str = "default", **options: Any) -> Dict[str, int]:
-    """Compile every repeated block of ``model`` in place with torch.compile's ``mode`` (``options``: the rest of
-    torch.compile's arguments, e.g. ``backend="eager"`` in tests); {class name: blocks compiled}."""
+def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", **options: Any) -> Dict[str, int]:
+    """Compile every repeated block of ``model`` in place with torch.compile's ``mode`` and ``dynamic`` (a
+    ``training.compile_dynamic`` value; ``options``: the rest of torch.compile's arguments, e.g. ``backend="eager"``
+    in tests); {class name: blocks compiled}. Lets a block class compile up to :data:`RECOMPILE_LIMIT` graphs."""
     if mode not in MODES:
         raise ValueError(f"training.compile_mode = {mode!r}: one of {', '.join(MODES)}")
+    if dynamic not in DYNAMIC:
+        raise ValueError(f"training.compile_dynamic = {dynamic!r}: one of {', '.join(DYNAMIC)}")
     if mode != "default":
         options["mode"] = mode
+    options["dynamic"] = DYNAMIC[dynamic]
+    raise_recompile_limit()
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}
     blocks = []
@@ -73,6 +84,14 @@ def compile_blocks(model: Any, mode: str = "default", **options: Any) -> Dict[st
         raise ValueError(f"training.compile: {type(model).__name__} has no repeated blocks to compile")
     compile_checkpointed(blocks, **options)  # checkpointed, a block's checkpoint runs inside its compiled region
     return done
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """torch's graphs-per-function limit raised to at least ``limit`` (``recompile_limit``; ``cache_size_limit``
+    before torch 2.6): past it torch runs the block eagerly, with a warning, for every shape not yet compiled."""
+    import torch._dynamo.config as dynamo_config
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo_config, name, max(getattr(dynamo_config, name), limit))
 
 
 def describe(done: Dict[str, int]) -> str:

@@ -142,7 +142,7 @@ def setup(state: RunState) -> None:
                               f"run trains on {state.device.type}. Use default.", key="training.compile_mode",
                               value=mode)
         try:
-            done = compile_blocks(state.model.denoiser, mode)
+            done = compile_blocks(state.model.denoiser, mode, t.get("compile_dynamic", "auto"))
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
         if mode in CUDAGRAPH_MODES:
@@ -152,7 +152,8 @@ def setup(state: RunState) -> None:
                 state.warn(cudagraph_shape_warning(shapes))
         state.compiled = True
         state.compile_counts = cache_counts()
-        log.info("training.compile: %s compiled at their first call", describe(done))
+        log.info("training.compile: %s compiled at their first call (shapes: %s)", describe(done),
+                 t.get("compile_dynamic", "auto"))
 
     frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
     with state.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
