@@ -38,7 +38,10 @@
 # Env: PYTHON (default .venv/bin/python), OUT (results), STEPS (12; TINY 4), CASE_TIMEOUT (s, 200), PEAK_TFLOPS
 # (the card's dense bf16 peak, 989 = H100 SXM), COMPILE (1; TINY 0), COMPILE_MODE (training.compile_mode of the
 # compiled runs: default; reduce-overhead adds CUDA graphs, which validate refuses with gradient checkpointing, so the
-# flux case, whose preset checkpoints, fails with it and says so), DIFFUSERS_PYTHON (default PYTHON), KEEP_ATTENTION
+# flux case, whose preset checkpoints, fails with it and says so), COMPILE_DYNAMIC (training.compile_dynamic of the
+# compiled runs: auto; static or dynamic, the rows then say static-shapes or dynamic-shapes), FOLDERS_IN_RAM (auto:
+# the examples' random folders go to /dev/shm when it has room and 64 GiB of RAM stay free; 0: on disk, under the
+# workspace; 1: in /dev/shm regardless), DIFFUSERS_PYTHON (default PYTHON), KEEP_ATTENTION
 # (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only),
 # TORCHINDUCTOR_CPP_WRAPPER (torch's own switch, 1: inductor's compiled graphs launch their kernels from generated C++
 # instead of Python; the compiled rows then say cpp-wrapper), OPTIMIZER (training.optimizer.name of Atelier's runs,
@@ -49,6 +52,8 @@
 # Third lease (H200, 2026-11-28): flux-example with writing its folder ~2.5 min (the script's own run 50 s), Flux
 # eager 78 s (bf16 base 84 s), Flux compiled 123 s.
 # The whole default set does not fit one 10-minute call: name the single runs in two calls (the comparisons first).
+# Its runs alone add up to ~8.3 minutes on those leases; the examples' folders, in RAM where /dev/shm has room
+# (FOLDERS_IN_RAM), come on top.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -66,6 +71,7 @@ RESULTS=$OUT/side_by_side.jsonl
 if [ "$TINY" = 1 ]; then STEPS=${STEPS:-4}; COMPILE=${COMPILE:-0}; else STEPS=${STEPS:-12}; COMPILE=${COMPILE:-1}; fi
 CASE_TIMEOUT=${CASE_TIMEOUT:-200}
 COMPILE_MODE=${COMPILE_MODE:-default}
+COMPILE_DYNAMIC=${COMPILE_DYNAMIC:-auto}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TINY WS PEAK_TFLOPS
 : > "$RESULTS"
@@ -126,6 +132,7 @@ def folder(case, dest):
                    if "flux" in str(p).lower()).parent
         print(src)
         return
+    dest = in_ram(case, dest)
     if (dest / ".done").exists():
         print(dest)
         return
@@ -147,6 +154,35 @@ def folder(case, dest):
         torch.cuda.empty_cache() if device == "cuda" else None
     (dest / ".done").write_text("")
     print(dest)
+
+
+FOLDER_GB = {"sd15": 2.2, "sdxl": 7.2, "flux": 34.0}  # the random folders' size on disk (bf16, the VAE in fp32)
+RAM_LEFT_GB = 64  # what the runs after the write still need in RAM (Flux: its 34 GB of random weights in CPU RAM)
+
+
+def in_ram(case, dest):
+    """Where the case's folder goes: /dev/shm when it has room and RAM is left for the runs (the example reads it
+    from RAM, as it reads a folder written a minute earlier from the page cache; writing 34 GB to a disk took ~100 s
+    of the Flux example's ~150 s on the leases), else ``dest``. FOLDERS_IN_RAM=0 keeps it on disk, =1 insists."""
+    import shutil
+    want = os.environ.get("FOLDERS_IN_RAM", "auto")
+    shm = Path("/dev/shm")
+    if want == "0" or not shm.is_dir():
+        return dest
+    need = FOLDER_GB[case] * 1e9
+    try:
+        free = shutil.disk_usage(shm).free
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        free = available = 0
+    if want == "1" or (free > need + 1e9 and available - need > RAM_LEFT_GB * 2 ** 30):
+        print(f"{case}: the random folder in RAM (/dev/shm: {free / 1e9:.0f} GB free, {available / 2 ** 30:.0f} GiB "
+              f"of RAM available)", file=sys.stderr)
+        return shm / "atelier-side-by-side" / dest.name
+    print(f"{case}: the random folder on disk ({dest}; /dev/shm {free / 1e9:.0f} GB free, "
+          f"{available / 2 ** 30:.0f} GiB of RAM available)", file=sys.stderr)
+    return dest
 
 
 def diffusers_run(case, script, model, data, steps, workdir, result_path):
@@ -172,6 +208,7 @@ def diffusers_run(case, script, model, data, steps, workdir, result_path):
                          "--cache_dir", str(work / "hf-cache")]
     r = measure_diffusers(os.environ.get("DPY", sys.executable), Path(script), args, work, f"diffusers-{case}")
     r["batch_size"] = batch
+    r["model_folder_in_ram"] = str(model).startswith("/dev/shm/")
     Path(result_path).write_text(json.dumps(r))
 
 
@@ -233,6 +270,11 @@ def table(results, card, out_md):
         mem = f"{res.get('peak_vram_mib')} / {res.get('peak_vram_reserved_mib')} MiB"
         lines.append(f"| {r['case']} | {r['mode']} | {sps} | {ips} | {mem} | {res.get('time_to_first_step_s')} s | "
                      f"{'' if mfu is None else f'{mfu} %'} | {'' if ratio is None else f'{ratio}x'} |")
+    starts = [f"- {r['case']} {r['mode']}: " + ", ".join(f"{k} {v} s" for k, v in res["startup"].items())
+              + f", first step {res.get('time_to_first_step_s')} s"
+              for r in rows for res in [r.get("result") or {}] if res.get("startup")]
+    if starts:  # where Atelier's time to the first step went (bench_train's marks from each run's train.log)
+        lines += ["", "Start-up, seconds from the process's start to the first log line of each phase:", *starts]
     text = "\n".join(lines) + "\n"
     Path(out_md).write_text(text)
     print(text)
@@ -273,8 +315,10 @@ atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored 
   fi
   imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
   local extra=()
-  [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE")
+  [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"
+                                    --set "training.compile_dynamic=$COMPILE_DYNAMIC")
   [ "$mode" = compiled ] && [ "$COMPILE_MODE" != default ] && mode="compiled $COMPILE_MODE"
+  [ "$mode" != eager ] && [ "$COMPILE_DYNAMIC" != auto ] && mode="$mode $COMPILE_DYNAMIC-shapes"
   [ "$mode" != eager ] && [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && mode="$mode cpp-wrapper"
   [ "${3:-}" = bf16 ] && mode="$mode bf16-base"
   [ -n "${OPTIMIZER:-}" ] && mode="$mode $OPTIMIZER"
@@ -330,6 +374,7 @@ example() {  # example <case>: diffusers' example script for the case
     echo "{\"case\": \"$name\", \"mode\": \"diffusers\", \"failed\": true}" >> "$RESULTS"
     tail -30 "$WS/diffusers-$name.err" >&2
   fi
+  case $model in /dev/shm/*) rm -rf "$model" ;; esac  # the RAM it holds goes back to the runs after it
 }
 
 profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.py --profile; TINY: the demo's);
@@ -342,7 +387,9 @@ profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.p
     [ "$TINY" = 1 ] && which=(demo-flux --set training.mixed_precision=bf16)
   fi
   if [ "${1:-}" = compiled ]; then
-    which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"); name=profile_sd15_compiled
+    which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"
+            --set "training.compile_dynamic=$COMPILE_DYNAMIC"); name=profile_sd15_compiled
+    [ "$COMPILE_DYNAMIC" != auto ] && name=${name}_$COMPILE_DYNAMIC
     [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && name=${name}_cpp_wrapper
   fi
   echo "=== $name: one step under torch.profiler" >&2
