@@ -15,11 +15,40 @@ import collections
 import json
 import sys
 from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+
+def block_graphs(unet, dynamic: str, side: int, added: Optional[dict] = None) -> Dict[str, Any]:
+    """Compile ``unet``'s blocks as training.compile does with ``dynamic`` (a training.compile_dynamic value), run
+    one forward and backward of a ``side`` px image, and say which graphs the blocks ran: each graph's symbolic sizes
+    (its placeholders with a ``torch.SymInt`` value) and how many block calls it served."""
+    from trainer.train.compile import compile_blocks
+    symbolic: List[bool] = []
+    calls: collections.Counter = collections.Counter()
+
+    def backend(gm, example_inputs):  # the eager backend, noting symbolic sizes and counting calls
+        index = len(symbolic)
+        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
+                            for n in gm.graph.nodes if n.op == "placeholder"))
+
+        def run(*inputs):
+            calls[index] += 1
+            return gm.forward(*inputs)
+        return run
+    torch._dynamo.reset()
+    compile_blocks(unet, "default", dynamic, backend=backend)
+    latent = side // 8
+    config = unet.config
+    unet(torch.randn(1, config.in_channels, latent, latent), torch.tensor([500]),
+         torch.randn(1, 77, config.cross_attention_dim), **(added or {})).sample.float().mean().backward()
+    return {"dynamic": dynamic, "side": side, "graphs": len(symbolic), "symbolic": symbolic,
+            "block_calls": [calls[i] for i in range(len(symbolic))],
+            "block_calls_on_symbolic_graphs": sum(calls[i] for i, s in enumerate(symbolic) if s)}
 
 
 def main() -> int:
@@ -33,34 +62,15 @@ def main() -> int:
     from peft import LoraConfig
 
     from trainer.families.common import full_size
-    from trainer.train.compile import compile_blocks
     src = full_size.config_folder(args.model, Path(args.workspace) / "cache")
-    config = UNet2DConditionModel.load_config(str(src / "unet"))
     torch.manual_seed(0)
-    unet = UNet2DConditionModel.from_config(config)
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(str(src / "unet")))
     unet.requires_grad_(False)
     unet.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
-    symbolic, calls = [], collections.Counter()
-
-    def backend(gm, example_inputs):  # the eager backend, noting symbolic sizes and counting calls
-        index = len(symbolic)
-        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
-                            for n in gm.graph.nodes if n.op == "placeholder"))
-
-        def run(*inputs):
-            calls[index] += 1
-            return gm.forward(*inputs)
-        return run
-    compile_blocks(unet, "default", args.dynamic, backend=backend)
-    side = args.side // 8
-    added = {}
+    added = None
     if args.model == "sdxl":
         added = {"added_cond_kwargs": {"text_embeds": torch.randn(1, 1280), "time_ids": torch.randn(1, 6)}}
-    unet(torch.randn(1, 4, side, side), torch.tensor([500]), torch.randn(1, 77, config["cross_attention_dim"]),
-         **added).sample.float().mean().backward()
-    print(json.dumps({"model": args.model, "side": args.side, "dynamic": args.dynamic, "graphs": len(symbolic),
-                      "symbolic": symbolic, "block_calls": [calls[i] for i in range(len(symbolic))],
-                      "block_calls_on_symbolic_graphs": sum(calls[i] for i, s in enumerate(symbolic) if s)}))
+    print(json.dumps({"model": args.model, **block_graphs(unet, args.dynamic, args.side, added)}))
     return 0
 
 

@@ -35,20 +35,42 @@ def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace
     assert r["recompiles_after_first"] == 0
 
 
-@pytest.mark.slow  # three compiled runs of the tiny SD
+@pytest.mark.slow  # three traces of the tiny SD UNet
 def test_compile_dynamic_decides_whether_the_blocks_sizes_are_symbolic(tiny_workspace):
-    """training.compile_dynamic reaches torch.compile: the tiny SD's blocks see inputs of several sizes (its UNet
-    levels, the first block's input without grad); static compiles a graph for each with fixed sizes, dynamic makes
-    every graph's sizes symbolic, auto (torch's default) starts fixed and turns the sizes that changed symbolic."""
-    def run(value):
-        return step_counts.run_compiled("demo", ["training.mixed_precision=bf16", f"training.compile_dynamic={value}"],
-                                        steps=2, workspace=tiny_workspace, backend="eager", run_name=f"dyn-{value}")
-    static, dynamic, auto = run("static"), run("dynamic"), run("auto")
-    assert static["symbolic_graphs"] == 0 and static["graphs"] >= 3
-    assert dynamic["symbolic_graphs"] == dynamic["graphs"] >= 1
-    assert 0 < auto["symbolic_graphs"] < auto["graphs"] <= static["graphs"]
-    for r in (static, dynamic, auto):
-        assert r["graph_breaks"] == 0 and r["recompiles_after_first"] == 0, r
+    """training.compile_dynamic as torch.compile's ``dynamic``: the tiny SD UNet's blocks see inputs of several sizes
+    (its levels, the first block's input without grad); static compiles a graph for each with fixed sizes, dynamic
+    makes every graph's sizes symbolic, auto (torch's default) starts fixed and turns the sizes that changed symbolic
+    (bench/compile_shapes.py, which counts the real UNets)."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    import compile_shapes
+    found = {}
+    for value in ("static", "dynamic", "auto"):
+        unet = UNet2DConditionModel.from_pretrained(tiny_workspace / "models" / "tiny-sd", subfolder="unet")
+        unet.requires_grad_(False)
+        unet.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+        found[value] = compile_shapes.block_graphs(unet, value, 64)
+    static, dynamic, auto = found["static"], found["dynamic"], found["auto"]
+    assert not any(static["symbolic"]) and static["graphs"] >= 3, static
+    assert all(dynamic["symbolic"]) and dynamic["graphs"] >= 1, dynamic
+    assert any(auto["symbolic"]) and not all(auto["symbolic"]) and auto["graphs"] <= static["graphs"], auto
+    assert sum(static["block_calls"]) == sum(auto["block_calls"]) == sum(dynamic["block_calls"]) > static["graphs"]
+
+
+@pytest.mark.slow  # a compiled run of the tiny SD with its sample at the end
+def test_a_run_compiles_with_the_configured_sizes_and_samples_at_its_end(tiny_workspace):
+    """The setting reaches the run's compile (training.compile_dynamic = static: no graph with symbolic sizes), and
+    a compiled run samples at its end through the compiled blocks (no-grad graphs of their own)."""
+    r = step_counts.run_compiled("demo", ["training.mixed_precision=bf16", "training.compile_dynamic=static",
+                                          "sampling.at_end=true", "sampling.prompts=[{prompt: a red square, "
+                                                                  "width: 64, height: 64, steps: 3}]"],
+                                 steps=2, workspace=tiny_workspace, backend="eager", run_name="static-sizes")
+    assert r["symbolic_graphs"] == 0 and r["graphs"] >= 3 and r["graph_breaks"] == 0, r
+    assert r["recompiles_after_first"] == 0
+    run = tiny_workspace / "runs" / "static-sizes"
+    assert "(shapes: static)" in (run / "train.log").read_text()
+    assert list((run / "samples").rglob("*.png")), "no sample at the end"
 
 
 class _Block(torch.nn.Module):

@@ -444,8 +444,11 @@ def test_compiled_steps_agree_with_eager_steps(tiny_workspace):
     ws = tiny_workspace
     # plain SGD: Adam divides by sqrt(v), so a weight whose gradient is ~0 can move by ~lr on float noise (another
     # CPU's inductor kernels sum in another order); SGD keeps the comparison about the compiled model itself
-    common = ("training.max_steps=3", "sampling.every_n_steps=0", "backup.every_n_epochs=0", "output.dtype=fp32",
-              "general.tensorboard=false", "training.optimizer.name=sgd", "training.learning_rate=0.5")
+    # no sample at the end: its no-grad graphs took a third of this test's time (tests/test_compile_graphs.py has a
+    # compiled run that samples)
+    common = ("training.max_steps=3", "sampling.every_n_steps=0", "sampling.at_end=false", "backup.every_n_epochs=0",
+              "output.dtype=fp32", "general.tensorboard=false", "training.optimizer.name=sgd",
+              "training.learning_rate=0.5")
     assert cli(["train", "--preset", "demo-pixart", *overrides(ws, "eager", *common)]) == 0
     from torch._dynamo.utils import counters
     counters.clear()

@@ -36,9 +36,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # training.compile_dynamic → torch.compile's ``dynamic``
 DYNAMIC = {"auto": None, "static": False, "dynamic": True}
-# graphs one block class may compile before torch falls back to running it eagerly (torch's own default is 8, which a
-# UNet's levels, the first block's variant, buckets and the sampling's shapes can pass when sizes stay static; OneTrainer
-# sets 8192, musubi-tuner recommends 32)
+# graphs one block class may compile before torch falls back to running it eagerly (torch's own default is 8, which
+# a UNet's levels, the first block's variant, buckets and the sampling's shapes can pass when sizes stay static;
+# OneTrainer sets 8192, musubi-tuner recommends 32)
 RECOMPILE_LIMIT = 64
 # distinct step shapes above which CUDA graphs cost more memory and recording than they save (torch's own
 # warning threshold, torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit, is 8 as well)
