@@ -122,8 +122,8 @@ class TrainingConfig:
     compile_dynamic: str = f("auto", "training.compile's input sizes: auto (torch's default: a block class compiles "
                                      "for its first input shape, then once more with the sizes that changed "
                                      "symbolic, which serves every size after), static (one graph per input shape: "
-                                     "each UNet level and bucket compiled for its own sizes; more graphs, each "
-                                     "quicker to compile) or dynamic (symbolic sizes from the start). musubi-tuner's "
+                                     "each UNet level and bucket compiled for its own sizes: more graphs, each "
+                                     "made for its sizes) or dynamic (symbolic sizes from the start). musubi-tuner's "
                                      "--compile_dynamic auto / false / true.", choices=["auto", "static", "dynamic"])
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
