@@ -122,12 +122,18 @@ def test_validate_refuses_cuda_graphs_where_they_cannot_run(sets, says):
 
 def test_cuda_graph_shapes_are_the_buckets_and_batch_sizes_of_an_epoch():
     from trainer.data.buckets import PlannedBatch
-    from trainer.train.compile import CUDAGRAPH_SHAPE_LIMIT, cudagraph_shape_warning, step_shapes
+    from trainer.train.compile import (CUDAGRAPH_SHAPE_LIMIT, cudagraph_shape_warning, static_shape_warning,
+                                       step_shapes)
     full = [PlannedBatch((0, 1), (0, 1), (64, 64)), PlannedBatch((2, 3), (2, 3), (64, 64))]
     shapes = step_shapes(full + [PlannedBatch((4,), (4,), (64, 64)), PlannedBatch((5, 6), (5, 6), (96, 32))])
     assert shapes == {((64, 64), 2), ((64, 64), 1), ((96, 32), 2)} and cudagraph_shape_warning(shapes) == ""
     many = step_shapes(PlannedBatch((i,), (i,), (64 + 8 * i, 64)) for i in range(CUDAGRAPH_SHAPE_LIMIT + 1))
     assert f"makes {CUDAGRAPH_SHAPE_LIMIT + 1} (bucket, batch size) shapes" in cudagraph_shape_warning(many)
+    # compile_dynamic static: a compile of every block class per shape; auto or fewer buckets named
+    assert static_shape_warning(shapes) == ""
+    said = static_shape_warning(many)
+    assert "training.compile_dynamic = static" in said and f"makes {CUDAGRAPH_SHAPE_LIMIT + 1}" in said
+    assert "compile_dynamic auto" in said and "data.bucket_step" in said and "\n" not in said
 
 
 @pytest.mark.slow  # two short compiled runs (AOTAutograd traces, no kernels made)

@@ -114,6 +114,18 @@ def cudagraph_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
             "data.aspect_buckets off) or compile_mode default keep it small.")
 
 
+def static_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
+    """The warning for ``training.compile_dynamic`` static with more step shapes than :data:`CUDAGRAPH_SHAPE_LIMIT`
+    ('' when within it): each shape compiles every block class again (a UNet: once per level)."""
+    if len(shapes) <= CUDAGRAPH_SHAPE_LIMIT:
+        return ""
+    return (f"training.compile_dynamic = static compiles the blocks again for each step shape, and this data makes "
+            f"{len(shapes)} (bucket, batch size) shapes, more than {CUDAGRAPH_SHAPE_LIMIT}: the first epoch pays a "
+            f"compile for each, and past {RECOMPILE_LIMIT} graphs a block class runs uncompiled. compile_dynamic auto "
+            "serves every size from one graph after the second; fewer buckets (data.bucket_step larger, "
+            "data.max_aspect_ratio smaller, or data.aspect_buckets off) keep static small.")
+
+
 # training.compile's cache of compiled graphs and kernels, a folder of the run's caches (kernel_cache)
 KERNEL_CACHE = "torch-compile"
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -193,4 +205,5 @@ def graph_break_reasons() -> Dict[str, int]:
 
 __all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "backend_problem",
            "cache_counts", "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts",
+           "static_shape_warning",
            "graph_break_reasons", "kernel_cache", "repeated_block_classes", "step_shapes"]

@@ -38,7 +38,7 @@ from trainer.parallel.fsdp import plan_fsdp
 from trainer.parallel.strategy import make_strategy
 from trainer.train.checkpoint import resolve_resume
 from trainer.train.compile import (CUDAGRAPH_MODES, backend_problem, cache_counts, compile_blocks,
-                                   cudagraph_shape_warning, describe, step_shapes)
+                                   cudagraph_shape_warning, describe, static_shape_warning, step_shapes)
 from trainer.train.ema import make_ema
 from trainer.train.state import RunState
 from trainer.train.training_adapter import attach_training_adapter
@@ -145,11 +145,14 @@ def setup(state: RunState) -> None:
             done = compile_blocks(state.model.denoiser, mode, t.get("compile_dynamic", "auto"))
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
+        static = t.get("compile_dynamic", "auto") == "static"
+        shapes = step_shapes(state.data.epoch_batches(0)) if mode in CUDAGRAPH_MODES or static else set()
         if mode in CUDAGRAPH_MODES:
-            shapes = step_shapes(state.data.epoch_batches(0))
             log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per block", mode, len(shapes))
-            if cudagraph_shape_warning(shapes):
-                state.warn(cudagraph_shape_warning(shapes))
+        for warning in (cudagraph_shape_warning(shapes) if mode in CUDAGRAPH_MODES else "",
+                        static_shape_warning(shapes) if static else ""):
+            if warning:
+                state.warn(warning)
         state.compiled = True
         state.compile_counts = cache_counts()
         log.info("training.compile: %s compiled at their first call (shapes: %s)", describe(done),
