@@ -337,13 +337,31 @@ class Profiling:
 
 class CompileCounting:
     """The loop's end-of-step hook for ``--compiled``: torch's compile counters at every step's end (no op counting:
-    its modes would be guarded on and recompile the blocks)."""
+    its modes would be guarded on and recompile the blocks), and the Python calls of the last of ``steps`` steps
+    (``sys.setprofile``, which dynamo does not guard on; the counter's own frames left out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, steps: int = 0) -> None:
         self.snaps: List[Dict[str, int]] = [compile_counts.dynamo_counts()]
+        self.steps = steps
+        self.calls: Optional[int] = None
+        self.counting = 0
+        try:  # the profile function runs inside compiled blocks: dynamo would look at its frame, counted as a frame
+            torch._dynamo.eval_frame.skip_code(CompileCounting.count.__code__)
+        except AttributeError:  # a torch without it: one frame more in the counted step
+            pass
+
+    def count(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename != THIS:
+            self.counting += 1
 
     def __call__(self) -> None:
         self.snaps.append(compile_counts.dynamo_counts())
+        done = len(self.snaps) - 1
+        if self.steps and done == self.steps:
+            sys.setprofile(None)
+            self.calls = self.counting
+        elif self.steps and done == self.steps - 1:
+            sys.setprofile(self.count)
 
 
 def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backend: str = "eager",
@@ -355,7 +373,7 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
     from torch._dynamo.backends.registry import lookup_backend
 
     from trainer.train import setup
-    hook = CompileCounting()
+    hook = CompileCounting(steps)
     blocks: Dict[str, int] = {}
     lora = [0]
     symbolic: List[bool] = []
@@ -391,7 +409,7 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
             "first_step_frames": s[1]["frames_compiled"] - s[0]["frames_compiled"],
             "recompiles_per_step": statistics.median(later) if later else 0, "recompiles_after_first": sum(later),
             "graphs": s[-1]["graphs"] - s[0]["graphs"], "blocks": compile_counts.describe(blocks),
-            "lora_layers_in_blocks": lora[0],
+            "lora_layers_in_blocks": lora[0], "python_calls_last_step": hook.calls,
             "symbolic_graphs": None if backend == "inductor" else sum(symbolic)}
 
 
@@ -548,10 +566,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.compiled:
         print(f"\n| case (training.compile, backend {args.backend}) | blocks compiled | graph breaks | frames compiled "
-              "in step 1 | recompiles per later step | graphs | LoRA layers inside |\n|---|---|---|---|---|---|---|")
+              "in step 1 | recompiles per later step | graphs | LoRA layers inside | Python calls (last step) |"
+              "\n|---|---|---|---|---|---|---|---|")
         for case, r in rows.items():
             print(f"| {case} | {r['blocks']} | {r['graph_breaks']} | {r['first_step_frames']} "
-                  f"| {r['recompiles_per_step']:g} | {r['graphs']} | {r['lora_layers_in_blocks']} |")
+                  f"| {r['recompiles_per_step']:g} | {r['graphs']} | {r['lora_layers_in_blocks']} "
+                  f"| {r['python_calls_last_step']} |")
             for reason, n in r["break_reasons"].items():
                 print(f"  graph break {n} x {reason}")
         return 0
