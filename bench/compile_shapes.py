@@ -23,6 +23,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 
+def has_symbolic_sizes(gm) -> bool:
+    """Whether a graph dynamo hands its backend has symbolic sizes: placeholders whose value is a ``torch.SymInt``."""
+    return any(isinstance(n.meta.get("example_value"), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder")
+
+
 def block_graphs(unet, dynamic: str, side: int, added: Optional[dict] = None) -> Dict[str, Any]:
     """Compile ``unet``'s blocks as training.compile does with ``dynamic`` (a training.compile_dynamic value), run
     one forward and backward of a ``side`` px image, and say which graphs the blocks ran: each graph's symbolic sizes
@@ -33,8 +38,7 @@ def block_graphs(unet, dynamic: str, side: int, added: Optional[dict] = None) ->
 
     def backend(gm, example_inputs):  # the eager backend, noting symbolic sizes and counting calls
         index = len(symbolic)
-        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
-                            for n in gm.graph.nodes if n.op == "placeholder"))
+        symbolic.append(has_symbolic_sizes(gm))
 
         def run(*inputs):
             calls[index] += 1

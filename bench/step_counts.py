@@ -370,6 +370,7 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
     generating kernels) for ``steps`` steps: graph breaks (and why), frames compiled in the first step and in each
     later one (recompiles), the graphs made and the blocks compiled; the backends but inductor also tell how many
     of the graphs have symbolic sizes (``training.compile_dynamic``)."""
+    from compile_shapes import has_symbolic_sizes
     from torch._dynamo.backends.registry import lookup_backend
 
     from trainer.train import setup
@@ -380,9 +381,8 @@ def run_compiled(case: str, extra: List[str], steps: int, workspace: Path, backe
     original = setup.compile_blocks
     torch._dynamo.reset()  # another case's compiled blocks (the same classes) would be guarded on and recompiled
 
-    def recording(gm, example_inputs):  # the backend, noting whether the graph's sizes are symbolic (SymInt inputs)
-        symbolic.append(any(isinstance(n.meta.get("example_value"), torch.SymInt)
-                            for n in gm.graph.nodes if n.op == "placeholder"))
+    def recording(gm, example_inputs):  # the backend, noting whether the graph's sizes are symbolic
+        symbolic.append(has_symbolic_sizes(gm))
         return lookup_backend(backend)(gm, example_inputs)
 
     def compile_with(model, mode="default", *args, **options):

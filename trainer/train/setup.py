@@ -141,11 +141,12 @@ def setup(state: RunState) -> None:
             raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs: it needs a CUDA GPU, and this "
                               f"run trains on {state.device.type}. Use default.", key="training.compile_mode",
                               value=mode)
+        dynamic = t.get("compile_dynamic", "auto")
         try:
-            done = compile_blocks(state.model.denoiser, mode, t.get("compile_dynamic", "auto"))
+            done = compile_blocks(state.model.denoiser, mode, dynamic)
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
-        static = t.get("compile_dynamic", "auto") == "static"
+        static = dynamic == "static"
         shapes = step_shapes(state.data.epoch_batches(0)) if mode in CUDAGRAPH_MODES or static else set()
         if mode in CUDAGRAPH_MODES:
             log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per block", mode, len(shapes))
@@ -155,8 +156,7 @@ def setup(state: RunState) -> None:
                 state.warn(warning)
         state.compiled = True
         state.compile_counts = cache_counts()
-        log.info("training.compile: %s compiled at their first call (shapes: %s)", describe(done),
-                 t.get("compile_dynamic", "auto"))
+        log.info("training.compile: %s compiled at their first call (shapes: %s)", describe(done), dynamic)
 
     frozen_text = text_frozen(state.method)  # cached text outputs stay valid only while no text-side module trains
     with state.accelerator.main_process_first():  # rank 0 fills the caches; the others then read them
