@@ -39,7 +39,9 @@
 # (the card's dense bf16 peak, 989 = H100 SXM), COMPILE (1; TINY 0), COMPILE_MODE (training.compile_mode of the
 # compiled runs: default; reduce-overhead adds CUDA graphs, which validate refuses with gradient checkpointing, so the
 # flux case, whose preset checkpoints, fails with it and says so), COMPILE_DYNAMIC (training.compile_dynamic of the
-# compiled runs: auto; static or dynamic, the rows then say static-shapes or dynamic-shapes), FOLDERS_IN_RAM (auto:
+# compiled runs: auto; static or dynamic, the rows then say static-shapes or dynamic-shapes), COMPILE_SCOPE
+# (training.compile_scope of the compiled runs: blocks; denoiser compiles the whole UNet or transformer as one graph,
+# the rows then say whole-denoiser), FOLDERS_IN_RAM (auto:
 # the examples' random folders go to /dev/shm when it has room and 64 GiB of RAM stay free; 0: on disk, under the
 # workspace; 1: in /dev/shm regardless), DIFFUSERS_PYTHON (default PYTHON), KEEP_ATTENTION
 # (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only),
@@ -72,6 +74,7 @@ if [ "$TINY" = 1 ]; then STEPS=${STEPS:-4}; COMPILE=${COMPILE:-0}; else STEPS=${
 CASE_TIMEOUT=${CASE_TIMEOUT:-200}
 COMPILE_MODE=${COMPILE_MODE:-default}
 COMPILE_DYNAMIC=${COMPILE_DYNAMIC:-auto}
+COMPILE_SCOPE=${COMPILE_SCOPE:-blocks}
 PEAK_TFLOPS=${PEAK_TFLOPS:-989}
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TINY WS PEAK_TFLOPS
 : > "$RESULTS"
@@ -316,9 +319,11 @@ atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored 
   imgs=$(helper images "$WS/images-$SIDE" "$SIDE" 1)
   local extra=()
   [ "$mode" = compiled ] && extra+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"
-                                    --set "training.compile_dynamic=$COMPILE_DYNAMIC")
+                                    --set "training.compile_dynamic=$COMPILE_DYNAMIC"
+                                    --set "training.compile_scope=$COMPILE_SCOPE")
   [ "$mode" = compiled ] && [ "$COMPILE_MODE" != default ] && mode="compiled $COMPILE_MODE"
   [ "$mode" != eager ] && [ "$COMPILE_DYNAMIC" != auto ] && mode="$mode $COMPILE_DYNAMIC-shapes"
+  [ "$mode" != eager ] && [ "$COMPILE_SCOPE" = denoiser ] && mode="$mode whole-denoiser"
   [ "$mode" != eager ] && [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && mode="$mode cpp-wrapper"
   [ "${3:-}" = bf16 ] && mode="$mode bf16-base"
   [ -n "${OPTIMIZER:-}" ] && mode="$mode $OPTIMIZER"
@@ -388,8 +393,10 @@ profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.p
   fi
   if [ "${1:-}" = compiled ]; then
     which+=(--set training.compile=true --set "training.compile_mode=$COMPILE_MODE"
-            --set "training.compile_dynamic=$COMPILE_DYNAMIC"); name=profile_sd15_compiled
+            --set "training.compile_dynamic=$COMPILE_DYNAMIC" --set "training.compile_scope=$COMPILE_SCOPE")
+    name=profile_sd15_compiled
     [ "$COMPILE_DYNAMIC" != auto ] && name=${name}_$COMPILE_DYNAMIC
+    [ "$COMPILE_SCOPE" = denoiser ] && name=${name}_whole
     [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && name=${name}_cpp_wrapper
   fi
   echo "=== $name: one step under torch.profiler" >&2

@@ -24,7 +24,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     ("demo-flux", "FluxTransformerBlock", []),
     # checkpointed: the checkpoint traced inside the compiled region, fp8 layers' own checkpoints nested in it
     ("demo-flux", "FluxTransformerBlock", ["training.gradient_checkpointing=true", "parts.denoiser.fp8=true",
-                                           "parts.denoiser.dtype=bf16"])], ids=["sd", "flux", "flux-checkpointed"])
+                                           "parts.denoiser.dtype=bf16"]),
+    # training.compile_scope denoiser: the whole transformer one graph, the blocks' checkpoints and fp8 layers inside
+    ("demo-flux", "FluxTransformer2DModel", ["training.compile_scope=denoiser", "training.gradient_checkpointing=true",
+                                             "parts.denoiser.fp8=true", "parts.denoiser.dtype=bf16"])],
+    ids=["sd", "flux", "flux-checkpointed", "flux-denoiser-checkpointed"])
 @pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks, sets):
     r = step_counts.run_compiled(case, ["training.mixed_precision=bf16", *sets], steps=2, workspace=tiny_workspace,
@@ -71,6 +75,55 @@ def test_a_run_compiles_with_the_configured_sizes_and_samples_at_its_end(tiny_wo
     run = tiny_workspace / "runs" / "static-sizes"
     assert "(shapes: static)" in (run / "train.log").read_text()
     assert list((run / "samples").rglob("*.png")), "no sample at the end"
+
+
+@pytest.mark.slow  # an eager run and a traced one of the tiny SD
+def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_workspace):
+    """training.compile_scope = denoiser: the whole UNet is one graph (no break, no recompile), forward and backward
+    through AOTAutograd as inductor gets them, and the LoRA it trains is the eager run's (SGD: the comparison is
+    about the compiled model; inductor's kernels would sum in another order, tested for the blocks elsewhere).
+    Without checkpointing: with it, the eager checkpoint sums the skip connections' gradients in another order, and
+    this setting (bf16, a learning rate of 0.5) makes that up to a fifth of a small tensor's largest value, as
+    checkpointing on against off does in eager runs; the checkpointed whole graph is traced in the test above.
+    The run's sample at its end runs the UNet eagerly."""
+    from safetensors.torch import load_file
+    sgd = ["training.mixed_precision=bf16", "training.optimizer.name=sgd", "training.learning_rate=0.5",
+           "output.dtype=fp32"]
+    from trainer.train.compile import dynamo_counts
+    step_counts.train_case("demo", sgd, 2, tiny_workspace, "eager", lambda: None)  # the same run, not compiled
+    before = dynamo_counts()
+    r = step_counts.run_compiled("demo", [*sgd, "training.compile_scope=denoiser", "sampling.at_end=true",
+                                          "sampling.prompts=[{prompt: a red square, width: 64, height: 64, steps: 2}]"],
+                                 steps=2, workspace=tiny_workspace, backend="aot_eager", run_name="whole")
+    assert r["blocks"] == "1 × UNet2DConditionModel" and r["lora_layers_in_blocks"] == 128
+    assert r["graph_breaks"] == 0 and r["graphs"] == 1 and r["recompiles_after_first"] == 0, r
+    # the sample at the end ran the UNet eagerly: no graph of its own (its size and guidance batch would compile
+    # the whole UNet again)
+    assert dynamo_counts()["frames_compiled"] - before["frames_compiled"] == r["first_step_frames"] == 1
+    runs = tiny_workspace / "runs"
+    assert list((runs / "whole" / "samples").glob("*.png")), "no sample at the end"
+    assert "1 × UNet2DConditionModel compiled at their first call" in (runs / "whole" / "train.log").read_text()
+    eager, whole = load_file(runs / "eager" / "eager.safetensors"), load_file(runs / "whole" / "whole.safetensors")
+    assert set(eager) == set(whole)
+    assert max(float(v.abs().max()) for k, v in eager.items() if "lora_B" in k or "lora_up" in k) > 0
+    for k, v in eager.items():
+        torch.testing.assert_close(whole[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sets, says", [
+    (["parts.denoiser.blocks_to_swap=1", "training.gradient_checkpointing=true"],
+     "moves weights to the GPU between its blocks' calls"),
+    (["general.num_processes=2", "general.distributed=fsdp", "training.method=finetune"],
+     "FSDP gathers each block's weights"),
+])
+def test_validate_refuses_a_whole_denoiser_graph_where_weights_move_between_blocks(sets, says):
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        load_config(preset="demo-flux", overrides=["training.compile=true", "training.compile_scope=denoiser", *sets])
+    assert err.value.key == "training.compile_scope" and says in str(err.value) and "\n" not in str(err.value)
+    cfg = load_config(preset="demo-flux", overrides=["training.compile=true", "training.compile_scope=blocks", *sets])
+    assert cfg.training.compile_scope == "blocks"
 
 
 class _Block(torch.nn.Module):

@@ -182,6 +182,12 @@ def _check_compile_mode(cfg: DictConfig) -> None:
                           "with activation checkpointing yet (PyTorch issue 154306): turn off "
                           "training.gradient_checkpointing or use default.",
                           key="training.compile_mode", value=mode)
+    swap = cfg.parts.denoiser.get("blocks_to_swap", 0) or 0
+    if cfg.training.get("compile") and cfg.training.get("compile_scope", "blocks") == "denoiser" and swap:
+        raise ConfigError(f"training.compile_scope = denoiser compiles the whole denoiser as one graph, and "
+                          f"parts.denoiser.blocks_to_swap = {swap} moves weights to the GPU between its blocks' "
+                          "calls, which one graph cannot do: use compile_scope blocks (each block compiled, the swaps "
+                          "between them) or no swapped blocks.", key="training.compile_scope", value="denoiser")
 
 
 # validate's rules after the field checks, in the order their messages are shown

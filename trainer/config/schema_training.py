@@ -108,11 +108,12 @@ class TrainingConfig:
                                                "by estimate-vram) and host time (Python for every op of a "
                                                "checkpointed block), which short sequences may not win back.")
     compile: bool = f(False, "torch.compile the denoiser's repeated blocks (regional: one compile per block "
-                             "type), compiled at the first step (tens of seconds to minutes). On an H200 "
-                             "(docs/performance.md) compiling sped Flux.1 and SDXL LoRA steps up and slowed SD "
-                             "1.5's in the default mode, where compile_mode reduce-overhead ran 1.95x eager: try a "
-                             "few steps each way on your card. What it compiles is kept in the caches' folder "
-                             "(cache/torch-compile): a later run of the same model and shapes loads it instead. "
+                             "type; or the whole denoiser, training.compile_scope), compiled at the first step "
+                             "(tens of seconds to minutes). On an H200 (docs/performance.md) compiling sped "
+                             "Flux.1 and SDXL LoRA steps up and slowed SD 1.5's in the default mode, where "
+                             "compile_mode reduce-overhead ran 1.95x eager: try a few steps each way on your "
+                             "card. What it compiles is kept in the caches' folder (cache/torch-compile): a later "
+                             "run of the same model and shapes loads it instead. "
                              "Needs Triton on NVIDIA GPUs (on Windows the triton-windows package) and a C++ "
                              "compiler on the CPU.")
     compile_mode: str = f("default", "torch.compile's mode for training.compile: reduce-overhead and max-autotune also "
@@ -125,6 +126,15 @@ class TrainingConfig:
                                      "each UNet level and bucket compiled for its own sizes: more graphs, each "
                                      "made for its sizes) or dynamic (symbolic sizes from the start). musubi-tuner's "
                                      "--compile_dynamic auto / false / true.", choices=["auto", "static", "dynamic"])
+    compile_scope: str = f("blocks", "What training.compile compiles: blocks (each repeated block in place, one "
+                                     "compile per block class and shape, as OneTrainer and musubi-tuner compile) or "
+                                     "denoiser (the whole UNet or transformer as one graph, as kohya's sd-scripts "
+                                     "compiles it with --torch_compile: the fewest host calls a step, and with "
+                                     "compile_mode reduce-overhead one CUDA graph for the whole forward and one "
+                                     "for backward; its compile takes minutes, each new step shape compiles the "
+                                     "whole graph again, and samples and validation run it eagerly). denoiser not "
+                                     "with swapped blocks or FSDP.",
+                           choices=["blocks", "denoiser"])
     learning_rate: float = f(1e-4, "Base learning rate.", min=0.0, max=10.0)
     embedding_learning_rate: Optional[float] = f(None, "Learning rate of trained embeddings (textual inversion); "
                                                        "blank = the base rate.", min=0.0, max=10.0)

@@ -114,6 +114,11 @@ def validate_fsdp(cfg, world: Optional[int] = None) -> None:
     if cfg.training.get("fused_backward"):
         raise ConfigError(f"training.fused_backward: {why}, and FSDP averages each gradient after backward. Turn "
                           "fused_backward off.", key="training.fused_backward", value=True)
+    if cfg.training.get("compile") and cfg.training.get("compile_scope", "blocks") == "denoiser":
+        raise ConfigError(f"training.compile_scope = denoiser: {why}, and FSDP gathers each block's weights around "
+                          "its call, which one graph of the whole denoiser cannot hold. Use compile_scope blocks (each "
+                          "block compiled inside its gathering), or general.distributed = ddp.",
+                          key="training.compile_scope", value="denoiser")
     for key in ("stop_after_steps", "stop_after_epochs"):
         if cfg.parts.denoiser.get(key):
             raise ConfigError(f"parts.denoiser.{key}: {why}, and a sharded UNet cannot be frozen in the middle of the "

@@ -8,6 +8,14 @@ input shape, and gives most of the speed-up (PyTorch's regional-compilation reci
 fp8 storage and gradient checkpointing are inside the blocks' compiled regions and are traced with them (a
 checkpointed block's checkpoint too: :func:`trainer.memory.checkpointing.compile_checkpointed`).
 
+``training.compile_scope`` ``denoiser`` compiles the whole model instead (kohya's sd-scripts with
+``--torch_compile`` hands accelerate a ``dynamo_backend``, which compiles the whole UNet): one graph for forward and
+one for backward, so torch's guard checks and compiled-function wrappers run once a call instead of once a block,
+the code between the blocks (a UNet's ResNets, the embeddings) is fused too, and the CUDA-graph modes record the
+whole step's forward and backward; its compile takes longer, and any new input shape compiles the whole graph again.
+With ``training.gradient_checkpointing_interval`` above 1 it compiles twice: the first call learns the blocks' order
+(a dict the trace fills, guarded on after).
+
 The block classes come from the model's own ``_repeated_blocks`` when diffusers defines it, else from
 the model itself: the classes of modules that repeat in a ``ModuleList`` (PixArt's transformer blocks).
 
@@ -36,6 +44,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 # training.compile_dynamic → torch.compile's ``dynamic``
 DYNAMIC = {"auto": None, "static": False, "dynamic": True}
+# training.compile_scope: the repeated blocks (regional compilation) or the whole denoiser as one graph
+SCOPES = ("blocks", "denoiser")
 # graphs one block class may compile before torch falls back to running it eagerly (torch's own default is 8, which
 # a UNet's levels, the first block's variant, buckets and the sampling's shapes can pass when sizes stay static;
 # OneTrainer sets 8192, musubi-tuner recommends 32)
@@ -59,18 +69,27 @@ def repeated_block_classes(model: Any) -> List[str]:
     return sorted(found)
 
 
-def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", **options: Any) -> Dict[str, int]:
+def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", scope: str = "blocks",
+                   **options: Any) -> Dict[str, int]:
     """Compile every repeated block of ``model`` in place with torch.compile's ``mode`` and ``dynamic`` (a
     ``training.compile_dynamic`` value; ``options``: the rest of torch.compile's arguments, e.g. ``backend="eager"``
-    in tests); {class name: blocks compiled}. Lets a block class compile up to :data:`RECOMPILE_LIMIT` graphs."""
+    in tests); {class name: blocks compiled}. Lets a block class compile up to :data:`RECOMPILE_LIMIT` graphs.
+    ``scope`` ``denoiser`` (``training.compile_scope``) compiles ``model`` itself in place instead, as one graph: its
+    blocks' checkpoints, LoRA layers and the code between the blocks (a UNet's ResNets, the timestep embedding) are
+    traced with it, and torch's guards and compiled-function wrappers run once a call instead of once a block."""
     if mode not in MODES:
         raise ValueError(f"training.compile_mode = {mode!r}: one of {', '.join(MODES)}")
     if dynamic not in DYNAMIC:
         raise ValueError(f"training.compile_dynamic = {dynamic!r}: one of {', '.join(DYNAMIC)}")
+    if scope not in SCOPES:
+        raise ValueError(f"training.compile_scope = {scope!r}: one of {', '.join(SCOPES)}")
     if mode != "default":
         options["mode"] = mode
     options["dynamic"] = DYNAMIC[dynamic]
     raise_recompile_limit()
+    if scope == "denoiser":  # a checkpointed block inside is traced as torch's checkpoint (checkpointed: compiling)
+        model.compile(**options)
+        return {type(model).__name__: 1}
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}
     blocks = []
@@ -84,6 +103,18 @@ def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", **o
         raise ValueError(f"training.compile: {type(model).__name__} has no repeated blocks to compile")
     compile_checkpointed(blocks, **options)  # checkpointed, a block's checkpoint runs inside its compiled region
     return done
+
+
+def eager_outside_training(cfg: Any) -> Any:
+    """The context samples and validation run in: with ``training.compile_scope`` denoiser the compiled model runs
+    eagerly there (``torch.compiler.set_stance("force_eager")``), since each of their calls (no gradients, the
+    sampling's size and guidance batch) would otherwise compile the whole graph again, which costs more than the
+    few eager calls it would speed; compiled blocks keep their no-grad graphs (a compile of a few blocks)."""
+    t = getattr(cfg, "training", None)  # None: a config of sampling settings alone, nothing compiled
+    if t is not None and t.get("compile", False) and t.get("compile_scope", "blocks") == "denoiser":
+        import torch
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
@@ -203,7 +234,7 @@ def graph_break_reasons() -> Dict[str, int]:
     return dict(counters["graph_break"])
 
 
-__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "backend_problem",
+__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "SCOPES", "backend_problem",
            "cache_counts", "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts",
-           "static_shape_warning",
-           "graph_break_reasons", "kernel_cache", "repeated_block_classes", "step_shapes"]
+           "eager_outside_training", "graph_break_reasons", "kernel_cache", "repeated_block_classes",
+           "static_shape_warning", "step_shapes"]

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from trainer.optim.build import on_eval, on_train
+from trainer.train.compile import eager_outside_training
 from trainer.train.ema import sample_variants
 from trainer.train.state import RunState
 from trainer.train.training_adapter import adapter_off
@@ -39,7 +40,9 @@ def sample(state: RunState) -> List[str]:
     try:
         for suffix, use_ema in sample_variants(state.ema, state.cfg.ema):  # raw and/or EMA weights
             # without the training adapter: the LoRA on the distilled model, as it will be used
-            with state.ema.applied() if use_ema else nullcontext(), adapter_off(state.model):
+            # a whole compiled denoiser samples eagerly (eager_outside_training)
+            with state.ema.applied() if use_ema else nullcontext(), adapter_off(state.model), \
+                    eager_outside_training(state.cfg):
                 for i, sp in enumerate(prompts):
                     gen = torch.Generator(device="cpu").manual_seed(int(sp.seed))
                     negative = state.method.expand_text(sp.negative_prompt)  # pipelines' own default if empty

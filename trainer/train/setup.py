@@ -141,15 +141,16 @@ def setup(state: RunState) -> None:
             raise ConfigError(f"training.compile_mode = {mode} records CUDA graphs: it needs a CUDA GPU, and this "
                               f"run trains on {state.device.type}. Use default.", key="training.compile_mode",
                               value=mode)
-        dynamic = t.get("compile_dynamic", "auto")
+        dynamic, scope = t.get("compile_dynamic", "auto"), t.get("compile_scope", "blocks")
         try:
-            done = compile_blocks(state.model.denoiser, mode, dynamic)
+            done = compile_blocks(state.model.denoiser, mode, dynamic, scope)
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
         static = dynamic == "static"
         shapes = step_shapes(state.data.epoch_batches(0)) if mode in CUDAGRAPH_MODES or static else set()
         if mode in CUDAGRAPH_MODES:
-            log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per block", mode, len(shapes))
+            log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per %s", mode, len(shapes),
+                     "forward and backward" if scope == "denoiser" else "block")
         for warning in (cudagraph_shape_warning(shapes) if mode in CUDAGRAPH_MODES else "",
                         static_shape_warning(shapes) if static else ""):
             if warning:

@@ -11,6 +11,7 @@ import torch
 from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
 from trainer.optim.schedule import ComponentSchedule
 from trainer.parallel.distributed import expand_rows, take_rows
+from trainer.train.compile import eager_outside_training
 from trainer.train.state import RunState
 from trainer.train.transfer import to_device
 
@@ -111,7 +112,7 @@ def validate(state: RunState) -> Optional[float]:
         torch.Generator(state.device).manual_seed(int(state.cfg.general.seed) + 7919)
     total, count = 0.0, 0
     try:
-        with torch.no_grad():
+        with torch.no_grad(), eager_outside_training(state.cfg):  # a whole compiled denoiser: eagerly
             for batch in state.data.iter_validation():
                 n = len(batch["captions"])
                 total += forward_loss(state, to_device(batch, state.device), gen, device_gen).item() * n
