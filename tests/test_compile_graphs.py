@@ -110,22 +110,6 @@ def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_work
         torch.testing.assert_close(whole[k], v, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("sets, says", [
-    (["parts.denoiser.blocks_to_swap=1", "training.gradient_checkpointing=true"],
-     "moves weights to the GPU between its blocks' calls"),
-    (["general.num_processes=2", "general.distributed=fsdp", "training.method=finetune"],
-     "FSDP gathers each block's weights"),
-])
-def test_validate_refuses_a_whole_denoiser_graph_where_weights_move_between_blocks(sets, says):
-    from trainer.config.checks import load_config
-    from trainer.errors import ConfigError
-    with pytest.raises(ConfigError) as err:
-        load_config(preset="demo-flux", overrides=["training.compile=true", "training.compile_scope=denoiser", *sets])
-    assert err.value.key == "training.compile_scope" and says in str(err.value) and "\n" not in str(err.value)
-    cfg = load_config(preset="demo-flux", overrides=["training.compile=true", "training.compile_scope=blocks", *sets])
-    assert cfg.training.compile_scope == "blocks"
-
-
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -159,18 +143,29 @@ def test_compile_lets_a_block_class_compile_more_graphs_than_torchs_eight():
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("sets, says", [
-    (["general.device=cpu"], "need a CUDA GPU (general.device = cpu)"),
-    (["general.device=cuda", "training.gradient_checkpointing=true"], "activation checkpointing"),
-])
-def test_validate_refuses_cuda_graphs_where_they_cannot_run(sets, says):
+@pytest.mark.parametrize("preset, key, refused, allowed, sets, says", [
+    # CUDA graphs
+    ("demo", "compile_mode", "reduce-overhead", "default", ["general.device=cpu"],
+     "need a CUDA GPU (general.device = cpu)"),
+    ("demo", "compile_mode", "reduce-overhead", "default", ["general.device=cuda",
+                                                            "training.gradient_checkpointing=true"],
+     "activation checkpointing"),
+    # the whole denoiser as one graph where weights move between its blocks
+    ("demo-flux", "compile_scope", "denoiser", "blocks", ["parts.denoiser.blocks_to_swap=1",
+                                                          "training.gradient_checkpointing=true"],
+     "moves weights to the GPU between its blocks' calls"),
+    ("demo-flux", "compile_scope", "denoiser", "blocks", ["general.num_processes=2", "general.distributed=fsdp",
+                                                          "training.method=finetune"],
+     "FSDP gathers each block's weights"),
+], ids=["cuda-graphs-on-cpu", "cuda-graphs-checkpointed", "whole-swapped", "whole-fsdp"])
+def test_validate_refuses_compile_settings_where_they_cannot_run(preset, key, refused, allowed, sets, says):
     from trainer.config.checks import load_config
     from trainer.errors import ConfigError
     with pytest.raises(ConfigError) as err:
-        load_config(preset="demo", overrides=["training.compile=true", "training.compile_mode=reduce-overhead", *sets])
-    assert err.value.key == "training.compile_mode" and says in str(err.value) and "\n" not in str(err.value)
-    cfg = load_config(preset="demo", overrides=["training.compile=true", "training.compile_mode=default", *sets])
-    assert cfg.training.compile_mode == "default"
+        load_config(preset=preset, overrides=["training.compile=true", f"training.{key}={refused}", *sets])
+    assert err.value.key == f"training.{key}" and says in str(err.value) and "\n" not in str(err.value)
+    cfg = load_config(preset=preset, overrides=["training.compile=true", f"training.{key}={allowed}", *sets])
+    assert cfg.training[key] == allowed
 
 
 def test_cuda_graph_shapes_are_the_buckets_and_batch_sizes_of_an_epoch():
