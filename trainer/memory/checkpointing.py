@@ -189,6 +189,23 @@ def checkpointed(module: Any, *args: Any, keep_attention: bool = False, reentran
     return _checkpoint(module.__call__, keep_attention, *args, **kwargs)
 
 
+class _Order(dict):
+    """A :class:`Checkpointing`'s blocks → their order (a dict that can be weakly referenced)."""
+
+
+# every Checkpointing's order, by id, while it lives (what _block_index reads: its arguments must be constants)
+_ORDERS: "weakref.WeakValueDictionary[int, _Order]" = weakref.WeakValueDictionary()
+
+
+@torch.compiler.assume_constant_result
+def _block_index(order_id: int, key: int) -> int:
+    """The block's place in the order it was first handed over. Under torch.compile (a whole compiled denoiser:
+    ``training.compile_scope``) this runs once, while the graph is traced, and the graph keeps its result: no guard on
+    the order, which the first trace fills (a guard on it made the next call compile the whole graph again)."""
+    order = _ORDERS[order_id]
+    return order.setdefault(key, len(order))
+
+
 class Checkpointing:
     """diffusers' ``_gradient_checkpointing_func`` (``enable_gradient_checkpointing(gradient_checkpointing_func=…)``):
     the blocks a model hands it, checkpointed as :func:`checkpointed` does, every ``interval``-th of them only
@@ -199,10 +216,15 @@ class Checkpointing:
     def __init__(self, keep_attention: bool = False, interval: int = 1, reentrant: bool = False):
         self.keep_attention, self.interval = bool(keep_attention), max(int(interval), 1)
         self.reentrant = bool(reentrant)
-        self._order: Dict[int, int] = {}
+        self._order = _Order()
+        _ORDERS[id(self._order)] = self._order
+        self._order_id = id(self._order)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "Checkpointing":  # a copied model learns its own blocks' order
+        return Checkpointing(self.keep_attention, self.interval, self.reentrant)
 
     def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
-        index = self._order.setdefault(id(module), len(self._order))
+        index = _block_index(self._order_id, id(module))
         if index % self.interval:
             return module(*args, **kwargs)
         return checkpointed(module, *args, keep_attention=self.keep_attention, reentrant=self.reentrant, **kwargs)

@@ -12,9 +12,8 @@ checkpointed block's checkpoint too: :func:`trainer.memory.checkpointing.compile
 ``--torch_compile`` hands accelerate a ``dynamo_backend``, which compiles the whole UNet): one graph for forward and
 one for backward, so torch's guard checks and compiled-function wrappers run once a call instead of once a block,
 the code between the blocks (a UNet's ResNets, the embeddings) is fused too, and the CUDA-graph modes record the
-whole step's forward and backward; its compile takes longer, and any new input shape compiles the whole graph again.
-With ``training.gradient_checkpointing_interval`` above 1 it compiles twice: the first call learns the blocks' order
-(a dict the trace fills, guarded on after).
+whole step's forward and backward; its compile takes longer, and any new input shape compiles the whole graph again,
+so samples and validation run it eagerly (:func:`eager_outside_training`).
 
 The block classes come from the model's own ``_repeated_blocks`` when diffusers defines it, else from
 the model itself: the classes of modules that repeat in a ``ModuleList`` (PixArt's transformer blocks).
