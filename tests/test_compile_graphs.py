@@ -64,6 +64,23 @@ def test_compile_dynamic_decides_whether_the_blocks_sizes_are_symbolic(tiny_work
     assert sum(static["block_calls"]) == sum(auto["block_calls"]) == sum(dynamic["block_calls"]) > static["graphs"]
 
 
+@pytest.mark.slow  # a traced run of the tiny HiDream
+def test_a_first_step_whose_graphs_break_says_so_and_what_to_change(tiny_workspace):
+    """HiDream's transformer indexes tensors by masks (sizes known only from the data): compiled whole, its graphs
+    break, and the run says so once after the first step, with torch's reason and the scope to try; the runs above
+    that break nothing say nothing."""
+    from trainer.events import read_events
+    r = step_counts.run_compiled("demo-hidream", ["training.mixed_precision=bf16", "training.compile_scope=denoiser"],
+                                 steps=2, workspace=tiny_workspace, backend="eager", run_name="whole-breaks")
+    assert r["graph_breaks"] > 0
+    warnings = [e["message"] for e in read_events(tiny_workspace / "runs" / "whole-breaks" / "events.jsonl")
+                if e["type"] == "warning" and "graphs broke" in e["message"]]
+    assert len(warnings) == 1 and "compile_scope blocks" in warnings[0] and "(torch: " in warnings[0], warnings
+    from trainer.train.compile import graph_break_warning
+    assert graph_break_warning(0, {}, "denoiser") == ""
+    assert "runs eagerly between" in graph_break_warning(2, {"a reason": 2}, "blocks")
+
+
 @pytest.mark.slow  # a compiled run of the tiny SD with its sample at the end
 def test_a_run_compiles_with_the_configured_sizes_and_samples_at_its_end(tiny_workspace):
     """The setting reaches the run's compile (training.compile_dynamic = static: no graph with symbolic sizes), and
@@ -104,6 +121,8 @@ def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_work
     assert dynamo_counts()["frames_compiled"] - before["frames_compiled"] == r["first_step_frames"] == 1
     runs = tiny_workspace / "runs"
     assert list((runs / "whole" / "samples").glob("*.png")), "no sample at the end"
+    from trainer.events import read_events
+    assert not [e for e in read_events(runs / "whole" / "events.jsonl") if e["type"] == "warning"]
     assert "1 × UNet2DConditionModel compiled at their first call" in (runs / "whole" / "train.log").read_text()
     eager, whole = load_file(runs / "eager" / "eager.safetensors"), load_file(runs / "whole" / "whole.safetensors")
     assert set(eager) == set(whole)

@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
+import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
@@ -111,7 +112,6 @@ def eager_outside_training(cfg: Any) -> Any:
     few eager calls it would speed; compiled blocks keep their no-grad graphs (a compile of a few blocks)."""
     t = getattr(cfg, "training", None)  # None: a config of sampling settings alone, nothing compiled
     if t is not None and t.get("compile", False) and t.get("compile_scope", "blocks") == "denoiser":
-        import torch
         return torch.compiler.set_stance("force_eager")
     return contextlib.nullcontext()
 
@@ -216,8 +216,23 @@ def backend_problem(device_type: str) -> Optional[str]:
 
 
 def cache_counts() -> Dict[str, int]:
-    """Compiled graphs inductor made (``misses``) and took from its cache (``hits``) so far in this process."""
-    return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"]}
+    """Compiled graphs inductor made (``misses``) and took from its cache (``hits``), and dynamo's graph breaks
+    (``breaks``), so far in this process."""
+    return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
+            "breaks": sum(counters["graph_break"].values())}
+
+
+def graph_break_warning(breaks: int, reasons: Dict[str, int], scope: str) -> str:
+    """The warning for a first compiled step whose graphs broke ``breaks`` times ('' for none): torch's most frequent
+    reason, and what to change."""
+    if breaks <= 0:
+        return ""
+    reason = " ".join(max(reasons, key=reasons.get).split())[:160] if reasons else "no reason given"
+    hint = ("compile_scope blocks compiles the repeated blocks alone, where the breaks may not fall"
+            if scope == "denoiser" else "the broken code runs eagerly between the compiled graphs")
+    return (f"training.compile: the first step's graphs broke {breaks} time(s) (torch: {reason}); each break "
+            f"leaves code outside the compiled graphs, and the model's code decides where: {hint}. Compare a few "
+            "steps with training.compile off.")
 
 
 def dynamo_counts() -> Dict[str, int]:
@@ -233,7 +248,7 @@ def graph_break_reasons() -> Dict[str, int]:
     return dict(counters["graph_break"])
 
 
-__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "SCOPES", "backend_problem",
-           "cache_counts", "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts",
-           "eager_outside_training", "graph_break_reasons", "kernel_cache", "repeated_block_classes",
-           "static_shape_warning", "step_shapes"]
+__all__ = ["CACHE_ENV", "CUDAGRAPH_MODES", "CUDAGRAPH_SHAPE_LIMIT", "KERNEL_CACHE", "MODES", "SCOPES",
+           "backend_problem", "cache_counts", "compile_blocks", "cudagraph_shape_warning", "describe", "dynamo_counts",
+           "eager_outside_training", "graph_break_reasons", "graph_break_warning", "kernel_cache",
+           "repeated_block_classes", "static_shape_warning", "step_shapes"]

@@ -43,7 +43,8 @@ from trainer.parallel.launch import (
 from trainer.methods.compute_copies import make_compute_copies
 from trainer.parallel.plan import env_rank_world
 from trainer.train.checkpoint import backup, load_backup, resolve_resume, save_result
-from trainer.train.compile import CACHE_ENV, KERNEL_CACHE, cache_counts, kernel_cache
+from trainer.train.compile import (CACHE_ENV, KERNEL_CACHE, cache_counts, graph_break_reasons, graph_break_warning,
+                                   kernel_cache)
 from trainer.train.run_folder import list_backups, setup_logging
 from trainer.train.sampling import sample
 from trainer.train.setup import setup
@@ -200,6 +201,10 @@ def _report_step(state: RunState, loss: float, where: dict, t_start: float, step
         made, loaded = (now[k] - before.get(k, 0) for k in ("misses", "hits"))
         log.info("training.compile: the first step, compiles included, took %.1f s (graphs compiled: %d, loaded "
                  "from the kernel cache: %d)", extra["first_step_s"], made, loaded)
+        warning = graph_break_warning(now["breaks"] - before.get("breaks", 0), graph_break_reasons(),
+                                      state.cfg.training.get("compile_scope", "blocks"))
+        if warning:
+            state.warn(warning)
     state.run.events.emit("step", step=step, total_steps=state.total_steps, epoch=where["epoch"] + 1,
                           loss=loss, lr=lrs, it_s=round(it_s, 4), eta_s=None if eta is None else round(eta, 1),
                           **extra)
