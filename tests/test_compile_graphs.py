@@ -67,16 +67,16 @@ def test_compile_dynamic_decides_whether_the_blocks_sizes_are_symbolic(tiny_work
 @pytest.mark.slow  # a traced run of the tiny HiDream
 def test_a_first_step_whose_graphs_break_says_so_and_what_to_change(tiny_workspace):
     """HiDream's transformer indexes tensors by masks (sizes known only from the data): compiled whole, its graphs
-    break, and the run says so once after the first step, with torch's reason and the scope to try; the runs above
-    that break nothing say nothing."""
+    break, and the run says so once after the first step, with torch's reason and the scope to try (a run that
+    breaks nothing says nothing: the whole UNet's below)."""
     from trainer.events import read_events
+    from trainer.train.compile import graph_break_warning
     r = step_counts.run_compiled("demo-hidream", ["training.mixed_precision=bf16", "training.compile_scope=denoiser"],
                                  steps=2, workspace=tiny_workspace, backend="eager", run_name="whole-breaks")
     assert r["graph_breaks"] > 0
     warnings = [e["message"] for e in read_events(tiny_workspace / "runs" / "whole-breaks" / "events.jsonl")
                 if e["type"] == "warning" and "graphs broke" in e["message"]]
     assert len(warnings) == 1 and "compile_scope blocks" in warnings[0] and "(torch: " in warnings[0], warnings
-    from trainer.train.compile import graph_break_warning
     assert graph_break_warning(0, {}, "denoiser") == ""
     assert "runs eagerly between" in graph_break_warning(2, {"a reason": 2}, "blocks")
 
@@ -106,9 +106,11 @@ def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_work
     checkpointing on against off does in eager runs; the checkpointed whole graph is traced in the test above.
     The run's sample at its end runs the UNet eagerly."""
     from safetensors.torch import load_file
+
+    from trainer.events import read_events
+    from trainer.train.compile import dynamo_counts
     sgd = ["training.mixed_precision=bf16", "training.optimizer.name=sgd", "training.learning_rate=0.5",
            "output.dtype=fp32"]
-    from trainer.train.compile import dynamo_counts
     step_counts.train_case("demo", sgd, 2, tiny_workspace, "eager", lambda: None)  # the same run, not compiled
     before = dynamo_counts()
     r = step_counts.run_compiled("demo", [*sgd, "training.compile_scope=denoiser", "sampling.at_end=true",
@@ -121,7 +123,6 @@ def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_work
     assert dynamo_counts()["frames_compiled"] - before["frames_compiled"] == r["first_step_frames"] == 1
     runs = tiny_workspace / "runs"
     assert list((runs / "whole" / "samples").glob("*.png")), "no sample at the end"
-    from trainer.events import read_events
     assert not [e for e in read_events(runs / "whole" / "events.jsonl") if e["type"] == "warning"]
     assert "1 × UNet2DConditionModel compiled at their first call" in (runs / "whole" / "train.log").read_text()
     eager, whole = load_file(runs / "eager" / "eager.safetensors"), load_file(runs / "whole" / "whole.safetensors")
