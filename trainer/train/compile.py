@@ -219,7 +219,7 @@ def cache_counts() -> Dict[str, int]:
     """Compiled graphs inductor made (``misses``) and took from its cache (``hits``), and dynamo's graph breaks
     (``breaks``), so far in this process."""
     return {"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
-            "breaks": sum(counters["graph_break"].values())}
+            "breaks": dynamo_counts()["graph_breaks"]}
 
 
 def graph_break_warning(breaks: int, reasons: Dict[str, int], scope: str) -> str:
