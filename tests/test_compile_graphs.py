@@ -204,6 +204,9 @@ def test_cuda_graph_shapes_are_the_buckets_and_batch_sizes_of_an_epoch():
     said = static_shape_warning(many)
     assert "training.compile_dynamic = static" in said and f"makes {CUDAGRAPH_SHAPE_LIMIT + 1}" in said
     assert "compile_dynamic auto" in said and "data.bucket_step" in said and "\n" not in said
+    assert "the blocks again" in said and "whole denoiser" not in said
+    whole = static_shape_warning(many, "denoiser")  # compile_scope denoiser: the whole model compiles again
+    assert "the whole denoiser again" in whole and "block" not in whole
 
 
 @pytest.mark.slow  # two short compiled runs (AOTAutograd traces, no kernels made)

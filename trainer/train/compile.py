@@ -144,14 +144,16 @@ def cudagraph_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
             "data.aspect_buckets off) or compile_mode default keep it small.")
 
 
-def static_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]]) -> str:
+def static_shape_warning(shapes: Set[Tuple[Tuple[int, int], int]], scope: str = "blocks") -> str:
     """The warning for ``training.compile_dynamic`` static with more step shapes than :data:`CUDAGRAPH_SHAPE_LIMIT`
-    ('' when within it): each shape compiles every block class again (a UNet: once per level)."""
+    ('' when within it): each shape compiles every block class again (a UNet: once per level), or the whole
+    denoiser under ``compile_scope`` denoiser."""
     if len(shapes) <= CUDAGRAPH_SHAPE_LIMIT:
         return ""
-    return (f"training.compile_dynamic = static compiles the blocks again for each step shape, and this data makes "
+    what, who = ("the whole denoiser", "the denoiser") if scope == "denoiser" else ("the blocks", "a block class")
+    return (f"training.compile_dynamic = static compiles {what} again for each step shape, and this data makes "
             f"{len(shapes)} (bucket, batch size) shapes, more than {CUDAGRAPH_SHAPE_LIMIT}: the first epoch pays a "
-            f"compile for each, and past {RECOMPILE_LIMIT} graphs a block class runs uncompiled. compile_dynamic auto "
+            f"compile for each, and past {RECOMPILE_LIMIT} graphs {who} runs uncompiled. compile_dynamic auto "
             "serves every size from one graph after the second; fewer buckets (data.bucket_step larger, "
             "data.max_aspect_ratio smaller, or data.aspect_buckets off) keep static small.")
 

@@ -152,7 +152,7 @@ def setup(state: RunState) -> None:
             log.info("training.compile_mode %s: %d step shape(s), one CUDA graph each per %s", mode, len(shapes),
                      "forward and backward" if scope == "denoiser" else "block")
         for warning in (cudagraph_shape_warning(shapes) if mode in CUDAGRAPH_MODES else "",
-                        static_shape_warning(shapes) if static else ""):
+                        static_shape_warning(shapes, scope) if static else ""):
             if warning:
                 state.warn(warning)
         state.compiled = True
