@@ -39,9 +39,10 @@ def _env(**extra) -> dict:
     return env
 
 
-def _torchrun(args: list, timeout: float = 240, **env) -> subprocess.CompletedProcess:
+def _torchrun(args: list, timeout: float = 240, script: str = "", **env) -> subprocess.CompletedProcess:
+    """``python -m trainer ARGS`` on two processes (``script``: that Python file instead of ``-m trainer``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_port()), "-m", "trainer", *args]
+           str(_port()), *([script] if script else ["-m", "trainer"]), *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
@@ -119,6 +120,29 @@ def test_a_two_process_backup_resumes_on_one_process(runs, capsys):
     started = [e for e in events if e["type"] == "started"][0]
     assert started["resumed_from_step"] == 4 and started["world_size"] == 1 and started["batch_size"] == 2
     _close(_lora(ws / "runs" / "dist-one" / "dist-one.safetensors"), _lora(run / "dist-resumed.safetensors"))
+
+
+def test_ddp_compiles_the_whole_denoiser_inside_its_forward_and_trains_the_one_process_lora(runs):
+    """training.compile_scope denoiser on two processes: the UNet is compiled as DDP's entry (inside DDP's forward,
+    where torch's DDPOptimizer splits the graph at the gradient buckets), not in place around DDP, whose forward
+    torch does not trace (three graph breaks, and the run's warning about them, before). One graph, no break, no
+    recompile on either process, and the LoRA of one eager process with the global batch. The backend is
+    aot_eager (tests/compiled_cli.py): AOTAutograd's forward and backward as inductor gets them, no kernels."""
+    ws, _ = runs
+    run = ws / "runs" / "dist-whole"
+    out = _torchrun(["train", "--preset", "demo", *_sets(ws, "dist-whole", "training.batch_size=1",
+                                                          "backup.every_n_epochs=0", "training.compile=true",
+                                                          "training.compile_scope=denoiser")],
+                    script=str(ROOT / "tests" / "compiled_cli.py"))
+    assert out.returncode == 0, _why(out, run)
+    counts = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith('{"rank"')),
+                    key=lambda c: c["rank"])
+    assert [c["rank"] for c in counts] == [0, 1], out.stdout[-2000:]
+    for c in counts:
+        assert c["graph_breaks"] == 0 and c["graphs"] == 1 and c["frames_compiled"] == 1, c
+    assert "1 × UNet2DConditionModel compiled" in (run / "train.log").read_text()
+    assert not [e for e in read_events(run / "events.jsonl") if e["type"] == "warning"]
+    _close(_lora(ws / "runs" / "dist-one" / "dist-one.safetensors"), _lora(run / "dist-whole.safetensors"))
 
 
 def test_ddp_averages_the_unet_and_text_encoder_with_accumulation(tiny_workspace):

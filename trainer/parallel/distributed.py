@@ -214,6 +214,7 @@ class DDPGradients:
 
     def __init__(self, modules, skip_ids: set, device: Any):
         self.wrapped: List[Tuple[Any, Any]] = []  # (module, DDP)
+        self.entries: Dict[int, Any] = {}  # id(module) -> the entry module DDP calls (see entry_for)
         self.names: List[str] = []
         self.params: List[Any] = []
         claimed = set(skip_ids)
@@ -237,6 +238,7 @@ class DDPGradients:
                       init_sync=True)
             self._redirect(name, module, ddp)
             self.wrapped.append((module, ddp))
+            self.entries[id(module)] = entry
             self.names.append(name)
             for _, p in own:
                 claimed.add(id(p))
@@ -255,10 +257,19 @@ class DDPGradients:
 
         module.forward = forward
 
+    def entry_for(self, module):
+        """The module whose call runs ``module``'s forward in a training step (``module`` itself when not wrapped):
+        what ``training.compile_scope`` denoiser compiles. Compiling ``module`` in place would trace DDP's own
+        forward, which torch does not trace (three graph breaks around it); compiled inside DDP's forward, the
+        entry is one graph that torch's DDPOptimizer splits at the gradient buckets, so their all-reduces overlap
+        the rest of backward (torch.compile's way with DDP)."""
+        return self.entries.get(id(module), module)
+
     def unwrap(self) -> None:
         for module, _ in self.wrapped:
             module.__dict__.pop("forward", None)
         self.wrapped = []
+        self.entries = {}
 
     def check_step(self) -> None:
         """After an optimizer step's backward: a wrapped module whose weights got gradients without its

@@ -107,6 +107,11 @@ class SingleProcess:
         """While exporting: the model's denoiser holds whole weights on the process that writes."""
         yield
 
+    def training_entry(self, module):
+        """The module a training step's call of ``module`` runs through (``training.compile_scope`` denoiser
+        compiles it): ``module`` itself, or DDP's entry around it."""
+        return module
+
 
 class DistributedData(SingleProcess):
     """Several processes, each training its slice of every global batch; gradients averaged by torch's
@@ -141,6 +146,9 @@ class DistributedData(SingleProcess):
         self.grad_sync.broadcast_from_main()
         log.info("DDP: %d trained weights of %s averaged in backward (%d more in one all-reduce a step)",
                  len(self.ddp.params), ", ".join(self.ddp.names) or "nothing", len(self.grad_sync.params))
+
+    def training_entry(self, module):
+        return self.ddp.entry_for(module) if self.ddp is not None else module
 
     def data_config(self, cfg, global_micro_batch: int):
         data_cfg = copy.deepcopy(cfg)

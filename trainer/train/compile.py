@@ -70,13 +70,15 @@ def repeated_block_classes(model: Any) -> List[str]:
 
 
 def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", scope: str = "blocks",
-                   **options: Any) -> Dict[str, int]:
+                   entry: Any = None, **options: Any) -> Dict[str, int]:
     """Compile every repeated block of ``model`` in place with torch.compile's ``mode`` and ``dynamic`` (a
     ``training.compile_dynamic`` value; ``options``: the rest of torch.compile's arguments, e.g. ``backend="eager"``
     in tests); {class name: blocks compiled}. Lets a block class compile up to :data:`RECOMPILE_LIMIT` graphs.
     ``scope`` ``denoiser`` (``training.compile_scope``) compiles ``model`` itself in place instead, as one graph: its
     blocks' checkpoints, LoRA layers and the code between the blocks (a UNet's ResNets, the timestep embedding) are
-    traced with it, and torch's guards and compiled-function wrappers run once a call instead of once a block."""
+    traced with it, and torch's guards and compiled-function wrappers run once a call instead of once a block;
+    ``entry``: the module a training step calls to run ``model``'s forward when that is not ``model`` itself (DDP's
+    entry on several processes, ``Strategy.training_entry``), compiled in its place."""
     if mode not in MODES:
         raise ValueError(f"training.compile_mode = {mode!r}: one of {', '.join(MODES)}")
     if dynamic not in DYNAMIC:
@@ -88,7 +90,7 @@ def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", sco
     options["dynamic"] = DYNAMIC[dynamic]
     raise_recompile_limit()
     if scope == "denoiser":  # a checkpointed block inside is traced as torch's checkpoint (checkpointed: compiling)
-        model.compile(**options)
+        (model if entry is None else entry).compile(**options)
         return {type(model).__name__: 1}
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}

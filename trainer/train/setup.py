@@ -143,7 +143,8 @@ def setup(state: RunState) -> None:
                               value=mode)
         dynamic, scope = t.get("compile_dynamic", "auto"), t.get("compile_scope", "blocks")
         try:
-            done = compile_blocks(state.model.denoiser, mode, dynamic, scope)
+            denoiser = state.model.denoiser
+            done = compile_blocks(denoiser, mode, dynamic, scope, state.par.training_entry(denoiser))
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None
         static = dynamic == "static"
