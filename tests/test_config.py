@@ -40,6 +40,21 @@ def test_preset_user_file_and_overrides_merge_in_order(tmp_path):
     assert Path(cfg.data.concepts[0].path).is_dir()  # ${atelier_root:} resolves to the project
 
 
+def test_a_choice_yaml_reads_as_a_boolean_is_the_word_written(tmp_path):
+    """YAML 1.1 reads `no` as False: `--set training.mixed_precision=no`, `mixed_precision: no` in a file and the
+    page's form were refused as 'False' (one of no, fp16, bf16); they are the choice 'no', and a saved config says so.
+    A boolean word no choice is spelled as stays refused."""
+    user = tmp_path / "run.yaml"
+    user.write_text("base: demo\ntraining:\n  mixed_precision: no\n")
+    for cfg in (load_config(preset="demo", overrides=["training.mixed_precision=no"]), load_config(user),
+                config_from_dict({"base": "demo", "training": {"mixed_precision": False}})):
+        assert cfg.training.mixed_precision == "no"
+    save_config(cfg, tmp_path / "saved.yaml")
+    assert "mixed_precision: 'no'" in (tmp_path / "saved.yaml").read_text()
+    with pytest.raises(ConfigError, match="one of no, fp16, bf16"):
+        load_config(preset="demo", overrides=["training.mixed_precision=yes"])
+
+
 def test_saved_config_round_trips_exactly(tmp_path):
     cfg = load_config(preset="demo", overrides=["lora.rank=8"])
     save_config(cfg, tmp_path / "c.yaml")

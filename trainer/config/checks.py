@@ -55,6 +55,21 @@ def _check_value(key: str, value: Any, meta: dict) -> None:
                               key=key, value=value)
 
 
+# YAML 1.1, which OmegaConf reads, takes these words for booleans (``mixed_precision: no`` is False, and the string
+# field then holds 'False'): a choice spelled so comes back as its word
+_YAML_BOOLEANS = {"False": ("no", "off", "n", "false"), "True": ("yes", "on", "y", "true")}
+
+
+def _choice_word(value: Any, meta: dict) -> Any:
+    """``value``, or the choice YAML read as a boolean (``training.mixed_precision=no`` → 'no', not 'False')."""
+    choices = meta.get("choices") or ()
+    if str(value) in _YAML_BOOLEANS and value not in choices:
+        for word in _YAML_BOOLEANS[str(value)]:
+            if word in choices:
+                return word
+    return value
+
+
 def _walk(node: Any, cls: type, prefix: str, errors: List[ConfigError]) -> None:
     hints = typing.get_type_hints(cls)
     for fld in dataclasses.fields(cls):
@@ -71,6 +86,9 @@ def _walk(node: Any, cls: type, prefix: str, errors: List[ConfigError]) -> None:
                 for i, item in enumerate(value):
                     _walk(item, item_tp, f"{key}.{i}.", errors)
             continue
+        word = _choice_word(value, fld.metadata)
+        if word is not value:
+            node[fld.name] = value = word
         try:
             _check_value(key, value, fld.metadata)
         except ConfigError as exc:
