@@ -232,3 +232,48 @@ def test_compiled_blocks_compute_from_the_bf16_copies_and_train_the_same_lora(ti
     assert max(float(v.abs().max()) for k, v in trained[True].items() if "lora_B" in k or "lora_up" in k) > 0
     for k, v in trained[False].items():
         assert torch.equal(trained[True][k], v), k
+
+
+@pytest.mark.slow  # the tiny SD UNet's blocks captured by dynamo
+def test_compile_finds_the_blocks_of_a_unet_sharded_by_fsdp_and_gives_the_eager_gradients(tiny_workspace):
+    """FSDP2's fully_shard swaps a sharded module's class for a subclass named FSDP<name>: training.compile found no
+    repeated block in the sharded UNet, and every FSDP run with it stopped ('FSDPUNet2DConditionModel has no repeated
+    blocks to compile'). The UNet sharded as an FSDP run shards it (one gloo process here), its blocks compiled in
+    place (dynamo's capture with the eager backend; two processes through AOTAutograd: docs/performance.md): the
+    names are the classes' own, nothing breaks, and a step's gradients are the unsharded eager UNet's."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+    from diffusers import UNet2DConditionModel
+
+    from trainer.config.checks import load_config
+    from trainer.parallel.fsdp import FSDPShards, fsdp_plugin, full_tensor
+    from trainer.train.compile import compile_blocks, dynamo_counts
+    cfg = load_config(preset="demo-finetune", overrides=["general.distributed=fsdp", "general.device=cpu",
+                                                         "training.mixed_precision=no"])
+    plain = UNet2DConditionModel.from_pretrained(tiny_workspace / "models" / "tiny-sd", subfolder="unet")
+    sharded = copy.deepcopy(plain)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        shards = FSDPShards(sharded, fsdp_plugin(cfg, True, print), torch.device("cpu"), 1)
+        assert shards.units > 0 and type(sharded).__name__ == "FSDPUNet2DConditionModel"
+        torch._dynamo.reset()
+        before = dynamo_counts()
+        assert compile_blocks(sharded, backend="eager") == compile_blocks(copy.deepcopy(plain), backend="eager")
+        g = torch.Generator().manual_seed(0)
+        x, text = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 5, 32, generator=g)
+        t = torch.tensor([10, 500])
+        for model in (plain, sharded):
+            model(x, t, text).sample.square().mean().backward()
+        after = dynamo_counts()
+        assert after["graph_breaks"] == before["graph_breaks"] and after["graphs"] > before["graphs"]
+        grads = dict(sharded.named_parameters())
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(full_tensor(grads[name].grad), p.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()

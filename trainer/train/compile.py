@@ -55,6 +55,15 @@ RECOMPILE_LIMIT = 64
 CUDAGRAPH_SHAPE_LIMIT = 8
 
 
+def class_name(module: Any) -> str:
+    """``module``'s own class name: torch's FSDP2 ``fully_shard`` swaps in a subclass named ``FSDP<name>``
+    (bases ``FSDPModule`` and the class), which the blocks' declared names do not match."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        cls = cls.__bases__[1]
+    return cls.__name__
+
+
 def repeated_block_classes(model: Any) -> List[str]:
     """Class names of the model's repeated blocks."""
     declared = list(getattr(model, "_repeated_blocks", None) or [])
@@ -63,9 +72,9 @@ def repeated_block_classes(model: Any) -> List[str]:
     found = set()
     for module in model.modules():  # a list of >= 2 blocks of one class, each made of layers of its own
         if isinstance(module, nn.ModuleList) and len(module) >= 2:
-            kinds = {type(child) for child in module}
+            kinds = {class_name(child) for child in module}
             if len(kinds) == 1 and any(True for _ in module[0].children()):
-                found.add(type(module[0]).__name__)
+                found.add(class_name(module[0]))
     return sorted(found)
 
 
@@ -91,18 +100,18 @@ def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", sco
     raise_recompile_limit()
     if scope == "denoiser":  # a checkpointed block inside is traced as torch's checkpoint (checkpointed: compiling)
         (model if entry is None else entry).compile(**options)
-        return {type(model).__name__: 1}
+        return {class_name(model): 1}
     names = set(repeated_block_classes(model))
     done: Dict[str, int] = {}
     blocks = []
     for module in model.modules():
-        name = type(module).__name__
+        name = class_name(module)
         if name in names:
             module.compile(**options)
             blocks.append(module)
             done[name] = done.get(name, 0) + 1
     if not done:
-        raise ValueError(f"training.compile: {type(model).__name__} has no repeated blocks to compile")
+        raise ValueError(f"training.compile: {class_name(model)} has no repeated blocks to compile")
     compile_checkpointed(blocks, **options)  # checkpointed, a block's checkpoint runs inside its compiled region
     return done
 
