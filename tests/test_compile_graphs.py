@@ -132,6 +132,20 @@ def test_the_whole_denoiser_compiled_trains_the_lora_of_the_eager_step(tiny_work
         torch.testing.assert_close(whole[k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a traced run of the tiny Z-Image
+def test_z_images_rope_tables_are_made_before_its_whole_transformer_compiles(tiny_workspace):
+    """diffusers' Z-Image transformer makes its rope tables at its first call under ``with torch.device("cpu")``,
+    which dynamo cannot enter: compiled whole, its first call broke three times and the run warned about breaks
+    that later calls did not have. The family makes them before compiling (``before_compile``): no break, no
+    warning (its first step; later ones recompile as the captions' lengths change, until torch makes them dynamic)."""
+    from trainer.events import read_events
+    r = step_counts.run_compiled("demo-zimage", ["training.mixed_precision=bf16", "training.compile_scope=denoiser"],
+                                 steps=1, workspace=tiny_workspace, backend="eager", run_name="zimage-whole")
+    assert r["blocks"] == "1 × ZImageTransformer2DModel" and r["graph_breaks"] == 0, r["break_reasons"]
+    events = read_events(tiny_workspace / "runs" / "zimage-whole" / "events.jsonl")
+    assert not [e for e in events if e["type"] == "warning" and "graphs broke" in e["message"]]
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

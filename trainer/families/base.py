@@ -170,6 +170,11 @@ class Family:
         chunking happen here)."""
         raise NotImplementedError
 
+    def before_compile(self, device: Any) -> None:
+        """Before ``training.compile_scope`` denoiser compiles the denoiser whole: build what its first call would
+        build lazily in code torch cannot trace (tables made under a device context), so the first compiled call
+        is whole too. Nothing for most families."""
+
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         raise NotImplementedError

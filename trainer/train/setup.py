@@ -144,6 +144,8 @@ def setup(state: RunState) -> None:
         dynamic, scope = t.get("compile_dynamic", "auto"), t.get("compile_scope", "blocks")
         try:
             denoiser = state.model.denoiser
+            if scope == "denoiser":
+                state.model.before_compile(state.device)
             done = compile_blocks(denoiser, mode, dynamic, scope, state.par.training_entry(denoiser))
         except ValueError as exc:
             raise ConfigError(str(exc), key="training.compile", value=True) from None

@@ -111,6 +111,13 @@ class ZImage(MaskedTextConditioning, PeftLayoutLora, Family):
         out = self.transformer(images, (1.0 - timesteps.to(device, torch.float32)), captions, return_dict=False)[0]
         return -torch.stack(out, dim=0).squeeze(2)  # the transformer predicts x − ε
 
+    def before_compile(self, device: Any) -> None:
+        """diffusers' ``RopeEmbedder`` makes its tables at its first call, under ``with torch.device("cpu")``, which
+        torch.compile cannot trace: the whole transformer's first compiled call broke three times (and the run
+        warned so), and the next call compiled it again whole. Made here, on the device the step's ids are on."""
+        rope = self.transformer.rope_embedder
+        rope(torch.zeros((1, len(rope.axes_dims)), dtype=torch.long, device=device))
+
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
         pipe = ZImagePipeline(scheduler=self._sched_class.from_config(self._sched_config), vae=self.vae,
