@@ -249,12 +249,16 @@ def test_compiled_blocks_compute_from_the_bf16_copies_and_train_the_same_lora(ti
 
 
 @pytest.mark.slow  # the tiny SD UNet's blocks captured by dynamo
-def test_compile_finds_the_blocks_of_a_unet_sharded_by_fsdp_and_gives_the_eager_gradients(tiny_workspace):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_compile_finds_the_blocks_of_a_unet_sharded_by_fsdp_and_gives_the_eager_gradients(tiny_workspace,
+                                                                                           checkpointing):
     """FSDP2's fully_shard swaps a sharded module's class for a subclass named FSDP<name>: training.compile found no
     repeated block in the sharded UNet, and every FSDP run with it stopped ('FSDPUNet2DConditionModel has no repeated
     blocks to compile'). The UNet sharded as an FSDP run shards it (one gloo process here), its blocks compiled in
     place (dynamo's capture with the eager backend; two processes through AOTAutograd: docs/performance.md): the
-    names are the classes' own, nothing breaks, and a step's gradients are the unsharded eager UNet's."""
+    names are the classes' own, nothing breaks, and a step's gradients are the unsharded eager UNet's. Checkpointed,
+    a unit's checkpoint stays around its compiled call: inside the compiled region FSDP's hooks (which torch does
+    not trace) broke every block back to eager (no graph at all)."""
     import copy
     import socket
 
@@ -262,6 +266,7 @@ def test_compile_finds_the_blocks_of_a_unet_sharded_by_fsdp_and_gives_the_eager_
     from diffusers import UNet2DConditionModel
 
     from trainer.config.checks import load_config
+    from trainer.memory.checkpointing import enable_checkpointing
     from trainer.parallel.fsdp import FSDPShards, fsdp_plugin, full_tensor
     from trainer.train.compile import compile_blocks, dynamo_counts
     cfg = load_config(preset="demo-finetune", overrides=["general.distributed=fsdp", "general.device=cpu",
@@ -275,6 +280,9 @@ def test_compile_finds_the_blocks_of_a_unet_sharded_by_fsdp_and_gives_the_eager_
     try:
         shards = FSDPShards(sharded, fsdp_plugin(cfg, True, print), torch.device("cpu"), 1)
         assert shards.units > 0 and type(sharded).__name__ == "FSDPUNet2DConditionModel"
+        if checkpointing:  # as a run on several processes checkpoints (not torch's reentrant checkpoint)
+            enable_checkpointing(sharded, reentrant=False)
+            sharded.train()
         torch._dynamo.reset()
         before = dynamo_counts()
         assert compile_blocks(sharded, backend="eager") == compile_blocks(copy.deepcopy(plain), backend="eager")

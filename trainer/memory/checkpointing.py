@@ -25,7 +25,8 @@ recomputed (the policy above, when attention is kept, decides per op at trace ti
 makes a forward that saves the block's inputs alone and a backward that recomputes and differentiates in one
 compiled graph: none of the Python hooks the eager checkpoint runs for every saved tensor, and the same values as
 the eager checkpoint (AOTAutograd without inductor gives the same gradients bit for bit,
-``tests/test_checkpointing_options.py``).
+``tests/test_checkpointing_options.py``). Not for FSDP's units, whose gathering hooks torch does not trace
+(``trainer.train.compile.compile_blocks`` leaves them out: their checkpoint runs around the compiled call).
 """
 
 from __future__ import annotations

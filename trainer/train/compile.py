@@ -55,13 +55,18 @@ RECOMPILE_LIMIT = 64
 CUDAGRAPH_SHAPE_LIMIT = 8
 
 
-def class_name(module: Any) -> str:
-    """``module``'s own class name: torch's FSDP2 ``fully_shard`` swaps in a subclass named ``FSDP<name>``
-    (bases ``FSDPModule`` and the class), which the blocks' declared names do not match."""
+def _sharded(module: Any) -> bool:
+    """``module`` is a unit of torch's FSDP2 (``fully_shard`` swapped its class for a subclass ``FSDP<name>`` of
+    ``FSDPModule`` and the class)."""
     cls = type(module)
-    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
-        cls = cls.__bases__[1]
-    return cls.__name__
+    return cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule"
+
+
+def class_name(module: Any) -> str:
+    """``module``'s own class name, also for an FSDP unit (its ``FSDP<name>`` does not match the blocks' declared
+    names)."""
+    cls = type(module)
+    return (cls.__bases__[1] if _sharded(module) else cls).__name__
 
 
 def repeated_block_classes(model: Any) -> List[str]:
@@ -112,7 +117,10 @@ def compile_blocks(model: Any, mode: str = "default", dynamic: str = "auto", sco
             done[name] = done.get(name, 0) + 1
     if not done:
         raise ValueError(f"training.compile: {class_name(model)} has no repeated blocks to compile")
-    compile_checkpointed(blocks, **options)  # checkpointed, a block's checkpoint runs inside its compiled region
+    # checkpointed, a block's checkpoint runs inside its compiled region; not an FSDP unit's, whose gathering hooks
+    # (which torch does not trace) would run inside the checkpoint there, breaking the region back to eager: its
+    # checkpoint stays around the compiled call, which runs the hooks as it does without checkpointing
+    compile_checkpointed([b for b in blocks if not _sharded(b)], **options)
     return done
 
 
