@@ -55,6 +55,19 @@ def test_a_choice_yaml_reads_as_a_boolean_is_the_word_written(tmp_path):
         load_config(preset="demo", overrides=["training.mixed_precision=yes"])
 
 
+def test_a_text_setting_on_the_command_line_is_what_was_typed():
+    """YAML 1.1 reads 0755 as octal, 1e3 as a float and on as a boolean: `--set general.run_name=0755` named the run
+    folder 493. A text setting takes the typed text; numbers, booleans, quoted text and null are as YAML reads them."""
+    for typed in ("0755", "1e3", "on", "2024-01-01"):
+        cfg = load_config(preset="demo", overrides=[f"general.run_name={typed}", "training.epochs=0x10",
+                                                    "training.compile=on", "data.concepts.0.caption_extension=1e3"])
+        assert cfg.general.run_name == typed and cfg.data.concepts[0].caption_extension == "1e3"
+        assert cfg.training.epochs == 16 and cfg.training.compile is True
+    assert load_config(preset="demo", overrides=["general.run_name='0755'"]).general.run_name == "0755"
+    with pytest.raises(ConfigError, match="general.run_name"):  # base 60 (750) before: now the name as typed
+        load_config(preset="demo", overrides=["general.run_name=12:30"])
+
+
 def test_saved_config_round_trips_exactly(tmp_path):
     cfg = load_config(preset="demo", overrides=["lora.rank=8"])
     save_config(cfg, tmp_path / "c.yaml")

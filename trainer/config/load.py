@@ -399,6 +399,7 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str],
         except ConfigError as exc:
             errors.append(exc)
             continue
+        value = _as_written(old_key, value, override)
         old_key, value = _concept_v2(old_key, value)  # version-2 concept settings keep working too
         keys = renamed_key(old_key)  # version-1 names keep working on the command line
         if len(keys) > 1 or keys[0] != old_key:
@@ -415,6 +416,20 @@ def _apply_overrides(cfg: DictConfig, overrides: Iterable[str],
         except ConfigError as exc:
             errors.append(exc)
     return flush(cfg)
+
+
+def _as_written(key: str, value: Any, override: str) -> Any:
+    """A ``--set`` value for a text setting as it was typed: YAML 1.1 reads ``no``/``on`` as booleans, ``0755`` as
+    octal, ``12:30`` as a base-60 number and ``1e3`` as a float, which the text field would then hold as 'False',
+    '493', '750' and '1000.0' (a run named by ``general.run_name=0755`` got the folder ``493``). Other settings,
+    quoted values and ``null`` are as YAML reads them."""
+    if isinstance(value, str) or value is None or isinstance(value, (list, dict)):
+        return value
+    try:
+        _, tp = field_info(key)
+    except (KeyError, TypeError):
+        return value  # an unknown or renamed key: named or mapped later
+    return override.split("=", 1)[1].strip() if tp is str else value
 
 
 def _set_indexed(cfg: DictConfig, key: str, value: Any) -> None:
