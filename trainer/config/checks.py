@@ -62,8 +62,8 @@ _YAML_BOOLEANS = {"False": ("no", "off", "n", "false"), "True": ("yes", "on", "y
 
 def _choice_word(value: Any, meta: dict) -> Any:
     """``value``, or the choice YAML read as a boolean (``training.mixed_precision=no`` → 'no', not 'False')."""
-    choices = meta.get("choices") or ()
-    if str(value) in _YAML_BOOLEANS and value not in choices:
+    choices = meta.get("choices")
+    if choices and isinstance(value, (str, bool)) and str(value) in _YAML_BOOLEANS and value not in choices:
         for word in _YAML_BOOLEANS[str(value)]:
             if word in choices:
                 return word

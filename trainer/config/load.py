@@ -423,13 +423,18 @@ def _as_written(key: str, value: Any, override: str) -> Any:
     octal, ``12:30`` as a base-60 number and ``1e3`` as a float, which the text field would then hold as 'False',
     '493', '750' and '1000.0' (a run named by ``general.run_name=0755`` got the folder ``493``). Other settings,
     quoted values and ``null`` are as YAML reads them."""
-    if isinstance(value, str) or value is None or isinstance(value, (list, dict)):
+    if isinstance(value, (str, list, dict)) or value is None or not _text_setting(key):
         return value
+    return override.split("=", 1)[1].strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _text_setting(key: str) -> bool:
+    """``key`` is a text setting of the schema (False for an unknown or renamed key: named or mapped later)."""
     try:
-        _, tp = field_info(key)
+        return field_info(key)[1] is str
     except (KeyError, TypeError):
-        return value  # an unknown or renamed key: named or mapped later
-    return override.split("=", 1)[1].strip() if tp is str else value
+        return False
 
 
 def _set_indexed(cfg: DictConfig, key: str, value: Any) -> None:
