@@ -1,6 +1,7 @@
 """``python -m trainer`` with training.compile's backend swapped for aot_eager, for runs launched in a subprocess
 (torchrun): AOTAutograd traces forward and backward as inductor gets them, without generating kernels (no C++
-compiler, seconds instead of minutes). At exit each process prints torch's graph counts as one JSON line:
+compiler, seconds instead of minutes); ``COMPILE_BACKEND=eager`` stops at dynamo's capture (its graphs, breaks and
+guards, a few seconds less). At exit each process prints torch's graph counts as one JSON line:
 ``{"rank": …, "graph_breaks": …, "frames_compiled": …, "graphs": …}``."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ _compile_blocks = setup.compile_blocks
 
 
 def _aot_eager(model, mode="default", *args, **options):
-    return _compile_blocks(model, mode, *args, backend="aot_eager", **options)
+    return _compile_blocks(model, mode, *args, backend=os.environ.get("COMPILE_BACKEND", "aot_eager"), **options)
 
 
 if __name__ == "__main__":
