@@ -47,7 +47,9 @@
 # (1: Atelier's runs with training.checkpoint_keep_attention, which changes the checkpointed flux runs only),
 # TORCHINDUCTOR_CPP_WRAPPER (torch's own switch, 1: inductor's compiled graphs launch their kernels from generated C++
 # instead of Python; the compiled rows then say cpp-wrapper), OPTIMIZER (training.optimizer.name of Atelier's runs,
-# e.g. prodigy, which then trains at learning rate 1; the rows say it; the examples keep AdamW).
+# e.g. prodigy, which then trains at learning rate 1; the rows say it; the examples keep AdamW), NORMS (autocast:
+# Atelier's runs and profiles with training.norms_in_compute_dtype off, the denoiser's RMSNorms in autocast's fp32 as
+# the example scripts run them; the rows say autocast-norms).
 # Measured on an H200 (2026-11-27, 12 steps): SD 1.5 eager 23 s, its example 25 s (+ writing the folder), SDXL eager
 # 25 s, its example 29 s, the profile ~40 s, Flux eager 75 s, SD 1.5 compiled 57 s, writing Flux's 34 GB folder
 # ~2 min; on a second lease SDXL compiled 47 s, Flux compiled 115 s, SD 1.5 with COMPILE_MODE=reduce-overhead 74 s.
@@ -330,6 +332,9 @@ atelier() {  # atelier <case> <mode: eager|compiled> [bf16: the denoiser stored 
   if [ "${KEEP_ATTENTION:-0}" = 1 ]; then  # checkpointed blocks keep their attention output (flux: the preset checkpoints)
     extra+=(--set training.checkpoint_keep_attention=true); mode="$mode keep-attention"
   fi
+  if [ "${NORMS:-}" = autocast ]; then  # the denoiser's RMSNorms under autocast's fp32, as before 2026-11-29
+    extra+=(--set training.norms_in_compute_dtype=false); mode="$mode autocast-norms"
+  fi
   [ "$TINY" = 1 ] || extra+=(--random-weights)
   echo "=== atelier $name $mode" >&2
   local run=${mode// /-}
@@ -398,6 +403,9 @@ profile() {  # one Atelier SD 1.5 step under torch.profiler (bench/step_counts.p
     [ "$COMPILE_DYNAMIC" != auto ] && name=${name}_$COMPILE_DYNAMIC
     [ "$COMPILE_SCOPE" = denoiser ] && name=${name}_whole
     [ "${TORCHINDUCTOR_CPP_WRAPPER:-0}" = 1 ] && name=${name}_cpp_wrapper
+  fi
+  if [ "${NORMS:-}" = autocast ]; then
+    which+=(--set training.norms_in_compute_dtype=false); name=${name}_autocast_norms
   fi
   echo "=== $name: one step under torch.profiler" >&2
   timeout "$CASE_TIMEOUT" "$PY" bench/step_counts.py "${which[@]}" --profile --warmup 3 --workspace "$WS/$name" \

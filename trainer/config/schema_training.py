@@ -96,6 +96,12 @@ class TrainingConfig:
     adapter_compute_copies: bool = f(True, "bf16, or fp16 on a GPU: plain LoRA weights are computed from copies "
                                            "in that dtype kept in the layers, the fp32 weights stay the optimizer's "
                                            "masters (fewer casts a step, the same values). One process.")
+    norms_in_compute_dtype: bool = f(True, "bf16, or fp16 on a GPU: the denoiser's RMSNorms (the q/k norms of the "
+                                           "transformer families) whose weights are stored in that dtype run as one "
+                                           "fused F.rms_norm outside autocast and return that dtype, as the models' "
+                                           "own code and ComfyUI run them. Off: CUDA autocast's fp32 norms, as "
+                                           "diffusers' example scripts run them (an fp32 copy of each norm's input "
+                                           "kept for backward; diffusers' RMSNorm as ~8 kernels, not one).")
     gradient_checkpointing: bool = f(False, "Trade compute for memory: recompute activations.")
     gradient_checkpointing_interval: int = f(1, "With gradient checkpointing: checkpoint every Nth block only; the "
                                                 "others keep their activations for backward (less recomputation, "

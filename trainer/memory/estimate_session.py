@@ -167,13 +167,47 @@ def session(fake: bool = True) -> Iterator[Any]:
 
 
 #: Ops CUDA autocast runs in fp32 (torch docs, "CUDA Ops that can autocast to float32") that CPU autocast
-#: leaves in bf16/fp16, and that make activation-sized tensors in SD/SDXL UNets, CLIP and VAEs.
-CUDA_FP32_OPS = ("group_norm", "layer_norm", "softmax", "log_softmax")
+#: leaves in bf16/fp16, and that make activation-sized tensors in SD/SDXL UNets, CLIP and VAEs, and in the
+#: transformers' q/k norms (``torch.nn.RMSNorm``, unless ``training.norms_in_compute_dtype`` runs it outside autocast).
+CUDA_FP32_OPS = ("group_norm", "layer_norm", "rms_norm", "softmax", "log_softmax")
+
+
+class RmsNormAsCuda(torch.autograd.Function):
+    """``F.rms_norm`` keeping for backward what CUDA's fused kernel keeps (``aten::_fused_rms_norm``: the input in
+    its own dtype and the fp32 reciprocal RMS per row), where the CPU's composite keeps an fp32 copy of the input and
+    its products: in a transformer's q/k norms that is an activation-sized fp32 tensor per norm. Same values."""
+
+    @staticmethod
+    def forward(ctx, x, shape, weight, eps):
+        dims = tuple(range(-len(shape), 0))
+        xf = x.float()
+        eps = torch.finfo(torch.float32).eps if eps is None else eps
+        rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+        y = xf * rstd if weight is None else xf * rstd * weight.float()
+        ctx.dims = dims
+        ctx.save_for_backward(x, rstd, weight)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        xf, g = x.float(), grad.float()
+        gw = g if weight is None else g * weight.float()
+        dx = rstd * gw - xf * rstd.pow(3) * (gw * xf).mean(ctx.dims, keepdim=True)
+        dw = None
+        if weight is not None and ctx.needs_input_grad[2]:
+            dw = (g * xf * rstd).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), None, dw, None
+
+
+def rms_norm_as_cuda(x, normalized_shape, weight=None, eps=None):
+    return RmsNormAsCuda.apply(x, tuple(normalized_shape), weight, eps)
 
 
 @contextlib.contextmanager
 def cuda_autocast_fp32(enabled: bool = True) -> Iterator[None]:
-    """While CPU autocast is on, run :data:`CUDA_FP32_OPS` in fp32 as CUDA autocast does.
+    """While CPU autocast is on, run :data:`CUDA_FP32_OPS` in fp32 as CUDA autocast does, and ``F.rms_norm`` with
+    what CUDA's fused kernel keeps for backward (:class:`RmsNormAsCuda`).
 
     Done by wrapping ``torch.nn.functional.<op>`` and ``Tensor.softmax``/``log_softmax`` (the modules
     call those), not with a ``TorchFunctionMode``: the autograd engine runs backward — where
@@ -199,7 +233,7 @@ def cuda_autocast_fp32(enabled: bool = True) -> Iterator[None]:
     patches = Patches()
     try:
         for name in CUDA_FP32_OPS:
-            patches.set(F, name, wrap(getattr(F, name)))
+            patches.set(F, name, wrap(rms_norm_as_cuda if name == "rms_norm" else getattr(F, name)))
         for name in ("softmax", "log_softmax"):
             patches.set(torch.Tensor, name, wrap(getattr(torch.Tensor, name)))
         yield

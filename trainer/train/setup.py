@@ -40,6 +40,7 @@ from trainer.train.checkpoint import resolve_resume
 from trainer.train.compile import (CUDAGRAPH_MODES, backend_problem, cache_counts, compile_blocks,
                                    cudagraph_shape_warning, describe, static_shape_warning, step_shapes)
 from trainer.train.ema import make_ema
+from trainer.train.norms import norms_in_compute_dtype
 from trainer.train.state import RunState
 from trainer.train.training_adapter import attach_training_adapter
 
@@ -208,6 +209,7 @@ def build_optimizer_for(state: RunState, fsdp_plugin: Any = None) -> None:
     cfg = state.cfg
     apply_storage(state.model, state.method, cfg)
     frozen_in_compute_dtype(state)
+    norms_in_autocast_dtype(state)
     if cfg.training.gradient_checkpointing:
         keep = bool(cfg.training.get("checkpoint_keep_attention", False))
         interval = int(cfg.training.get("gradient_checkpointing_interval", 1) or 1)
@@ -244,6 +246,19 @@ def frozen_in_compute_dtype(state: RunState) -> None:
         state.unet_dtype = denoiser.dtype
     for p in weights:
         p.data = p.data.to(dtype)
+
+
+def norms_in_autocast_dtype(state: RunState) -> None:
+    """Under autocast, the denoiser's RMSNorms whose weights are stored in the compute dtype compute in one fused
+    kernel and hand back that dtype (``training.norms_in_compute_dtype``; :mod:`trainer.train.norms`)."""
+    cfg = state.cfg
+    denoiser = state.model.denoiser
+    if not cfg.training.get("norms_in_compute_dtype", True) or not autocasts(cfg, state.device) or denoiser is None:
+        return
+    count = norms_in_compute_dtype(denoiser)
+    if count:
+        log.info("training.norms_in_compute_dtype: %d RMSNorms of the denoiser computed by F.rms_norm outside "
+                 "autocast where their weights have the input's dtype (one fused kernel each on a GPU)", count)
 
 
 def plan_global_batch(state: RunState) -> int:
