@@ -24,5 +24,7 @@ def _aot_eager(model, mode="default", *args, **options):
 if __name__ == "__main__":
     setup.compile_blocks = _aot_eager
     rc = main(sys.argv[1:])
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), **dynamo_counts()}), flush=True)
+    # one write of the line and its newline: the processes share the pipe, and print() writes the two apart
+    sys.stdout.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), **dynamo_counts()}) + "\n")
+    sys.stdout.flush()
     sys.exit(rc)
