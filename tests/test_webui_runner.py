@@ -289,6 +289,19 @@ def test_resume_continues_in_the_same_folder(manager, monkeypatch):
     assert stopped_at < 30
 
 
+def test_a_run_just_started_counts_as_running_before_its_process_shows_its_command(manager, monkeypatch):
+    """Between fork and exec a new child's /proc command line is still the page's own, which the pid check does not
+    take for a trainer: the page's own running child counts all the same, so a second Start queues (it started a
+    second run beside the first on a busy box)."""
+    monkeypatch.setattr(runner, "_looks_like_ours", lambda pid: False)
+    first = start(manager, name="a", steps=5)
+    assert manager.busy() and manager.active_runs() == [first]
+    status, _, _ = manager.submit(Job(name="b", config_yaml=fake_config("b", 5)))
+    assert status == "queued"
+    monkeypatch.undo()
+    wait_for(lambda: state_of(first) == "finished", 30, "the first run to finish")
+
+
 def test_queue_runs_in_order_reorders_cancels_and_persists(manager):
     first = start(manager, name="q1", steps=200)  # long enough to be running while three jobs queue on a busy box
     wait_for(lambda: state_of(first) == "running" or not manager.busy(), 60, "q1 to run")

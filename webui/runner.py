@@ -275,13 +275,17 @@ class RunManager:
 
     # -- state --------------------------------------------------------------------------------
     def active_runs(self) -> List[Path]:
-        """Run folders whose trainer (or supervisor) is alive, reaping our finished children."""
+        """Run folders whose trainer (or supervisor) is alive, reaping our finished children. A child of this page
+        still running counts without its pid's command line (between its fork and exec that is the page's own)
+        until its supervisor writes the run's end (then it is only finishing, as :func:`process_alive` says)."""
         with self._lock:
             for key, proc in list(self._procs.items()):
                 if proc.poll() is not None:
                     del self._procs[key]
+            ours = {Path(key).resolve() for key in self._procs}
         return [d for d in list_run_dirs(self.workspace)
-                if ((d / LAUNCH).exists() or (d / PIDFILE).exists()) and process_alive(d)]
+                if (d.resolve() in ours and not (d / EXIT).exists())
+                or ((d / LAUNCH).exists() or (d / PIDFILE).exists()) and process_alive(d)]
 
     def busy(self) -> bool:
         return bool(self.active_runs())
