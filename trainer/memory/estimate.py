@@ -41,9 +41,11 @@ What fake mode cannot give, and what is done instead:
   the process (no CUDA device guard is registered: ``c10::impl::ensureCUDADeviceGuardSet`` only covers
   CUDA builds without a device). So the model is faked on the CPU, and bytes are counted as CUDA would
   allocate them. Two CPU/CUDA differences matter for memory and are handled:
-  * autocast: CPU autocast runs group_norm / layer_norm / softmax in bf16, CUDA autocast in fp32 (torch's
-    "CUDA ops that can autocast to float32" list). ``estimate_session.cuda_autocast_fp32`` casts those ops'
-    inputs above autograd, so the fp32 copies are what autograd saves, as on CUDA.
+  * autocast: CPU autocast runs group_norm / layer_norm / rms_norm / softmax in bf16, CUDA autocast in fp32
+    (torch's "CUDA ops that can autocast to float32" list). ``estimate_session.cuda_autocast_fp32`` casts those
+    ops' inputs above autograd, so the fp32 copies are what autograd saves, as on CUDA.
+  * rms_norm: a CPU build computes it op by op and keeps an fp32 copy of its input for backward; CUDA's fused
+    kernel keeps the input in its dtype and a statistic per row, which ``estimate_session.RmsNormAsCuda`` keeps.
   * attention: CPU SDPA picks its flash kernel (saves output + logsumexp), as CUDA's flash /
     memory-efficient kernels do, so attention never materialises the N×N matrix in either.
 - not counted: the CUDA context and library handles (cuBLAS/cuDNN), cuDNN/cuBLAS workspaces, and the
