@@ -149,3 +149,16 @@ def test_the_vram_estimate_keeps_for_backward_what_cudas_fused_norm_keeps():
     cuda_keeps = x.numel() * 2 + 2 * 40 * 3 * 4  # the bf16 input, the fp32 statistic per row
     assert _saved_bytes(rms_norm_as_cuda, x, (64,), w, 1e-6) == cuda_keeps
     assert _saved_bytes(F.rms_norm, x, (64,), w, 1e-6) >= x.numel() * 4  # the CPU's composite: an fp32 copy
+
+
+def test_diffusers_norms_fused_take_fewer_ops_in_a_block_as_cuda_would_launch_them():
+    """bench/norm_counts.py: a Qwen-Image block's forward and backward under CUDA's autocast policy, each fused norm
+    call counted as its two kernels; diffusers' op-by-op norms before."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import norm_counts
+    make, inputs = norm_counts._blocks()["qwen-image"]
+    before, now = norm_counts.count(make, inputs, False), norm_counts.count(make, inputs, True)
+    assert before["fused_norm_calls"] == 0 and now["fused_norm_calls"] == 4  # q/k of the image and text streams
+    assert now["ops"] <= before["ops"] - 4 * 4  # each norm ~8 ops forward and more backward before, 2 now
