@@ -6,8 +6,9 @@ Z-Image, Lumina 2, Krea 2, Ideogram 4, ERNIE-Image). Under the training's autoca
 
 - CUDA's autocast runs ``rms_norm`` in fp32 (torch's "CUDA ops that can autocast to float32"): the bf16 input
   and the weight are cast up, the output is fp32 until attention casts it back, and backward keeps the fp32 copy
-  of the input, twice the bytes of the bf16 one. BFL's reference code, ComfyUI and kohya's trainer normalise in
-  fp32 and hand back the input's dtype.
+  of the input, twice the bytes of the bf16 one. BFL's reference code, ComfyUI and kohya's Flux trainer normalise
+  in fp32 and hand back the input's dtype (read: black-forest-labs/flux 0130c274, comfyanonymous/ComfyUI 04d5cdb6,
+  kohya-ss/sd-scripts 0047bb1f).
 - diffusers' ``RMSNorm`` computes with separate ops (cast, square, mean, rsqrt, two products, a cast: about eight
   kernels forward and more backward, fp32 in between, an fp32 copy of the input kept for backward) where
   ``torch.nn.functional.rms_norm`` is one fused kernel forward and one backward on CUDA (``aten::_fused_rms_norm``,
