@@ -151,6 +151,41 @@ def test_cuda_autocast_policy_runs_norms_in_fp32():
     assert (F.group_norm, F.layer_norm, torch.Tensor.softmax) == originals  # patches undone
 
 
+def test_cuda_autocast_policy_runs_rms_norm_in_fp32_unless_the_norm_leaves_autocast():
+    """CUDA autocast runs rms_norm in fp32 too (torch.nn.RMSNorm's q/k norms: an fp32 output and an fp32 copy of the
+    input kept); a norm that training.norms_in_compute_dtype swapped calls it outside autocast, in bf16."""
+    import copy
+
+    import torch
+
+    from trainer.train.norms import norms_in_compute_dtype
+    norm = torch.nn.RMSNorm(16, eps=1e-6).to(torch.bfloat16)
+    swapped = copy.deepcopy(norm)
+    norms_in_compute_dtype(swapped)
+    x = torch.randn(2, 3, 16, dtype=torch.bfloat16)
+    with estimate_session.cuda_autocast_fp32(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(x).dtype == torch.float32 and swapped(x).dtype == torch.bfloat16
+        torch.testing.assert_close(swapped(x).float(), norm(x), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.slow  # one estimate of a small full-size preset (~15 s)
+def test_a_full_presets_own_tier_is_the_card_its_estimate_fits_with_a_gib_spare():
+    """sana-lora-16gb is sana-lora unchanged: the Quick start gives it to a card of 16 GB or more instead of the 8 GB
+    tier. Its estimate fits 16 GB with 1 GiB spare and not 12 (docs/performance.md, "A full preset's own card")."""
+    from omegaconf import OmegaConf
+
+    from trainer.config.checks import load_config
+    from trainer.memory.tiers import tier_warnings
+    cfg = load_config(preset="sana-lora-16gb")
+    assert cfg.general.sized_for == "sana-lora-16gb" and not tier_warnings(cfg)
+    base = OmegaConf.to_container(load_config(preset="sana-lora"), resolve=True)
+    own = OmegaConf.to_container(cfg, resolve=True)
+    base["general"]["sized_for"] = own["general"]["sized_for"]
+    assert own == base
+    est = ev.run_estimate(cfg, "sana-lora-16gb")
+    assert 12 - 1 < est.total_gib <= 16 - 1, est.total_gib
+
+
 def test_memory_presets_and_verdicts():
     assert ev.card_gib_of("sdxl-lora-8gb") == 8 and ev.card_gib_of("sdxl-lora-12gb") == 12
     assert ev.card_gib_of("sdxl-lora") is None and ev.card_gib_of("sd15-8gbx") is None
