@@ -29,6 +29,8 @@
 # Chroma and HunyuanImage 2.1 at 1024 px: chroma-24gb (chroma-lora), chroma-16gb, hunyuan-24gb (hunyuan-image-lora:
 # fp8 transformer, Qwen2.5-VL offloaded), hunyuan-16gb (+ block swapping); their steps hand the transformer each
 # caption's own tokens, not the cache's padding (docs/performance.md, "Every family's step").
+# The big cards' tiers without gradient checkpointing (docs/performance.md, "A full preset's own card"): chroma-80gb
+# (chroma-lora-80gb) and zimage-80gb (zimage-lora-80gb), each against its estimate.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -191,6 +193,8 @@ run_case() {
     hidream-24gb) bench hidream-24gb hidream-lora 1024 --set "model.path=$(configs hidream-full)" ;;
     hidream-16gb) bench hidream-16gb hidream-lora-16gb 1024 --set "model.path=$(configs hidream-full)" ;;
     chroma-24gb) bench chroma-24gb chroma-lora 1024 --set "model.path=$(configs chroma)" ;;
+    chroma-80gb) bench chroma-80gb chroma-lora-80gb 1024 --set "model.path=$(configs chroma)" ;;
+    zimage-80gb) bench zimage-80gb zimage-lora-80gb 1024 --set "model.path=$(configs z-image)" ;;
     chroma-16gb) bench chroma-16gb chroma-lora-16gb 1024 --set "model.path=$(configs chroma)" ;;
     hunyuan-24gb) bench hunyuan-24gb hunyuan-image-lora 1024 --set "model.path=$(configs hunyuan-image)" ;;
     hunyuan-16gb) bench hunyuan-16gb hunyuan-image-lora-16gb 1024 --set "model.path=$(configs hunyuan-image)" ;;
