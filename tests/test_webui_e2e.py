@@ -541,7 +541,8 @@ def test_quick_start_fills_the_form_from_three_choices(app, chromium):
         page.locator("#qs-images textarea, #qs-images input").first.fill(str(images))
         page.locator("#qs-fill").click()
         page.wait_for_function("document.querySelector('#qs-note').innerText.includes('Filled the form')", timeout=15000)
-        assert page.locator("#preset-select input").input_value() == "sdxl-lora-16gb"  # 24 GiB by default: the largest tier
+        # 24 GiB by default: the full preset's own tier (sdxl-lora unchanged), not the largest smaller one
+        assert page.locator("#preset-select input").input_value() == "sdxl-lora-24gb"
         page.get_by_role("tab", name="Model", exact=True).click()
         assert page.locator("#cfg-model-path textarea, #cfg-model-path input").first.input_value() == str(model)
         show(page, "Data", "Concepts")
