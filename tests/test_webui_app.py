@@ -383,8 +383,8 @@ def test_comparing_runs_overlays_their_losses_and_puts_samples_side_by_side_by_p
 
 def test_every_full_lora_preset_with_memory_tiers_has_a_tier_of_its_own_above_them():
     """A card bigger than every smaller tier gets the full preset (its own tier: the preset unchanged, at the card its
-    estimate fits) or, where the estimate fits a card without it, the preset without gradient checkpointing; not the
-    largest smaller tier with its fp8, offloading and checkpointing."""
+    estimate fits) or, where the estimate fits a card with less of it, the preset without gradient checkpointing or
+    with every second block checkpointed; not the largest smaller tier with its fp8, offloading and checkpointing."""
     import yaml
 
     from trainer.config.load import PRESETS_DIR
@@ -399,7 +399,8 @@ def test_every_full_lora_preset_with_memory_tiers_has_a_tier_of_its_own_above_th
         top = tiers[max(tiers)]
         own = {"base": full, "general": {"sized_for": top}}
         assert yaml.safe_load((PRESETS_DIR / f"{top}.yaml").read_text()) in (
-            own, {**own, "training": {"gradient_checkpointing": False}}), (full, sorted(tiers))
+            own, {**own, "training": {"gradient_checkpointing": False}},
+            {**own, "training": {"gradient_checkpointing_interval": 2}}), (full, sorted(tiers))
 
 
 def test_quick_start_picks_the_preset_for_model_method_and_card_and_checks_each_choice(tmp_path):
