@@ -291,8 +291,8 @@ def test_resume_continues_in_the_same_folder(manager, monkeypatch):
 
 def test_a_run_just_started_counts_as_running_before_its_process_shows_its_command(manager, monkeypatch):
     """Between fork and exec a new child's /proc command line is still the page's own, which the pid check does not
-    take for a trainer: the page's own running child counts all the same, so a second Start queues (it started a
-    second run beside the first on a busy box)."""
+    take for a trainer: the page's own running child counts all the same, so a second Start queues instead of
+    starting beside the first (on a busy box the page said no run was active)."""
     monkeypatch.setattr(runner, "_looks_like_ours", lambda pid: False)
     first = start(manager, name="a", steps=5)
     assert manager.busy() and manager.active_runs() == [first]

@@ -284,7 +284,7 @@ class RunManager:
                     del self._procs[key]
             ours = {Path(key).resolve() for key in self._procs}
         return [d for d in list_run_dirs(self.workspace)
-                if (d.resolve() in ours and not (d / EXIT).exists())
+                if (ours and d.resolve() in ours and not (d / EXIT).exists())
                 or ((d / LAUNCH).exists() or (d / PIDFILE).exists()) and process_alive(d)]
 
     def busy(self) -> bool:
