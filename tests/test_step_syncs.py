@@ -65,3 +65,16 @@ def test_other_families_steps_have_no_blocking_copy(case, tiny_workspace):
                                    workspace=tiny_workspace, run_name=f"step-syncs-{case}")
     assert counted["blocking_copies"] == 0, counted["copy_sites"]
     assert counted["syncs"] == 0, counted["sync_sites"]
+
+
+def test_hidreams_step_reads_the_device_once_per_routed_feed_forward(tiny_workspace):
+    """HiDream's routed experts in training (diffusers' path: two device reads per expert, boolean indexes) read
+    their row counts once per feed-forward (trainer/families/hidream/moe.py); nothing else in the step reads back.
+    What is left: the one blocking copy of the patch grid's size in diffusers' ``patchify``."""
+    counted = step_counts.run_case("demo-hidream", ["training.mixed_precision=bf16"], warmup=2, count=1,
+                                   workspace=tiny_workspace, run_name="step-syncs-hidream")
+    sites = counted["sync_sites"]
+    assert len(sites) == 1 and all(s.startswith("tolist") and "hidream/moe.py" in s for s in sites), sites
+    assert counted["syncs"] == 2, sites  # the tiny transformer's two routed feed-forwards (one block of each kind)
+    assert counted["blocking_copies"] == 1 and all("patchify" in s for s in counted["copy_sites"] if s.startswith(
+        "True")), counted["copy_sites"]
