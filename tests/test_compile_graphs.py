@@ -29,8 +29,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
     # layers inside (the blocks' order, learned in the first trace, compiles nothing again)
     ("demo-flux", "FluxTransformer2DModel", ["training.compile_scope=denoiser", "training.gradient_checkpointing=true",
                                              "training.gradient_checkpointing_interval=2", "parts.denoiser.fp8=true",
-                                             "parts.denoiser.dtype=bf16"])],
-    ids=["sd", "flux", "flux-checkpointed", "flux-denoiser-checkpointed"])
+                                             "parts.denoiser.dtype=bf16"]),
+    # parts.denoiser.fp8_matmul: the fp8 products' autograd function traced inside the checkpointed blocks
+    ("demo-flux", "FluxTransformerBlock", ["training.gradient_checkpointing=true", "parts.denoiser.fp8=true",
+                                           "parts.denoiser.fp8_matmul=true", "parts.denoiser.dtype=bf16"])],
+    ids=["sd", "flux", "flux-checkpointed", "flux-denoiser-checkpointed", "flux-fp8-products"])
 @pytest.mark.slow  # several seconds (a subprocess, a compile or an estimate): the full suite runs it
 def test_a_compiled_lora_step_has_no_graph_break_and_no_recompile(tiny_workspace, case, blocks, sets):
     r = step_counts.run_compiled(case, ["training.mixed_precision=bf16", *sets], steps=2, workspace=tiny_workspace,

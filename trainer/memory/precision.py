@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.config.fields import PART_OF_SLOT
 from trainer.errors import ConfigError
+from trainer.memory import fp8_matmul
 
 
 def stochastic_round_to_bf16(x, generator=None):
@@ -195,20 +196,22 @@ def _fp8_forward(module, compute_dtype):
 
 
 def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[torch.Tensor],
-              compute_dtype: torch.dtype) -> None:
+              compute_dtype: torch.dtype, matmul: bool = False) -> None:
     """Make ``module`` (a Linear or Conv2d, which keeps its class) hold ``weight`` (float8_e4m3fn) and ``scale``
     (None, one value, or one per output row: the ``weight_scale`` buffer, not in the state dict) and compute with
     :func:`fp8_weight`, made again from the fp8 weight in backward rather than kept (:func:`_stored_forward`).
 
     What reads a base weight for anything but this forward must take :func:`fp8_weight` (``module.dequantize()``):
     peft's DoRA does (it asks a layer that has ``W_q`` for ``dequantize()``, as for HQQ's layers: both are set
-    here), and so do Atelier's DoRA export and OFT."""
+    here), and so do Atelier's DoRA export and OFT. ``matmul`` (``parts.denoiser.fp8_matmul``): a Linear the fp8
+    kernel takes multiplies in fp8 (:mod:`trainer.memory.fp8_matmul`)."""
     if scale is not None:
         scale = scale.detach().to(torch.float32)
         scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (weight.ndim - 1)))
     module.weight.data = weight
     module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
-    module.forward = _fp8_forward(module, compute_dtype)
+    fast = module.fp8_products = matmul and fp8_matmul.takes(module)
+    module.forward = fp8_matmul.forward_of(module, compute_dtype) if fast else _fp8_forward(module, compute_dtype)
     module.dequantize = lambda: fp8_weight(module, compute_dtype)
     # the Parameter itself, outside nn.Module's bookkeeping (assigning it normally would register a second name)
     object.__setattr__(module, "W_q", module.weight)
@@ -226,7 +229,8 @@ def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> 
 
 
 def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset(),
-                       scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False) -> int:
+                       scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False,
+                       matmul: bool = False) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     ``scales`` (module name → scale, the names of ``unet.named_modules()``): the layers of a base loaded from an
@@ -258,7 +262,7 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
         scale = scales.get(layer)
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
         stored = _home(quantise_with_scale(weight, scale), module, in_ram)
-        store_fp8(module, stored, scale, compute_dtype)
+        store_fp8(module, stored, scale, compute_dtype, matmul)
         count += 1
     return count
 
@@ -374,9 +378,16 @@ def apply_storage(model, method, cfg) -> None:
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
+        matmul = bool(cfg.parts.denoiser.get("fp8_matmul", False))
+        why = fp8_matmul.why_not(getattr(model, "device", "cpu")) if matmul else None
+        if why:
+            raise ConfigError(f"parts.denoiser.fp8_matmul is on, but {why}. Turn it off (fp8 storage alone still "
+                              "saves the memory).", key="parts.denoiser.fp8_matmul")
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
-                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8)
-        logging.getLogger("atelier").info("fp8 storage: %d denoiser layers", count)
+                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8, matmul=matmul)
+        products = sum(1 for m in denoiser.modules() if getattr(m, "fp8_products", False))
+        logging.getLogger("atelier").info("fp8 storage: %d denoiser layers%s", count,
+                                          f", {products} of them multiplying in fp8" if matmul else "")
     if cfg.parts.denoiser.get("nf4", False):
         count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
                                    in_ram)

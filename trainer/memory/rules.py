@@ -30,6 +30,10 @@ def check_storage(cfg: Any) -> None:
         if cfg.parts[part].get("fp8", False) and cfg.parts[part].get("nf4", False):
             raise ConfigError(f"parts.{part}.nf4 and parts.{part}.fp8 are both on: the frozen weights are stored one way. "
                               "Turn one of them off.", key=f"parts.{part}.nf4", value=True)
+    if cfg.parts.denoiser.get("fp8_matmul", False) and not cfg.parts.denoiser.fp8:
+        raise ConfigError("parts.denoiser.fp8_matmul multiplies with the fp8 weights of parts.denoiser.fp8, which is "
+                          "off. Turn parts.denoiser.fp8 on, or fp8_matmul off.", key="parts.denoiser.fp8_matmul",
+                          value=True)
     swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
     if swap and not cfg.training.gradient_checkpointing:
         raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "
