@@ -141,3 +141,13 @@ def test_no_input_rounds_past_fp8s_range():
         assert float((x * input_factor(x)).abs().max()) <= 448
         q, scale = quantise_input(x)
         assert not q.float().isnan().any() and torch.isfinite(scale) and scale > 0
+
+
+def test_an_input_whose_features_are_not_contiguous_is_handed_over_row_major():
+    """CUDA's fp8 kernel takes the input row-major only: a transposed view (features strided) is copied."""
+    from trainer.memory.fp8_matmul import quantise_input
+    _, fast, _, _ = _layer(torch.float32, "none")
+    x = torch.randn(48, 6).t()  # [6, 48], its features 6 apart
+    q, _ = quantise_input(x)
+    assert q.is_contiguous()
+    torch.testing.assert_close(fast(x), fast(x.contiguous()))

@@ -68,7 +68,8 @@ def quantise_input(x: torch.Tensor):
     the scaling, the cast); no device read."""
     rows = x.reshape(-1, x.shape[-1])
     factor = input_factor(rows)
-    return (rows * factor).to(torch.float8_e4m3fn), factor.float().reciprocal()
+    q = (rows * factor).to(torch.float8_e4m3fn)
+    return q if q.is_contiguous() else q.contiguous(), factor.float().reciprocal()  # CUDA's kernel: row-major
 
 
 def fp8_linear(x: torch.Tensor, stored: torch.Tensor, scale: Optional[torch.Tensor], bias: Optional[torch.Tensor],
