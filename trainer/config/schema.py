@@ -308,10 +308,10 @@ class DenoiserPart:
     dtype: str = f("fp32", "Storage dtype of the denoiser's weights (frozen ones for a LoRA).", choices=DTYPES)
     fp8: bool = f(False, "Store the frozen denoiser weights in fp8 (e4m3) and upcast each layer as it runs: about "
                          "half the memory of fp16. LoRA only.")
-    fp8_matmul: bool = f(False, "With fp8 storage: the frozen Linear layers multiply in fp8 on the GPU's fp8 tensor "
-                                "cores (inputs rounded to fp8 per tensor, fp32 sums; gradients as before): faster "
-                                "steps on RTX 40xx, L4/L40, H100/H200 and newer (compute capability 8.9+). Needs "
-                                "parts.denoiser.fp8.")
+    fp8_matmul: bool = f(False, "With fp8 storage: the frozen Linear layers multiply on the GPU's fp8 tensor cores "
+                                "(twice their bf16 rate; inputs rounded to fp8 per tensor, fp32 sums, gradients as "
+                                "before). RTX 40xx, L4/L40, H100/H200 and newer (compute capability 8.9+); the "
+                                "inputs' rounding fuses best with training.compile. Needs parts.denoiser.fp8.")
     nf4: bool = f(False, "Store the frozen denoiser's Linear weights in 4-bit NF4 (bitsandbytes, as QLoRA) and "
                          "dequantize each layer as it runs: about a quarter of the memory of bf16 for a transformer. "
                          "LoRA (lora.type = lora) only; not with fp8.")
