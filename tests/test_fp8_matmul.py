@@ -16,10 +16,10 @@ from conftest import train_quiet
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _layer(dtype, scale_kind, bias=True):
+def _layer(dtype, scale_kind):
     from trainer.memory.precision import store_fp8
     torch.manual_seed(0)
-    lin = torch.nn.Linear(48, 32, bias=bias).to(dtype)
+    lin = torch.nn.Linear(48, 32).to(dtype)
     lin.requires_grad_(False)  # a frozen base layer
     w = lin.weight.data.float()
     scale = {"none": None, "tensor": w.abs().max() / 448, "row": w.abs().amax(dim=1) / 448}[scale_kind]

@@ -77,9 +77,8 @@ def fp8_linear(x: torch.Tensor, stored: torch.Tensor, scale: Optional[torch.Tens
     """``F.linear(x, stored · scale, bias)`` computed as an fp8 product: ``x`` quantised per tensor, the stored fp8
     weight as it is, fp32 accumulation, the output in ``dtype``."""
     q, x_scale = quantise_input(x.to(dtype))
-    one = torch.ones((), dtype=torch.float32, device=q.device)
     per_tensor = scale is not None and scale.numel() == 1
-    w_scale = scale.reshape(()).to(q.device, torch.float32) if per_tensor else one
+    w_scale = scale.reshape(()).to(q.device, torch.float32) if per_tensor else torch.ones((), device=q.device)
     y = torch._scaled_mm(q, stored.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=dtype)
     if scale is not None and not per_tensor:  # one scale per output row: per output column here
         y = y * scale.reshape(1, -1).to(y.device, dtype)
