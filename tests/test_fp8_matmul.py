@@ -100,11 +100,15 @@ def test_validate_asks_for_fp8_storage(tmp_path):
     assert cfg is not None and not [i for i in issues if i.level == "error"]
 
 
-def test_a_run_on_a_gpu_without_fp8_tensor_cores_stops_before_training(tiny_workspace, monkeypatch, capfd):
+def test_a_run_on_a_gpu_without_fp8_tensor_cores_stops_before_its_model_loads(tiny_workspace, monkeypatch, capfd):
     from trainer.__main__ import main as cli
     from trainer.memory import fp8_matmul
+    from trainer.train import setup
     monkeypatch.setattr(fp8_matmul, "why_not", lambda device: "the NVIDIA GeForce RTX 3090 (compute capability 8.6) "
                                                              "has no fp8 tensor cores")
+    loads = []
+    real_load = setup.load_model
+    monkeypatch.setattr(setup, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     args = ["train", "--preset", "demo-flux", "--no-progress"]
     for s in (f"general.workspace={tiny_workspace}", "general.run_name=fp8-refused", "parts.denoiser.fp8=true",
               "parts.denoiser.fp8_matmul=true", "training.max_steps=2"):
@@ -113,6 +117,7 @@ def test_a_run_on_a_gpu_without_fp8_tensor_cores_stops_before_training(tiny_work
     out = capfd.readouterr()
     said = out.out + out.err
     assert "parts.denoiser.fp8_matmul" in said and "RTX 3090" in said, said[-2000:]
+    assert not loads  # said before the model loads
 
 
 @pytest.mark.slow  # two runs of the tiny Flux.1

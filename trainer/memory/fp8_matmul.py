@@ -26,6 +26,8 @@ from typing import Any, Optional
 
 import torch
 
+from trainer.errors import ConfigError
+
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
 CAPABILITY = (8, 9)  # the first CUDA architecture with fp8 tensor cores (Ada)
 
@@ -47,6 +49,15 @@ def why_not(device: Any) -> Optional[str]:
         return (f"the {name} (compute capability {cap[0]}.{cap[1]}) has no fp8 tensor cores (Ada, RTX 40xx, L4, L40, "
                 "Hopper H100/H200 and Blackwell have)")
     return None
+
+
+def check_device(device: Any) -> None:
+    """Refuse ``parts.denoiser.fp8_matmul`` on a device without fp8 products (the run's set-up calls it before a
+    model loads)."""
+    why = why_not(device)
+    if why:
+        raise ConfigError(f"parts.denoiser.fp8_matmul is on, but {why}. Turn it off (fp8 storage alone still saves "
+                          "the memory).", key="parts.denoiser.fp8_matmul", value=True)
 
 
 def takes(module: torch.nn.Module) -> bool:

@@ -378,11 +378,7 @@ def apply_storage(model, method, cfg) -> None:
             raise ConfigError("parts.denoiser.fp8 stores the denoiser's frozen weights in fp8, but this run trains "
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
-        matmul = bool(cfg.parts.denoiser.get("fp8_matmul", False))
-        why = fp8_matmul.why_not(getattr(model, "device", "cpu")) if matmul else None
-        if why:
-            raise ConfigError(f"parts.denoiser.fp8_matmul is on, but {why}. Turn it off (fp8 storage alone still "
-                              "saves the memory).", key="parts.denoiser.fp8_matmul")
+        matmul = bool(cfg.parts.denoiser.get("fp8_matmul", False))  # the device: checked in the run's set-up
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
                                    in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8, matmul=matmul)
         products = sum(1 for m in denoiser.modules() if getattr(m, "fp8_products", False))

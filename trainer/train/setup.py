@@ -25,6 +25,7 @@ from trainer.families.checks import family_without_loading
 from trainer.families.sources import ModelSettings, load_model
 from trainer.host.devices import device_problems, resolve_device
 from trainer.loss import prepare_noise_schedule
+from trainer.memory import fp8_matmul
 from trainer.memory.block_swap import plan_block_swap
 from trainer.memory.checkpointing import enable_checkpointing
 from trainer.memory.offload import TextEncoderOffload, plan_offload, text_frozen
@@ -75,6 +76,8 @@ def setup(state: RunState) -> None:
         problem = backend_problem(state.device.type)
         if problem:
             raise ConfigError(problem, key="training.compile", value=True)
+    if cfg.parts.denoiser.get("fp8_matmul", False):  # the same: a GPU without fp8 products is said before loading
+        fp8_matmul.check_device(state.device)
     if state.device.type == "cuda":
         # cuDNN's SDPA kernel (chosen first for bf16 on Hopper since torch 2.5) fails in Flux.1's 1024 px
         # backward (torch 2.11, cu130, H200: "mha_graph.execute(...).is_good()", an illegal memory access
