@@ -1,7 +1,8 @@
 """Precision options that need more than a dtype: fp8 and NF4 weight storage and bf16 stochastic rounding.
 
 - fp8 storage: the frozen Linear/Conv2d weights of the UNet are kept in float8_e4m3fn and upcast for
-  each layer's op (a storage format, not fp8 matmuls; works on CPU and GPU with torch ≥ 2.1). Applied
+  each layer's op (a storage format; works on CPU and GPU with torch ≥ 2.1; the Linear products in fp8 are
+  ``parts.denoiser.fp8_matmul``'s, :mod:`trainer.memory.fp8_matmul`). Applied
   after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
   are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
   read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
