@@ -99,15 +99,19 @@ def test_packed_patch_ids_made_on_the_device_are_the_pipeline_ones(dtype):
 
 
 def test_flux2_position_ids_made_on_the_device_are_the_pipeline_ones():
-    """Flux.2's latent and text ids, likewise (int64 (t, y, x, l) rows)."""
+    """Flux.2's latent, text and reference ids, likewise (int64 (t, y, x, l) rows)."""
     from diffusers import Flux2KleinPipeline
 
-    from trainer.families.common.packed_ids import flux2_latent_ids, flux2_text_ids
+    from trainer.families.common.packed_ids import flux2_latent_ids, flux2_reference_ids, flux2_text_ids
     for b, h, w in ((1, 1, 1), (2, 4, 6), (3, 32, 24)):
         latents, embeds = torch.zeros(b, 8, h, w), torch.zeros(b, h * 3, 5)
         for mine, theirs in ((flux2_latent_ids(latents), Flux2KleinPipeline._prepare_latent_ids(latents)),
                              (flux2_text_ids(embeds), Flux2KleinPipeline._prepare_text_ids(embeds))):
             assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    # reference images (Flux.2's multi-reference editing): one row of each, the k-th on time 10 + 10·k
+    refs = [torch.zeros(2, 8, 4, 6), torch.zeros(2, 8, 3, 3), torch.zeros(2, 8, 1, 5)]
+    mine, theirs = flux2_reference_ids(refs), Flux2KleinPipeline._prepare_image_ids([r[:1] for r in refs])
+    assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
 
 
 def test_lora_keys_are_the_ones_comfyui_maps_for_flux(flux, tmp_path):

@@ -42,4 +42,16 @@ def flux2_text_ids(embeds: torch.Tensor) -> torch.Tensor:
     return ids.unsqueeze(0).expand(b, -1, -1).contiguous()
 
 
-__all__ = ["flux2_latent_ids", "flux2_text_ids", "latent_image_ids"]
+def flux2_reference_ids(references, scale: int = 10) -> torch.Tensor:
+    """``[1, N, 4]`` int64 (t, y, x, l) ids of Flux.2's reference latents (each ``[B, C, H, W]``; the k-th on time
+    ``scale + scale·k``) on their device, equal to ``Flux2KleinPipeline._prepare_image_ids`` of one row of each
+    (made on the CPU there)."""
+    device = references[0].device
+    one = torch.arange(1, device=device)
+    ids = [torch.cartesian_prod(torch.full((1,), scale + scale * k, device=device), torch.arange(r.shape[-2],
+                                device=device), torch.arange(r.shape[-1], device=device), one)
+           for k, r in enumerate(references)]
+    return torch.cat(ids, dim=0).unsqueeze(0)
+
+
+__all__ = ["flux2_latent_ids", "flux2_reference_ids", "flux2_text_ids", "latent_image_ids"]

@@ -51,6 +51,8 @@ import torch
 from diffusers import Flux2KleinPipeline
 from PIL import Image
 
+from trainer.families.common.packed_ids import flux2_reference_ids
+
 
 def normalise(vae: Any, mean: torch.Tensor) -> torch.Tensor:
     """A patchified latent [B, 128, h, w] in the transformer's scale: minus the VAE's BatchNorm running mean, over its
@@ -94,7 +96,7 @@ def reference_tokens(references: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, 
     packed in row order, all concatenated, the ids of the k-th on time 10 + 10·k. Every row of a batch has the same
     reference sizes, so the ids of one row serve all."""
     b = references[0].shape[0]
-    ids = Flux2KleinPipeline._prepare_image_ids([r[:1] for r in references])  # (1, N, 4)
+    ids = flux2_reference_ids(references)  # (1, N, 4) on the references' device: the pipeline makes them on the CPU
     tokens = torch.cat([Flux2KleinPipeline._pack_latents(r) for r in references], dim=1)
     return tokens, ids.expand(b, -1, -1)
 

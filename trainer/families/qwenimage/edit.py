@@ -253,10 +253,8 @@ class QwenImageEdit(QwenImage):
             mean = batch["latent_dist"]["mean"]
             controls = [{"mean": torch.zeros_like(mean)}]
             shift, scale = 0.0, 1.0
-        else:
-            c = self.vae.config
-            shift = torch.tensor(c.latents_mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
-            scale = torch.tensor(c.latents_std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1)
+        else:  # made once per device (a tensor of Python numbers is a blocking copy to it)
+            shift, scale = (t.view(1, -1, 1, 1) for t in self._latent_norm(torch.float32))
         tokens, shapes = [], []
         for control in controls:
             z = (control["mean"].to(self.device, torch.float32) - shift) / scale
