@@ -81,22 +81,26 @@ def test_hidreams_step_reads_the_device_once_per_routed_feed_forward(tiny_worksp
 
 
 @pytest.mark.parametrize("case, sets", [
-    ("demo-flux2-klein", []),  # the controls as Flux.2's reference images
-    ("demo-qwen-image", ["model.path=builtin:tiny-qwen-image-edit-2509"])])
-def test_edit_pairs_and_reference_images_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
-                                                                                   tmp_path):
+    ("demo-flux2-klein", ["pairs"]),  # the controls as Flux.2's reference images
+    ("demo-qwen-image", ["pairs", "model.path=builtin:tiny-qwen-image-edit-2509"]),
+    ("demo", ["model.path=builtin:tiny-sd-inpaint"])])  # random masks drawn on the host
+def test_steps_on_pairs_and_of_inpainting_models_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
+                                                                                          tmp_path):
     """A step on pairs (a target and the control it was made from): Flux.2's reference ids are made on the device
     (diffusers' helper makes them on the CPU) and Qwen-Image-Edit's latent statistics once per device (they were
-    made from Python lists every step). What is left is diffusers' own: Qwen-Image's transformer copies a caption
-    length over when a batch's captions differ in length (its ``compute_text_seq_len_from_mask``)."""
+    made from Python lists every step); an inpainting UNet's masks, drawn on the host, move pinned and without
+    making it wait. What is left is diffusers' own: Qwen-Image's transformer copies a caption length over when a
+    batch's captions differ in length (its ``compute_text_seq_len_from_mask``)."""
     import shutil
-    controls = tmp_path / "controls"
-    controls.mkdir()
-    for image in step_counts.DEMO_DATA.glob("*.png"):
-        shutil.copy(image, controls / image.name)
-    pairs = f"data.concepts=[{{path: {step_counts.DEMO_DATA}, control_paths: [{controls}]}}]"
-    counted = step_counts.run_case(case, ["training.mixed_precision=bf16", *sets, pairs, "sampling.prompts=[]"],
-                                   warmup=2, count=1, workspace=tiny_workspace, run_name=f"step-syncs-pairs-{case}")
+    if "pairs" in sets:
+        controls = tmp_path / "controls"
+        controls.mkdir()
+        for image in step_counts.DEMO_DATA.glob("*.png"):
+            shutil.copy(image, controls / image.name)
+        pairs = f"data.concepts=[{{path: {step_counts.DEMO_DATA}, control_paths: [{controls}]}}]"
+        sets = [pairs if s == "pairs" else s for s in sets]
+    counted = step_counts.run_case(case, ["training.mixed_precision=bf16", *sets, "sampling.prompts=[]"], warmup=2,
+                                   count=1, workspace=tiny_workspace, run_name=f"step-syncs-{case}-{len(sets)}")
     assert counted["syncs"] == 0, counted["sync_sites"]
     blocking = [s for s in counted["copy_sites"] if s.startswith("True")]
     assert all("compute_text_seq_len_from_mask" in s for s in blocking), blocking

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from trainer.families.common.host_copy import to_device
 from trainer.parallel.distributed import expand_rows, take_rows
 
 INPAINT_CHANNELS = 9
@@ -165,10 +166,11 @@ class InpaintingMixin:
         if self.inpainting_mask == "data" and cached is not None:
             masked_mean = cached.float()
         else:
-            masked_mean = self._encode_mean(masked_pixels(pixels, masks.to(pixels.device)), cpu=False)
+            masked_mean = self._encode_mean(masked_pixels(pixels, to_device(masks, pixels.device)), cpu=False)
         masked_latents = masked_mean.to(noisy_latents.device) * self.vae.config.scaling_factor
         latent_mask = F.interpolate(masks, size=tuple(noisy_latents.shape[-2:]), mode="nearest")
-        extra = expand_rows(torch.cat([latent_mask.to(masked_latents.device), masked_latents], dim=1), rows)
+        # the masks are drawn on the host: pinned and copied without making it wait
+        extra = expand_rows(torch.cat([to_device(latent_mask, masked_latents.device), masked_latents], dim=1), rows)
         return torch.cat([noisy_latents, extra.to(noisy_latents.device, noisy_latents.dtype)], dim=1)
 
     def prompt_kwargs(self, sample_prompt) -> Dict[str, Any]:
