@@ -83,14 +83,16 @@ def test_hidreams_step_reads_the_device_once_per_routed_feed_forward(tiny_worksp
 @pytest.mark.parametrize("case, sets", [
     ("demo-flux2-klein", ["pairs"]),  # the controls as Flux.2's reference images
     ("demo-qwen-image", ["pairs", "model.path=builtin:tiny-qwen-image-edit-2509"]),
-    ("demo", ["model.path=builtin:tiny-sd-inpaint"])])  # random masks drawn on the host
-def test_steps_on_pairs_and_of_inpainting_models_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
-                                                                                          tmp_path):
+    ("demo", ["model.path=builtin:tiny-sd-inpaint"]),  # random masks drawn on the host
+    ("demo", ["masks"])])  # masked training: the images' masks move where the loss is taken
+def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
+                                                                                      tmp_path):
     """A step on pairs (a target and the control it was made from): Flux.2's reference ids are made on the device
     (diffusers' helper makes them on the CPU) and Qwen-Image-Edit's latent statistics once per device (they were
-    made from Python lists every step); an inpainting UNet's masks, drawn on the host, move pinned and without
-    making it wait. What is left is diffusers' own: Qwen-Image's transformer copies a caption length over when a
-    batch's captions differ in length (its ``compute_text_seq_len_from_mask``)."""
+    made from Python lists every step); an inpainting UNet's masks, drawn on the host, and masked training's masks
+    (kept on the host for the step's choice to use them) move pinned and without making it wait. What is left is
+    diffusers' own: Qwen-Image's transformer copies a caption length over when a batch's captions differ in length
+    (its ``compute_text_seq_len_from_mask``)."""
     import shutil
     if "pairs" in sets:
         controls = tmp_path / "controls"
@@ -99,6 +101,18 @@ def test_steps_on_pairs_and_of_inpainting_models_reach_the_device_without_a_bloc
             shutil.copy(image, controls / image.name)
         pairs = f"data.concepts=[{{path: {step_counts.DEMO_DATA}, control_paths: [{controls}]}}]"
         sets = [pairs if s == "pairs" else s for s in sets]
+    if "masks" in sets:  # the demo images with a mask each: the left half is what counts
+        from PIL import Image
+        masked = tmp_path / "masked"
+        masked.mkdir()
+        for image in step_counts.DEMO_DATA.glob("*.png"):
+            shutil.copy(image, masked / image.name)
+            shutil.copy(image.with_suffix(".txt"), masked / image.with_suffix(".txt").name)
+            size = Image.open(image).size
+            mask = Image.new("L", size, 0)
+            mask.paste(255, (0, 0, size[0] // 2, size[1]))
+            mask.save(masked / f"{image.stem}-masklabel.png")
+        sets = [f"data.concepts=[{{path: {masked}}}]", "data.masks=true"]
     counted = step_counts.run_case(case, ["training.mixed_precision=bf16", *sets, "sampling.prompts=[]"], warmup=2,
                                    count=1, workspace=tiny_workspace, run_name=f"step-syncs-{case}-{len(sets)}")
     assert counted["syncs"] == 0, counted["sync_sites"]

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from trainer.families.common.host_copy import to_device as host_to_device
 from trainer.loss import choose_mask, make_noise, per_sample_loss, perturb_noise, weighted_mean
 from trainer.optim.schedule import ComponentSchedule
 from trainer.parallel.distributed import expand_rows, take_rows
@@ -69,16 +70,17 @@ def forward_loss(state: RunState, batch, gen=None, device_gen=None):
         if state.unet_dtype is None:  # diffusers' .dtype walks every module (~8 ms a step on the tiny UNet)
             state.unet_dtype = model.denoiser.dtype
         model_pred = model.predict(noisy.to(state.unet_dtype), timesteps, cond)
-    prior = batch.get("prior")
-    if prior is not None and bool(prior.any()):  # prior_prediction rows: the base model's own prediction
+    prior = batch.get("prior")  # on the host (transfer.HOST_KEYS): read there
+    has_prior = prior is not None and bool(prior.any())
+    if has_prior:  # prior_prediction rows: the base model's own prediction
         target = _prior_target(state, batch, noisy, timesteps, target, prior, drops)
     if lc.get("precondition_outputs", False):  # x̂0 = x_σ − σ·v̂ against x0: the σ²-weighted velocity loss
-        if prior is not None and bool(prior.any()):  # the base model's x̂0 is the target of prior rows
-            clean = torch.where(prior.to(clean.device).view(-1, *([1] * (clean.ndim - 1))),
+        if has_prior:  # the base model's x̂0 is the target of prior rows
+            clean = torch.where(host_to_device(prior, clean.device).view(-1, *([1] * (clean.ndim - 1))),
                                 objective.preconditioned(target, noisy_latents, clean, timesteps)[0], clean)
         model_pred, target = objective.preconditioned(model_pred, noisy_latents, clean, timesteps)
     losses = per_sample_loss(model_pred, target, lc, timesteps, objective,
-                             mask=None if mask is None else mask.to(latents.device))
+                             mask=None if mask is None else host_to_device(mask, latents.device))  # pinned, no wait
     variance = getattr(model, "variance_loss", None)  # learned-variance models: their variational bound
     if variance is not None and lc.vb_strength > 0:
         vb = variance(take_rows(latents, rows) if rows is not None else latents, noisy, timesteps, model_pred)
@@ -95,7 +97,7 @@ def _prior_target(state: RunState, batch, noisy, timesteps, target, prior, drops
     with torch.no_grad(), state.method.adapters_off(), state.accelerator.autocast():
         cond = model.batch_condition(batch, state.method.expand_text, set(), **drops)
         base = model.predict(noisy.to(state.unet_dtype), timesteps, cond)
-    rows = prior.to(target.device).view(-1, *([1] * (target.ndim - 1)))
+    rows = host_to_device(prior, target.device).view(-1, *([1] * (target.ndim - 1)))
     return torch.where(rows, base.to(target.dtype), target)
 
 
