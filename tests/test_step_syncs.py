@@ -118,3 +118,21 @@ def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking
     assert counted["syncs"] == 0, counted["sync_sites"]
     blocking = [s for s in counted["copy_sites"] if s.startswith("True")]
     assert all("compute_text_seq_len_from_mask" in s for s in blocking), blocking
+
+
+def test_a_validation_pass_reads_its_losses_once(tiny_workspace, tmp_path):
+    """Validation (a concept of role validation, every training.validation_every_n_steps): each batch's loss stays
+    on the device until the pass ends, then all are read at once (it read each batch's loss as it went: one wait
+    for the device per validation batch)."""
+    import shutil
+    held_out = tmp_path / "held-out"
+    held_out.mkdir()
+    for image in list(step_counts.DEMO_DATA.glob("*.png"))[:6]:  # three validation batches of two
+        shutil.copy(image, held_out / image.name)
+        shutil.copy(image.with_suffix(".txt"), held_out / image.with_suffix(".txt").name)
+    concepts = f"data.concepts=[{{path: {step_counts.DEMO_DATA}}}, {{path: {held_out}, role: validation}}]"
+    counted = step_counts.run_case("demo", ["training.mixed_precision=bf16", concepts,
+                                            "training.validation_every_n_steps=1"], warmup=2, count=1,
+                                   workspace=tiny_workspace, run_name="step-syncs-validation")
+    assert counted["syncs"] == 1 and all(" validate" in s for s in counted["sync_sites"]), counted["sync_sites"]
+    assert counted["blocking_copies"] == 0, counted["copy_sites"]

@@ -112,16 +112,18 @@ def validate(state: RunState) -> Optional[float]:
     gen = torch.Generator().manual_seed(int(state.cfg.general.seed) + 7919)
     device_gen = None if state.device.type == "cpu" else \
         torch.Generator(state.device).manual_seed(int(state.cfg.general.seed) + 7919)
-    total, count = 0.0, 0
+    losses, sizes = [], []  # each batch's loss stays on the device until the pass ends: one read, not one a batch
     try:
         with torch.no_grad(), eager_outside_training(state.cfg):  # a whole compiled denoiser: eagerly
             for batch in state.data.iter_validation():
-                n = len(batch["captions"])
-                total += forward_loss(state, to_device(batch, state.device), gen, device_gen).item() * n
-                count += n
+                sizes.append(len(batch["captions"]))
+                losses.append(forward_loss(state, to_device(batch, state.device), gen, device_gen).float())
     finally:
         for n, m in state.method.modules.items():
             m.train(modes[n])
+    total, count = 0.0, sum(sizes)
+    for value, n in zip(torch.stack(losses).tolist() if losses else [], sizes):
+        total += value * n
     loss = total / max(count, 1)
     state.run.events.emit("validation", step=state.pos.step, epoch=state.pos.epoch, loss=loss, images=count)
     if state.tb is not None:
