@@ -53,7 +53,7 @@ if importlib.util.find_spec("trainer") is None:
 
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: E402
 
@@ -213,6 +213,12 @@ class DeviceTracker(TorchFunctionMode):
         elif name in ("tolist", "numpy") and from_dev:
             self.tally.syncs[(name, call_site())] += 1
         out = func(*args, **kwargs)
+        if target is not None and isinstance(src, torch.Tensor) and out is src and self.is_dev(src) != target:
+            # on CUDA a move between host and device makes a new tensor and leaves the one moved where it was; on the
+            # CPU it is the same object, which would then count as on both sides: a copy of it (made outside the
+            # counting) is the moved tensor
+            with _disable_current_modes():
+                out = out.clone()
         if name in FACTORIES and not from_dev:
             device = kwargs.get("device")
             gen = kwargs.get("generator")
@@ -284,6 +290,12 @@ class Counting:
             if isinstance(m, torch.nn.Module):
                 for t in list(m.parameters()) + list(m.buffers()):
                     self.dev[t] = True
+        # the training schedule's tables, moved to the device at their first use (DDPM's alphas_cumprod by diffusers,
+        # Würstchen's constants by the objective) in a step before this one: on the CPU the move left the same object
+        scheduler = getattr(getattr(self.state.model, "objective", None), "scheduler", None)
+        for t in vars(scheduler).values() if scheduler is not None else ():
+            if isinstance(t, torch.Tensor):
+                self.dev[t] = True
 
     def profile(self, frame, event, arg):
         if event == "call" and frame.f_code.co_filename != THIS:
