@@ -241,8 +241,17 @@ class CosineObjective:
         self.scheduler = DDPMWuerstchenScheduler()
         self.original_stretch = original_stretch
 
+    def _on(self, device):
+        """The scheduler, its schedule's two constant tensors on ``device``: it moves them there at every call (``s``
+        and ``_init_alpha_cumprod``, made on the CPU: a blocking copy each, three times a step), here once."""
+        sched = self.scheduler
+        if self.__dict__.get("_constants_on") != str(device):
+            sched.s, sched._init_alpha_cumprod = sched.s.to(device), sched._init_alpha_cumprod.to(device)
+            self._constants_on = str(device)
+        return sched
+
     def alpha_cumprod(self, timesteps):
-        return self.scheduler._alpha_cumprod(timesteps.float(), timesteps.device)
+        return self._on(timesteps.device)._alpha_cumprod(timesteps.float(), timesteps.device)
 
     def sample_timesteps(self, batch_size: int, lc: Any, generator, latents=None):
         """t uniform in [timestep_min, timestep_max)/1000, as the reference trainers draw it."""
@@ -259,7 +268,7 @@ class CosineObjective:
         return t.to(latents.device if latents is not None else "cpu")
 
     def noisy_and_target(self, latents, noise, timesteps):
-        return self.scheduler.add_noise(latents, noise, timesteps.to(latents.device)), noise
+        return self._on(latents.device).add_noise(latents, noise, timesteps.to(latents.device)), noise
 
     def timestep_weights(self, lc: Any, timesteps):
         return 1.0 - self.alpha_cumprod(timesteps)
