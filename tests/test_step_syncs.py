@@ -80,20 +80,68 @@ def test_hidreams_step_reads_the_device_once_per_routed_feed_forward(tiny_worksp
         "True")), counted["copy_sites"]
 
 
+def test_a_move_that_returns_the_same_tensor_on_the_cpu_leaves_the_original_where_it_was():
+    """On CUDA a move between host and device makes a new tensor; on the CPU ``.cpu()`` of a CPU tensor and ``.to``
+    its own device return the tensor itself. The counter sees them as CUDA would: the host copy of a device tensor
+    is read without a sync, and the host tensor moved to the device is still read on the host without one."""
+    tally = step_counts.Tally()
+    dev = step_counts.WeakTensorKeyDictionary()
+    on_device = torch.ones(3)
+    dev[on_device] = True
+    host = torch.ones(3)
+    with step_counts.DeviceTracker(tally, dev):
+        back = on_device.cpu()  # a sync (the copy waits for the device)
+        back.tolist()  # the host copy: no sync
+        moved = host.to(torch.device("cpu"), non_blocking=True)
+        host.tolist()  # the host original: no sync
+        moved.tolist()  # the device copy: a sync
+        on_device.tolist()  # a sync
+    assert [name for name, _ in tally.syncs] == ["cpu", "tolist", "tolist"], tally.syncs
+    assert sum(tally.syncs.values()) == 3, tally.syncs
+    assert back is not on_device and moved is not host
+
+
+def test_the_cosine_schedules_constants_move_to_the_device_once():
+    """Würstchen's and Stable Cascade's objective (diffusers' DDPMWuerstchenScheduler) moved the schedule's two
+    constant tensors from the CPU at every call, three blocking copies a step; now once."""
+    from trainer.objectives import CosineObjective
+    objective = CosineObjective()
+    tally = step_counts.Tally()
+    dev = step_counts.WeakTensorKeyDictionary()
+    latents, noise, t = torch.zeros(2, 4, 8, 8), torch.ones(2, 4, 8, 8), torch.tensor([0.25, 0.75])
+    for x in (latents, noise, t):
+        dev[x] = True
+    with step_counts.DeviceTracker(tally, dev):
+        objective.noisy_and_target(latents, noise, t)
+        first = sum(tally.copies.values())  # the constants' move
+        for _ in range(3):
+            objective.noisy_and_target(latents, noise, t)
+            objective.alpha_cumprod(t)
+    assert first > 0 and sum(tally.copies.values()) == first, tally.copies
+
+
 @pytest.mark.parametrize("case, sets", [
+    ("demo", ["dropout"]),  # caption dropout: the rows' choices and the empty caption's features
+    ("demo-flux", ["dropout", "parts.text_encoder_2.caption_dropout=0.5"]),
+    ("demo-zimage", ["dropout"]),
+    ("demo-sd3", ["dropout", "parts.text_encoder_3.caption_dropout=0.5"]),
     ("demo-flux2-klein", ["pairs"]),  # the controls as Flux.2's reference images
     ("demo-qwen-image", ["pairs", "model.path=builtin:tiny-qwen-image-edit-2509"]),
     ("demo", ["model.path=builtin:tiny-sd-inpaint"]),  # random masks drawn on the host
     ("demo", ["masks"])])  # masked training: the images' masks move where the loss is taken
 def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
                                                                                       tmp_path):
-    """A step on pairs (a target and the control it was made from): Flux.2's reference ids are made on the device
+    """Caption dropout draws each row's choice on the host: the choices move as batches do and the empty caption's
+    features are kept on the device (both were blocking copies at every step that dropped a row, in every family).
+    A step on pairs (a target and the control it was made from): Flux.2's reference ids are made on the device
     (diffusers' helper makes them on the CPU) and Qwen-Image-Edit's latent statistics once per device (they were
     made from Python lists every step); an inpainting UNet's masks, drawn on the host, and masked training's masks
     (kept on the host for the step's choice to use them) move pinned and without making it wait. What is left is
     diffusers' own: Qwen-Image's transformer copies a caption length over when a batch's captions differ in length
     (its ``compute_text_seq_len_from_mask``)."""
     import shutil
+    import zlib
+    sets = ["parts.text_encoder_1.caption_dropout=0.5" if s == "dropout" else s for s in sets]
     if "pairs" in sets:
         controls = tmp_path / "controls"
         controls.mkdir()
@@ -113,8 +161,9 @@ def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking
             mask.paste(255, (0, 0, size[0] // 2, size[1]))
             mask.save(masked / f"{image.stem}-masklabel.png")
         sets = [f"data.concepts=[{{path: {masked}}}]", "data.masks=true"]
+    name = f"step-syncs-{case}-{zlib.crc32(str(sets).encode())}"
     counted = step_counts.run_case(case, ["training.mixed_precision=bf16", *sets, "sampling.prompts=[]"], warmup=2,
-                                   count=1, workspace=tiny_workspace, run_name=f"step-syncs-{case}-{len(sets)}")
+                                   count=1, workspace=tiny_workspace, run_name=name)
     assert counted["syncs"] == 0, counted["sync_sites"]
     blocking = [s for s in counted["copy_sites"] if s.startswith("True")]
     assert all("compute_text_seq_len_from_mask" in s for s in blocking), blocking

@@ -143,7 +143,7 @@ class Chroma(PeftLayoutLora, Family):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
-                                         self._empty["prompt_attention_mask"])
+                                         self._empty["prompt_attention_mask"], owner=self)
             empty = prefix_lengths(self._empty["prompt_attention_mask"])  # a host tensor
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]

@@ -33,6 +33,7 @@ from huggingface_hub import hf_hub_download, snapshot_download
 from trainer.errors import ModelLoadError
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.effnet import effnet_preprocess, load_effnet
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.sources import classify_source, detect_source_family, hub_kwargs, hub_offline
 from trainer.objectives import CosineObjective
 
@@ -261,8 +262,8 @@ class CascadePrior(Family):
         if drop_te1 is not None and any(drop_te1):  # the empty caption: what the pipelines feed as unconditional
             if self._empty is None:
                 self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=self.device)
-            cond = {k: torch.where(flags.view(-1, *([1] * (v.ndim - 1))), self._empty[k].to(v), v)
+            flags = flags_on(drop_te1, self.device)
+            cond = {k: torch.where(flags.view(-1, *([1] * (v.ndim - 1))), kept_on(self, k, self._empty[k], v), v)
                     for k, v in cond.items()}
         return cond
 

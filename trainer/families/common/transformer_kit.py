@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import is_fake
 from trainer.data.pipeline import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.sources import hub_offline, load_by_component
 from trainer.formats.checkpoint import cast_state_dict, write_checkpoint
@@ -128,18 +129,21 @@ class MaskedTextConditioning:
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
-                                         self._empty["prompt_mask"].bool())
+                                         self._empty["prompt_mask"], owner=self)
             empty = prefix_lengths(self._empty["prompt_mask"])
             lengths = None if lengths is None or empty is None else \
                 [empty[0] if dropped else n for n, dropped in zip(lengths, drop_te1)]
         return MaskedText(embeds, mask, lengths)
 
 
-def rows_replaced(flags: Any, embeds: Any, mask: Any, new: Any, new_mask: Any) -> Tuple[Any, Any]:
+def rows_replaced(flags: Any, embeds: Any, mask: Any, new: Any, new_mask: Any, owner: Any = None) -> Tuple[Any, Any]:
     """Features [B, L, D] and their mask [B, L] with the rows where ``flags`` is true taken from ``new``/``new_mask``
     ([1, L', D], caption dropout's empty caption): both zero-padded at the end to the longer first, since cached
-    features are cut to their captions' length (:func:`cut_to_longest`)."""
-    on = torch.as_tensor(list(flags), dtype=torch.bool, device=embeds.device)
+    features are cut to their captions' length (:func:`cut_to_longest`). ``owner``: the family that keeps ``new``
+    and ``new_mask`` on the host, which keeps their copies on the device too (:func:`host_copy.kept_on`)."""
+    on = flags_on(flags, embeds.device)
+    if owner is not None:
+        new, new_mask = kept_on(owner, "empty", new, embeds), kept_on(owner, "empty_mask", new_mask, mask)
     new, new_mask = new.to(embeds), new_mask.to(device=mask.device, dtype=mask.dtype)
     longest = max(embeds.shape[1], new.shape[1])
     embeds, mask = pad_tokens(embeds, mask, longest)

@@ -42,6 +42,7 @@ from trainer.errors import ConfigError, ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.common.packed_ids import latent_image_ids
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.common.prompt_first import PromptFirst
@@ -220,11 +221,13 @@ class Flux(Family):
         if self._empty is None:
             self._empty = self.encode_captions([""])
         if drop_te1 is not None and any(drop_te1):
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=pooled.device)[:, None]
-            pooled = torch.where(flags, self._empty["pooled_prompt_embeds"].to(pooled), pooled)
+            flags = flags_on(drop_te1, pooled.device)[:, None]
+            empty = kept_on(self, "pooled_prompt_embeds", self._empty["pooled_prompt_embeds"], pooled)
+            pooled = torch.where(flags, empty, pooled)
         if drop_te2 is not None and any(drop_te2):
-            flags = torch.as_tensor(list(drop_te2), dtype=torch.bool, device=prompt_embeds.device)[:, None, None]
-            prompt_embeds = torch.where(flags, self._empty["prompt_embeds"].to(prompt_embeds), prompt_embeds)
+            flags = flags_on(drop_te2, prompt_embeds.device)[:, None, None]
+            empty = kept_on(self, "prompt_embeds", self._empty["prompt_embeds"], prompt_embeds)
+            prompt_embeds = torch.where(flags, empty, prompt_embeds)
         return prompt_embeds, pooled
 
     def batch_condition(self, batch: Dict[str, Any], expand, train_text: set, drop_te1=None, drop_te2=None):

@@ -44,6 +44,7 @@ from trainer.config.schema import ModelConfig
 from trainer.errors import ModelLoadError
 from trainer.families import SampleDefaults, sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.common.packed_ids import flux2_latent_ids, flux2_text_ids
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
@@ -248,8 +249,9 @@ class Flux2(PeftLayoutLora, Family):
         if drop_te1 is not None and any(drop_te1):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
-            flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=embeds.device)
-            embeds = torch.where(flags[:, None, None], self._empty["prompt_embeds"].to(embeds), embeds)
+            flags = flags_on(drop_te1, embeds.device)
+            empty = kept_on(self, "prompt_embeds", self._empty["prompt_embeds"], embeds)
+            embeds = torch.where(flags[:, None, None], empty, embeds)
         return Flux2Conditioning(embeds)
 
     # --- the denoiser -------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
     pipeline_with_transformer_file,
@@ -204,8 +205,9 @@ class HiDream(PeftLayoutLora, Family):
                 continue
             if self._empty is None:  # each encoder's encoding of "", the pipeline's negative prompt
                 self._empty = self.encode_captions([""])
-            f = torch.as_tensor(list(flags), dtype=torch.bool, device=enc[key].device)
-            enc[key] = torch.where(f.view(-1, *([1] * (enc[key].ndim - 1))), self._empty[key].to(enc[key]), enc[key])
+            f = flags_on(flags, enc[key].device)
+            empty = kept_on(self, key, self._empty[key], enc[key])
+            enc[key] = torch.where(f.view(-1, *([1] * (enc[key].ndim - 1))), empty, enc[key])
         pooled = torch.cat([enc[KEYS["text_encoder"]], enc[KEYS["text_encoder_2"]]], dim=-1)
         return HiDreamConditioning(enc[KEYS["text_encoder_3"]], enc[KEYS["text_encoder_4"]], pooled)
 

@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import is_fake
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
+from trainer.families.common.host_copy import flags_on
 from trainer.families.common.peft_lora import load_peft_layout, peft_layout_state_dict
 from trainer.families.common.transformer_kit import (
     PeftLayoutLora,
@@ -230,7 +231,7 @@ class HunyuanImage(PeftLayoutLora, Family):
                 text.embeds, text.mask = rows_replaced(flags, text.embeds, text.mask, self._empty.embeds,
                                                        self._empty.mask)
             else:  # no quoted text: the pipeline's zeros and empty mask
-                on = torch.as_tensor(list(flags), dtype=torch.bool, device=text.embeds.device)
+                on = flags_on(flags, text.embeds.device)
                 text.embeds_2 = torch.where(on[:, None, None], torch.zeros_like(text.embeds_2), text.embeds_2)
                 text.mask_2 = text.mask_2 & ~on[:, None]
         return text

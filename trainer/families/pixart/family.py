@@ -207,7 +207,7 @@ class PixArt(Family):
             if self._empty is None:
                 self._empty = self.encode_captions([""])
             embeds, mask = rows_replaced(drop_te1, embeds, mask, self._empty["prompt_embeds"],
-                                         self._empty["prompt_attention_mask"])
+                                         self._empty["prompt_attention_mask"], owner=self)
             n = int(self._empty["prompt_attention_mask"].sum())  # a host tensor
             lengths = None if lengths is None else [n if dropped else k for k, dropped in zip(lengths, drop_te1)]
         return PixArtConditioning(embeds, mask, lengths)

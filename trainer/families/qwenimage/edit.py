@@ -56,6 +56,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import part_dtype
+from trainer.families.common.host_copy import to_device
 from trainer.families.common.transformer_kit import MaskedText, save_transformer_file
 from trainer.families.qwenimage.detect import MARKER_2511
 from trainer.families.qwenimage.family import QwenImage
@@ -308,7 +309,7 @@ def _replace_rows(embeds, mask, rows: List[int], new, new_mask):
     longest = max(embeds.shape[1], new.shape[1])
     embeds, mask = _pad(embeds, mask, longest)
     new, new_mask = _pad(new.to(embeds), new_mask.to(mask.device), longest)
-    index = torch.tensor(rows, device=embeds.device)
+    index = to_device(torch.tensor(rows), embeds.device)  # the dropped rows, chosen on the host
     return embeds.index_copy(0, index, new), mask.index_copy(0, index, new_mask)
 
 

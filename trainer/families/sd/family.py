@@ -13,7 +13,7 @@ from diffusers import StableDiffusionInpaintPipeline, StableDiffusionPipeline
 from trainer.errors import ModelLoadError
 from trainer.families import sources  # load_pipeline looked up at call time (the VRAM estimate swaps it)
 from trainer.families.base import part_dtype, torch_dtype
-from trainer.families.common.host_copy import to_device
+from trainer.families.common.host_copy import flags_on, to_device
 from trainer.families.common.samplers import SAMPLERS
 from trainer.families.common.sd_kit import sd_configs
 from trainer.families.common.sd_kit.family_base import LatentDiffusionFamily, check_family
@@ -108,7 +108,7 @@ class StableDiffusion(LatentDiffusionFamily):
             if drop_te1 is not None and any(drop_te1):
                 with torch.no_grad():
                     empty = self.encode_text(self.tokenize([""])).to(cond.dtype)
-                flags = torch.as_tensor(list(drop_te1), dtype=torch.bool, device=cond.device)
+                flags = flags_on(drop_te1, cond.device)
                 cond = torch.where(flags[:, None, None], empty, cond)
             return cond
         captions = list(expand(batch["captions"]))

@@ -32,6 +32,7 @@ from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
+from trainer.families.common.host_copy import flags_on, kept_on
 from trainer.families.common.peft_lora import clip_text_model, load_peft_layout, peft_layout_state_dict, target_regex
 from trainer.families.sd3.keys import (
     CONFIG_3_MEDIUM,
@@ -222,8 +223,9 @@ class SD3(Family):
                 self._empty = self.encode_captions([""])
             for k in names:
                 if k in enc:
-                    f = torch.as_tensor(list(flags), dtype=torch.bool, device=enc[k].device)
-                    enc[k] = torch.where(f.view(-1, *([1] * (enc[k].ndim - 1))), self._empty[k].to(enc[k]), enc[k])
+                    f = flags_on(flags, enc[k].device)
+                    empty = kept_on(self, k, self._empty[k], enc[k])
+                    enc[k] = torch.where(f.view(-1, *([1] * (enc[k].ndim - 1))), empty, enc[k])
         return self._assemble(enc, len(batch["captions"]))
 
     # --- the denoiser -------------------------------------------------------------------------
