@@ -185,3 +185,27 @@ def test_a_validation_pass_reads_its_losses_once(tiny_workspace, tmp_path):
                                    workspace=tiny_workspace, run_name="step-syncs-validation")
     assert counted["syncs"] == 1 and all(" validate" in s for s in counted["sync_sites"]), counted["sync_sites"]
     assert counted["blocking_copies"] == 0, counted["copy_sites"]
+
+
+def test_lumina2s_rotary_tables_move_to_the_device_once(tiny_workspace):
+    """diffusers' Lumina 2 keeps its rotary tables in a Python list (not buffers), so they stayed on the CPU and each
+    forward copied the three over; the family moves them once (counted here over three predictions: the first moves
+    them, the others copy nothing; the model's weights and the inputs count as on the device)."""
+    from conftest import load_tiny
+    from trainer.families import build_tiny
+    model = load_tiny(tiny_workspace, build_tiny("tiny-lumina2", tiny_workspace / "models")["diffusers"])
+    tally = step_counts.Tally()
+    dev = step_counts.WeakTensorKeyDictionary()
+    for t in list(model.transformer.parameters()) + list(model.transformer.buffers()):
+        dev[t] = True
+    x, t = torch.randn(1, 16, 8, 8), torch.tensor([0.5])
+    cond = model.batch_condition({"captions": ["a red square"]}, lambda c: c, set())
+    for v in (x, t, cond.prompt_embeds, cond.prompt_mask):
+        dev[v] = True
+    with torch.no_grad(), step_counts.DeviceTracker(tally, dev):
+        model.predict(x, t, cond)
+        first = sum(n for (blocking, _), n in tally.copies.items() if blocking)
+        model.predict(x, t, cond)
+        model.predict(x, t, cond)
+    copies = sum(n for (blocking, _), n in tally.copies.items() if blocking)
+    assert first == 3 and copies == first, tally.copies  # the three tables, once

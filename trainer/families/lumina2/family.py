@@ -144,8 +144,15 @@ class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
         embeds = conditioning.prompt_embeds.to(device, dtype)
         mask = conditioning.prompt_mask.to(device).bool()
         hook = None
+        rope = self.transformer.rope_embedder
         if is_fake(mask):  # the VRAM estimate: every caption token kept, the longest joint sequence
-            hook = self.transformer.rope_embedder.register_forward_pre_hook(_every_token_kept)
+            hook = rope.register_forward_pre_hook(_every_token_kept)
+        elif device.type != "mps" and rope.__dict__.get("_tables_on") != str(device):
+            # diffusers keeps the rotary tables in a list, not buffers: the model's move leaves them on the CPU and
+            # every forward copied them over (three blocking copies); here they move once (MPS: diffusers looks them
+            # up on the CPU, and they are float64)
+            rope.freqs_cis = [f.to(device) for f in rope.freqs_cis]
+            rope._tables_on = str(device)
         try:
             # the timestep in fp32, as Lumina2Pipeline passes it (1 − t/1000): the time embedding is computed from it
             out = self.transformer(hidden_states=model_input, timestep=1.0 - timesteps.to(device, torch.float32),
