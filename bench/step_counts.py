@@ -290,24 +290,28 @@ class Counting:
             if isinstance(m, torch.nn.Module):
                 for t in list(m.parameters()) + list(m.buffers()):
                     self.dev[t] = True
-        # the training schedule's tables, moved to the device at their first use (DDPM's alphas_cumprod by diffusers,
-        # Würstchen's constants by the objective) in a step before this one: on the CPU the move left the same object
-        scheduler = getattr(getattr(self.state.model, "objective", None), "scheduler", None)
-        for t in vars(scheduler).values() if scheduler is not None else ():
-            if isinstance(t, torch.Tensor):
-                self.dev[t] = True
 
     def profile(self, frame, event, arg):
         if event == "call" and frame.f_code.co_filename != THIS:
             self.tally.calls += 1
 
+    def start(self) -> None:
+        """After the run's set-up, before its first step: where tensors are is tracked from here (what a step moves
+        to the device at its first use, a scheduler's table or a family's rotary tables, is known to be there when
+        counting starts); the counting starts after the warm-up."""
+        self.seed_device()
+        self.modes = [DeviceTracker(self.tally, self.dev)]
+        self.modes[0].__enter__()
+
     def __call__(self) -> None:
         self.step += 1
-        if self.step == self.warmup - 1:  # one step tracked before counting: what it caches on the device (a
-            self.seed_device()  # scheduler's table moved at its first use) is known to be there when counting starts
-            self.modes = [DeviceTracker(self.tally, self.dev), OpCounter(self.tally, self.dev)]
-            for m in self.modes:
-                m.__enter__()
+        if self.step == self.warmup - 1:  # one step tracked before counting
+            if not self.modes:  # not started after the set-up (a bare step): tracked from here
+                self.seed_device()
+                self.modes = [DeviceTracker(self.tally, self.dev)]
+                self.modes[0].__enter__()
+            self.modes.append(OpCounter(self.tally, self.dev))
+            self.modes[-1].__enter__()
         elif self.step == self.warmup + self.count:
             for m in reversed(self.modes):
                 m.__exit__(None, None, None)
@@ -488,8 +492,10 @@ def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_nam
     sets = [*COMMON, f"data.concepts=[{{path: {DEMO_DATA}}}]", f"training.max_steps={steps}", *spec["sets"], *extra]
     argv = ["train", "--preset", spec["preset"], "--no-progress", "--set", f"general.workspace={workspace}",
             "--set", f"general.run_name={run_name}", *[x for s in sets for x in ("--set", s)]]
-    original = loop.resume_gc
+    original, original_setup = loop.resume_gc, loop.setup
     loop.resume_gc = lambda: (original(), hook())
+    if hasattr(hook, "start"):  # device tracking from the first step on (counting after the warm-up)
+        loop.setup = lambda state: (original_setup(state), hook.start())
     try:
         ctx = contextlib.nullcontext()
         if spec.get("random_weights"):
@@ -500,7 +506,7 @@ def train_case(case: str, extra: List[str], steps: int, workspace: Path, run_nam
         with ctx, narrowed(spec.get("narrow")):
             rc = cli.main(argv)
     finally:
-        loop.resume_gc = original
+        loop.resume_gc, loop.setup = original, original_setup
         sys.setprofile(None)
     if rc != 0:
         log = workspace / "runs" / run_name / "train.log"
