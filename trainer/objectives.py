@@ -243,7 +243,7 @@ class CosineObjective:
 
     def _on(self, device):
         """The scheduler, its schedule's two constant tensors on ``device``: it moves them there at every call (``s``
-        and ``_init_alpha_cumprod``, made on the CPU: a blocking copy each, three times a step), here once."""
+        twice and ``_init_alpha_cumprod``, made on the CPU: three blocking copies a call, six a step), here once."""
         sched = self.scheduler
         if self.__dict__.get("_constants_on") != str(device):
             sched.s, sched._init_alpha_cumprod = sched.s.to(device), sched._init_alpha_cumprod.to(device)
