@@ -138,14 +138,14 @@ def test_cached_captions_are_cut_at_lengths_the_host_knows(chroma):
     """A cached batch of captions of different lengths (one dropped to the empty caption): cut at the longest
     attended run the data pipeline counted on the host, without reading the mask back; the prediction is the one of
     the whole 512 tokens."""
-    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.data.text_rows import prefix_lengths, stack_padded
     from trainer.families.chroma.family import ChromaConditioning
     ws, paths = chroma
     model = load_tiny(ws, paths["diffusers"])
     rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x", "a blue ball")]
     # each entry as long as its attended run (the step cuts the rest off anyway)
     assert [r["prompt_attention_mask"].shape[1] for r in rows] == [int(r["prompt_attention_mask"].sum()) for r in rows]
-    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     batch["prompt_lengths"] = prefix_lengths(batch["prompt_attention_mask"])
     cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=[False, False, True])
     assert cond.lengths == [int(n) for n in cond.text_mask.sum(dim=1)]

@@ -165,13 +165,13 @@ def test_cached_captions_are_as_long_as_their_text_and_dropout_meets_them(hunyua
     """A cached entry keeps each stream's real tokens only (the pipeline pads to 1000 and 128); a cached batch of
     two lengths, one row dropped to the empty caption (the pipeline's 1000 tokens), predicts what the whole padded
     features predict."""
-    from trainer.data.pipeline import _stack_padded
+    from trainer.data.text_rows import stack_padded
     ws, paths, model = hunyuan
     rows = [model.encode_captions([c]) for c in ('a sign that says "HI" on a wall', "x")]
     for r in rows:
         assert r["prompt_mask"].shape[1] == int(r["prompt_mask"].sum())
         assert r["glyph_mask"].shape[1] == max(int(r["glyph_mask"].sum()), 1)
-    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=[False, True])
     full = model._encode(['a sign that says "HI" on a wall', ""])  # as the pipeline pads ("x" quotes nothing either)
     x, sigma = torch.randn(2, 8, 4, 6, generator=torch.Generator().manual_seed(3)), torch.tensor([0.3, 0.7])

@@ -79,11 +79,11 @@ def test_predict_is_the_pipelines_transformer_call(krea):
 def test_a_cached_batch_is_cut_at_its_longest_caption(krea):
     """Captions of different lengths cached one by one (each as long as itself), stacked as the data pipeline
     stacks them: the lengths the host counted cut the batch, and the prediction is the uncut, masked one's."""
-    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.data.text_rows import prefix_lengths, stack_padded
     from trainer.families.common.transformer_kit import MaskedText
     ws, paths, model = krea
     rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x")]
-    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
     cond = model.batch_condition(batch, lambda c: c, set())
     assert cond.lengths is not None and len(set(cond.lengths)) == 2

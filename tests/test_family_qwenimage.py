@@ -96,7 +96,7 @@ def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
     back)."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
-    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.data.text_rows import prefix_lengths, stack_padded
     from trainer.families.common.transformer_kit import MaskedText, pad_tokens
     ws, paths = qwen
     model = load_tiny(ws, paths["diffusers"])
@@ -105,7 +105,7 @@ def test_the_transformer_sees_the_captions_as_the_pipeline_pads_them(qwen):
     for captions in (("a red square on a white background", "x"), ("a red square", "a red square")):
         theirs, their_mask = QwenImagePipeline.encode_prompt(pipe, list(captions), device="cpu")
         rows = [model.encode_captions([c]) for c in captions]
-        batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+        batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
         batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
         cond = model.batch_condition(batch, lambda c: c, set())
         # each entry as long as its caption (the step cuts the rest off anyway)
@@ -325,6 +325,11 @@ def test_transformer_and_text_encoder_inputs_are_the_edit_pipelines(edit_ws, sma
     dropped = model.batch_condition(batch, lambda c: c, set(), drop_te1=[True])
     assert int(dropped.prompt_mask[0].sum()) == empty.shape[1]
     torch.testing.assert_close(dropped.prompt_embeds[0, :empty.shape[1]], empty[0])
+    # …and the same from the text cache's entry for the row's empty instruction (what batches carry)
+    cached = model.batch_condition(dict(batch, empty_text=model.encode_captions([""], [tuple(files)])), lambda c: c,
+                                   set(), drop_te1=[True])
+    torch.testing.assert_close(cached.prompt_embeds[0, :empty.shape[1]], empty[0].to(cached.prompt_embeds))
+    assert torch.equal(cached.prompt_mask, dropped.prompt_mask)
     # the stand-in for an encode without files (the VRAM estimate's) has the real sequence length
     sizes = [[(img.size[0], img.size[1]) for img in images]]
     assert model._encode_standin([caption], sizes)[0].shape == cond.prompt_embeds.shape
@@ -373,6 +378,31 @@ def test_the_text_cache_keys_each_pair_by_its_control_images(tmp_path):
     for row, files in enumerate(batch["control_paths"]):
         expected = 2 + Path(files[0]).read_bytes()[-20] % 4
         assert lengths[row] == expected and float(batch["prompt_embeds"][row, 0, 0]) == expected
+    assert "empty_text" not in batch
+    # the step's own caption dropout: each pair's empty instruction with its images is cached too, and batches
+    # carry it, lengths included, so a dropped row takes it without running the encoder
+    calls.clear()
+    dropping = DataPipeline(cfg, warn=lambda m: None)
+    assert dropping.prepare(vae, "v", "fp32", encode_text_fn=encode, text_fingerprint="t", text_controls=True,
+                            text_empty=True)["text_encoded"] == 3  # the three empty instructions, not the captions
+    assert sorted(calls[1]) == [("a.png",), ("b.png",), ("c.png",)]
+    batch = dropping.batch(list(range(3)), 0)
+    empty = batch["empty_text"]
+    assert empty["prompt_lengths"] == [2 + Path(files[0]).read_bytes()[-20] % 4 for files in batch["control_paths"]]
+
+    from trainer.families.qwenimage.edit import _dropped_from_cache
+    drops = [True, False, True]
+    mask = batch["prompt_mask"].bool()
+    embeds = (batch["prompt_embeds"] + 10) * mask[..., None]  # told apart from the empty rows
+    out, out_mask, out_lengths = _dropped_from_cache(embeds, mask, batch["prompt_lengths"], drops, empty)
+    for row, dropped in enumerate(drops):
+        source, source_mask = (empty["prompt_embeds"], empty["prompt_mask"]) if dropped else (embeds, mask)
+        n = source_mask[row].bool().sum()
+        torch.testing.assert_close(out[row, :n], source[row, :n])
+        assert out_mask[row].sum() == n and not out_mask[row, n:].any() and not out[row, n:].any()
+        assert out_lengths[row] == n
+    assert _dropped_from_cache(embeds, mask, None, drops, empty)[2] is None  # a length not known stays unknown
+
     picture(tmp_path / "pairs" / "control_0" / "b.png", 42)  # an edited control
     calls.clear()
     again = DataPipeline(cfg, warn=lambda m: None)

@@ -261,12 +261,12 @@ def test_on_the_vram_estimates_fake_tensors_every_caption_token_is_kept(qwen21):
 def test_cached_captions_pad_to_the_longest_length_the_host_knows(qwen21):
     """A cached batch's caption lengths, on the host, give the padding and the all-real case without reading the mask
     back; the prediction is the one the mask gives (captions of different lengths, and of one)."""
-    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.data.text_rows import prefix_lengths, stack_padded
     ws, paths, model = qwen21
     for captions in (("a red square on a white background", "x"), ("a red square", "a red square")):
         rows = [model.encode_captions([c]) for c in captions]
         assert [r["prompt_mask"].shape[1] for r in rows] == [int(r["prompt_mask"].sum()) for r in rows]  # no padding
-        batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+        batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
         batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
         cond = model.batch_condition(batch, lambda c: c, set())
         assert cond.lengths is not None

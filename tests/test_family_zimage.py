@@ -86,12 +86,12 @@ def test_cached_captions_are_cut_at_lengths_the_host_knows(zimage):
     """A cached batch carries each caption's length on the host (its real tokens come first), so the step cuts the
     features without reading the mask back from the device; with caption dropout the dropped rows take the empty
     caption's length. The prediction is the one the mask gives."""
-    from trainer.data.pipeline import _stack_padded, prefix_lengths
+    from trainer.data.text_rows import prefix_lengths, stack_padded
     ws, paths = zimage
     model = load_tiny(ws, paths["diffusers"])
     rows = [model.encode_captions([c]) for c in ("a red square on a white background", "x")]
     assert [r["prompt_mask"].shape[1] for r in rows] == [int(r["prompt_mask"].sum()) for r in rows]  # no padding kept
-    batch = {k: _stack_padded([r[k][0] for r in rows]) for k in rows[0]}
+    batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
     batch["prompt_lengths"] = prefix_lengths(batch["prompt_mask"])
     assert batch["prompt_lengths"] == [int(n) for n in batch["prompt_mask"].sum(1)]
     assert prefix_lengths(torch.tensor([[0.0, 1.0, 1.0]])) is None  # real tokens not first: no lengths

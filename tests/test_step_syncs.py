@@ -126,7 +126,8 @@ def test_the_cosine_schedules_constants_move_to_the_device_once():
     ("demo-zimage", ["dropout"]),
     ("demo-sd3", ["dropout", "parts.text_encoder_3.caption_dropout=0.5"]),
     ("demo-flux2-klein", ["pairs"]),  # the controls as Flux.2's reference images
-    ("demo-qwen-image", ["pairs", "model.path=builtin:tiny-qwen-image-edit-2509"]),
+    # …and Qwen-Image-Edit's caption dropout, whose empty instruction is read with each row's images (cached)
+    ("demo-qwen-image", ["pairs", "dropout", "model.path=builtin:tiny-qwen-image-edit-2509"]),
     ("demo", ["model.path=builtin:tiny-sd-inpaint"]),  # random masks drawn on the host
     ("demo", ["masks"])])  # masked training: the images' masks move where the loss is taken
 def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking_copy(case, sets, tiny_workspace,
@@ -135,8 +136,10 @@ def test_steps_on_pairs_masks_and_inpainting_reach_the_device_without_a_blocking
     features are kept on the device (both were blocking copies at every step that dropped a row, in every family).
     A step on pairs (a target and the control it was made from): Flux.2's reference ids are made on the device
     (diffusers' helper makes them on the CPU) and Qwen-Image-Edit's latent statistics once per device (they were
-    made from Python lists every step); an inpainting UNet's masks, drawn on the host, and masked training's masks
-    (kept on the host for the step's choice to use them) move pinned and without making it wait. What is left is
+    made from Python lists every step), and its caption dropout takes each row's empty instruction, which depends on
+    the row's images, from the text cache (Qwen2.5-VL ran on the dropped rows at the step); an inpainting UNet's
+    masks, drawn on the host, and masked training's masks (kept on the host for the step's choice to use them) move
+    pinned and without making it wait. What is left is
     diffusers' own: Qwen-Image's transformer copies a caption length over when a batch's captions differ in length
     (its ``compute_text_seq_len_from_mask``)."""
     import shutil

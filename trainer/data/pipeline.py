@@ -76,6 +76,7 @@ from trainer.data.dataset import build_dataset
 from trainer.data.images import mask_to_latent, pixels_to_uint8, uint8_to_pixels
 from trainer.data.order import sample_rng, seed_int
 from trainer.data.render import DecodeMemo, Renderer, latent_frames, render_clip, shrink
+from trainer.data.text_rows import stack_texts
 from trainer.errors import DataError
 from trainer.families import VideoSpec
 
@@ -126,6 +127,7 @@ class DataPipeline:
         self.priors = any(it.role == "prior_prediction" for it in self.items)
         self._control_items: Dict[Path, ImageItem] = {}
         self.text_controls = False  # the text encoder sees the control images: cache entries are keyed by them too
+        self.text_empty = False  # with text_controls: each example's empty caption cached too, batches carry it
 
     # --- control images ---------------------------------------------------------------------------
     def control_size(self, size: Size) -> Size:
@@ -166,6 +168,8 @@ class DataPipeline:
         for it in self.items:
             for c in self.captions.possible_captions(it.captions, self.caption_options[it.concept_index]):
                 out.add((c, tuple(it.controls)))
+            if self.text_empty:
+                out.add(("", tuple(it.controls)))
         for it in self.validation_items:
             out.add((self._validation_caption(it), tuple(it.controls)))
         return sorted(out)
@@ -280,7 +284,7 @@ class DataPipeline:
                 text_fingerprint: Optional[str] = None,
                 progress: Optional[ProgressFn] = None,
                 inpaint_fn: Optional[Callable] = None, text_controls: bool = False,
-                first_frame_fn: Optional[Callable] = None) -> Dict[str, Any]:
+                first_frame_fn: Optional[Callable] = None, text_empty: bool = False) -> Dict[str, Any]:
         """Attach the VAE encoder and fill every cache; returns what was encoded and reused.
 
         ``encode_fn(pixels [B,3,H,W] in [-1,1]) -> {"mean", "std"}``; ``fingerprint`` identifies
@@ -299,7 +303,9 @@ class DataPipeline:
 
         ``text_controls``: the text encoder sees each example's control images (an edit model's VL encoder):
         the text cache holds every (caption, control files) pair, encoded as ``encode_text_fn(captions,
-        controls)``, and batches read the entry of their own pair.
+        controls)``, and batches read the entry of their own pair. ``text_empty`` too (the encoders' own caption
+        dropout, drawn at the step): each training example's empty caption with its controls is an entry as well,
+        carried by batches as ``empty_text``, so a dropped row never runs the encoder at the step.
 
         ``first_frame_fn(pixels [B, 3, F, H, W]) -> {name: [B, ...]}`` (an image-to-video model's condition from
         each window's first frame): batches carry its output as ``first_frame``; with cached latents it is cached
@@ -344,6 +350,7 @@ class DataPipeline:
                                         probe=_probe_hash(encode_text_fn, text_controls))
                 self.text_cache = TextCache(self.cache_dir(), key)
                 self.text_controls = text_controls
+                self.text_empty = bool(text_empty and text_controls)
                 captions = self.possible_text_entries() if text_controls else self.possible_captions()
                 n = self.text_cache.ensure(captions, encode_text_fn, batch_size=16,
                                            progress=_progress_logger("text", progress))
@@ -411,7 +418,7 @@ class DataPipeline:
         pool = self.validation_items if validation else self.items
         size = plan.size[:2]  # a video family's bucket is (width, height, frames)
         captions, weights, sizes, crops = [], [], [], []
-        dists, masks, pixels, pixel_masks, texts, firsts = [], [], [], [], [], []
+        dists, masks, pixels, pixel_masks, texts, firsts, empties = [], [], [], [], [], [], []
         controls: List[List[Any]] = []  # per row: its control latents (cached) or pixels (rendered)
         for idx, pos in zip(plan.indices, plan.positions):
             item = pool[idx]
@@ -425,6 +432,8 @@ class DataPipeline:
             sizes.append(size)
             if self.text_cache is not None:
                 texts.append(self.text_cache.get(caption, item.controls if self.text_controls else ()))
+                if self.text_empty and not validation:  # what the row's features become when the step drops it
+                    empties.append(self.text_cache.get("", item.controls))
             cached = self.cache is not None and (validation or not self._renders_pixels())
             if cached:
                 if validation:
@@ -491,13 +500,9 @@ class DataPipeline:
         if firsts:
             raw["first_frame"] = {k: torch.stack([e[k] for e in firsts]) for k in firsts[0] if k != "mask"}
         if texts:
-            for key in texts[0]:
-                raw[key] = _stack_padded([t[key] for t in texts])
-            mask_key = next((k for k in ("prompt_mask", "prompt_attention_mask") if k in raw), None)
-            if mask_key is not None:  # the families' names of a text mask: Z-Image/Qwen-Image …, Chroma/PixArt
-                lengths = prefix_lengths(raw[mask_key])
-                if lengths is not None:
-                    raw["prompt_lengths"] = lengths
+            raw.update(stack_texts(texts))
+        if empties:
+            raw["empty_text"] = stack_texts(empties)
         if any(controls):
             n = len(controls[0])
             if any(len(row) != n for row in controls):
@@ -539,29 +544,6 @@ class DataPipeline:
                 encoded = [self.encode_fn(px) for px in raw.pop("control_pixels")]  # type: ignore[misc]
             raw["control_latents"] = [{"mean": e["mean"], "std": e["std"]} for e in encoded]
         return raw
-
-
-def prefix_lengths(mask: torch.Tensor) -> Optional[List[int]]:
-    """The number of real tokens of each row of a host-side text mask ``[B, L]`` whose real tokens come first (a
-    plain list, which stays on the host when the batch moves: a family that cuts features to their lengths reads them
-    there instead of from the device), or None when a row's tokens are not a prefix. On the host only: the batch's
-    stacked mask and a cached caption's (a device mask would be read back here)."""
-    if mask.dim() != 2:
-        return None
-    real = mask > 0.5
-    counts = real.sum(dim=-1)
-    if not bool((real == (torch.arange(real.shape[-1]) < counts[:, None])).all()):
-        return None
-    return [int(n) for n in counts]
-
-
-def _stack_padded(tensors: List[Any]) -> Any:
-    """Stacked; entries of different lengths (text features with image tokens) zero-padded at the end of dim 0 to
-    the longest (a padded mask entry is 0: not a token)."""
-    longest = max(t.shape[0] for t in tensors) if tensors[0].dim() else 0
-    if all(t.dim() == 0 or t.shape[0] == longest for t in tensors):
-        return torch.stack(tensors)
-    return torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in tensors])
 
 
 def _probe_hash(encode_text_fn: Callable, with_image: bool = False) -> str:

@@ -43,6 +43,7 @@ from trainer.train.compile import (CUDAGRAPH_MODES, backend_problem, cache_count
 from trainer.train.ema import make_ema
 from trainer.train.norms import norms_in_compute_dtype
 from trainer.train.state import RunState
+from trainer.train.step import drops_captions
 from trainer.train.training_adapter import attach_training_adapter
 
 log = logging.getLogger("atelier")
@@ -174,6 +175,8 @@ def setup(state: RunState) -> None:
                 state.method.expand_text(captions), *controls)) if frozen_text else None,
             text_fingerprint=state.model.text_fingerprint(ModelSettings(cfg)),
             text_controls=state.model.text_sees_controls,  # its text features depend on the control images
+            # …and so does its empty caption: the step's own caption dropout takes each row's from the cache
+            text_empty=state.model.text_sees_controls and drops_captions(cfg, state.model),
             # inpainting: batches carry the pixels, the cache keeps them (and data-masked latents)
             inpaint_fn=state.model.encode_masked_images if getattr(state.model, "inpainting", False) else None,
             # image-to-video: each window's first frame conditions the model (cached beside the latents)

@@ -51,12 +51,7 @@ def forward_loss(state: RunState, batch, gen=None, device_gen=None):
     train_text = {"text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "embedding"} & set(
         state.method.modules)
     drops = {}  # per-encoder caption dropout: drawn only when on, so other runs keep their random stream
-    parts = state.cfg.parts
-    encoders = [("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)]
-    for n in (3, 4):  # SD3's T5, HiDream's T5 and Llama (asked only of families that have them)
-        if model.info.part(f"text_encoder_{n}") is not None:
-            encoders.append((f"drop_te{n}", parts[f"text_encoder_{n}"]))
-    for key, part in encoders:
+    for key, part in text_parts(state.cfg, model):
         if not part.enabled:  # switched off: the encoder only ever sees the empty caption
             drops[key] = [True] * latents.shape[0]
         elif part.caption_dropout > 0:
@@ -87,6 +82,22 @@ def forward_loss(state: RunState, batch, gen=None, device_gen=None):
         if vb is not None:
             losses = losses + lc.vb_strength * vb
     return weighted_mean(losses, batch["loss_weights"])
+
+
+def text_parts(cfg, model) -> list:
+    """``(drop key, parts entry)`` of each text encoder the step may drop a caption of: the first two always, the
+    third and fourth where the family has them (SD3's T5, HiDream's T5 and Llama)."""
+    parts = cfg.parts
+    encoders = [("drop_te1", parts.text_encoder_1), ("drop_te2", parts.text_encoder_2)]
+    for n in (3, 4):
+        if model.info.part(f"text_encoder_{n}") is not None:
+            encoders.append((f"drop_te{n}", parts[f"text_encoder_{n}"]))
+    return encoders
+
+
+def drops_captions(cfg, model) -> bool:
+    """Whether the step drops captions itself (``parts.*.caption_dropout``, or an encoder switched off)."""
+    return any(not part.enabled or part.caption_dropout > 0 for _, part in text_parts(cfg, model))
 
 
 def _prior_target(state: RunState, batch, noisy, timesteps, target, prior, drops):

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel
 
-from trainer.data.pipeline import prefix_lengths
+from trainer.data.text_rows import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype

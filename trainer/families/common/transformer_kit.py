@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import is_fake
 
-from trainer.data.pipeline import prefix_lengths
+from trainer.data.text_rows import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families.common.fp8_weights import dequantise_fp8, fp8_layer_scales
 from trainer.families.common.host_copy import flags_on, kept_on

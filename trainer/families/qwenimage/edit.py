@@ -15,8 +15,10 @@ What the pipelines build, and where it is built here:
   estimate's, on fake tensors the vision tower cannot run on) stands in the image tokens' count
   (:meth:`QwenImageEdit._encode_standin`). Caption dropout (``parts.text_encoder_1.
   caption_dropout``) gives the empty instruction *with the row's images* — what the pipeline's negative prompt
-  is — encoded when it is drawn; a concept's ``caption_dropout`` (an empty caption, cached with its images) costs
-  nothing per step.
+  is: with the text cache on, each example's is cached beside its instruction and batches carry it
+  (``empty_text``), so a dropped row costs no encode at the step (nor, with ``data.offload_text_encoders``, a swap
+  of the transformer out of VRAM); without the cache it is encoded when drawn. A concept's ``caption_dropout``
+  (an empty caption, cached with its images) costs nothing per step either.
 - Latents: each control's cached VAE posterior mean (the pipelines encode the condition image with
   ``sample_mode="argmax"``), normalised per channel as ``_encode_vae_image`` does, packed 2×2 and placed after the
   target's tokens; ``img_shapes`` lists the target and then each control (the transformer's RoPE gives image k frame
@@ -56,7 +58,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import part_dtype
-from trainer.families.common.host_copy import to_device
+from trainer.families.common.host_copy import flags_on, to_device
 from trainer.families.common.transformer_kit import MaskedText, save_transformer_file
 from trainer.families.qwenimage.detect import MARKER_2511
 from trainer.families.qwenimage.family import QwenImage
@@ -235,7 +237,10 @@ class QwenImageEdit(QwenImage):
             lengths = batch.get("prompt_lengths")
         else:
             embeds, mask = encode(list(expand(batch["captions"])), list(range(rows)), "text_encoder" in train_text)
-        if drop_te1 is not None and any(drop_te1):
+        cached = batch.get("empty_text")  # each row's empty instruction with its images, from the text cache
+        if drop_te1 is not None and any(drop_te1) and cached is not None:
+            embeds, mask, lengths = _dropped_from_cache(embeds, mask, lengths, drop_te1, cached)
+        elif drop_te1 is not None and any(drop_te1):  # not cached (the text cache off): encoded now
             dropped = [i for i, d in enumerate(drop_te1) if d]
             with torch.no_grad():
                 empty, empty_mask = encode([""] * len(dropped), dropped, False)
@@ -311,6 +316,23 @@ def _replace_rows(embeds, mask, rows: List[int], new, new_mask):
     new, new_mask = _pad(new.to(embeds), new_mask.to(mask.device), longest)
     index = to_device(torch.tensor(rows), embeds.device)  # the dropped rows, chosen on the host
     return embeds.index_copy(0, index, new), mask.index_copy(0, index, new_mask)
+
+
+def _dropped_from_cache(embeds, mask, lengths: Optional[List[int]], drops: List[bool], cached: Dict[str, Any]):
+    """The dropped rows' features and mask taken from ``cached`` (the batch's ``empty_text``: each row's empty
+    instruction with its own images), both padded at the end to the longer; each row's length stays known on the
+    host where both sides' are."""
+    empty, empty_mask = cached["prompt_embeds"], cached["prompt_mask"]
+    longest = max(embeds.shape[1], empty.shape[1])
+    embeds, mask = _pad(embeds, mask, longest)
+    empty, empty_mask = _pad(empty.to(embeds), empty_mask.to(mask.device).bool(), longest)
+    rows = flags_on(drops, embeds.device)  # drawn on the host: moved as batches are
+    embeds = torch.where(rows[:, None, None], empty, embeds)
+    mask = torch.where(rows[:, None], empty_mask, mask)
+    theirs = cached.get("prompt_lengths")
+    if lengths is None or theirs is None:
+        return embeds, mask, None
+    return embeds, mask, [e if d else n for n, e, d in zip(lengths, theirs, drops)]
 
 
 def _pad(embeds, mask, length: int):
