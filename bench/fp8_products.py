@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """One frozen Linear of Flux.1's sizes, forward and forward+backward (the input's gradient, as a LoRA step needs
-it), three ways: the weight in bf16; stored in fp8 and upcast for each product (``parts.denoiser.fp8``); stored in
-fp8 and multiplied on the fp8 tensor cores (``parts.denoiser.fp8_matmul``, trainer/memory/fp8_matmul.py), eager
-and, with ``--compiled``, through torch.compile (which fuses the input's scaling and cast).
+it), five ways: the weight in bf16; stored in fp8 and upcast for each product (``parts.denoiser.fp8``), and the same
+with a scale per output row (``parts.denoiser.fp8_scaled``: the upcast multiplies by it); stored in fp8 and
+multiplied on the fp8 tensor cores (``parts.denoiser.fp8_matmul``, trainer/memory/fp8_matmul.py), unscaled and
+scaled (the row scale on the product's columns); eager and, with ``--compiled``, through torch.compile (which fuses
+the input's scaling and cast).
 
     .venv/bin/python bench/fp8_products.py                      # on a GPU: Flux.1's layer sizes, 4608 tokens
     .venv/bin/python bench/fp8_products.py --compiled
@@ -28,7 +30,7 @@ if importlib.util.find_spec("trainer") is None:
 
 import torch  # noqa: E402
 
-from trainer.memory.precision import store_fp8  # noqa: E402
+from trainer.memory.precision import quantise_with_scale, row_scale, store_fp8  # noqa: E402
 
 # Flux.1 [dev]'s Linear sizes (in, out): attention projections, the double blocks' MLP up and down, the single
 # blocks' fused input (q, k, v and the MLP's up) and output
@@ -39,7 +41,8 @@ def layer(k: int, n: int, way: str, device, dtype=torch.bfloat16) -> torch.nn.Li
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n, device=device, dtype=dtype).requires_grad_(False)
     if way != "bf16":
-        store_fp8(lin, lin.weight.data.to(torch.float8_e4m3fn), None, dtype, matmul=way == "fp8 products")
+        scale = row_scale(lin.weight.data) if way.endswith("scaled") else None
+        store_fp8(lin, quantise_with_scale(lin.weight.data, scale), scale, dtype, matmul=way.startswith("fp8 products"))
     return lin
 
 
@@ -82,7 +85,7 @@ def main() -> None:
           f"of {args.calls}")
     print("| in → out | way | forward ms | forward+backward ms | forward TFLOP/s | vs bf16 (fwd+bwd) |")
     print("|---|---|---|---|---|---|")
-    ways = ["bf16", "fp8 storage", "fp8 products"]
+    ways = ["bf16", "fp8 storage", "fp8 storage, scaled", "fp8 products", "fp8 products, scaled"]
     for k, n in sizes:
         x = torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
         xg = x.clone().requires_grad_(True)

@@ -312,6 +312,10 @@ class DenoiserPart:
                                 "(twice their bf16 rate; inputs rounded to fp8 per tensor, fp32 sums, gradients as "
                                 "before). RTX 40xx, L4/L40, H100/H200 and newer (compute capability 8.9+); the "
                                 "inputs' rounding fuses best with training.compile. Needs parts.denoiser.fp8.")
+    fp8_scaled: bool = f(False, "With fp8 storage: each layer's weights are divided by a scale per output row "
+                                "(its largest magnitude maps to fp8's largest, 448) before they are rounded, and "
+                                "multiplied back as the layer runs, as musubi-tuner's --fp8_scaled: small weights keep "
+                                "fp8's precision instead of falling among its subnormals. Needs parts.denoiser.fp8.")
     nf4: bool = f(False, "Store the frozen denoiser's Linear weights in 4-bit NF4 (bitsandbytes, as QLoRA) and "
                          "dequantize each layer as it runs: about a quarter of the memory of bf16 for a transformer. "
                          "LoRA (lora.type = lora) only; not with fp8.")

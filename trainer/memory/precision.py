@@ -6,7 +6,8 @@
   after the LoRA adapters exist; the adapters, conv_in/conv_out and the time embedding stay as they
   are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
   read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
-  each layer computes with fp8 · scale (:func:`store_fp8`).
+  each layer computes with fp8 · scale (:func:`store_fp8`); ``parts.denoiser.fp8_scaled`` gives the others a
+  scale per output row too (:func:`row_scale`).
 - bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
   (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
   copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
@@ -229,15 +230,26 @@ def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> 
     return (weight.float() / factor).to(torch.float8_e4m3fn)
 
 
+def row_scale(weight: torch.Tensor) -> torch.Tensor:
+    """One fp32 scale per output row of ``weight`` (Linear ``[out, in]``, Conv ``[out, in, kh, kw]``) that maps the
+    row's largest magnitude to float8_e4m3fn's largest value (448): ``weight / scale`` then uses fp8's whole range,
+    where small weights stored as they are fall among fp8's subnormals (below 2⁻⁶) and lose their precision. musubi-
+    tuner's ``--fp8_scaled`` in its per-channel mode; a row of zeros gets the smallest positive scale."""
+    top = weight.detach().float().flatten(1).abs().amax(dim=1)
+    return (top / torch.finfo(torch.float8_e4m3fn).max).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset(),
                        scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False,
-                       matmul: bool = False) -> int:
+                       matmul: bool = False, scaled: bool = False) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     ``scales`` (module name → scale, the names of ``unet.named_modules()``): the layers of a base loaded from an
     fp8 file with scales (see :func:`trainer.families.common.fp8_weights.dequantise_fp8`). Each is stored as
     the file stored it, its fp8 values and its scale (:func:`quantise_with_scale`); the others without a scale,
     or (``only_scaled``: the file's base without ``parts.denoiser.fp8``) not at all, as the file kept them.
+    ``scaled`` (``parts.denoiser.fp8_scaled``): the layers without a file's scale get one per output row
+    (:func:`row_scale`) instead of none.
     peft's wrappers name their base layer ``<layer>.base_layer``: that suffix is looked through.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
@@ -262,6 +274,8 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
             continue
         scale = scales.get(layer)
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
+        if scale is None and scaled:
+            scale = row_scale(weight)
         stored = _home(quantise_with_scale(weight, scale), module, in_ram)
         store_fp8(module, stored, scale, compute_dtype, matmul)
         count += 1
@@ -380,10 +394,13 @@ def apply_storage(model, method, cfg) -> None:
                               "the whole denoiser (training.method = finetune). Use LoRA, or turn "
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
         matmul = bool(cfg.parts.denoiser.get("fp8_matmul", False))  # the device: checked in the run's set-up
+        scaled = bool(cfg.parts.denoiser.get("fp8_scaled", False))
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
-                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8, matmul=matmul)
+                                   in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8, matmul=matmul,
+                                   scaled=scaled)
         products = sum(1 for m in denoiser.modules() if getattr(m, "fp8_products", False))
-        logging.getLogger("atelier").info("fp8 storage: %d denoiser layers%s", count,
+        logging.getLogger("atelier").info("fp8 storage: %d denoiser layers%s%s", count,
+                                          ", scaled per output row" if scaled and cfg.parts.denoiser.fp8 else "",
                                           f", {products} of them multiplying in fp8" if matmul else "")
     if cfg.parts.denoiser.get("nf4", False):
         count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,

@@ -34,6 +34,9 @@ def check_storage(cfg: Any) -> None:
         raise ConfigError("parts.denoiser.fp8_matmul multiplies with the fp8 weights of parts.denoiser.fp8, which is "
                           "off. Turn parts.denoiser.fp8 on, or fp8_matmul off.", key="parts.denoiser.fp8_matmul",
                           value=True)
+    if cfg.parts.denoiser.get("fp8_scaled", False) and not cfg.parts.denoiser.fp8:
+        raise ConfigError("parts.denoiser.fp8_scaled scales the fp8 weights of parts.denoiser.fp8, which is off. Turn "
+                          "parts.denoiser.fp8 on, or fp8_scaled off.", key="parts.denoiser.fp8_scaled", value=True)
     swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
     if swap and not cfg.training.gradient_checkpointing:
         raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "
