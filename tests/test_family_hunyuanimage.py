@@ -62,10 +62,11 @@ def test_predict_is_the_pipelines_transformer_call_and_cfg_scale_is_the_guiders(
         remove()
     torch.testing.assert_close(pred, ref["out"])
     # the same prediction from the captions' real tokens alone: the pipeline pads to 1000 and 128 tokens
-    seen = transformer_inputs(model, ref["kwargs"]["hidden_states"], sigma, cond)
-    for key, mask in (("encoder_hidden_states", cond.mask), ("encoder_hidden_states_2", cond.mask_2)):
-        assert seen[key].shape[1] == int(mask.sum()) < ref["kwargs"][key].shape[1]
-        torch.testing.assert_close(seen[key], ref["kwargs"][key][:, :int(mask.sum())])
+    seen = transformer_inputs(model, ref["kwargs"]["hidden_states"], sigma, cond)["encoder_hidden_states"]
+    for ours, key, mask in ((seen.embeds, "encoder_hidden_states", cond.mask),
+                            (seen.embeds_2, "encoder_hidden_states_2", cond.mask_2)):
+        assert ours.shape[1] == int(mask.sum()) < ref["kwargs"][key].shape[1]
+        torch.testing.assert_close(ours, ref["kwargs"][key][:, :int(mask.sum())])
     # gradient checkpointing (diffusers' own function refuses the blocks' keyword arguments): same output, gradients
     model.transformer.enable_gradient_checkpointing()
     try:
@@ -179,3 +180,44 @@ def test_cached_captions_are_as_long_as_their_text_and_dropout_meets_them(hunyua
         torch.testing.assert_close(model.predict(x, sigma, cond), model.predict(x, sigma, full),
                                    atol=1e-5, rtol=1e-5)
 
+
+
+def test_the_two_text_streams_are_joined_as_diffusers_joins_them_without_reading_the_masks(hunyuan):
+    """diffusers' forward joins the refined Qwen tokens and the glyph tokens per row with boolean indexes (eight
+    device reads a row); the step hands them over joined by a sort on the device (joined_text.py): the output and
+    every gradient are diffusers' bit for bit, for rows of different lengths and a mask with a hole."""
+    from trainer.families.hunyuanimage.joined_text import join
+    ws, paths, model = hunyuan
+    t = model.transformer
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, 4, 6, generator=g)
+    e, e2 = torch.randn(2, 7, t.config.text_embed_dim, generator=g), torch.randn(2, 5, t.config.text_embed_2_dim,
+                                                                                 generator=g)
+    m = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 0, 0, 0]], dtype=torch.bool)  # a hole in the second row
+    m2 = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)  # no glyphs in the second row
+    step = torch.tensor([300.0, 700.0])
+
+    def run(joined: bool):
+        inputs = [v.clone().requires_grad_(True) for v in (x, e, e2)]
+        if joined:
+            text, mask = join(inputs[1], m, inputs[2], m2)
+            kwargs = dict(encoder_hidden_states=text, encoder_attention_mask=mask)
+        else:
+            kwargs = dict(encoder_hidden_states=inputs[1], encoder_attention_mask=m,
+                          encoder_hidden_states_2=inputs[2], encoder_attention_mask_2=m2)
+        out = t(hidden_states=inputs[0], timestep=step, return_dict=False, **kwargs)[0]
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in t.parameters() if p.grad is not None]
+        t.zero_grad(set_to_none=True)
+        return out.detach(), [v.grad for v in inputs], grads
+
+    frozen = {n for n, p in t.named_parameters() if not p.requires_grad}
+    t.requires_grad_(True)  # the weights' gradients too (the refiner's, the glyph projection's, the blocks')
+    try:
+        theirs, ours = run(False), run(True)
+    finally:
+        for n, p in t.named_parameters():
+            p.requires_grad_(n not in frozen)
+    assert torch.equal(ours[0], theirs[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], theirs[1]))
+    assert len(ours[2]) == len(theirs[2]) > 0 and all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))

@@ -44,6 +44,7 @@ from trainer.families.common.transformer_kit import (
     save_transformer_file,
 )
 from trainer.families.hunyuanimage import lora_keys
+from trainer.families.hunyuanimage.joined_text import join, join_texts
 from trainer.families.hunyuanimage.keys import (
     config_from_original,
     diffusers_to_original,
@@ -181,6 +182,7 @@ class HunyuanImage(PeftLayoutLora, Family):
                                          dtype=dtypes)
         self.transformer, self.vae = pipe.transformer, pipe.vae
         self.transformer.enable_gradient_checkpointing = partial(enable_checkpointing, self.transformer)
+        join_texts(self.transformer)  # the step's two text streams joined without reading the masks back
         self.text_encoder, self.tokenizer = pipe.text_encoder, pipe.tokenizer
         self.text_encoder_2, self.tokenizer_2 = pipe.text_encoder_2, pipe.tokenizer_2
         self.guider, self.ocr_guider = pipe.guider, pipe.ocr_guider
@@ -240,11 +242,11 @@ class HunyuanImage(PeftLayoutLora, Family):
     def predict(self, model_input, timesteps, conditioning):
         dtype, device = model_input.dtype, model_input.device
         embeds, mask, embeds_2, mask_2 = _cut_padding(conditioning.to(device))
+        # the two streams joined as diffusers' forward joins them, without its boolean indexes (joined_text.py)
+        text, text_mask = join(embeds.to(dtype), mask, embeds_2.to(dtype), mask_2)
         # t = 1000·σ in fp32 (the pipeline passes the scheduler's timestep in the latents' dtype)
         return self.transformer(hidden_states=model_input, timestep=timesteps.to(device, torch.float32) * 1000.0,
-                                encoder_hidden_states=embeds.to(dtype), encoder_attention_mask=mask,
-                                encoder_hidden_states_2=embeds_2.to(dtype), encoder_attention_mask_2=mask_2,
-                                return_dict=False)[0]
+                                encoder_hidden_states=text, encoder_attention_mask=text_mask, return_dict=False)[0]
 
     # --- sampling ---------------------------------------------------------------------------
     def pipeline(self, sampler: Optional[str] = None):
