@@ -238,15 +238,6 @@ def test_fp8_scaled_keeps_fp8s_precision_for_small_weights():
     assert float(from_file[0].weight_scale) == 0.5 and from_file[1].weight_scale.shape == (8, 1, 1, 1)
 
 
-def test_validate_asks_fp8_scaled_for_fp8_storage(tmp_path):
-    from trainer.config.checks import check_config
-    cfg, issues = check_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8_scaled=true"],
-                               preset="demo-flux")
-    errors = [i for i in issues if i.level == "error"]
-    assert cfg is None and [i.key for i in errors] == ["parts.denoiser.fp8_scaled"], issues
-    assert "parts.denoiser.fp8 on" in errors[0].message
-
-
 @pytest.mark.slow  # two runs of the tiny Flux.1
 def test_a_run_with_scaled_fp8_trains_the_lora_of_the_bf16_run(tiny_workspace):
     common = ("training.max_steps=4", "parts.denoiser.dtype=bf16", "training.mixed_precision=bf16",

@@ -88,14 +88,15 @@ def test_a_gpu_without_fp8_tensor_cores_is_named(monkeypatch):
     assert fp8_matmul.why_not("cpu") is None and "mps" in fp8_matmul.why_not("mps")
 
 
-def test_validate_asks_for_fp8_storage(tmp_path):
+@pytest.mark.parametrize("switch", ["fp8_matmul", "fp8_scaled"])  # the products, and the row scales (fp8_layers)
+def test_validate_asks_for_fp8_storage(tmp_path, switch):
     from trainer.config.checks import check_config
-    cfg, issues = check_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8_matmul=true"],
+    cfg, issues = check_config(None, [f"general.workspace={tmp_path}", f"parts.denoiser.{switch}=true"],
                                preset="demo-flux")
     errors = [i for i in issues if i.level == "error"]
-    assert cfg is None and [i.key for i in errors] == ["parts.denoiser.fp8_matmul"], issues
+    assert cfg is None and [i.key for i in errors] == [f"parts.denoiser.{switch}"], issues
     assert "parts.denoiser.fp8 on" in errors[0].message
-    cfg, issues = check_config(None, [f"general.workspace={tmp_path}", "parts.denoiser.fp8_matmul=true",
+    cfg, issues = check_config(None, [f"general.workspace={tmp_path}", f"parts.denoiser.{switch}=true",
                                       "parts.denoiser.fp8=true"], preset="demo-flux")
     assert cfg is not None and not [i for i in issues if i.level == "error"]
 
