@@ -348,6 +348,9 @@ class TextEncoderPart:
     fp8: bool = f(False, "Store this frozen text encoder's Linear weights in fp8 (e4m3) and upcast each layer as it "
                          "runs: half the memory of bf16 (Mistral Small 3.1 of Flux.2 [dev]: 22 instead of 45 GiB). Its "
                          "outputs shift a little (the text cache keeps them). Not with train.")
+    fp8_scaled: bool = f(False, "With fp8: each layer's weights divided by a scale per output row before they are "
+                                "rounded (the row's largest magnitude maps to fp8's largest) and multiplied back as it "
+                                "runs, as ComfyUI's scaled fp8 text encoders: its outputs shift less. Needs fp8.")
     nf4: bool = f(False, "Store this frozen text encoder's Linear weights in 4-bit NF4 (bitsandbytes) and dequantize "
                          "each layer as it runs: a quarter of bf16 (Mistral Small 3.1: ~12 GiB). Its outputs shift more "
                          "than with fp8. Not with train or fp8.")

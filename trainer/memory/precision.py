@@ -363,9 +363,12 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
                          if isinstance(m, torch.nn.Linear) and id(m.weight) in shared)
             # what the model keeps in full precision itself (T5's wo: it casts its input to wo's dtype)
             keep = tuple(f".{n}" for n in (getattr(module, "_keep_in_fp32_modules", None) or ()))
-            store = enable_nf4_storage if kind == "nf4" else enable_fp8_storage
-            count = store(module, dtype, TEXT_FP8_SKIP + tied + keep, device, in_ram)
-            logging.getLogger("atelier").info("%s storage: %d layers of %s", "NF4" if kind == "nf4" else "fp8", count, attr)
+            skip = TEXT_FP8_SKIP + tied + keep
+            scaled = kind == "fp8" and bool(cfg.parts[part_name].get("fp8_scaled", False))  # row scales
+            count = (enable_nf4_storage(module, dtype, skip, device, in_ram) if kind == "nf4" else
+                     enable_fp8_storage(module, dtype, skip, device, in_ram, scaled=scaled))
+            logging.getLogger("atelier").info("%s storage: %d layers of %s%s", "NF4" if kind == "nf4" else "fp8", count,
+                                              attr, ", scaled per output row" if scaled else "")
         if deferred:
             if not offloading:
                 module.to(model.device)

@@ -27,6 +27,10 @@ def check_storage(cfg: Any) -> None:
             if cfg.parts[part].get(kind, False) and cfg.parts[part].train:
                 raise ConfigError(f"parts.{part}.{kind} stores this text encoder's frozen weights in {kind}, but "
                                   f"parts.{part}.train is on. Turn one of them off.", key=f"parts.{part}.{kind}", value=True)
+        if cfg.parts[part].get("fp8_scaled", False) and not cfg.parts[part].get("fp8", False):
+            raise ConfigError(f"parts.{part}.fp8_scaled scales the fp8 weights of parts.{part}.fp8, which is off. "
+                              f"Turn parts.{part}.fp8 on, or fp8_scaled off.", key=f"parts.{part}.fp8_scaled",
+                              value=True)
         if cfg.parts[part].get("fp8", False) and cfg.parts[part].get("nf4", False):
             raise ConfigError(f"parts.{part}.nf4 and parts.{part}.fp8 are both on: the frozen weights are stored one way. "
                               "Turn one of them off.", key=f"parts.{part}.nf4", value=True)
