@@ -472,6 +472,21 @@ def schema_defaults() -> DictConfig:
     return copy.deepcopy(_schema_template())
 
 
+def _merged_at_once(layers: List[tuple]) -> Optional[DictConfig]:
+    """The schema's defaults with ``layers`` merged in, in place in one fresh copy (``OmegaConf.merge`` copies its
+    target at every layer: most of a preset's composing time), or None where a layer has a problem: the caller then
+    merges each layer with :func:`_merge_into_schema`, which names every problem and where it is."""
+    cfg = schema_defaults()
+    try:
+        for layer, _ in layers:
+            if _shape_problems(cfg, layer):
+                return None
+            cfg.merge_with(layer)
+    except (OmegaConfBaseException, TypeError, ValueError):
+        return None
+    return cfg
+
+
 # A shipped preset merged into the schema, per preset: (the stamps of the files its base: chain read, the config).
 _SHIPPED_MERGED: dict = {}
 
@@ -495,10 +510,12 @@ def _schema_with_preset(preset: str, errors: List[ConfigError]) -> DictConfig:
             pass
     files: List[Path] = []
     layers = _load_layers(path, "Preset", files=files)
-    cfg = schema_defaults()
     own: List[ConfigError] = []
-    for layer, source in layers:
-        cfg = _merge_into_schema(cfg, layer, source, own)
+    cfg = _merged_at_once(layers)
+    if cfg is None:
+        cfg = schema_defaults()
+        for layer, source in layers:
+            cfg = _merge_into_schema(cfg, layer, source, own)
     errors.extend(own)
     shipped = PRESETS_DIR.resolve()
     if not own and all(f.resolve().parent == shipped for f in files):
@@ -515,10 +532,12 @@ def compose(path: Optional[str | os.PathLike] = None, overrides: Iterable[str] =
     with ``problems``, added there and left out of the config returned, so ``validate`` can check the rest too.
     A file that cannot be read at all (missing, not YAML, an unknown preset) raises at once."""
     errors: List[ConfigError] = []
-    cfg = _schema_with_preset(preset, errors) if preset else schema_defaults()
     layers = _load_layers(Path(path), "Config file") if path is not None else []
-    for layer, source in layers:
-        cfg = _merge_into_schema(cfg, layer, source, errors)
+    cfg = None if preset or not layers else _merged_at_once(layers)  # a file alone: its layers in one pass
+    if cfg is None:
+        cfg = _schema_with_preset(preset, errors) if preset else schema_defaults()
+        for layer, source in layers:
+            cfg = _merge_into_schema(cfg, layer, source, errors)
     cfg = _apply_overrides(cfg, overrides, errors)
     try:
         _check_interpolations(cfg)
@@ -537,11 +556,13 @@ def compose_dict(data: dict | DictConfig, problems: Optional[List[ConfigError]] 
     errors: List[ConfigError] = []
     layer = OmegaConf.create(data) if not isinstance(data, DictConfig) else data
     base = layer.pop("base", None) if "base" in layer else None
-    cfg = schema_defaults()
-    if base:
-        for lower, source in _load_layers(resolve_preset(str(base)), "Preset"):
+    layers = _load_layers(resolve_preset(str(base)), "Preset") if base else []
+    layers.append((migrate(layer, "form"), "config"))
+    cfg = _merged_at_once(layers)
+    if cfg is None:
+        cfg = schema_defaults()
+        for lower, source in layers:
             cfg = _merge_into_schema(cfg, lower, source, errors)
-    cfg = _merge_into_schema(cfg, migrate(layer, "form"), "config", errors)
     if problems is None:
         raise_all(errors)
     else:
