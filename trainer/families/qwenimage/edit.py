@@ -58,8 +58,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import part_dtype
-from trainer.families.common.host_copy import flags_on, to_device
-from trainer.families.common.transformer_kit import MaskedText, save_transformer_file
+from trainer.families.common.host_copy import to_device
+from trainer.families.common.transformer_kit import MaskedText, rows_replaced, save_transformer_file
 from trainer.families.qwenimage.detect import MARKER_2511
 from trainer.families.qwenimage.family import QwenImage
 from trainer.families.qwenimage.info import EDIT_VARIANTS
@@ -320,15 +320,9 @@ def _replace_rows(embeds, mask, rows: List[int], new, new_mask):
 
 def _dropped_from_cache(embeds, mask, lengths: Optional[List[int]], drops: List[bool], cached: Dict[str, Any]):
     """The dropped rows' features and mask taken from ``cached`` (the batch's ``empty_text``: each row's empty
-    instruction with its own images), both padded at the end to the longer; each row's length stays known on the
-    host where both sides' are."""
-    empty, empty_mask = cached["prompt_embeds"], cached["prompt_mask"]
-    longest = max(embeds.shape[1], empty.shape[1])
-    embeds, mask = _pad(embeds, mask, longest)
-    empty, empty_mask = _pad(empty.to(embeds), empty_mask.to(mask.device).bool(), longest)
-    rows = flags_on(drops, embeds.device)  # drawn on the host: moved as batches are
-    embeds = torch.where(rows[:, None, None], empty, embeds)
-    mask = torch.where(rows[:, None], empty_mask, mask)
+    instruction with its own images; :func:`rows_replaced`, both padded to the longer); each row's length stays
+    known on the host where both sides' are."""
+    embeds, mask = rows_replaced(drops, embeds, mask, cached["prompt_embeds"], cached["prompt_mask"])
     theirs = cached.get("prompt_lengths")
     if lengths is None or theirs is None:
         return embeds, mask, None
