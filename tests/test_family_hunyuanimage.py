@@ -35,8 +35,8 @@ def test_text_features_glyphs_and_dropout_are_the_pipelines(hunyuan):
     # dropping both gives the empty caption's features and no glyphs (the pipeline's negative prompt "")
     ne, nm, ne2, nm2 = pipe.encode_prompt("", device="cpu")
     dropped = model.batch_condition({"captions": [caption]}, lambda c: c, set(), drop_te1=[True], drop_te2=[True])
-    torch.testing.assert_close(dropped.embeds, ne)
-    assert torch.equal(dropped.mask, nm.bool())
+    assert torch.equal(dropped.mask, nm.bool())  # its real tokens (the padding the masks leave out is not kept)
+    torch.testing.assert_close(dropped.embeds[dropped.mask], ne[nm.bool()])
     assert not bool(dropped.embeds_2.any()) and not bool(dropped.mask_2.any()) and not bool(nm2.any())
 
 
@@ -164,22 +164,36 @@ def test_the_lora_file_is_the_original_layout_comfyui_adds_as_the_trained_layers
 
 def test_cached_captions_are_as_long_as_their_text_and_dropout_meets_them(hunyuan):
     """A cached entry keeps each stream's real tokens only (the pipeline pads to 1000 and 128); a cached batch of
-    two lengths, one row dropped to the empty caption (the pipeline's 1000 tokens), predicts what the whole padded
-    features predict."""
-    from trainer.data.text_rows import stack_padded
+    two lengths carries each row's real tokens of both streams on the host, dropout keeps them (the empty caption's
+    for a dropped Qwen row, none for a dropped glyph row), so the step cuts the padding without reading the masks,
+    and predicts what the whole padded features predict."""
+    from trainer.data.text_rows import stack_texts
     ws, paths, model = hunyuan
-    rows = [model.encode_captions([c]) for c in ('a sign that says "HI" on a wall', "x")]
+    captions = ('a sign that says "HI" on a wall', 'x "A"')
+    rows = [model.encode_captions([c]) for c in captions]
     for r in rows:
         assert r["prompt_mask"].shape[1] == int(r["prompt_mask"].sum())
         assert r["glyph_mask"].shape[1] == max(int(r["glyph_mask"].sum()), 1)
-    batch = {k: stack_padded([r[k][0] for r in rows]) for k in rows[0]}
-    cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=[False, True])
-    full = model._encode(['a sign that says "HI" on a wall', ""])  # as the pipeline pads ("x" quotes nothing either)
+    batch = stack_texts([{k: v[0] for k, v in r.items()} for r in rows])
+    real = [[int(r[k].sum()) for r in rows] for k in ("prompt_mask", "glyph_mask")]
+    assert (batch["prompt_lengths"], batch["glyph_lengths"]) == tuple(real) and real[0][0] != real[0][1]
+    empty = int(model.encode_captions([""])["prompt_mask"].sum())
     x, sigma = torch.randn(2, 8, 4, 6, generator=torch.Generator().manual_seed(3)), torch.tensor([0.3, 0.7])
-    with torch.no_grad():
-        torch.testing.assert_close(model.predict(x, sigma, cond), model.predict(x, sigma, full),
-                                   atol=1e-5, rtol=1e-5)
-
+    for drop_te1, drop_te2 in (([False, True], None), ([True, False], [False, True])):
+        cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=drop_te1, drop_te2=drop_te2)
+        full = model._encode(["" if d else c for c, d in zip(captions, drop_te1)])  # as the pipeline pads
+        glyphs = model._encode(list(captions))  # the glyph stream's own dropout, apart
+        full.embeds_2, full.mask_2 = glyphs.embeds_2, glyphs.mask_2
+        for i, d in enumerate(drop_te2 or []):  # a dropped glyph row: the pipeline's zeros and empty mask
+            if d:
+                full.embeds_2[i], full.mask_2[i] = 0, False
+        qwen = [empty if d else n for n, d in zip(real[0], drop_te1)]
+        glyph = [0 if d else n for n, d in zip(real[1], drop_te2 or [False, False])]
+        assert cond.lengths == (qwen, glyph)
+        assert [int(n) for n in cond.mask.sum(1)] == qwen and [int(n) for n in cond.mask_2.sum(1)] == glyph
+        with torch.no_grad():
+            torch.testing.assert_close(model.predict(x, sigma, cond), model.predict(x, sigma, full),
+                                       atol=1e-5, rtol=1e-5)
 
 
 def test_the_two_text_streams_are_joined_as_diffusers_joins_them_without_reading_the_masks(hunyuan):

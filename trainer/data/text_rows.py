@@ -21,15 +21,20 @@ def prefix_lengths(mask: torch.Tensor) -> Optional[List[int]]:
     return [int(n) for n in counts]
 
 
+# the families' names of a text mask whose rows' real tokens a cached batch counts on the host, and the name of the
+# counts: Z-Image/Qwen-Image …, Chroma/PixArt, and HunyuanImage's glyph (ByT5) mask
+MASK_LENGTHS = {"prompt_mask": "prompt_lengths", "prompt_attention_mask": "prompt_lengths",
+                "glyph_mask": "glyph_lengths"}
+
+
 def stack_texts(texts: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Cached text entries of a batch's rows, stacked (padded), with each row's real tokens (``prompt_lengths``)
-    where the mask says them."""
+    """Cached text entries of a batch's rows, stacked (padded), with each row's real tokens (``prompt_lengths``,
+    ``glyph_lengths``) where the masks say them."""
     out = {key: stack_padded([t[key] for t in texts]) for key in texts[0]}
-    mask_key = next((k for k in ("prompt_mask", "prompt_attention_mask") if k in out), None)
-    if mask_key is not None:  # the families' names of a text mask: Z-Image/Qwen-Image …, Chroma/PixArt
-        lengths = prefix_lengths(out[mask_key])
+    for mask_key, lengths_key in MASK_LENGTHS.items():
+        lengths = prefix_lengths(out[mask_key]) if mask_key in out else None
         if lengths is not None:
-            out["prompt_lengths"] = lengths
+            out[lengths_key] = lengths
     return out
 
 
@@ -42,4 +47,4 @@ def stack_padded(tensors: List[Any]) -> Any:
     return torch.stack([torch.cat([t, t.new_zeros(longest - t.shape[0], *t.shape[1:])]) for t in tensors])
 
 
-__all__ = ["prefix_lengths", "stack_padded", "stack_texts"]
+__all__ = ["MASK_LENGTHS", "prefix_lengths", "stack_padded", "stack_texts"]

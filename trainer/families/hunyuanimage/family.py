@@ -32,6 +32,7 @@ from diffusers import HunyuanImagePipeline, HunyuanImageTransformer2DModel
 from safetensors.torch import load_file
 from torch._subclasses.fake_tensor import is_fake
 
+from trainer.data.text_rows import prefix_lengths
 from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import Family, part_dtype
@@ -80,16 +81,24 @@ def _linear_rows(transformer: Any) -> Dict[str, int]:
 
 class HunyuanText:
     """The pipeline's four text tensors: Qwen features and mask, ByT5 glyph features and mask; ``.to()`` like a
-    tensor (the masks keep their dtype)."""
+    tensor (the masks keep their dtype). ``lengths``: each row's real Qwen and glyph tokens, on the host (``(qwen,
+    glyph)`` lists), where the text cache's batch carries them; else None (the step reads the masks)."""
 
-    def __init__(self, embeds, mask, embeds_2, mask_2):
+    def __init__(self, embeds, mask, embeds_2, mask_2, lengths: Optional[Tuple[List[int], List[int]]] = None):
         self.embeds, self.mask, self.embeds_2, self.mask_2 = embeds, mask, embeds_2, mask_2
+        self.lengths = lengths
 
     def to(self, *args: Any, **kwargs: Any) -> "HunyuanText":
         device = kwargs.get("device") or next((a for a in args if isinstance(a, (str, torch.device))), None)
         move = (lambda m: m) if device is None else (lambda m: m.to(device))
         return HunyuanText(self.embeds.to(*args, **kwargs), move(self.mask), self.embeds_2.to(*args, **kwargs),
-                           move(self.mask_2))
+                           move(self.mask_2), self.lengths)
+
+
+def _host_lengths(batch: Dict[str, Any]) -> Optional[Tuple[List[int], List[int]]]:
+    """A cached batch's real Qwen and glyph tokens per row, counted on the host by the data pipeline; else None."""
+    qwen, glyph = batch.get("prompt_lengths"), batch.get("glyph_lengths")
+    return None if qwen is None or glyph is None else (list(qwen), list(glyph))
 
 
 def _cut_padding(text: HunyuanText) -> Tuple[Any, Any, Any, Any]:
@@ -97,13 +106,16 @@ def _cut_padding(text: HunyuanText) -> Tuple[Any, Any, Any, Any]:
     pads them: the pipeline pads to 1000 and 128 tokens, and every padded token ran through the token refiner, the
     text streams and the joint attention, where the masks then left it out, so the image tokens' prediction is the
     same (``tests/test_family_hunyuanimage.py``). A caption of 60 tokens at 1024 px (1024 image tokens) is about half
-    the step's tokens of before. The real tokens come first in both (right padding); one read of the two masks'
-    lengths (the transformer reads its masks back in every block anyway). On the VRAM estimate's fake tensors (no
-    values) every token is kept."""
-    if is_fake(text.mask):
+    the step's tokens of before. The real tokens come first in both (right padding). A cached batch says its rows'
+    lengths on the host (``text.lengths``); captions encoded at the step are read once (the two masks' longest runs).
+    On the VRAM estimate's fake tensors (no values) every token is kept."""
+    if text.lengths is not None:
+        longest, longest_2 = (max(max(n), 1) for n in text.lengths)
+    elif is_fake(text.mask):
         return text.embeds, text.mask, text.embeds_2, text.mask_2
-    longest, longest_2 = (max(int(n), 1) for n in torch.stack([text.mask.sum(1).max(), text.mask_2.sum(1).max()])
-                          .tolist())
+    else:
+        longest, longest_2 = (max(int(n), 1) for n in torch.stack([text.mask.sum(1).max(), text.mask_2.sum(1).max()])
+                              .tolist())
     return (text.embeds[:, :longest], text.mask[:, :longest], text.embeds_2[:, :longest_2],
             text.mask_2[:, :longest_2])
 
@@ -165,7 +177,7 @@ class HunyuanImage(PeftLayoutLora, Family):
     swap_blocks = ("transformer_blocks", "single_transformer_blocks")
     targets = TARGETS
     modelspec = ("hunyuan-image-2.1", "https://github.com/Tencent-Hunyuan/HunyuanImage-2.1", "hunyuan-image-2.1")
-    _empty: Optional[HunyuanText] = None
+    _empty: Optional[Dict[str, Any]] = None  # the empty caption's cached entry (host tensors)
 
     def __init__(self, mcfg: Any, workspace: str, device: Any = "cpu"):
         self.source = classify_source(mcfg.path, workspace)
@@ -221,21 +233,29 @@ class HunyuanImage(PeftLayoutLora, Family):
         if batch.get("prompt_embeds") is not None:
             d = self.device
             text = HunyuanText(batch["prompt_embeds"].to(d), batch["prompt_mask"].to(d).bool(),
-                               batch["glyph_embeds"].to(d), batch["glyph_mask"].to(d).bool())
+                               batch["glyph_embeds"].to(d), batch["glyph_mask"].to(d).bool(), _host_lengths(batch))
         else:
             text = self._encode(list(expand(batch["captions"])))
         for flags, which in ((drop_te1, 0), (drop_te2, 1)):
             if flags is None or not any(flags):
                 continue
-            if self._empty is None:
-                self._empty = self._encode([""])
-            if which == 0:  # the empty caption's Qwen features (cached features are cut to their length)
-                text.embeds, text.mask = rows_replaced(flags, text.embeds, text.mask, self._empty.embeds,
-                                                       self._empty.mask)
+            lengths = text.lengths
+            if which == 0:  # the empty caption's Qwen features (cut to its tokens, as cached features are)
+                if self._empty is None:
+                    self._empty = self.encode_captions([""])
+                text.embeds, text.mask = rows_replaced(flags, text.embeds, text.mask, self._empty["prompt_embeds"],
+                                                       self._empty["prompt_mask"], owner=self)
+                new = (prefix_lengths(self._empty["prompt_mask"]) or [None])[0]  # a host tensor
             else:  # no quoted text: the pipeline's zeros and empty mask
                 on = flags_on(flags, text.embeds.device)
                 text.embeds_2 = torch.where(on[:, None, None], torch.zeros_like(text.embeds_2), text.embeds_2)
                 text.mask_2 = text.mask_2 & ~on[:, None]
+                new = 0
+            if lengths is not None and new is not None and len(lengths[which]) == len(flags):
+                rows = [new if dropped else n for n, dropped in zip(lengths[which], flags)]
+                text.lengths = (rows, lengths[1]) if which == 0 else (lengths[0], rows)
+            else:
+                text.lengths = None
         return text
 
     # --- the denoiser -------------------------------------------------------------------------
