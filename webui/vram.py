@@ -2,10 +2,10 @@
 the form's config in a subprocess, so the UI process never imports torch.
 
 The estimator builds the real, full-size model from its config under fake tensors (no weights, no GPU) and
-runs the trainer's code on it; an SDXL config takes 1-2 minutes on a CPU. It says how much the run needs at
-its peak and whether that fits the card asked about (the first GPU nvidia-smi lists, or a size the user
-types), and what to change when it does not. The peak does not depend on the card: the page keeps the last
-estimates by config, so trying another card size answers at once.
+runs the trainer's code on it; an SDXL config takes from under a minute to a few on a CPU, by its speed. It says
+how much the run needs at its peak and whether that fits the card asked about (the first GPU nvidia-smi lists, or
+a size the user types), and what to change when it does not. The peak does not depend on the card: the page keeps
+the last estimates by config, so trying another card size answers at once.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ from trainer.errors import ModelLoadError
 from trainer.families import sources
 from trainer.families.base import part_dtype
 from trainer.families.common.host_copy import to_device
-from trainer.families.common.transformer_kit import MaskedText, rows_replaced, save_transformer_file
+from trainer.families.common.transformer_kit import MaskedText, pad_tokens, rows_replaced, save_transformer_file
 from trainer.families.qwenimage.detect import MARKER_2511
 from trainer.families.qwenimage.family import QwenImage
 from trainer.families.qwenimage.info import EDIT_VARIANTS
@@ -312,8 +312,8 @@ def _padded(rows: List[Any]):
 def _replace_rows(embeds, mask, rows: List[int], new, new_mask):
     """``embeds``/``mask`` with ``rows`` replaced by ``new``/``new_mask``, padded at the end to the longer."""
     longest = max(embeds.shape[1], new.shape[1])
-    embeds, mask = _pad(embeds, mask, longest)
-    new, new_mask = _pad(new.to(embeds), new_mask.to(mask.device), longest)
+    embeds, mask = pad_tokens(embeds, mask, longest)
+    new, new_mask = pad_tokens(new.to(embeds), new_mask.to(mask.device), longest)
     index = to_device(torch.tensor(rows), embeds.device)  # the dropped rows, chosen on the host
     return embeds.index_copy(0, index, new), mask.index_copy(0, index, new_mask)
 
@@ -327,14 +327,6 @@ def _dropped_from_cache(embeds, mask, lengths: Optional[List[int]], drops: List[
     if lengths is None or theirs is None:
         return embeds, mask, None
     return embeds, mask, [e if d else n for n, e, d in zip(lengths, theirs, drops)]
-
-
-def _pad(embeds, mask, length: int):
-    extra = length - embeds.shape[1]
-    if extra <= 0:
-        return embeds, mask
-    return (torch.cat([embeds, embeds.new_zeros(embeds.shape[0], extra, embeds.shape[2])], dim=1),
-            torch.cat([mask, mask.new_zeros(mask.shape[0], extra)], dim=1))
 
 
 def resolve_variant(mcfg: Any, source: Any, found: Optional[str]) -> str:
