@@ -316,6 +316,10 @@ class DenoiserPart:
                                 "(its largest magnitude maps to fp8's largest, 448) before they are rounded, and "
                                 "multiplied back as the layer runs, as musubi-tuner's --fp8_scaled: small weights keep "
                                 "fp8's precision instead of falling among its subnormals. Needs parts.denoiser.fp8.")
+    fp8_scale_block: int = f(0, "With fp8_scaled: 0 = one scale per output row; N = one scale per block of N inputs "
+                                "in each row, musubi-tuner's default --fp8_scaled (64): a few large weights then cost "
+                                "only their block's precision (one fp32 more per N weights: 6 % more memory at 64). "
+                                "A power of two from 16 to 4096; not with fp8_matmul.", min=0, max=4096)
     nf4: bool = f(False, "Store the frozen denoiser's Linear weights in 4-bit NF4 (bitsandbytes, as QLoRA) and "
                          "dequantize each layer as it runs: about a quarter of the memory of bf16 for a transformer. "
                          "LoRA (lora.type = lora) only; not with fp8.")
@@ -351,6 +355,9 @@ class TextEncoderPart:
     fp8_scaled: bool = f(False, "With fp8: each layer's weights divided by a scale per output row before they are "
                                 "rounded (the row's largest magnitude maps to fp8's largest) and multiplied back as it "
                                 "runs, as ComfyUI's scaled fp8 text encoders: its outputs shift less. Needs fp8.")
+    fp8_scale_block: int = f(0, "With fp8_scaled: 0 = one scale per output row; N = one scale per block of N inputs "
+                                "in each row (a power of two from 16 to 4096; musubi-tuner's default is 64).",
+                             min=0, max=4096)
     nf4: bool = f(False, "Store this frozen text encoder's Linear weights in 4-bit NF4 (bitsandbytes) and dequantize "
                          "each layer as it runs: a quarter of bf16 (Mistral Small 3.1: ~12 GiB). Its outputs shift more "
                          "than with fp8. Not with train or fp8.")

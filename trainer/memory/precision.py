@@ -7,7 +7,8 @@
   are. See ``enable_fp8_storage`` for why this is not diffusers' ``enable_layerwise_casting``. A base
   read from an fp8 file keeps the file's fp8 values with their scale (per tensor or per output row):
   each layer computes with fp8 · scale (:func:`store_fp8`); ``parts.denoiser.fp8_scaled`` gives the others a
-  scale per output row too (:func:`row_scale`).
+  scale per output row too (:func:`row_scale`), or per block of inputs in each row (``fp8_scale_block``,
+  :func:`block_scale`).
 - bf16 stochastic rounding: with bf16 weights an optimizer update smaller than half of bf16's step
   (2⁻⁸ relative) rounds back to the old value and is lost. Optimizer hooks hand the optimizer fp32
   copies of the bf16 weights (so its state is fp32 too), and after the step round each weight to bf16
@@ -111,12 +112,14 @@ def fp8_available() -> bool:
         return False
 
 
+E4M3_MAX = 448.0  # float8_e4m3fn's largest value
 FP8_SKIP = ("conv_in", "conv_out", "time_embedding", "lora_")  # precision-critical ends; the adapters
 
 
 def fp8_weight(module: torch.nn.Module, compute_dtype: torch.dtype) -> torch.Tensor:
     """The weight an fp8-stored layer computes with: its fp8 weight upcast, times its ``weight_scale`` where it has
-    one (one value, or one per output row shaped ``(out, 1[, 1, 1])``), in ``compute_dtype``. ComfyUI's
+    one (one value, one per output row shaped ``(out, 1[, 1, 1])``, or one per block of a row's inputs shaped
+    ``(out, blocks, 1)``: :func:`block_scale`), in ``compute_dtype``. ComfyUI's
     ``scaled_fp8_ops`` (``comfy/ops.py``, commit a125cd84b054a57729b5eecab930ca9408719832) multiplies the weight cast
     to the compute dtype by the scale; here the product is taken in fp32 and then cast (the same up to the cast's
     rounding)."""
@@ -161,7 +164,10 @@ def _upcast_fp8(weight, scale, dtype):
     """:func:`fp8_weight` of a layer's stored weight and scale (None: none)."""
     if scale is None:
         return weight.to(dtype)
-    return (weight.float() * scale.to(weight.device, torch.float32)).to(dtype)
+    scale = scale.to(weight.device, torch.float32)
+    if scale.dim() == 3 and weight.dim() != 3:  # a scale per block of each row's (flattened) inputs
+        return (weight.float().reshape(scale.shape[0], scale.shape[1], -1) * scale).reshape(weight.shape).to(dtype)
+    return (weight.float() * scale).to(dtype)
 
 
 def _stored_forward(module, run, upcast, dtype, cast_input, scale=lambda: None):
@@ -208,8 +214,7 @@ def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[tor
     here), and so do Atelier's DoRA export and OFT. ``matmul`` (``parts.denoiser.fp8_matmul``): a Linear the fp8
     kernel takes multiplies in fp8 (:mod:`trainer.memory.fp8_matmul`)."""
     if scale is not None:
-        scale = scale.detach().to(torch.float32)
-        scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1, *([1] * (weight.ndim - 1)))
+        scale = _scale_shape(scale.detach().to(torch.float32), weight)
     module.weight.data = weight
     module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
     fast = module.fp8_products = matmul and fp8_matmul.takes(module)
@@ -225,9 +230,21 @@ def quantise_with_scale(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> 
     upcast's rounding error (at most 2⁻¹¹ relative) is far below fp8's step (2⁻³)."""
     if scale is None:
         return weight.to(torch.float8_e4m3fn)
-    factor = scale.detach().float().to(weight.device)
-    factor = factor.reshape(()) if factor.numel() == 1 else factor.reshape(-1, *([1] * (weight.ndim - 1)))
+    factor = _scale_shape(scale.detach().float().to(weight.device), weight)
+    if factor.dim() == 3 and weight.dim() != 3:  # per block: at most 448 by construction, clamped for the rounding
+        blocks = weight.float().reshape(factor.shape[0], factor.shape[1], -1) / factor
+        return blocks.clamp(-E4M3_MAX, E4M3_MAX).reshape(weight.shape).to(torch.float8_e4m3fn)
     return (weight.float() / factor).to(torch.float8_e4m3fn)
+
+
+def _scale_shape(scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A scale shaped to multiply ``weight``: ``()`` for one value, ``(out, 1[, 1, 1])`` for one per output row; a
+    scale per block (``(out, blocks, 1)``, :func:`block_scale`) stays as it is."""
+    if scale.numel() == 1:
+        return scale.reshape(())
+    if scale.dim() == 3 and weight.dim() != 3 and scale.shape[1] > 1:
+        return scale
+    return scale.reshape(-1, *([1] * (weight.ndim - 1)))
 
 
 def row_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -236,12 +253,31 @@ def row_scale(weight: torch.Tensor) -> torch.Tensor:
     where small weights stored as they are fall among fp8's subnormals (below 2⁻⁶) and lose their precision. musubi-
     tuner's ``--fp8_scaled`` in its per-channel mode; a row of zeros gets the smallest positive scale."""
     top = weight.detach().float().flatten(1).abs().amax(dim=1)
-    return (top / torch.finfo(torch.float8_e4m3fn).max).clamp_min(torch.finfo(torch.float32).tiny)
+    return (top / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def block_scale(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """One fp32 scale per block of ``block`` consecutive inputs in each output row (``(out, in / block, 1)``; a
+    Conv's inputs flattened with its kernel), each mapping its block's largest magnitude to fp8's 448: musubi-tuner's
+    default ``--fp8_scaled`` (blocks of 64; read at commit 0c9905bebdf8a20c69f391679a01fa170205a8a3,
+    ``fp8_optimization_utils.py``). A few large inputs then cost only their own block's precision, not the whole
+    row's. A layer whose inputs do not divide into blocks, or make one block, gets :func:`row_scale` (musubi falls
+    back to one scale for the tensor)."""
+    inputs = weight[0].numel() if weight.dim() > 1 else 0
+    if block < 1 or inputs % block or inputs // block < 2:
+        return row_scale(weight)
+    top = weight.detach().float().reshape(weight.shape[0], inputs // block, block).abs().amax(dim=2, keepdim=True)
+    return (top / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def scaled_as(block: int) -> str:
+    """The run log's words for ``fp8_scaled`` with ``fp8_scale_block``."""
+    return f", scaled per block of {block} inputs" if block else ", scaled per output row"
 
 
 def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=frozenset(),
                        scales: Optional[Dict[str, torch.Tensor]] = None, only_scaled: bool = False,
-                       matmul: bool = False, scaled: bool = False) -> int:
+                       matmul: bool = False, scaled: bool = False, block: int = 0) -> int:
     """Store the frozen Linear/Conv2d weights of ``unet`` in float8_e4m3fn; returns how many layers.
 
     ``scales`` (module name → scale, the names of ``unet.named_modules()``): the layers of a base loaded from an
@@ -249,7 +285,8 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
     the file stored it, its fp8 values and its scale (:func:`quantise_with_scale`); the others without a scale,
     or (``only_scaled``: the file's base without ``parts.denoiser.fp8``) not at all, as the file kept them.
     ``scaled`` (``parts.denoiser.fp8_scaled``): the layers without a file's scale get one per output row
-    (:func:`row_scale`) instead of none.
+    (:func:`row_scale`) instead of none, or with ``block`` (``fp8_scale_block``) one per block of that many inputs
+    in each row (:func:`block_scale`).
     peft's wrappers name their base layer ``<layer>.base_layer``: that suffix is looked through.
 
     Not diffusers' ``enable_layerwise_casting``: its hooks swap each weight back to fp8 after the
@@ -275,7 +312,7 @@ def enable_fp8_storage(unet, compute_dtype, skip=FP8_SKIP, device=None, in_ram=f
         scale = scales.get(layer)
         weight = module.weight.data if device is None else module.weight.data.to(device)  # one layer at a time
         if scale is None and scaled:
-            scale = row_scale(weight)
+            scale = block_scale(weight, block) if block else row_scale(weight)
         stored = _home(quantise_with_scale(weight, scale), module, in_ram)
         store_fp8(module, stored, scale, compute_dtype, matmul)
         count += 1
@@ -364,11 +401,12 @@ def place_text_encoders(model, cfg, offloading: bool) -> None:
             # what the model keeps in full precision itself (T5's wo: it casts its input to wo's dtype)
             keep = tuple(f".{n}" for n in (getattr(module, "_keep_in_fp32_modules", None) or ()))
             skip = TEXT_FP8_SKIP + tied + keep
-            scaled = kind == "fp8" and bool(cfg.parts[part_name].get("fp8_scaled", False))  # row scales
+            scaled = kind == "fp8" and bool(cfg.parts[part_name].get("fp8_scaled", False))  # row or block scales
+            block = int(cfg.parts[part_name].get("fp8_scale_block", 0) or 0)
             count = (enable_nf4_storage(module, dtype, skip, device, in_ram) if kind == "nf4" else
-                     enable_fp8_storage(module, dtype, skip, device, in_ram, scaled=scaled))
+                     enable_fp8_storage(module, dtype, skip, device, in_ram, scaled=scaled, block=block))
             logging.getLogger("atelier").info("%s storage: %d layers of %s%s", "NF4" if kind == "nf4" else "fp8", count,
-                                              attr, ", scaled per output row" if scaled else "")
+                                              attr, scaled_as(block) if scaled else "")
         if deferred:
             if not offloading:
                 module.to(model.device)
@@ -398,12 +436,13 @@ def apply_storage(model, method, cfg) -> None:
                               "parts.denoiser.fp8 off.", key="parts.denoiser.fp8")
         matmul = bool(cfg.parts.denoiser.get("fp8_matmul", False))  # the device: checked in the run's set-up
         scaled = bool(cfg.parts.denoiser.get("fp8_scaled", False))
+        block = int(cfg.parts.denoiser.get("fp8_scale_block", 0) or 0)
         count = enable_fp8_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,
                                    in_ram, file_scales, only_scaled=not cfg.parts.denoiser.fp8, matmul=matmul,
-                                   scaled=scaled)
+                                   scaled=scaled, block=block)
         products = sum(1 for m in denoiser.modules() if getattr(m, "fp8_products", False))
         logging.getLogger("atelier").info("fp8 storage: %d denoiser layers%s%s", count,
-                                          ", scaled per output row" if scaled and cfg.parts.denoiser.fp8 else "",
+                                          scaled_as(block) if scaled and cfg.parts.denoiser.fp8 else "",
                                           f", {products} of them multiplying in fp8" if matmul else "")
     if cfg.parts.denoiser.get("nf4", False):
         count = enable_nf4_storage(denoiser, denoiser.dtype, getattr(model, "fp8_skip", None) or FP8_SKIP, device,

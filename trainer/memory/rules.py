@@ -8,6 +8,23 @@ from typing import Any, List
 from trainer.errors import ConfigError, Issue
 
 
+def _check_scale_block(cfg: Any, part: str) -> None:
+    """``parts.<part>.fp8_scale_block``: a power of two from 16 to 4096, with fp8_scaled, not with fp8_matmul."""
+    block = int(cfg.parts[part].get("fp8_scale_block", 0) or 0)
+    if not block:
+        return
+    key = f"parts.{part}.fp8_scale_block"
+    if block < 16 or block & (block - 1):
+        raise ConfigError(f"{key} = {block}: the scales' blocks are a power of two from 16 to 4096 inputs (musubi-"
+                          "tuner's default is 64), or 0 for one scale per output row.", key=key, value=block)
+    if not cfg.parts[part].get("fp8_scaled", False):
+        raise ConfigError(f"{key} = {block} sizes the scales of parts.{part}.fp8_scaled, which is off. Turn "
+                          f"parts.{part}.fp8_scaled on, or set fp8_scale_block to 0.", key=key, value=block)
+    if cfg.parts[part].get("fp8_matmul", False):
+        raise ConfigError(f"{key} = {block} with parts.{part}.fp8_matmul: the fp8 products take one scale per output "
+                          "row. Set fp8_scale_block to 0, or turn fp8_matmul off.", key=key, value=block)
+
+
 def check_storage(cfg: Any) -> None:
     """Hard rules of fp8/NF4 weight storage and block swapping (``validate``)."""
     if cfg.parts.denoiser.nf4:
@@ -41,6 +58,8 @@ def check_storage(cfg: Any) -> None:
     if cfg.parts.denoiser.get("fp8_scaled", False) and not cfg.parts.denoiser.fp8:
         raise ConfigError("parts.denoiser.fp8_scaled scales the fp8 weights of parts.denoiser.fp8, which is off. Turn "
                           "parts.denoiser.fp8 on, or fp8_scaled off.", key="parts.denoiser.fp8_scaled", value=True)
+    for part in ("denoiser", "text_encoder_1", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
+        _check_scale_block(cfg, part)
     swap = int(cfg.parts.denoiser.get("blocks_to_swap", 0) or 0)
     if swap and not cfg.training.gradient_checkpointing:
         raise ConfigError(f"parts.denoiser.blocks_to_swap = {swap} needs training.gradient_checkpointing: a swapped "
