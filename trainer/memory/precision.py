@@ -217,7 +217,8 @@ def store_fp8(module: torch.nn.Module, weight: torch.Tensor, scale: Optional[tor
         scale = _scale_shape(scale.detach().to(torch.float32), weight)
     module.weight.data = weight
     module.register_buffer("weight_scale", None if scale is None else scale.to(weight.device), persistent=False)
-    fast = module.fp8_products = matmul and fp8_matmul.takes(module)
+    # the fp8 products take one scale per output row at most (a block's scale: validate refuses the pair)
+    fast = module.fp8_products = matmul and fp8_matmul.takes(module) and (scale is None or scale.dim() < 3)
     module.forward = fp8_matmul.forward_of(module, compute_dtype) if fast else _fp8_forward(module, compute_dtype)
     module.dequantize = lambda: fp8_weight(module, compute_dtype)
     # the Parameter itself, outside nn.Module's bookkeeping (assigning it normally would register a second name)
