@@ -308,6 +308,28 @@ class _PairScaled(_Nested):
         return super().forward(x, scale=pair[0] * pair[1])
 
 
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_after_backward_the_step_graph_keeps_no_checkpointed_blocks_input(reentrant):
+    """What a checkpoint saves for backward is freed there, though the step's graph lives on as long as its loss
+    does (the training loop held it into the next step's forward): the block's inputs, positional and keyword, are
+    not kept with it. The reentrant checkpoint's function object held them (every checkpointed block's input, the
+    activations checkpointing keeps, alive twice at the next forward: 1.07 GiB of the flux-lora-24gb estimate)."""
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    block = _Nested().requires_grad_(False)
+    block.b.weight.requires_grad_(True)
+    x, scale = torch.randn(3, 8, requires_grad=True) * 1, torch.tensor(2.0, requires_grad=True) * 1
+    inputs = [weakref.ref(x), weakref.ref(scale)]
+    first, rest = checkpointed(block, x, reentrant=reentrant, scale=scale)
+    loss = first.square().sum() + rest["b"].square().sum()
+    del x, scale, first, rest
+    loss.backward()
+    gc.collect()
+    assert loss.grad_fn is not None  # the graph lives on
+    assert [r() is None for r in inputs] == [True, True]
+
+
 def test_a_block_with_nothing_to_train_is_not_recomputed():
     """No input needs a gradient and nothing inside trains: backward never reaches the block (no recomputation)."""
     block = _Nested().requires_grad_(False)

@@ -561,3 +561,29 @@ def test_the_learning_demo_draws_a_red_square_and_a_blue_circle(tiny_workspace):
     assert b > 0.5 and b > r + 0.25 and corners.min() > 0.6, (r, g, b, corners)
     (r, g, b), _ = colours("step000120-p0.png")  # still noise at the first samples: not yet the red square
     assert not (r > 0.6 and g < 0.35 and b < 0.35)
+
+
+def test_a_steps_graph_is_gone_before_the_next_forward(tiny_workspace, monkeypatch):
+    """The loop takes a step's loss (detached) and lets its graph go: at the next forward nothing of the step before
+    is held but what backward left (a graph held there keeps whatever its nodes hold, a checkpoint's function
+    object among them, until the next forward has run: see tests/test_checkpointing_options.py)."""
+    import gc
+    import weakref
+
+    from trainer.train import loop
+    losses, alive = [], []
+    real = loop.forward_loss
+
+    def forward_loss(*args, **kwargs):
+        gc.collect()
+        alive.append([r() is not None for r in losses])
+        loss = real(*args, **kwargs)
+        losses.append(weakref.ref(loss))
+        return loss
+
+    monkeypatch.setattr(loop, "forward_loss", forward_loss)
+    assert cli(["train", "--preset", "demo", *overrides(tiny_workspace, "graph-gone", "training.max_steps=3",
+                                                         "training.gradient_checkpointing=true",
+                                                         "sampling.prompts=[]", "general.tensorboard=false",
+                                                         "backup.every_n_epochs=0")]) == 0
+    assert len(alive) == 3 and alive == [[], [False], [False, False]], alive

@@ -118,7 +118,9 @@ class _Flat:
         self.call, self.count, self.spec = call, len(args), None
         self.names = [k for k, v in kwargs.items() if torch.is_tensor(v)]
         self.fixed = {k: v for k, v in kwargs.items() if not torch.is_tensor(v)}
-        self.inputs = (*args, *(kwargs[k] for k in self.names))
+        # no reference to the inputs here: the checkpoint keeps this object (its run_function) as long as the step's
+        # graph lives, after backward too, and the inputs it saved for backward are freed there; a reference here
+        # kept every checkpointed block's input alive until the graph went, into the next step's forward
 
     def __call__(self, _anchor: Any, *inputs: Any) -> Any:
         kwargs = {**self.fixed, **dict(zip(self.names, inputs[self.count:]))}
@@ -135,7 +137,7 @@ class _Flat:
 
 def _reentrant(call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     flat = _Flat(call, args, kwargs)
-    leaves = checkpoint(flat, _ANCHOR, *flat.inputs, use_reentrant=True)
+    leaves = checkpoint(flat, _ANCHOR, *args, *(kwargs[k] for k in flat.names), use_reentrant=True)
     if flat.spec is _ONE:
         return leaves[0]
     if flat.spec is _TUPLE:

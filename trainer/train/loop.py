@@ -109,6 +109,7 @@ def train(state: RunState) -> str:
             if copies is not None:
                 copies.add_grads()
             part = loss.detach().float() / accum  # the step's loss stays on the device
+            del loss  # its graph (what backward left of it) goes now, not when the next forward has run
             loss_sum = part if loss_sum is None else loss_sum + part
             state.pos.batch_in_epoch += 1
             if not last_of_step:
