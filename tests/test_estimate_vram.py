@@ -125,6 +125,25 @@ def test_fake_tensors_give_the_peaks_of_real_tensors(mini_sdxl, real_run):
     assert fake.details["train_peak_at"].startswith(("forward", "backward"))
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "prodigy", "dadapt_adam"])
+def test_one_step_after_a_zero_gradient_step_measures_what_two_steps_measure(mini_sdxl, monkeypatch, optimizer):
+    """The estimate makes the optimizer's state with a step on zero gradients, then measures one step, instead of
+    measuring two (a forward and a backward fewer): the same train phase, to the byte, checkpointed blocks and all.
+    Prodigy and D-Adaptation read their step sizes back from the device, which fake tensors cannot answer: the
+    estimate answers them (their arithmetic's tensors do not depend on the values; the estimate failed before).
+    Prodigy keeps four tensors of each weight's size (s, p0, both moments: p0 counted for every weight)."""
+    primed = ev.run_estimate(_config(mini_sdxl, f"training.optimizer.name={optimizer}"), "mini", steps=2,
+                             phases=("train",))
+    monkeypatch.setattr(ev, "_state_made", lambda *_: False)
+    two = ev.run_estimate(_config(mini_sdxl, f"training.optimizer.name={optimizer}"), "mini", steps=2,
+                          phases=("train",))
+    assert primed.phases["train"] == two.phases["train"] and primed.phases["train"].optimizer > 0
+    assert primed.details["train_peak_at"] == two.details["train_peak_at"]
+    if optimizer == "prodigy":
+        train = primed.phases["train"]
+        assert train.optimizer == 4 * train.trainable, train
+
+
 def test_tracker_counts_what_the_cpu_allocator_allocates(real_run):
     est, profiles = real_run
     for phase in ("encode", "train"):

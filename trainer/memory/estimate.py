@@ -29,8 +29,9 @@ Phases, each with its own peak (the run's peak is the largest):
 - with ``data.offload_text_encoders`` the text encoders leave the device after ``encode``: ``train`` counts
   them out, ``sample`` measures the prompt encoding (encoders in) and the denoising (encoders out) apart;
 - ``train``: ``--steps`` optimizer steps (default 2, so the second runs with the optimizer state already
-  there): forward with the preset's autocast, backward, gradient clipping, ``optimizer.step``,
-  ``zero_grad``;
+  there; the first is a step on zero gradients, without forward and backward, but with
+  ``training.fused_backward``): forward with the preset's autocast, backward, gradient clipping,
+  ``optimizer.step``, ``zero_grad``;
 - ``sample``: one UNet call at the sampling size (batch 2 with classifier-free guidance) and one VAE
   decode, no grad, with the weights, adapters and optimizer state still on the device, and what the family's
   sampler brings there besides (``sampling_modules()``: Ideogram 4's unconditional transformer, where it joins).
@@ -342,7 +343,8 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             accum = int(t.gradient_accumulation_steps)
             mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, policy(), around("train"):
-                for _ in range(steps):
+                primed = steps > 1 and _state_made(optimizer, trained)
+                for _ in range(steps - 1 if primed else steps):
                     for _ in range(accum):
                         loss = forward_loss(loop, batch)
                         (loss / accum).backward()
@@ -372,6 +374,21 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                         not getattr(b, "without_denoiser", False):
                     b.weights = max(0, b.weights - saved)
     return est
+
+
+def _state_made(optimizer, trained) -> bool:
+    """The optimizer's state made by one step on zero gradients (no forward, no backward), so that the first
+    measured step runs with it, as a run's second step does: what the first of two measured steps was for, without
+    its forward and backward (a third of an estimate's time). The zero gradients, the state and the step's own
+    buffers are the first step's, and none of them outlives it but the state. False where the optimizer steps
+    each weight inside backward (``training.fused_backward``): there the steps are measured as they run."""
+    if getattr(optimizer, "fused_backward", False):
+        return False
+    for p in trained:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return True
 
 
 def _vae_latent(model, size: Tuple[int, int], frames: int = 1):

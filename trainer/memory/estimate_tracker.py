@@ -10,11 +10,25 @@ from typing import Any, Dict, Iterable, Iterator, List, Sequence
 
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trainer.memory.estimate_report import Breakdown
+
+_READ = torch.ops.aten._local_scalar_dense.default  # a tensor's value read on the host (.item(), bool(), .tolist())
+
+
+def _stand_in(t: torch.Tensor) -> Any:
+    """A value for an optimizer's read of a fake tensor that has none (one made from a constant has it): its step
+    sizes and branches (Prodigy's and D-Adaptation's estimates, "is this weight all zeros") only steer the
+    arithmetic, whose tensors are the same whatever the value; 1 (True: a weight is taken as nonzero, so Prodigy's
+    copy of it is counted)."""
+    if t.dtype == torch.bool:
+        return True
+    return 1.0 if t.is_floating_point() else 1
+
 
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to 512 bytes
 KINDS = ("weights", "trainable", "grads", "optimizer", "activations")
@@ -117,7 +131,12 @@ class LiveTensorTracker(TorchDispatchMode):
 
     # -- the mode ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if not (self._in_optimizer and func is _READ):
+                raise
+            return _stand_in(args[0])
         kind = "optimizer" if self._in_optimizer else "activations"
         for t in tree_flatten(out)[0]:
             self.track(t, kind)
