@@ -144,6 +144,17 @@ def test_one_step_after_a_zero_gradient_step_measures_what_two_steps_measure(min
         assert train.optimizer == 4 * train.trainable, train
 
 
+def test_an_optimizer_step_the_estimate_cannot_run_is_named():
+    """bitsandbytes' LAMB8bit hands a tensor's value to its kernel as a Python number, which a fake tensor cannot
+    give: the estimate says which optimizer and what to estimate with instead (a traceback before)."""
+    from trainer.config.checks import load_config
+    from trainer.errors import ConfigError
+    cfg = load_config(None, ["training.optimizer.name=lamb8bit"], preset="demo")
+    with pytest.raises(ConfigError) as err:
+        ev.run_estimate(cfg, "demo", phases=("train",))
+    assert err.value.key == "training.optimizer.name" and "lamb8bit" in str(err.value) and "adamw8bit" in str(err.value)
+
+
 def test_tracker_counts_what_the_cpu_allocator_allocates(real_run):
     est, profiles = real_run
     for phase in ("encode", "train"):

@@ -343,14 +343,14 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
             accum = int(t.gradient_accumulation_steps)
             mt = _tracker(model, method, optimizer, extra, offloaded)
             with mt, policy(), around("train"):
-                primed = steps > 1 and _state_made(optimizer, trained)
+                primed = steps > 1 and _state_made(optimizer, trained, fake, t.optimizer.name)
                 for _ in range(steps - 1 if primed else steps):
                     for _ in range(accum):
                         loss = forward_loss(loop, batch)
                         (loss / accum).backward()
                     if t.max_grad_norm > 0:
                         torch.nn.utils.clip_grad_norm_(trained, t.max_grad_norm)
-                    optimizer.step()
+                    _step(optimizer, fake, t.optimizer.name)
                     optimizer.zero_grad(set_to_none=True)
             est.phases["train"] = mt.breakdown()
             est.details.update(train_peak_at=mt.peak_where, train_start=mt.start)
@@ -376,7 +376,21 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
     return est
 
 
-def _state_made(optimizer, trained) -> bool:
+def _step(optimizer, fake: bool, name: str) -> None:
+    """``optimizer.step()``; where it cannot run on fake tensors (a library op that takes a tensor's value as a
+    Python number: bitsandbytes' LAMB8bit), a message that names the optimizer instead of a traceback."""
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        if not fake:
+            raise
+        raise ConfigError(f"training.optimizer.name = {name}: the VRAM estimate cannot run this optimizer's step (its "
+                          f"library reads a value the estimate's tensors do not have: {str(exc).splitlines()[0]}). "
+                          "Estimate with an optimizer that keeps as much state per weight (two moments: adamw, or "
+                          "adamw8bit for an 8-bit one) instead.", key="training.optimizer.name", value=name) from None
+
+
+def _state_made(optimizer, trained, fake: bool = True, name: str = "") -> bool:
     """The optimizer's state made by one step on zero gradients (no forward, no backward), so that the first
     measured step runs with it, as a run's second step does: what the first of two measured steps was for, without
     its forward and backward (a third of an estimate's time). The zero gradients, the state and the step's own
@@ -386,7 +400,7 @@ def _state_made(optimizer, trained) -> bool:
         return False
     for p in trained:
         p.grad = torch.zeros_like(p)
-    optimizer.step()
+    _step(optimizer, fake, name)
     optimizer.zero_grad(set_to_none=True)
     return True
 
