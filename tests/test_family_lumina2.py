@@ -87,6 +87,29 @@ def test_predict_is_the_pipelines_transformer_call(lumina):
     torch.testing.assert_close(cached, pred)
 
 
+def test_a_cached_batch_gives_the_transformer_its_caption_lengths_without_a_device_read(lumina):
+    """diffusers' Lumina 2 reads each caption's token count back from the mask at every forward (``.tolist()`` in
+    its RoPE embedder, a device sync); a cached batch carries the counts on the host, caption dropout keeps them,
+    and the embedder gets them there: the same prediction, bit for bit, and no read (``tests/test_step_syncs.py``
+    counts the step). Lengths that are not the mask's would change it: the embedder uses them."""
+    from trainer.data.text_rows import stack_texts
+    ws, paths, model = lumina
+    rows = [model.encode_captions([c]) for c in ("a red square on a white background", "a circle")]
+    batch = stack_texts([{k: v[0] for k, v in r.items()} for r in rows])
+    x = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.3, 0.8])
+    for drops in (None, [False, True]):
+        cond = model.batch_condition(batch, lambda c: c, set(), drop_te1=drops)
+        assert cond.lengths == [int(n) for n in cond.prompt_mask.sum(1)] and len(set(cond.lengths)) == 2
+        with torch.no_grad():
+            counted = model.predict(x, t, cond)
+            cond.lengths, host = None, cond.lengths
+            read = model.predict(x, t, cond)
+            cond.lengths = [n - 1 for n in host]
+            wrong = model.predict(x, t, cond)
+        assert torch.equal(counted, read) and not torch.allclose(wrong, read)
+
+
 def test_single_file_loads_and_fine_tunes_save_back_to_it(lumina, tmp_path):
     from safetensors.torch import load_file, save_file
     ws, paths, model = lumina

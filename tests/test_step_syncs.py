@@ -55,12 +55,13 @@ def test_views_and_allocations_run_no_kernel():
 
 
 @pytest.mark.parametrize("case", ["demo-sdxl", "demo-chroma", "demo-flux2-klein", "demo-wan", "demo-cascade",
-                                  "demo-zimage", "demo-ernie-image"])
+                                  "demo-zimage", "demo-ernie-image", "demo-lumina2"])
 def test_other_families_steps_have_no_blocking_copy(case, tiny_workspace):
     """What families make during a step (SDXL's token ids and size conditioning, the Flux lineage's position ids,
     the Wan-style VAEs' per-channel latent statistics) reaches the device without a blocking copy, and their steps
     read nothing back (Stable Cascade's step encoded the empty caption every step, to learn which features a batch
-    has; Z-Image and ERNIE-Image cut cached captions at lengths the batch carries on the host)."""
+    has; Z-Image and ERNIE-Image cut cached captions at lengths the batch carries on the host, and Lumina 2's RoPE
+    embedder reads them there instead of from the mask)."""
     counted = step_counts.run_case(case, ["training.mixed_precision=bf16"], warmup=2, count=1,
                                    workspace=tiny_workspace, run_name=f"step-syncs-{case}")
     assert counted["blocking_copies"] == 0, counted["copy_sites"]

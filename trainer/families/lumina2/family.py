@@ -21,6 +21,7 @@ What differs, and where it lives here (read in diffusers 0.42.1 ``pipeline_lumin
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -60,23 +61,30 @@ MLP = ["feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3"
 TARGETS = {"attn": ATTN, "attn_mlp": ATTN + MLP, "all": ATTN + MLP + ["norm1.linear"]}
 
 
-class _AllKept:
-    """What the transformer's RoPE embedder reads of a text mask (its shape and each row's token count), for a mask
-    without values (the VRAM estimate's fake tensors, whose ``.tolist()`` cannot run): every token kept."""
+class _Counted:
+    """What the transformer's RoPE embedder reads of a text mask (its shape and each row's token count,
+    ``mask.sum(dim=1).tolist()``, a device read) when the counts are known on the host: a cached batch's lengths
+    (``MaskedText.lengths``), or every token for a mask without values (the VRAM estimate's fake tensors, whose
+    ``.tolist()`` cannot run)."""
 
-    def __init__(self, shape):
-        self.shape = tuple(shape)
+    def __init__(self, shape, counts: List[int]):
+        self.shape, self.counts = tuple(shape), list(counts)
 
-    def sum(self, dim: int) -> "_AllKept":
+    def sum(self, dim: int) -> "_Counted":
         return self
 
     def tolist(self) -> List[int]:
-        return [self.shape[1]] * self.shape[0]
+        return self.counts
 
 
-def _every_token_kept(_module, args):
+def _counted(counts: Optional[List[int]], _module, args):
+    """The RoPE embedder's pre-hook: its mask argument as :class:`_Counted` (``counts`` None: every token). Inside a
+    whole compiled transformer (``training.compile_scope: denoiser``) the mask stays (host counts would be guarded
+    on: a recompile for each new set of caption lengths)."""
+    if counts is not None and torch.compiler.is_compiling():
+        return None
     hidden_states, mask = args
-    return hidden_states, _AllKept(mask.shape)
+    return hidden_states, _Counted(mask.shape, counts if counts is not None else [mask.shape[1]] * mask.shape[0])
 
 
 class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
@@ -145,14 +153,18 @@ class Lumina2(MaskedTextConditioning, PeftLayoutLora, Family):
         mask = conditioning.prompt_mask.to(device).bool()
         hook = None
         rope = self.transformer.rope_embedder
+        lengths = getattr(conditioning, "lengths", None)  # a cached batch's, counted on the host
         if is_fake(mask):  # the VRAM estimate: every caption token kept, the longest joint sequence
-            hook = rope.register_forward_pre_hook(_every_token_kept)
-        elif device.type != "mps" and rope.__dict__.get("_tables_on") != str(device):
-            # diffusers keeps the rotary tables in a list, not buffers: the model's move leaves them on the CPU and
-            # every forward copied them over (three blocking copies); here they move once (MPS: diffusers looks them
-            # up on the CPU, and they are float64)
-            rope.freqs_cis = [f.to(device) for f in rope.freqs_cis]
-            rope._tables_on = str(device)
+            hook = rope.register_forward_pre_hook(partial(_counted, None))
+        else:
+            if device.type != "mps" and rope.__dict__.get("_tables_on") != str(device):
+                # diffusers keeps the rotary tables in a list, not buffers: the model's move leaves them on the CPU
+                # and every forward copied them over (three blocking copies); here they move once (MPS: diffusers
+                # looks them up on the CPU, and they are float64)
+                rope.freqs_cis = [f.to(device) for f in rope.freqs_cis]
+                rope._tables_on = str(device)
+            if lengths is not None and len(lengths) == mask.shape[0]:  # the captions' lengths without a device read
+                hook = rope.register_forward_pre_hook(partial(_counted, list(lengths)))
         try:
             # the timestep in fp32, as Lumina2Pipeline passes it (1 − t/1000): the time embedding is computed from it
             out = self.transformer(hidden_states=model_input, timestep=1.0 - timesteps.to(device, torch.float32),
