@@ -275,12 +275,24 @@ def test_scales_per_block_keep_the_precision_a_few_large_inputs_take_from_their_
     assert error(blocks, 0) <= error(rows, 0)
     x = torch.randn(3, 256)
     torch.testing.assert_close(blocks[0](x), torch.nn.functional.linear(x, blocks[0].dequantize(), blocks[0].bias))
-    # a Conv2d whose flattened inputs divide: blocks of 8·3·3 / 2 = 36 (here 16 is not a divisor: one per row)
-    conv = layers()[1]
-    assert block_scale(conv.weight, 36).shape == (16, 2, 1) and block_scale(conv.weight, 16).shape == (16,)
-    enable_fp8_storage(torch.nn.Sequential(conv), torch.float32, skip=(), scaled=True, block=36)
-    second = slice(36, None)  # the block without the outlier channel
-    assert error(torch.nn.Sequential(dense[0], conv), 1, second) < 0.03 < 0.045 < error(rows, 1, second)
+    # a Conv2d whose flattened inputs divide: 8·2·2 = 32 inputs, two blocks of 16 (the outlier channel's four kernel
+    # weights in the first)
+    torch.manual_seed(2)
+    conv, dense_conv, row_conv = (torch.nn.Conv2d(8, 16, 2).requires_grad_(False) for _ in range(3))
+    with torch.no_grad():
+        conv.weight.mul_(0.02 / conv.weight.std())
+        conv.weight[:, 0] *= 3e4
+        dense_conv.weight.copy_(conv.weight)
+        row_conv.weight.copy_(conv.weight)
+    assert block_scale(conv.weight, 16).shape == (16, 2, 1) and block_scale(conv.weight, 64).shape == (16,)
+    enable_fp8_storage(torch.nn.Sequential(conv), torch.float32, skip=(), scaled=True, block=16)
+    enable_fp8_storage(torch.nn.Sequential(row_conv), torch.float32, skip=(), scaled=True)
+
+    def conv_error(layer):  # the block without the outlier channel
+        w, q = dense_conv.weight.flatten(1)[:, 16:], layer.dequantize().flatten(1)[:, 16:]
+        return float((q - w).norm() / w.norm())
+
+    assert conv_error(conv) < 0.03 < 0.045 < conv_error(row_conv), (conv_error(conv), conv_error(row_conv))
     y = torch.randn(1, 8, 5, 5)
     torch.testing.assert_close(conv(y), torch.nn.functional.conv2d(y, conv.dequantize(), conv.bias))
 

@@ -29,7 +29,7 @@ Phases, each with its own peak (the run's peak is the largest):
 - with ``data.offload_text_encoders`` the text encoders leave the device after ``encode``: ``train`` counts
   them out, ``sample`` measures the prompt encoding (encoders in) and the denoising (encoders out) apart;
 - ``train``: ``--steps`` optimizer steps (default 2, so the second runs with the optimizer state already
-  there; the first is a step on zero gradients, without forward and backward, but with
+  there; the first is a step on zero gradients, without forward and backward, except with
   ``training.fused_backward``): forward with the preset's autocast, backward, gradient clipping,
   ``optimizer.step``, ``zero_grad``;
 - ``sample``: one UNet call at the sampling size (batch 2 with classifier-free guidance) and one VAE

@@ -9,8 +9,8 @@ import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Sequence
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten

@@ -245,7 +245,7 @@ class HunyuanImage(PeftLayoutLora, Family):
                     self._empty = self.encode_captions([""])
                 text.embeds, text.mask = rows_replaced(flags, text.embeds, text.mask, self._empty["prompt_embeds"],
                                                        self._empty["prompt_mask"], owner=self)
-                new = (prefix_lengths(self._empty["prompt_mask"]) or [None])[0]  # a host tensor
+                new = (prefix_lengths(self._empty["prompt_mask"]) or [None])[0]  # counted on the host
             else:  # no quoted text: the pipeline's zeros and empty mask
                 on = flags_on(flags, text.embeds.device)
                 text.embeds_2 = torch.where(on[:, None, None], torch.zeros_like(text.embeds_2), text.embeds_2)
