@@ -567,15 +567,13 @@ def test_a_steps_graph_is_gone_before_the_next_forward(tiny_workspace, monkeypat
     """The loop takes a step's loss (detached) and lets its graph go: at the next forward nothing of the step before
     is held but what backward left (a graph held there keeps whatever its nodes hold, a checkpoint's function
     object among them, until the next forward has run: see tests/test_checkpointing_options.py)."""
-    import gc
     import weakref
 
     from trainer.train import loop
     losses, alive = [], []
     real = loop.forward_loss
 
-    def forward_loss(*args, **kwargs):
-        gc.collect()
+    def forward_loss(*args, **kwargs):  # no garbage collection: freed when the last reference goes
         alive.append([r() is not None for r in losses])
         loss = real(*args, **kwargs)
         losses.append(weakref.ref(loss))
