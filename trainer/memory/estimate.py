@@ -348,6 +348,7 @@ def run_estimate(cfg, name: str = "config", *, fake: bool = True, steps: int = 2
                     for _ in range(accum):
                         loss = forward_loss(loop, batch)
                         (loss / accum).backward()
+                        del loss  # as the loop drops it: nothing of a step's graph reaches the next forward
                     if t.max_grad_norm > 0:
                         torch.nn.utils.clip_grad_norm_(trained, t.max_grad_norm)
                     _step(optimizer, fake, t.optimizer.name)
