@@ -394,8 +394,8 @@ def _step(optimizer, fake: bool, name: str) -> None:
 def _state_made(optimizer, trained, fake: bool = True, name: str = "") -> bool:
     """The optimizer's state made by one step on zero gradients (no forward, no backward), so that the first
     measured step runs with it, as a run's second step does: what the first of two measured steps was for, without
-    its forward and backward (a third of an estimate's time). The zero gradients, the state and the step's own
-    buffers are the first step's, and none of them outlives it but the state. False where the optimizer steps
+    its forward and backward (about a fifth of a whole estimate's time). The zero gradients, the state and the step's
+    own buffers are the first step's, and none of them outlives it but the state. False where the optimizer steps
     each weight inside backward (``training.fused_backward``): there the steps are measured as they run."""
     if getattr(optimizer, "fused_backward", False):
         return False
